@@ -1,0 +1,44 @@
+"""prep's runtime library: MXFP4 numerics, the byte layouts AMD's kernels read, and the rules
+for picking them. Imports torch only; engines import this at start-up.
+
+Facts and sources: ``../shared/docs/mxfp4-layouts.md`` (aiter and ATOM are the ground truth).
+"""
+
+from .mxfp4 import (
+    BLOCK_SIZE,
+    E2M1_VALUES,
+    E8M0_ONE,
+    Rounding,
+    ScaleRule,
+    dequantize,
+    e2m1_decode,
+    e2m1_encode,
+    e8m0_decode,
+    e8m0_encode,
+    pack_fp4,
+    quantize,
+    unpack_fp4,
+)
+from .registry import Layout, Transform, get_layout, layout_names, register_layout
+from .selection import GEMM_PATH_RULES, ActivationQuantFlags, select_activation_quant
+from .shuffle import (
+    LayoutConstraintError,
+    preshuffle_scale,
+    preshuffle_scale_per_expert,
+    preshuffle_weight,
+    shuffled_scale_shape,
+    unshuffle_scale,
+    unshuffle_scale_per_expert,
+    unshuffle_weight,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BLOCK_SIZE", "E2M1_VALUES", "E8M0_ONE", "Rounding", "ScaleRule",
+    "dequantize", "e2m1_decode", "e2m1_encode", "e8m0_decode", "e8m0_encode", "pack_fp4", "quantize", "unpack_fp4",
+    "Layout", "Transform", "get_layout", "layout_names", "register_layout",
+    "GEMM_PATH_RULES", "ActivationQuantFlags", "select_activation_quant",
+    "LayoutConstraintError", "preshuffle_scale", "preshuffle_scale_per_expert", "preshuffle_weight",
+    "shuffled_scale_shape", "unshuffle_scale", "unshuffle_scale_per_expert", "unshuffle_weight",
+]

@@ -1,0 +1,197 @@
+"""MXFP4 numerics: E2M1 element codes, E8M0 block scales, packing, quantize and dequantize.
+
+Format (OCP MX, as Quark, aiter and Triton store it):
+
+* an E2M1 code is 4 bits, sign (bit 3), exponent (bits 2:1, bias 1), mantissa (bit 0):
+  magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6; codes 8..15 are the negatives (8 is -0);
+* two codes share a byte: **low nibble = even element, high nibble = odd element**;
+* an E8M0 byte ``b`` is the scale ``2**(b - 127)``; 0xFF is NaN;
+* a block of 32 consecutive elements along the last dimension shares one scale:
+  ``W[n, k] = e2m1(code[n, k]) * 2**(S[n, k // 32] - 127)``.
+
+Quantizing needs two choices, and the real kernels differ in both, so each is named
+(:class:`ScaleRule`, :class:`Rounding`) and every quantize call states which it uses:
+
+* ``ScaleRule.EVEN``: aiter's Triton kernels (``_mxfp4_quant_op``, used by the fused
+  RMSNorm + quant) and Quark's ``scale_calculation_mode: even``. Round amax to a power of two
+  by adding 0x200000 to its float32 bits and clearing the mantissa; the unbiased exponent is
+  ``floor(log2(rounded)) - 2`` clamped to [-127, 127]. An all-zero block gets byte 0.
+* ``ScaleRule.ROUND_UP``: aiter's HIP quant kernel (``dynamic_per_group_scaled_quant_fp4``):
+  amax (at least 1e-10) is rounded to a power of two upwards when its mantissa is >= 0.5, and
+  the scale is a quarter of that. Close to ``ceil_pow2(amax / 6)``, except that an amax of
+  exactly ``1.5 * 2**p`` rounds up here. An all-zero block gets byte 92 (from the 1e-10 floor).
+* ``Rounding.HALF_AWAY``: what aiter's Triton kernel computes with its bit trick (keep two
+  mantissa bits, add one, shift): round to nearest, ties away from zero. 0.25 -> 0.5,
+  1.25 -> 1.5, 2.5 -> 3, 5 -> 6.
+* ``Rounding.HALF_EVEN``: IEEE round to nearest, ties to the even code (0.25 -> 0, 1.25 -> 1,
+  2.5 -> 2, 5 -> 4), as hardware conversions do.
+
+Both roundings saturate at +-6 and keep the sign of a negative value that rounds to zero
+(code 8, -0), as aiter's kernel does.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+BLOCK_SIZE = 32
+"""Elements per MXFP4 block (one E8M0 scale each)."""
+
+E8M0_BIAS = 127
+E8M0_NAN = 0xFF
+E8M0_ONE = 0x7F
+"""The E8M0 byte of scale 1.0; the value ``prep`` writes into scale padding."""
+
+FP4_MAX = 6.0
+
+# Magnitudes of codes 0..7; codes 8..15 are their negatives.
+_E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+E2M1_VALUES = torch.tensor(list(_E2M1_MAGNITUDES) + [-m for m in _E2M1_MAGNITUDES], dtype=torch.float32)
+"""float32 value of each E2M1 code 0..15 (index 8 holds -0.0)."""
+
+
+class ScaleRule(str, enum.Enum):
+    """How a block's E8M0 scale is derived from its absolute maximum."""
+
+    EVEN = "even"
+    ROUND_UP = "round_up"
+
+
+class Rounding(str, enum.Enum):
+    """How a scaled element is rounded onto the E2M1 grid."""
+
+    HALF_AWAY = "half_away_from_zero"
+    HALF_EVEN = "half_to_even"
+
+
+# The rounding that goes with each rule in the kernels that use it.
+DEFAULT_ROUNDING = {ScaleRule.EVEN: Rounding.HALF_AWAY, ScaleRule.ROUND_UP: Rounding.HALF_EVEN}
+
+# Decision points between neighbouring magnitudes: (midpoint, code above it is even).
+# A magnitude strictly above a midpoint takes the upper code; exactly on it, the tie rule decides.
+_MIDPOINTS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
+
+
+def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
+    """float32 values of E2M1 codes (a uint8 tensor of values 0..15)."""
+    return E2M1_VALUES.to(codes.device)[codes.long()]
+
+
+def e2m1_encode(x: torch.Tensor, rounding: Rounding = Rounding.HALF_AWAY) -> torch.Tensor:
+    """Round an already-scaled float tensor onto the E2M1 grid; returns uint8 codes 0..15.
+
+    Saturates at +-6 (infinities too); the sign bit of the input is kept even when the
+    magnitude rounds to zero. NaN encodes as +-6, as aiter's bit trick does.
+    """
+    rounding = Rounding(rounding)
+    x = x.float()
+    mag = x.abs()
+    code = torch.zeros(x.shape, dtype=torch.uint8, device=x.device)
+    for point, upper_is_even in _MIDPOINTS:
+        ties_up = rounding is Rounding.HALF_AWAY or upper_is_even
+        code += (mag >= point) if ties_up else (mag > point)
+    code = torch.where(mag.isnan(), torch.full_like(code, 7), code)
+    return code | (torch.signbit(x).to(torch.uint8) << 3)
+
+
+def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
+    """Pack E2M1 codes ``[..., K]`` (K even) into bytes ``[..., K/2]``, low nibble = even element."""
+    if codes.shape[-1] % 2:
+        raise ValueError(f"pack_fp4 needs an even last dimension, got shape {tuple(codes.shape)}")
+    codes = codes.to(torch.uint8)
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
+    """Unpack bytes ``[..., Kb]`` into E2M1 codes ``[..., 2*Kb]`` (uint8 0..15)."""
+    packed = as_uint8(packed)
+    return torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)
+
+
+def e8m0_decode(scale: torch.Tensor) -> torch.Tensor:
+    """float32 value ``2**(b - 127)`` of each E8M0 byte; 0xFF decodes to NaN."""
+    b = as_uint8(scale).to(torch.int32)
+    # Build the float32 bits directly: exponent field b for b >= 1, the subnormal 2^-127 for b == 0.
+    bits = torch.where(b == 0, torch.full_like(b, 0x00400000), b << 23)
+    bits = torch.where(b == E8M0_NAN, torch.full_like(b, 0x7FC00000), bits)
+    return bits.view(torch.float32)
+
+
+def e8m0_encode(exponent: torch.Tensor) -> torch.Tensor:
+    """E8M0 bytes of unbiased integer exponents in [-127, 127]."""
+    e = exponent.to(torch.int32)
+    if e.numel() and (e.min() < -127 or e.max() > 127):
+        raise ValueError("E8M0 exponents must lie in [-127, 127]")
+    return (e + E8M0_BIAS).to(torch.uint8)
+
+
+def as_uint8(t: torch.Tensor) -> torch.Tensor:
+    """Reinterpret a 1-byte tensor (uint8, float4_e2m1fn_x2, float8_e8m0fnu, int8) as uint8."""
+    if t.element_size() != 1:
+        raise TypeError(f"expected a 1-byte dtype (uint8, float4_e2m1fn_x2, float8_e8m0fnu), got {t.dtype}")
+    return t if t.dtype == torch.uint8 else t.view(torch.uint8)
+
+
+def scale_exponent(amax: torch.Tensor, rule: ScaleRule = ScaleRule.EVEN) -> torch.Tensor:
+    """Unbiased int32 scale exponent of each block, from its float32 absolute maximum."""
+    rule = ScaleRule(rule)
+    amax = amax.float()
+    if rule is ScaleRule.EVEN:
+        bits = amax.view(torch.int32)
+        rounded = ((bits + 0x200000) & 0x7F800000).view(torch.float32)
+        e = torch.floor(torch.log2(rounded)) - 2
+        return e.clamp(-127, 127).to(torch.int32)
+    # ROUND_UP: aiter HIP. The floor of 1e-10 keeps all-zero blocks finite.
+    bits = torch.maximum(amax, torch.tensor(1e-10, device=amax.device)).view(torch.int32)
+    biased = (bits >> 23) & 0xFF
+    biased = biased + ((bits & 0x400000) != 0).to(torch.int32)  # mantissa >= 0.5: round up
+    return (biased - E8M0_BIAS - 2).clamp(-127, 127)
+
+
+def quantize(
+    x: torch.Tensor,
+    rule: ScaleRule = ScaleRule.EVEN,
+    rounding: Rounding | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize ``x [..., K]`` to MXFP4 along its last dimension.
+
+    Returns ``(packed uint8 [..., K/2], scale uint8 [..., ceil(K/32)])``. K must be even; a
+    trailing partial block is quantized as if zero-padded to 32. ``rounding`` defaults to the
+    one that goes with ``rule`` in aiter (:data:`DEFAULT_ROUNDING`).
+    """
+    rule = ScaleRule(rule)
+    rounding = DEFAULT_ROUNDING[rule] if rounding is None else Rounding(rounding)
+    k = x.shape[-1]
+    if k % 2:
+        raise ValueError(f"MXFP4 needs an even last dimension, got shape {tuple(x.shape)}")
+    nblocks = -(-k // BLOCK_SIZE)
+    xf = x.float()
+    if nblocks * BLOCK_SIZE != k:
+        xf = torch.nn.functional.pad(xf, (0, nblocks * BLOCK_SIZE - k))
+    blocks = xf.reshape(*x.shape[:-1], nblocks, BLOCK_SIZE)
+    exponent = scale_exponent(blocks.abs().amax(dim=-1), rule)
+    # 2^-e exactly, for every e in [-127, 127] (ldexp avoids a rounded exp2).
+    inv_scale = torch.ldexp(torch.ones_like(exponent, dtype=torch.float32), -exponent)
+    codes = e2m1_encode(blocks * inv_scale.unsqueeze(-1), rounding)
+    codes = codes.reshape(*x.shape[:-1], nblocks * BLOCK_SIZE)[..., :k]
+    return pack_fp4(codes), e8m0_encode(exponent)
+
+
+def dequantize(packed: torch.Tensor, scale: torch.Tensor, k: int | None = None) -> torch.Tensor:
+    """float32 ``[..., K]`` from packed codes ``[..., K/2]`` and E8M0 scales ``[..., ceil(K/32)]``.
+
+    ``k`` trims the result when the scale covers more columns than the weight (padded scales).
+    """
+    codes = unpack_fp4(packed)
+    k = codes.shape[-1] if k is None else k
+    values = e2m1_decode(codes[..., :k])
+    s = e8m0_decode(scale)
+    nblocks = -(-k // BLOCK_SIZE)
+    if s.shape[:-1] != values.shape[:-1] or s.shape[-1] < nblocks:
+        raise ValueError(
+            f"scale shape {tuple(s.shape)} does not cover weight shape {tuple(packed.shape)} "
+            f"(expected [..., >= {nblocks}] with the same leading dims)"
+        )
+    return values * s[..., :nblocks].repeat_interleave(BLOCK_SIZE, dim=-1)[..., :k]

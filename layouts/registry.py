@@ -1,0 +1,239 @@
+"""The layout registry: each engine-side layout is a name, its constraints, a forward and an inverse.
+
+A :class:`Layout` pairs one :class:`Transform` for the packed weight with one for its E8M0
+scale, plus the runtime attributes an engine must set on the loaded tensors so that its kernels
+read them right (``is_shuffled``, the MoE scale swizzle label). Transforms are small frozen
+objects; their ``params`` go into the manifest so a reader knows exactly what was applied.
+
+Registered layouts (see ``../shared/docs/mxfp4-layouts.md`` section 4):
+
+============== ===== ====================================== ==========================================
+name           kind  weight                                 weight_scale
+============== ===== ====================================== ==========================================
+non-shuffle    dense raw ``[N, K/2]``                      raw ``[N, K/32]``
+preshuffle     dense W16                                    S32x8 ``[pad256(N), pad8(K/32)]``
+ck             moe   W16 per expert ``[E, N, K/2]``          S32x8 of ``[E*N, K/32]``, stored 2-D
+triton         moe   raw ``[E, N, K/2]``                     per-expert S32x8 ``[E, N/32, pad8(K/32)*32]``
+triton-gfx942  moe   raw                                    raw ``[E, N, K/32]``
+============== ===== ====================================== ==========================================
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+import torch
+
+from . import shuffle as _sh
+from .mxfp4 import E8M0_ONE
+from .shuffle import LayoutConstraintError, pad_to
+
+Shape = tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Transform:
+    """A byte-exact, invertible rewrite of one tensor. Subclasses fill in the four methods."""
+
+    name = "identity"
+
+    def violations(self, shape: Shape) -> list[str]:
+        """The constraints ``shape`` breaks, each as a short rule (empty when it applies)."""
+        return []
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        return t.contiguous()
+
+    def inverse(self, t: torch.Tensor, shape: Shape) -> torch.Tensor:
+        """Undo :meth:`forward`; ``shape`` is the tensor's shape before the transform."""
+        return t.contiguous()
+
+    def output_shape(self, shape: Shape) -> Shape:
+        return tuple(shape)
+
+    @property
+    def params(self) -> dict[str, Any]:
+        """What the manifest records of this transform."""
+        return {"name": self.name, **dataclasses.asdict(self)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Identity(Transform):
+    name = "identity"
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightPreshuffle(Transform):
+    """W16 on ``[..., N, K/2]`` (aiter ``shuffle_weight(x, (16, 16))``); leading dims are experts."""
+
+    name = "w16"
+
+    def violations(self, shape: Shape) -> list[str]:
+        if len(shape) < 2:
+            return ["tensor is [..., N, K/2]"]
+        out = []
+        if shape[-2] % _sh.W16_ROWS:
+            out.append(f"N % 16 == 0 (N = {shape[-2]})")
+        if shape[-1] % _sh.W16_KBYTES:
+            out.append(f"K % 64 == 0 (K = {2 * shape[-1]})")
+        return out
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        return _sh.preshuffle_weight(t)
+
+    def inverse(self, t: torch.Tensor, shape: Shape) -> torch.Tensor:
+        return _sh.unshuffle_weight(t)
+
+
+@dataclasses.dataclass(frozen=True)
+class ScaleShuffle(Transform):
+    """S32x8 on ``[R, C]`` padded to ``[pad256(R), pad8(C)]`` (aiter ``e8m0_shuffle``).
+
+    ``flatten_experts``: a 3-D ``[E, R, C]`` scale is first viewed as ``[E*R, C]`` (what CK's
+    fused MoE reads), and the result stays 2-D.
+    """
+
+    name = "s32x8"
+    pad_value: int = E8M0_ONE
+    flatten_experts: bool = False
+
+    def _rows_cols(self, shape: Shape) -> tuple[int, int]:
+        rows = shape[0] * shape[1] if (self.flatten_experts and len(shape) == 3) else shape[0]
+        return rows, shape[-1]
+
+    def violations(self, shape: Shape) -> list[str]:
+        want = (2, 3) if self.flatten_experts else (2,)
+        return [] if len(shape) in want else [f"scale is {' or '.join(f'{n}-D' for n in want)}"]
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        return _sh.preshuffle_scale(t.reshape(self._rows_cols(t.shape)), pad_value=self.pad_value)
+
+    def inverse(self, t: torch.Tensor, shape: Shape) -> torch.Tensor:
+        return _sh.unshuffle_scale(t, *self._rows_cols(shape)).reshape(shape)
+
+    def output_shape(self, shape: Shape) -> Shape:
+        return _sh.shuffled_scale_shape(*self._rows_cols(shape))
+
+
+@dataclasses.dataclass(frozen=True)
+class ScaleShufflePerExpert(Transform):
+    """Per-expert S32x8 without the 256-row pad: ``[E, N, SK] -> [E, N/32, pad8(SK)*32]``
+    (triton_kernels ``CDNA4MXScaleLayout``)."""
+
+    name = "s32x8-per-expert"
+    pad_value: int = E8M0_ONE
+
+    def violations(self, shape: Shape) -> list[str]:
+        if len(shape) != 3:
+            return ["scale is [E, N, K/32]"]
+        return [] if shape[1] % _sh.S32_ROWS == 0 else [f"N % 32 == 0 (N = {shape[1]})"]
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        return _sh.preshuffle_scale_per_expert(t, pad_value=self.pad_value)
+
+    def inverse(self, t: torch.Tensor, shape: Shape) -> torch.Tensor:
+        return _sh.unshuffle_scale_per_expert(t, shape[-1])
+
+    def output_shape(self, shape: Shape) -> Shape:
+        e, n, sk = shape
+        return (e, n // _sh.S32_ROWS, pad_to(sk, _sh.S8_COLS) * _sh.S32_ROWS)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """One way an engine's kernels read an MXFP4 linear's weight and scale."""
+
+    name: str
+    version: int
+    kind: str  # "dense" (2-D linears) or "moe" (stacked experts, [E, N, K/2])
+    weight: Transform
+    scale: Transform
+    runtime_attrs: Mapping[str, Any]
+    description: str
+
+    def violations(self, weight_shape: Shape, scale_shape: Shape) -> list[str]:
+        """Every constraint the pair of shapes breaks, weight first."""
+        dims = 2 if self.kind == "dense" else 3
+        found = [f"weight is {dims}-D"] if len(weight_shape) != dims else []
+        found += [f"weight: {v}" for v in self.weight.violations(tuple(weight_shape))]
+        found += [f"scale: {v}" for v in self.scale.violations(tuple(scale_shape))]
+        return found
+
+    def check(self, weight_shape: Shape, scale_shape: Shape, tensor: str = "<tensor>") -> None:
+        """Raise :class:`LayoutConstraintError` naming ``tensor`` and the broken constraints."""
+        broken = self.violations(weight_shape, scale_shape)
+        if broken:
+            raise LayoutConstraintError(
+                f"{tensor}: layout '{self.name}' cannot apply to weight {tuple(weight_shape)} / "
+                f"scale {tuple(scale_shape)}: needs {'; '.join(broken)}"
+            )
+
+    def apply(self, weight: torch.Tensor, scale: torch.Tensor, tensor: str = "<tensor>") -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward: source-order ``(weight, scale)`` into this layout's bytes."""
+        self.check(weight.shape, scale.shape, tensor)
+        return self.weight.forward(weight), self.scale.forward(scale)
+
+    def invert(
+        self, weight: torch.Tensor, scale: torch.Tensor, weight_shape: Shape, scale_shape: Shape
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inverse: this layout's bytes back to source order, given the source shapes."""
+        return self.weight.inverse(weight, tuple(weight_shape)), self.scale.inverse(scale, tuple(scale_shape))
+
+    def output_shapes(self, weight_shape: Shape, scale_shape: Shape) -> tuple[Shape, Shape]:
+        return self.weight.output_shape(tuple(weight_shape)), self.scale.output_shape(tuple(scale_shape))
+
+    def describe(self) -> dict[str, Any]:
+        """The manifest's record of this layout."""
+        return {
+            "name": self.name,
+            "version": self.version,
+            "kind": self.kind,
+            "weight_transform": self.weight.params,
+            "scale_transform": self.scale.params,
+            "runtime_attrs": dict(self.runtime_attrs),
+        }
+
+
+_REGISTRY: dict[str, Layout] = {}
+
+
+def register_layout(layout: Layout) -> Layout:
+    if layout.name in _REGISTRY:
+        raise ValueError(f"layout '{layout.name}' is already registered")
+    _REGISTRY[layout.name] = layout
+    return layout
+
+
+def get_layout(name: str) -> Layout:
+    """The registered layout called ``name``; the error lists the known names."""
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise KeyError(f"unknown layout '{name}'; known: {', '.join(sorted(_REGISTRY))}") from None
+
+
+def layout_names(kind: str | None = None) -> list[str]:
+    return sorted(n for n, l in _REGISTRY.items() if kind is None or l.kind == kind)
+
+
+NON_SHUFFLE = register_layout(Layout(
+    "non-shuffle", 1, "dense", Identity(), Identity(), {"is_shuffled": False},
+    "row-major bytes for the non-shuffle Triton GEMM (ATOM_USE_FP4_NON_SHUFFLE_TRITON_GEMM=1)",
+))
+PRESHUFFLE = register_layout(Layout(
+    "preshuffle", 1, "dense", WeightPreshuffle(), ScaleShuffle(), {"is_shuffled": True},
+    "W16 weight + padded S32x8 scale for aiter gemm_a4w4 (ASM/CK) and the Triton preshuffle GEMM",
+))
+MOE_CK = register_layout(Layout(
+    "ck", 1, "moe", WeightPreshuffle(), ScaleShuffle(flatten_experts=True), {"is_shuffled": True},
+    "CK fused_moe: W16 per expert, S32x8 over the flattened [E*N, K/32] scale, stored 2-D",
+))
+MOE_TRITON = register_layout(Layout(
+    "triton", 1, "moe", Identity(), ScaleShufflePerExpert(), {"is_shuffled": False, "scale_swizzle": "CDNA4_SCALE"},
+    "triton_kernels MoE on gfx950 (ATOM_USE_TRITON_MOE=1): raw weight, CDNA4_SCALE scale",
+))
+MOE_TRITON_GFX942 = register_layout(Layout(
+    "triton-gfx942", 1, "moe", Identity(), Identity(), {"is_shuffled": False, "scale_swizzle": None},
+    "triton_kernels MoE on gfx942: raw weight and scale",
+))

@@ -1,0 +1,158 @@
+"""The two byte-layout primitives AMD's MXFP4 kernels read, with their exact inverses.
+
+**W16** (aiter ``shuffle_weight(x, layout=(16, 16))``) on packed weights ``[..., N, Kb]``,
+Kb = K/2 bytes. Needs N % 16 == 0 and Kb % 32 == 0; shape unchanged. Byte (n, kb) lands at
+``((((n//16)*(Kb/32) + kb//32)*2 + (kb%32)//16)*16 + n%16)*16 + kb%16``: every 16-row block
+stays inside its own 16 rows, moved in 16-byte runs.
+
+**S32x8** (aiter ``e8m0_shuffle``) on E8M0 scales ``[R, C]``: pad to ``[pad256(R), pad8(C)]``,
+then with r = 32s + 16a + l and c = 8g + 4d + e, element (r, c) lands at
+``s*32*Cp + g*256 + e*64 + l*4 + d*2 + a``. aiter leaves the pad uninitialised; we write
+``pad_value`` (0x7F, scale 1.0) so the output is deterministic and hashable.
+
+**S32x8 per expert** (triton_kernels ``CDNA4MXScaleLayout``, label ``CDNA4_SCALE``) on
+``[E, N, SK]``: the same permutation inside each expert with no 256-row pad (N % 32 == 0, SK
+padded to a multiple of 8), stored ``[E, N/32, SKp*32]``.
+
+Every function takes uint8 or the matching torch fp4/e8m0 view dtype and returns the same dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .mxfp4 import E8M0_ONE, as_uint8
+
+W16_ROWS = 16
+W16_KBYTES = 32
+S32_ROWS = 32
+S8_COLS = 8
+SCALE_ROW_PAD = 256
+
+
+class LayoutConstraintError(ValueError):
+    """A tensor's shape does not meet a layout's constraint."""
+
+
+def pad_to(n: int, multiple: int) -> int:
+    """Smallest multiple of ``multiple`` that is >= n."""
+    return -(-n // multiple) * multiple
+
+
+def _check_w16(shape: torch.Size) -> None:
+    if len(shape) < 2:
+        raise LayoutConstraintError(f"W16 needs a [..., N, K/2] tensor, got shape {tuple(shape)}")
+    n, kb = shape[-2], shape[-1]
+    if n % W16_ROWS:
+        raise LayoutConstraintError(f"W16 needs N % 16 == 0, got shape {tuple(shape)} (N = {n})")
+    if kb % W16_KBYTES:
+        raise LayoutConstraintError(
+            f"W16 needs K % 64 == 0 (K/2 % 32 == 0 bytes), got shape {tuple(shape)} (K/2 = {kb})"
+        )
+
+
+def _as_words(t: torch.Tensor) -> torch.Tensor:
+    # The 16-byte runs W16 moves are contiguous on both sides: copying them as int64 pairs
+    # instead of single bytes makes the permute copy several times faster.
+    if t.storage_offset() % 8:  # an unaligned slice of a larger buffer cannot be viewed as int64
+        t = t.clone()
+    return t.view(torch.int64)
+
+
+def preshuffle_weight(w: torch.Tensor) -> torch.Tensor:
+    """W16 preshuffle of packed MXFP4 weights ``[..., N, K/2]`` (experts may lead). Exact inverse:
+    :func:`unshuffle_weight`."""
+    _check_w16(w.shape)
+    u = as_uint8(w).contiguous()
+    n, kb = u.shape[-2], u.shape[-1]
+    words = _as_words(u).view(-1, n // 16, 16, kb // 32, 2, 2)
+    out = words.permute(0, 1, 3, 4, 2, 5).contiguous()
+    return out.view(torch.uint8).view(w.shape).view(w.dtype)
+
+
+def unshuffle_weight(w: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`preshuffle_weight`: row-major ``[..., N, K/2]`` bytes back."""
+    _check_w16(w.shape)
+    u = as_uint8(w).contiguous()
+    n, kb = u.shape[-2], u.shape[-1]
+    words = _as_words(u).view(-1, n // 16, kb // 32, 2, 16, 2)
+    out = words.permute(0, 1, 4, 2, 3, 5).contiguous()
+    return out.view(torch.uint8).view(w.shape).view(w.dtype)
+
+
+def shuffled_scale_shape(rows: int, cols: int, pad_rows: bool = True) -> tuple[int, int]:
+    """Shape of the S32x8 buffer for a ``[rows, cols]`` scale (rows padded to 256 or to 32)."""
+    return pad_to(rows, SCALE_ROW_PAD if pad_rows else S32_ROWS), pad_to(cols, S8_COLS)
+
+
+def _padded(u: torch.Tensor, rows: int, cols: int, pad_value: int) -> torch.Tensor:
+    if u.shape[-2:] == (rows, cols):
+        return u.contiguous()
+    out = torch.full((*u.shape[:-2], rows, cols), pad_value, dtype=torch.uint8, device=u.device)
+    out[..., : u.shape[-2], : u.shape[-1]] = u
+    return out
+
+
+def _s32x8_forward(u: torch.Tensor) -> torch.Tensor:
+    # [B, Rp, Cp] -> (s, a, l, g, d, e) -> (s, g, e, l, d, a)
+    b, rp, cp = u.shape
+    return u.view(b, rp // 32, 2, 16, cp // 8, 2, 4).permute(0, 1, 4, 6, 3, 5, 2).contiguous()
+
+
+def _s32x8_inverse(u: torch.Tensor) -> torch.Tensor:
+    # [B, Rp, Cp] holding (s, g, e, l, d, a) -> (s, a, l, g, d, e)
+    b, rp, cp = u.shape
+    return u.view(b, rp // 32, cp // 8, 4, 16, 2, 2).permute(0, 1, 6, 4, 2, 5, 3).contiguous().view(b, rp, cp)
+
+
+def preshuffle_scale(s: torch.Tensor, pad_value: int = E8M0_ONE, pad_rows: bool = True) -> torch.Tensor:
+    """S32x8 shuffle of E8M0 scales ``[R, C]`` into ``[pad256(R), pad8(C)]`` (aiter ``e8m0_shuffle``).
+
+    The pad is filled with ``pad_value``. ``pad_rows=False`` pads rows to 32 only (what a
+    per-expert or kernel-internal view needs). Exact inverse: :func:`unshuffle_scale`.
+    """
+    if s.dim() != 2:
+        raise LayoutConstraintError(f"S32x8 takes a 2-D [rows, cols] scale, got shape {tuple(s.shape)}")
+    rp, cp = shuffled_scale_shape(*s.shape, pad_rows=pad_rows)
+    u = _padded(as_uint8(s), rp, cp, pad_value).unsqueeze(0)
+    return _s32x8_forward(u).view(rp, cp).view(s.dtype)
+
+
+def unshuffle_scale(s: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """Inverse of :func:`preshuffle_scale`: the row-major ``[rows, cols]`` scale, pad dropped."""
+    if s.dim() != 2 or s.shape[0] % S32_ROWS or s.shape[1] % S8_COLS:
+        raise LayoutConstraintError(
+            f"an S32x8 buffer is [32*i, 8*j], got shape {tuple(s.shape)}"
+        )
+    if rows > s.shape[0] or cols > s.shape[1]:
+        raise LayoutConstraintError(f"[{rows}, {cols}] does not fit in S32x8 buffer {tuple(s.shape)}")
+    u = _s32x8_inverse(as_uint8(s).contiguous().unsqueeze(0))[0]
+    return u[:rows, :cols].contiguous().view(s.dtype)
+
+
+def preshuffle_scale_per_expert(s: torch.Tensor, pad_value: int = E8M0_ONE) -> torch.Tensor:
+    """Per-expert S32x8 of ``[E, N, SK]`` scales into ``[E, N/32, pad8(SK)*32]`` (``CDNA4_SCALE``).
+
+    Needs N % 32 == 0; SK is padded to a multiple of 8 with ``pad_value``. Exact inverse:
+    :func:`unshuffle_scale_per_expert`.
+    """
+    if s.dim() != 3:
+        raise LayoutConstraintError(f"per-expert S32x8 takes [E, N, SK], got shape {tuple(s.shape)}")
+    e, n, sk = s.shape
+    if n % S32_ROWS:
+        raise LayoutConstraintError(f"per-expert S32x8 needs N % 32 == 0, got shape {tuple(s.shape)} (N = {n})")
+    skp = pad_to(sk, S8_COLS)
+    u = _padded(as_uint8(s), n, skp, pad_value)
+    return _s32x8_forward(u).view(e, n // 32, skp * 32).view(s.dtype)
+
+
+def unshuffle_scale_per_expert(s: torch.Tensor, cols: int) -> torch.Tensor:
+    """Inverse of :func:`preshuffle_scale_per_expert`: ``[E, N, cols]`` scales back."""
+    if s.dim() != 3 or s.shape[2] % (S32_ROWS * S8_COLS):
+        raise LayoutConstraintError(f"a CDNA4_SCALE buffer is [E, N/32, 256*j], got shape {tuple(s.shape)}")
+    e, n32, width = s.shape
+    skp = width // S32_ROWS
+    if cols > skp:
+        raise LayoutConstraintError(f"{cols} scale columns do not fit in CDNA4_SCALE buffer {tuple(s.shape)}")
+    u = _s32x8_inverse(as_uint8(s).contiguous().view(e, n32 * 32, skp))
+    return u[..., :cols].contiguous().view(s.dtype)

@@ -1,0 +1,1 @@
+"""prep: the offline converter (CLI, checkpoint I/O, conversion pipeline)."""

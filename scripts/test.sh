@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Set up .venv if needed and run the whole test suite (CPU only).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup_env.sh
+exec .venv/bin/python -m pytest -q "$@"
