@@ -71,3 +71,39 @@ def fp4_utils_module() -> types.ModuleType:
         pkg.dtypes = dtypes
     _ensure_triton_importable()
     return _load("utility/fp4_utils.py", f"{_PKG}.fp4_utils")
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return available()
+
+
+def triton_quant_module() -> types.ModuleType:
+    """aiter/ops/triton/_triton_kernels/quant.py, jitted for the Triton interpreter (CPU)."""
+    # triton.jit decides at decoration time whether to interpret, so set this before loading.
+    os.environ["TRITON_INTERPRET"] = "1"
+    return _load("ops/triton/_triton_kernels/quant.py", f"{_PKG}_triton_quant")
+
+
+def dynamic_mxfp4_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """aiter's Triton MXFP4 quant kernel (`_mxfp4_quant_op`, "even" mode) run on the CPU.
+
+    Same launch as aiter's `dynamic_mxfp4_quant` wrapper with its small-N configuration
+    (one 32-column quant block per program), which covers every column of any even N.
+    """
+    kernels = triton_quant_module()
+    m, n = x.shape
+    out = torch.empty((m, n // 2), dtype=torch.uint8)
+    nblocks = -(-n // 32)
+    scale = torch.empty((nblocks, m), dtype=torch.uint8).T
+    block_m = 8
+    grid = (-(-m // block_m), nblocks)
+    kernels._dynamic_mxfp4_quant_kernel[grid](
+        x, out, scale, *x.stride(), *out.stride(), *scale.stride(),
+        M=m, N=n, MXFP4_QUANT_BLOCK_SIZE=32, SCALING_MODE=0, NUM_ITER=1,
+        BLOCK_SIZE_M=block_m, BLOCK_SIZE_N=32, NUM_STAGES=1,
+    )
+    return out, scale.contiguous()

@@ -1,0 +1,39 @@
+import os
+
+# The tests run Triton kernels (ours and aiter's) on the CPU; triton.jit reads this when a
+# kernel is defined, so it must be set before any kernel module is imported.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+import aiter_oracle  # noqa: E402
+
+
+def _need(ok: bool, what: str) -> None:
+    # CI installs the oracle (scripts/setup_env.sh): there a missing oracle is a failure, not a skip.
+    if not ok:
+        msg = f"{what} not available: run `python scripts/fetch_aiter_oracle.py` (comparison skipped)"
+        if os.environ.get("CI"):
+            pytest.fail(msg)
+        pytest.skip(msg)
+
+
+@pytest.fixture(scope="session")
+def aiter_shuffle():
+    """aiter/ops/shuffle.py from the pinned amd-aiter wheel."""
+    _need(aiter_oracle.available(), "aiter oracle files")
+    return aiter_oracle.shuffle_module()
+
+
+@pytest.fixture(scope="session")
+def aiter_fp4_utils():
+    """aiter/utility/fp4_utils.py from the pinned amd-aiter wheel."""
+    _need(aiter_oracle.available(), "aiter oracle files")
+    return aiter_oracle.fp4_utils_module()
+
+
+@pytest.fixture(scope="session")
+def aiter_triton_quant():
+    """aiter's Triton MXFP4 quant kernel, interpreted on the CPU."""
+    _need(aiter_oracle.triton_available(), "triton + aiter oracle files")
+    return aiter_oracle.dynamic_mxfp4_quant

@@ -1,0 +1,95 @@
+"""The registry: every layout round-trips, refuses shapes it cannot take with the tensor's name
+and the broken constraint, and describes itself for the manifest."""
+
+import json
+
+import pytest
+import torch
+
+import layouts as L
+
+
+def rand_u8(*shape, seed=0):
+    return torch.randint(0, 256, shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+
+
+def test_registry_lists_dense_and_moe_layouts():
+    assert L.layout_names("dense") == ["non-shuffle", "preshuffle"]
+    assert L.layout_names("moe") == ["ck", "triton", "triton-gfx942"]
+
+
+@pytest.mark.parametrize("name", L.layout_names())
+def test_every_layout_inverts_exactly_and_predicts_its_output_shapes(name):
+    layout = L.get_layout(name)
+    if layout.kind == "dense":
+        w, s = rand_u8(64, 128, seed=1), rand_u8(64, 8, seed=2)
+    else:
+        w, s = rand_u8(5, 64, 96, seed=3), rand_u8(5, 64, 6, seed=4)
+    lw, ls = layout.apply(w, s, "t")
+    assert (tuple(lw.shape), tuple(ls.shape)) == layout.output_shapes(w.shape, s.shape)
+    bw, bs = layout.invert(lw, ls, w.shape, s.shape)
+    assert torch.equal(bw, w) and torch.equal(bs, s)
+
+
+def test_preshuffle_layout_is_the_two_primitives():
+    w, s = rand_u8(32, 64, seed=5), rand_u8(32, 4, seed=6)
+    lw, ls = L.get_layout("preshuffle").apply(w, s)
+    assert torch.equal(lw, L.preshuffle_weight(w)) and torch.equal(ls, L.preshuffle_scale(s))
+
+
+def test_ck_layout_shuffles_the_flattened_expert_scale_and_stores_it_2d():
+    w, s = rand_u8(3, 32, 64, seed=7), rand_u8(3, 32, 4, seed=8)
+    lw, ls = L.get_layout("ck").apply(w, s)
+    assert torch.equal(lw, L.preshuffle_weight(w))
+    assert ls.dim() == 2 and torch.equal(ls, L.preshuffle_scale(s.reshape(96, 4)))
+
+
+def test_triton_moe_layout_keeps_weight_raw_and_swizzles_scale_per_expert():
+    w, s = rand_u8(3, 32, 64, seed=9), rand_u8(3, 32, 4, seed=10)
+    layout = L.get_layout("triton")
+    lw, ls = layout.apply(w, s)
+    assert torch.equal(lw, w) and torch.equal(ls, L.preshuffle_scale_per_expert(s))
+    assert layout.runtime_attrs["scale_swizzle"] == "CDNA4_SCALE"
+
+
+def test_runtime_attributes_say_whether_the_weight_is_shuffled():
+    assert L.get_layout("preshuffle").runtime_attrs["is_shuffled"] is True
+    assert L.get_layout("ck").runtime_attrs["is_shuffled"] is True
+    assert L.get_layout("non-shuffle").runtime_attrs["is_shuffled"] is False
+    assert L.get_layout("triton").runtime_attrs["is_shuffled"] is False
+
+
+def test_a_layout_that_cannot_apply_names_the_tensor_and_every_broken_constraint():
+    name = "model.layers.3.self_attn.kv_a_proj_with_mqa.weight"
+    with pytest.raises(L.LayoutConstraintError) as err:
+        L.get_layout("preshuffle").check((24, 100), (24, 7), name)
+    msg = str(err.value)
+    assert name in msg and "N % 16 == 0 (N = 24)" in msg and "K % 64 == 0 (K = 200)" in msg
+
+
+def test_moe_layouts_need_stacked_experts():
+    with pytest.raises(L.LayoutConstraintError, match="weight is 3-D"):
+        L.get_layout("ck").check((64, 128), (64, 8), "experts.w13")
+    with pytest.raises(L.LayoutConstraintError, match=r"scale: N % 32 == 0 \(N = 48\)"):
+        L.get_layout("triton").check((2, 48, 64), (2, 48, 4), "experts.w2")
+
+
+def test_non_shuffle_applies_to_any_2d_shape():
+    assert L.get_layout("non-shuffle").violations((24, 100), (24, 7)) == []
+
+
+def test_layout_description_is_json_for_the_manifest():
+    desc = L.get_layout("ck").describe()
+    assert json.loads(json.dumps(desc)) == desc
+    assert desc["scale_transform"] == {"name": "s32x8", "pad_value": 0x7F, "flatten_experts": True}
+    assert desc["weight_transform"] == {"name": "w16"}
+
+
+def test_unknown_layout_lists_the_known_ones():
+    with pytest.raises(KeyError, match="known: ck, non-shuffle, preshuffle"):
+        L.get_layout("shuffled")
+
+
+def test_registering_a_name_twice_is_refused():
+    with pytest.raises(ValueError, match="already registered"):
+        L.register_layout(L.get_layout("preshuffle"))
