@@ -182,3 +182,14 @@ def test_preshuffle_weight_names_the_broken_constraint(shape, rule):
 def test_per_expert_scale_needs_rows_in_blocks_of_32():
     with pytest.raises(L.LayoutConstraintError, match="N % 32"):
         L.preshuffle_scale_per_expert(torch.zeros(2, 48, 8, dtype=torch.uint8))
+
+
+def test_weight_shuffle_copies_nan_bit_patterns_unchanged():
+    # The W16 copy moves 16-byte runs as complex128; signalling/quiet NaN and denormal patterns
+    # must come through bit for bit.
+    patterns = [b"\xff" * 8, b"\x01\x00\x00\x00\x00\x00\xf0\x7f", b"\x00\x00\x00\x00\x00\x00\xf8\xff",
+                b"\x01" + b"\x00" * 7, b"\x00" * 7 + b"\x80"]
+    row = torch.frombuffer(bytearray(b"".join(patterns) * 4 + b"\x7f" * 96), dtype=torch.uint8)
+    w = torch.stack([row.roll(i) for i in range(32)])  # [32, 256]
+    assert torch.equal(L.unshuffle_weight(L.preshuffle_weight(w)), w)
+    assert torch.equal(L.preshuffle_weight(w), L.preshuffle_weight(w.clone().view(torch.int8)).view(torch.uint8))
