@@ -7,7 +7,11 @@ Facts and sources: ``../shared/docs/mxfp4-layouts.md`` (aiter and ATOM are the g
 from .mxfp4 import (
     BLOCK_SIZE,
     E2M1_VALUES,
+    AITER_HIP,
+    AITER_TRITON,
     E8M0_ONE,
+    QUARK,
+    QuantRecipe,
     Rounding,
     ScaleRule,
     dequantize,
@@ -36,6 +40,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BLOCK_SIZE", "E2M1_VALUES", "E8M0_ONE", "Rounding", "ScaleRule",
+    "AITER_HIP", "AITER_TRITON", "QUARK", "QuantRecipe",
     "dequantize", "e2m1_decode", "e2m1_encode", "e8m0_decode", "e8m0_encode", "pack_fp4", "quantize", "unpack_fp4",
     "Layout", "Transform", "get_layout", "layout_names", "register_layout",
     "GEMM_PATH_RULES", "ActivationQuantFlags", "select_activation_quant",

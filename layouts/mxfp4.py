@@ -26,12 +26,22 @@ Quantizing needs two choices, and the real kernels differ in both, so each is na
 * ``Rounding.HALF_EVEN``: IEEE round to nearest, ties to the even code (0.25 -> 0, 1.25 -> 1,
   2.5 -> 2, 5 -> 4), as hardware conversions do.
 
-Both roundings saturate at +-6 and keep the sign of a negative value that rounds to zero
-(code 8, -0), as aiter's kernel does.
+Both roundings saturate at +-6. What a negative value that rounds to zero becomes differs too:
+aiter's kernel keeps its sign (code 8, -0), Quark's exporter writes +0 (code 0).
+
+A :class:`QuantRecipe` bundles these choices; the named ones are what each real producer does:
+
+* ``AITER_TRITON``: EVEN + HALF_AWAY, keeps -0, all-zero block -> byte 0. The fused
+  activation quant; checked byte for byte against aiter's ``_mxfp4_quant_op``.
+* ``QUARK``: EVEN + HALF_EVEN, -0 -> +0, scale byte at least 1 (Quark clamps log2 of the scale
+  at -126, so an all-zero block gets byte 1). How Quark's exported MXFP4 weights are made;
+  checked against ``amd-quark`` 0.13's exporter.
+* ``AITER_HIP``: ROUND_UP + HALF_EVEN, keeps -0. aiter's HIP ``dynamic_per_group_scaled_quant_fp4``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 
 import torch
@@ -66,8 +76,34 @@ class Rounding(str, enum.Enum):
     HALF_EVEN = "half_to_even"
 
 
-# The rounding that goes with each rule in the kernels that use it.
-DEFAULT_ROUNDING = {ScaleRule.EVEN: Rounding.HALF_AWAY, ScaleRule.ROUND_UP: Rounding.HALF_EVEN}
+@dataclasses.dataclass(frozen=True)
+class QuantRecipe:
+    """Every choice that decides the bytes of an MXFP4 quantization."""
+
+    name: str
+    rule: ScaleRule
+    rounding: Rounding
+    keep_negative_zero: bool
+    min_scale_byte: int = 0
+
+    def describe(self) -> dict:
+        return {"recipe": self.name, "scale_rule": self.rule.value, "rounding": self.rounding.value,
+                "keep_negative_zero": self.keep_negative_zero, "min_scale_byte": self.min_scale_byte}
+
+
+AITER_TRITON = QuantRecipe("aiter-triton", ScaleRule.EVEN, Rounding.HALF_AWAY, keep_negative_zero=True)
+QUARK = QuantRecipe("quark", ScaleRule.EVEN, Rounding.HALF_EVEN, keep_negative_zero=False, min_scale_byte=1)
+AITER_HIP = QuantRecipe("aiter-hip", ScaleRule.ROUND_UP, Rounding.HALF_EVEN, keep_negative_zero=True)
+RECIPES = {r.name: r for r in (AITER_TRITON, QUARK, AITER_HIP)}
+
+
+def get_recipe(recipe: "QuantRecipe | str") -> QuantRecipe:
+    if isinstance(recipe, QuantRecipe):
+        return recipe
+    try:
+        return RECIPES[recipe]
+    except KeyError:
+        raise ValueError(f"unknown quant recipe '{recipe}'; known: {', '.join(RECIPES)}") from None
 
 # Decision points between neighbouring magnitudes: (midpoint, code above it is even).
 # A magnitude strictly above a midpoint takes the upper code; exactly on it, the tie rule decides.
@@ -79,11 +115,13 @@ def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
     return E2M1_VALUES.to(codes.device)[codes.long()]
 
 
-def e2m1_encode(x: torch.Tensor, rounding: Rounding = Rounding.HALF_AWAY) -> torch.Tensor:
+def e2m1_encode(
+    x: torch.Tensor, rounding: Rounding = Rounding.HALF_AWAY, keep_negative_zero: bool = True
+) -> torch.Tensor:
     """Round an already-scaled float tensor onto the E2M1 grid; returns uint8 codes 0..15.
 
-    Saturates at +-6 (infinities too); the sign bit of the input is kept even when the
-    magnitude rounds to zero. NaN encodes as +-6, as aiter's bit trick does.
+    Saturates at +-6 (infinities too). A negative input that rounds to zero gives code 8 (-0)
+    when ``keep_negative_zero``, else code 0. NaN encodes as +-6, as aiter's bit trick does.
     """
     rounding = Rounding(rounding)
     x = x.float()
@@ -93,7 +131,10 @@ def e2m1_encode(x: torch.Tensor, rounding: Rounding = Rounding.HALF_AWAY) -> tor
         ties_up = rounding is Rounding.HALF_AWAY or upper_is_even
         code += (mag >= point) if ties_up else (mag > point)
     code = torch.where(mag.isnan(), torch.full_like(code, 7), code)
-    return code | (torch.signbit(x).to(torch.uint8) << 3)
+    sign = torch.signbit(x)
+    if not keep_negative_zero:
+        sign &= code != 0
+    return code | (sign.to(torch.uint8) << 3)
 
 
 def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
@@ -150,19 +191,14 @@ def scale_exponent(amax: torch.Tensor, rule: ScaleRule = ScaleRule.EVEN) -> torc
     return (biased - E8M0_BIAS - 2).clamp(-127, 127)
 
 
-def quantize(
-    x: torch.Tensor,
-    rule: ScaleRule = ScaleRule.EVEN,
-    rounding: Rounding | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize ``x [..., K]`` to MXFP4 along its last dimension.
+def quantize(x: torch.Tensor, recipe: QuantRecipe | str = AITER_TRITON) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize ``x [..., K]`` to MXFP4 along its last dimension, as ``recipe`` says.
 
     Returns ``(packed uint8 [..., K/2], scale uint8 [..., ceil(K/32)])``. K must be even; a
-    trailing partial block is quantized as if zero-padded to 32. ``rounding`` defaults to the
-    one that goes with ``rule`` in aiter (:data:`DEFAULT_ROUNDING`).
+    trailing partial block is quantized as if zero-padded to 32. The default recipe is aiter's
+    Triton kernel (the fused activation quant); Quark-made weights use :data:`QUARK`.
     """
-    rule = ScaleRule(rule)
-    rounding = DEFAULT_ROUNDING[rule] if rounding is None else Rounding(rounding)
+    recipe = get_recipe(recipe)
     k = x.shape[-1]
     if k % 2:
         raise ValueError(f"MXFP4 needs an even last dimension, got shape {tuple(x.shape)}")
@@ -171,10 +207,11 @@ def quantize(
     if nblocks * BLOCK_SIZE != k:
         xf = torch.nn.functional.pad(xf, (0, nblocks * BLOCK_SIZE - k))
     blocks = xf.reshape(*x.shape[:-1], nblocks, BLOCK_SIZE)
-    exponent = scale_exponent(blocks.abs().amax(dim=-1), rule)
+    exponent = scale_exponent(blocks.abs().amax(dim=-1), recipe.rule)
+    exponent = exponent.clamp(min=recipe.min_scale_byte - E8M0_BIAS)
     # 2^-e exactly, for every e in [-127, 127] (ldexp avoids a rounded exp2).
     inv_scale = torch.ldexp(torch.ones_like(exponent, dtype=torch.float32), -exponent)
-    codes = e2m1_encode(blocks * inv_scale.unsqueeze(-1), rounding)
+    codes = e2m1_encode(blocks * inv_scale.unsqueeze(-1), recipe.rounding, recipe.keep_negative_zero)
     codes = codes.reshape(*x.shape[:-1], nblocks * BLOCK_SIZE)[..., :k]
     return pack_fp4(codes), e8m0_encode(exponent)
 

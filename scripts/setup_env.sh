@@ -17,5 +17,8 @@ PIP=(.venv/bin/python -m pip install --disable-pip-version-check)
 quiet "${PIP[@]}" torch==2.13.0
 quiet "${PIP[@]}" -e '.[dev]'
 .venv/bin/python -c "import torch, layouts, prep"
-# aiter's layout functions, unpacked (not installed) as the tests' oracle.
+# Oracles the tests compare against. amd-quark (Quark's own MXFP4 exporter) installs normally;
+# aiter's layout/quant files are unpacked, not installed (`import aiter` needs ROCm, and an
+# installed aiter breaks `import quark` on such a machine).
+.venv/bin/python -c "import quark" >/dev/null 2>&1 || quiet "${PIP[@]}" amd-quark==0.13
 quiet .venv/bin/python scripts/fetch_aiter_oracle.py

@@ -12,7 +12,7 @@ import aiter_oracle  # noqa: E402
 def _need(ok: bool, what: str) -> None:
     # CI installs the oracle (scripts/setup_env.sh): there a missing oracle is a failure, not a skip.
     if not ok:
-        msg = f"{what} not available: run `python scripts/fetch_aiter_oracle.py` (comparison skipped)"
+        msg = f"{what} not available: run `bash scripts/setup_env.sh` (comparison skipped)"
         if os.environ.get("CI"):
             pytest.fail(msg)
         pytest.skip(msg)
@@ -37,3 +37,12 @@ def aiter_triton_quant():
     """aiter's Triton MXFP4 quant kernel, interpreted on the CPU."""
     _need(aiter_oracle.triton_available(), "triton + aiter oracle files")
     return aiter_oracle.dynamic_mxfp4_quant
+
+
+@pytest.fixture(scope="session")
+def quark_mxfp4():
+    """amd-quark's MXFP4 weight export (observer + real quantizer + pack) on the CPU."""
+    import quark_oracle
+
+    _need(quark_oracle.available(), "amd-quark")
+    return quark_oracle.quark_mxfp4

@@ -111,11 +111,23 @@ def test_e2m1_encode_saturates_and_keeps_negative_zero():
 @pytest.mark.parametrize("rounding", list(Rounding))
 def test_quantize_matches_float64_reference(rule, rounding):
     x = wide_range_tensor(6, 96, seed=1)
-    packed, scale = L.quantize(x, rule, rounding)
+    recipe = L.QuantRecipe("test", rule, rounding, keep_negative_zero=True)
+    packed, scale = L.quantize(x, recipe)
     got = L.dequantize(packed, scale).double()
     want = ref_quant_dequant(x, rule, rounding)
     assert torch.equal(torch.signbit(got), torch.signbit(want))
     assert torch.equal(got, want)
+
+
+def test_quark_recipe_writes_positive_zero_and_scale_byte_at_least_one():
+    x = torch.zeros(2, 32)
+    x[1, :4] = torch.tensor([6.0, -0.2, -0.0, 1.25])
+    packed, scale = L.quantize(x, L.QUARK)
+    assert scale.tolist() == [[1], [127]]
+    assert L.unpack_fp4(packed)[1, :4].tolist() == [7, 0, 0, 2]  # -0.2 and -0.0 -> +0; 1.25 -> 1.0 (tie to even)
+    packed, scale = L.quantize(x, L.AITER_TRITON)
+    assert scale.tolist() == [[0], [127]]
+    assert L.unpack_fp4(packed)[1, :4].tolist() == [7, 8, 8, 3]
 
 
 def test_scale_rules_differ_exactly_at_one_and_a_half_times_a_power_of_two():
@@ -160,7 +172,7 @@ def test_quantize_matches_aiter_triton_kernel_bytes(aiter_triton_quant):
     ties = torch.tensor([6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.5, 0.1, -0.1, -0.0] + [0.0] * 20)
     x[2, :32], x[3, :32] = ties, -ties
     want_q, want_s = aiter_triton_quant(x)
-    q, s = L.quantize(x, ScaleRule.EVEN, Rounding.HALF_AWAY)
+    q, s = L.quantize(x, L.AITER_TRITON)
     assert torch.equal(s, want_s)
     assert torch.equal(q, want_q)
 
@@ -176,3 +188,14 @@ def test_dequantize_matches_aiter_decoders(aiter_fp4_utils):
     assert torch.equal(got, want)
     assert torch.equal(L.e8m0_decode(torch.arange(255, dtype=torch.uint8)),
                        aiter_fp4_utils.e8m0_to_f32(torch.arange(255, dtype=torch.uint8)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quark_recipe_matches_quark_exporter_bytes(quark_mxfp4, dtype):
+    x = wide_range_tensor(64, 256, seed=7)
+    x[4, :32] = torch.tensor([6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.5, 0.1, -0.1, -0.0] + [0.0] * 20)
+    x = x.to(dtype)
+    want_q, want_s = quark_mxfp4(x)
+    q, s = L.quantize(x, L.QUARK)
+    assert torch.equal(s, want_s)
+    assert torch.equal(q, want_q)

@@ -1,0 +1,56 @@
+"""Quark's own MXFP4 weight export path, as an oracle for the QUARK recipe.
+
+Runs the pieces `export_safetensors` uses for an MXFP4 weight (observer -> real quantizer ->
+pack), on the CPU. `quark.torch`'s package init imports `transformers`, which amd-quark does not
+declare; when transformers is absent we register an empty `quark.torch` package so the
+submodules we need import on their own. Quark JIT-compiles a small C++ op on first use (g++,
+ninja; cached under ~/.cache/torch_extensions).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import types
+
+import torch
+
+
+def available() -> bool:
+    return importlib.util.find_spec("quark") is not None
+
+
+def _import_quark_torch() -> None:
+    os.environ.setdefault("QUARK_LOG_LEVEL", "warning")
+    import quark
+
+    if "quark.torch" in sys.modules:
+        return
+    if importlib.util.find_spec("transformers") is not None:
+        import quark.torch  # noqa: F401
+        return
+    pkg = types.ModuleType("quark.torch")
+    pkg.__path__ = [os.path.join(importlib.util.find_spec("quark").submodule_search_locations[0], "torch")]
+    sys.modules["quark.torch"] = pkg
+    quark.torch = pkg
+
+
+def quark_mxfp4(w: torch.Tensor, scale_calculation_mode: str = "even") -> tuple[torch.Tensor, torch.Tensor]:
+    """W [N, K] -> (packed uint8 [N, K/2], E8M0 uint8 [N, K/32]) as Quark's exporter writes them."""
+    _import_quark_torch()
+    from quark.torch.export.nn.modules.realquantizer import get_real_quantizer
+    from quark.torch.quantization.config.config import OCP_MXFP4Spec
+    from quark.torch.quantization.tensor_quantize import FakeQuantizeBase
+
+    qspec = OCP_MXFP4Spec(ch_axis=-1, is_dynamic=False,
+                          scale_calculation_mode=scale_calculation_mode).to_quantization_spec()
+    fq = FakeQuantizeBase.get_fake_quantize(qspec, device=w.device)
+    fq.disable_fake_quant()  # only the observer's scale is needed
+    with torch.no_grad():
+        fq(w)
+        rq = get_real_quantizer(qspec=qspec, quantizer=fq, reorder=False, real_quantized=True,
+                                float_dtype=torch.float32, device=w.device)
+        packed = rq.to_real_quantize_params(w)
+        rq.maybe_convert_and_transpose_scale()
+    return packed.view(torch.uint8), rq.scale.view(torch.uint8)
