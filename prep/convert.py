@@ -1,0 +1,252 @@
+"""``prep convert``: stream a Quark MXFP4 DeepSeek checkpoint into per-rank, kernel-layout files
+plus a manifest.
+
+Order of work, so that bad input leaves nothing behind: resolve and validate the source, plan
+every output tensor and check every constraint, and only then write, into a staging folder next
+to OUT. Each output file is written under a temporary name, renamed when whole, and described by
+a small record (its tensors' hashes) that ``--resume`` re-verifies and reuses. The manifest and
+then the completion marker are written last, and the staging folder is renamed to OUT.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import dataclasses
+import errno
+import json
+import pathlib
+import shutil
+from typing import Any, Callable
+
+import layouts
+from layouts.manifest import COMPLETE_NAME, FORMAT, FORMAT_VERSION, MANIFEST_NAME, manifest_hash
+
+from . import __version__
+from .deepseek import Target, classify, plan_groups
+from .errors import PrepError
+from .groups import LinearGroup, MoEGroup
+from .source import SourceCheckpoint
+from .stwriter import ITEMSIZE, StreamingSafetensorsWriter, xxh3
+
+SHARD_BYTES = 4 << 30  # split a rank's tensors into files of about this size
+
+
+@dataclasses.dataclass
+class FileJob:
+    """One output file: its tensors in order and what produces them."""
+
+    name: str
+    rank: int | None
+    groups: list[LinearGroup | MoEGroup]  # MXFP4 groups (rank files)
+    passthrough: list[str]  # source tensor names (common files)
+    entries: list[tuple[str, str, tuple[int, ...]]]
+
+    @property
+    def nbytes(self) -> int:
+        total = 0
+        for _, dtype, shape in self.entries:
+            n = ITEMSIZE[dtype]
+            for d in shape:
+                n *= d
+            total += n
+        return total
+
+    def plan_key(self) -> str:
+        """What must match for a finished file to be reused by --resume."""
+        desc = [g.record() for g in self.groups] + self.passthrough + [list(e) for e in self.entries]
+        return manifest_hash(json.dumps(desc, sort_keys=True).encode())
+
+
+def _shards(items: list[tuple[Any, int]], prefix: str) -> list[tuple[str, list[Any]]]:
+    """Cut (item, bytes) into consecutive files of about SHARD_BYTES, named prefix-00001...."""
+    files: list[list[Any]] = [[]]
+    size = 0
+    for item, n in items:
+        if files[-1] and size + n > SHARD_BYTES:
+            files.append([])
+            size = 0
+        files[-1].append(item)
+        size += n
+    return [(f"{prefix}-{i + 1:05d}-of-{len(files):05d}.safetensors", chunk) for i, chunk in enumerate(files)]
+
+
+def _entry_bytes(shape: tuple[int, ...], dtype: str = "U8") -> int:
+    n = ITEMSIZE[dtype]
+    for d in shape:
+        n *= d
+    return n
+
+
+def plan_files(src: SourceCheckpoint, target: Target) -> tuple[list[FileJob], dict[str, Any]]:
+    """Validate everything and lay out the output files. Raises PrepError on any bad input."""
+    _check_layout_names(target)
+    cls = classify(src)
+    per_rank = plan_groups(src, cls, target)
+    jobs: list[FileJob] = []
+    for rank, groups in enumerate(per_rank):
+        sized = [(g, sum(_entry_bytes(shape) for _, _, shape in g.outputs())) for g in groups]
+        for fname, chunk in _shards(sized, f"model-tp{target.tp}-rank{rank}"):
+            entries = [(n, "U8", tuple(shape)) for g in chunk for n, _, shape in g.outputs()]
+            jobs.append(FileJob(fname, rank, chunk, [], entries))
+    sized = [(n, _entry_bytes(src.tensors[n].shape, src.tensors[n].dtype)) for n in cls.passthrough]
+    if sized:
+        for fname, chunk in _shards(sized, "model-common"):
+            entries = [(n, src.tensors[n].dtype, src.tensors[n].shape) for n in chunk]
+            jobs.append(FileJob(fname, None, [], chunk, entries))
+    info = {"arch": cls.arch, "num_layers": cls.num_layers, "mtp_layers": cls.mtp_layers,
+            "modules": cls.modules, "passthrough": cls.passthrough}
+    return jobs, info
+
+
+def _check_layout_names(target: Target) -> None:
+    for name, kind, flag in ((target.layout, "dense", "--layout"), (target.moe_layout, "moe", "--moe-layout")):
+        if name not in layouts.layout_names(kind):
+            raise PrepError(f"{flag} {name!r} is not a {kind} layout; choose one of {', '.join(layouts.layout_names(kind))}")
+
+
+# ---------------------------------------------------------------------------------- writing
+def _write_file(src_root: str, origin: dict, job: FileJob, staging: str) -> dict[str, Any]:
+    """Write one output file (runs in a worker process when --workers > 1)."""
+    src = SourceCheckpoint(pathlib.Path(src_root), origin)
+    final = pathlib.Path(staging) / job.name
+    tmp = final.with_name(final.name + ".tmp")
+    with StreamingSafetensorsWriter(tmp, job.entries) as w:
+        for g in job.groups:
+            for (name, _, _), t in zip(g.outputs(), g.build(src.read)):
+                w.add(name, t)
+        for name in job.passthrough:
+            w.add(name, src.read(name))
+    tmp.rename(final)
+    record = {"file": job.name, "plan_key": job.plan_key(), "size": final.stat().st_size, "hashes": w.hashes}
+    (final.with_name(final.name + ".record.json")).write_text(json.dumps(record))
+    return record
+
+
+def _reusable(job: FileJob, staging: pathlib.Path) -> dict[str, Any] | None:
+    """A finished file from an interrupted run, if it is the same plan and its bytes verify."""
+    final, rec_path = staging / job.name, staging / (job.name + ".record.json")
+    if not (final.is_file() and rec_path.is_file()):
+        return None
+    try:
+        record = json.loads(rec_path.read_text())
+        if record.get("plan_key") != job.plan_key() or record.get("size") != final.stat().st_size:
+            return None
+        from safetensors import safe_open
+
+        with safe_open(str(final), framework="pt") as f:
+            for name, _, _ in job.entries:
+                if xxh3(f.get_tensor(name)) != record["hashes"].get(name):
+                    return None
+        return record
+    except Exception:
+        return None
+
+
+def convert(
+    src_spec: str,
+    out: str | pathlib.Path,
+    target: Target,
+    *,
+    force: bool = False,
+    resume: bool = False,
+    workers: int = 1,
+    revision: str | None = None,
+    progress: Callable[[int], None] | None = None,
+    on_total: Callable[[int], None] | None = None,
+) -> dict[str, Any]:
+    """Convert ``src_spec`` into ``out``. Returns a summary (files, tensors, bytes, reused)."""
+    out = pathlib.Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
+        raise PrepError(f"{out}: exists and is not empty; choose another -o or pass --force to replace it")
+    src = SourceCheckpoint.open(src_spec, revision)
+    jobs, info = plan_files(src, target)
+    staging = out.parent / f".{out.name}.prep-partial"
+    if staging.exists() and not resume:
+        shutil.rmtree(staging)
+    total = sum(j.nbytes for j in jobs)
+    if on_total:
+        on_total(total)
+    try:
+        staging.mkdir(parents=True, exist_ok=True)
+        records: dict[str, dict[str, Any]] = {}
+        todo = []
+        for job in jobs:
+            rec = _reusable(job, staging) if resume else None
+            if rec is not None:
+                records[job.name] = {**rec, "reused": True}
+                if progress:
+                    progress(job.nbytes)
+            else:
+                todo.append(job)
+        args = (str(src.root), src.origin)
+        if workers <= 1:
+            for job in todo:
+                records[job.name] = _write_file(*args, job, str(staging))
+                if progress:
+                    progress(job.nbytes)
+        else:
+            with cf.ProcessPoolExecutor(max_workers=workers) as pool:
+                futures = {pool.submit(_write_file, *args, job, str(staging)): job for job in todo}
+                for fut in cf.as_completed(futures):
+                    records[futures[fut].name] = fut.result()
+                    if progress:
+                        progress(futures[fut].nbytes)
+        for p in src.side_files():
+            shutil.copyfile(p, staging / p.name)
+        manifest = build_manifest(src, target, jobs, records, info)
+        raw = json.dumps(manifest, indent=1).encode()
+        (staging / MANIFEST_NAME).write_bytes(raw)
+        for stale in staging.glob("*.record.json"):
+            stale.unlink()
+        (staging / COMPLETE_NAME).write_text(json.dumps({"manifest_sha256": manifest_hash(raw), "tool": f"prep {__version__}"}))
+        if out.exists():
+            shutil.rmtree(out) if out.is_dir() else out.unlink()
+        staging.rename(out)
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise PrepError(f"{out}: disk full while writing ({total / 2**30:.2f} GiB needed in all); "
+                            "free space or choose another -o; partial output removed") from None
+        raise
+    reused = sum(1 for r in records.values() if r.get("reused"))
+    return {"out": str(out), "files": len(jobs), "reused_files": reused, "bytes": total,
+            "tensors": sum(len(j.entries) for j in jobs), "source_tensors": len(src.tensors)}
+
+
+def build_manifest(src: SourceCheckpoint, target: Target, jobs: list[FileJob],
+                   records: dict[str, dict[str, Any]], info: dict[str, Any]) -> dict[str, Any]:
+    tensors = []
+    groups = []
+    used_layouts = {target.layout, target.moe_layout}
+    for job in jobs:
+        hashes = records[job.name]["hashes"]
+        for g in job.groups:
+            groups.append({**g.record(), "file": job.name})
+            lay = layouts.get_layout(g.layout)
+            extra = g.runtime_extra() if isinstance(g, MoEGroup) else {}
+            sources = ([f"{p.src}.{s}" for p in g.parts for s in ("weight", "weight_scale")]
+                       if isinstance(g, LinearGroup) else
+                       [f"{e}.{p}.{s}" for e in g.experts for p in ("gate_proj", "up_proj", "down_proj")
+                        for s in ("weight", "weight_scale")])
+            for name, role, shape in g.outputs():
+                tensors.append({"name": name, "rank": g.rank, "file": job.name, "dtype": "U8", "shape": list(shape),
+                                "role": role, "group": g.key, "layout": g.layout,
+                                "runtime_attrs": {**lay.runtime_attrs, **extra},
+                                "sources": sources, "transforms": g.transforms(), "xxh3_128": hashes[name]})
+        for name in job.passthrough:
+            ti = src.tensors[name]
+            tensors.append({"name": name, "rank": None, "file": job.name, "dtype": ti.dtype, "shape": list(ti.shape),
+                            "role": "passthrough", "sources": [name], "transforms": [], "xxh3_128": hashes[name]})
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "tool": {"name": "prep", "version": __version__},
+        "layouts_version": layouts.__version__,
+        "source": {**src.fingerprint(), "tensors": {n: {"dtype": t.dtype, "shape": list(t.shape), "file": t.file}
+                                                    for n, t in src.tensors.items()}},
+        "target": {**dataclasses.asdict(target), "arch": info["arch"]},
+        "layouts": {n: layouts.get_layout(n).describe() for n in sorted(used_layouts)},
+        "files": {j.name: {"rank": j.rank, "size": records[j.name]["size"], "tensors": len(j.entries)} for j in jobs},
+        "groups": groups,
+        "tensors": tensors,
+    }

@@ -1,0 +1,192 @@
+"""DeepSeek-V2/V3/R1 knowledge: which source tensors are MXFP4 GEMM weights of which module kind,
+and how a rank's engine holds them (ATOM's DeepSeek loader: merged ``fused_qkv_a_proj`` and
+``gate_up_proj``, column/row parallel splits, stacked experts with the shared expert fused in).
+
+Whether a linear is MXFP4 is decided by the tensors present (U8 weight + weight_scale), not only
+by the config's exclude list: the MTP layer's ``eh_proj`` may be BF16 although not excluded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+from .errors import PrepError
+from .groups import LinearGroup, MoEGroup, Part
+from .source import SourceCheckpoint
+
+ARCHS = {"DeepseekV3ForCausalLM": "deepseek_v3", "DeepseekV2ForCausalLM": "deepseek_v2"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    layout: str = "preshuffle"  # dense linears
+    moe_layout: str = "ck"
+    tp: int = 1
+    ep: int = 1
+    fuse_shared_expert: bool = True
+    inter_pad_to: int = 256
+    hidden_pad_to: int = 256
+
+
+@dataclasses.dataclass
+class Classified:
+    """Every source tensor assigned: to a quantized module (by kind) or to pass-through."""
+
+    arch: str
+    num_layers: int  # decoder layers, MTP excluded
+    mtp_layers: list[int]
+    modules: dict[str, str]  # MXFP4 module prefix -> kind
+    passthrough: list[str]  # tensor names copied unchanged
+
+
+def arch_of(config: dict[str, Any]) -> str:
+    for a in config.get("architectures") or []:
+        if a in ARCHS:
+            return ARCHS[a]
+    if config.get("model_type") in ARCHS.values():
+        return config["model_type"]
+    raise PrepError(f"config.json: architecture {config.get('architectures')} is not DeepSeek V2/V3; "
+                    "prep knows DeepseekV3ForCausalLM (V3, R1) and DeepseekV2ForCausalLM")
+
+
+_KINDS = [
+    (r"self_attn\.q_a_proj$", "q_a_proj"), (r"self_attn\.kv_a_proj_with_mqa$", "kv_a_proj"),
+    (r"self_attn\.q_b_proj$", "q_b_proj"), (r"self_attn\.q_proj$", "q_proj"),
+    (r"self_attn\.kv_b_proj$", "kv_b_proj"), (r"self_attn\.o_proj$", "o_proj"),
+    (r"mlp\.experts\.\d+\.(gate|up|down)_proj$", "routed_expert"),
+    (r"mlp\.shared_experts\.(gate|up|down)_proj$", "shared_expert"),
+    (r"mlp\.(gate|up|down)_proj$", "dense_mlp"),
+    (r"eh_proj$", "mtp_eh_proj"),
+]
+
+
+def module_kind(prefix: str) -> str:
+    for pattern, kind in _KINDS:
+        if re.search(pattern, prefix):
+            return kind
+    return "other"
+
+
+def classify(src: SourceCheckpoint) -> Classified:
+    cfg = src.config
+    arch = arch_of(cfg)
+    n_layers = int(cfg["num_hidden_layers"])
+    mtp = [n_layers + i for i in range(int(cfg.get("num_nextn_predict_layers") or 0))]
+    modules: dict[str, str] = {}
+    consumed: set[str] = set()
+    for name, info in src.tensors.items():
+        if not name.endswith(".weight_scale"):
+            continue
+        prefix = name[: -len(".weight_scale")]
+        w = src.tensors.get(f"{prefix}.weight")
+        if w is None:
+            raise PrepError(f"{name}: scale without a {prefix}.weight tensor")
+        if w.dtype != "U8" or info.dtype != "U8":
+            raise PrepError(f"{prefix}.weight: MXFP4 tensors must be U8 (got weight {w.dtype}, scale {info.dtype})")
+        if len(w.shape) != 2 or len(info.shape) != 2 or info.shape != (w.shape[0], -(-w.shape[1] * 2 // 32)):
+            raise PrepError(f"{prefix}.weight_scale: shape {list(info.shape)} does not match weight "
+                            f"{list(w.shape)} (expected [N, ceil(K/32)] for packed [N, K/2])")
+        modules[prefix] = module_kind(prefix)
+        consumed.update((name, f"{prefix}.weight"))
+    passthrough = [n for n in src.tensors if n not in consumed]
+    for n in passthrough:
+        if src.tensors[n].dtype == "U8":
+            raise PrepError(f"{n}: U8 tensor with no weight_scale; not an MXFP4 weight prep understands")
+    return Classified(arch, n_layers, mtp, modules, passthrough)
+
+
+def _dims(src: SourceCheckpoint, prefix: str) -> tuple[int, int]:
+    n, kb = src.info(f"{prefix}.weight").shape
+    return n, 2 * kb
+
+
+def plan_groups(src: SourceCheckpoint, cls: Classified, target: Target) -> list[list[LinearGroup | MoEGroup]]:
+    """For each rank, the MXFP4 groups it holds, in source layer order."""
+    cfg = src.config
+    tp = target.tp
+    if tp < 1 or target.ep < 1:
+        raise PrepError(f"--tp and --ep must be >= 1 (got tp={tp}, ep={target.ep})")
+    if target.ep != 1:
+        raise PrepError("--ep > 1 (expert parallel) is not supported yet; convert with --ep 1")
+    heads = int(cfg.get("num_attention_heads", 1))
+    if heads % tp:
+        raise PrepError(f"config.json: num_attention_heads={heads} does not divide over tp={tp}; "
+                        "choose a tp that divides the heads")
+
+    def part(prefix: str, split: str) -> Part:
+        n, k = _dims(src, prefix)
+        return Part(prefix, n, k, split)
+
+    # Group modules by layer prefix ("model.layers.N.") keeping source order.
+    by_layer: dict[str, dict[str, str]] = {}
+    for prefix, kind in modules_in_order(cls):
+        m = re.match(r"(.*?layers\.\d+\.)", prefix)
+        by_layer.setdefault(m.group(1) if m else "", {})[prefix] = kind
+
+    per_rank: list[list[LinearGroup | MoEGroup]] = [[] for _ in range(tp)]
+    for layer, mods in by_layer.items():
+        for rank in range(tp):
+            per_rank[rank] += _layer_groups(layer, mods, rank, target, part, src)
+    for groups in per_rank:
+        for g in groups:
+            g.check()
+    return per_rank
+
+
+def modules_in_order(cls: Classified) -> list[tuple[str, str]]:
+    def key(item):
+        nums = [int(x) if x.isdigit() else x for x in re.split(r"(\d+)", item[0])]
+        return [(0, x) if isinstance(x, int) else (1, x) for x in nums]
+
+    return sorted(cls.modules.items(), key=key)
+
+
+def _layer_groups(layer, mods, rank, target, part, src) -> list[LinearGroup | MoEGroup]:
+    tp, lay = target.tp, target.layout
+    out: list[LinearGroup | MoEGroup] = []
+    done: set[str] = set()
+
+    def linear(name: str, parts: list[Part]) -> None:
+        out.append(LinearGroup(name, rank, tp, tuple(parts), lay))
+        done.update(p.src for p in parts)
+
+    attn = f"{layer}self_attn."
+    if f"{attn}q_a_proj" in mods and f"{attn}kv_a_proj_with_mqa" in mods:
+        linear(f"{attn}fused_qkv_a_proj", [part(f"{attn}q_a_proj", "none"), part(f"{attn}kv_a_proj_with_mqa", "none")])
+    mlp = f"{layer}mlp."
+    if f"{mlp}gate_proj" in mods and f"{mlp}up_proj" in mods:
+        linear(f"{mlp}gate_up_proj", [part(f"{mlp}gate_proj", "rows"), part(f"{mlp}up_proj", "rows")])
+
+    experts = sorted((p for p, k in mods.items() if k == "routed_expert" and p.endswith(".gate_proj")),
+                     key=lambda p: int(p.split(".")[-2]))
+    if experts:
+        srcs = [p[: -len(".gate_proj")] for p in experts]
+        shared = f"{mlp}shared_experts"
+        fuse = target.fuse_shared_expert and f"{shared}.gate_proj" in mods
+        if fuse:
+            srcs.append(shared)
+        for s in srcs:
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                if f"{s}.{proj}" not in mods:
+                    raise PrepError(f"{s}.{proj}.weight: missing or not MXFP4 while other experts of the layer are")
+        inter, hidden = _dims(src, f"{srcs[0]}.gate_proj")
+        for s in srcs:
+            if _dims(src, f"{s}.gate_proj") != (inter, hidden):
+                raise PrepError(f"{s}.gate_proj.weight: shape differs from {srcs[0]}.gate_proj.weight; "
+                                "cannot stack (use --no-fuse-shared-expert for a differently sized shared expert)")
+        out.append(MoEGroup(f"{mlp}experts", rank, tp, tuple(srcs), inter, hidden, target.moe_layout,
+                            target.inter_pad_to, target.hidden_pad_to))
+        done.update(f"{s}.{p}" for s in srcs for p in ("gate_proj", "up_proj", "down_proj"))
+        if not fuse and f"{shared}.gate_proj" in mods and f"{shared}.up_proj" in mods:
+            linear(f"{shared}.gate_up_proj", [part(f"{shared}.gate_proj", "rows"), part(f"{shared}.up_proj", "rows")])
+
+    for prefix, kind in mods.items():
+        if prefix in done:
+            continue
+        split = {"q_b_proj": "rows", "q_proj": "rows", "kv_b_proj": "rows", "o_proj": "cols",
+                 "dense_mlp": "cols" if prefix.endswith("down_proj") else "rows",
+                 "shared_expert": "cols" if prefix.endswith("down_proj") else "rows"}.get(kind, "none")
+        linear(prefix, [part(prefix, split)])
+    return out

@@ -1,0 +1,268 @@
+"""Output groups: what one rank's engine holds for one MXFP4 linear (or one MoE layer's experts),
+built from source tensors by TP split, merge, padding and layout, with the exact inverse.
+
+Every transform runs after the tensor-parallel split, on the rank's local tensor (the layouts do
+not commute with merged tensors). A group records all its parameters, so the manifest alone is
+enough to invert it (``prep revert``, ``prep verify --source``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Iterator
+
+import torch
+
+import layouts
+from layouts.shuffle import pad_to
+
+from .errors import PrepError
+
+BLOCK = layouts.BLOCK_SIZE
+Reader = Callable[..., torch.Tensor]  # read(name, rows=None, cols=None) -> tensor
+# A piece of a source tensor: (source tensor name, (row slice, col slice), bytes).
+Piece = tuple[str, tuple[slice, slice], torch.Tensor]
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """One source linear feeding a group: its module prefix, logical [N, K], and TP split.
+
+    ``split``: "rows" (column-parallel, N split), "cols" (row-parallel, K split), "none" (replicated).
+    """
+
+    src: str
+    n: int
+    k: int
+    split: str
+
+    def local(self, tp: int) -> tuple[int, int]:
+        if self.split == "rows":
+            return self.n // tp, self.k
+        if self.split == "cols":
+            return self.n, self.k // tp
+        return self.n, self.k
+
+    def check(self, tp: int) -> None:
+        name = f"{self.src}.weight"
+        if self.split == "rows" and self.n % tp:
+            raise PrepError(f"{name}: {self.n} output rows do not split over tp={tp}; choose a tp that divides {self.n}")
+        if self.split == "cols" and self.k % (tp * BLOCK):
+            raise PrepError(f"{name}: K={self.k} does not split over tp={tp} in whole 32-element scale blocks "
+                            f"(needs K % {tp * BLOCK} == 0); choose a smaller tp")
+
+    def window(self, tp: int, rank: int) -> tuple[slice, slice, slice]:
+        """(row slice, weight byte-col slice, scale col slice) of this rank in the source."""
+        n, k = self.local(tp)
+        rows = slice(rank * n, (rank + 1) * n) if self.split == "rows" else slice(0, self.n)
+        if self.split == "cols":
+            return rows, slice(rank * k // 2, (rank + 1) * k // 2), slice(rank * k // BLOCK, (rank + 1) * k // BLOCK)
+        return rows, slice(0, self.k // 2), slice(0, -(-self.k // BLOCK))
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearGroup:
+    """A dense MXFP4 linear on one rank: parts split, stacked along rows, then ``layout``."""
+
+    name: str  # engine module prefix, e.g. model.layers.3.self_attn.fused_qkv_a_proj
+    rank: int
+    tp: int
+    parts: tuple[Part, ...]
+    layout: str
+    kind = "linear"
+
+    @property
+    def key(self) -> str:
+        return self.name
+
+    def local_shapes(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        n = sum(p.local(self.tp)[0] for p in self.parts)
+        k = self.parts[0].local(self.tp)[1]
+        return (n, k // 2), (n, -(-k // BLOCK))
+
+    def outputs(self) -> list[tuple[str, str, tuple[int, ...]]]:
+        """(tensor name, role, shape) of what this group writes, in order."""
+        lw, ls = layouts.get_layout(self.layout).output_shapes(*self.local_shapes())
+        return [(f"{self.name}.weight", "mxfp4_weight", lw), (f"{self.name}.weight_scale", "e8m0_scale", ls)]
+
+    def check(self) -> None:
+        for p in self.parts:
+            p.check(self.tp)
+        if len({p.local(self.tp)[1] for p in self.parts}) != 1:
+            raise PrepError(f"{self.name}: merged parts have different K ({[p.src for p in self.parts]})")
+        layouts.get_layout(self.layout).check(*self.local_shapes(), tensor=f"{self.name}.weight (rank {self.rank})")
+
+    def build(self, read: Reader) -> list[torch.Tensor]:
+        ws, ss = [], []
+        for p in self.parts:
+            rows, wcols, scols = p.window(self.tp, self.rank)
+            ws.append(read(f"{p.src}.weight", rows, wcols))
+            ss.append(read(f"{p.src}.weight_scale", rows, scols))
+        w = ws[0].contiguous() if len(ws) == 1 else torch.cat(ws)
+        s = ss[0].contiguous() if len(ss) == 1 else torch.cat(ss)
+        return list(layouts.get_layout(self.layout).apply(w, s, f"{self.name}.weight"))
+
+    def invert(self, tensors: list[torch.Tensor]) -> Iterator[Piece]:
+        wshape, sshape = self.local_shapes()
+        w, s = layouts.get_layout(self.layout).invert(tensors[0], tensors[1], wshape, sshape)
+        row = 0
+        for p in self.parts:
+            n = p.local(self.tp)[0]
+            rows, wcols, scols = p.window(self.tp, self.rank)
+            yield f"{p.src}.weight", (rows, wcols), w[row:row + n]
+            yield f"{p.src}.weight_scale", (rows, scols), s[row:row + n]
+            row += n
+
+    def transforms(self) -> list[dict[str, Any]]:
+        chain: list[dict[str, Any]] = []
+        for p in self.parts:
+            if p.split != "none":
+                chain.append({"op": "tp_split", "source": p.src, "dim": 0 if p.split == "rows" else 1,
+                              "tp": self.tp, "rank": self.rank})
+        if len(self.parts) > 1:
+            chain.append({"op": "concat_rows", "parts": [p.src for p in self.parts]})
+        chain.append({"op": "layout", **layouts.get_layout(self.layout).describe()})
+        return chain
+
+    def record(self) -> dict[str, Any]:
+        return {"kind": self.kind, "name": self.name, "rank": self.rank, "tp": self.tp, "layout": self.layout,
+                "parts": [dataclasses.asdict(p) for p in self.parts]}
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEGroup:
+    """One MoE layer's experts on one rank, stacked: ``w13 [E, 2*I_pad, H_pad/2]`` (gate rows,
+    zero pad, up rows, zero pad) and ``w2 [E, H_pad, I_pad/2]``, each with its E8M0 scale, then
+    ``layout``. Padding is zero weight bytes and 0x00 scale bytes (scale 2^-127)."""
+
+    name: str  # e.g. model.layers.3.mlp.experts
+    rank: int
+    tp: int
+    experts: tuple[str, ...]  # source prefixes with gate_proj/up_proj/down_proj below them
+    inter: int  # per-expert intermediate size (I)
+    hidden: int  # H
+    layout: str
+    inter_pad_to: int = 256
+    hidden_pad_to: int = 256
+    kind = "moe"
+
+    @property
+    def key(self) -> str:
+        return self.name
+
+    @property
+    def i_local(self) -> int:
+        return self.inter // self.tp
+
+    @property
+    def i_pad(self) -> int:
+        return pad_to(self.i_local, self.inter_pad_to)
+
+    @property
+    def h_pad(self) -> int:
+        return pad_to(self.hidden, self.hidden_pad_to)
+
+    def local_shapes(self) -> list[tuple[int, ...]]:
+        e, ip, hp = len(self.experts), self.i_pad, self.h_pad
+        return [(e, 2 * ip, hp // 2), (e, 2 * ip, hp // BLOCK), (e, hp, ip // 2), (e, hp, ip // BLOCK)]
+
+    def outputs(self) -> list[tuple[str, str, tuple[int, ...]]]:
+        lay = layouts.get_layout(self.layout)
+        w13, s13, w2, s2 = self.local_shapes()
+        o13, o13s = lay.output_shapes(w13, s13)
+        o2, o2s = lay.output_shapes(w2, s2)
+        return [(f"{self.name}.w13_weight", "mxfp4_weight", o13), (f"{self.name}.w13_weight_scale", "e8m0_scale", o13s),
+                (f"{self.name}.w2_weight", "mxfp4_weight", o2), (f"{self.name}.w2_weight_scale", "e8m0_scale", o2s)]
+
+    def check(self) -> None:
+        src = f"{self.experts[0]}.down_proj.weight"
+        if self.inter % self.tp:
+            raise PrepError(f"{src}: moe intermediate {self.inter} does not split over tp={self.tp}")
+        if self.i_local % BLOCK:
+            raise PrepError(f"{src}: moe intermediate per rank {self.i_local} is not a multiple of 32 "
+                            f"(tp={self.tp} too large for whole scale blocks)")
+        if self.hidden % BLOCK:
+            raise PrepError(f"{src}: hidden size {self.hidden} is not a multiple of 32")
+        lay = layouts.get_layout(self.layout)
+        w13, s13, w2, s2 = self.local_shapes()
+        lay.check(w13, s13, f"{self.name}.w13_weight (rank {self.rank})")
+        lay.check(w2, s2, f"{self.name}.w2_weight (rank {self.rank})")
+
+    def _windows(self):
+        r, il = self.rank, self.i_local
+        gate_up_rows = slice(r * il, (r + 1) * il)
+        down_cols = slice(r * il // 2, (r + 1) * il // 2), slice(r * il // BLOCK, (r + 1) * il // BLOCK)
+        return gate_up_rows, down_cols
+
+    def build(self, read: Reader) -> list[torch.Tensor]:
+        w13s, s13s, w2s, s2s = self.local_shapes()
+        w13, w2 = torch.zeros(w13s, dtype=torch.uint8), torch.zeros(w2s, dtype=torch.uint8)
+        s13, s2 = torch.zeros(s13s, dtype=torch.uint8), torch.zeros(s2s, dtype=torch.uint8)
+        rows, (dcols, dscols) = self._windows()
+        il, ip, h = self.i_local, self.i_pad, self.hidden
+        for e, src in enumerate(self.experts):
+            for half, proj in enumerate(("gate_proj", "up_proj")):
+                w13[e, half * ip:half * ip + il, :h // 2] = read(f"{src}.{proj}.weight", rows)
+                s13[e, half * ip:half * ip + il, :h // BLOCK] = read(f"{src}.{proj}.weight_scale", rows)
+            w2[e, :h, :il // 2] = read(f"{src}.down_proj.weight", None, dcols)
+            s2[e, :h, :il // BLOCK] = read(f"{src}.down_proj.weight_scale", None, dscols)
+        lay = layouts.get_layout(self.layout)
+        a, b = lay.apply(w13, s13, f"{self.name}.w13_weight")
+        del w13, s13
+        c, d = lay.apply(w2, s2, f"{self.name}.w2_weight")
+        return [a, b, c, d]
+
+    def invert(self, tensors: list[torch.Tensor]) -> Iterator[Piece]:
+        lay = layouts.get_layout(self.layout)
+        w13s, s13s, w2s, s2s = self.local_shapes()
+        w13, s13 = lay.invert(tensors[0], tensors[1], w13s, s13s)
+        w2, s2 = lay.invert(tensors[2], tensors[3], w2s, s2s)
+        self._check_padding(w13, s13, w2, s2)
+        rows, (dcols, dscols) = self._windows()
+        il, ip, h = self.i_local, self.i_pad, self.hidden
+        full_w, full_s = slice(0, h // 2), slice(0, h // BLOCK)
+        for e, src in enumerate(self.experts):
+            for half, proj in enumerate(("gate_proj", "up_proj")):
+                yield f"{src}.{proj}.weight", (rows, full_w), w13[e, half * ip:half * ip + il, :h // 2]
+                yield f"{src}.{proj}.weight_scale", (rows, full_s), s13[e, half * ip:half * ip + il, :h // BLOCK]
+            yield f"{src}.down_proj.weight", (slice(0, h), dcols), w2[e, :h, :il // 2]
+            yield f"{src}.down_proj.weight_scale", (slice(0, h), dscols), s2[e, :h, :il // BLOCK]
+
+    def _check_padding(self, w13, s13, w2, s2) -> None:
+        """The pad regions must still be zero: anything else means the file is not what we wrote."""
+        il, ip, h = self.i_local, self.i_pad, self.hidden
+        pads = []
+        for half in range(2):
+            rows = slice(half * ip + il, (half + 1) * ip)
+            pads += [w13[:, rows], s13[:, rows]]
+        pads += [w13[:, :, h // 2:], s13[:, :, h // BLOCK:], w2[:, h:], s2[:, h:], w2[:, :, il // 2:], s2[:, :, il // BLOCK:]]
+        if any(p.numel() and p.any() for p in pads):
+            raise PrepError(f"{self.name} (rank {self.rank}): padding bytes are not zero; the file is corrupt")
+
+    def transforms(self) -> list[dict[str, Any]]:
+        return [
+            {"op": "tp_split", "dim": "intermediate", "tp": self.tp, "rank": self.rank},
+            {"op": "stack_experts", "experts": len(self.experts), "w13": "[gate ; up] rows per expert"},
+            {"op": "pad", "intermediate": [self.i_local, self.i_pad], "hidden": [self.hidden, self.h_pad],
+             "weight_byte": 0, "scale_byte": 0},
+            {"op": "layout", **layouts.get_layout(self.layout).describe()},
+        ]
+
+    def record(self) -> dict[str, Any]:
+        return {"kind": self.kind, "name": self.name, "rank": self.rank, "tp": self.tp, "layout": self.layout,
+                "experts": list(self.experts), "inter": self.inter, "hidden": self.hidden,
+                "inter_pad_to": self.inter_pad_to, "hidden_pad_to": self.hidden_pad_to}
+
+    def runtime_extra(self) -> dict[str, Any]:
+        return {"intermediate_pad": self.i_pad - self.i_local, "hidden_pad": self.h_pad - self.hidden,
+                "num_local_experts": len(self.experts)}
+
+
+def group_from_record(rec: dict[str, Any]) -> LinearGroup | MoEGroup:
+    """Rebuild a group from its manifest record."""
+    if rec["kind"] == "linear":
+        return LinearGroup(rec["name"], rec["rank"], rec["tp"], tuple(Part(**p) for p in rec["parts"]), rec["layout"])
+    if rec["kind"] == "moe":
+        return MoEGroup(rec["name"], rec["rank"], rec["tp"], tuple(rec["experts"]), rec["inter"], rec["hidden"],
+                        rec["layout"], rec["inter_pad_to"], rec["hidden_pad_to"])
+    raise PrepError(f"manifest: unknown group kind {rec['kind']!r}")

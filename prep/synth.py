@@ -1,0 +1,413 @@
+"""Synthetic DeepSeek-V3 checkpoints in AMD Quark MXFP4 format, generated offline.
+
+Why: the real amd/DeepSeek-R1-0528-MXFP4 is ~350 GiB behind a network we do not have, yet the
+converter must be tested on the exact things that make it hard: HF tensor names, per-expert
+routed experts, the Quark ``quantization_config`` with its ``exclude`` list, the MTP layer and
+its BF16 ``eh_proj`` quirk, a sharded ``model.safetensors.index.json``, and files copied through
+(tokenizer, generation config). This module writes such a checkpoint with small dims ("tiny", for
+tests) or multi-GB dims ("bench", for throughput), deterministically (same spec -> same bytes;
+every tensor draws from its own generator seeded by ``(seed, name)``), one shard at a time so
+memory stays bounded by one shard.
+
+Facts followed: ``../shared/docs/mxfp4-layouts.md`` section 1.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import json
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+import layouts
+
+__all__ = [
+    "PRESETS", "VARIANTS", "Param", "SynthSpec", "build_config", "exclude_patterns", "is_excluded",
+    "plan_groups", "tensor_specs", "write_checkpoint",
+]
+
+VARIANTS = ("r1-0528", "v2")
+"""r1-0528: attention and the MTP layer BF16 (as amd/DeepSeek-R1-0528-MXFP4). v2: attention
+MXFP4 too, MTP layer quantized except its embedding and head."""
+
+
+@dataclass(frozen=True)
+class SynthSpec:
+    """Dims and knobs of a synthetic checkpoint; defaults are the "tiny" preset (10 MB; 5 MB as v2).
+
+    Layers ``0..num_hidden_layers-1`` are the model; ``model.layers.{num_hidden_layers}`` is the
+    MTP layer (DeepSeek's ``num_nextn_predict_layers = 1``). ``random_bytes`` skips quantization
+    and writes random codes and scales in [118, 126]: same names, shapes and dtypes, fast enough
+    for multi-GB checkpoints, but the values are not the quantization of anything.
+    """
+
+    hidden_size: int = 256
+    q_lora_rank: int = 128
+    kv_lora_rank: int = 128
+    qk_nope_head_dim: int = 32
+    qk_rope_head_dim: int = 16
+    v_head_dim: int = 32
+    num_attention_heads: int = 8
+    intermediate_size: int = 512
+    moe_intermediate_size: int = 256
+    n_routed_experts: int = 8
+    n_shared_experts: int = 1
+    num_experts_per_tok: int = 2
+    n_group: int = 2
+    topk_group: int = 1
+    first_k_dense_replace: int = 1
+    num_hidden_layers: int = 3
+    vocab_size: int = 1024
+    variant: str = "r1-0528"
+    num_shards: int = 4
+    seed: int = 0
+    random_bytes: bool = False
+
+    def __post_init__(self) -> None:
+        """Refuse specs a DeepSeek-V3 engine could not load, before writing anything."""
+        problems = []
+        if self.variant not in VARIANTS:
+            problems.append(f"variant must be one of {VARIANTS}, got {self.variant!r}")
+        for name, value in asdict(self).items():
+            if isinstance(value, int) and not isinstance(value, bool) and name not in ("seed", "first_k_dense_replace") and value < 1:
+                problems.append(f"{name} must be >= 1, got {value}")
+        # Every linear's K must be even to pack two E2M1 codes per byte.
+        ks = {"hidden_size": self.hidden_size, "q_lora_rank": self.q_lora_rank, "kv_lora_rank": self.kv_lora_rank,
+              "intermediate_size": self.intermediate_size, "moe_intermediate_size": self.moe_intermediate_size,
+              "num_attention_heads*v_head_dim": self.num_attention_heads * self.v_head_dim}
+        problems += [f"{k} must be even (MXFP4 packs two codes per byte), got {v}" for k, v in ks.items() if v % 2]
+        if self.n_group >= 1 and self.n_routed_experts % self.n_group:
+            problems.append(f"n_routed_experts ({self.n_routed_experts}) must be a multiple of n_group ({self.n_group})")
+        elif self.n_group >= 1 and self.num_experts_per_tok > self.topk_group * (self.n_routed_experts // self.n_group):
+            problems.append("num_experts_per_tok exceeds the experts in topk_group groups (noaux_tc routing)")
+        if self.topk_group > self.n_group:
+            problems.append(f"topk_group ({self.topk_group}) must be <= n_group ({self.n_group})")
+        if not 0 <= self.first_k_dense_replace <= self.num_hidden_layers:
+            problems.append("first_k_dense_replace must lie in [0, num_hidden_layers]")
+        if problems:
+            raise ValueError("invalid SynthSpec: " + "; ".join(problems))
+
+
+PRESETS: dict[str, SynthSpec] = {
+    "tiny": SynthSpec(),
+    # bench: 2.58 GB on disk (2,575,365,632 bytes of tensors, 2.40 GiB), 11,677 tensors (256 experts:
+    # ~1,550 tensors per MoE layer, as in the real checkpoint), 8 shards of whole layers; written in
+    # ~15 s on 2 CPUs, peak RSS ~2 GB. As in R1-0528 the excluded MTP layer is all BF16 (0.9 GB).
+    "bench": SynthSpec(
+        hidden_size=2048, q_lora_rank=512, kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=32,
+        v_head_dim=64, num_attention_heads=16, intermediate_size=4096, moe_intermediate_size=256,
+        n_routed_experts=256, num_experts_per_tok=8, n_group=8, topk_group=4, num_hidden_layers=8,
+        vocab_size=8192, num_shards=8, random_bytes=True,
+    ),
+}
+
+
+def exclude_patterns(spec: SynthSpec) -> list[str]:
+    """The Quark ``exclude`` list of the variant (L = the MTP layer's index)."""
+    mtp = spec.num_hidden_layers
+    if spec.variant == "r1-0528":
+        return ["*self_attn*", "*mlp.gate.*", "lm_head", f"model.layers.{mtp}.*"]
+    return ["*mlp.gate.*", "lm_head", f"model.layers.{mtp}.shared_head.head", f"model.layers.{mtp}.embed_tokens"]
+
+
+def is_excluded(module: str, patterns: list[str]) -> bool:
+    """Whether Quark leaves ``module`` (a name without ``.weight``) unquantized.
+
+    Entries match as Quark reads them: exact name or dotted prefix, fnmatch glob, ``re:`` regex.
+    """
+    for pat in patterns:
+        if pat.startswith("re:"):
+            if re.fullmatch(pat[3:], module):
+                return True
+        elif module == pat or module.startswith(pat + ".") or fnmatch.fnmatchcase(module, pat):
+            return True
+    return False
+
+
+def _quant_spec(is_dynamic: bool) -> dict:
+    return {
+        "dtype": "fp4", "qscheme": "per_group", "group_size": 32, "ch_axis": -1, "scale_format": "e8m0",
+        "scale_calculation_mode": "even", "is_dynamic": is_dynamic, "round_method": "half_even",
+        "observer_cls": "PerBlockMXObserver", "symmetric": None, "mx_element_dtype": None,
+    }
+
+
+def build_config(spec: SynthSpec) -> dict:
+    """A DeepSeek-V3 ``config.json`` (as HF and Quark write it) for the spec's dims."""
+    s = spec
+    return {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "first_k_dense_replace": s.first_k_dense_replace,
+        "hidden_act": "silu",
+        "hidden_size": s.hidden_size,
+        "initializer_range": 0.02,
+        "intermediate_size": s.intermediate_size,
+        "kv_lora_rank": s.kv_lora_rank,
+        "max_position_embeddings": 4096,
+        "moe_intermediate_size": s.moe_intermediate_size,
+        "moe_layer_freq": 1,
+        "n_group": s.n_group,
+        "n_routed_experts": s.n_routed_experts,
+        "n_shared_experts": s.n_shared_experts,
+        "norm_topk_prob": True,
+        "num_attention_heads": s.num_attention_heads,
+        "num_experts_per_tok": s.num_experts_per_tok,
+        "num_hidden_layers": s.num_hidden_layers,
+        "num_key_value_heads": s.num_attention_heads,
+        "num_nextn_predict_layers": 1,
+        "q_lora_rank": s.q_lora_rank,
+        "qk_nope_head_dim": s.qk_nope_head_dim,
+        "qk_rope_head_dim": s.qk_rope_head_dim,
+        "rms_norm_eps": 1e-6,
+        "rope_scaling": None,
+        "rope_theta": 10000,
+        "routed_scaling_factor": 2.5,
+        "scoring_func": "sigmoid",
+        "tie_word_embeddings": False,
+        "topk_group": s.topk_group,
+        "topk_method": "noaux_tc",
+        "torch_dtype": "bfloat16",
+        "transformers_version": "4.46.3",
+        "use_cache": True,
+        "v_head_dim": s.v_head_dim,
+        "vocab_size": s.vocab_size,
+        "quantization_config": {
+            "quant_method": "quark",
+            "global_quant_config": {
+                "weight": _quant_spec(False), "input_tensors": _quant_spec(True),
+                "output_tensors": None, "bias": None,
+            },
+            "layer_quant_config": {},
+            "layer_type_quant_config": {},
+            "exclude": exclude_patterns(spec),
+            "export": {
+                "kv_cache_group": [], "pack_method": "reorder", "weight_format": "real_quantized",
+                "weight_merge_groups": None, "min_kv_scale": 0.0,
+            },
+            "quant_mode": "eager_mode",
+            "version": "0.10",
+        },
+    }
+
+
+@dataclass(frozen=True)
+class Param:
+    """One module's stored tensors. ``kind``: "fp4" (weight U8 [N, K/2] + weight_scale U8
+    [N, ceil(K/32)] from the logical [N, K]), "bf16" (a BF16 weight), "norm" (BF16 around 1),
+    "bias" (float32 ``e_score_correction_bias``)."""
+
+    module: str
+    shape: tuple[int, ...]
+    kind: str
+
+    def tensors(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Stored name -> (shape, dtype)."""
+        if self.kind == "fp4":
+            n, k = self.shape
+            return {f"{self.module}.weight": ((n, k // 2), torch.uint8),
+                    f"{self.module}.weight_scale": ((n, -(-k // 32)), torch.uint8)}
+        if self.kind == "bias":
+            return {f"{self.module}.e_score_correction_bias": (self.shape, torch.float32)}
+        return {f"{self.module}.weight": (self.shape, torch.bfloat16)}
+
+    def nbytes(self) -> int:
+        total = 0
+        for shape, dtype in self.tensors().values():
+            total += torch.Size(shape).numel() * (4 if dtype == torch.float32 else 2 if dtype == torch.bfloat16 else 1)
+        return total
+
+
+def _layer_params(spec: SynthSpec, layer: int, excluded: list[str]) -> list[Param]:
+    s, h = spec, spec.hidden_size
+    p = f"model.layers.{layer}"
+    mtp = layer == s.num_hidden_layers
+
+    def linear(module: str, n: int, k: int) -> Param:
+        return Param(module, (n, k), "bf16" if is_excluded(module, excluded) else "fp4")
+
+    out = []
+    if mtp:  # DeepSeek's MTP block: embed, two norms and eh_proj ahead of a normal decoder layer.
+        out += [Param(f"{p}.embed_tokens", (s.vocab_size, h), "bf16"), Param(f"{p}.enorm", (h,), "norm"),
+                Param(f"{p}.hnorm", (h,), "norm"),
+                # The real quirk: eh_proj is BF16 without weight_scale even where not excluded.
+                Param(f"{p}.eh_proj", (h, 2 * h), "bf16")]
+    heads, qk = s.num_attention_heads, s.qk_nope_head_dim + s.qk_rope_head_dim
+    a = f"{p}.self_attn"
+    out += [
+        Param(f"{p}.input_layernorm", (h,), "norm"),
+        linear(f"{a}.q_a_proj", s.q_lora_rank, h),
+        Param(f"{a}.q_a_layernorm", (s.q_lora_rank,), "norm"),
+        linear(f"{a}.q_b_proj", heads * qk, s.q_lora_rank),
+        linear(f"{a}.kv_a_proj_with_mqa", s.kv_lora_rank + s.qk_rope_head_dim, h),
+        Param(f"{a}.kv_a_layernorm", (s.kv_lora_rank,), "norm"),
+        linear(f"{a}.kv_b_proj", heads * (s.qk_nope_head_dim + s.v_head_dim), s.kv_lora_rank),
+        linear(f"{a}.o_proj", h, heads * s.v_head_dim),
+        Param(f"{p}.post_attention_layernorm", (h,), "norm"),
+    ]
+
+    def mlp(prefix: str, inter: int) -> list[Param]:
+        return [linear(f"{prefix}.gate_proj", inter, h), linear(f"{prefix}.up_proj", inter, h),
+                linear(f"{prefix}.down_proj", h, inter)]
+
+    if layer < s.first_k_dense_replace:
+        out += mlp(f"{p}.mlp", s.intermediate_size)
+    else:  # The router is a custom module, never a quantized linear: BF16 whatever the config says.
+        out += [Param(f"{p}.mlp.gate", (s.n_routed_experts, h), "bf16"),
+                Param(f"{p}.mlp.gate", (s.n_routed_experts,), "bias")]
+        for e in range(s.n_routed_experts):
+            out += mlp(f"{p}.mlp.experts.{e}", s.moe_intermediate_size)
+        out += mlp(f"{p}.mlp.shared_experts", s.moe_intermediate_size * s.n_shared_experts)
+    if mtp:
+        out += [Param(f"{p}.shared_head.norm", (h,), "norm"),
+                linear(f"{p}.shared_head.head", s.vocab_size, h)]
+    return out
+
+
+def plan_groups(spec: SynthSpec) -> list[list[Param]]:
+    """Params in file order, grouped into units a shard should not split: the embedding, each
+    layer 0..L-1, final norm + lm_head, then the MTP layer L (last, as in DeepSeek's repo)."""
+    excluded = exclude_patterns(spec)
+    h = spec.hidden_size
+    groups = [[Param("model.embed_tokens", (spec.vocab_size, h), "bf16")]]
+    groups += [_layer_params(spec, layer, excluded) for layer in range(spec.num_hidden_layers)]
+    lm_head = "bf16" if is_excluded("lm_head", excluded) else "fp4"
+    groups.append([Param("model.norm", (h,), "norm"), Param("lm_head", (spec.vocab_size, h), lm_head)])
+    groups.append(_layer_params(spec, spec.num_hidden_layers, excluded))
+    return groups
+
+
+def tensor_specs(spec: SynthSpec) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Every stored tensor of the checkpoint: name -> (shape, dtype), without generating data."""
+    return {name: sd for group in plan_groups(spec) for p in group for name, sd in p.tensors().items()}
+
+
+def _generator(spec: SynthSpec, name: str) -> torch.Generator:
+    # Seeded per tensor, so a tensor's bytes do not depend on shard layout or generation order.
+    digest = hashlib.sha256(f"{spec.seed}:{name}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+
+
+def _random_uint8(shape: tuple[int, ...], g: torch.Generator, low: int = 0, high: int = 256) -> torch.Tensor:
+    n = torch.Size(shape).numel()
+    if (low, high) == (0, 256):  # int32 draws give 4 bytes per RNG call: ~3x faster for GBs.
+        words = torch.randint(-(2**31), 2**31 - 1, (-(-n // 4),), dtype=torch.int32, generator=g)
+        return words.view(torch.uint8)[:n].reshape(shape).clone()
+    return torch.randint(low, high, shape, dtype=torch.uint8, generator=g)
+
+
+def _materialize(spec: SynthSpec, p: Param) -> dict[str, torch.Tensor]:
+    g = _generator(spec, p.module + ("#bias" if p.kind == "bias" else ""))
+    names = list(p.tensors())
+    if p.kind == "norm":
+        return {names[0]: (1.0 + 0.05 * torch.randn(p.shape, generator=g)).to(torch.bfloat16)}
+    if p.kind == "bias":
+        return {names[0]: 0.01 * torch.randn(p.shape, generator=g)}
+    if p.kind == "bf16":
+        return {names[0]: (0.02 * torch.randn(p.shape, generator=g)).to(torch.bfloat16)}
+    n, k = p.shape
+    if spec.random_bytes:
+        return {names[0]: _random_uint8((n, k // 2), g), names[1]: _random_uint8((n, -(-k // 32)), g, 118, 127)}
+    # Rows spread over 2^-2..2^2 so scale bytes vary across rows, as in trained weights.
+    row_scale = torch.exp2(4.0 * torch.rand((n, 1), generator=g) - 2.0)
+    w = (0.02 * torch.randn((n, k), generator=g) * row_scale).to(torch.bfloat16)
+    packed, scale = layouts.quantize(w, layouts.QUARK)  # bytes as Quark's exporter writes them
+    return {names[0]: packed, names[1]: scale}
+
+
+def _shard_cuts(sizes: list[int], group_ends: list[int], n: int) -> list[int]:
+    """Cut indices ``[0, c1, ..., len(sizes)]`` splitting items into n non-empty shards of roughly
+    equal bytes. Cuts fall on group ends when there are enough of them; else anywhere."""
+    if n > len(sizes):
+        raise ValueError(f"cannot write {n} shards of only {len(sizes)} modules")
+    inner = [c for c in group_ends if 0 < c < len(sizes)]
+    allowed = inner if len(inner) >= n - 1 else list(range(1, len(sizes)))
+    cum = [0]
+    for size in sizes:
+        cum.append(cum[-1] + size)
+    cuts, j = [0], -1
+    for k in range(1, n):
+        target = cum[-1] * k / n
+        # Leave enough allowed cuts after this one for the shards still to come.
+        choices = range(j + 1, len(allowed) - (n - 1 - k))
+        j = min(choices, key=lambda i: abs(cum[allowed[i]] - target))
+        cuts.append(allowed[j])
+    return cuts + [len(sizes)]
+
+
+def _write_json(path: Path, obj: object) -> None:
+    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def _tokenizer_files() -> dict[str, object]:
+    """Tiny tokenizer files: only their bytes matter (copy-through), but they look like V3's."""
+    bos, eos = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
+    special = [bos, eos]
+    vocab = {tok: i for i, tok in enumerate(special + [chr(c) for c in range(33, 127)])}
+    added = [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+              "normalized": True, "special": True} for i, t in enumerate(special)]
+    tokenizer = {
+        "version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
+        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True},
+        "post_processor": None, "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True,
+                                            "use_regex": True},
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "vocab": vocab, "merges": []},
+    }
+    tok_config = {
+        "add_bos_token": True, "add_eos_token": False, "bos_token": bos, "eos_token": eos, "pad_token": eos,
+        "clean_up_tokenization_spaces": False, "legacy": True, "model_max_length": 4096,
+        "tokenizer_class": "LlamaTokenizerFast", "unk_token": None,
+    }
+    gen_config = {"_from_model_config": True, "bos_token_id": 0, "eos_token_id": 1, "do_sample": True,
+                  "temperature": 0.6, "top_p": 0.95, "transformers_version": "4.46.3"}
+    return {"tokenizer.json": tokenizer, "tokenizer_config.json": tok_config, "generation_config.json": gen_config}
+
+
+def write_checkpoint(spec: SynthSpec, out_dir: str | Path) -> Path:
+    """Write the checkpoint of ``spec`` into ``out_dir`` (created; must be absent or empty).
+
+    Writes ``config.json``, the shards ``model-0000i-of-0000N.safetensors``,
+    ``model.safetensors.index.json``, ``generation_config.json``, ``tokenizer_config.json`` and
+    ``tokenizer.json``. Tensors are generated shard by shard, so peak memory is about one shard.
+    Returns ``out_dir`` as a Path.
+    """
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"refusing to write a checkpoint into {out}: it exists and is not an empty directory")
+    groups = plan_groups(spec)
+    params = [p for group in groups for p in group]
+    ends, count = [], 0
+    for group in groups:
+        count += len(group)
+        ends.append(count)
+    cuts = _shard_cuts([p.nbytes() for p in params], ends, spec.num_shards)
+    out.mkdir(parents=True, exist_ok=True)
+
+    weight_map: dict[str, str] = {}
+    total = 0
+    for i in range(spec.num_shards):
+        fname = f"model-{i + 1:05d}-of-{spec.num_shards:05d}.safetensors"
+        tensors: dict[str, torch.Tensor] = {}
+        for p in params[cuts[i]:cuts[i + 1]]:
+            tensors.update(_materialize(spec, p))
+        save_file(tensors, str(out / fname), metadata={"format": "pt"})
+        for name, t in tensors.items():
+            weight_map[name] = fname
+            total += t.numel() * t.element_size()
+        del tensors
+    _write_json(out / "model.safetensors.index.json",
+                {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
+    _write_json(out / "config.json", build_config(spec))
+    for name, obj in _tokenizer_files().items():
+        _write_json(out / name, obj)
+    return out
