@@ -58,23 +58,30 @@ class ConvertedCheckpoint:
         """Every source tensor the group ``key`` came from, rebuilt from all its ranks."""
         src_meta = self.manifest["source"]["tensors"]
         out: dict[str, torch.Tensor] = {}
-        filled: dict[str, int] = defaultdict(int)
+        covered: dict[str, torch.Tensor] = {}  # which bytes some rank has provided
         for rec in self.groups_of(key):
             g = group_from_record(rec)
             tensors = [self.read(rec["file"], name) for name, _, _ in g.outputs()]
             for src_name, (rows, cols), piece in g.invert(tensors):
                 if src_name not in out:
-                    meta = src_meta[src_name]
-                    out[src_name] = torch.empty(meta["shape"], dtype=torch.uint8)
-                view = out[src_name][rows, cols]
+                    shape = src_meta[src_name]["shape"]
+                    out[src_name] = torch.empty(shape, dtype=torch.uint8)
+                    covered[src_name] = torch.zeros(shape, dtype=torch.bool)
+                view, seen = out[src_name][rows, cols], covered[src_name][rows, cols]
                 if view.shape != piece.shape:
                     raise PrepError(f"{src_name}: rank {rec['rank']} piece {list(piece.shape)} does not fit "
                                     f"{list(view.shape)}; manifest and files disagree")
+                if seen.all():  # a replicated tensor: every rank must hold the same bytes
+                    if not torch.equal(view, piece):
+                        raise PrepError(f"{src_name}: replicated copies differ between ranks (rank {rec['rank']})")
+                    continue
+                if seen.any():
+                    raise PrepError(f"{src_name}: rank {rec['rank']} overlaps another rank's piece")
                 view.copy_(piece)
-                filled[src_name] += piece.numel()
-        for name, t in out.items():
-            if filled[name] != t.numel():
-                raise PrepError(f"{name}: ranks cover {filled[name]} of {t.numel()} bytes; a rank is missing")
+                seen.fill_(True)
+        for name, seen in covered.items():
+            if not seen.all():
+                raise PrepError(f"{name}: ranks cover {int(seen.sum())} of {seen.numel()} bytes; a rank is missing")
         return out
 
     def units(self) -> Iterator[tuple[str, list[str]]]:

@@ -24,6 +24,13 @@ Reader = Callable[..., torch.Tensor]  # read(name, rows=None, cols=None) -> tens
 Piece = tuple[str, tuple[slice, slice], torch.Tensor]
 
 
+def _check_layout(layout: str, shapes, tensor: str) -> None:
+    try:
+        layouts.get_layout(layout).check(*shapes, tensor=tensor)
+    except layouts.LayoutConstraintError as e:
+        raise PrepError(f"{e}; choose a smaller --tp or another --layout") from None
+
+
 @dataclasses.dataclass(frozen=True)
 class Part:
     """One source linear feeding a group: its module prefix, logical [N, K], and TP split.
@@ -90,7 +97,7 @@ class LinearGroup:
             p.check(self.tp)
         if len({p.local(self.tp)[1] for p in self.parts}) != 1:
             raise PrepError(f"{self.name}: merged parts have different K ({[p.src for p in self.parts]})")
-        layouts.get_layout(self.layout).check(*self.local_shapes(), tensor=f"{self.name}.weight (rank {self.rank})")
+        _check_layout(self.layout, self.local_shapes(), f"{self.name}.weight (rank {self.rank})")
 
     def build(self, read: Reader) -> list[torch.Tensor]:
         ws, ss = [], []
@@ -183,10 +190,9 @@ class MoEGroup:
                             f"(tp={self.tp} too large for whole scale blocks)")
         if self.hidden % BLOCK:
             raise PrepError(f"{src}: hidden size {self.hidden} is not a multiple of 32")
-        lay = layouts.get_layout(self.layout)
         w13, s13, w2, s2 = self.local_shapes()
-        lay.check(w13, s13, f"{self.name}.w13_weight (rank {self.rank})")
-        lay.check(w2, s2, f"{self.name}.w2_weight (rank {self.rank})")
+        _check_layout(self.layout, (w13, s13), f"{self.name}.w13_weight (rank {self.rank})")
+        _check_layout(self.layout, (w2, s2), f"{self.name}.w2_weight (rank {self.rank})")
 
     def _windows(self):
         r, il = self.rank, self.i_local

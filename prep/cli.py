@@ -1,0 +1,187 @@
+"""The ``prep`` command line: inspect, convert, verify, revert.
+
+Every command turns a :class:`PrepError` into one line on stderr and exit code 1; ``--json``
+prints the result as one JSON object for scripts.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from typing import Any, Callable
+
+import click
+
+from . import __version__
+from .errors import PrepError
+
+
+def _fail_cleanly(fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except PrepError as e:
+            click.echo(f"error: {e}", err=True)
+            sys.exit(1)
+        except KeyboardInterrupt:
+            click.echo("interrupted: rerun the same command with --resume to continue", err=True)
+            sys.exit(130)
+
+    return wrapper
+
+
+class _Bar:
+    """A tqdm byte bar that is silent when stderr is not a terminal or --json is on."""
+
+    def __init__(self, desc: str, enabled: bool):
+        self.desc, self.enabled, self.bar = desc, enabled, None
+
+    def total(self, n: int) -> None:
+        if self.enabled:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=n, desc=self.desc, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr)
+
+    def __call__(self, n: int) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _emit(result: dict[str, Any], as_json: bool, lines: list[str]) -> None:
+    if as_json:
+        click.echo(json.dumps(result, indent=1))
+    else:
+        for line in lines:
+            click.echo(line)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(__version__, prog_name="prep")
+def main() -> None:
+    """Rewrite MXFP4 (AMD Quark) DeepSeek checkpoints into the exact layouts AMD's kernels read.
+
+    \b
+    Typical use:
+      prep inspect amd/DeepSeek-R1-0528-MXFP4
+      prep convert amd/DeepSeek-R1-0528-MXFP4 -o r1-tp8 --layout preshuffle --tp 8
+      prep verify r1-tp8 --source amd/DeepSeek-R1-0528-MXFP4
+      prep revert r1-tp8 -o r1-roundtrip
+    """
+
+
+@main.command()
+@click.argument("src")
+@click.option("--revision", help="Hub revision when SRC is a repo id.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@_fail_cleanly
+def inspect(src: str, revision: str | None, as_json: bool) -> None:
+    """Describe a Quark MXFP4 checkpoint (or a converted one): format, architecture, which tensors
+    are MXFP4 GEMM weights by module kind, and which layouts and TP sizes the shapes allow.
+
+    \b
+    Examples:
+      prep inspect ./DeepSeek-R1-0528-MXFP4
+      prep inspect r1-tp8 --json
+    """
+    from .inspect import inspect_path
+
+    result, lines = inspect_path(src, revision)
+    _emit(result, as_json, lines)
+
+
+@main.command()
+@click.argument("src")
+@click.option("-o", "--out", required=True, type=click.Path(file_okay=False), help="Output folder (created).")
+@click.option("--layout", type=click.Choice(["preshuffle", "non-shuffle"]), default="preshuffle", show_default=True,
+              help="Dense linears: preshuffle = aiter gemm_a4w4 / Triton preshuffle GEMM; "
+                   "non-shuffle = ATOM_USE_FP4_NON_SHUFFLE_TRITON_GEMM.")
+@click.option("--moe-layout", type=click.Choice(["ck", "triton", "triton-gfx942"]), default="ck", show_default=True,
+              help="Stacked experts: ck = CK fused_moe; triton = ATOM_USE_TRITON_MOE on gfx950 (CDNA4_SCALE).")
+@click.option("--tp", type=int, default=1, show_default=True, help="Tensor-parallel size: one set of files per rank.")
+@click.option("--ep", type=int, default=1, show_default=True, help="Expert-parallel size (only 1 for now).")
+@click.option("--fuse-shared-expert/--no-fuse-shared-expert", default=True, show_default=True,
+              help="Put the shared expert into expert slot n_routed of the stacked tensors.")
+@click.option("--workers", type=int, default=1, show_default=True, help="Output files written in parallel.")
+@click.option("--force", is_flag=True, help="Replace a non-empty OUT (only once the new one is complete).")
+@click.option("--resume", is_flag=True, help="Reuse files an interrupted run finished, after re-checking their hashes.")
+@click.option("--revision", help="Hub revision when SRC is a repo id.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON summary.")
+@_fail_cleanly
+def convert(src, out, layout, moe_layout, tp, ep, fuse_shared_expert, workers, force, resume, revision, as_json):
+    """Convert SRC (a folder or a Hugging Face repo id) into per-rank, kernel-layout files in OUT.
+
+    Each rank's tensors are exactly what that rank's engine holds after its own load-time
+    processing: TP split, merged fused_qkv_a_proj / gate_up_proj, experts stacked into w13/w2
+    (intermediate padded to 256), then shuffled. BF16 tensors are copied unchanged into common
+    files. prep-manifest.json records every tensor; prep-complete.json is written last.
+
+    \b
+    Examples:
+      prep convert amd/DeepSeek-R1-0528-MXFP4 -o r1-tp8 --tp 8
+      prep convert ./src -o out --layout non-shuffle --moe-layout triton --tp 4 --workers 4
+    """
+    from .convert import convert as run
+    from .deepseek import Target
+
+    bar = _Bar("convert", not as_json and sys.stderr.isatty())
+    try:
+        s = run(src, out, Target(layout, moe_layout, tp, ep, fuse_shared_expert), force=force, resume=resume,
+                workers=workers, revision=revision, progress=bar, on_total=bar.total)
+    finally:
+        bar.close()
+    _emit(s, as_json, [f"wrote {s['out']}: {s['tensors']} tensors from {s['source_tensors']} source tensors, "
+                       f"{s['files']} files ({s['reused_files']} reused), {s['bytes'] / 2**30:.3f} GiB"])
+
+
+@main.command()
+@click.argument("out", type=click.Path(exists=True, file_okay=False))
+@click.option("--source", help="Also invert every tensor and compare bytes with this source checkpoint.")
+@click.option("--deep", is_flag=True, help="Also invert every group (checks padding) without a source.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON summary.")
+@_fail_cleanly
+def verify(out, source, deep, as_json):
+    """Check a converted checkpoint: manifest, completion marker, file sizes, every tensor's hash.
+
+    Exit status 1 names the first file or tensor that does not match.
+
+    \b
+    Examples:
+      prep verify r1-tp8
+      prep verify r1-tp8 --source amd/DeepSeek-R1-0528-MXFP4
+    """
+    from .verify import verify as run
+
+    r = run(out, source=source, deep=deep)
+    _emit({"ok": True, **r}, as_json, [
+        f"ok: {r['files']} files, {r['tensors_hashed']} tensors match the manifest"
+        + (f", {r['source_tensors_compared']} source tensors byte-identical after inversion" if source else "")])
+
+
+@main.command()
+@click.argument("out", type=click.Path(exists=True, file_okay=False))
+@click.option("-o", "--dest", required=True, type=click.Path(file_okay=False), help="Folder for the rebuilt source.")
+@click.option("--force", is_flag=True, help="Replace a non-empty DEST.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON summary.")
+@_fail_cleanly
+def revert(out, dest, force, as_json):
+    """Rebuild the original Quark checkpoint from a converted one: same tensor names, dtypes,
+    shapes and bytes (shard boundaries may differ).
+
+    \b
+    Example:
+      prep revert r1-tp8 -o r1-roundtrip
+    """
+    from .revert import revert as run
+
+    r = run(out, dest, force=force)
+    _emit(r, as_json, [f"wrote {r['dest']}: {r['tensors']} tensors in {r['files']} files, {r['bytes'] / 2**30:.3f} GiB"])
+
+
+if __name__ == "__main__":
+    main()

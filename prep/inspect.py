@@ -1,0 +1,68 @@
+"""``prep inspect``: what a checkpoint is, and what it can be converted to."""
+
+from __future__ import annotations
+
+import collections
+import pathlib
+from typing import Any
+
+from layouts.manifest import MANIFEST_NAME
+
+from .converted import ConvertedCheckpoint
+from .deepseek import Target, classify, plan_groups
+from .errors import PrepError
+from .source import SourceCheckpoint
+
+TP_CANDIDATES = (1, 2, 4, 8, 16)
+
+
+def inspect_path(src: str, revision: str | None = None) -> tuple[dict[str, Any], list[str]]:
+    if (pathlib.Path(src) / MANIFEST_NAME).is_file():
+        return _inspect_converted(src)
+    return _inspect_source(src, revision)
+
+
+def _inspect_source(spec: str, revision: str | None) -> tuple[dict[str, Any], list[str]]:
+    src = SourceCheckpoint.open(spec, revision)
+    cls = classify(src)
+    kinds = collections.Counter(cls.modules.values())
+    bf16 = collections.Counter(src.tensors[n].dtype for n in cls.passthrough)
+    support: dict[str, dict[str, str]] = {}
+    for layout, moe in (("preshuffle", "ck"), ("preshuffle", "triton"), ("non-shuffle", "triton")):
+        row = {}
+        for tp in TP_CANDIDATES:
+            try:
+                plan_groups(src, cls, Target(layout, moe, tp))
+                row[str(tp)] = "ok"
+            except PrepError as e:
+                row[str(tp)] = str(e)
+        support[f"{layout}+{moe}"] = row
+    result = {
+        "path": str(src.root), "format": "quark-mxfp4", "arch": cls.arch, "num_layers": cls.num_layers,
+        "mtp_layers": cls.mtp_layers, "files": len(src.files), "tensors": len(src.tensors), "bytes": src.nbytes(),
+        "mxfp4_modules_by_kind": dict(sorted(kinds.items())), "passthrough_by_dtype": dict(sorted(bf16.items())),
+        "exclude": src.quant_config.get("exclude", []), "layouts_by_tp": support,
+    }
+    lines = [f"{src.root}: Quark MXFP4, {cls.arch}, {cls.num_layers} layers + MTP {cls.mtp_layers}",
+             f"  {len(src.files)} shards, {len(src.tensors)} tensors, {src.nbytes() / 2**30:.3f} GiB",
+             "  MXFP4 GEMM weights by module kind: " + ", ".join(f"{k} {v}" for k, v in sorted(kinds.items())),
+             "  passed through unchanged: " + ", ".join(f"{v} {k}" for k, v in sorted(bf16.items()))]
+    for combo, row in support.items():
+        ok = [tp for tp, r in row.items() if r == "ok"]
+        bad = {tp: r for tp, r in row.items() if r != "ok"}
+        lines.append(f"  {combo}: tp {', '.join(ok) or 'none'}"
+                     + (f"; tp {min(bad, key=int)} refused: {bad[min(bad, key=int)]}" if bad else ""))
+    return result, lines
+
+
+def _inspect_converted(path: str) -> tuple[dict[str, Any], list[str]]:
+    ck = ConvertedCheckpoint(path)
+    m = ck.manifest
+    t = m["target"]
+    roles = collections.Counter(x["role"] for x in m["tensors"])
+    result = {"path": path, "format": "prep-converted", "target": t, "tool": m["tool"], "files": len(m["files"]),
+              "tensors_by_role": dict(roles), "source": {k: v for k, v in m["source"].items() if k not in ("files", "tensors")}}
+    lines = [f"{path}: converted by prep {m['tool']['version']} (manifest v{m['format_version']})",
+             f"  target: {t['arch']}, layout {t['layout']}, moe layout {t['moe_layout']}, tp {t['tp']}, ep {t['ep']}",
+             f"  {len(m['files'])} files; tensors: " + ", ".join(f"{v} {k}" for k, v in sorted(roles.items()))]
+    return result, lines

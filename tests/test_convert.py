@@ -1,0 +1,280 @@
+"""prep convert -> verify -> revert on generated Quark DeepSeek checkpoints: byte-exact round
+trips for every layout, TP size and attention variant; per-rank bytes equal to aiter's own
+shuffles of the merged tensors; every bad input refused with one line and nothing left behind."""
+
+import errno
+import json
+import pathlib
+import shutil
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+import layouts as L
+from prep.cli import main
+from prep.convert import convert
+from prep.deepseek import Target
+from prep.errors import PrepError
+from prep.revert import revert
+from prep.synth import SynthSpec, write_checkpoint
+from prep.verify import verify
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    root = tmp_path_factory.mktemp("src")
+    return {v: write_checkpoint(SynthSpec(variant=v), root / v) for v in ("r1-0528", "v2")}
+
+
+def all_tensors(folder: pathlib.Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def nothing_left(out: pathlib.Path) -> bool:
+    return not out.exists() and not (out.parent / f".{out.name}.prep-partial").exists()
+
+
+@pytest.mark.parametrize("variant", ["r1-0528", "v2"])
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("layout, moe_layout", [("preshuffle", "ck"), ("preshuffle", "triton"),
+                                                ("non-shuffle", "triton"), ("non-shuffle", "ck")])
+def test_convert_verify_revert_is_byte_identical(sources, tmp_path, variant, tp, layout, moe_layout):
+    src = sources[variant]
+    out, back = tmp_path / "out", tmp_path / "back"
+    summary = convert(str(src), out, Target(layout, moe_layout, tp))
+    assert summary["files"] == len(list(out.glob("*.safetensors")))
+    assert (out / "prep-complete.json").is_file() and (out / "config.json").read_bytes() == (src / "config.json").read_bytes()
+    verify(str(out), source=str(src))
+    revert(str(out), back)
+    original, rebuilt = all_tensors(src), all_tensors(back)
+    assert original.keys() == rebuilt.keys()
+    for name, t in original.items():
+        assert rebuilt[name].dtype == t.dtype and torch.equal(rebuilt[name], t), name
+
+
+def test_manifest_describes_every_tensor(sources, tmp_path):
+    out = tmp_path / "out"
+    convert(str(sources["v2"]), out, Target("preshuffle", "triton", 2))
+    m = json.loads((out / "prep-manifest.json").read_text())
+    assert m["target"]["tp"] == 2 and m["target"]["arch"] == "deepseek_v3"
+    on_disk = {}
+    for f in out.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as h:
+            on_disk.update({(k, f.name): list(h.get_slice(k).get_shape()) for k in h.keys()})
+    assert len(on_disk) == len(m["tensors"])
+    for t in m["tensors"]:
+        assert on_disk[(t["name"], t["file"])] == t["shape"]
+    w13 = [t for t in m["tensors"] if t["name"].endswith("experts.w13_weight_scale") and t["rank"] == 1][0]
+    assert w13["runtime_attrs"]["scale_swizzle"] == "CDNA4_SCALE"
+    assert w13["runtime_attrs"]["intermediate_pad"] == 256 - 128 and w13["runtime_attrs"]["num_local_experts"] == 9
+    qkv = [t for t in m["tensors"] if t["name"].endswith("fused_qkv_a_proj.weight")][0]
+    assert qkv["runtime_attrs"] == {"is_shuffled": True}
+    assert qkv["sources"][0].endswith("q_a_proj.weight") and qkv["transforms"][-1]["name"] == "preshuffle"
+
+
+def _rank_tensor(out, name, rank):
+    m = json.loads((out / "prep-manifest.json").read_text())
+    t = [t for t in m["tensors"] if t["name"] == name and t["rank"] == rank][0]
+    with safe_open(str(out / t["file"]), "pt") as h:
+        return h.get_tensor(name)
+
+
+def test_rank_bytes_equal_aiter_shuffles_of_the_merged_rank_tensors(sources, tmp_path, aiter_shuffle, aiter_fp4_utils):
+    src, out, tp, rank = sources["v2"], tmp_path / "out", 2, 1
+    convert(str(src), out, Target("preshuffle", "ck", tp))
+    s = all_tensors(src)
+    shuffle, e8m0 = aiter_shuffle.shuffle_weight, aiter_fp4_utils.e8m0_shuffle
+
+    def check_dense(name, w, sc):
+        got_w, got_s = _rank_tensor(out, f"{name}.weight", rank), _rank_tensor(out, f"{name}.weight_scale", rank)
+        assert torch.equal(got_w, shuffle(w, layout=(16, 16)))
+        want_s = e8m0(sc)
+        mask = L.preshuffle_scale(torch.ones_like(sc), pad_value=0) == 1
+        assert torch.equal(got_s[mask], want_s[mask])
+
+    attn = "model.layers.1.self_attn"
+    check_dense(f"{attn}.fused_qkv_a_proj",
+                torch.cat([s[f"{attn}.q_a_proj.weight"], s[f"{attn}.kv_a_proj_with_mqa.weight"]]),
+                torch.cat([s[f"{attn}.q_a_proj.weight_scale"], s[f"{attn}.kv_a_proj_with_mqa.weight_scale"]]))
+    ob, osc = s[f"{attn}.o_proj.weight"], s[f"{attn}.o_proj.weight_scale"]  # row parallel: K split
+    check_dense(f"{attn}.o_proj", ob[:, rank * ob.shape[1] // tp:(rank + 1) * ob.shape[1] // tp].contiguous(),
+                osc[:, rank * osc.shape[1] // tp:(rank + 1) * osc.shape[1] // tp].contiguous())
+    mlp = "model.layers.0.mlp"  # dense layer: [gate_rank ; up_rank]
+    n = s[f"{mlp}.gate_proj.weight"].shape[0] // tp
+    rows = slice(rank * n, (rank + 1) * n)
+    check_dense(f"{mlp}.gate_up_proj",
+                torch.cat([s[f"{mlp}.gate_proj.weight"][rows], s[f"{mlp}.up_proj.weight"][rows]]),
+                torch.cat([s[f"{mlp}.gate_proj.weight_scale"][rows], s[f"{mlp}.up_proj.weight_scale"][rows]]))
+
+    # MoE layer 1: 8 routed experts + the shared one in slot 8, intermediate 256/tp=128 padded to 256.
+    moe = "model.layers.1.mlp"
+    experts = [f"{moe}.experts.{e}" for e in range(8)] + [f"{moe}.shared_experts"]
+    il, ip = 128, 256
+    w13 = torch.zeros(9, 2 * ip, 128, dtype=torch.uint8)
+    s13 = torch.zeros(9, 2 * ip, 8, dtype=torch.uint8)
+    for e, p in enumerate(experts):
+        for half, proj in enumerate(("gate_proj", "up_proj")):
+            w13[e, half * ip:half * ip + il] = s[f"{p}.{proj}.weight"][rank * il:(rank + 1) * il]
+            s13[e, half * ip:half * ip + il] = s[f"{p}.{proj}.weight_scale"][rank * il:(rank + 1) * il]
+    assert torch.equal(_rank_tensor(out, f"{moe}.experts.w13_weight", rank), shuffle(w13, layout=(16, 16)))
+    got = _rank_tensor(out, f"{moe}.experts.w13_weight_scale", rank)
+    flat = s13.reshape(-1, 8)
+    mask = L.preshuffle_scale(torch.ones_like(flat), pad_value=0) == 1
+    assert got.dim() == 2 and torch.equal(got[mask], e8m0(flat)[mask])
+
+
+def test_cli_convert_json_and_verify(sources, tmp_path):
+    out = tmp_path / "out"
+    runner = CliRunner()
+    r = runner.invoke(main, ["convert", str(sources["v2"]), "-o", str(out), "--tp", "2", "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["tensors"] > 0
+    r = runner.invoke(main, ["verify", str(out), "--source", str(sources["v2"]), "--json"])
+    assert r.exit_code == 0 and json.loads(r.output)["ok"] is True
+    r = runner.invoke(main, ["inspect", str(sources["v2"]), "--json"])
+    info = json.loads(r.output)
+    assert info["mxfp4_modules_by_kind"]["q_b_proj"] == 4 and info["layouts_by_tp"]["preshuffle+ck"]["4"] == "ok"
+    assert "K % 64" in info["layouts_by_tp"]["preshuffle+ck"]["8"]
+
+
+def test_resume_reuses_verified_files_and_redoes_damaged_ones(sources, tmp_path, monkeypatch):
+    import prep.convert as pc
+
+    out = tmp_path / "out"
+    monkeypatch.setattr(pc, "SHARD_BYTES", 1 << 20)  # several files per rank
+    calls = []
+    real = pc._write_file
+
+    def flaky(*a):
+        calls.append(a[2].name)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*a)
+
+    monkeypatch.setattr(pc, "_write_file", flaky)
+    with pytest.raises(KeyboardInterrupt):
+        convert(str(sources["v2"]), out, Target(tp=2))
+    staging = tmp_path / ".out.prep-partial"
+    done = sorted(p.name for p in staging.glob("*.safetensors"))
+    assert len(done) == 2 and not out.exists()
+    # Damage one finished file: resume must redo it, reuse the other.
+    damaged = staging / done[0]
+    data = bytearray(damaged.read_bytes())
+    data[-1] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+    monkeypatch.setattr(pc, "_write_file", real)
+    s = convert(str(sources["v2"]), out, Target(tp=2), resume=True)
+    assert s["reused_files"] == 1
+    verify(str(out), source=str(sources["v2"]))
+
+
+# ------------------------------------------------------------------------------ bad input
+def run_cli(*args):
+    return CliRunner().invoke(main, list(args))
+
+
+def assert_one_line_error(r, *needles):
+    assert r.exit_code == 1, r.output
+    lines = [x for x in r.output.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.output
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
+def copy_src(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_not_a_quark_checkpoint_is_refused(sources, tmp_path):
+    bad = copy_src(sources["v2"], tmp_path / "bf16")
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["quantization_config"]["quant_method"] = "fp8"
+    (bad / "config.json").write_text(json.dumps(cfg))
+    out = tmp_path / "out"
+    assert_one_line_error(run_cli("convert", str(bad), "-o", str(out)), "not a Quark checkpoint")
+    assert nothing_left(out)
+    assert_one_line_error(run_cli("convert", str(tmp_path / "nope"), "-o", str(out)), "no such directory")
+    (tmp_path / "empty").mkdir()
+    assert_one_line_error(run_cli("convert", str(tmp_path / "empty"), "-o", str(out)), "no config.json")
+
+
+def test_missing_and_truncated_shards_are_named(sources, tmp_path):
+    bad = copy_src(sources["v2"], tmp_path / "missing")
+    victim = sorted(bad.glob("model-*.safetensors"))[1]
+    victim.unlink()
+    out = tmp_path / "out"
+    assert_one_line_error(run_cli("convert", str(bad), "-o", str(out)), victim.name, "missing")
+    bad2 = copy_src(sources["v2"], tmp_path / "trunc")
+    victim = sorted(bad2.glob("model-*.safetensors"))[2]
+    victim.write_bytes(victim.read_bytes()[:-100])
+    assert_one_line_error(run_cli("convert", str(bad2), "-o", str(out)), victim.name, "truncated")
+    assert nothing_left(out)
+
+
+def test_inconsistent_scale_shape_is_named(sources, tmp_path):
+    bad = copy_src(sources["v2"], tmp_path / "scale")
+    index = json.loads((bad / "model.safetensors.index.json").read_text())["weight_map"]
+    name = "model.layers.1.self_attn.q_b_proj.weight_scale"
+    f = bad / index[name]
+    tensors = load_file(f)
+    tensors[name] = tensors[name][:, :-1].contiguous()
+    save_file(tensors, f, metadata={"format": "pt"})
+    out = tmp_path / "out"
+    assert_one_line_error(run_cli("convert", str(bad), "-o", str(out)), name, "does not match weight")
+    assert nothing_left(out)
+
+
+def test_layout_and_tp_constraints_are_named(sources, tmp_path):
+    out = tmp_path / "out"
+    r = run_cli("convert", str(sources["v2"]), "-o", str(out), "--tp", "8")
+    assert_one_line_error(r, "o_proj.weight", "K % 64 == 0")
+    assert_one_line_error(run_cli("convert", str(sources["v2"]), "-o", str(out), "--tp", "3"),
+                          "num_attention_heads=8", "tp=3")
+    assert_one_line_error(run_cli("convert", str(sources["v2"]), "-o", str(out), "--ep", "2"), "--ep")
+    assert nothing_left(out)
+
+
+def test_existing_output_needs_force(sources, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    assert_one_line_error(run_cli("convert", str(sources["v2"]), "-o", str(out)), "not empty", "--force")
+    assert (out / "keep.txt").read_text() == "mine"
+    r = run_cli("convert", str(sources["v2"]), "-o", str(out), "--force")
+    assert r.exit_code == 0 and not (out / "keep.txt").exists()
+
+
+def test_disk_full_removes_partial_output(sources, tmp_path, monkeypatch):
+    import prep.stwriter as st
+
+    def full(self, name, t):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(st.StreamingSafetensorsWriter, "add", full)
+    out = tmp_path / "out"
+    assert_one_line_error(run_cli("convert", str(sources["v2"]), "-o", str(out)), "disk full")
+    assert nothing_left(out)
+
+
+def test_verify_names_a_tampered_tensor(sources, tmp_path):
+    out = tmp_path / "out"
+    convert(str(sources["v2"]), out, Target(tp=1))
+    m = json.loads((out / "prep-manifest.json").read_text())
+    t = [t for t in m["tensors"] if t["name"].endswith("q_b_proj.weight")][0]
+    path = out / t["file"]
+    with safe_open(str(path), "pt") as h:
+        header_len = int.from_bytes(path.read_bytes()[:8], "little")
+    data = bytearray(path.read_bytes())
+    meta = json.loads(data[8:8 + header_len])[t["name"]]
+    data[8 + header_len + meta["data_offsets"][0]] ^= 0x01
+    path.write_bytes(bytes(data))
+    assert_one_line_error(run_cli("verify", str(out)), t["name"], "hash differs")
+    (out / "prep-complete.json").unlink()
+    assert_one_line_error(run_cli("verify", str(out)), "did not finish")
