@@ -1,8 +1,8 @@
 """Reading a source checkpoint: resolve it (local folder or Hugging Face repo id), check that it
 is a Quark MXFP4 checkpoint whose shards are all present and whole, and read tensors lazily.
 
-Nothing here loads a whole shard: safetensors' ``safe_open`` maps the file and
-``get_slice`` copies out only the rows or columns asked for.
+Tensors are read with ``pread`` into fresh buffers, a block of rows at a time: no shard is
+loaded whole, and nothing is memory-mapped (mapped pages that were read would stay resident).
 """
 
 from __future__ import annotations
@@ -14,9 +14,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from .errors import PrepError
+
+TORCH_DTYPES = {"U8": torch.uint8, "I8": torch.int8, "BOOL": torch.bool, "BF16": torch.bfloat16,
+                "F16": torch.float16, "F32": torch.float32, "F64": torch.float64, "I16": torch.int16,
+                "I32": torch.int32, "I64": torch.int64, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -31,6 +34,54 @@ class TensorInfo:
     file: str  # shard file name, relative to the checkpoint folder
     dtype: str  # safetensors dtype string: "U8", "BF16", "F32", ...
     shape: tuple[int, ...]
+    offset: int = 0  # absolute byte offset of the data in the file
+    nbytes: int = 0
+
+
+class ShardFile:
+    """One safetensors file read with ``pread``: its header parsed and checked against the file
+    size (a truncated download is caught here), tensors read without mapping the file, so the
+    converter's resident memory stays what it allocates, not what it has read."""
+
+    def __init__(self, path: pathlib.Path):
+        self.path = path
+        size = path.stat().st_size
+        try:
+            self.fd = os.open(path, os.O_RDONLY)
+            head = os.pread(self.fd, 8, 0)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if n <= 0 or 8 + n > size:
+                raise ValueError("header length beyond the end of the file")
+            header = json.loads(os.pread(self.fd, n, 8))
+        except (OSError, ValueError) as e:
+            raise PrepError(f"{path}: unreadable safetensors shard ({e}); the file is truncated or corrupt: "
+                            "re-download it") from None
+        self.tensors: dict[str, TensorInfo] = {}
+        end = 0
+        for name, meta in header.items():
+            if name == "__metadata__":
+                continue
+            a, b = meta["data_offsets"]
+            end = max(end, b)
+            self.tensors[name] = TensorInfo(name, path.name, meta["dtype"], tuple(meta["shape"]), 8 + n + a, b - a)
+        if 8 + n + end != size:
+            raise PrepError(f"{path}: file is {size} bytes but its header says {8 + n + end}; the file is "
+                            "truncated or corrupt: re-download it")
+
+    def read(self, info: TensorInfo, rows: slice | None = None) -> torch.Tensor:
+        """The tensor, or a contiguous block of its rows, read straight into a new tensor."""
+        shape = list(info.shape)
+        row_bytes = info.nbytes // shape[0] if shape and shape[0] else info.nbytes
+        start, stop = (0, shape[0] if shape else 1) if rows is None else (rows.start or 0, shape[0] if rows.stop is None else rows.stop)
+        if shape:
+            shape[0] = stop - start
+        out = torch.empty(shape, dtype=TORCH_DTYPES[info.dtype])
+        buf = out.view(-1).view(torch.uint8).numpy() if out.numel() else bytearray()
+        want = (stop - start) * row_bytes
+        got = os.preadv(self.fd, [buf], info.offset + start * row_bytes) if want else 0
+        if got != want:
+            raise PrepError(f"{self.path}: short read of {info.name}; the file changed or is truncated")
+        return out
 
 
 def resolve(src: str, revision: str | None = None) -> tuple[pathlib.Path, dict[str, Any]]:
@@ -66,13 +117,10 @@ class SourceCheckpoint:
         self.quant_config = self.config.get("quantization_config") or {}
         self._check_quark_mxfp4()
         self.files = self._shard_files()
-        self._handles: dict[str, Any] = {}
+        self._shards = {fname: ShardFile(self.root / fname) for fname in self.files}
         self.tensors: dict[str, TensorInfo] = {}
-        for fname in self.files:
-            h = self._open(fname)
-            for name in h.keys():
-                sl = h.get_slice(name)
-                self.tensors[name] = TensorInfo(name, fname, sl.get_dtype(), tuple(sl.get_shape()))
+        for shard in self._shards.values():
+            self.tensors.update(shard.tensors)
 
     @classmethod
     def open(cls, src: str, revision: str | None = None) -> "SourceCheckpoint":
@@ -120,18 +168,6 @@ class SourceCheckpoint:
                             f"({len(missing)} missing); re-download the checkpoint")
         return files
 
-    def _open(self, fname: str):
-        h = self._handles.get(fname)
-        if h is None:
-            path = self.root / fname
-            try:
-                h = safe_open(str(path), framework="pt")
-            except Exception as e:  # safetensors raises SafetensorError for truncated/corrupt files
-                raise PrepError(f"{path}: unreadable safetensors shard ({e}); the file is truncated "
-                                "or corrupt: re-download it") from None
-            self._handles[fname] = h
-        return h
-
     # ------------------------------------------------------------------ reading
     def info(self, name: str) -> TensorInfo:
         try:
@@ -140,12 +176,10 @@ class SourceCheckpoint:
             raise PrepError(f"{self.root}: tensor {name} is missing from the checkpoint") from None
 
     def read(self, name: str, rows: slice | None = None, cols: slice | None = None) -> torch.Tensor:
-        """The tensor, or a block of its rows / columns, copied out of the mapped shard."""
-        sl = self._open(self.info(name).file).get_slice(name)
-        if rows is None and cols is None:
-            return sl[:]
-        rows = rows or slice(None)
-        return sl[rows, cols] if cols is not None else sl[rows]
+        """The tensor, or a block of its rows / columns (columns are cut from the rows read)."""
+        info = self.info(name)
+        t = self._shards[info.file].read(info, rows)
+        return t if cols is None else t[:, cols].contiguous()
 
     def fingerprint(self, hash_files: bool = False) -> dict[str, Any]:
         """Where the source came from, and each file's size (and xxh3-128 hash on request)."""

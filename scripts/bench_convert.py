@@ -1,0 +1,92 @@
+#!/usr/bin/env python3
+"""Conversion throughput against `cp -r` of the same files, and peak memory, in one run.
+
+    python scripts/bench_convert.py [--src DIR] [--tp 1] [--layout preshuffle] [--workers 1]
+
+Without --src, generates the multi-GB "bench" preset (scripts/make_tiny_deepseek.py --preset
+bench) into a temporary folder first. Runs `cp -r SRC` and `prep convert SRC` as child processes
+(source already in the page cache for both), prints GB/s of each, their ratio, the converter's
+peak RSS and the largest output tensor. Target: convert >= 0.7x cp at --tp 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+def du(path: pathlib.Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def timed(cmd: list[str]) -> tuple[float, int]:
+    """Wall seconds and the child's peak RSS in bytes (one child per call: ru_maxrss of RUSAGE_CHILDREN
+    is the max over children, so the caller compares it before/after)."""
+    t0 = time.perf_counter()
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    dt = time.perf_counter() - t0
+    return dt, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--src", type=pathlib.Path)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--layout", default="preshuffle")
+    ap.add_argument("--moe-layout", default="ck")
+    ap.add_argument("--workers", type=int, default=1)
+    ap.add_argument("--keep", action="store_true", help="keep the generated source and outputs")
+    args = ap.parse_args()
+
+    work = pathlib.Path(tempfile.mkdtemp(prefix="prep-bench-", dir=REPO / "out" if (REPO / "out").is_dir() else None))
+    try:
+        src = args.src
+        if src is None:
+            src = work / "source"
+            t0 = time.perf_counter()
+            subprocess.run([sys.executable, str(REPO / "scripts" / "make_tiny_deepseek.py"), str(src), "--preset", "bench"],
+                           check=True, stdout=subprocess.DEVNULL)
+            print(f"generated bench preset in {time.perf_counter() - t0:.1f} s")
+        size = du(src)
+        subprocess.run(["cat", *map(str, src.glob("*.safetensors"))], check=True, stdout=subprocess.DEVNULL)  # warm cache
+        prep = [sys.executable, "-m", "prep.cli"]
+        t_cp, _ = timed(["cp", "-r", str(src), str(work / "copy")])
+        before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+        out = work / "converted"
+        t_cv, rss = timed(prep + ["convert", str(src), "-o", str(out), "--tp", str(args.tp), "--layout", args.layout,
+                                  "--moe-layout", args.moe_layout, "--workers", str(args.workers)])
+        manifest = json.loads((out / "prep-manifest.json").read_text())
+        largest = max((t for t in manifest["tensors"]), key=lambda t: _nbytes(t))
+        print(f"source: {size / 2**30:.2f} GiB, {len(manifest['source']['tensors'])} tensors in "
+              f"{len(manifest['source']['files'])} files -> {len(manifest['tensors'])} tensors in {len(manifest['files'])} files")
+        print(f"cp -r       : {t_cp:7.2f} s  {size / t_cp / 1e9:6.2f} GB/s  (baseline)")
+        print(f"prep convert: {t_cv:7.2f} s  {size / t_cv / 1e9:6.2f} GB/s  {t_cp / t_cv:5.2f}x cp  "
+              f"(tp {args.tp}, {args.layout}+{args.moe_layout}, workers {args.workers})")
+        peak = rss if rss > before else float("nan")
+        print(f"peak RSS of convert: {peak / 2**20:.0f} MiB; largest output tensor {largest['name']} "
+              f"{_nbytes(largest) / 2**20:.0f} MiB ({peak / _nbytes(largest):.1f}x)")
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+        else:
+            print(f"kept {work}")
+
+
+def _nbytes(t: dict) -> int:
+    n = {"U8": 1, "BF16": 2, "F32": 4}.get(t["dtype"], 1)
+    for d in t["shape"]:
+        n *= d
+    return n
+
+
+if __name__ == "__main__":
+    main()
