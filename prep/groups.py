@@ -201,22 +201,24 @@ class MoEGroup:
         return gate_up_rows, down_cols
 
     def build(self, read: Reader) -> list[torch.Tensor]:
+        # w13 is built and shuffled before w2 is allocated: peak memory is two copies of the
+        # larger stacked tensor, not three.
         w13s, s13s, w2s, s2s = self.local_shapes()
-        w13, w2 = torch.zeros(w13s, dtype=torch.uint8), torch.zeros(w2s, dtype=torch.uint8)
-        s13, s2 = torch.zeros(s13s, dtype=torch.uint8), torch.zeros(s2s, dtype=torch.uint8)
         rows, (dcols, dscols) = self._windows()
         il, ip, h = self.i_local, self.i_pad, self.hidden
+        lay = layouts.get_layout(self.layout)
+        w13, s13 = torch.zeros(w13s, dtype=torch.uint8), torch.zeros(s13s, dtype=torch.uint8)
         for e, src in enumerate(self.experts):
             for half, proj in enumerate(("gate_proj", "up_proj")):
                 w13[e, half * ip:half * ip + il, :h // 2] = read(f"{src}.{proj}.weight", rows)
                 s13[e, half * ip:half * ip + il, :h // BLOCK] = read(f"{src}.{proj}.weight_scale", rows)
+        out = list(lay.apply(w13, s13, f"{self.name}.w13_weight"))
+        del w13, s13
+        w2, s2 = torch.zeros(w2s, dtype=torch.uint8), torch.zeros(s2s, dtype=torch.uint8)
+        for e, src in enumerate(self.experts):
             w2[e, :h, :il // 2] = read(f"{src}.down_proj.weight", None, dcols)
             s2[e, :h, :il // BLOCK] = read(f"{src}.down_proj.weight_scale", None, dscols)
-        lay = layouts.get_layout(self.layout)
-        a, b = lay.apply(w13, s13, f"{self.name}.w13_weight")
-        del w13, s13
-        c, d = lay.apply(w2, s2, f"{self.name}.w2_weight")
-        return [a, b, c, d]
+        return out + list(lay.apply(w2, s2, f"{self.name}.w2_weight"))
 
     def invert(self, tensors: list[torch.Tensor]) -> Iterator[Piece]:
         lay = layouts.get_layout(self.layout)

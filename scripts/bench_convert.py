@@ -37,6 +37,13 @@ def timed(cmd: list[str]) -> tuple[float, int]:
     return dt, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
 
 
+def _idle_rss() -> tuple[int, None]:
+    """Peak RSS of a process that only imports what `prep convert` imports: the fixed overhead."""
+    code = ("import resource, prep.cli, prep.convert, layouts, torch; "
+            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)")
+    return int(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout), None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--src", type=pathlib.Path)
@@ -60,6 +67,9 @@ def main() -> None:
         subprocess.run(["cat", *map(str, src.glob("*.safetensors"))], check=True, stdout=subprocess.DEVNULL)  # warm cache
         prep = [sys.executable, "-m", "prep.cli"]
         t_cp, _ = timed(["cp", "-r", str(src), str(work / "copy")])
+        # prep fsyncs each file before renaming it into place; cp does not: time cp + sync too.
+        t_cps, _ = timed(["sh", "-c", f"cp -r '{src}' '{work / 'copy2'}' && sync"])
+        base_rss, _ = _idle_rss()
         before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
         out = work / "converted"
         t_cv, rss = timed(prep + ["convert", str(src), "-o", str(out), "--tp", str(args.tp), "--layout", args.layout,
@@ -69,11 +79,13 @@ def main() -> None:
         print(f"source: {size / 2**30:.2f} GiB, {len(manifest['source']['tensors'])} tensors in "
               f"{len(manifest['source']['files'])} files -> {len(manifest['tensors'])} tensors in {len(manifest['files'])} files")
         print(f"cp -r       : {t_cp:7.2f} s  {size / t_cp / 1e9:6.2f} GB/s  (baseline)")
+        print(f"cp -r; sync : {t_cps:7.2f} s  {size / t_cps / 1e9:6.2f} GB/s  (baseline with durability)")
         print(f"prep convert: {t_cv:7.2f} s  {size / t_cv / 1e9:6.2f} GB/s  {t_cp / t_cv:5.2f}x cp  "
-              f"(tp {args.tp}, {args.layout}+{args.moe_layout}, workers {args.workers})")
+              f"{t_cps / t_cv:5.2f}x cp+sync  (tp {args.tp}, {args.layout}+{args.moe_layout}, workers {args.workers})")
         peak = rss if rss > before else float("nan")
-        print(f"peak RSS of convert: {peak / 2**20:.0f} MiB; largest output tensor {largest['name']} "
-              f"{_nbytes(largest) / 2**20:.0f} MiB ({peak / _nbytes(largest):.1f}x)")
+        print(f"peak RSS of convert: {peak / 2**20:.0f} MiB = fixed overhead {base_rss / 2**20:.0f} MiB (python + torch + "
+              f"prep imported) + {(peak - base_rss) / _nbytes(largest):.1f}x the largest output tensor "
+              f"({largest['name']}, {_nbytes(largest) / 2**20:.0f} MiB)")
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
