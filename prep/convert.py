@@ -26,7 +26,7 @@ from .deepseek import Target, classify, plan_groups
 from .errors import PrepError
 from .groups import LinearGroup, MoEGroup
 from .source import SourceCheckpoint
-from .stwriter import ITEMSIZE, StreamingSafetensorsWriter, xxh3
+from .stwriter import StreamingSafetensorsWriter, nbytes, xxh3
 
 SHARD_BYTES = 4 << 30  # split a rank's tensors into files of about this size
 
@@ -43,13 +43,7 @@ class FileJob:
 
     @property
     def nbytes(self) -> int:
-        total = 0
-        for _, dtype, shape in self.entries:
-            n = ITEMSIZE[dtype]
-            for d in shape:
-                n *= d
-            total += n
-        return total
+        return sum(nbytes(dtype, shape) for _, dtype, shape in self.entries)
 
     def plan_key(self) -> str:
         """What must match for a finished file to be reused by --resume."""
@@ -57,7 +51,7 @@ class FileJob:
         return manifest_hash(json.dumps(desc, sort_keys=True).encode())
 
 
-def _shards(items: list[tuple[Any, int]], prefix: str) -> list[tuple[str, list[Any]]]:
+def shard_names(items: list[tuple[Any, int]], prefix: str) -> list[tuple[str, list[Any]]]:
     """Cut (item, bytes) into consecutive files of about SHARD_BYTES, named prefix-00001...."""
     files: list[list[Any]] = [[]]
     size = 0
@@ -70,13 +64,6 @@ def _shards(items: list[tuple[Any, int]], prefix: str) -> list[tuple[str, list[A
     return [(f"{prefix}-{i + 1:05d}-of-{len(files):05d}.safetensors", chunk) for i, chunk in enumerate(files)]
 
 
-def _entry_bytes(shape: tuple[int, ...], dtype: str = "U8") -> int:
-    n = ITEMSIZE[dtype]
-    for d in shape:
-        n *= d
-    return n
-
-
 def plan_files(src: SourceCheckpoint, target: Target) -> tuple[list[FileJob], dict[str, Any]]:
     """Validate everything and lay out the output files. Raises PrepError on any bad input."""
     _check_layout_names(target)
@@ -84,13 +71,13 @@ def plan_files(src: SourceCheckpoint, target: Target) -> tuple[list[FileJob], di
     per_rank = plan_groups(src, cls, target)
     jobs: list[FileJob] = []
     for rank, groups in enumerate(per_rank):
-        sized = [(g, sum(_entry_bytes(shape) for _, _, shape in g.outputs())) for g in groups]
-        for fname, chunk in _shards(sized, f"model-tp{target.tp}-rank{rank}"):
+        sized = [(g, sum(nbytes("U8", shape) for _, _, shape in g.outputs())) for g in groups]
+        for fname, chunk in shard_names(sized, f"model-tp{target.tp}-rank{rank}"):
             entries = [(n, "U8", tuple(shape)) for g in chunk for n, _, shape in g.outputs()]
             jobs.append(FileJob(fname, rank, chunk, [], entries))
-    sized = [(n, _entry_bytes(src.tensors[n].shape, src.tensors[n].dtype)) for n in cls.passthrough]
+    sized = [(n, src.tensors[n].nbytes) for n in cls.passthrough]
     if sized:
-        for fname, chunk in _shards(sized, "model-common"):
+        for fname, chunk in shard_names(sized, "model-common"):
             entries = [(n, src.tensors[n].dtype, src.tensors[n].shape) for n in chunk]
             jobs.append(FileJob(fname, None, [], chunk, entries))
     info = {"arch": cls.arch, "num_layers": cls.num_layers, "mtp_layers": cls.mtp_layers,

@@ -18,6 +18,14 @@ ITEMSIZE = {"U8": 1, "I8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "BF16": 2, 
             "F32": 4, "I32": 4, "F64": 8, "I64": 8}
 
 
+def nbytes(dtype: str, shape) -> int:
+    """Bytes of a tensor of safetensors ``dtype`` and ``shape``."""
+    n = ITEMSIZE[dtype]
+    for d in shape:
+        n *= d
+    return n
+
+
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The tensor's raw bytes (little-endian, as safetensors stores them), without a copy when contiguous."""
     t = t.detach().contiguous()
@@ -43,9 +51,7 @@ class StreamingSafetensorsWriter:
         header: dict = {"__metadata__": metadata or {"format": "pt"}}
         offset = 0
         for name, dtype, shape in entries:
-            n = ITEMSIZE[dtype]
-            for d in shape:
-                n *= d
+            n = nbytes(dtype, shape)
             header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + n]}
             offset += n
         raw = json.dumps(header, separators=(",", ":")).encode()
