@@ -25,7 +25,7 @@ from . import __version__
 from .deepseek import Target, classify, plan_groups
 from .errors import PrepError
 from .groups import LinearGroup, MoEGroup
-from .source import SourceCheckpoint
+from .source import ShardFile, SourceCheckpoint
 from .stwriter import StreamingSafetensorsWriter, nbytes, xxh3
 
 SHARD_BYTES = 4 << 30  # split a rank's tensors into files of about this size
@@ -118,12 +118,10 @@ def _reusable(job: FileJob, staging: pathlib.Path) -> dict[str, Any] | None:
         record = json.loads(rec_path.read_text())
         if record.get("plan_key") != job.plan_key() or record.get("size") != final.stat().st_size:
             return None
-        from safetensors import safe_open
-
-        with safe_open(str(final), framework="pt") as f:
-            for name, _, _ in job.entries:
-                if xxh3(f.get_tensor(name)) != record["hashes"].get(name):
-                    return None
+        f = ShardFile(final)
+        for name, _, _ in job.entries:
+            if xxh3(f.get(name)) != record["hashes"].get(name):
+                return None
         return record
     except Exception:
         return None
@@ -211,10 +209,7 @@ def build_manifest(src: SourceCheckpoint, target: Target, jobs: list[FileJob],
             groups.append({**g.record(), "file": job.name})
             lay = layouts.get_layout(g.layout)
             extra = g.runtime_extra() if isinstance(g, MoEGroup) else {}
-            sources = ([f"{p.src}.{s}" for p in g.parts for s in ("weight", "weight_scale")]
-                       if isinstance(g, LinearGroup) else
-                       [f"{e}.{p}.{s}" for e in g.experts for p in ("gate_proj", "up_proj", "down_proj")
-                        for s in ("weight", "weight_scale")])
+            sources = g.sources()
             for name, role, shape in g.outputs():
                 tensors.append({"name": name, "rank": g.rank, "file": job.name, "dtype": "U8", "shape": list(shape),
                                 "role": role, "group": g.key, "layout": g.layout,

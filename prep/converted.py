@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import pathlib
 from collections import defaultdict
-from typing import Any, Iterator
+from typing import Iterator
 
 import torch
-from safetensors import safe_open
 
 from layouts.manifest import ManifestError, load_manifest
 
 from .errors import PrepError
 from .groups import group_from_record
+from .source import ShardFile
 
 
 class ConvertedCheckpoint:
@@ -23,43 +23,40 @@ class ConvertedCheckpoint:
             self.manifest = load_manifest(self.root)
         except ManifestError as e:
             raise PrepError(str(e)) from None
-        self._handles: dict[str, Any] = {}
+        self._files: dict[str, ShardFile] = {}
+        # Indexes over the manifest, so that walking every group stays linear in its size.
         self.by_file: dict[str, list[dict]] = defaultdict(list)
+        self._groups: dict[str, list[dict]] = defaultdict(list)  # group name -> its per-rank records
+        self._sources: dict[str, dict[str, None]] = defaultdict(dict)  # group name -> source tensors, in order
+        self._passthrough: dict[str, dict] = {}
         for t in self.manifest["tensors"]:
             self.by_file[t["file"]].append(t)
+            if t["role"] == "passthrough":
+                self._passthrough[t["name"]] = t
+            else:
+                self._sources[t["group"]].update(dict.fromkeys(t["sources"]))
+        for rec in self.manifest["groups"]:
+            self._groups[rec["name"]].append(rec)
 
-    def open_file(self, fname: str):
-        h = self._handles.get(fname)
-        if h is None:
+    def read(self, fname: str, name: str) -> torch.Tensor:
+        f = self._files.get(fname)
+        if f is None:
             path = self.root / fname
             if not path.is_file():
                 raise PrepError(f"{path}: listed in the manifest but missing; convert again")
-            try:
-                h = safe_open(str(path), framework="pt")
-            except Exception as e:
-                raise PrepError(f"{path}: unreadable ({e}); the file is truncated or corrupt: convert again") from None
-            self._handles[fname] = h
-        return h
-
-    def read(self, fname: str, name: str) -> torch.Tensor:
-        return self.open_file(fname).get_tensor(name)
+            f = self._files[fname] = ShardFile(path)
+        return f.get(name)
 
     def group_keys(self) -> list[str]:
         """Logical groups (one per module, all ranks), in manifest order."""
-        seen: dict[str, None] = {}
-        for rec in self.manifest["groups"]:
-            seen.setdefault(rec["name"], None)
-        return list(seen)
-
-    def groups_of(self, key: str) -> list[dict]:
-        return [r for r in self.manifest["groups"] if r["name"] == key]
+        return list(self._groups)
 
     def invert_group(self, key: str) -> dict[str, torch.Tensor]:
         """Every source tensor the group ``key`` came from, rebuilt from all its ranks."""
         src_meta = self.manifest["source"]["tensors"]
         out: dict[str, torch.Tensor] = {}
         covered: dict[str, torch.Tensor] = {}  # which bytes some rank has provided
-        for rec in self.groups_of(key):
+        for rec in self._groups[key]:
             g = group_from_record(rec)
             tensors = [self.read(rec["file"], name) for name, _, _ in g.outputs()]
             for src_name, (rows, cols), piece in g.invert(tensors):
@@ -86,18 +83,13 @@ class ConvertedCheckpoint:
 
     def units(self) -> Iterator[tuple[str, list[str]]]:
         """(unit, source tensor names) in order: each group key, then each pass-through tensor."""
-        for key in self.group_keys():
-            names: dict[str, None] = {}
-            for t in self.manifest["tensors"]:
-                if t.get("group") == key:
-                    names.update(dict.fromkeys(t["sources"]))
-            yield key, list(names)
-        for t in self.manifest["tensors"]:
-            if t["role"] == "passthrough":
-                yield t["name"], [t["name"]]
+        for key in self._groups:
+            yield key, list(self._sources[key])
+        for name in self._passthrough:
+            yield name, [name]
 
     def source_tensors(self, unit: str) -> dict[str, torch.Tensor]:
-        for t in self.manifest["tensors"]:
-            if t["role"] == "passthrough" and t["name"] == unit:
-                return {unit: self.read(t["file"], unit)}
+        t = self._passthrough.get(unit)
+        if t is not None:
+            return {unit: self.read(t["file"], unit)}
         return self.invert_group(unit)

@@ -82,6 +82,10 @@ class LinearGroup:
     def key(self) -> str:
         return self.name
 
+    def sources(self) -> list[str]:
+        """The source tensors this group is built from."""
+        return [f"{p.src}.{s}" for p in self.parts for s in ("weight", "weight_scale")]
+
     def local_shapes(self) -> tuple[tuple[int, int], tuple[int, int]]:
         n = sum(p.local(self.tp)[0] for p in self.parts)
         k = self.parts[0].local(self.tp)[1]
@@ -156,6 +160,11 @@ class MoEGroup:
     @property
     def key(self) -> str:
         return self.name
+
+    def sources(self) -> list[str]:
+        """The source tensors this group is built from."""
+        return [f"{e}.{p}.{s}" for e in self.experts for p in ("gate_proj", "up_proj", "down_proj")
+                for s in ("weight", "weight_scale")]
 
     @property
     def i_local(self) -> int:

@@ -46,6 +46,7 @@ class ShardFile:
     def __init__(self, path: pathlib.Path):
         self.path = path
         size = path.stat().st_size
+        self.fd = -1
         try:
             self.fd = os.open(path, os.O_RDONLY)
             head = os.pread(self.fd, 8, 0)
@@ -67,6 +68,17 @@ class ShardFile:
         if 8 + n + end != size:
             raise PrepError(f"{path}: file is {size} bytes but its header says {8 + n + end}; the file is "
                             "truncated or corrupt: re-download it")
+
+    def __del__(self) -> None:
+        if getattr(self, "fd", -1) >= 0:
+            os.close(self.fd)
+
+    def get(self, name: str) -> torch.Tensor:
+        """A whole tensor by name."""
+        try:
+            return self.read(self.tensors[name])
+        except KeyError:
+            raise PrepError(f"{self.path}: no tensor {name}") from None
 
     def read(self, info: TensorInfo, rows: slice | None = None) -> torch.Tensor:
         """The tensor, or a contiguous block of its rows, read straight into a new tensor."""
