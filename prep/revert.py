@@ -11,8 +11,8 @@ from typing import Callable
 from .convert import shard_names
 from .converted import ConvertedCheckpoint
 from .errors import PrepError
-from .source import INDEX_NAME, SIDE_FILES, TORCH_DTYPES
-from .stwriter import StreamingSafetensorsWriter, nbytes
+from .source import INDEX_NAME, SIDE_FILES
+from .stwriter import TORCH_DTYPES, StreamingSafetensorsWriter, nbytes
 
 
 def revert(out: str, dest: str | pathlib.Path, force: bool = False,

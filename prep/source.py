@@ -16,10 +16,7 @@ from typing import Any
 import torch
 
 from .errors import PrepError
-
-TORCH_DTYPES = {"U8": torch.uint8, "I8": torch.int8, "BOOL": torch.bool, "BF16": torch.bfloat16,
-                "F16": torch.float16, "F32": torch.float32, "F64": torch.float64, "I16": torch.int16,
-                "I32": torch.int32, "I64": torch.int64, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+from .stwriter import TORCH_DTYPES
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"

@@ -11,11 +11,12 @@ import pathlib
 import torch
 import xxhash
 
-DTYPES = {torch.uint8: "U8", torch.bfloat16: "BF16", torch.float32: "F32", torch.float16: "F16",
-          torch.int8: "I8", torch.int32: "I32", torch.int64: "I64", torch.float64: "F64", torch.bool: "BOOL",
-          torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
-ITEMSIZE = {"U8": 1, "I8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "BF16": 2, "F16": 2, "I16": 2,
-            "F32": 4, "I32": 4, "F64": 8, "I64": 8}
+# safetensors dtype strings and the torch dtypes they are read into; the other tables derive from it.
+TORCH_DTYPES = {"U8": torch.uint8, "I8": torch.int8, "BOOL": torch.bool, "BF16": torch.bfloat16,
+                "F16": torch.float16, "F32": torch.float32, "F64": torch.float64, "I16": torch.int16,
+                "I32": torch.int32, "I64": torch.int64, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+DTYPES = {t: s for s, t in TORCH_DTYPES.items()}
+ITEMSIZE = {s: t.itemsize for s, t in TORCH_DTYPES.items()}
 
 
 def nbytes(dtype: str, shape) -> int:

@@ -22,6 +22,9 @@ import tempfile
 import time
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from prep.stwriter import nbytes  # noqa: E402
 
 
 def du(path: pathlib.Path) -> int:
@@ -94,10 +97,7 @@ def main() -> None:
 
 
 def _nbytes(t: dict) -> int:
-    n = {"U8": 1, "BF16": 2, "F32": 4}.get(t["dtype"], 1)
-    for d in t["shape"]:
-        n *= d
-    return n
+    return nbytes(t["dtype"], t["shape"])
 
 
 if __name__ == "__main__":
