@@ -104,7 +104,7 @@ def inspect(src: str, revision: str | None, as_json: bool) -> None:
 @click.option("--moe-layout", type=click.Choice(["ck", "triton", "triton-gfx942"]), default="ck", show_default=True,
               help="Stacked experts: ck = CK fused_moe; triton = ATOM_USE_TRITON_MOE on gfx950 (CDNA4_SCALE).")
 @click.option("--tp", type=int, default=1, show_default=True, help="Tensor-parallel size: one set of files per rank.")
-@click.option("--ep", type=int, default=1, show_default=True, help="Expert-parallel size (only 1 for now).")
+@click.option("--ep", type=int, default=1, show_default=True, help="Expert-parallel size: 1, or equal to --tp (each rank holds a block of whole experts plus the shared one).")
 @click.option("--fuse-shared-expert/--no-fuse-shared-expert", default=True, show_default=True,
               help="Put the shared expert into expert slot n_routed of the stacked tensors.")
 @click.option("--workers", type=int, default=1, show_default=True, help="Output files written in parallel.")

@@ -33,10 +33,9 @@ class ConvertedCheckpoint:
             self.by_file[t["file"]].append(t)
             if t["role"] == "passthrough":
                 self._passthrough[t["name"]] = t
-            else:
-                self._sources[t["group"]].update(dict.fromkeys(t["sources"]))
         for rec in self.manifest["groups"]:
             self._groups[rec["name"]].append(rec)
+            self._sources[rec["name"]].update(dict.fromkeys(group_from_record(rec).sources()))
 
     def read(self, fname: str, name: str) -> torch.Tensor:
         f = self._files.get(fname)

@@ -108,8 +108,9 @@ def plan_groups(src: SourceCheckpoint, cls: Classified, target: Target) -> list[
     tp = target.tp
     if tp < 1 or target.ep < 1:
         raise PrepError(f"--tp and --ep must be >= 1 (got tp={tp}, ep={target.ep})")
-    if target.ep != 1:
-        raise PrepError("--ep > 1 (expert parallel) is not supported yet; convert with --ep 1")
+    if target.ep not in (1, tp):
+        raise PrepError(f"--ep {target.ep} with --tp {tp}: expert parallel runs with ep_size = tp_size (ATOM's "
+                        "--enable-expert-parallel); pass --ep 1 or --ep equal to --tp")
     heads = int(cfg.get("num_attention_heads", 1))
     if heads % tp:
         raise PrepError(f"config.json: num_attention_heads={heads} does not divide over tp={tp}; "
@@ -176,8 +177,19 @@ def _layer_groups(layer, mods, rank, target, part, src) -> list[LinearGroup | Mo
             if _dims(src, f"{s}.gate_proj") != (inter, hidden):
                 raise PrepError(f"{s}.gate_proj.weight: shape differs from {srcs[0]}.gate_proj.weight; "
                                 "cannot stack (use --no-fuse-shared-expert for a differently sized shared expert)")
-        out.append(MoEGroup(f"{mlp}experts", rank, tp, tuple(srcs), inter, hidden, target.moe_layout,
-                            target.inter_pad_to, target.hidden_pad_to))
+        local, ep_range = srcs, None
+        if target.ep > 1:
+            # Expert parallel (ATOM's determine_expert_map): contiguous blocks of n_routed // ep
+            # experts, the remainder to the last rank; the fused shared expert is replicated on
+            # every rank after its block; the intermediate dimension is not split (MoE tp = 1).
+            n_routed = len(experts)
+            if target.ep > n_routed:
+                raise PrepError(f"{mlp}experts: --ep {target.ep} exceeds the {n_routed} routed experts")
+            per = n_routed // target.ep
+            start, stop = rank * per, n_routed if rank == target.ep - 1 else (rank + 1) * per
+            local, ep_range = srcs[start:stop] + srcs[n_routed:], (start, stop)
+        out.append(MoEGroup(f"{mlp}experts", rank, tp, tuple(local), inter, hidden, target.moe_layout,
+                            target.inter_pad_to, target.hidden_pad_to, ep=target.ep, routed=ep_range))
         done.update(f"{s}.{p}" for s in srcs for p in ("gate_proj", "up_proj", "down_proj"))
         if not fuse and f"{shared}.gate_proj" in mods and f"{shared}.up_proj" in mods:
             linear(f"{shared}.gate_up_proj", [part(f"{shared}.gate_proj", "rows"), part(f"{shared}.up_proj", "rows")])

@@ -19,7 +19,7 @@ from layouts.shuffle import pad_to
 from .errors import PrepError
 
 BLOCK = layouts.BLOCK_SIZE
-Reader = Callable[..., torch.Tensor]  # read(name, rows=None, cols=None) -> tensor
+Reader = Callable[..., torch.Tensor]  # read(name, rows=None, cols=None, out=None) -> tensor
 # A piece of a source tensor: (source tensor name, (row slice, col slice), bytes).
 Piece = tuple[str, tuple[slice, slice], torch.Tensor]
 
@@ -86,6 +86,10 @@ class LinearGroup:
         """The source tensors this group is built from."""
         return [f"{p.src}.{s}" for p in self.parts for s in ("weight", "weight_scale")]
 
+    def output_sources(self) -> list[list[str]]:
+        """For each output (``outputs()`` order), the source tensors its bytes come from."""
+        return [[f"{p.src}.{s}" for p in self.parts] for s in ("weight", "weight_scale")]
+
     def local_shapes(self) -> tuple[tuple[int, int], tuple[int, int]]:
         n = sum(p.local(self.tp)[0] for p in self.parts)
         k = self.parts[0].local(self.tp)[1]
@@ -104,6 +108,16 @@ class LinearGroup:
         _check_layout(self.layout, self.local_shapes(), f"{self.name}.weight (rank {self.rank})")
 
     def build(self, read: Reader) -> list[torch.Tensor]:
+        """The output tensors, whole, in ``outputs()`` order."""
+        return _whole(self, self.build_chunks(read))
+
+    def build_chunks(self, read: Reader, chunk_bytes: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+        """(output name, tensor) in file order. A dense linear is at most a few hundred MiB per
+        rank, so it is built whole (``chunk_bytes`` is accepted for a uniform interface)."""
+        names = [n for n, _, _ in self.outputs()]
+        yield from zip(names, self._build_whole(read))
+
+    def _build_whole(self, read: Reader) -> list[torch.Tensor]:
         ws, ss = [], []
         for p in self.parts:
             rows, wcols, scols = p.window(self.tp, self.rank)
@@ -155,7 +169,14 @@ class MoEGroup:
     layout: str
     inter_pad_to: int = 256
     hidden_pad_to: int = 256
+    ep: int = 1  # expert parallel: this rank holds ``experts`` whole (no intermediate split)
+    routed: tuple[int, int] | None = None  # with ep > 1: the global routed expert ids [start, stop)
     kind = "moe"
+
+    @property
+    def moe_tp(self) -> tuple[int, int]:
+        """(size, rank) the intermediate dimension is split over: the TP group, or none under EP."""
+        return (1, 0) if self.ep > 1 else (self.tp, self.rank)
 
     @property
     def key(self) -> str:
@@ -166,9 +187,14 @@ class MoEGroup:
         return [f"{e}.{p}.{s}" for e in self.experts for p in ("gate_proj", "up_proj", "down_proj")
                 for s in ("weight", "weight_scale")]
 
+    def output_sources(self) -> list[list[str]]:
+        """For each output (``outputs()`` order), the source tensors its bytes come from."""
+        return [[f"{e}.{p}.{s}" for p in projs for e in self.experts]
+                for projs in (("gate_proj", "up_proj"), ("down_proj",)) for s in ("weight", "weight_scale")]
+
     @property
     def i_local(self) -> int:
-        return self.inter // self.tp
+        return self.inter // self.moe_tp[0]
 
     @property
     def i_pad(self) -> int:
@@ -192,11 +218,13 @@ class MoEGroup:
 
     def check(self) -> None:
         src = f"{self.experts[0]}.down_proj.weight"
-        if self.inter % self.tp:
-            raise PrepError(f"{src}: moe intermediate {self.inter} does not split over tp={self.tp}")
+        tp = self.moe_tp[0]
+        if self.inter % tp:
+            raise PrepError(f"{src}: moe intermediate {self.inter} does not split over tp={tp}; "
+                            "choose a tp that divides it (or --ep equal to --tp)")
         if self.i_local % BLOCK:
             raise PrepError(f"{src}: moe intermediate per rank {self.i_local} is not a multiple of 32 "
-                            f"(tp={self.tp} too large for whole scale blocks)")
+                            f"(tp={tp} too large for whole scale blocks; try --ep equal to --tp)")
         if self.hidden % BLOCK:
             raise PrepError(f"{src}: hidden size {self.hidden} is not a multiple of 32")
         w13, s13, w2, s2 = self.local_shapes()
@@ -204,30 +232,64 @@ class MoEGroup:
         _check_layout(self.layout, (w2, s2), f"{self.name}.w2_weight (rank {self.rank})")
 
     def _windows(self):
-        r, il = self.rank, self.i_local
+        r, il = self.moe_tp[1], self.i_local
         gate_up_rows = slice(r * il, (r + 1) * il)
         down_cols = slice(r * il // 2, (r + 1) * il // 2), slice(r * il // BLOCK, (r + 1) * il // BLOCK)
         return gate_up_rows, down_cols
 
     def build(self, read: Reader) -> list[torch.Tensor]:
-        # w13 is built and shuffled before w2 is allocated: peak memory is two copies of the
-        # larger stacked tensor, not three.
-        w13s, s13s, w2s, s2s = self.local_shapes()
+        """The output tensors, whole, in ``outputs()`` order (tests and small models)."""
+        return _whole(self, self.build_chunks(read))
+
+    def build_chunks(self, read: Reader, chunk_bytes: int = 64 << 20) -> Iterator[tuple[str, torch.Tensor]]:
+        """(output name, chunk) in file order: each stacked weight in blocks of whole experts of
+        about ``chunk_bytes``, then its scale. Every MoE layout transforms each expert on its
+        own (W16 tiles and S32x8 bands never cross an expert: rows per expert are a multiple of
+        256), so the blocks, laid end to end, are byte for byte the transformed whole tensor,
+        which then never exists in memory (a V3 layer at TP 1 is 3.7 GiB of w13)."""
         rows, (dcols, dscols) = self._windows()
         il, ip, h = self.i_local, self.i_pad, self.hidden
+        e_total = len(self.experts)
+        w13s, s13s, w2s, s2s = self.local_shapes()
+        outs = [n for n, _, _ in self.outputs()]
         lay = layouts.get_layout(self.layout)
-        w13, s13 = torch.zeros(w13s, dtype=torch.uint8), torch.zeros(s13s, dtype=torch.uint8)
-        for e, src in enumerate(self.experts):
+
+        # Each expert's bytes are read straight into its place in the block (read(..., out=));
+        # only the padding is zeroed, not the whole block.
+        def fill13(w, s, e, src):
             for half, proj in enumerate(("gate_proj", "up_proj")):
-                w13[e, half * ip:half * ip + il, :h // 2] = read(f"{src}.{proj}.weight", rows)
-                s13[e, half * ip:half * ip + il, :h // BLOCK] = read(f"{src}.{proj}.weight_scale", rows)
-        out = list(lay.apply(w13, s13, f"{self.name}.w13_weight"))
-        del w13, s13
-        w2, s2 = torch.zeros(w2s, dtype=torch.uint8), torch.zeros(s2s, dtype=torch.uint8)
-        for e, src in enumerate(self.experts):
-            w2[e, :h, :il // 2] = read(f"{src}.down_proj.weight", None, dcols)
-            s2[e, :h, :il // BLOCK] = read(f"{src}.down_proj.weight_scale", None, dscols)
-        return out + list(lay.apply(w2, s2, f"{self.name}.w2_weight"))
+                read(f"{src}.{proj}.weight", rows, out=w[e, half * ip:half * ip + il, :h // 2])
+                read(f"{src}.{proj}.weight_scale", rows, out=s[e, half * ip:half * ip + il, :h // BLOCK])
+                for t in (w, s):
+                    t[e, half * ip + il:(half + 1) * ip].zero_()
+            w[e, :, h // 2:].zero_()
+            s[e, :, h // BLOCK:].zero_()
+
+        def fill2(w, s, e, src):
+            read(f"{src}.down_proj.weight", None, dcols, out=w[e, :h, :il // 2])
+            read(f"{src}.down_proj.weight_scale", None, dscols, out=s[e, :h, :il // BLOCK])
+            for t, k in ((w, il // 2), (s, il // BLOCK)):
+                t[e, h:].zero_()
+                t[e, :, k:].zero_()
+
+        for (wname, sname), wshape, sshape, fill in ((outs[0:2], w13s, s13s, fill13), (outs[2:4], w2s, s2s, fill2)):
+            per_expert = wshape[1] * wshape[2]
+            step = max(1, min(e_total, chunk_bytes // per_expert)) if chunk_bytes else e_total
+            if wshape[1] % 256:  # a flattened S32x8 would pad rows per block, not once at the end
+                step = e_total
+            scales = []
+            for e0 in range(0, e_total, step):
+                block = self.experts[e0:e0 + step]
+                w = _alloc((len(block), *wshape[1:]))
+                s = _alloc((len(block), *sshape[1:]))
+                for e, src in enumerate(block):
+                    fill(w, s, e, src)
+                w, s = lay.apply(w, s, f"{wname} (experts {e0}..{e0 + len(block) - 1})")
+                yield wname, w
+                scales.append(s)
+                del w
+            for s in scales:
+                yield sname, s
 
     def invert(self, tensors: list[torch.Tensor]) -> Iterator[Piece]:
         lay = layouts.get_layout(self.layout)
@@ -257,8 +319,12 @@ class MoEGroup:
             raise PrepError(f"{self.name} (rank {self.rank}): padding bytes are not zero; the file is corrupt")
 
     def transforms(self) -> list[dict[str, Any]]:
+        tp, tp_rank = self.moe_tp
+        split = ({"op": "ep_split", "ep": self.ep, "rank": self.rank, "routed": list(self.routed or ()),
+                  "shared_replicated": len(self.experts) - (self.routed[1] - self.routed[0]) if self.routed else 0}
+                 if self.ep > 1 else {"op": "tp_split", "dim": "intermediate", "tp": tp, "rank": tp_rank})
         return [
-            {"op": "tp_split", "dim": "intermediate", "tp": self.tp, "rank": self.rank},
+            split,
             {"op": "stack_experts", "experts": len(self.experts), "w13": "[gate ; up] rows per expert"},
             {"op": "pad", "intermediate": [self.i_local, self.i_pad], "hidden": [self.hidden, self.h_pad],
              "weight_byte": 0, "scale_byte": 0},
@@ -268,11 +334,34 @@ class MoEGroup:
     def record(self) -> dict[str, Any]:
         return {"kind": self.kind, "name": self.name, "rank": self.rank, "tp": self.tp, "layout": self.layout,
                 "experts": list(self.experts), "inter": self.inter, "hidden": self.hidden,
-                "inter_pad_to": self.inter_pad_to, "hidden_pad_to": self.hidden_pad_to}
+                "inter_pad_to": self.inter_pad_to, "hidden_pad_to": self.hidden_pad_to,
+                "ep": self.ep, "routed": list(self.routed) if self.routed else None}
 
     def runtime_extra(self) -> dict[str, Any]:
-        return {"intermediate_pad": self.i_pad - self.i_local, "hidden_pad": self.h_pad - self.hidden,
-                "num_local_experts": len(self.experts)}
+        extra = {"intermediate_pad": self.i_pad - self.i_local, "hidden_pad": self.h_pad - self.hidden,
+                 "num_local_experts": len(self.experts)}
+        if self.ep > 1:
+            start, stop = self.routed
+            extra.update({"ep_size": self.ep, "ep_rank": self.rank, "global_routed_experts": [start, stop],
+                          "shared_expert_slot": stop - start if len(self.experts) > stop - start else None})
+        return extra
+
+
+def _alloc(shape: tuple[int, ...]) -> torch.Tensor:
+    """An uninitialised uint8 block (every byte is then read in or zeroed; tests fill it with garbage)."""
+    return torch.empty(shape, dtype=torch.uint8)
+
+
+def _whole(group: "LinearGroup | MoEGroup", chunks: Iterator[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
+    """Join a group's chunks back into its whole output tensors (blocks stack along dim 0)."""
+    parts: dict[str, list[torch.Tensor]] = {}
+    for name, t in chunks:
+        parts.setdefault(name, []).append(t)
+    out = []
+    for name, _, shape in group.outputs():
+        ts = parts[name]
+        out.append((ts[0] if len(ts) == 1 else torch.cat(ts)).reshape(shape))
+    return out
 
 
 def group_from_record(rec: dict[str, Any]) -> LinearGroup | MoEGroup:
@@ -280,6 +369,8 @@ def group_from_record(rec: dict[str, Any]) -> LinearGroup | MoEGroup:
     if rec["kind"] == "linear":
         return LinearGroup(rec["name"], rec["rank"], rec["tp"], tuple(Part(**p) for p in rec["parts"]), rec["layout"])
     if rec["kind"] == "moe":
+        routed = rec.get("routed")
         return MoEGroup(rec["name"], rec["rank"], rec["tp"], tuple(rec["experts"]), rec["inter"], rec["hidden"],
-                        rec["layout"], rec["inter_pad_to"], rec["hidden_pad_to"])
+                        rec["layout"], rec["inter_pad_to"], rec["hidden_pad_to"], rec.get("ep", 1),
+                        tuple(routed) if routed else None)
     raise PrepError(f"manifest: unknown group kind {rec['kind']!r}")

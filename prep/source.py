@@ -77,14 +77,18 @@ class ShardFile:
         except KeyError:
             raise PrepError(f"{self.path}: no tensor {name}") from None
 
-    def read(self, info: TensorInfo, rows: slice | None = None) -> torch.Tensor:
-        """The tensor, or a contiguous block of its rows, read straight into a new tensor."""
+    def read(self, info: TensorInfo, rows: slice | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The tensor, or a contiguous block of its rows, read straight into a new tensor (or
+        into ``out``, a contiguous tensor of that shape and dtype: no intermediate copy)."""
         shape = list(info.shape)
         row_bytes = info.nbytes // shape[0] if shape and shape[0] else info.nbytes
         start, stop = (0, shape[0] if shape else 1) if rows is None else (rows.start or 0, shape[0] if rows.stop is None else rows.stop)
         if shape:
             shape[0] = stop - start
-        out = torch.empty(shape, dtype=TORCH_DTYPES[info.dtype])
+        if out is None:
+            out = torch.empty(shape, dtype=TORCH_DTYPES[info.dtype])
+        elif list(out.shape) != shape or out.dtype != TORCH_DTYPES[info.dtype] or not out.is_contiguous():
+            raise ValueError(f"read {info.name}: out is {list(out.shape)} {out.dtype}, wants contiguous {shape}")
         buf = out.view(-1).view(torch.uint8).numpy() if out.numel() else bytearray()
         want = (stop - start) * row_bytes
         got = os.preadv(self.fd, [buf], info.offset + start * row_bytes) if want else 0
@@ -184,11 +188,24 @@ class SourceCheckpoint:
         except KeyError:
             raise PrepError(f"{self.root}: tensor {name} is missing from the checkpoint") from None
 
-    def read(self, name: str, rows: slice | None = None, cols: slice | None = None) -> torch.Tensor:
-        """The tensor, or a block of its rows / columns (columns are cut from the rows read)."""
+    def read(self, name: str, rows: slice | None = None, cols: slice | None = None,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+        """The tensor, or a block of its rows / columns (columns are cut from the rows read).
+
+        With ``out`` (a view of the right shape, e.g. one expert's rows in a stacked tensor),
+        the bytes land there: read straight in when ``out`` is contiguous and all columns are
+        wanted, else copied in. Returns ``out``."""
         info = self.info(name)
+        if cols is not None and cols.start in (0, None) and cols.stop is not None and cols.stop >= info.shape[-1]:
+            cols = None  # the whole width: a plain row read
+        if out is not None and cols is None and out.is_contiguous():
+            return self._shards[info.file].read(info, rows, out)
         t = self._shards[info.file].read(info, rows)
-        return t if cols is None else t[:, cols].contiguous()
+        t = t if cols is None else t[:, cols]
+        if out is None:
+            return t.contiguous()
+        out.copy_(t)
+        return out
 
     def fingerprint(self, hash_files: bool = False) -> dict[str, Any]:
         """Where the source came from, and each file's size (and xxh3-128 hash on request)."""

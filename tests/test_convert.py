@@ -58,6 +58,48 @@ def test_convert_verify_revert_is_byte_identical(sources, tmp_path, variant, tp,
         assert rebuilt[name].dtype == t.dtype and torch.equal(rebuilt[name], t), name
 
 
+@pytest.mark.parametrize("n_routed, tp", [(8, 2), (8, 4), (10, 4)], ids=["8-experts-ep2", "8-experts-ep4", "10-experts-ep4"])
+def test_expert_parallel_gives_each_rank_whole_experts_and_round_trips(tmp_path, n_routed, tp):
+    src, out, back = tmp_path / "src", tmp_path / "out", tmp_path / "back"
+    write_checkpoint(SynthSpec(variant="v2", n_routed_experts=n_routed, num_hidden_layers=2), src)
+    convert(str(src), out, Target("preshuffle", "ck", tp, ep=tp))
+    m = json.loads((out / "prep-manifest.json").read_text())
+    w13 = sorted((t for t in m["tensors"] if t["name"] == "model.layers.1.mlp.experts.w13_weight"), key=lambda t: t["rank"])
+    per = n_routed // tp
+    for t in w13:  # ATOM's expert map: blocks of n_routed // ep, the remainder to the last rank, + the shared one
+        r, a = t["rank"], t["runtime_attrs"]
+        start, stop = r * per, (n_routed if r == tp - 1 else (r + 1) * per)
+        assert a["global_routed_experts"] == [start, stop] and a["shared_expert_slot"] == stop - start
+        assert a["num_local_experts"] == stop - start + 1 and t["shape"][0] == stop - start + 1
+        assert a["intermediate_pad"] == 0 and t["shape"][1] == 2 * 256  # the intermediate is not split
+    verify(str(out), source=str(src))
+    revert(str(out), back)
+    original, rebuilt = all_tensors(src), all_tensors(back)
+    assert original.keys() == rebuilt.keys() and all(torch.equal(rebuilt[n], t) for n, t in original.items())
+
+
+def test_expert_parallel_rank_holds_aiter_shuffle_of_its_expert_block(sources, tmp_path, aiter_shuffle):
+    src, out, rank = sources["v2"], tmp_path / "out", 1
+    convert(str(src), out, Target("preshuffle", "ck", 2, ep=2))
+    s = all_tensors(src)
+    moe = "model.layers.1.mlp"
+    experts = [f"{moe}.experts.{e}" for e in range(4, 8)] + [f"{moe}.shared_experts"]
+    w13 = torch.stack([torch.cat([s[f"{p}.gate_proj.weight"], s[f"{p}.up_proj.weight"]]) for p in experts])
+    assert torch.equal(_rank_tensor(out, f"{moe}.experts.w13_weight", rank), aiter_shuffle.shuffle_weight(w13, layout=(16, 16)))
+
+
+def test_padding_is_zero_whatever_memory_the_blocks_get(sources, tmp_path, monkeypatch):
+    import prep.groups as pg
+
+    # Stacked blocks are allocated uninitialised and only the pads are zeroed: give them garbage.
+    monkeypatch.setattr(pg, "_alloc", lambda shape: torch.full(shape, 0xAB, dtype=torch.uint8))
+    out = tmp_path / "out"
+    convert(str(sources["v2"]), out, Target("non-shuffle", "ck", 4))  # intermediate 64 per rank, padded to 256
+    verify(str(out), source=str(sources["v2"]))  # inverting checks every pad byte is zero
+    w13 = _rank_tensor(out, "model.layers.1.mlp.experts.w13_weight", 0)
+    assert w13.shape == (9, 512, 128) and not L.unshuffle_weight(w13)[:, 64:256].any()
+
+
 def test_manifest_describes_every_tensor(sources, tmp_path):
     out = tmp_path / "out"
     convert(str(sources["v2"]), out, Target("preshuffle", "triton", 2))
@@ -73,6 +115,10 @@ def test_manifest_describes_every_tensor(sources, tmp_path):
     w13 = [t for t in m["tensors"] if t["name"].endswith("experts.w13_weight_scale") and t["rank"] == 1][0]
     assert w13["runtime_attrs"]["scale_swizzle"] == "CDNA4_SCALE"
     assert w13["runtime_attrs"]["intermediate_pad"] == 256 - 128 and w13["runtime_attrs"]["num_local_experts"] == 9
+    moe = "model.layers.1.mlp"
+    assert w13["sources"] == [f"{moe}.experts.{{0..7}}.gate_proj.weight_scale", f"{moe}.shared_experts.gate_proj.weight_scale",
+                              f"{moe}.experts.{{0..7}}.up_proj.weight_scale", f"{moe}.shared_experts.up_proj.weight_scale"]
+    assert len(L.manifest.expand_names(w13["sources"])) == 18
     qkv = [t for t in m["tensors"] if t["name"].endswith("fused_qkv_a_proj.weight")][0]
     assert qkv["runtime_attrs"] == {"is_shuffled": True}
     assert qkv["sources"][0].endswith("q_a_proj.weight") and qkv["transforms"][-1]["name"] == "preshuffle"
@@ -85,7 +131,14 @@ def _rank_tensor(out, name, rank):
         return h.get_tensor(name)
 
 
-def test_rank_bytes_equal_aiter_shuffles_of_the_merged_rank_tensors(sources, tmp_path, aiter_shuffle, aiter_fp4_utils):
+@pytest.mark.parametrize("chunk_bytes", [64 << 20, 150 << 10], ids=["whole", "blocks-of-2-experts"])
+def test_rank_bytes_equal_aiter_shuffles_of_the_merged_rank_tensors(sources, tmp_path, aiter_shuffle, aiter_fp4_utils,
+                                                                     monkeypatch, chunk_bytes):
+    import prep.convert as pc
+
+    # The stacked experts are built and shuffled in blocks; laid end to end they must be aiter's
+    # shuffle of the whole stacked tensor (9 experts of 64 KiB of w13: blocks 2,2,2,2,1).
+    monkeypatch.setattr(pc, "CHUNK_BYTES", chunk_bytes)
     src, out, tp, rank = sources["v2"], tmp_path / "out", 2, 1
     convert(str(src), out, Target("preshuffle", "ck", tp))
     s = all_tensors(src)
@@ -254,10 +307,15 @@ def test_existing_output_needs_force(sources, tmp_path):
 def test_disk_full_removes_partial_output(sources, tmp_path, monkeypatch):
     import prep.stwriter as st
 
-    def full(self, name, t):
-        raise OSError(errno.ENOSPC, "No space left on device")
+    real, calls = st.tensor_bytes, []
 
-    monkeypatch.setattr(st.StreamingSafetensorsWriter, "add", full)
+    def full(t):  # the writer thread hits a full disk a few tensors into the first file
+        calls.append(1)
+        if len(calls) > 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(t)
+
+    monkeypatch.setattr(st, "tensor_bytes", full)
     out = tmp_path / "out"
     assert_one_line_error(run_cli("convert", str(sources["v2"]), "-o", str(out)), "disk full")
     assert nothing_left(out)

@@ -5,6 +5,8 @@ import json
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import layouts as L
 
@@ -29,6 +31,18 @@ def test_every_layout_inverts_exactly_and_predicts_its_output_shapes(name):
     assert (tuple(lw.shape), tuple(ls.shape)) == layout.output_shapes(w.shape, s.shape)
     bw, bs = layout.invert(lw, ls, w.shape, s.shape)
     assert torch.equal(bw, w) and torch.equal(bs, s)
+
+
+@pytest.mark.parametrize("name", L.layout_names("moe"))
+def test_moe_layouts_transform_each_expert_on_its_own(name):
+    # prep convert builds stacked experts in blocks: with 256 rows per expert the blocks' outputs,
+    # laid end to end, must be the whole tensor's output byte for byte.
+    layout = L.get_layout(name)
+    w, s = rand_u8(7, 256, 64, seed=7), rand_u8(7, 256, 4, seed=8)
+    whole_w, whole_s = layout.apply(w, s, "t")
+    blocks = [layout.apply(w[i:i + 3], s[i:i + 3], "t") for i in range(0, 7, 3)]
+    assert torch.equal(torch.cat([b[0] for b in blocks]), whole_w)
+    assert torch.equal(torch.cat([b[1] for b in blocks]), whole_s)
 
 
 def test_preshuffle_layout_is_the_two_primitives():
@@ -93,3 +107,15 @@ def test_unknown_layout_lists_the_known_ones():
 def test_registering_a_name_twice_is_refused():
     with pytest.raises(ValueError, match="already registered"):
         L.register_layout(L.get_layout("preshuffle"))
+
+
+@given(st.lists(st.sampled_from(["m.layers.{}.mlp.experts.{}.gate_proj.weight", "m.layers.{}.norm.weight", "x.0{}.y{}"]),
+                min_size=0, max_size=6),
+       st.lists(st.integers(0, 12), min_size=12, max_size=12))
+def test_compressed_source_names_expand_to_exactly_the_original_list(templates, nums):
+    names = []
+    for i, t in enumerate(templates):
+        for j in range(nums[i] % 4 + 1):  # runs of consecutive indices, sometimes broken
+            names.append(t.format(nums[i], nums[(i + j) % 12] if j % 3 else j))
+    packed = L.manifest.compress_names(names)
+    assert L.manifest.expand_names(packed) == names and len(packed) <= len(names)
