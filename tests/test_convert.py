@@ -336,3 +336,34 @@ def test_verify_names_a_tampered_tensor(sources, tmp_path):
     assert_one_line_error(run_cli("verify", str(out)), t["name"], "hash differs")
     (out / "prep-complete.json").unlink()
     assert_one_line_error(run_cli("verify", str(out)), "did not finish")
+
+
+def _fake_hub_cache(tmp_path, src, repo="amd/Tiny-DeepSeek-MXFP4", commit="0123456789abcdef0123456789abcdef01234567"):
+    """A Hugging Face hub cache holding ``src`` as ``repo`` at ``commit`` (the layout
+    huggingface_hub writes: refs/main -> commit, snapshots/<commit>/<files>)."""
+    cache = tmp_path / "hub"
+    repo_dir = cache / f"models--{repo.replace('/', '--')}"
+    (repo_dir / "refs").mkdir(parents=True)
+    (repo_dir / "refs" / "main").write_text(commit)
+    shutil.copytree(src, repo_dir / "snapshots" / commit)
+    return cache, repo, commit
+
+
+def test_convert_resolves_a_repo_id_through_the_hub_cache_offline(sources, tmp_path, monkeypatch):
+    cache, repo, commit = _fake_hub_cache(tmp_path, sources["v2"])
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants as hc
+
+    monkeypatch.setattr(hc, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(hc, "HF_HUB_OFFLINE", True)
+    out = tmp_path / "out"
+    r = CliRunner().invoke(main, ["convert", repo, "-o", str(out), "--tp", "2", "--json"])
+    assert r.exit_code == 0, r.output
+    src = json.loads((out / "prep-manifest.json").read_text())["source"]
+    assert (src["kind"], src["repo_id"], src["snapshot"]) == ("hf", repo, commit)
+    verify(str(out), source=str(sources["v2"]))
+    # A repo id the cache does not hold fails in one line, offline, with nothing written.
+    missing = tmp_path / "missing"
+    assert_one_line_error(run_cli("convert", "amd/Not-Cached", "-o", str(missing)), "amd/Not-Cached")
+    assert nothing_left(missing)
