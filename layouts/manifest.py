@@ -8,10 +8,13 @@ it, or whose manifest hash differs, is not a finished conversion.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 import re
 from typing import Any, Iterable
+
+import torch
 
 MANIFEST_NAME = "prep-manifest.json"
 COMPLETE_NAME = "prep-complete.json"
@@ -73,9 +76,93 @@ def manifest_hash(raw: bytes) -> str:
     return hashlib.sha256(raw).hexdigest()
 
 
-def load_manifest(model_dir: str | pathlib.Path) -> dict[str, Any]:
-    """Parse and check ``prep-manifest.json``: format, version, and the completion marker."""
+@dataclasses.dataclass(frozen=True)
+class TensorRecord:
+    """One tensor of a converted checkpoint, as the manifest states it."""
+
+    name: str
+    rank: int | None  # None: a common (pass-through) tensor every rank reads
+    file: str
+    dtype: str  # safetensors dtype string
+    shape: tuple[int, ...]
+    role: str  # "mxfp4_weight", "e8m0_scale" or "passthrough"
+    layout: str | None  # registered layout name (MXFP4 tensors)
+    group: str | None  # engine module the tensor belongs to
+    runtime_attrs: dict[str, Any]  # attributes the engine must set on the parameter
+    xxh3_128: str
+
+    @classmethod
+    def from_json(cls, t: dict[str, Any]) -> "TensorRecord":
+        return cls(t["name"], t["rank"], t["file"], t["dtype"], tuple(t["shape"]), t["role"], t.get("layout"),
+                   t.get("group"), dict(t.get("runtime_attrs") or {}), t["xxh3_128"])
+
+
+class Manifest:
+    """A converted checkpoint's manifest, checked, with the answers an engine asks for.
+
+    ``raw`` is the parsed JSON; ``target`` holds layout, moe_layout, tp, ep and arch."""
+
+    def __init__(self, raw: dict[str, Any], root: pathlib.Path):
+        self.raw = raw
+        self.root = root
+        target = raw["target"]
+        self.layout: str = target["layout"]
+        self.moe_layout: str = target["moe_layout"]
+        self.tp: int = int(target["tp"])
+        self.ep: int = int(target.get("ep", 1))
+        self.arch: str = target.get("arch", "")
+        self.tensors: list[TensorRecord] = [TensorRecord.from_json(t) for t in raw["tensors"]]
+
+    def __repr__(self) -> str:
+        return (f"Manifest({self.root}: {self.arch}, layout={self.layout}, moe_layout={self.moe_layout}, "
+                f"tp={self.tp}, ep={self.ep}, {len(self.tensors)} tensors)")
+
+    def rank_tensors(self, rank: int) -> list[TensorRecord]:
+        """What rank ``rank`` loads: its own tensors and the common ones, in file order."""
+        if not 0 <= rank < self.tp:
+            raise ManifestError(f"{self.root}: rank {rank} is out of range for a checkpoint converted for tp={self.tp}")
+        return [t for t in self.tensors if t.rank in (rank, None)]
+
+    def rank_files(self, rank: int) -> list[str]:
+        """The files rank ``rank`` reads, each once, in manifest order (its own files first)."""
+        return list(dict.fromkeys(t.file for t in self.rank_tensors(rank)))
+
+    def verify_hashes(self, rank: int | None = None) -> int:
+        """Re-hash every tensor (of ``rank``, or all) and compare with the manifest. Needs
+        ``xxhash``. Returns the number of tensors checked; raises naming the first mismatch."""
+        import xxhash
+
+        from .safetensors_file import SafetensorsFile
+
+        records = self.tensors if rank is None else self.rank_tensors(rank)
+        by_file: dict[str, list[TensorRecord]] = {}
+        for t in records:
+            by_file.setdefault(t.file, []).append(t)
+        for fname, ts in by_file.items():
+            f = SafetensorsFile(self.root / fname)
+            for t in ts:
+                data = f.get(t.name)
+                if xxhash.xxh3_128(data.reshape(-1).view(torch.uint8).numpy()).hexdigest() != t.xxh3_128:
+                    raise ManifestError(f"{self.root / fname}: tensor {t.name} does not match its manifest hash; "
+                                        "the file was modified or damaged: convert again")
+        return len(records)
+
+
+def load_manifest(model_dir: str | pathlib.Path, verify_hashes: bool = False) -> Manifest:
+    """Parse and check ``prep-manifest.json`` of ``model_dir``: format, version and the completion
+    marker (and, with ``verify_hashes``, every tensor's bytes). Raises :class:`ManifestError`."""
     root = pathlib.Path(model_dir)
+    raw = _load_raw(root)
+    try:
+        manifest = Manifest(raw, root)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ManifestError(f"{root / MANIFEST_NAME}: malformed manifest ({e!r}); convert again") from None
+    if verify_hashes:
+        manifest.verify_hashes()
+    return manifest
+
+
+def _load_raw(root: pathlib.Path) -> dict[str, Any]:
     mpath, cpath = root / MANIFEST_NAME, root / COMPLETE_NAME
     if not mpath.is_file():
         raise ManifestError(f"{root}: no {MANIFEST_NAME}; not a checkpoint converted by prep")

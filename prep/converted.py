@@ -20,7 +20,7 @@ class ConvertedCheckpoint:
     def __init__(self, root: str | pathlib.Path):
         self.root = pathlib.Path(root)
         try:
-            self.manifest = load_manifest(self.root)
+            self.manifest = load_manifest(self.root).raw
         except ManifestError as e:
             raise PrepError(str(e)) from None
         self._files: dict[str, ShardFile] = {}

@@ -10,13 +10,13 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from layouts.safetensors_file import SafetensorsFile, SafetensorsFileError, TensorInfo
+
 from .errors import PrepError
-from .stwriter import TORCH_DTYPES
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -25,76 +25,27 @@ SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokeni
               "special_tokens_map.json", "tokenizer.model", "configuration_deepseek.py", "modeling_deepseek.py")
 
 
-@dataclass(frozen=True)
-class TensorInfo:
-    name: str
-    file: str  # shard file name, relative to the checkpoint folder
-    dtype: str  # safetensors dtype string: "U8", "BF16", "F32", ...
-    shape: tuple[int, ...]
-    offset: int = 0  # absolute byte offset of the data in the file
-    nbytes: int = 0
-
-
-class ShardFile:
-    """One safetensors file read with ``pread``: its header parsed and checked against the file
-    size (a truncated download is caught here), tensors read without mapping the file, so the
-    converter's resident memory stays what it allocates, not what it has read."""
+class ShardFile(SafetensorsFile):
+    """A safetensors file of a checkpoint (layouts' pread reader) whose errors are prep's
+    one-line errors: a truncated download or a changed file is named, with what to do."""
 
     def __init__(self, path: pathlib.Path):
-        self.path = path
-        size = path.stat().st_size
-        self.fd = -1
         try:
-            self.fd = os.open(path, os.O_RDONLY)
-            head = os.pread(self.fd, 8, 0)
-            n = int.from_bytes(head, "little") if len(head) == 8 else -1
-            if n <= 0 or 8 + n > size:
-                raise ValueError("header length beyond the end of the file")
-            header = json.loads(os.pread(self.fd, n, 8))
-        except (OSError, ValueError) as e:
-            raise PrepError(f"{path}: unreadable safetensors shard ({e}); the file is truncated or corrupt: "
-                            "re-download it") from None
-        self.tensors: dict[str, TensorInfo] = {}
-        end = 0
-        for name, meta in header.items():
-            if name == "__metadata__":
-                continue
-            a, b = meta["data_offsets"]
-            end = max(end, b)
-            self.tensors[name] = TensorInfo(name, path.name, meta["dtype"], tuple(meta["shape"]), 8 + n + a, b - a)
-        if 8 + n + end != size:
-            raise PrepError(f"{path}: file is {size} bytes but its header says {8 + n + end}; the file is "
-                            "truncated or corrupt: re-download it")
-
-    def __del__(self) -> None:
-        if getattr(self, "fd", -1) >= 0:
-            os.close(self.fd)
+            super().__init__(path)
+        except SafetensorsFileError as e:
+            raise PrepError(f"{e}: re-download it") from None
 
     def get(self, name: str) -> torch.Tensor:
-        """A whole tensor by name."""
         try:
-            return self.read(self.tensors[name])
+            return super().get(name)
         except KeyError:
             raise PrepError(f"{self.path}: no tensor {name}") from None
 
     def read(self, info: TensorInfo, rows: slice | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The tensor, or a contiguous block of its rows, read straight into a new tensor (or
-        into ``out``, a contiguous tensor of that shape and dtype: no intermediate copy)."""
-        shape = list(info.shape)
-        row_bytes = info.nbytes // shape[0] if shape and shape[0] else info.nbytes
-        start, stop = (0, shape[0] if shape else 1) if rows is None else (rows.start or 0, shape[0] if rows.stop is None else rows.stop)
-        if shape:
-            shape[0] = stop - start
-        if out is None:
-            out = torch.empty(shape, dtype=TORCH_DTYPES[info.dtype])
-        elif list(out.shape) != shape or out.dtype != TORCH_DTYPES[info.dtype] or not out.is_contiguous():
-            raise ValueError(f"read {info.name}: out is {list(out.shape)} {out.dtype}, wants contiguous {shape}")
-        buf = out.view(-1).view(torch.uint8).numpy() if out.numel() else bytearray()
-        want = (stop - start) * row_bytes
-        got = os.preadv(self.fd, [buf], info.offset + start * row_bytes) if want else 0
-        if got != want:
-            raise PrepError(f"{self.path}: short read of {info.name}; the file changed or is truncated")
-        return out
+        try:
+            return super().read(info, rows, out)
+        except SafetensorsFileError as e:
+            raise PrepError(str(e)) from None
 
 
 def resolve(src: str, revision: str | None = None) -> tuple[pathlib.Path, dict[str, Any]]:

@@ -13,10 +13,8 @@ import threading
 import torch
 import xxhash
 
-# safetensors dtype strings and the torch dtypes they are read into; the other tables derive from it.
-TORCH_DTYPES = {"U8": torch.uint8, "I8": torch.int8, "BOOL": torch.bool, "BF16": torch.bfloat16,
-                "F16": torch.float16, "F32": torch.float32, "F64": torch.float64, "I16": torch.int16,
-                "I32": torch.int32, "I64": torch.int64, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+from layouts.safetensors_file import TORCH_DTYPES
+
 DTYPES = {t: s for s, t in TORCH_DTYPES.items()}
 WRITEBACK_BYTES = 256 << 20  # start the disk on every this many bytes written
 ITEMSIZE = {s: t.itemsize for s, t in TORCH_DTYPES.items()}

@@ -1,0 +1,119 @@
+"""One safetensors file, read with ``pread``: the header parsed and checked against the file size,
+tensors read into fresh buffers (a block of rows at a time if asked) or the whole data section
+read once, sequentially, and handed out as views.
+
+Nothing is memory-mapped: mapped pages that were read stay resident and count against the
+process, which is how a loader or converter ends up holding a whole checkpoint. Shared by the
+runtime loader (``layouts.load_rank``) and by prep's converter, verifier and reverter.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+from dataclasses import dataclass
+
+import torch
+
+# safetensors dtype strings and the torch dtypes they are read into.
+TORCH_DTYPES = {"U8": torch.uint8, "I8": torch.int8, "BOOL": torch.bool, "BF16": torch.bfloat16,
+                "F16": torch.float16, "F32": torch.float32, "F64": torch.float64, "I16": torch.int16,
+                "I32": torch.int32, "I64": torch.int64, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+READ_BLOCK = 64 << 20  # bytes per pread when a whole file is read
+
+
+class SafetensorsFileError(ValueError):
+    """The file is not a whole, readable safetensors file (truncated, corrupt, or changed)."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    file: str  # file name, relative to the checkpoint folder
+    dtype: str  # safetensors dtype string: "U8", "BF16", "F32", ...
+    shape: tuple[int, ...]
+    offset: int = 0  # absolute byte offset of the data in the file
+    nbytes: int = 0
+
+
+class SafetensorsFile:
+    """A safetensors file opened for ``pread``. ``tensors`` maps name -> :class:`TensorInfo`."""
+
+    def __init__(self, path: str | pathlib.Path):
+        self.path = path = pathlib.Path(path)
+        self.fd = -1
+        try:
+            size = path.stat().st_size
+            self.fd = os.open(path, os.O_RDONLY)
+            head = os.pread(self.fd, 8, 0)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if n <= 0 or 8 + n > size:
+                raise ValueError("header length beyond the end of the file")
+            header = json.loads(os.pread(self.fd, n, 8))
+        except (OSError, ValueError) as e:
+            raise SafetensorsFileError(f"{path}: unreadable safetensors file ({e}); the file is truncated or "
+                                       "corrupt") from None
+        self.data_offset = 8 + n
+        self.tensors: dict[str, TensorInfo] = {}
+        end = 0
+        for name, meta in header.items():
+            if name == "__metadata__":
+                continue
+            a, b = meta["data_offsets"]
+            end = max(end, b)
+            self.tensors[name] = TensorInfo(name, path.name, meta["dtype"], tuple(meta["shape"]), 8 + n + a, b - a)
+        self.data_size = end
+        if 8 + n + end != size:
+            raise SafetensorsFileError(f"{path}: file is {size} bytes but its header says {8 + n + end}; "
+                                       "the file is truncated or corrupt")
+
+    def __del__(self) -> None:
+        if getattr(self, "fd", -1) >= 0:
+            os.close(self.fd)
+
+    def _pread_into(self, buf, offset: int, what: str) -> None:
+        view = memoryview(buf).cast("B")
+        done = 0
+        while done < len(view):
+            got = os.preadv(self.fd, [view[done:done + READ_BLOCK]], offset + done)
+            if got <= 0:
+                raise SafetensorsFileError(f"{self.path}: short read of {what}; the file changed or is truncated")
+            done += got
+
+    def read(self, info: TensorInfo, rows: slice | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The tensor, or a contiguous block of its rows, read straight into a new tensor (or
+        into ``out``, a contiguous tensor of that shape and dtype: no intermediate copy)."""
+        shape = list(info.shape)
+        row_bytes = info.nbytes // shape[0] if shape and shape[0] else info.nbytes
+        start, stop = (0, shape[0] if shape else 1) if rows is None else \
+            (rows.start or 0, shape[0] if rows.stop is None else rows.stop)
+        if shape:
+            shape[0] = stop - start
+        if out is None:
+            out = torch.empty(shape, dtype=TORCH_DTYPES[info.dtype])
+        elif list(out.shape) != shape or out.dtype != TORCH_DTYPES[info.dtype] or not out.is_contiguous():
+            raise ValueError(f"read {info.name}: out is {list(out.shape)} {out.dtype}, wants contiguous {shape}")
+        if out.numel():
+            self._pread_into(out.view(-1).view(torch.uint8).numpy(), info.offset + start * row_bytes, info.name)
+        return out
+
+    def get(self, name: str) -> torch.Tensor:
+        """A whole tensor by name (KeyError if the file has none)."""
+        return self.read(self.tensors[name])
+
+    def read_all(self) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The whole data section in one sequential read, and every tensor as a view into it.
+
+        One buffer and a few large reads instead of one allocation and read per tensor: what
+        makes loading thousands of tensors run at disk speed. The views keep the buffer alive."""
+        buf = torch.empty(self.data_size, dtype=torch.uint8)
+        if self.data_size:
+            self._pread_into(buf.numpy(), self.data_offset, "the data section")
+        views = {}
+        for name, info in self.tensors.items():
+            a = info.offset - self.data_offset
+            t = buf[a:a + info.nbytes]
+            views[name] = t.view(TORCH_DTYPES[info.dtype]).view(info.shape) if info.nbytes else \
+                torch.empty(info.shape, dtype=TORCH_DTYPES[info.dtype])
+        return buf, views
