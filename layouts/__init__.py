@@ -23,6 +23,12 @@ from .mxfp4 import (
     quantize,
     unpack_fp4,
 )
+from . import activation, manifest
+from .activation import ActivationQuantPlan
+from .compat import CompatibilityError, EngineConfig, check_compatibility
+from .fused_quant import fused_rms_mxfp4_quant, fused_rms_mxfp4_quant_reference
+from .loader import RankTensors, load_rank
+from .manifest import Manifest, ManifestError, TensorRecord, load_manifest
 from .registry import Layout, Transform, get_layout, layout_names, register_layout
 from .selection import GEMM_PATH_RULES, ActivationQuantFlags, select_activation_quant
 from .shuffle import (
@@ -44,6 +50,9 @@ __all__ = [
     "dequantize", "e2m1_decode", "e2m1_encode", "e8m0_decode", "e8m0_encode", "pack_fp4", "quantize", "unpack_fp4",
     "Layout", "Transform", "get_layout", "layout_names", "register_layout",
     "GEMM_PATH_RULES", "ActivationQuantFlags", "select_activation_quant",
+    "ActivationQuantPlan", "CompatibilityError", "EngineConfig", "check_compatibility",
+    "fused_rms_mxfp4_quant", "fused_rms_mxfp4_quant_reference", "RankTensors", "load_rank",
+    "Manifest", "ManifestError", "TensorRecord", "load_manifest",
     "LayoutConstraintError", "preshuffle_scale", "preshuffle_scale_per_expert", "preshuffle_weight",
     "shuffled_scale_shape", "unshuffle_scale", "unshuffle_scale_per_expert", "unshuffle_weight",
 ]

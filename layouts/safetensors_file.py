@@ -51,6 +51,8 @@ class SafetensorsFile:
             if n <= 0 or 8 + n > size:
                 raise ValueError("header length beyond the end of the file")
             header = json.loads(os.pread(self.fd, n, 8))
+        except FileNotFoundError:
+            raise
         except (OSError, ValueError) as e:
             raise SafetensorsFileError(f"{path}: unreadable safetensors file ({e}); the file is truncated or "
                                        "corrupt") from None
@@ -113,7 +115,16 @@ class SafetensorsFile:
         views = {}
         for name, info in self.tensors.items():
             a = info.offset - self.data_offset
-            t = buf[a:a + info.nbytes]
-            views[name] = t.view(TORCH_DTYPES[info.dtype]).view(info.shape) if info.nbytes else \
-                torch.empty(info.shape, dtype=TORCH_DTYPES[info.dtype])
+            views[name] = byte_view(buf, a, info.nbytes, TORCH_DTYPES[info.dtype], info.shape)
         return buf, views
+
+
+def byte_view(buf: torch.Tensor, offset: int, nbytes: int, dtype: torch.dtype, shape) -> torch.Tensor:
+    """``buf[offset:offset+nbytes]`` (uint8) seen as ``dtype`` / ``shape``; a copy only when the
+    offset is not aligned to the dtype (safetensors does not promise alignment)."""
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype, device=buf.device)
+    t = buf[offset:offset + nbytes]
+    if offset % dtype.itemsize:
+        t = t.clone()
+    return t.view(dtype).view(shape)

@@ -9,6 +9,8 @@ that only satisfies its decorators (its Triton kernels are never called here).
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import importlib.util
 import os
 import pathlib
@@ -107,3 +109,74 @@ def dynamic_mxfp4_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         BLOCK_SIZE_M=block_m, BLOCK_SIZE_N=32, NUM_STAGES=1,
     )
     return out, scale.contiguous()
+
+
+# --- aiter's Python wrappers for its Triton kernels (fused RMSNorm + MXFP4 quant, dynamic quant) ---
+#
+# The wrappers (aiter/ops/triton/<name>.py) import their kernels as
+# `aiter.ops.triton._triton_kernels.<name>` and a logger from `aiter.ops.triton.utils.logger`.
+# We load the kernel files as a package of our own (so their `from .quant import ...` works),
+# then exec the wrapper with those aiter module names pointing at our copies *only while it
+# loads*: a lasting fake `aiter` in sys.modules would make `import aiter` succeed elsewhere.
+
+_TRITON_DIR = ("ops", "triton")
+
+
+def triton_ops_available(name: str) -> bool:
+    """Whether aiter/ops/triton/<name>.py and its kernels file are here (and triton imports)."""
+    base = ORACLE_DIR / "aiter" / "ops" / "triton"
+    return triton_available() and (base / f"{name}.py").is_file() and (base / "_triton_kernels" / f"{name}.py").is_file()
+
+
+@contextlib.contextmanager
+def _triton_interpret(on: bool):
+    # triton.jit picks interpreter or compiler when a kernel is decorated (at import).
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+
+
+@contextlib.contextmanager
+def _temporary_modules(mods: dict):
+    saved = {k: sys.modules.get(k) for k in mods}
+    sys.modules.update(mods)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                sys.modules.pop(k, None)
+            else:
+                sys.modules[k] = v
+
+
+def triton_ops_module(name: str, interpret: bool = True) -> types.ModuleType:
+    """aiter/ops/triton/<name>.py (aiter's own wrapper) with its Triton kernels, interpreted on the
+    CPU (``interpret=True``) or compiled for the GPU. Loaded without aiter's package init."""
+    tag = "interp" if interpret else "jit"
+    modname = f"{_PKG}_ops_{name}_{tag}"
+    if modname in sys.modules:
+        return sys.modules[modname]
+    kpkg = f"{_PKG}_kernels_{tag}"
+    if kpkg not in sys.modules:
+        pkg = types.ModuleType(kpkg)
+        pkg.__path__ = [str(ORACLE_DIR / "aiter" / "ops" / "triton" / "_triton_kernels")]
+        sys.modules[kpkg] = pkg
+    with _triton_interpret(interpret):
+        kernels = importlib.import_module(f"{kpkg}.{name}")
+        logger = _load("ops/triton/utils/logger.py", f"{_PKG}_triton_logger")
+        names = ["aiter", "aiter.ops", "aiter.ops.triton", "aiter.ops.triton._triton_kernels",
+                 "aiter.ops.triton.utils"]
+        stubs = {n: types.ModuleType(n) for n in names}
+        for stub in stubs.values():
+            stub.__path__ = []
+        stubs[f"aiter.ops.triton._triton_kernels.{name}"] = kernels
+        stubs["aiter.ops.triton.utils.logger"] = logger
+        with _temporary_modules(stubs):
+            return _load(f"ops/triton/{name}.py", modname)

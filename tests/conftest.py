@@ -46,3 +46,10 @@ def quark_mxfp4():
 
     _need(quark_oracle.available(), "amd-quark")
     return quark_oracle.quark_mxfp4
+
+
+@pytest.fixture(scope="session")
+def aiter_fused_rms_quant():
+    """aiter's own `fused_rms_mxfp4_quant` (its wrapper and Triton kernel), interpreted on the CPU."""
+    _need(aiter_oracle.triton_ops_available("fused_mxfp4_quant"), "triton + aiter oracle files (fused_mxfp4_quant)")
+    return aiter_oracle.triton_ops_module("fused_mxfp4_quant").fused_rms_mxfp4_quant

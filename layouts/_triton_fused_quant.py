@@ -1,0 +1,316 @@
+"""Our Triton kernel for the fused (residual add +) RMSNorm + MXFP4 activation quant.
+
+Written for this project (not derived from aiter's code); the numerics mirror aiter's Triton
+kernel (``_fused_rms_mxfp4_quant_kernel``) so that its outputs can be compared byte for byte:
+
+* ``x = x1 + res1`` in float32, ``out_res1 = x`` cast to x1's dtype; the RMSNorm uses the
+  float32 sum, not the rounded one (as aiter does);
+* ``y = (x * rstd) * w`` in float32 with ``rstd = 1 / sqrt(sum(x*x) / N + eps)``; ``y`` is
+  quantized in float32 (aiter does not round it to bf16 first);
+* the ``AITER_TRITON`` recipe: EVEN scale, ties away from zero, -0 kept as code 8, an
+  all-zero block gets scale byte 0.
+
+The mean, square root and reciprocal use the correctly rounded ``div_rn`` / ``sqrt_rn`` so the
+only difference from the torch reference is the float32 summation order of ``sum(x*x)``
+(which moves a code across a rounding boundary about once per few hundred thousand codes).
+
+Layout of the work (one launch, no other kernels):
+
+* programs ``[0, n_main)``: ``BLOCK_M`` rows of x1 each, the whole row in registers as
+  ``[BLOCK_M, NB, 4, 4]`` *pairs* of elements (NB = blocks of 32 per row, a power of two). bf16
+  pairs are loaded as one int32 each (the wrapper passes int32 views) and split with shifts, which makes the (even, odd)
+  nibble packing free. Scales are written straight to their S32x8 offsets when ``SHUFFLE``;
+  rows >= M (up to the next multiple of 32) and columns >= ceil(N1/32) get 0x7F in padded mode.
+* programs ``[n_main, n_main + n_x2)``: ``BLOCK_M2`` rows of the second RMSNorm (x2).
+* the rest: fill whole 32-row bands of scale padding (rows >= pad32(M)) with 0x7F; in both the
+  row-major and the S32x8 layouts these bands are one contiguous byte range.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+E8M0_PAD = tl.constexpr(0x7F)  # layouts.mxfp4.E8M0_ONE (jitted code may only read constexpr globals)
+_FILL_BLOCK = 4096
+
+
+@triton.jit
+def _load_pairs(row_ptr, pair, mask, PAIRED: tl.constexpr):
+    """(even, odd) float32 elements of element pairs ``pair`` of the rows at ``row_ptr``."""
+    if PAIRED:
+        # row_ptr is an int32 view of bf16 data: one load per pair, the low half is the even
+        # element. A bf16 is the top half of a float32, so widening is a shift.
+        v = tl.load(row_ptr + pair, mask=mask, other=0)
+        even = (v << 16).to(tl.float32, bitcast=True)
+        odd = (v & -65536).to(tl.float32, bitcast=True)
+    else:
+        even = tl.load(row_ptr + 2 * pair, mask=mask, other=0.0).to(tl.float32)
+        odd = tl.load(row_ptr + 2 * pair + 1, mask=mask, other=0.0).to(tl.float32)
+    return even, odd
+
+
+@triton.jit
+def _store_pairs(row_ptr, pair, mask, even, odd, PAIRED: tl.constexpr):
+    if PAIRED:  # an int32 view of a bf16 output
+        lo = even.to(tl.bfloat16).to(tl.uint16, bitcast=True).to(tl.int32)
+        hi = odd.to(tl.bfloat16).to(tl.uint16, bitcast=True).to(tl.int32)
+        tl.store(row_ptr + pair, lo | (hi << 16), mask=mask)
+    else:
+        ty = row_ptr.dtype.element_ty
+        tl.store(row_ptr + 2 * pair, even.to(ty), mask=mask)
+        tl.store(row_ptr + 2 * pair + 1, odd.to(ty), mask=mask)
+
+
+@triton.jit
+def _e2m1_code(v):
+    """E2M1 code (uint32, 0..15) of float32 ``v``: nearest, ties away from zero, saturating at 6,
+    sign kept (a negative that rounds to zero gives 8)."""
+    bits = v.to(tl.uint32, bitcast=True)
+    sign = (bits >> 28) & 8
+    mag = bits & 0x7FFFFFFF
+    # |v| >= 1: E2M1 normals have one mantissa bit (float32 bit 22). Adding half of it (bit 21)
+    # and truncating rounds half away from zero; (exponent, top mantissa bit) then counts grid
+    # steps from 1.0 (= code 2). Inf/NaN land above 7 and saturate like aiter's kernel.
+    big = tl.minimum(((mag + 0x200000) >> 22) - 252, 7)
+    # |v| < 1: the grid is 0, 0.5, 1 with ties 0.25 and 0.75 (rounded up).
+    small = (mag >= 0x3E800000).to(tl.uint32) + (mag >= 0x3F400000).to(tl.uint32)
+    code = tl.where(mag >= 0x3F800000, big, small)
+    return code | sign
+
+
+@triton.jit
+def _scale_offsets(rows, cols, SCALE_COLS_PAD: tl.constexpr, SHUFFLE: tl.constexpr):
+    """Byte offset of scale (row, col) in the output buffer: row-major or S32x8."""
+    r = rows[:, None]
+    c = cols[None, :]
+    if SHUFFLE:
+        # r = 32s + 16a + l, c = 8g + 4d + e  ->  s*32*Cp + g*256 + e*64 + l*4 + d*2 + a
+        off = ((r >> 5) * (32 * SCALE_COLS_PAD) + (c >> 3) * 256 + (c & 3) * 64
+               + (r & 15) * 4 + ((c >> 2) & 1) * 2 + ((r >> 4) & 1))
+    else:
+        off = r * SCALE_COLS_PAD + c
+    return off
+
+
+@triton.jit
+def _fused_rms_mxfp4_kernel(
+    x1_ptr, w1_ptr, res1_ptr, out_res1_ptr, q_ptr, scale_ptr,
+    x2_ptr, w2_ptr, out2_ptr,
+    M, x1_stride, res1_stride, x2_stride,
+    eps1, eps2,
+    n_main, n_x2, fill_start, fill_end,
+    N1: tl.constexpr, N2: tl.constexpr,
+    SCALE_COLS: tl.constexpr, SCALE_COLS_PAD: tl.constexpr, NB: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
+    HAS_RES: tl.constexpr, HAS_X2: tl.constexpr, SHUFFLE: tl.constexpr, PAD: tl.constexpr,
+    X_PAIRED: tl.constexpr, R_PAIRED: tl.constexpr, W_PAIRED: tl.constexpr,
+    FILL_BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    if pid < n_main:
+        row0 = pid * BLOCK_M
+        rows = row0 + tl.arange(0, BLOCK_M)
+        blk = tl.arange(0, NB)
+        if row0 >= M:
+            # A block of scale pad rows inside the last partial 32-row band (padded mode only).
+            off = _scale_offsets(rows, blk, SCALE_COLS_PAD, SHUFFLE)
+            pad = tl.full((BLOCK_M, NB), E8M0_PAD, tl.uint8)
+            tl.store(scale_ptr + off, pad, mask=(blk < SCALE_COLS_PAD)[None, :])
+        else:
+            row_ok = rows < M
+            rows64 = rows.to(tl.int64)
+            # [1, NB, 4, 4]: the 16 pairs of a block as 4 runs of 4 (16 bytes of int32 pairs).
+            # Splitting the block keeps every load and store at 16-byte vectors per thread in
+            # one register layout (with a [.., 16] axis Triton converts layouts through shared
+            # memory between the loads and the stores).
+            quad = tl.arange(0, 4)
+            pair = blk[None, :, None, None] * 16 + quad[None, None, :, None] * 4 + quad[None, None, None, :]
+            if N1 % 32 == 0:
+                col_ok = (blk < SCALE_COLS)[None, :, None, None]  # whole blocks: loads stay vectorised
+            else:
+                col_ok = pair < N1 // 2
+            mask = row_ok[:, None, None, None] & col_ok
+            # Row strides are in units of the pointer's element (int32 pairs when PAIRED).
+            xe, xo = _load_pairs(x1_ptr + (rows64 * x1_stride)[:, None, None, None], pair, mask, X_PAIRED)
+            if HAS_RES:
+                re, ro = _load_pairs(res1_ptr + (rows64 * res1_stride)[:, None, None, None], pair, mask, R_PAIRED)
+                xe = xe + re
+                xo = xo + ro
+                res_stride = N1 // 2 if X_PAIRED else N1
+                _store_pairs(out_res1_ptr + (rows64 * res_stride)[:, None, None, None], pair, mask, xe, xo, X_PAIRED)
+            we, wo = _load_pairs(w1_ptr, pair, col_ok, W_PAIRED)
+
+            ss = tl.sum(tl.sum(tl.sum(xe * xe + xo * xo, axis=3), axis=2), axis=1)
+            ms = tl.math.div_rn(ss, tl.full(ss.shape, N1, tl.float32))
+            rstd = tl.math.div_rn(tl.full(ss.shape, 1.0, tl.float32), tl.math.sqrt_rn(ms + eps1))
+            r3 = rstd[:, None, None, None]
+            ye = xe * r3 * we
+            yo = xo * r3 * wo
+
+            # EVEN scale: round amax to a power of two (+0x200000, keep the exponent); the
+            # unbiased scale exponent is that exponent - 2, clamped to [-127, 127]. A zero or
+            # denormal amax gives -127 (byte 0), inf/NaN 127, as aiter's log2 does.
+            amax = tl.max(tl.max(tl.maximum(tl.abs(ye), tl.abs(yo)), axis=3), axis=2)
+            rb = ((amax.to(tl.uint32, bitcast=True) + 0x200000) >> 23).to(tl.int32) & 0xFF
+            e = tl.where(rb == 255, 127, tl.minimum(tl.maximum(rb - 129, -127), 127))
+            # 2^-e exactly; its biased exponent 127 - e is 0 only for e = 127 (2^-127 is denormal).
+            ib = 127 - e
+            inv = tl.where(ib == 0, 0x00400000, ib << 23).to(tl.float32, bitcast=True)[:, :, None, None]
+            ce = _e2m1_code(ye * inv)
+            co = _e2m1_code(yo * inv)
+            q = (ce | (co << 4)).to(tl.uint8)
+            q_row = (rows64 * (N1 // 2))[:, None, None, None]
+            tl.store(q_ptr + q_row + pair, q, mask=mask)
+
+            sc = e + 127
+            if PAD:
+                sc = tl.where(row_ok[:, None] & (blk < SCALE_COLS)[None, :], sc, E8M0_PAD)
+                smask = (blk < SCALE_COLS_PAD)[None, :]  # every row of a main program is < pad256(M)
+            else:
+                smask = row_ok[:, None] & (blk < SCALE_COLS)[None, :]
+            off = _scale_offsets(rows, blk, SCALE_COLS_PAD, SHUFFLE)
+            tl.store(scale_ptr + off, sc.to(tl.uint8), mask=smask)
+    elif pid < n_main + n_x2:
+        if HAS_X2:
+            rows = (pid - n_main) * BLOCK_M2 + tl.arange(0, BLOCK_M2)
+            cols = tl.arange(0, BLOCK_N2)
+            rows64 = rows.to(tl.int64)
+            m2 = (rows < M)[:, None] & (cols < N2)[None, :]
+            x = tl.load(x2_ptr + (rows64 * x2_stride)[:, None] + cols[None, :], mask=m2, other=0.0).to(tl.float32)
+            w = tl.load(w2_ptr + cols, mask=cols < N2, other=0.0).to(tl.float32)
+            ss = tl.sum(x * x, axis=1)
+            ms = tl.math.div_rn(ss, tl.full(ss.shape, N2, tl.float32))
+            rstd = tl.math.div_rn(tl.full(ss.shape, 1.0, tl.float32), tl.math.sqrt_rn(ms + eps2))
+            y = x * rstd[:, None] * w[None, :]
+            tl.store(out2_ptr + (rows64 * N2)[:, None] + cols[None, :], y.to(out2_ptr.dtype.element_ty), mask=m2)
+    else:
+        # Whole 32-row bands of scale padding: one contiguous byte range in either layout.
+        offs = fill_start + (pid - n_main - n_x2) * FILL_BLOCK + tl.arange(0, FILL_BLOCK)
+        tl.store(scale_ptr + offs, tl.full((FILL_BLOCK,), E8M0_PAD, tl.uint8), mask=offs < fill_end)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _pow2_floor(n: int) -> int:
+    return 1 << (max(int(n), 1).bit_length() - 1)
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(m: int, n1: int, n2: int, padded: bool, on_gpu: bool, sms: int,
+          block_m: int | None, num_warps: int | None) -> tuple:
+    """Launch plan for one shape: everything the wrapper needs besides pointers (cached: the
+    wrapper is the whole cost of a decode-size call, so it must stay a dict lookup)."""
+    cols = -(-n1 // 32)
+    cols_pad = -(-cols // 8) * 8 if padded else cols
+    nb = triton.next_power_of_2(cols_pad)
+    elems = nb * 32
+    nb2 = triton.next_power_of_2(max(n2, 1))
+    if not on_gpu:
+        # Interpreter: cost is per program and per op, not per element: few, large programs.
+        bm, bm2, warps = 32, 32, 4
+    else:
+        # ~8k elements per program; fewer rows per program when M is small so that every SM
+        # gets work (the row count per program only amortises the weight load).
+        bm = max(1, min(32, 8192 // elems))
+        bm = min(bm, _pow2_floor(max(1, m // (2 * sms))))
+        bm2 = max(1, min(32, 8192 // nb2))
+        bm2 = min(bm2, _pow2_floor(max(1, m // (2 * sms))))
+        warps = max(4, min(16, bm * elems // 1024))
+    if block_m is not None:
+        bm = block_m
+    if num_warps is not None:
+        warps = num_warps
+    if bm & (bm - 1) or not 1 <= bm <= 32:
+        raise ValueError(f"block_m must be a power of two in [1, 32], got {bm}")
+    if padded:
+        rows_pad = -(-m // 256) * 256
+        main_rows = -(-m // 32) * 32  # BLOCK_M divides 32: main programs end on a band boundary
+        fill_start, fill_end = main_rows * cols_pad, rows_pad * cols_pad
+    else:
+        rows_pad = main_rows = m
+        fill_start = fill_end = 0
+    n_main = -(-main_rows // bm)
+    n_x2 = -(-m // bm2) if n2 else 0
+    n_fill = -(-(fill_end - fill_start) // _FILL_BLOCK)
+    grid = (n_main + n_x2 + n_fill,)
+    return (grid, rows_pad, cols, cols_pad, nb, bm, bm2, nb2, warps, n_main, n_x2, fill_start, fill_end)
+
+
+def _paired(t: torch.Tensor) -> bool:
+    # The int32 pair view needs bf16 with 4-byte aligned rows (unit last stride is given).
+    return t.dtype == torch.bfloat16 and t.data_ptr() % 4 == 0 and (t.dim() == 1 or t.stride(0) % 2 == 0)
+
+
+def fused_rms_mxfp4_quant_triton(
+    x1: torch.Tensor,
+    x1_weight: torch.Tensor,
+    x1_epsilon: float,
+    x2: torch.Tensor | None = None,
+    x2_weight: torch.Tensor | None = None,
+    x2_epsilon: float = 0.0,
+    res1: torch.Tensor | None = None,
+    shuffle: bool = False,
+    scale_shuffle_padding: bool = False,
+    *,
+    block_m: int | None = None,
+    num_warps: int | None = None,
+):
+    """Our Triton back end of :func:`layouts.fused_quant.fused_rms_mxfp4_quant` (same contract).
+
+    ``block_m`` / ``num_warps`` override the launch plan (benchmarks and tests only).
+    Inputs must have a unit last stride (the public wrapper makes sure of it).
+    """
+    m, n1 = x1.shape
+    n2 = x2.shape[1] if x2 is not None else 0
+    padded = bool(shuffle or scale_shuffle_padding)
+    dev = x1.device
+    if dev.type == "cpu" and not _interpreting():
+        raise RuntimeError("prep's Triton fused quant needs GPU tensors (or TRITON_INTERPRET=1 set "
+                           "before layouts._triton_fused_quant is imported); use backend='torch' on CPU")
+    on_gpu = dev.type != "cpu" and not _interpreting()
+    sms = _num_sms(dev.index if dev.index is not None else torch.cuda.current_device()) if on_gpu else 0
+    (grid, rows_pad, cols, cols_pad, nb, bm, bm2, nb2, warps,
+     n_main, n_x2, fill_start, fill_end) = _plan(m, n1, n2, padded, on_gpu, sms, block_m, num_warps)
+
+    q = torch.empty((m, n1 // 2), dtype=torch.uint8, device=dev)
+    scale = torch.empty((rows_pad, cols_pad), dtype=torch.uint8, device=dev)
+    out_res1 = torch.empty((m, n1), dtype=x1.dtype, device=dev) if res1 is not None else None
+    out2 = torch.empty((m, n2), dtype=x1.dtype, device=dev) if x2 is not None else None
+    if grid[0] == 0:
+        return (q, scale), out2, out_res1
+
+    # bf16 operands go to the kernel as int32 views (one element pair per load, with the
+    # alignment Triton needs to vectorise); out_res1 is ours, so it is paired exactly when x1 is.
+    x_paired, r_paired, w_paired = _paired(x1), res1 is not None and _paired(res1), _paired(x1_weight)
+    x1_arg, x1_stride = (x1.view(torch.int32), x1.stride(0) // 2) if x_paired else (x1, x1.stride(0))
+    w1_arg = x1_weight.view(torch.int32) if w_paired else x1_weight
+    res1_arg, res1_stride = res1, 0
+    if res1 is not None:
+        res1_arg, res1_stride = (res1.view(torch.int32), res1.stride(0) // 2) if r_paired else (res1, res1.stride(0))
+    out_res1_arg = out_res1.view(torch.int32) if out_res1 is not None and x_paired else out_res1
+    _fused_rms_mxfp4_kernel[grid](
+        x1_arg, w1_arg, res1_arg, out_res1_arg, q, scale,
+        x2, x2_weight, out2,
+        m, x1_stride, res1_stride, x2.stride(0) if x2 is not None else 0,
+        float(x1_epsilon), float(x2_epsilon),
+        n_main, n_x2, fill_start, fill_end,
+        N1=n1, N2=n2, SCALE_COLS=cols, SCALE_COLS_PAD=cols_pad, NB=nb,
+        BLOCK_M=bm, BLOCK_M2=bm2, BLOCK_N2=nb2,
+        HAS_RES=res1 is not None, HAS_X2=x2 is not None, SHUFFLE=bool(shuffle), PAD=padded,
+        X_PAIRED=x_paired, R_PAIRED=r_paired, W_PAIRED=w_paired,
+        FILL_BLOCK=_FILL_BLOCK,
+        num_warps=warps,
+    )
+    return (q, scale), out2, out_res1

@@ -1,0 +1,79 @@
+"""The activation side of a converted checkpoint: at each of DeepSeek's two fused call sites,
+which flags the fused RMSNorm + MXFP4 quant needs for the GEMM that consumes its output.
+
+A plan is made from the manifest and the engine's configuration (after the compatibility
+check), and picks ``shuffle`` / ``scale_shuffle_padding`` per call from the token count, as
+ATOM's ``_mxfp4_activation_quant_layout`` does:
+
+* ``input_layernorm`` (+ residual) before ``fused_qkv_a_proj``;
+* ``q_a_layernorm`` (q, quantized) + ``kv_a_layernorm`` (kv, BF16) before ``q_b_proj``.
+
+When the engine turns a call site's fusion off (``ATOM_ENABLE_DS_*_QUANT_FUSION=0``), the plan
+returns the BF16 RMSNorm output and no scale there: the GEMM's own path quantizes it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+from .compat import EngineConfig, check_compatibility
+from .manifest import Manifest
+from .selection import ActivationQuantFlags, select_activation_quant
+
+Quantized = tuple[torch.Tensor, Optional[torch.Tensor]]
+"""``(q, scale)``: MXFP4 codes and E8M0 scales, or ``(bf16 activations, None)`` when unfused."""
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm in float32, returned in ``x``'s dtype."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+    return y.to(x.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class ActivationQuantPlan:
+    """How activations are quantized for the GEMM path that reads this checkpoint's weights."""
+
+    gemm_path: str
+    input_norm_quant_fusion: bool = True
+    qknorm_quant_fusion: bool = True
+    backend: str = "auto"  # fused op back end: "auto" | "aiter" | "triton" | "torch"
+
+    @classmethod
+    def for_checkpoint(cls, manifest: Manifest, engine: EngineConfig, backend: str = "auto") -> "ActivationQuantPlan":
+        """The plan for ``engine`` reading ``manifest``'s checkpoint; refuses a mismatched pair."""
+        check_compatibility(manifest, engine)
+        return cls(engine.gemm_path, engine.input_norm_quant_fusion, engine.qknorm_quant_fusion, backend)
+
+    def flags(self, num_tokens: int) -> ActivationQuantFlags:
+        """``(shuffle, scale_shuffle_padding)`` for a batch of ``num_tokens`` rows."""
+        return select_activation_quant(self.gemm_path, num_tokens)
+
+    def _fused(self, x1, w1, eps1, x2=None, w2=None, eps2=0.0, res1=None):
+        from .fused_quant import fused_rms_mxfp4_quant
+
+        shuffle, padding = self.flags(x1.shape[0])
+        return fused_rms_mxfp4_quant(x1, w1, eps1, x2, w2, eps2, res1, shuffle=shuffle,
+                                     scale_shuffle_padding=padding, backend=self.backend)
+
+    def input_layernorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                        residual: torch.Tensor | None = None) -> tuple[Quantized, torch.Tensor]:
+        """Before ``fused_qkv_a_proj``: ``((q, scale), new_residual)``. ``new_residual`` is
+        ``x + residual`` (or ``x`` on the first layer, which has none)."""
+        if not self.input_norm_quant_fusion:
+            summed = x if residual is None else (x.float() + residual.float()).to(x.dtype)
+            return (rms_norm(summed, weight, eps), None), summed
+        (q, scale), _, res = self._fused(x, weight, eps, res1=residual)
+        return (q, scale), (x if res is None else res)
+
+    def q_a_layernorm(self, q_c: torch.Tensor, q_weight: torch.Tensor, q_eps: float, kv_c: torch.Tensor,
+                      kv_weight: torch.Tensor, kv_eps: float) -> tuple[Quantized, torch.Tensor]:
+        """Before ``q_b_proj``: ``((q, scale), kv_normed)``; q_c is quantized, kv_c only normed."""
+        if not self.qknorm_quant_fusion:
+            return (rms_norm(q_c, q_weight, q_eps), None), rms_norm(kv_c, kv_weight, kv_eps)
+        (q, scale), kv, _ = self._fused(q_c, q_weight, q_eps, kv_c, kv_weight, kv_eps)
+        return (q, scale), kv

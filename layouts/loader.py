@@ -1,0 +1,101 @@
+"""Load one rank of a converted checkpoint as its engine will hold it.
+
+Only the rank's own files and the common (pass-through) files are read, each once, from start
+to end in large blocks, into one buffer per file; every tensor is a view into that buffer, so
+thousands of stacked-expert tensors cost a handful of reads rather than a read and allocation
+each (ATOM's load of R1's 90k source tensors is dominated by that per-tensor dispatch). On a
+GPU the buffer is copied over in one transfer per file. Each tensor is checked against the
+manifest (dtype, shape, optionally its hash) and carries the runtime attributes the manifest
+states (``is_shuffled``, ``scale_swizzle``, ``hidden_pad``, ...), as Python attributes.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Iterator
+
+import torch
+
+from .compat import EngineConfig, check_compatibility
+from .manifest import Manifest, ManifestError, TensorRecord, load_manifest
+from .safetensors_file import TORCH_DTYPES, SafetensorsFile, SafetensorsFileError, byte_view
+
+
+class RankTensors(dict):
+    """``name -> tensor`` for one rank, in file order, with the manifest's record of each."""
+
+    def __init__(self, manifest: Manifest, rank: int):
+        super().__init__()
+        self.manifest = manifest
+        self.rank = rank
+        self.records: dict[str, TensorRecord] = {}
+        self.buffers: list[torch.Tensor] = []  # one per file; every tensor is a view into one
+
+    def mxfp4_groups(self) -> Iterator[str]:
+        """Engine modules holding MXFP4 weights on this rank (``...fused_qkv_a_proj``, ``...experts``)."""
+        return iter(dict.fromkeys(r.group for r in self.records.values() if r.group))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() for b in self.buffers)
+
+
+def load_rank(model_dir: str | pathlib.Path, rank: int, device: str | torch.device = "cpu", *,
+              engine: EngineConfig | None = None, verify_hashes: bool = False,
+              manifest: Manifest | None = None) -> RankTensors:
+    """This rank's tensors from a converted checkpoint, on ``device``, with runtime attributes set.
+
+    With ``engine``, the checkpoint is first checked against it (:func:`check_compatibility`):
+    a checkpoint the engine would misread is refused before a byte is loaded. With
+    ``verify_hashes`` every tensor's xxh3-128 is checked against the manifest (needs xxhash).
+    Raises :class:`ManifestError` naming the file and tensor when the files disagree with it.
+    """
+    manifest = manifest or load_manifest(model_dir)
+    if engine is not None:
+        if engine.rank != rank:
+            raise ValueError(f"load_rank(rank={rank}) with an engine config for rank {engine.rank}")
+        check_compatibility(manifest, engine)
+    records = manifest.rank_tensors(rank)
+    by_file: dict[str, list[TensorRecord]] = {}
+    for r in records:
+        by_file.setdefault(r.file, []).append(r)
+    device = torch.device(device)
+    out = RankTensors(manifest, rank)
+    hasher = _hasher() if verify_hashes else None
+    for fname, recs in by_file.items():
+        path = manifest.root / fname
+        try:
+            f = SafetensorsFile(path)
+            buf, views = f.read_all()
+        except FileNotFoundError:
+            raise ManifestError(f"{path}: listed in the manifest but missing; convert again") from None
+        except SafetensorsFileError as e:
+            raise ManifestError(f"{e}; convert again") from None
+        for r in recs:
+            t = views.get(r.name)
+            if t is None:
+                raise ManifestError(f"{path}: tensor {r.name} (rank {r.rank}) is missing from the file; convert again")
+            if t.dtype != TORCH_DTYPES[r.dtype] or tuple(t.shape) != r.shape:
+                raise ManifestError(f"{path}: tensor {r.name} is {t.dtype} {list(t.shape)} but the manifest says "
+                                    f"{r.dtype} {list(r.shape)}; convert again")
+            if hasher is not None and hasher(t) != r.xxh3_128:
+                raise ManifestError(f"{path}: tensor {r.name} does not match its manifest hash; convert again")
+        if device.type != "cpu":  # one transfer per file, then the same views on the device
+            buf = buf.to(device)
+            views = {r.name: byte_view(buf, f.tensors[r.name].offset - f.data_offset, f.tensors[r.name].nbytes,
+                                       views[r.name].dtype, r.shape) for r in recs}
+        out.buffers.append(buf)
+        for r in recs:
+            t = views[r.name]
+            for k, v in r.runtime_attrs.items():
+                setattr(t, k, v)
+            t.prep_layout, t.prep_role = r.layout, r.role
+            out[r.name] = t
+            out.records[r.name] = r
+    return out
+
+
+def _hasher():
+    import xxhash
+
+    return lambda t: xxhash.xxh3_128(t.reshape(-1).view(torch.uint8).numpy()).hexdigest()

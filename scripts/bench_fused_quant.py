@@ -1,0 +1,421 @@
+#!/usr/bin/env python3
+"""GPU benchmark of the fused (residual add +) RMSNorm + MXFP4 quant, all contenders in one run.
+
+    PYTHONPATH=. python scripts/bench_fused_quant.py [--quick] [--aiter-dir DIR] [--out FILE]
+                                                     [--sweep] [--no-compile]
+
+Contenders, each on the same inputs (bf16, shuffle=True and scale_shuffle_padding=True, the
+ASM-GEMM flags):
+
+* ours      -- ``layouts.fused_rms_mxfp4_quant(..., backend="triton")`` (the public call);
+* aiter     -- aiter's own Triton ``fused_rms_mxfp4_quant``, loaded from the pinned oracle files
+               (``.cache/aiter-oracle`` or ``--aiter-dir``) without aiter's package init;
+* compiled  -- ``torch.compile`` of our torch reference (``fused_rms_mxfp4_quant_reference``);
+* unfused   -- torch ops for the residual add and ``F.rms_norm``, then aiter's separate
+               ``dynamic_mxfp4_quant`` Triton kernel (row-major scale, no shuffle: a lower bound
+               on what the unfused sequence costs);
+* copy      -- a device-to-device copy moving the same number of bytes (read + written).
+
+Two DeepSeek call sites: input_layernorm (N1=7168, with residual) and q_a_layernorm + kv_a
+(N1=1536, x2 N2=512). Times are medians of CUDA-graph replays (many calls per graph: device
+time without launch overhead), plus an eager column (one Python call each, launch included).
+Bandwidth = bytes read + written by the op / time; "%copy" = that over the copy's bandwidth.
+
+Before timing, every shape is checked: ours against the torch reference on the GPU for all
+three flag settings (scale bytes exact including pad, FP4 codes within the test bound, out_res1
+exact, out2 within one bf16 step), against the CPU reference for small M, and against aiter.
+``--sweep`` first times a grid of (rows per program, warps) for our kernel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import statistics
+import sys
+import time
+import traceback
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="fewer shapes and shorter timing")
+    ap.add_argument("--aiter-dir", default=None, help="unpacked amd-aiter files (default .cache/aiter-oracle)")
+    ap.add_argument("--out", default=None, help="also write the report here")
+    ap.add_argument("--sweep", action="store_true", help="time a grid of launch configs for our kernel first")
+    ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile contender")
+    ap.add_argument("--ms", default=None, help="comma-separated M values (default: 1,16,256,4096,16384,65536)")
+    ap.add_argument("--cpu-smoke", action="store_true",
+                    help="exercise this script on the CPU (TRITON_INTERPRET=1, tiny shapes, wall-clock times)")
+    return ap.parse_args()
+
+
+ARGS = parse_args()
+if ARGS.aiter_dir:
+    os.environ["PREP_AITER_ORACLE_DIR"] = str(pathlib.Path(ARGS.aiter_dir).resolve())
+if ARGS.cpu_smoke:
+    os.environ["TRITON_INTERPRET"] = "1"
+elif os.environ.get("TRITON_INTERPRET") == "1":
+    sys.exit("unset TRITON_INTERPRET: this benchmark compiles kernels for the GPU")
+DEVICE = "cpu" if ARGS.cpu_smoke else "cuda"
+sys.path[:0] = [str(REPO), str(REPO / "tests")]
+
+import torch  # noqa: E402
+
+from layouts import fused_quant as FQ  # noqa: E402
+from layouts._triton_fused_quant import fused_rms_mxfp4_quant_triton  # noqa: E402
+from layouts.mxfp4 import unpack_fp4  # noqa: E402
+from layouts.shuffle import unshuffle_scale  # noqa: E402
+
+LINES: list[str] = []
+
+
+def say(msg: str = "") -> None:
+    print(msg, flush=True)
+    LINES.append(msg)
+
+
+# ------------------------------------------------------------------------------------- timing
+def _events_ms(fn, n: int) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def _wall_us(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e6
+
+
+def time_eager_us(fn, budget_ms: float) -> float:
+    """Median per-call time of back-to-back eager calls (launch overhead included)."""
+    if ARGS.cpu_smoke:
+        return _wall_us(fn)
+    fn()
+    torch.cuda.synchronize()
+    one = max(_events_ms(fn, 3) / 3, 1e-3)
+    n = int(min(200, max(3, budget_ms / 5 / one)))
+    return statistics.median(_events_ms(fn, n) / n for _ in range(5)) * 1e3
+
+
+def time_graph_us(fn, budget_ms: float) -> float:
+    """Median per-call device time: ``calls`` calls captured in one CUDA graph, replayed."""
+    if ARGS.cpu_smoke:
+        return _wall_us(fn)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    one = max(_events_ms(fn, 3) / 3, 1e-3)
+    calls = int(min(200, max(1, 2.0 / one)))  # ~2 ms of work per replay
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    replays = int(min(50, max(5, budget_ms / (calls * one))))
+    times = []
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(replays):
+        start.record()
+        g.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    del g
+    return statistics.median(times) * 1e3
+
+
+# ------------------------------------------------------------------------------------- inputs
+SITES = {
+    # name: (N1, with residual, N2 of x2 or 0)
+    "input_layernorm+res": (7168, True, 0),
+    "q_a+kv_a_layernorm": (1536, False, 512),
+}
+EPS = 1e-6
+
+
+def make_inputs(m: int, n1: int, res: bool, n2: int, seed: int = 0) -> dict:
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+
+    def act(rows, cols):
+        scale = torch.exp(torch.randn(rows, 1, device=DEVICE, generator=g) * 1.5)
+        return (torch.randn(rows, cols, device=DEVICE, generator=g) * scale).to(torch.bfloat16)
+
+    def weight(cols):
+        return (1 + 0.4 * torch.randn(cols, device=DEVICE, generator=g)).to(torch.bfloat16)
+
+    args = dict(x1=act(m, n1), x1_weight=weight(n1), x1_epsilon=EPS)
+    if res:
+        args["res1"] = act(m, n1)
+    if n2:
+        args.update(x2=act(m, n2), x2_weight=weight(n2), x2_epsilon=EPS)
+    return args
+
+
+def op_bytes(m: int, n1: int, res: bool, n2: int) -> int:
+    """Bytes the fused op must read and write (bf16 in/out, padded shuffled scale)."""
+    rows_pad, cols_pad = FQ.fused_scale_shape(m, n1, True, True)
+    read = 2 * m * n1 + 2 * n1 + (2 * m * n1 if res else 0) + (2 * m * n2 + 2 * n2 if n2 else 0)
+    written = m * n1 // 2 + rows_pad * cols_pad + (2 * m * n1 if res else 0) + (2 * m * n2 if n2 else 0)
+    return read + written
+
+
+# -------------------------------------------------------------------------------- correctness
+def max_code_diffs(n: int) -> int:
+    return 2 + n // 100_000  # the bound tests/test_fused_quant.py pins
+
+
+def code_diffs(q, want) -> tuple[int, bool]:
+    """(number of differing FP4 codes, all of them one step with the same sign)."""
+    if torch.equal(q, want):
+        return 0, True
+    a, b = unpack_fp4(q).to(torch.int16), unpack_fp4(want).to(torch.int16)
+    d = a != b
+    da, db = a[d], b[d]
+    one_step = bool(torch.equal(da & 8, db & 8) and ((da & 7) - (db & 7)).abs().eq(1).all())
+    return int(d.sum()), one_step
+
+
+def bf16_steps(a, b) -> int:
+    """Largest distance in ulps between two 16-bit float tensors (fp32: 0 if within 2^-20)."""
+    if a.dtype == torch.float32:
+        return 0 if torch.allclose(a, b, rtol=2 ** -20, atol=0) else 99
+    ia, ib = a.view(torch.int16).to(torch.int32), b.view(torch.int16).to(torch.int32)
+    ia = torch.where(ia < 0, -(ia & 0x7FFF), ia)
+    ib = torch.where(ib < 0, -(ib & 0x7FFF), ib)
+    return int((ia - ib).abs().max()) if a.numel() else 0
+
+
+def check(out, want, what: str, *, exact_res: bool = True, scale_region=None) -> list[str]:
+    """(problems of ``out`` against ``want``, empty when within the bound; FP4 codes differing)."""
+    (q, s), out2, res = out
+    (wq, ws), wout2, wres = want
+    bad = []
+    if scale_region is None:
+        if not torch.equal(s, ws):
+            bad.append(f"{what}: scale bytes differ ({int((s != ws).sum())} of {s.numel()})")
+    elif not torch.equal(scale_region(s), scale_region(ws)):
+        bad.append(f"{what}: valid scale bytes differ")
+    n, one_step = code_diffs(q, wq)
+    if n > max_code_diffs(q.numel() * 2) or not one_step:
+        bad.append(f"{what}: {n} FP4 codes differ of {q.numel() * 2} (one step: {one_step})")
+    if wout2 is not None and bf16_steps(out2, wout2) > 1:
+        bad.append(f"{what}: out2 more than one bf16 step off")
+    if wres is not None:
+        if exact_res and not ARGS.cpu_smoke and not torch.equal(res, wres):  # interpreter casts truncate
+            bad.append(f"{what}: out_res1 differs ({int((res != wres).sum())} elements)")
+        elif bf16_steps(res, wres) > 1:
+            bad.append(f"{what}: out_res1 more than one bf16 step off")
+    return bad, n
+
+
+def verify(site: str, m: int, args: dict, aiter_fused) -> str:
+    n1 = args["x1"].shape[1]
+    notes, total_diffs, problems = [], 0, []
+    for shuffle, padding in ((False, False), (False, True), (True, True)):
+        out = FQ.fused_rms_mxfp4_quant(**args, shuffle=shuffle, scale_shuffle_padding=padding, backend="triton")
+        want = FQ.fused_rms_mxfp4_quant_reference(**args, shuffle=shuffle, scale_shuffle_padding=padding)
+        bad, n = check(out, want, f"{site} M={m} shuffle={shuffle} pad={padding} vs GPU reference")
+        problems += bad
+        total_diffs += n
+        if m <= 256:
+            cpu = {k: (v.cpu() if torch.is_tensor(v) else v) for k, v in args.items()}
+            want_cpu = FQ.fused_rms_mxfp4_quant_reference(**cpu, shuffle=shuffle, scale_shuffle_padding=padding)
+            out_cpu = ((out[0][0].cpu(), out[0][1].cpu()), *(t.cpu() if t is not None else None for t in out[1:]))
+            bad, _ = check(out_cpu, want_cpu, f"{site} M={m} shuffle={shuffle} pad={padding} vs CPU reference")
+            problems += bad
+    notes.append(f"codes off by one step vs GPU reference: {total_diffs}")
+    if aiter_fused is not None:
+        out = FQ.fused_rms_mxfp4_quant(**args, shuffle=True, scale_shuffle_padding=True, backend="triton")
+        theirs = aiter_fused(**args, shuffle=True, scale_shuffle_padding=True)
+        cols = -(-n1 // 32)
+        bad, n = check(out, theirs, f"{site} M={m} vs aiter", exact_res=False,
+                       scale_region=lambda s: unshuffle_scale(s, m, cols))
+        problems += bad
+        notes.append(f"vs aiter: {n} codes differ")
+    for p in problems:
+        say("  FAIL " + p)
+    return ("ok; " if not problems else "FAILED; ") + ", ".join(notes)
+
+
+def verify_edges() -> None:
+    """Shapes and dtypes the timed sites do not cover: partial blocks, fp16, strided rows."""
+    cases = []
+    for m, n1, res, n2, dtype in ((33, 80, True, 0, torch.bfloat16), (300, 512, True, 512, torch.bfloat16),
+                                  (33, 1536, True, 512, torch.float16), (1, 7168, True, 512, torch.float32)):
+        args = make_inputs(m, n1, res, n2, seed=n1)
+        cases.append((f"M={m} N1={n1} {str(dtype)[6:]}", {k: (v.to(dtype) if torch.is_tensor(v) else v)
+                                                          for k, v in args.items()}))
+    args = make_inputs(45, 7168, True, 0, seed=5)
+    wide = torch.zeros(45, 7169, dtype=torch.bfloat16, device=DEVICE)[:, 1:]  # odd offset: unpaired
+    wide.copy_(args["x1"])
+    cases.append(("M=45 N1=7168 strided x1", dict(args, x1=wide)))
+    problems = []
+    for name, args in cases:
+        for shuffle, padding in ((False, False), (False, True), (True, True)):
+            out = FQ.fused_rms_mxfp4_quant(**args, shuffle=shuffle, scale_shuffle_padding=padding, backend="triton")
+            want = FQ.fused_rms_mxfp4_quant_reference(**args, shuffle=shuffle, scale_shuffle_padding=padding)
+            problems += check(out, want, f"{name} shuffle={shuffle} pad={padding}")[0]
+    for p in problems:
+        say("  FAIL " + p)
+    say(f"check edge cases ({len(cases)} shapes x 3 flag settings): {'ok' if not problems else 'FAILED'}")
+
+
+# ----------------------------------------------------------------------------------- contenders
+def load_aiter():
+    import aiter_oracle
+
+    fused = quant = None
+    try:
+        fused = aiter_oracle.triton_ops_module("fused_mxfp4_quant", interpret=ARGS.cpu_smoke).fused_rms_mxfp4_quant
+    except Exception as exc:  # noqa: BLE001 - reported, the rest of the bench still runs
+        say(f"aiter fused_rms_mxfp4_quant unavailable: {type(exc).__name__}: {exc}")
+    try:
+        quant = aiter_oracle.triton_ops_module("quant", interpret=ARGS.cpu_smoke).dynamic_mxfp4_quant
+    except Exception as exc:  # noqa: BLE001
+        say(f"aiter dynamic_mxfp4_quant unavailable: {type(exc).__name__}: {exc}")
+    return fused, quant
+
+
+def unfused_fn(args: dict, n1: int, quant):
+    x1, w1, res1 = args["x1"], args["x1_weight"], args.get("res1")
+    x2, w2 = args.get("x2"), args.get("x2_weight")
+    rms = torch.nn.functional.rms_norm
+    if quant is None:  # our own torch quant (several kernels) when aiter's is missing
+        def quant(y):
+            return FQ._mxfp4_quant_f32(y.float())
+
+    def fn():
+        x = x1 + res1 if res1 is not None else x1
+        y = rms(x, (n1,), w1, EPS)
+        out = quant(y)
+        if x2 is not None:
+            rms(x2, (x2.shape[1],), w2, EPS)
+        return out
+    return fn
+
+
+def _plan_of(m: int, n1: int, n2: int) -> tuple:
+    from layouts import _triton_fused_quant as T
+
+    if ARGS.cpu_smoke:
+        return T._plan(m, n1, n2, True, False, 0, None, None)
+    return T._plan(m, n1, n2, True, True, T._num_sms(torch.cuda.current_device()), None, None)
+
+
+def sweep(ms: list[int]) -> None:
+    say("== launch-config sweep (ours, CUDA-graph us per call) ==")
+    for site, (n1, res, n2) in SITES.items():
+        for m in ms:
+            args = make_inputs(m, n1, res, n2)
+            row = []
+            for bm in (1, 2, 4, 8) if n1 <= 2048 else (1, 2, 4):
+                for warps in (4, 8, 16):
+                    try:
+                        t = time_graph_us(lambda: fused_rms_mxfp4_quant_triton(
+                            **args, shuffle=True, scale_shuffle_padding=True, block_m=bm, num_warps=warps), 30)
+                        row.append(f"bm{bm}/w{warps}={t:.1f}")
+                    except Exception as exc:  # noqa: BLE001
+                        row.append(f"bm{bm}/w{warps}=ERR({type(exc).__name__})")
+            plan = _plan_of(m, n1, n2)
+            say(f"{site} M={m} (default bm{plan[5]}/w{plan[8]}): " + "  ".join(row))
+            del args
+            if not ARGS.cpu_smoke:
+                torch.cuda.empty_cache()
+
+
+def main() -> None:
+    if not torch.cuda.is_available() and not ARGS.cpu_smoke:
+        sys.exit("needs a CUDA device")
+    t_start = time.time()
+    import triton
+
+    name = "CPU smoke test (interpreter)" if ARGS.cpu_smoke else torch.cuda.get_device_name()
+    say(f"device: {name}  torch {torch.__version__}  triton {triton.__version__}")
+    ms = [int(v) for v in ARGS.ms.split(",")] if ARGS.ms else (
+        [1, 33] if ARGS.cpu_smoke else [1, 256, 16384] if ARGS.quick else [1, 16, 256, 4096, 16384, 65536])
+    budget = 20 if ARGS.quick else 60  # ms of timed work per measurement
+    aiter_fused, aiter_quant = load_aiter()
+    verify_edges()
+    if ARGS.sweep:
+        sweep([1, 33] if ARGS.cpu_smoke else [1, 256, 16384, 65536])
+    compiled = None
+    if not ARGS.no_compile:
+        compiled = torch.compile(FQ.fused_rms_mxfp4_quant_reference, dynamic=True)
+
+    rows = []
+    for site, (n1, res, n2) in SITES.items():
+        for m in ms:
+            args = make_inputs(m, n1, res, n2, seed=m)
+            status = verify(site, m, args, aiter_fused)
+            say(f"check {site} M={m}: {status}")
+            nbytes = op_bytes(m, n1, res, n2)
+            src = torch.empty(nbytes // 2, dtype=torch.uint8, device=DEVICE)
+            dst = torch.empty_like(src)
+            fns = {
+                "ours": lambda: FQ.fused_rms_mxfp4_quant(**args, shuffle=True, scale_shuffle_padding=True,
+                                                         backend="triton"),
+                "aiter": (lambda: aiter_fused(**args, shuffle=True, scale_shuffle_padding=True)) if aiter_fused else None,
+                "compiled": (lambda: compiled(**args, shuffle=True, scale_shuffle_padding=True)) if compiled else None,
+                "unfused": unfused_fn(args, n1, aiter_quant),
+                "copy": lambda: dst.copy_(src),
+            }
+            t = {}
+            for name, fn in fns.items():
+                if fn is None:
+                    continue
+                try:
+                    t[name] = time_graph_us(fn, budget)
+                    if name in ("ours", "aiter"):
+                        t[name + "_eager"] = time_eager_us(fn, budget)
+                except Exception as exc:  # noqa: BLE001 - report and go on
+                    say(f"  {name} failed at {site} M={m}: {type(exc).__name__}: {exc}")
+                    traceback.print_exc()
+            rows.append((site, n1, m, nbytes, t))
+            del args, src, dst, fns
+            if not ARGS.cpu_smoke:
+                torch.cuda.empty_cache()
+            say(f"  timed {site} M={m} ({time.time() - t_start:.0f} s so far)")
+
+    say()
+    say("== fused RMSNorm + MXFP4 quant, shuffle + padding; us = median device time per call "
+        "(CUDA graph), eager = one Python call ==")
+    head = (f"{'site':<21}{'N1':>6}{'M':>7} {'ours us':>9}{'eager':>8}{'aiter us':>9}{'eager':>8}"
+            f"{'compiled':>9}{'unfused':>9}{'copy us':>9} {'ours GB/s':>10}{'%copy':>7}{'aiter %copy':>12}"
+            f"{'x aiter':>8}{'x unfused':>10}{'x compiled':>11}")
+    say(head)
+    say("-" * len(head))
+
+    def f(v, w, p=1):
+        return f"{v:>{w}.{p}f}" if v is not None else f"{'-':>{w}}"
+
+    for site, n1, m, nbytes, t in rows:
+        ours, copy = t.get("ours"), t.get("copy")
+        aiter, comp, unf = t.get("aiter"), t.get("compiled"), t.get("unfused")
+        gbs = nbytes / ours / 1e3 if ours else None
+        pct = 100 * copy / ours if ours and copy else None
+        apct = 100 * copy / aiter if aiter and copy else None
+        say(f"{site:<21}{n1:>6}{m:>7} {f(ours, 9)}{f(t.get('ours_eager'), 8)}{f(aiter, 9)}"
+            f"{f(t.get('aiter_eager'), 8)}{f(comp, 9)}{f(unf, 9)}{f(copy, 9)} {f(gbs, 10, 0)}{f(pct, 7, 0)}"
+            f"{f(apct, 12, 0)}{f(aiter / ours if aiter and ours else None, 8, 2)}"
+            f"{f(unf / ours if unf and ours else None, 10, 2)}{f(comp / ours if comp and ours else None, 11, 2)}")
+    say(f"(total {time.time() - t_start:.0f} s)")
+    if ARGS.out:
+        pathlib.Path(ARGS.out).write_text("\n".join(LINES) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,451 @@
+"""The fused (residual add +) RMSNorm + MXFP4 activation quant (``layouts.fused_quant``).
+
+What is pinned here, on the CPU (our Triton kernel and aiter's run under TRITON_INTERPRET=1):
+
+* our Triton kernel against our torch reference over M x N1 x {x2, res1} x {shuffle, padding};
+* the reference against aiter's own ``fused_rms_mxfp4_quant`` (its wrapper and kernel);
+* the reference's quant against ``layouts.quantize(rmsnorm(x), AITER_TRITON)`` and its
+  shuffled scale against ``layouts.preshuffle_scale``;
+* both DeepSeek call sites, with the flags ``select_activation_quant`` gives each GEMM path;
+* back-end selection.
+
+Exactness and the one bound: scale bytes must be equal (pad bytes too, where both sides define
+them; aiter leaves its pad uninitialised, so comparisons with aiter mask the pad). FP4 codes may
+differ where the float32 sum of squares is accumulated in another order: rstd moves by an ulp
+and an element right on a rounding boundary changes code (facts page, section 8: seen once in
+272,896). We allow at most ``2 + n // 100_000`` differing codes out of n, each exactly one grid
+step with the same sign. bf16 outputs may differ by one bf16 step: out2 because rstd may move
+by an ulp, out_res1 only because the Triton interpreter truncates fp32 -> bf16 casts (compiled
+kernels round to nearest even; the GPU bench checks out_res1 exactly).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import pytest
+import torch
+
+import layouts
+from layouts import fused_quant as FQ
+from layouts.mxfp4 import AITER_TRITON, unpack_fp4
+from layouts.selection import select_activation_quant
+from layouts.shuffle import preshuffle_scale, unshuffle_scale
+
+EPS = 1e-6
+N2_KV = 512  # DeepSeek kv_lora_rank: the kv_a_layernorm width
+
+
+# ---------------------------------------------------------------------------------- helpers
+def make_inputs(m: int, n1: int, *, x2: bool = False, res: bool = False, seed: int = 0,
+                dtype: torch.dtype = torch.bfloat16, n2: int = N2_KV):
+    """Activation-like data: per-row magnitudes over several octaves, a few outlier channels
+    (DeepSeek's hidden states have them), weights around 1 with some negative entries."""
+    g = torch.Generator().manual_seed(seed)
+
+    def act(rows: int, cols: int) -> torch.Tensor:
+        row_scale = torch.exp(torch.randn(rows, 1, generator=g) * 1.5)
+        x = torch.randn(rows, cols, generator=g) * row_scale
+        outliers = torch.randint(0, cols, (max(1, cols // 512),), generator=g)
+        x[:, outliers] *= 20
+        return x.to(dtype)
+
+    def weight(cols: int) -> torch.Tensor:
+        return (1 + 0.4 * torch.randn(cols, generator=g)).to(dtype)
+
+    args = dict(x1=act(m, n1), x1_weight=weight(n1), x1_epsilon=EPS)
+    if x2:
+        args.update(x2=act(m, n2), x2_weight=weight(n2), x2_epsilon=EPS)
+    if res:
+        args.update(res1=act(m, n1))
+    return args
+
+
+def max_code_diffs(n: int) -> int:
+    """The bound on FP4 codes that may differ from float32 summation order (module docstring)."""
+    return 2 + n // 100_000
+
+
+def assert_codes_close(q: torch.Tensor, want: torch.Tensor, what: str = "q") -> None:
+    assert q.dtype == torch.uint8 and q.shape == want.shape, (what, q.dtype, q.shape, want.shape)
+    if torch.equal(q, want):
+        return
+    a, b = unpack_fp4(q).to(torch.int16), unpack_fp4(want).to(torch.int16)
+    diff = a != b
+    n = int(diff.sum())
+    assert n <= max_code_diffs(a.numel()), f"{what}: {n} of {a.numel()} FP4 codes differ"
+    if n:
+        da, db = a[diff], b[diff]
+        assert torch.equal(da & 8, db & 8), f"{what}: a differing code changed sign"
+        assert bool(((da & 7) - (db & 7)).abs().eq(1).all()), f"{what}: a code differs by more than one step"
+
+
+def bf16_steps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Distance in units in the last place between two bf16/fp16 tensors of the same sign pattern."""
+    ia, ib = a.view(torch.int16).to(torch.int32), b.view(torch.int16).to(torch.int32)
+    # Map the sign-magnitude bit patterns onto a monotone integer line (+0 and -0 both to 0).
+    ia = torch.where(ia < 0, -(ia & 0x7FFF), ia)
+    ib = torch.where(ib < 0, -(ib & 0x7FFF), ib)
+    return (ia - ib).abs()
+
+
+def assert_one_step(got: torch.Tensor | None, want: torch.Tensor | None, what: str) -> None:
+    if want is None:
+        assert got is None, what
+        return
+    assert got.dtype == want.dtype and got.shape == want.shape, (what, got.dtype, got.shape, want.shape)
+    if torch.equal(got, want):
+        return
+    if got.dtype == torch.float32:
+        assert torch.allclose(got, want, rtol=2 ** -20, atol=0), what  # rstd may move by an ulp
+        return
+    assert got.numel() == 0 or int(bf16_steps(got, want).max()) <= 1, f"{what}: more than one step apart"
+
+
+def assert_res_close(got: torch.Tensor | None, want: torch.Tensor | None, args: dict) -> None:
+    """out_res1 equal to the rounded-to-nearest-even sum, or (interpreted Triton: its fp32 ->
+    bf16 cast truncates) to the truncated sum; nothing else."""
+    assert_one_step(got, want, "out_res1")
+    if want is None or got.dtype != torch.bfloat16:
+        if want is not None:
+            assert torch.equal(got, want), "out_res1"
+        return
+    total = args["x1"].float() + args["res1"].float()
+    truncated = (total.view(torch.int32) & -0x10000).view(torch.float32).to(torch.bfloat16)
+    ok = (got.view(torch.int16) == want.view(torch.int16)) | (got.view(torch.int16) == truncated.view(torch.int16))
+    assert bool(ok.all()), "out_res1 is neither the rounded nor the truncated float32 sum"
+
+
+def assert_matches_reference(out, want, args: dict, *, scale_pad: bool = True) -> None:
+    """``out`` and ``want`` are fused-op results; scale bytes exact (pad too unless told)."""
+    (q, s), out2, res = out
+    (wq, ws), wout2, wres = want
+    assert s.dtype == torch.uint8 and s.shape == ws.shape, (s.dtype, s.shape, ws.shape)
+    if scale_pad:
+        assert torch.equal(s, ws), "scale bytes differ"
+    assert_codes_close(q, wq)
+    assert_one_step(out2, wout2, "out2")
+    assert_res_close(res, wres, args)
+
+
+def valid_scale(s: torch.Tensor, m: int, n1: int, shuffle: bool) -> torch.Tensor:
+    """The row-major ``[m, ceil(n1/32)]`` scale inside any fused-op scale buffer (pad dropped)."""
+    cols = -(-n1 // 32)
+    if shuffle:
+        return unshuffle_scale(s, m, cols)
+    return s[:m, :cols]
+
+
+def run(args: dict, shuffle: bool, padding: bool, backend: str):
+    return FQ.fused_rms_mxfp4_quant(**args, shuffle=shuffle, scale_shuffle_padding=padding, backend=backend)
+
+
+def reference(args: dict, shuffle: bool, padding: bool):
+    return FQ.fused_rms_mxfp4_quant_reference(**args, shuffle=shuffle, scale_shuffle_padding=padding)
+
+
+FLAGS = [(False, False), (False, True), (True, False), (True, True)]
+FLAG_IDS = ["plain", "padded", "shuffle", "shuffle+padded"]
+EXTRAS = [(False, False), (True, False), (False, True), (True, True)]
+EXTRA_IDS = ["x1", "x1+x2", "x1+res", "x1+x2+res"]
+
+
+# -------------------------------------------------------- our Triton kernel vs torch reference
+@pytest.mark.parametrize("shuffle,padding", FLAGS, ids=FLAG_IDS)
+@pytest.mark.parametrize("with_x2,with_res", EXTRAS, ids=EXTRA_IDS)
+@pytest.mark.parametrize("n1", [512, 1536, 7168])
+@pytest.mark.parametrize("m", [1, 31, 32, 33, 300])
+def test_triton_kernel_matches_torch_reference(m, n1, with_x2, with_res, shuffle, padding):
+    args = make_inputs(m, n1, x2=with_x2, res=with_res, seed=m * 7 + n1)
+    out = run(args, shuffle, padding, "triton")
+    want = reference(args, shuffle, padding)
+    assert out[0][1].shape == FQ.fused_scale_shape(m, n1, shuffle, padding)
+    assert_matches_reference(out, want, args)
+
+
+@pytest.mark.parametrize("block_m", [1, 2, 8])
+def test_triton_kernel_result_does_not_depend_on_rows_per_program(block_m):
+    # The launch plan picks BLOCK_M per shape (1 on the GPU for small M, 32 in the interpreter);
+    # every choice must write the same bytes, pad programs included.
+    from layouts._triton_fused_quant import fused_rms_mxfp4_quant_triton
+
+    args = make_inputs(45, 1536, x2=True, res=True, seed=3)
+    want = reference(args, True, True)
+    out = fused_rms_mxfp4_quant_triton(**args, shuffle=True, scale_shuffle_padding=True, block_m=block_m)
+    assert_matches_reference(out, want, args)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_triton_kernel_handles_fp16_and_fp32_inputs(dtype):
+    # Only bf16 takes the paired-load fast path; other dtypes load elements one by one.
+    args = make_inputs(33, 1536, x2=True, res=True, seed=11, dtype=dtype)
+    out = run(args, True, True, "triton")
+    want = reference(args, True, True)
+    assert out[1].dtype == out[2].dtype == dtype
+    assert_matches_reference(out, want, args)
+
+
+@pytest.mark.parametrize("layout", ["odd_row_stride", "wide_row_stride", "column_major"])
+def test_triton_kernel_reads_strided_inputs(layout):
+    args = make_inputs(33, 512, x2=True, res=True, seed=12)
+    base = args["x1"]
+    if layout == "odd_row_stride":  # rows 513 elements apart: no aligned uint32 pairs
+        x1 = torch.zeros(33, 513, dtype=base.dtype)[:, :512]
+    elif layout == "wide_row_stride":
+        x1 = torch.zeros(33, 1024, dtype=base.dtype)[:, 256:768]
+    else:
+        x1 = torch.zeros(512, 33, dtype=base.dtype).t()
+    x1.copy_(base)
+    res_wide = torch.zeros(33, 600, dtype=base.dtype)[:, 1:513]
+    res_wide.copy_(args["res1"])
+    strided = dict(args, x1=x1, res1=res_wide)
+    assert_matches_reference(run(strided, True, True, "triton"), reference(args, True, True), args)
+
+
+def test_zero_rows_and_negative_weights_give_byte_zero_scales_and_negative_zero_codes():
+    # An all-zero row normalises to 0 (rstd = 1/sqrt(eps)); a negative weight makes it -0.0,
+    # which aiter's quant keeps as code 8. Its blocks get scale byte 0 (amax 0).
+    args = make_inputs(3, 512, res=True, seed=13)
+    args["x1"][1] = 0
+    args["res1"][1] = 0
+    w = args["x1_weight"].clone()
+    w[:64] = -w[:64].abs()
+    w[64:] = w[64:].abs()
+    args["x1_weight"] = w
+    (q, s), _, _ = want = reference(args, False, False)
+    codes = unpack_fp4(q[1])
+    assert torch.equal(s[1], torch.zeros(16, dtype=torch.uint8))
+    assert torch.equal(codes[:64], torch.full((64,), 8, dtype=torch.uint8))
+    assert not codes[64:].any()
+    assert_matches_reference(run(args, False, False, "triton"), want, args)
+
+
+def tie_inputs() -> dict:
+    """Rows whose rstd is exactly a power of two (x = +-1, 2), so y = +-w exactly: the weights
+    put every E2M1 rounding tie, saturation, tiny and huge blocks and -0 into the quantizer."""
+    ties = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 6.5, 0.1, 0.0, -0.0, 0.3, 2.75, 4.5, 5.5]
+    blocks = [
+        ties + [-t for t in ties],                               # scale 1: every tie, both signs
+        [2.0 ** -126 * (1 + i / 64) for i in range(32)],         # tiny: exponent -128 clamps to -127
+        [3e36 * (1 + i / 31) for i in range(32)],                # huge: exponent near the top
+        [1.75 * 2 ** -10] + [1e-4] * 31,                         # amax rounds up an octave
+        [1.74 * 2 ** -10] + [-1e-4] * 31,                        # amax just below
+        [0.0] * 16 + [-0.0] * 16,                                # all zero: byte 0, +0 and -0
+    ]
+    w = torch.tensor([v for b in blocks for v in b], dtype=torch.float32).to(torch.bfloat16)
+    n1 = w.numel()
+    x1 = torch.stack([torch.ones(n1), -torch.ones(n1), 2 * torch.ones(n1)]).to(torch.bfloat16)
+    return dict(x1=x1, x1_weight=w, x1_epsilon=0.0)
+
+
+def test_triton_kernel_rounds_every_tie_and_extreme_block_like_the_reference():
+    args = tie_inputs()
+    want = reference(args, True, True)
+    (q, s), _, _ = out = run(args, True, True, "triton")
+    assert torch.equal(q, want[0][0])  # exact: every sum of squares here is exact
+    assert_matches_reference(out, want, args)
+    scale = valid_scale(s, 3, args["x1"].shape[1], True)
+    assert scale[0].tolist() == [127, 0, 127 + 120, 127 - 11, 127 - 12, 0]
+
+
+def test_triton_kernel_with_no_rows_returns_empty_outputs():
+    args = make_inputs(0, 512, x2=True, res=True)
+    (q, s), out2, res = run(args, True, True, "triton")
+    assert q.shape == (0, 256) and s.shape == (0, 16) and out2.shape == (0, N2_KV) and res.shape == (0, 512)
+    assert_matches_reference(((q, s), out2, res), reference(args, True, True), args)
+
+
+# ---------------------------------------------------- reference semantics, checked independently
+@pytest.mark.parametrize("n1", [80, 512, 7168])
+def test_reference_quantizes_the_float32_rmsnorm_with_the_aiter_triton_recipe(n1):
+    args = make_inputs(9, n1, x2=True, res=True, seed=21)
+    (q, s), out2, res = reference(args, False, False)
+    x = args["x1"].float() + args["res1"].float()
+    y = x * (1.0 / torch.sqrt((x * x).sum(-1, keepdim=True) / n1 + EPS)) * args["x1_weight"].float()
+    want_q, want_s = layouts.quantize(y, AITER_TRITON)
+    assert torch.equal(q, want_q) and torch.equal(s, want_s)
+    assert torch.equal(res, x.to(torch.bfloat16))
+    # torch's own RMSNorm agrees up to rounding (an independent implementation of the norm).
+    torch_y = torch.nn.functional.rms_norm(x, (n1,), args["x1_weight"].float(), EPS)
+    assert_codes_close(q, layouts.quantize(torch_y, AITER_TRITON)[0], "q vs F.rms_norm")
+    torch_out2 = torch.nn.functional.rms_norm(args["x2"].float(), (N2_KV,), args["x2_weight"].float(), EPS)
+    assert_one_step(out2, torch_out2.to(torch.bfloat16), "out2 vs F.rms_norm")
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("m,n1", [(1, 1536), (33, 80), (300, 512)])
+def test_shuffled_scale_is_preshuffle_scale_of_the_row_major_scale(m, n1, backend):
+    args = make_inputs(m, n1, seed=31)
+    plain = run(args, False, False, backend)[0][1]
+    padded = run(args, False, True, backend)[0][1]
+    cols = -(-n1 // 32)
+    assert plain.shape == (m, cols)
+    want_padded = torch.full(FQ.fused_scale_shape(m, n1, False, True), layouts.E8M0_ONE, dtype=torch.uint8)
+    want_padded[:m, :cols] = plain
+    assert torch.equal(padded, want_padded)
+    for padding in (False, True):  # shuffling implies padding, as in aiter
+        shuffled = run(args, True, padding, backend)[0][1]
+        assert torch.equal(shuffled, preshuffle_scale(plain))
+        assert torch.equal(unshuffle_scale(shuffled, m, cols), plain)
+
+
+# ------------------------------------------------------------ aiter's own fused kernel (oracle)
+AITER_CASES = [
+    # m, n1, x2, res1, shuffle, padding
+    (1, 512, False, False, False, False),
+    (1, 7168, False, True, True, True),
+    (31, 512, True, True, False, False),
+    (33, 1536, True, False, False, True),
+    (33, 1536, True, True, True, False),
+    (40, 7168, False, True, True, True),
+    (3, 80, False, True, True, True),  # a partial 32-block and fewer than 8 scale columns
+]
+
+
+@pytest.mark.parametrize("m,n1,with_x2,with_res,shuffle,padding", AITER_CASES)
+def test_reference_and_triton_kernel_match_aiter_fused_kernel(aiter_fused_rms_quant, m, n1, with_x2,
+                                                               with_res, shuffle, padding):
+    args = make_inputs(m, n1, x2=with_x2, res=with_res, seed=41 + m + n1)
+    (aq, a_s), a_out2, a_res = aiter_fused_rms_quant(**args, shuffle=shuffle, scale_shuffle_padding=padding)
+    assert a_s.shape == FQ.fused_scale_shape(m, n1, shuffle, padding)
+    want_res = reference(args, shuffle, padding)[2]
+    assert_res_close(a_res, want_res, args)  # aiter's interpreted cast truncates too
+    for name, backend in (("reference", "torch"), ("triton", "triton")):
+        (q, s), out2, res = run(args, shuffle, padding, backend)
+        assert s.shape == a_s.shape, name
+        # aiter leaves the scale pad uninitialised: compare the valid region only.
+        assert torch.equal(valid_scale(s, m, n1, shuffle), valid_scale(a_s, m, n1, shuffle)), name
+        assert_codes_close(q, aq, f"{name} q vs aiter")
+        assert_one_step(out2, a_out2, f"{name} out2 vs aiter")
+        if backend == "triton" and with_res:  # both interpreted: the same cast, the same bytes
+            assert torch.equal(res, a_res)
+
+
+def test_tie_and_extreme_blocks_match_aiter_fused_kernel_bytes(aiter_fused_rms_quant):
+    args = tie_inputs()
+    (aq, a_s), _, _ = aiter_fused_rms_quant(**args, shuffle=False, scale_shuffle_padding=False)
+    for backend in ("torch", "triton"):
+        (q, s), _, _ = run(args, False, False, backend)
+        assert torch.equal(s, a_s) and torch.equal(q, aq), backend
+
+
+def test_aiter_quantizes_the_float32_norm_not_a_bf16_rounded_one(aiter_fused_rms_quant):
+    # Where aiter rounds intermediates decides bytes: its kernel quantizes the float32 norm
+    # output. Quantizing a bf16-rounded norm instead changes far more codes than the bound.
+    args = make_inputs(33, 1536, res=True, seed=51)
+    (aq, _), _, _ = aiter_fused_rms_quant(**args, shuffle=False, scale_shuffle_padding=False)
+    x = args["x1"].float() + args["res1"].float()
+    y = x * (1.0 / torch.sqrt((x * x).sum(-1, keepdim=True) / 1536 + EPS)) * args["x1_weight"].float()
+    assert_codes_close(layouts.quantize(y, AITER_TRITON)[0], aq)
+    rounded = layouts.quantize(y.to(torch.bfloat16), AITER_TRITON)[0]
+    n_diff = int((unpack_fp4(rounded) != unpack_fp4(aq)).sum())
+    assert n_diff > 10 * max_code_diffs(aq.numel() * 2)
+
+
+# --------------------------------------------------------------------------- DeepSeek call sites
+@pytest.mark.parametrize("tokens", [1, 40])
+@pytest.mark.parametrize("gemm_path", ["asm", "triton-preshuffle", "triton-non-shuffle"])
+def test_deepseek_input_layernorm_with_residual(aiter_fused_rms_quant, gemm_path, tokens):
+    # input_layernorm (+ residual) before fused_qkv_a_proj: hidden 7168, bf16.
+    shuffle, padding = select_activation_quant(gemm_path, tokens)
+    args = make_inputs(tokens, 7168, res=True, seed=61 + tokens)
+    out = run(args, shuffle, padding, "triton")
+    want = reference(args, shuffle, padding)
+    assert out[0][1].shape == ((256, 224) if padding else (tokens, 224))
+    assert out[0][0].shape == (tokens, 3584) and out[1] is None and out[2].shape == (tokens, 7168)
+    assert_matches_reference(out, want, args)
+    (aq, a_s), _, a_res = aiter_fused_rms_quant(**args, shuffle=shuffle, scale_shuffle_padding=padding)
+    assert torch.equal(valid_scale(out[0][1], tokens, 7168, shuffle), valid_scale(a_s, tokens, 7168, shuffle))
+    assert_codes_close(out[0][0], aq, "q vs aiter")
+    assert torch.equal(out[2], a_res)  # both interpreted: the same fp32 -> bf16 rounding
+
+
+@pytest.mark.parametrize("tokens", [1, 40])
+@pytest.mark.parametrize("gemm_path", ["asm", "triton-preshuffle", "triton-non-shuffle"])
+def test_deepseek_q_a_layernorm_with_kv_a_layernorm(aiter_fused_rms_quant, gemm_path, tokens):
+    # q_a_layernorm (q_lora 1536, quantized for q_b_proj) + kv_a_layernorm (kv_lora 512, bf16).
+    shuffle, padding = select_activation_quant(gemm_path, tokens)
+    args = make_inputs(tokens, 1536, x2=True, seed=71 + tokens)
+    out = run(args, shuffle, padding, "triton")
+    want = reference(args, shuffle, padding)
+    assert out[0][1].shape == ((256, 48) if padding else (tokens, 48))
+    assert out[1].shape == (tokens, 512) and out[1].dtype == torch.bfloat16 and out[2] is None
+    assert_matches_reference(out, want, args)
+    (aq, a_s), a_out2, _ = aiter_fused_rms_quant(**args, shuffle=shuffle, scale_shuffle_padding=padding)
+    assert torch.equal(valid_scale(out[0][1], tokens, 1536, shuffle), valid_scale(a_s, tokens, 1536, shuffle))
+    assert_codes_close(out[0][0], aq, "q vs aiter")
+    assert_one_step(out[1], a_out2, "out2 vs aiter")
+
+
+# ----------------------------------------------------------------------------- back-end choice
+class _NoRocm:
+    """A meta-path finder that fails `import aiter` the way aiter does without ROCm."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "aiter" or name.startswith("aiter."):
+            raise RuntimeError("no ROCm device (simulated)")
+        return None
+
+
+@pytest.fixture
+def no_aiter(monkeypatch):
+    for name in [n for n in sys.modules if n == "aiter" or n.startswith("aiter.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr(sys, "meta_path", [_NoRocm(), *sys.meta_path])
+    FQ._aiter_probe.cache_clear()
+    yield
+    FQ._aiter_probe.cache_clear()
+
+
+def test_cpu_tensors_run_the_torch_reference(no_aiter):
+    args = make_inputs(5, 512, x2=True, res=True, seed=81)
+    assert FQ.select_backend(args["x1"].device) == "torch"
+    out = FQ.fused_rms_mxfp4_quant(**args, shuffle=True, scale_shuffle_padding=True)
+    want = reference(args, True, True)
+    for got, exp in zip((out[0][0], out[0][1], out[1], out[2]), (want[0][0], want[0][1], want[1], want[2])):
+        assert torch.equal(got, exp)
+
+
+def test_gpu_tensors_run_our_triton_kernel_when_aiter_cannot_be_imported(no_aiter):
+    assert FQ.select_backend("cuda") == "triton"
+    assert FQ.select_backend("cuda:1", "torch") == "torch"
+
+
+def test_asking_for_aiter_where_it_cannot_be_imported_is_a_clear_error(no_aiter):
+    with pytest.raises(RuntimeError, match=r"aiter cannot be imported here \(RuntimeError: no ROCm"):
+        FQ.select_backend("cuda", "aiter")
+    args = make_inputs(2, 512)
+    with pytest.raises(RuntimeError, match="backend='aiter'"):
+        FQ.fused_rms_mxfp4_quant(**args, backend="aiter")
+
+
+def test_unknown_backend_is_refused():
+    with pytest.raises(ValueError, match="unknown backend 'cuda'"):
+        FQ.select_backend("cpu", "cuda")
+
+
+def test_aiter_probe_runs_and_logs_once(no_aiter, caplog):
+    caplog.set_level(logging.INFO, logger="layouts")
+    for _ in range(3):
+        assert not FQ.aiter_available()
+        FQ.select_backend("cuda")
+    records = [r for r in caplog.records if r.name == "layouts" and "aiter is not usable" in r.getMessage()]
+    assert len(records) == 1 and records[0].levelno == logging.INFO
+    assert "RuntimeError: no ROCm device (simulated)" in records[0].getMessage()
+
+
+def test_triton_backend_on_cpu_needs_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match="needs GPU tensors"):
+        FQ.fused_rms_mxfp4_quant(**make_inputs(2, 512), backend="triton")
+
+
+def test_shape_errors_name_the_argument():
+    args = make_inputs(4, 512, x2=True, res=True)
+    with pytest.raises(ValueError, match="x1 must be"):
+        FQ.fused_rms_mxfp4_quant(**dict(args, x1=args["x1"][:, :511]))
+    with pytest.raises(ValueError, match="res1 must have"):
+        FQ.fused_rms_mxfp4_quant(**dict(args, res1=args["res1"][:3]))
+    with pytest.raises(ValueError, match="x2 must be"):
+        FQ.fused_rms_mxfp4_quant(**dict(args, x2=args["x2"][:3]))

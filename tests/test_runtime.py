@@ -1,0 +1,250 @@
+"""The runtime module an engine imports: the manifest answers what the checkpoint is, every
+engine configuration that would misread it is refused with the fix, and a rank loads exactly
+the tensors the manifest states, with their runtime attributes."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+import layouts as L
+from layouts.compat import CompatibilityError, EngineConfig, check_compatibility
+from layouts.manifest import ManifestError, load_manifest
+from prep.convert import convert
+from prep.deepseek import Target
+from prep.synth import SynthSpec, write_checkpoint
+from safetensors.torch import load_file
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """A tiny v2 checkpoint converted four ways: {preshuffle+ck, non-shuffle+triton} x tp {1, 2}, + ep 2."""
+    root = tmp_path_factory.mktemp("rt")
+    src = write_checkpoint(SynthSpec(variant="v2"), root / "src")
+    out = {"src": src}
+    for name, target in {"pre-ck-tp2": Target("preshuffle", "ck", 2), "raw-triton-tp2": Target("non-shuffle", "triton", 2),
+                         "pre-ck-tp1": Target("preshuffle", "ck", 1), "pre-ck-ep2": Target("preshuffle", "ck", 2, ep=2),
+                         "raw-gfx942-tp2": Target("non-shuffle", "triton-gfx942", 2)}.items():
+        convert(str(src), root / name, target)
+        out[name] = root / name
+    return out
+
+
+# ------------------------------------------------------------------------------ manifest
+def test_manifest_answers_layout_tp_ep_and_per_tensor_attributes(converted):
+    m = load_manifest(converted["pre-ck-ep2"])
+    assert (m.layout, m.moe_layout, m.tp, m.ep, m.arch) == ("preshuffle", "ck", 2, 2, "deepseek_v3")
+    rec = {(t.name, t.rank): t for t in m.tensors}
+    w13 = rec[("model.layers.1.mlp.experts.w13_weight", 1)]
+    assert w13.runtime_attrs["is_shuffled"] and w13.runtime_attrs["global_routed_experts"] == [4, 8]
+    assert all(t.rank in (1, None) for t in m.rank_tensors(1))
+    assert m.rank_files(1)[0].startswith("model-tp2-rank1") and any(f.startswith("model-common") for f in m.rank_files(1))
+    with pytest.raises(ManifestError, match="rank 2 is out of range"):
+        m.rank_tensors(2)
+
+
+def test_manifest_hash_check_names_the_damaged_tensor(converted, tmp_path):
+    out = tmp_path / "c"
+    shutil.copytree(converted["pre-ck-tp2"], out)
+    m = load_manifest(out, verify_hashes=True)  # intact: passes
+    t = next(t for t in m.tensors if t.name.endswith("q_b_proj.weight") and t.rank == 0)
+    f = out / t.file
+    raw = bytearray(f.read_bytes())
+    hdr = 8 + int.from_bytes(raw[:8], "little")
+    start = hdr + json.loads(raw[8:hdr])[t.name]["data_offsets"][0]
+    raw[start] ^= 0x01
+    f.write_bytes(bytes(raw))
+    with pytest.raises(ManifestError, match="q_b_proj.weight does not match its manifest hash"):
+        load_manifest(out, verify_hashes=True)
+
+
+def test_unfinished_or_modified_conversions_are_refused(converted, tmp_path):
+    out = tmp_path / "c"
+    shutil.copytree(converted["pre-ck-tp1"], out)
+    (out / "prep-manifest.json").write_text((out / "prep-manifest.json").read_text().replace('"tp":1', '"tp":2'))
+    with pytest.raises(ManifestError, match="differs from the completion marker"):
+        load_manifest(out)
+    (out / "prep-complete.json").unlink()
+    with pytest.raises(ManifestError, match="did not finish"):
+        load_manifest(out)
+
+
+# ------------------------------------------------------------------------------ compatibility
+@pytest.mark.parametrize("ckpt, engine, message", [
+    ("pre-ck-tp2", EngineConfig("triton-non-shuffle", "ck", 2),
+     "checkpoint is preshuffled; the non-shuffle Triton GEMM would read garbage: unset "
+     "ATOM_USE_FP4_NON_SHUFFLE_TRITON_GEMM or convert with --layout non-shuffle"),
+    ("raw-triton-tp2", EngineConfig("asm", "triton", 2), "set ATOM_USE_FP4_NON_SHUFFLE_TRITON_GEMM=1 or convert with --layout preshuffle"),
+    ("raw-triton-tp2", EngineConfig("triton-preshuffle", "triton", 2), "the Triton preshuffle GEMM reads W16/S32x8"),
+    ("pre-ck-tp2", EngineConfig("asm", "ck", 4), "converted for tp=2 but the engine runs tp=4"),
+    ("pre-ck-tp2", EngineConfig("asm", "ck", 2, rank=2), "rank 2 is out of range"),
+    ("pre-ck-tp2", EngineConfig("asm", "triton", 2), "set ATOM_USE_TRITON_MOE=0 or convert with --moe-layout triton"),
+    ("raw-triton-tp2", EngineConfig("triton-non-shuffle", "ck", 2), "set ATOM_USE_TRITON_MOE=1 or convert with --moe-layout ck"),
+    ("raw-triton-tp2", EngineConfig("triton-non-shuffle", "triton", 2, gpu_arch="gfx942"), "--moe-layout triton-gfx942"),
+    ("raw-gfx942-tp2", EngineConfig("triton-non-shuffle", "triton", 2, gpu_arch="gfx950"), "--moe-layout triton"),
+    ("pre-ck-tp2", EngineConfig("asm", "ck", 2, ep_size=2), "converted with ep=1 but the engine runs ep=2"),
+    ("pre-ck-ep2", EngineConfig("asm", "ck", 2), "converted with ep=2 but the engine runs ep=1"),
+])
+def test_every_mismatch_is_refused_with_its_fix(converted, ckpt, engine, message):
+    with pytest.raises(CompatibilityError) as e:
+        check_compatibility(load_manifest(converted[ckpt]), engine)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_matching_configurations_pass(converted):
+    check_compatibility(load_manifest(converted["pre-ck-tp2"]), EngineConfig("asm", "ck", 2, rank=1))
+    check_compatibility(load_manifest(converted["pre-ck-tp2"]), EngineConfig("triton-preshuffle", "ck", 2))
+    check_compatibility(load_manifest(converted["raw-triton-tp2"]), EngineConfig("triton-non-shuffle", "triton", 2))
+    check_compatibility(load_manifest(converted["raw-gfx942-tp2"]),
+                        EngineConfig("triton-non-shuffle", "triton", 2, gpu_arch="gfx942"))
+    check_compatibility(load_manifest(converted["pre-ck-ep2"]), EngineConfig("asm", "ck", 2, ep_size=2))
+
+
+def test_expert_parallel_with_the_triton_moe_is_refused():
+    from layouts.manifest import Manifest
+
+    m = Manifest({"target": {"layout": "preshuffle", "moe_layout": "triton", "tp": 2, "ep": 2}, "tensors": []}, None)
+    with pytest.raises(CompatibilityError, match="ignores the expert map"):
+        check_compatibility(m, EngineConfig("triton-preshuffle", "triton", 2, ep_size=2))
+
+
+@pytest.mark.parametrize("env, arch, want", [
+    ({}, "gfx950", ("asm", "ck")),
+    ({}, "gfx942", ("asm", "triton")),  # ATOM: Triton MoE on gfx94x when the switch is unset
+    ({"ATOM_USE_TRITON_GEMM": "1"}, "gfx950", ("triton-preshuffle", "triton")),
+    ({"ATOM_USE_TRITON_GEMM": "1", "ATOM_USE_TRITON_MOE": "0"}, "gfx950", ("triton-preshuffle", "ck")),
+    ({"ATOM_USE_FP4_NON_SHUFFLE_TRITON_GEMM": "1", "ATOM_USE_TRITON_MOE": "1"}, "gfx950", ("triton-non-shuffle", "triton")),
+    ({"ATOM_USE_TRITON_GEMM": "true"}, "gfx950", ("asm", "ck")),  # ATOM reads only "1" as on
+])
+def test_engine_config_reads_atom_switches_as_atom_does(env, arch, want):
+    e = EngineConfig.from_env(tp_size=8, rank=3, gpu_arch=arch, env=env)
+    assert (e.gemm_path, e.moe_backend) == want and (e.tp_size, e.rank) == (8, 3)
+    assert e.input_norm_quant_fusion and e.qknorm_quant_fusion
+
+
+def test_engine_config_reads_the_two_fusion_switches():
+    e = EngineConfig.from_env(env={"ATOM_ENABLE_DS_INPUT_RMSNORM_QUANT_FUSION": "0",
+                                   "ATOM_ENABLE_DS_QKNORM_QUANT_FUSION": "1"}, gpu_arch="gfx950")
+    assert (e.input_norm_quant_fusion, e.qknorm_quant_fusion) == (False, True)
+
+
+def test_triton_gemm_with_non_shuffle_gemm_is_refused():
+    with pytest.raises(CompatibilityError, match="unset one of the two"):
+        EngineConfig.from_env(env={"ATOM_USE_TRITON_GEMM": "1", "ATOM_USE_FP4_NON_SHUFFLE_TRITON_GEMM": "1"})
+
+
+def test_unknown_paths_and_archs_are_refused():
+    with pytest.raises(CompatibilityError, match="unknown GEMM path"):
+        EngineConfig("hipblaslt")
+    with pytest.raises(CompatibilityError, match="gfx1250"):
+        EngineConfig(gpu_arch="gfx1250")
+
+
+# ------------------------------------------------------------------------------ rank loader
+@pytest.mark.parametrize("ckpt, rank", [("pre-ck-tp2", 0), ("pre-ck-tp2", 1), ("raw-triton-tp2", 1), ("pre-ck-ep2", 1)])
+def test_load_rank_returns_exactly_the_manifest_tensors_with_attributes(converted, ckpt, rank):
+    root = converted[ckpt]
+    m = load_manifest(root)
+    tensors = L.load_rank(root, rank, verify_hashes=True)  # every tensor re-hashed against the manifest
+    want = {t.name: t for t in m.rank_tensors(rank)}
+    assert list(tensors) == list(want)
+    on_disk = {}
+    for f in m.rank_files(rank):
+        on_disk.update(load_file(root / f))
+    for name, t in tensors.items():
+        rec = want[name]
+        assert torch.equal(t, on_disk[name]) and tuple(t.shape) == rec.shape
+        for k, v in rec.runtime_attrs.items():
+            assert getattr(t, k) == v
+    w13s = tensors["model.layers.1.mlp.experts.w13_weight_scale"]
+    if m.moe_layout == "ck":
+        assert w13s.dim() == 2 and w13s.is_shuffled  # CK MoE scales are stored 2-D, flattened over experts
+    else:
+        assert w13s.dim() == 3 and w13s.scale_swizzle == "CDNA4_SCALE"
+    assert tensors["model.layers.1.self_attn.fused_qkv_a_proj.weight"].is_shuffled == (m.layout == "preshuffle")
+
+
+def test_load_rank_reads_only_its_own_files(converted, tmp_path):
+    out = tmp_path / "c"
+    shutil.copytree(converted["pre-ck-tp2"], out)
+    for f in out.glob("model-tp2-rank1-*"):
+        f.unlink()  # rank 0 must not need rank 1's files
+    assert len(L.load_rank(out, 0)) > 0
+    with pytest.raises(ManifestError, match="rank1.*missing; convert again"):
+        L.load_rank(out, 1)
+
+
+def test_load_rank_refuses_an_incompatible_engine_before_reading(converted):
+    with pytest.raises(CompatibilityError, match="preshuffled"):
+        L.load_rank(converted["pre-ck-tp2"], 0, engine=EngineConfig("triton-non-shuffle", "ck", 2, rank=0))
+
+
+def test_load_rank_names_a_tensor_whose_shape_disagrees(converted, tmp_path):
+    out = tmp_path / "c"
+    shutil.copytree(converted["pre-ck-tp1"], out)
+    mpath = out / "prep-manifest.json"
+    raw = json.loads(mpath.read_text())
+    t = next(t for t in raw["tensors"] if t["name"].endswith("o_proj.weight"))
+    t["shape"] = [t["shape"][1], t["shape"][0]]
+    data = json.dumps(raw, separators=(",", ":")).encode()
+    mpath.write_bytes(data)
+    marker = json.loads((out / "prep-complete.json").read_text())
+    marker["manifest_sha256"] = L.manifest.manifest_hash(data)
+    (out / "prep-complete.json").write_text(json.dumps(marker))
+    with pytest.raises(ManifestError, match=f"tensor {t['name']} is torch.uint8 .* but the manifest says U8"):
+        L.load_rank(out, 0)
+
+
+def test_load_rank_rebuilds_the_source_through_the_layouts(converted):
+    # What the engine holds, inverted through the registry, is the source's bytes: the loaded
+    # tensors are usable, not only present.
+    src = load_file(next(converted["src"].glob("*.safetensors")))
+    src = {}
+    for f in converted["src"].glob("*.safetensors"):
+        src.update(load_file(f))
+    t = L.load_rank(converted["pre-ck-tp1"], 0)
+    name = "model.layers.1.self_attn.q_b_proj"
+    w, s = t[f"{name}.weight"], t[f"{name}.weight_scale"]
+    want_w, want_s = src[f"{name}.weight"], src[f"{name}.weight_scale"]
+    bw, bs = L.get_layout(w.prep_layout).invert(w, s, want_w.shape, want_s.shape)
+    assert torch.equal(bw, want_w) and torch.equal(bs, want_s)
+
+
+# ------------------------------------------------------------------------------ activation plan
+@pytest.mark.parametrize("engine, m, want", [
+    (EngineConfig("asm", "ck", 2), 1, (True, True)),
+    (EngineConfig("triton-preshuffle", "ck", 2), 31, (False, False)),
+    (EngineConfig("triton-preshuffle", "ck", 2), 32, (True, True)),
+])
+def test_activation_plan_picks_flags_per_call_from_the_token_count(converted, engine, m, want):
+    plan = L.ActivationQuantPlan.for_checkpoint(load_manifest(converted["pre-ck-tp2"]), engine)
+    assert tuple(plan.flags(m)) == want
+    x, w = torch.randn(m, 256, dtype=torch.bfloat16), torch.rand(256, dtype=torch.bfloat16) + 0.5
+    res = torch.randn(m, 256, dtype=torch.bfloat16)
+    (q, scale), new_res = plan.input_layernorm(x, w, 1e-6, res)
+    ref = L.fused_rms_mxfp4_quant(x, w, 1e-6, res1=res, shuffle=want[0], scale_shuffle_padding=want[1], backend="torch")
+    assert torch.equal(q, ref[0][0]) and torch.equal(scale, ref[0][1]) and torch.equal(new_res, ref[2])
+    assert scale.shape == ((256, 8) if want[1] else (m, 8))
+
+
+def test_activation_plan_q_a_site_quantizes_q_and_norms_kv(converted):
+    plan = L.ActivationQuantPlan.for_checkpoint(load_manifest(converted["raw-triton-tp2"]),
+                                                EngineConfig("triton-non-shuffle", "triton", 2))
+    q_c, kv_c = torch.randn(40, 128, dtype=torch.bfloat16), torch.randn(40, 128, dtype=torch.bfloat16)
+    wq, wkv = torch.rand(128, dtype=torch.bfloat16) + 0.5, torch.rand(128, dtype=torch.bfloat16) + 0.5
+    (q, scale), kv = plan.q_a_layernorm(q_c, wq, 1e-6, kv_c, wkv, 1e-6)
+    assert q.shape == (40, 64) and scale.shape == (40, 4)  # non-shuffle path: raw, unpadded scales
+    qf = q_c.float()
+    normed = qf * torch.rsqrt(qf.pow(2).mean(-1, keepdim=True) + 1e-6) * wq.float()  # float32, not rounded to bf16
+    want_q, want_s = L.quantize(normed, L.AITER_TRITON)
+    assert torch.equal(q, want_q) and torch.equal(scale, want_s)
+    assert torch.allclose(kv.float(), L.activation.rms_norm(kv_c, wkv, 1e-6).float(), atol=1e-2)
+
+
+def test_activation_plan_without_fusion_returns_bf16_norms(converted):
+    engine = EngineConfig("asm", "ck", 2, input_norm_quant_fusion=False, qknorm_quant_fusion=False)
+    plan = L.ActivationQuantPlan.for_checkpoint(load_manifest(converted["pre-ck-tp2"]), engine)
+    x, w = torch.randn(4, 256, dtype=torch.bfloat16), torch.ones(256, dtype=torch.bfloat16)
+    (y, scale), res = plan.input_layernorm(x, w, 1e-6)
+    assert scale is None and y.dtype == torch.bfloat16 and torch.equal(res, x)
