@@ -1,7 +1,7 @@
 """Load one rank of a converted checkpoint as its engine will hold it.
 
-Only the rank's own files and the common (pass-through) files are read, each once, from start
-to end in large blocks, into one buffer per file; every tensor is a view into that buffer, so
+Only the rank's own files and the common (pass-through) files are read, each once, mapped (or
+read from start to end in large blocks) as one buffer per file; every tensor is a view into it, so
 thousands of stacked-expert tensors cost a handful of reads rather than a read and allocation
 each (ATOM's load of R1's 90k source tensors is dominated by that per-tensor dispatch). On a
 GPU the buffer is copied over in one transfer per file. Each tensor is checked against the
@@ -18,7 +18,7 @@ import torch
 
 from .compat import EngineConfig, check_compatibility
 from .manifest import Manifest, ManifestError, TensorRecord, load_manifest
-from .safetensors_file import TORCH_DTYPES, SafetensorsFile, SafetensorsFileError, byte_view
+from .safetensors_file import TORCH_DTYPES, SafetensorsFile, SafetensorsFileError, byte_view, map_all
 
 
 class RankTensors(dict):
@@ -42,12 +42,17 @@ class RankTensors(dict):
 
 def load_rank(model_dir: str | pathlib.Path, rank: int, device: str | torch.device = "cpu", *,
               engine: EngineConfig | None = None, verify_hashes: bool = False,
-              manifest: Manifest | None = None) -> RankTensors:
+              manifest: Manifest | None = None, mmap: bool = True) -> RankTensors:
     """This rank's tensors from a converted checkpoint, on ``device``, with runtime attributes set.
 
     With ``engine``, the checkpoint is first checked against it (:func:`check_compatibility`):
     a checkpoint the engine would misread is refused before a byte is loaded. With
     ``verify_hashes`` every tensor's xxh3-128 is checked against the manifest (needs xxhash).
+    ``mmap`` (default) maps each file copy-on-write instead of reading it into new memory: on
+    the CPU the tensors are then backed by the page cache (no copy, nothing anonymous), and a
+    GPU gets one host-to-device copy per file straight from the mapping; ``mmap=False`` reads
+    each file with large sequential ``pread`` calls into one buffer (for filesystems where
+    mapping is slow, e.g. some network mounts).
     Raises :class:`ManifestError` naming the file and tensor when the files disagree with it.
     """
     manifest = manifest or load_manifest(model_dir)
@@ -66,7 +71,7 @@ def load_rank(model_dir: str | pathlib.Path, rank: int, device: str | torch.devi
         path = manifest.root / fname
         try:
             f = SafetensorsFile(path)
-            buf, views = f.read_all()
+            buf, views = map_all(f) if mmap else f.read_all()
         except FileNotFoundError:
             raise ManifestError(f"{path}: listed in the manifest but missing; convert again") from None
         except SafetensorsFileError as e:

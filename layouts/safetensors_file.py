@@ -119,6 +119,19 @@ class SafetensorsFile:
         return buf, views
 
 
+def map_all(sf: "SafetensorsFile") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Like :meth:`SafetensorsFile.read_all`, but the file is memory-mapped (copy-on-write), not
+    read: no copy and no anonymous memory, pages come from the page cache on first touch and can
+    be dropped again under pressure (what ``safe_open`` does). The fast path for loading to a
+    GPU (one host-to-device copy per file straight from the mapping) and for CPU engines."""
+    size = sf.path.stat().st_size
+    whole = torch.from_file(str(sf.path), shared=False, size=size, dtype=torch.uint8)
+    buf = whole[sf.data_offset:sf.data_offset + sf.data_size]
+    views = {name: byte_view(buf, info.offset - sf.data_offset, info.nbytes, TORCH_DTYPES[info.dtype], info.shape)
+             for name, info in sf.tensors.items()}
+    return buf, views
+
+
 def byte_view(buf: torch.Tensor, offset: int, nbytes: int, dtype: torch.dtype, shape) -> torch.Tensor:
     """``buf[offset:offset+nbytes]`` (uint8) seen as ``dtype`` / ``shape``; a copy only when the
     offset is not aligned to the dtype (safetensors does not promise alignment)."""

@@ -48,6 +48,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--sweep", action="store_true", help="time a grid of launch configs for our kernel first")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile contender")
     ap.add_argument("--ms", default=None, help="comma-separated M values (default: 1,16,256,4096,16384,65536)")
+    ap.add_argument("--time-limit", type=float, default=240,
+                    help="seconds after which the remaining contenders are skipped (the table still prints)")
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="exercise this script on the CPU (TRITON_INTERPRET=1, tiny shapes, wall-clock times)")
     return ap.parse_args()
@@ -76,6 +78,9 @@ LINES: list[str] = []
 def say(msg: str = "") -> None:
     print(msg, flush=True)
     LINES.append(msg)
+    if ARGS.out:  # as we go, so that a run cut short still leaves its report
+        with open(ARGS.out, "a") as f:
+            f.write(msg + "\n")
 
 
 # ------------------------------------------------------------------------------------- timing
@@ -377,6 +382,9 @@ def main() -> None:
             for name, fn in fns.items():
                 if fn is None:
                     continue
+                if time.time() - t_start > ARGS.time_limit and name != "ours":
+                    say(f"  {name} skipped at {site} M={m}: past --time-limit")
+                    continue
                 try:
                     t[name] = time_graph_us(fn, budget)
                     if name in ("ours", "aiter"):
@@ -413,8 +421,6 @@ def main() -> None:
             f"{f(apct, 12, 0)}{f(aiter / ours if aiter and ours else None, 8, 2)}"
             f"{f(unf / ours if unf and ours else None, 10, 2)}{f(comp / ours if comp and ours else None, 11, 2)}")
     say(f"(total {time.time() - t_start:.0f} s)")
-    if ARGS.out:
-        pathlib.Path(ARGS.out).write_text("\n".join(LINES) + "\n")
 
 
 if __name__ == "__main__":
