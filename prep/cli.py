@@ -126,9 +126,10 @@ def convert(src, out, layout, moe_layout, tp, ep, fuse_shared_expert, workers, f
       prep convert amd/DeepSeek-R1-0528-MXFP4 -o r1-tp8 --tp 8
       prep convert ./src -o out --layout non-shuffle --moe-layout triton --tp 4 --workers 4
     """
-    from .convert import convert as run
+    from .convert import convert as run, keep_freed_memory
     from .deepseek import Target
 
+    keep_freed_memory()
     bar = _Bar("convert", not as_json and sys.stderr.isatty())
     try:
         s = run(src, out, Target(layout, moe_layout, tp, ep, fuse_shared_expert), force=force, resume=resume,

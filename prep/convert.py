@@ -56,6 +56,25 @@ class FileJob:
         return manifest_hash(json.dumps(desc, sort_keys=True).encode())
 
 
+def keep_freed_memory() -> None:
+    """Make glibc keep freed blocks for reuse instead of returning them to the OS at once.
+
+    Conversion allocates and frees the same few block-sized buffers thousands of times; by
+    default glibc maps each one fresh and unmaps it on free, so every block pays page faults on
+    first touch (measured: 1.3 s of a 5.8 s bench conversion). Process-wide, so only the CLI
+    calls it; memory stays bounded by the blocks in flight, which no longer grow with the model.
+    """
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc: nothing to tune
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    libc.mallopt(m_mmap_threshold, 1 << 30)
+    libc.mallopt(m_trim_threshold, (1 << 31) - 1)
+
+
 def shard_names(items: list[tuple[Any, int]], prefix: str) -> list[tuple[str, list[Any]]]:
     """Cut (item, bytes) into consecutive files of about SHARD_BYTES, named prefix-00001...."""
     files: list[list[Any]] = [[]]
