@@ -4,9 +4,10 @@
     python scripts/bench_convert.py [--src DIR] [--tp 1] [--layout preshuffle] [--workers 1]
 
 Without --src, generates the multi-GB "bench" preset (scripts/make_tiny_deepseek.py --preset
-bench) into a temporary folder first. Runs `cp -r SRC` and `prep convert SRC` as child processes
-(source already in the page cache for both), prints GB/s of each, their ratio, the converter's
-peak RSS and the largest output tensor. Target: convert >= 0.7x cp at --tp 1.
+bench) into a temporary folder first. Runs `cp -r SRC`, `cp -r SRC; sync` and `prep convert SRC`
+as child processes (source in the page cache for all), in --repeat interleaved rounds because
+the disk here is noisy, and prints each round's ratios, the medians, and the converter's peak
+RSS over its fixed overhead. Target: convert >= 0.7x cp at --tp 1.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import json
 import pathlib
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -24,6 +26,7 @@ import time
 REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from prep.convert import CHUNK_BYTES  # noqa: E402
 from prep.stwriter import nbytes  # noqa: E402
 
 
@@ -54,6 +57,7 @@ def main() -> None:
     ap.add_argument("--layout", default="preshuffle")
     ap.add_argument("--moe-layout", default="ck")
     ap.add_argument("--workers", type=int, default=1)
+    ap.add_argument("--repeat", type=int, default=3, help="interleaved rounds of cp, cp+sync, convert")
     ap.add_argument("--keep", action="store_true", help="keep the generated source and outputs")
     args = ap.parse_args()
 
@@ -69,26 +73,39 @@ def main() -> None:
         size = du(src)
         subprocess.run(["cat", *map(str, src.glob("*.safetensors"))], check=True, stdout=subprocess.DEVNULL)  # warm cache
         prep = [sys.executable, "-m", "prep.cli"]
-        t_cp, _ = timed(["cp", "-r", str(src), str(work / "copy")])
-        # prep fsyncs each file before renaming it into place; cp does not: time cp + sync too.
-        t_cps, _ = timed(["sh", "-c", f"cp -r '{src}' '{work / 'copy2'}' && sync"])
         base_rss, _ = _idle_rss()
-        before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
-        out = work / "converted"
-        t_cv, rss = timed(prep + ["convert", str(src), "-o", str(out), "--tp", str(args.tp), "--layout", args.layout,
-                                  "--moe-layout", args.moe_layout, "--workers", str(args.workers)])
-        manifest = json.loads((out / "prep-manifest.json").read_text())
+        rounds = []
+        peak = 0
+        for r in range(args.repeat):  # interleaved rounds: this machine's disk is noisy, compare within a round
+            for d in ("copy", "copy2", "converted"):
+                shutil.rmtree(work / d, ignore_errors=True)
+            subprocess.run(["sync"], check=True)
+            t_cp, _ = timed(["cp", "-r", str(src), str(work / "copy")])
+            # prep fsyncs each file before renaming it into place; cp does not: time cp + sync too.
+            t_cps, _ = timed(["sh", "-c", f"cp -r '{src}' '{work / 'copy2'}' && sync"])
+            before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+            out = work / "converted"
+            t_cv, rss = timed(prep + ["convert", str(src), "-o", str(out), "--tp", str(args.tp), "--layout", args.layout,
+                                      "--moe-layout", args.moe_layout, "--workers", str(args.workers)])
+            peak = max(peak, rss if rss > before else 0)
+            rounds.append((t_cp, t_cps, t_cv))
+            print(f"round {r + 1}: cp {t_cp:6.2f} s, cp+sync {t_cps:6.2f} s, convert {t_cv:6.2f} s -> "
+                  f"{t_cp / t_cv:4.2f}x cp, {t_cps / t_cv:4.2f}x cp+sync")
+        manifest = json.loads((work / "converted" / "prep-manifest.json").read_text())
         largest = max((t for t in manifest["tensors"]), key=lambda t: _nbytes(t))
+        med = lambda xs: statistics.median(xs)  # noqa: E731
+        t_cp, t_cps, t_cv = (med([r[i] for r in rounds]) for i in range(3))
         print(f"source: {size / 2**30:.2f} GiB, {len(manifest['source']['tensors'])} tensors in "
               f"{len(manifest['source']['files'])} files -> {len(manifest['tensors'])} tensors in {len(manifest['files'])} files")
+        print(f"median of {args.repeat} rounds (tp {args.tp}, {args.layout}+{args.moe_layout}, workers {args.workers}):")
         print(f"cp -r       : {t_cp:7.2f} s  {size / t_cp / 1e9:6.2f} GB/s  (baseline)")
         print(f"cp -r; sync : {t_cps:7.2f} s  {size / t_cps / 1e9:6.2f} GB/s  (baseline with durability)")
-        print(f"prep convert: {t_cv:7.2f} s  {size / t_cv / 1e9:6.2f} GB/s  {t_cp / t_cv:5.2f}x cp  "
-              f"{t_cps / t_cv:5.2f}x cp+sync  (tp {args.tp}, {args.layout}+{args.moe_layout}, workers {args.workers})")
-        peak = rss if rss > before else float("nan")
+        print(f"prep convert: {t_cv:7.2f} s  {size / t_cv / 1e9:6.2f} GB/s  "
+              f"ratios per round, median: {med([r[0] / r[2] for r in rounds]):4.2f}x cp, "
+              f"{med([r[1] / r[2] for r in rounds]):4.2f}x cp+sync")
         print(f"peak RSS of convert: {peak / 2**20:.0f} MiB = fixed overhead {base_rss / 2**20:.0f} MiB (python + torch + "
-              f"prep imported) + {(peak - base_rss) / _nbytes(largest):.1f}x the largest output tensor "
-              f"({largest['name']}, {_nbytes(largest) / 2**20:.0f} MiB)")
+              f"prep imported) + {(peak - base_rss) / 2**20:.0f} MiB of blocks in flight (blocks of "
+              f"{CHUNK_BYTES >> 20} MiB; largest output tensor {largest['name']}, {_nbytes(largest) / 2**20:.0f} MiB)")
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
