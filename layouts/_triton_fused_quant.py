@@ -29,6 +29,7 @@ Layout of the work (one launch, no other kernels):
 from __future__ import annotations
 
 import functools
+import math
 import os
 
 import torch
@@ -98,6 +99,93 @@ def _scale_offsets(rows, cols, SCALE_COLS_PAD: tl.constexpr, SHUFFLE: tl.constex
 
 
 @triton.jit
+def _unpack(v):
+    """(even, odd) float32 of an int32 holding two bf16 (little-endian: low half = even). A bf16
+    is the top half of a float32, so widening is a shift or a mask."""
+    return (v << 16).to(tl.float32, bitcast=True), (v & -65536).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _pairs(B0: tl.constexpr, T: tl.constexpr, N1: tl.constexpr, SCALE_COLS: tl.constexpr):
+    """Pair indices [1, T, 4, 4] of blocks [B0, B0+T) and which of them exist ([1, T, 1, 1] or
+    [1, T, 4, 4]). A block's 16 pairs are 4 runs of 4 (16 bytes of int32 pairs): with a
+    [.., 16] axis Triton converts register layouts through shared memory between the 16-byte
+    loads and the stores; split like this, every access is one 16-byte vector per thread."""
+    blk = B0 + tl.arange(0, T)
+    quad = tl.arange(0, 4)
+    pair = blk[None, :, None, None] * 16 + quad[None, None, :, None] * 4 + quad[None, None, None, :]
+    if N1 % 32 == 0:
+        col_ok = (blk < SCALE_COLS)[None, :, None, None]  # whole blocks: loads stay vectorised
+    else:
+        col_ok = pair < N1 // 2
+    return blk, pair, col_ok
+
+
+@triton.jit
+def _tile_load(x_rows, r_rows, o_rows, row_ok, B0: tl.constexpr, T: tl.constexpr,
+               N1: tl.constexpr, SCALE_COLS: tl.constexpr, HAS_RES: tl.constexpr,
+               X_PAIRED: tl.constexpr, R_PAIRED: tl.constexpr):
+    """Load blocks [B0, B0+T) of the program's rows; returns (a, b, sum of squares per row) and
+    stores out_res1 = x1 + res1 on the way. Without a residual, bf16 rows stay packed (a = b =
+    the int32 pairs: half the registers while the row waits for its norm); else a, b are the
+    float32 (even, odd) elements (the float32 sum x1 + res1 is what gets normalised)."""
+    blk, pair, col_ok = _pairs(B0, T, N1, SCALE_COLS)
+    mask = row_ok[:, None, None, None] & col_ok
+    if X_PAIRED and not HAS_RES:
+        v = tl.load(x_rows + pair, mask=mask, other=0)
+        xe, xo = _unpack(v)
+        a, b = v, v
+    else:
+        xe, xo = _load_pairs(x_rows, pair, mask, X_PAIRED)
+        if HAS_RES:
+            re, ro = _load_pairs(r_rows, pair, mask, R_PAIRED)
+            xe = xe + re
+            xo = xo + ro
+            _store_pairs(o_rows, pair, mask, xe, xo, X_PAIRED)
+        a, b = xe, xo
+    ss = tl.sum(tl.sum(tl.sum(xe * xe + xo * xo, axis=3), axis=2), axis=1)
+    return a, b, ss
+
+
+@triton.jit
+def _tile_quant(a, b, rstd, w1_ptr, rows, row_ok, q_rows, scale_ptr, B0: tl.constexpr, T: tl.constexpr,
+                N1: tl.constexpr, SCALE_COLS: tl.constexpr, SCALE_COLS_PAD: tl.constexpr,
+                SHUFFLE: tl.constexpr, PAD: tl.constexpr, RAW: tl.constexpr, W_PAIRED: tl.constexpr):
+    """Normalise, quantize and store blocks [B0, B0+T): FP4 codes and their scale bytes."""
+    blk, pair, col_ok = _pairs(B0, T, N1, SCALE_COLS)
+    if RAW:
+        xe, xo = _unpack(a)
+    else:
+        xe, xo = a, b
+    # The weight is loaded only now (it is L2-resident, shared by every row): fewer registers
+    # live while the row's loads are in flight.
+    we, wo = _load_pairs(w1_ptr, pair, col_ok, W_PAIRED)
+    r4 = rstd[:, None, None, None]
+    ye = xe * r4 * we  # (x * rstd) * w, rounded twice, as aiter and the reference do
+    yo = xo * r4 * wo
+
+    # EVEN scale: round amax to a power of two (+0x200000, keep the exponent); the unbiased
+    # scale exponent is that exponent - 2, clamped to [-127, 127]. A zero or denormal amax
+    # gives -127 (byte 0), inf/NaN 127, as aiter's log2 does.
+    amax = tl.max(tl.max(tl.maximum(tl.abs(ye), tl.abs(yo)), axis=3), axis=2)
+    rb = ((amax.to(tl.uint32, bitcast=True) + 0x200000) >> 23).to(tl.int32) & 0xFF
+    e = tl.where(rb == 255, 127, tl.minimum(tl.maximum(rb - 129, -127), 127))
+    # 2^-e exactly; its biased exponent 127 - e is 0 only for e = 127 (2^-127 is denormal).
+    ib = 127 - e
+    inv = tl.where(ib == 0, 0x00400000, ib << 23).to(tl.float32, bitcast=True)[:, :, None, None]
+    q = (_e2m1_code(ye * inv) | (_e2m1_code(yo * inv) << 4)).to(tl.uint8)
+    tl.store(q_rows + pair, q, mask=row_ok[:, None, None, None] & col_ok)
+
+    sc = e + 127
+    if PAD:
+        sc = tl.where(row_ok[:, None] & (blk < SCALE_COLS)[None, :], sc, E8M0_PAD)
+        smask = (blk < SCALE_COLS_PAD)[None, :]  # every row of a main program is < pad256(M)
+    else:
+        smask = row_ok[:, None] & (blk < SCALE_COLS)[None, :]
+    tl.store(scale_ptr + _scale_offsets(rows, blk, SCALE_COLS_PAD, SHUFFLE), sc.to(tl.uint8), mask=smask)
+
+
+@triton.jit
 def _fused_rms_mxfp4_kernel(
     x1_ptr, w1_ptr, res1_ptr, out_res1_ptr, q_ptr, scale_ptr,
     x2_ptr, w2_ptr, out2_ptr,
@@ -105,7 +193,8 @@ def _fused_rms_mxfp4_kernel(
     eps1, eps2,
     n_main, n_x2, fill_start, fill_end,
     N1: tl.constexpr, N2: tl.constexpr,
-    SCALE_COLS: tl.constexpr, SCALE_COLS_PAD: tl.constexpr, NB: tl.constexpr,
+    SCALE_COLS: tl.constexpr, SCALE_COLS_PAD: tl.constexpr, NB_PAD: tl.constexpr,
+    T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
     HAS_RES: tl.constexpr, HAS_X2: tl.constexpr, SHUFFLE: tl.constexpr, PAD: tl.constexpr,
     X_PAIRED: tl.constexpr, R_PAIRED: tl.constexpr, W_PAIRED: tl.constexpr,
@@ -115,66 +204,44 @@ def _fused_rms_mxfp4_kernel(
     if pid < n_main:
         row0 = pid * BLOCK_M
         rows = row0 + tl.arange(0, BLOCK_M)
-        blk = tl.arange(0, NB)
         if row0 >= M:
             # A block of scale pad rows inside the last partial 32-row band (padded mode only).
-            off = _scale_offsets(rows, blk, SCALE_COLS_PAD, SHUFFLE)
-            pad = tl.full((BLOCK_M, NB), E8M0_PAD, tl.uint8)
-            tl.store(scale_ptr + off, pad, mask=(blk < SCALE_COLS_PAD)[None, :])
+            blk = tl.arange(0, NB_PAD)
+            pad = tl.full((BLOCK_M, NB_PAD), E8M0_PAD, tl.uint8)
+            tl.store(scale_ptr + _scale_offsets(rows, blk, SCALE_COLS_PAD, SHUFFLE), pad,
+                     mask=(blk < SCALE_COLS_PAD)[None, :])
         else:
             row_ok = rows < M
             rows64 = rows.to(tl.int64)
-            # [1, NB, 4, 4]: the 16 pairs of a block as 4 runs of 4 (16 bytes of int32 pairs).
-            # Splitting the block keeps every load and store at 16-byte vectors per thread in
-            # one register layout (with a [.., 16] axis Triton converts layouts through shared
-            # memory between the loads and the stores).
-            quad = tl.arange(0, 4)
-            pair = blk[None, :, None, None] * 16 + quad[None, None, :, None] * 4 + quad[None, None, None, :]
-            if N1 % 32 == 0:
-                col_ok = (blk < SCALE_COLS)[None, :, None, None]  # whole blocks: loads stay vectorised
-            else:
-                col_ok = pair < N1 // 2
-            mask = row_ok[:, None, None, None] & col_ok
             # Row strides are in units of the pointer's element (int32 pairs when PAIRED).
-            xe, xo = _load_pairs(x1_ptr + (rows64 * x1_stride)[:, None, None, None], pair, mask, X_PAIRED)
-            if HAS_RES:
-                re, ro = _load_pairs(res1_ptr + (rows64 * res1_stride)[:, None, None, None], pair, mask, R_PAIRED)
-                xe = xe + re
-                xo = xo + ro
-                res_stride = N1 // 2 if X_PAIRED else N1
-                _store_pairs(out_res1_ptr + (rows64 * res_stride)[:, None, None, None], pair, mask, xe, xo, X_PAIRED)
-            we, wo = _load_pairs(w1_ptr, pair, col_ok, W_PAIRED)
-
-            ss = tl.sum(tl.sum(tl.sum(xe * xe + xo * xo, axis=3), axis=2), axis=1)
+            x_rows = x1_ptr + (rows64 * x1_stride)[:, None, None, None]
+            r_rows = res1_ptr + (rows64 * res1_stride)[:, None, None, None] if HAS_RES else res1_ptr
+            o_rows = out_res1_ptr + (rows64 * (N1 // 2 if X_PAIRED else N1))[:, None, None, None] if HAS_RES \
+                else out_res1_ptr
+            q_rows = q_ptr + (rows64 * (N1 // 2))[:, None, None, None]
+            # The row's blocks in up to three power-of-two tiles (224 = 128 + 64 + 32,
+            # 48 = 32 + 16): no lanes wasted on padding to the next power of two.
+            RAW: tl.constexpr = X_PAIRED and not HAS_RES
+            a0, b0, ss = _tile_load(x_rows, r_rows, o_rows, row_ok, 0, T0, N1, SCALE_COLS,
+                                    HAS_RES, X_PAIRED, R_PAIRED)
+            if T1 > 0:
+                a1, b1, ss1 = _tile_load(x_rows, r_rows, o_rows, row_ok, T0, T1, N1, SCALE_COLS,
+                                         HAS_RES, X_PAIRED, R_PAIRED)
+                ss += ss1
+            if T2 > 0:
+                a2, b2, ss2 = _tile_load(x_rows, r_rows, o_rows, row_ok, T0 + T1, T2, N1, SCALE_COLS,
+                                         HAS_RES, X_PAIRED, R_PAIRED)
+                ss += ss2
             ms = tl.math.div_rn(ss, tl.full(ss.shape, N1, tl.float32))
             rstd = tl.math.div_rn(tl.full(ss.shape, 1.0, tl.float32), tl.math.sqrt_rn(ms + eps1))
-            r3 = rstd[:, None, None, None]
-            ye = xe * r3 * we
-            yo = xo * r3 * wo
-
-            # EVEN scale: round amax to a power of two (+0x200000, keep the exponent); the
-            # unbiased scale exponent is that exponent - 2, clamped to [-127, 127]. A zero or
-            # denormal amax gives -127 (byte 0), inf/NaN 127, as aiter's log2 does.
-            amax = tl.max(tl.max(tl.maximum(tl.abs(ye), tl.abs(yo)), axis=3), axis=2)
-            rb = ((amax.to(tl.uint32, bitcast=True) + 0x200000) >> 23).to(tl.int32) & 0xFF
-            e = tl.where(rb == 255, 127, tl.minimum(tl.maximum(rb - 129, -127), 127))
-            # 2^-e exactly; its biased exponent 127 - e is 0 only for e = 127 (2^-127 is denormal).
-            ib = 127 - e
-            inv = tl.where(ib == 0, 0x00400000, ib << 23).to(tl.float32, bitcast=True)[:, :, None, None]
-            ce = _e2m1_code(ye * inv)
-            co = _e2m1_code(yo * inv)
-            q = (ce | (co << 4)).to(tl.uint8)
-            q_row = (rows64 * (N1 // 2))[:, None, None, None]
-            tl.store(q_ptr + q_row + pair, q, mask=mask)
-
-            sc = e + 127
-            if PAD:
-                sc = tl.where(row_ok[:, None] & (blk < SCALE_COLS)[None, :], sc, E8M0_PAD)
-                smask = (blk < SCALE_COLS_PAD)[None, :]  # every row of a main program is < pad256(M)
-            else:
-                smask = row_ok[:, None] & (blk < SCALE_COLS)[None, :]
-            off = _scale_offsets(rows, blk, SCALE_COLS_PAD, SHUFFLE)
-            tl.store(scale_ptr + off, sc.to(tl.uint8), mask=smask)
+            _tile_quant(a0, b0, rstd, w1_ptr, rows, row_ok, q_rows, scale_ptr, 0, T0, N1,
+                        SCALE_COLS, SCALE_COLS_PAD, SHUFFLE, PAD, RAW, W_PAIRED)
+            if T1 > 0:
+                _tile_quant(a1, b1, rstd, w1_ptr, rows, row_ok, q_rows, scale_ptr, T0, T1, N1,
+                            SCALE_COLS, SCALE_COLS_PAD, SHUFFLE, PAD, RAW, W_PAIRED)
+            if T2 > 0:
+                _tile_quant(a2, b2, rstd, w1_ptr, rows, row_ok, q_rows, scale_ptr, T0 + T1, T2, N1,
+                            SCALE_COLS, SCALE_COLS_PAD, SHUFFLE, PAD, RAW, W_PAIRED)
     elif pid < n_main + n_x2:
         if HAS_X2:
             rows = (pid - n_main) * BLOCK_M2 + tl.arange(0, BLOCK_M2)
@@ -207,6 +274,17 @@ def _pow2_floor(n: int) -> int:
     return 1 << (max(int(n), 1).bit_length() - 1)
 
 
+def _tiles(nblocks: int) -> tuple[int, int, int]:
+    """Split ``nblocks`` scale blocks into <= 3 power-of-two tiles: the two largest powers of two
+    that fit, then the rest rounded up to a power of two (exact for 224, 48, 16, ...)."""
+    t0 = _pow2_floor(nblocks)
+    rest = nblocks - t0
+    t1 = _pow2_floor(rest) if rest else 0
+    rest -= t1
+    t2 = triton.next_power_of_2(rest) if rest else 0
+    return t0, t1, t2
+
+
 @functools.lru_cache(maxsize=4096)
 def _plan(m: int, n1: int, n2: int, padded: bool, on_gpu: bool, sms: int,
           block_m: int | None, num_warps: int | None) -> tuple:
@@ -214,26 +292,29 @@ def _plan(m: int, n1: int, n2: int, padded: bool, on_gpu: bool, sms: int,
     wrapper is the whole cost of a decode-size call, so it must stay a dict lookup)."""
     cols = -(-n1 // 32)
     cols_pad = -(-cols // 8) * 8 if padded else cols
-    nb = triton.next_power_of_2(cols_pad)
-    elems = nb * 32
+    tiles = _tiles(cols_pad)
     nb2 = triton.next_power_of_2(max(n2, 1))
     if not on_gpu:
         # Interpreter: cost is per program and per op, not per element: few, large programs.
-        bm, bm2, warps = 32, 32, 4
+        bm, bm2 = 32, 32
     else:
         # ~8k elements per program; fewer rows per program when M is small so that every SM
         # gets work (the row count per program only amortises the weight load).
-        bm = max(1, min(32, 8192 // elems))
+        bm = _pow2_floor(max(1, min(32, 8192 // (cols_pad * 32))))
         bm = min(bm, _pow2_floor(max(1, m // (2 * sms))))
         bm2 = max(1, min(32, 8192 // nb2))
         bm2 = min(bm2, _pow2_floor(max(1, m // (2 * sms))))
-        warps = max(4, min(16, bm * elems // 1024))
     if block_m is not None:
         bm = block_m
-    if num_warps is not None:
-        warps = num_warps
     if bm & (bm - 1) or not 1 <= bm <= 32:
         raise ValueError(f"block_m must be a power of two in [1, 32], got {bm}")
+    # About 8 pairs of 4 (64 elements) per thread, and no more threads than the smallest tile
+    # has 4-pair runs: Triton would replicate a smaller tile across the extra threads.
+    smallest = min(t for t in tiles if t)
+    warps = 1 << max(0, round(math.log2(max(1.0, bm * cols_pad / 64))))
+    warps = max(1, min(warps, 16, _pow2_floor(max(1, bm * smallest // 8))))
+    if num_warps is not None:
+        warps = num_warps
     if padded:
         rows_pad = -(-m // 256) * 256
         main_rows = -(-m // 32) * 32  # BLOCK_M divides 32: main programs end on a band boundary
@@ -245,7 +326,7 @@ def _plan(m: int, n1: int, n2: int, padded: bool, on_gpu: bool, sms: int,
     n_x2 = -(-m // bm2) if n2 else 0
     n_fill = -(-(fill_end - fill_start) // _FILL_BLOCK)
     grid = (n_main + n_x2 + n_fill,)
-    return (grid, rows_pad, cols, cols_pad, nb, bm, bm2, nb2, warps, n_main, n_x2, fill_start, fill_end)
+    return (grid, rows_pad, cols, cols_pad, tiles, bm, bm2, nb2, warps, n_main, n_x2, fill_start, fill_end)
 
 
 def _paired(t: torch.Tensor) -> bool:
@@ -281,7 +362,7 @@ def fused_rms_mxfp4_quant_triton(
                            "before layouts._triton_fused_quant is imported); use backend='torch' on CPU")
     on_gpu = dev.type != "cpu" and not _interpreting()
     sms = _num_sms(dev.index if dev.index is not None else torch.cuda.current_device()) if on_gpu else 0
-    (grid, rows_pad, cols, cols_pad, nb, bm, bm2, nb2, warps,
+    (grid, rows_pad, cols, cols_pad, tiles, bm, bm2, nb2, warps,
      n_main, n_x2, fill_start, fill_end) = _plan(m, n1, n2, padded, on_gpu, sms, block_m, num_warps)
 
     q = torch.empty((m, n1 // 2), dtype=torch.uint8, device=dev)
@@ -306,7 +387,8 @@ def fused_rms_mxfp4_quant_triton(
         m, x1_stride, res1_stride, x2.stride(0) if x2 is not None else 0,
         float(x1_epsilon), float(x2_epsilon),
         n_main, n_x2, fill_start, fill_end,
-        N1=n1, N2=n2, SCALE_COLS=cols, SCALE_COLS_PAD=cols_pad, NB=nb,
+        N1=n1, N2=n2, SCALE_COLS=cols, SCALE_COLS_PAD=cols_pad, NB_PAD=triton.next_power_of_2(cols_pad),
+        T0=tiles[0], T1=tiles[1], T2=tiles[2],
         BLOCK_M=bm, BLOCK_M2=bm2, BLOCK_N2=nb2,
         HAS_RES=res1 is not None, HAS_X2=x2 is not None, SHUFFLE=bool(shuffle), PAD=padded,
         X_PAIRED=x_paired, R_PAIRED=r_paired, W_PAIRED=w_paired,

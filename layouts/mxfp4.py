@@ -221,14 +221,32 @@ def dequantize(packed: torch.Tensor, scale: torch.Tensor, k: int | None = None) 
 
     ``k`` trims the result when the scale covers more columns than the weight (padded scales).
     """
-    codes = unpack_fp4(packed)
-    k = codes.shape[-1] if k is None else k
-    values = e2m1_decode(codes[..., :k])
+    packed = as_uint8(packed)
+    full = 2 * packed.shape[-1]
+    k = full if k is None else k
     s = e8m0_decode(scale)
     nblocks = -(-k // BLOCK_SIZE)
-    if s.shape[:-1] != values.shape[:-1] or s.shape[-1] < nblocks:
+    if s.shape[:-1] != packed.shape[:-1] or s.shape[-1] < nblocks:
         raise ValueError(
             f"scale shape {tuple(s.shape)} does not cover weight shape {tuple(packed.shape)} "
             f"(expected [..., >= {nblocks}] with the same leading dims)"
         )
-    return values * s[..., :nblocks].repeat_interleave(BLOCK_SIZE, dim=-1)[..., :k]
+    # One lookup per byte gives both of its values (low nibble first): the reference GEMMs
+    # dequantize whole models, so this is the hot path of `prep run`.
+    values = _byte_values(packed.device)[packed.long()].flatten(-2)
+    if full % BLOCK_SIZE == 0 and k == full:
+        blocks = values.view(*values.shape[:-1], full // BLOCK_SIZE, BLOCK_SIZE)
+        return (blocks * s[..., :nblocks, None]).flatten(-2)
+    return values[..., :k] * s[..., :nblocks].repeat_interleave(BLOCK_SIZE, dim=-1)[..., :k]
+
+
+_BYTE_VALUES: dict[torch.device, torch.Tensor] = {}
+
+
+def _byte_values(device: torch.device) -> torch.Tensor:
+    """``[256, 2]`` float32: the two E2M1 values of each packed byte."""
+    t = _BYTE_VALUES.get(device)
+    if t is None:
+        b = torch.arange(256, dtype=torch.int64)
+        t = _BYTE_VALUES[device] = torch.stack((E2M1_VALUES[b & 0x0F], E2M1_VALUES[b >> 4]), dim=-1).to(device)
+    return t

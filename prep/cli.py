@@ -1,4 +1,4 @@
-"""The ``prep`` command line: inspect, convert, verify, revert.
+"""The ``prep`` command line: inspect, convert, verify, revert, run, compare.
 
 Every command turns a :class:`PrepError` into one line on stderr and exit code 1; ``--json``
 prints the result as one JSON object for scripts.
@@ -182,6 +182,94 @@ def revert(out, dest, force, as_json):
 
     r = run(out, dest, force=force)
     _emit(r, as_json, [f"wrote {r['dest']}: {r['tensors']} tensors in {r['files']} files, {r['bytes'] / 2**30:.3f} GiB"])
+
+
+def _ids(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise PrepError(f"--prompt-ids {text!r}: give comma-separated integer token ids, e.g. 1,2,3") from None
+
+
+_RUN_OPTIONS = [
+    click.option("--prompt-ids", required=True, help="Comma-separated token ids, e.g. 0,17,42."),
+    click.option("--layers", type=int, help="Run only the first N decoder layers."),
+    click.option("--device", default="cpu", show_default=True, help="cpu or cuda (the fused op uses prep's Triton kernel there)."),
+    click.option("--act-quant/--no-act-quant", default=True, show_default=True,
+                 help="Quantize GEMM inputs to MXFP4 as the kernels do (off: weight-only emulation)."),
+    click.option("--gemm-path", type=click.Choice(["asm", "triton-preshuffle", "triton-non-shuffle"]),
+                 help="Emulate this GEMM path's activation flags (default: the one that reads the checkpoint)."),
+]
+
+
+def _run_options(fn: Callable) -> Callable:
+    for opt in reversed(_RUN_OPTIONS):
+        fn = opt(fn)
+    return fn
+
+
+@main.command(name="run")
+@click.argument("model_dir", type=click.Path(exists=True, file_okay=False))
+@_run_options
+@click.option("--save-logits", type=click.Path(dir_okay=False), help="Write the logits of every position to this .safetensors file.")
+@click.option("--assume-layout", help="Read MXFP4 tensors as this layout, skipping the compatibility check (to see a mismatch).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON summary.")
+@_fail_cleanly
+def run_cmd(model_dir, prompt_ids, layers, device, act_quant, gemm_path, save_logits, assume_layout, as_json):
+    """Run the reference DeepSeek-V3 forward on MODEL_DIR (a Quark source or a converted
+    checkpoint at any layout and TP; ranks are combined in-process) and print the logits' argmax.
+
+    Converted checkpoints are loaded through the runtime module (manifest and compatibility
+    checks, load_rank), and each MXFP4 weight is read in its stored layout.
+
+    \b
+    Examples:
+      prep run r1-tp8 --prompt-ids 0,100,200 --save-logits logits.safetensors
+      prep run ./tiny --prompt-ids 1,2,3 --layers 2 --no-act-quant
+    """
+    from .run import run
+
+    r = run(model_dir, _ids(prompt_ids), layers=layers, device=device, act_quant=act_quant, gemm_path=gemm_path,
+            assume_layout=assume_layout)
+    logits = r.pop("logits")
+    if save_logits:
+        from safetensors.torch import save_file
+
+        tmp = save_logits + ".tmp"
+        save_file({"logits": logits.contiguous()}, tmp, metadata={"model": str(model_dir), "prompt_ids": prompt_ids})
+        __import__("os").replace(tmp, save_logits)
+    r["argmax"] = logits.argmax(-1).tolist()
+    _emit(r, as_json, [f"{r['weights']}: {r['layers']} layers, gemm path {r['gemm_path']}, act quant {r['act_quant']}",
+                       f"load {r['load_s']:.2f} s, forward {r['forward_s']:.2f} s; argmax per position: {r['argmax']}"]
+          + ([f"logits written to {save_logits}"] if save_logits else []))
+
+
+@main.command()
+@click.argument("a", type=click.Path(exists=True, file_okay=False))
+@click.argument("b", type=click.Path(exists=True, file_okay=False))
+@_run_options
+@click.option("--tolerance", type=float, default=0.0, show_default=True, help="Largest |logit difference| that passes.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON summary.")
+@_fail_cleanly
+def compare(a, b, prompt_ids, layers, device, act_quant, gemm_path, tolerance, as_json):
+    """Run checkpoints A and B on the same tokens and compare their logits (exit 1 above --tolerance).
+
+    A converted checkpoint computes the same model as its source bit for bit: the layouts only
+    move bytes. Use this before putting a conversion behind a server.
+
+    \b
+    Example:
+      prep compare amd/DeepSeek-R1-0528-MXFP4-local r1-tp8 --prompt-ids 0,100,200 --layers 4
+    """
+    from .run import compare as run
+
+    r = run(a, b, _ids(prompt_ids), layers=layers, device=device, act_quant=act_quant, gemm_path=gemm_path)
+    _emit(r, as_json, [f"A: {r['a']}", f"B: {r['b']}",
+                       f"max |logit difference| {r['max_abs_diff']:.6g} over {r['tokens']} positions"
+                       f"{' (identical bit for bit)' if r['identical'] else ''}; argmax agrees on "
+                       f"{100 * r['argmax_agree']:.1f}%"])
+    if r["max_abs_diff"] > tolerance:
+        raise PrepError(f"logits differ by {r['max_abs_diff']:.6g} > --tolerance {tolerance}")
 
 
 if __name__ == "__main__":

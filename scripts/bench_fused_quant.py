@@ -72,12 +72,8 @@ from layouts._triton_fused_quant import fused_rms_mxfp4_quant_triton  # noqa: E4
 from layouts.mxfp4 import unpack_fp4  # noqa: E402
 from layouts.shuffle import unshuffle_scale  # noqa: E402
 
-LINES: list[str] = []
-
-
 def say(msg: str = "") -> None:
     print(msg, flush=True)
-    LINES.append(msg)
     if ARGS.out:  # as we go, so that a run cut short still leaves its report
         with open(ARGS.out, "a") as f:
             f.write(msg + "\n")
@@ -247,10 +243,19 @@ def verify(site: str, m: int, args: dict, aiter_fused) -> str:
         out = FQ.fused_rms_mxfp4_quant(**args, shuffle=True, scale_shuffle_padding=True, backend="triton")
         theirs = aiter_fused(**args, shuffle=True, scale_shuffle_padding=True)
         cols = -(-n1 // 32)
-        bad, n = check(out, theirs, f"{site} M={m} vs aiter", exact_res=False,
-                       scale_region=lambda s: unshuffle_scale(s, m, cols))
+        ours_s, their_s = unshuffle_scale(out[0][1], m, cols), unshuffle_scale(theirs[0][1], m, cols)
+        # aiter's kernel turns the float exponent into a byte with `.to(tl.uint8)`; compiled for
+        # NVIDIA that conversion saturates negative exponents to 0 (byte 127) where AMD's wraps.
+        # Count the differences it explains; any other difference is a failure.
+        differ = ours_s != their_s
+        explained = differ & (ours_s < 127) & (their_s == 127)
+        if bool((differ & ~explained).any()):
+            problems.append(f"{site} M={m} vs aiter: {int((differ & ~explained).sum())} scale bytes differ "
+                            "beyond aiter's saturating cast")
+        bad, n = check(out, theirs, f"{site} M={m} vs aiter", exact_res=False, scale_region=lambda s: s[:0])
         problems += bad
-        notes.append(f"vs aiter: {n} codes differ")
+        notes.append(f"vs aiter: {n} codes differ, {int(explained.sum())}/{differ.numel()} scale bytes are "
+                     "127 in aiter where our exponent < 0 (its saturating cast on NVIDIA)")
     for p in problems:
         say("  FAIL " + p)
     return ("ok; " if not problems else "FAILED; ") + ", ".join(notes)
@@ -289,10 +294,39 @@ def load_aiter():
     except Exception as exc:  # noqa: BLE001 - reported, the rest of the bench still runs
         say(f"aiter fused_rms_mxfp4_quant unavailable: {type(exc).__name__}: {exc}")
     try:
-        quant = aiter_oracle.triton_ops_module("quant", interpret=ARGS.cpu_smoke).dynamic_mxfp4_quant
+        quant = aiter_dynamic_quant(aiter_oracle.triton_ops_module("quant", interpret=ARGS.cpu_smoke))
     except Exception as exc:  # noqa: BLE001
         say(f"aiter dynamic_mxfp4_quant unavailable: {type(exc).__name__}: {exc}")
     return fused, quant
+
+
+def aiter_dynamic_quant(mod):
+    """aiter's `dynamic_mxfp4_quant` launch (its own block-size choice, read from the pinned
+    wrapper) minus the AMD-only `waves_per_eu` launch option, which NVIDIA's Triton rejects."""
+    import triton
+
+    kernel = mod._dynamic_mxfp4_quant_kernel
+
+    def quant(x):
+        m, n = x.shape
+        out = torch.empty((m, n // 2), dtype=torch.uint8, device=x.device)
+        scale = torch.empty(((n + 31) // 32, m), dtype=torch.uint8, device=x.device).T
+        if m <= 32:
+            num_iter, bm, bn, warps, stages = 1, triton.next_power_of_2(m), 32, 1, 1
+        else:
+            num_iter, bm, bn, warps, stages = 4, 64, 64, 4, 2
+            if n <= 16384:
+                bm, bn = 32, 128
+        if n <= 1024:
+            num_iter, stages, warps = 1, 1, 4
+            bn = max(32, min(256, triton.next_power_of_2(n)))
+            bm = min(8, triton.next_power_of_2(m))
+        grid = (triton.cdiv(m, bm), triton.cdiv(n, bn * num_iter))
+        kernel[grid](x, out, scale, *x.stride(), *out.stride(), *scale.stride(), M=m, N=n,
+                     MXFP4_QUANT_BLOCK_SIZE=32, SCALING_MODE=0, NUM_ITER=num_iter, BLOCK_SIZE_M=bm,
+                     BLOCK_SIZE_N=bn, NUM_STAGES=stages, num_warps=warps, num_stages=1)
+        return out, scale
+    return quant
 
 
 def unfused_fn(args: dict, n1: int, quant):
@@ -328,7 +362,7 @@ def sweep(ms: list[int]) -> None:
             args = make_inputs(m, n1, res, n2)
             row = []
             for bm in (1, 2, 4, 8) if n1 <= 2048 else (1, 2, 4):
-                for warps in (4, 8, 16):
+                for warps in (2, 4, 8):
                     try:
                         t = time_graph_us(lambda: fused_rms_mxfp4_quant_triton(
                             **args, shuffle=True, scale_shuffle_padding=True, block_m=bm, num_warps=warps), 30)

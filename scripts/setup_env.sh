@@ -22,3 +22,6 @@ quiet "${PIP[@]}" -e '.[dev]'
 # installed aiter breaks `import quark` on such a machine).
 .venv/bin/python -c "import quark" >/dev/null 2>&1 || quiet "${PIP[@]}" amd-quark==0.13
 quiet .venv/bin/python scripts/fetch_aiter_oracle.py
+# transformers' own DeepseekV3, the independent reference for `prep run` (tests only).
+.venv/bin/python -c "import transformers; assert transformers.__version__ == '5.24.0'" >/dev/null 2>&1 \
+  || quiet "${PIP[@]}" transformers==5.24.0

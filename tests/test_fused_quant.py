@@ -176,6 +176,23 @@ def test_triton_kernel_result_does_not_depend_on_rows_per_program(block_m):
     assert_matches_reference(out, want, args)
 
 
+@pytest.mark.parametrize("padding", [False, True], ids=["plain", "padded"])
+@pytest.mark.parametrize("n1", [96, 480, 1000, 2016])
+def test_triton_kernel_covers_rows_of_any_block_count(n1, padding):
+    # The kernel splits a row's blocks into <= 3 power-of-two tiles: 3 blocks = 2 + 1,
+    # 15 = 8 + 4 + (3 rounded up to 4), 2016 = 63 blocks = 32 + 16 + (15 -> 16), and 1000 ends
+    # in a partial block (31.25 blocks).
+    from layouts._triton_fused_quant import _tiles
+
+    cols = -(-n1 // 32)
+    cols_pad = -(-cols // 8) * 8 if padding else cols
+    t = _tiles(cols_pad)
+    assert sum(t) >= cols_pad and all(v & (v - 1) == 0 for v in t)
+    args = make_inputs(33, n1, res=True, seed=n1)
+    for shuffle in ((False, True) if padding else (False,)):
+        assert_matches_reference(run(args, shuffle, padding, "triton"), reference(args, shuffle, padding), args)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_triton_kernel_handles_fp16_and_fp32_inputs(dtype):
     # Only bf16 takes the paired-load fast path; other dtypes load elements one by one.

@@ -1,0 +1,72 @@
+"""Read MXFP4 weights (and activation scales) in the layout they are stored in.
+
+A reference GEMM needs the logical ``[N, K]`` values of a weight that sits in memory as W16
+tiles, S32x8 scale bands, flattened expert scales, and so on. Rather than a second, hand-written
+inverse per layout, the index map is derived from the layout's own forward transform: running
+the transform on the byte planes of ``arange(numel)`` tells, for every stored byte, which
+logical byte it holds (pad bytes hold none). One gather through that cached map then reads the
+stored tensor straight into logical order. A layout whose forward is wrong, or a tensor read
+with another layout's map, therefore gives visibly different numbers, never the right ones by
+accident of sharing code with the inverse.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from .mxfp4 import dequantize
+from .registry import Layout, ScaleShuffle, Transform
+
+Shape = tuple[int, ...]
+
+
+@functools.lru_cache(maxsize=512)
+def stored_positions(transform: Transform, shape: Shape) -> torch.Tensor:
+    """For each byte of a logical ``shape`` tensor (row-major), its flat position in the
+    transform's output. int64 ``[numel]``; cached per (transform, shape)."""
+    n = math.prod(shape)
+    if n >= (1 << 31) - 1:
+        raise ValueError(f"tensor of {n} bytes is too large for a position map; dequantize it in expert blocks")
+    pos = torch.arange(1, n + 1, dtype=torch.int64)  # 0 and out-of-range values mark pad bytes
+    planes = [transform.forward(((pos >> (8 * i)) & 0xFF).to(torch.uint8).view(shape)) for i in range(4)]
+    stored = sum(p.reshape(-1).to(torch.int64) << (8 * i) for i, p in enumerate(planes))
+    valid = (stored >= 1) & (stored <= n)
+    if int(valid.sum()) != n:
+        raise ValueError(f"{transform.name} on {shape} is not a permutation plus padding")
+    where = torch.empty(n, dtype=torch.int64)
+    where[stored[valid] - 1] = torch.nonzero(valid).reshape(-1)
+    return where
+
+
+def read_logical(stored: torch.Tensor, transform: Transform, shape: Shape) -> torch.Tensor:
+    """The logical ``shape`` bytes of ``stored`` (the transform's output), by one gather."""
+    flat = stored.reshape(-1)
+    if flat.dtype != torch.uint8:
+        flat = flat.view(torch.uint8)
+    return flat[stored_positions(transform, tuple(shape)).to(flat.device)].view(shape)
+
+
+def dequantize_stored(weight: torch.Tensor, scale: torch.Tensor, layout: Layout, weight_shape: Shape,
+                      scale_shape: Shape) -> torch.Tensor:
+    """float32 logical values ``[..., N, K]`` of an MXFP4 weight stored in ``layout``.
+
+    ``weight_shape`` / ``scale_shape`` are the logical (source-order) byte shapes,
+    ``[..., N, K/2]`` and ``[..., N, ceil(K/32)]``."""
+    w = read_logical(weight, layout.weight, tuple(weight_shape))
+    s = read_logical(scale, layout.scale, tuple(scale_shape))
+    return dequantize(w, s, k=2 * weight_shape[-1])
+
+
+def dequantize_activation(q: torch.Tensor, scale: torch.Tensor, shuffle: bool, padded: bool) -> torch.Tensor:
+    """float32 ``[M, K]`` of an activation quantized by the fused op with these flags: the scale
+    is ``[M, ceil(K/32)]``, or padded to ``[pad256(M), pad8(..)]`` and then S32x8-shuffled."""
+    m, k = q.shape[0], 2 * q.shape[1]
+    cols = -(-k // 32)
+    if shuffle:
+        s = read_logical(scale, ScaleShuffle(), (m, cols))
+    else:
+        s = scale.view(torch.uint8)[:m, :cols] if padded else scale.view(torch.uint8)
+    return dequantize(q.view(torch.uint8), s, k=k)

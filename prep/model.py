@@ -1,0 +1,211 @@
+"""A compact DeepSeek-V3 forward (the reference engine): MLA attention with q/kv LoRA and RoPE,
+MoE with grouped top-k routing and the shared expert, dense MLP layers, final norm, lm_head.
+
+It follows transformers' ``DeepseekV3ForCausalLM`` (interleaved RoPE, sigmoid router with the
+correction bias, ``routed_scaling_factor``) and computes every MXFP4 GEMM the way AMD's kernels
+do: the activation is quantized to MXFP4 first (at DeepSeek's two fused call sites by the
+runtime module's :class:`layouts.ActivationQuantPlan`, whose flags decide how the scale is laid
+out; elsewhere by aiter's dynamic quant recipe), then multiplied, in float32, with the weight
+dequantized from its stored layout. With ``act_quant=False`` activations stay BF16
+(weight-only emulation, the mode to compare with transformers).
+
+Arithmetic is float32 with BF16 between modules, on one device, deterministically: the same
+weights give the same logits bit for bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+
+import layouts
+from layouts.dequant import dequantize_activation
+
+from .weights import ModelWeights
+
+BF16 = torch.bfloat16
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardOptions:
+    act_quant: bool = True  # quantize activations of MXFP4 GEMMs (as the kernels do)
+    gemm_path: str = "asm"  # whose activation-quant flags the fused call sites use
+    backend: str = "auto"  # fused op back end ("torch" on CPU, "triton" on other GPUs)
+
+
+def rope_tables(cfg: dict[str, Any], positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """cos, sin ``[T, rope_dim]`` and the softmax scale's mscale factor (YaRN when configured)."""
+    dim, base = cfg["qk_rope_head_dim"], float(cfg.get("rope_theta", 10000.0))
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    mscale = 1.0
+    rs = cfg.get("rope_scaling") or {}
+    if rs.get("type", rs.get("rope_type")) == "yarn":
+        factor, orig = float(rs["factor"]), float(rs["original_max_position_embeddings"])
+        beta_fast, beta_slow = float(rs.get("beta_fast", 32)), float(rs.get("beta_slow", 1))
+
+        def corr_dim(rot: float) -> float:
+            return (dim * math.log(orig / (rot * 2 * math.pi))) / (2 * math.log(base))
+
+        low, high = max(math.floor(corr_dim(beta_fast)), 0), min(math.ceil(corr_dim(beta_slow)), dim - 1)
+        ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / max(high - low, 1e-3)).clamp(0, 1)
+        inv_freq = inv_freq / factor * ramp + inv_freq * (1 - ramp)
+
+        def get_mscale(scale: float, m: float = 1.0) -> float:
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        attn_factor = get_mscale(factor, rs.get("mscale", 1)) / get_mscale(factor, rs.get("mscale_all_dim", 0))
+        mscale = get_mscale(factor, rs.get("mscale_all_dim", 0))
+    else:
+        attn_factor = 1.0
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos() * attn_factor, emb.sin() * attn_factor, mscale
+
+
+def _rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' ``apply_rotary_pos_emb_interleave``: de-interleave pairs, then rotate_half."""
+    *lead, d = x.shape
+    x = x.view(*lead, d // 2, 2).transpose(-1, -2).reshape(*lead, d)
+    half = torch.cat([-x[..., d // 2:], x[..., :d // 2]], dim=-1)
+    return x * cos + half * sin
+
+
+class DeepseekV3:
+    """``logits = DeepseekV3(weights)(token_ids)``; ``layers`` runs only the first N decoder layers."""
+
+    def __init__(self, weights: ModelWeights, options: ForwardOptions = ForwardOptions(), layers: int | None = None):
+        self.w = weights
+        self.cfg = weights.config
+        self.opt = options
+        self.num_layers = self.cfg["num_hidden_layers"] if layers is None else min(layers, self.cfg["num_hidden_layers"])
+        self.plan = layouts.ActivationQuantPlan(options.gemm_path, backend=options.backend)
+        self.eps = float(self.cfg.get("rms_norm_eps", 1e-6))
+
+    # -------------------------------------------------------------- GEMMs
+    def _gemm_quantized(self, q: torch.Tensor, scale: torch.Tensor, flags, prefix: str) -> torch.Tensor:
+        x = dequantize_activation(q, scale, flags.shuffle, flags.scale_shuffle_padding)
+        return (x @ self.w.linear(prefix).to(x.device).T).to(BF16)
+
+    def linear(self, x: torch.Tensor, prefix: str) -> torch.Tensor:
+        """``x @ W.T`` for a BF16 input: MXFP4 weights quantize the input first (aiter's dynamic
+        quant, raw scale layout), BF16 weights multiply it as is."""
+        w = self.w.linear(prefix).to(x.device)
+        if self.w.mxfp4(prefix) and self.opt.act_quant:
+            q, s = layouts.quantize(x.float(), layouts.AITER_TRITON)
+            xf = layouts.dequantize(q, s, k=x.shape[-1])
+        else:
+            xf = x.float()
+        return (xf @ w.T).to(BF16)
+
+    def rms(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        return layouts.activation.rms_norm(x, self.w.tensor(name).to(x.device), self.eps)
+
+    # -------------------------------------------------------------- blocks
+    def attention(self, i: int, x_q, x_flags, x_bf16: torch.Tensor, cos, sin, mscale) -> torch.Tensor:
+        """MLA. ``x_q`` is the fused input-norm quant output (or None), ``x_bf16`` the normed input."""
+        c, p = self.cfg, f"model.layers.{i}.self_attn"
+        nh, nope, rope, vd = c["num_attention_heads"], c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"]
+        t = x_bf16.shape[0]
+
+        def qkv_a(name: str) -> torch.Tensor:
+            if x_q is not None and self.w.mxfp4(f"{p}.{name}"):
+                return self._gemm_quantized(*x_q, x_flags, f"{p}.{name}")
+            return self.linear(x_bf16, f"{p}.{name}")
+
+        kv_a = qkv_a("kv_a_proj_with_mqa")
+        k_pass, k_rot = kv_a[:, :c["kv_lora_rank"]], kv_a[:, c["kv_lora_rank"]:]
+        if c.get("q_lora_rank"):
+            q_c = qkv_a("q_a_proj")
+            qw, kvw = self.w.tensor(f"{p}.q_a_layernorm.weight"), self.w.tensor(f"{p}.kv_a_layernorm.weight")
+            if self.opt.act_quant and self.w.mxfp4(f"{p}.q_b_proj"):
+                (qq, qs), kv_n = self.plan.q_a_layernorm(q_c, qw.to(q_c.device), self.eps, k_pass.contiguous(),
+                                                         kvw.to(q_c.device), self.eps)
+                q = self._gemm_quantized(qq, qs, self.plan.flags(t), f"{p}.q_b_proj")
+            else:
+                kv_n = self.rms(k_pass, f"{p}.kv_a_layernorm.weight")
+                q = self.linear(self.rms(q_c, f"{p}.q_a_layernorm.weight"), f"{p}.q_b_proj")
+        else:
+            kv_n = self.rms(k_pass, f"{p}.kv_a_layernorm.weight")
+            q = self.linear(x_bf16, f"{p}.q_proj")
+        q = q.view(t, nh, nope + rope)
+        kv = self.linear(kv_n, f"{p}.kv_b_proj").view(t, nh, nope + vd)
+        k_nope, v = kv[..., :nope], kv[..., nope:]
+        q_rot = _rotate_interleaved(q[..., nope:].float(), cos[:, None], sin[:, None])
+        k_rot = _rotate_interleaved(k_rot.float()[:, None, :], cos[:, None], sin[:, None]).expand(t, nh, rope)
+        qf = torch.cat([q[..., :nope].float(), q_rot], dim=-1).to(BF16).float()
+        kf = torch.cat([k_nope.float(), k_rot], dim=-1).to(BF16).float()
+        scale = (nope + rope) ** -0.5 * mscale * mscale
+        scores = torch.einsum("thd,shd->hts", qf, kf) * scale
+        causal = torch.ones(t, t, dtype=torch.bool, device=scores.device).triu(1)
+        probs = scores.masked_fill(causal, float("-inf")).softmax(dim=-1).to(BF16).float()
+        out = torch.einsum("hts,shd->thd", probs, v.float()).reshape(t, nh * vd).to(BF16)
+        return self.linear(out, f"{p}.o_proj")
+
+    def mlp(self, x: torch.Tensor, prefix: str) -> torch.Tensor:
+        gate, up = self.linear(x, f"{prefix}.gate_proj"), self.linear(x, f"{prefix}.up_proj")
+        h = (torch.nn.functional.silu(gate.float()) * up.float()).to(BF16)
+        return self.linear(h, f"{prefix}.down_proj")
+
+    def moe(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        c, p = self.cfg, f"model.layers.{i}.mlp"
+        e, k = c["n_routed_experts"], c["num_experts_per_tok"]
+        ng, tg = c.get("n_group", 1), c.get("topk_group", 1)
+        logits = x.float() @ self.w.tensor(f"{p}.gate.weight").to(x.device).float().T
+        scores = logits.sigmoid()
+        bias_name = f"{p}.gate.e_score_correction_bias"
+        choice = scores + (self.w.tensor(bias_name).to(x.device).float() if self.w.has(bias_name) else 0.0)
+        group = choice.view(-1, ng, e // ng).topk(2, dim=-1)[0].sum(-1)
+        keep = torch.zeros_like(group).scatter_(1, group.topk(tg, dim=-1, sorted=False)[1], 1)
+        keep = keep.unsqueeze(-1).expand(-1, ng, e // ng).reshape(-1, e).bool()
+        idx = choice.masked_fill(~keep, float("-inf")).topk(k, dim=-1, sorted=False)[1]
+        self.last_routing = idx  # (inspection and tests: which experts each token went to)
+        weights = scores.gather(1, idx)
+        if c.get("norm_topk_prob", True):
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        weights = weights * float(c.get("routed_scaling_factor", 1.0))
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for expert in idx.unique().tolist():
+            tok, slot = (idx == expert).nonzero(as_tuple=True)
+            y = self.mlp(x[tok], f"{p}.experts.{expert}")
+            out.index_add_(0, tok, y.float() * weights[tok, slot, None])
+        if c.get("n_shared_experts"):
+            out += self.mlp(x, f"{p}.shared_experts").float()
+        return out.to(BF16)
+
+    # -------------------------------------------------------------- model
+    @torch.no_grad()
+    def __call__(self, ids: torch.Tensor, device: str | torch.device = "cpu") -> torch.Tensor:
+        """float32 logits ``[T, vocab]`` for one sequence of token ids."""
+        ids = ids.to(device)
+        h = self.w.tensor("model.embed_tokens.weight").to(device)[ids].to(BF16)
+        rope = rope_tables(self.cfg, torch.arange(ids.numel(), device=device))
+        residual = None
+        for i in range(self.num_layers):
+            h, residual = self.decoder_layer(i, h, residual, rope)
+        final = (h.float() + residual.float()).to(BF16)
+        x = self.rms(final, "model.norm.weight")
+        return x.float() @ self.w.linear("lm_head").to(device).T
+
+    def decoder_layer(self, i: int, h: torch.Tensor, residual: torch.Tensor | None, rope) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decoder layer, vLLM style: returns (block output, residual); the layer's output
+        hidden state is their sum. ``residual=None``: ``h`` is the layer's whole input."""
+        cos, sin, mscale = rope
+        p = f"model.layers.{i}"
+        norm_w = self.w.tensor(f"{p}.input_layernorm.weight").to(h.device)
+        fused = self.opt.act_quant and self.w.mxfp4(f"{p}.self_attn.kv_a_proj_with_mqa")
+        if fused:  # input_layernorm (+ residual add) fused with the MXFP4 quant
+            (q, s), residual = self.plan.input_layernorm(h, norm_w, self.eps, residual)
+            x_q, flags = (q, s), self.plan.flags(h.shape[0])
+            x = layouts.activation.rms_norm(residual, norm_w, self.eps)
+        else:
+            residual = h if residual is None else (h.float() + residual.float()).to(BF16)
+            x_q, flags, x = None, None, layouts.activation.rms_norm(residual, norm_w, self.eps)
+        h = self.attention(i, x_q, flags, x, cos.to(h.device), sin.to(h.device), mscale)
+        residual = (h.float() + residual.float()).to(BF16)
+        x = self.rms(residual, f"{p}.post_attention_layernorm.weight")
+        if i < self.cfg.get("first_k_dense_replace", 0):
+            return self.mlp(x, f"{p}.mlp"), residual
+        return self.moe(i, x), residual

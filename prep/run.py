@@ -1,0 +1,77 @@
+"""``prep run`` / ``prep compare``: run the reference DeepSeek forward on a checkpoint (source or
+converted, any layout and TP, ranks combined in-process) and compare two checkpoints' logits."""
+
+from __future__ import annotations
+
+import pathlib
+import time
+from typing import Any
+
+import torch
+
+import layouts
+
+from .errors import PrepError
+from .model import DeepseekV3, ForwardOptions
+from .weights import load_weights
+
+# The GEMM path whose activation-quant flags a converted layout implies (ATOM's defaults).
+_PATH_FOR_LAYOUT = {"preshuffle": "asm", "non-shuffle": "triton-non-shuffle"}
+_MOE_BACKEND = {"ck": ("ck", "gfx950"), "triton": ("triton", "gfx950"), "triton-gfx942": ("triton", "gfx942")}
+
+
+def engine_for(model_dir: pathlib.Path, gemm_path: str | None = None) -> tuple[str, layouts.EngineConfig | None]:
+    """The GEMM path to emulate for ``model_dir``, and (converted checkpoints) the engine
+    configuration it is checked against: the one that reads this checkpoint's layouts."""
+    if not (model_dir / layouts.manifest.MANIFEST_NAME).is_file():
+        return gemm_path or "triton-non-shuffle", None
+    m = layouts.load_manifest(model_dir)
+    path = gemm_path or _PATH_FOR_LAYOUT[m.layout]
+    backend, arch = _MOE_BACKEND[m.moe_layout]
+    return path, layouts.EngineConfig(path, backend, m.tp, 0, m.ep, arch)
+
+
+def run(model_dir: str | pathlib.Path, prompt_ids: list[int], *, layers: int | None = None, device: str = "cpu",
+        act_quant: bool = True, gemm_path: str | None = None, assume_layout: str | None = None) -> dict[str, Any]:
+    """Logits ``[T, vocab]`` (float32) of ``prompt_ids``, and how long loading and the forward took.
+
+    ``assume_layout`` reads a converted checkpoint's MXFP4 tensors as that layout and skips the
+    compatibility check (to see what a mismatch does); otherwise a converted checkpoint is checked
+    against the engine configuration that reads it, as an engine would."""
+    root = pathlib.Path(model_dir)
+    if not root.is_dir():
+        raise PrepError(f"{root}: no such directory")
+    path, engine = engine_for(root, gemm_path)
+    if engine is not None and assume_layout is None:
+        try:
+            layouts.check_compatibility(layouts.load_manifest(root), engine)
+        except layouts.CompatibilityError as e:
+            raise PrepError(str(e)) from None
+    ids = torch.tensor(prompt_ids, dtype=torch.long)
+    if ids.numel() == 0:
+        raise PrepError("--prompt-ids: give at least one token id")
+    t0 = time.perf_counter()
+    weights = load_weights(root, assume_layout)
+    vocab = weights.config.get("vocab_size", 0)
+    if int(ids.max()) >= vocab or int(ids.min()) < 0:
+        raise PrepError(f"--prompt-ids: ids must be in [0, {vocab}) for this model")
+    t1 = time.perf_counter()
+    model = DeepseekV3(weights, ForwardOptions(act_quant=act_quant, gemm_path=path), layers=layers)
+    logits = model(ids, device)
+    if device != "cpu":
+        torch.cuda.synchronize()
+    t2 = time.perf_counter()
+    return {"logits": logits.cpu(), "load_s": t1 - t0, "forward_s": t2 - t1, "weights": weights.description,
+            "gemm_path": path, "act_quant": act_quant, "layers": model.num_layers}
+
+
+def compare(a: str | pathlib.Path, b: str | pathlib.Path, prompt_ids: list[int], **kw) -> dict[str, Any]:
+    """Run both checkpoints on the same tokens: max |difference| of logits, and whether equal bit for bit."""
+    ra, rb = run(a, prompt_ids, **kw), run(b, prompt_ids, **kw)
+    la, lb = ra["logits"], rb["logits"]
+    if la.shape != lb.shape:
+        raise PrepError(f"logits shapes differ: {list(la.shape)} vs {list(lb.shape)}; not the same model")
+    diff = (la - lb).abs()
+    return {"a": ra["weights"], "b": rb["weights"], "max_abs_diff": float(diff.max()),
+            "identical": bool(torch.equal(la, lb)), "argmax_agree": float((la.argmax(-1) == lb.argmax(-1)).float().mean()),
+            "tokens": len(prompt_ids)}
