@@ -52,6 +52,8 @@ def run(model_dir: str | pathlib.Path, prompt_ids: list[int], *, layers: int | N
         raise PrepError("--prompt-ids: give at least one token id")
     t0 = time.perf_counter()
     weights = load_weights(root, assume_layout)
+    if device != "cpu":
+        weights.to(device)
     vocab = weights.config.get("vocab_size", 0)
     if int(ids.max()) >= vocab or int(ids.min()) < 0:
         raise PrepError(f"--prompt-ids: ids must be in [0, {vocab}) for this model")

@@ -45,6 +45,12 @@ class ModelWeights:
         self._tensors = tensors
         self.description = description
 
+    def to(self, device: str | torch.device) -> "ModelWeights":
+        """Move every tensor to ``device`` once (a forward then never copies weights)."""
+        self._linears = {k: v.to(device) for k, v in self._linears.items()}
+        self._tensors = {k: v.to(device) for k, v in self._tensors.items()}
+        return self
+
     def linear(self, prefix: str) -> torch.Tensor:
         w = self._linears.get(prefix)
         if w is not None:

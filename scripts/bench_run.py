@@ -1,0 +1,98 @@
+#!/usr/bin/env python3
+"""Time and peak memory of one reference forward (`prep run`), source against converted.
+
+    python scripts/bench_run.py [--src DIR] [--tokens 64] [--device cpu|cuda] [--tp 2] [--layers N]
+
+Without --src, generates the tiny default checkpoint (or, with --size large, a wider one:
+hidden 2048, 64 experts, 8 layers; for the GPU). Converts it (preshuffle + ck, --tp), then for the
+source and the converted checkpoint: weight load time (dequantized to float32 logical matrices,
+converted ranks combined), forward time (best of --repeat) and peak memory (host RSS; on CUDA
+also torch.cuda.max_memory_allocated), and checks the logits are identical.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import resource
+import shutil
+import sys
+import tempfile
+import time
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+from prep.convert import convert  # noqa: E402
+from prep.deepseek import Target  # noqa: E402
+from prep.model import DeepseekV3, ForwardOptions  # noqa: E402
+from prep.synth import SynthSpec, write_checkpoint  # noqa: E402
+from prep.weights import load_weights  # noqa: E402
+
+LARGE = SynthSpec(hidden_size=2048, q_lora_rank=512, kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=32,
+                  v_head_dim=64, num_attention_heads=16, intermediate_size=4096, moe_intermediate_size=512,
+                  n_routed_experts=64, num_experts_per_tok=8, n_group=8, topk_group=4, num_hidden_layers=8,
+                  vocab_size=8192, num_shards=8, random_bytes=True, variant="v2")
+
+
+def measure(path: pathlib.Path, ids: torch.Tensor, device: str, layers, repeat: int) -> dict:
+    if device != "cpu":
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    w = load_weights(path)
+    if device != "cpu":
+        w.to(device)
+        torch.cuda.synchronize()
+    load = time.perf_counter() - t0
+    model = DeepseekV3(w, ForwardOptions(), layers=layers)
+    times, logits = [], None
+    for _ in range(repeat + 1):
+        t0 = time.perf_counter()
+        logits = model(ids, device)
+        if device != "cpu":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    out = {"load_s": load, "forward_s": min(times[1:]), "first_forward_s": times[0], "logits": logits.cpu(),
+           "host_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    if device != "cpu":
+        out["gpu_peak_mib"] = torch.cuda.max_memory_allocated() / 2**20
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--src", type=pathlib.Path)
+    ap.add_argument("--size", choices=["tiny", "large"], default="tiny")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--layers", type=int)
+    ap.add_argument("--repeat", type=int, default=3)
+    args = ap.parse_args()
+    work = pathlib.Path(tempfile.mkdtemp(prefix="prep-bench-run-"))
+    try:
+        src = args.src
+        if src is None:
+            t0 = time.perf_counter()
+            src = write_checkpoint(LARGE if args.size == "large" else SynthSpec(variant="v2"), work / "src")
+            print(f"generated {args.size} checkpoint in {time.perf_counter() - t0:.1f} s")
+        conv = work / "converted"
+        convert(str(src), conv, Target("preshuffle", "ck", args.tp))
+        vocab = __import__("json").loads((src / "config.json").read_text())["vocab_size"]
+        ids = torch.randint(0, vocab, (args.tokens,), generator=torch.Generator().manual_seed(0))
+        rs = measure(src, ids, args.device, args.layers, args.repeat)
+        rc = measure(conv, ids, args.device, args.layers, args.repeat)
+        print(f"{args.tokens} tokens, device {args.device}, converted = preshuffle+ck tp {args.tp}")
+        for name, r in (("source", rs), ("converted", rc)):
+            mem = f"host peak RSS {r['host_rss_mib']:.0f} MiB" + (f", GPU peak {r['gpu_peak_mib']:.0f} MiB" if "gpu_peak_mib" in r else "")
+            print(f"{name:9s}: load {r['load_s']:6.2f} s, forward {r['forward_s'] * 1e3:8.1f} ms "
+                  f"(first {r['first_forward_s'] * 1e3:.1f} ms), {mem}")
+        print(f"logits identical: {torch.equal(rs['logits'], rc['logits'])}")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
