@@ -14,16 +14,24 @@ The mean, square root and reciprocal use the correctly rounded ``div_rn`` / ``sq
 only difference from the torch reference is the float32 summation order of ``sum(x*x)``
 (which moves a code across a rounding boundary about once per few hundred thousand codes).
 
-Layout of the work (one launch, no other kernels):
+Layout of the work (one launch, no other kernel, no torch.fill):
 
-* programs ``[0, n_main)``: ``BLOCK_M`` rows of x1 each, the whole row in registers as
-  ``[BLOCK_M, NB, 4, 4]`` *pairs* of elements (NB = blocks of 32 per row, a power of two). bf16
-  pairs are loaded as one int32 each (the wrapper passes int32 views) and split with shifts, which makes the (even, odd)
-  nibble packing free. Scales are written straight to their S32x8 offsets when ``SHUFFLE``;
-  rows >= M (up to the next multiple of 32) and columns >= ceil(N1/32) get 0x7F in padded mode.
+* programs ``[0, n_main)``: ``BLOCK_M`` rows of x1 each, the whole row in registers. The row's
+  32-element blocks are split into <= 3 power-of-two tiles (224 = 128 + 64 + 32 for N1 = 7168,
+  48 = 32 + 16 for 1536), each held as ``[BLOCK_M, T, 4, 4]`` element *pairs*: bf16 pairs are
+  loaded as one int32 each (the wrapper passes int32 views), which makes the (even, odd) nibble
+  packing free and every load and store a 16-byte vector in one register layout. All tiles'
+  loads are issued before any is used (one memory latency per program). Without a residual the
+  pairs stay packed until quantized (half the registers, so more programs per SM). Scales go
+  straight to their S32x8 offsets when ``SHUFFLE``; in padded mode rows >= M (up to the next
+  multiple of 32) and columns >= ceil(N1/32) get 0x7F.
 * programs ``[n_main, n_main + n_x2)``: ``BLOCK_M2`` rows of the second RMSNorm (x2).
 * the rest: fill whole 32-row bands of scale padding (rows >= pad32(M)) with 0x7F; in both the
   row-major and the S32x8 layouts these bands are one contiguous byte range.
+
+Measured on an H200 (scripts/bench_fused_quant.py, CUDA graphs, shuffle + padding): at M = 65536,
+N1 = 7168 with residual 881 us = 126 % of a device copy of the same bytes (aiter's kernel 74 %),
+N1 = 1536 + kv 512: 166 us = 86 % of copy; M = 1: 4.3 us and 2.6 us.
 """
 
 from __future__ import annotations
@@ -41,14 +49,17 @@ _FILL_BLOCK = 4096
 
 
 @triton.jit
+def _unpack(v):
+    """(even, odd) float32 of an int32 holding two bf16 (little-endian: low half = even). A bf16
+    is the top half of a float32, so widening is a shift or a mask."""
+    return (v << 16).to(tl.float32, bitcast=True), (v & -65536).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _load_pairs(row_ptr, pair, mask, PAIRED: tl.constexpr):
     """(even, odd) float32 elements of element pairs ``pair`` of the rows at ``row_ptr``."""
-    if PAIRED:
-        # row_ptr is an int32 view of bf16 data: one load per pair, the low half is the even
-        # element. A bf16 is the top half of a float32, so widening is a shift.
-        v = tl.load(row_ptr + pair, mask=mask, other=0)
-        even = (v << 16).to(tl.float32, bitcast=True)
-        odd = (v & -65536).to(tl.float32, bitcast=True)
+    if PAIRED:  # row_ptr is an int32 view of bf16 data: one load per pair
+        even, odd = _unpack(tl.load(row_ptr + pair, mask=mask, other=0))
     else:
         even = tl.load(row_ptr + 2 * pair, mask=mask, other=0.0).to(tl.float32)
         odd = tl.load(row_ptr + 2 * pair + 1, mask=mask, other=0.0).to(tl.float32)
@@ -99,13 +110,6 @@ def _scale_offsets(rows, cols, SCALE_COLS_PAD: tl.constexpr, SHUFFLE: tl.constex
 
 
 @triton.jit
-def _unpack(v):
-    """(even, odd) float32 of an int32 holding two bf16 (little-endian: low half = even). A bf16
-    is the top half of a float32, so widening is a shift or a mask."""
-    return (v << 16).to(tl.float32, bitcast=True), (v & -65536).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _pairs(B0: tl.constexpr, T: tl.constexpr, N1: tl.constexpr, SCALE_COLS: tl.constexpr):
     """Pair indices [1, T, 4, 4] of blocks [B0, B0+T) and which of them exist ([1, T, 1, 1] or
     [1, T, 4, 4]). A block's 16 pairs are 4 runs of 4 (16 bytes of int32 pairs): with a
@@ -122,26 +126,51 @@ def _pairs(B0: tl.constexpr, T: tl.constexpr, N1: tl.constexpr, SCALE_COLS: tl.c
 
 
 @triton.jit
-def _tile_load(x_rows, r_rows, o_rows, row_ok, B0: tl.constexpr, T: tl.constexpr,
-               N1: tl.constexpr, SCALE_COLS: tl.constexpr, HAS_RES: tl.constexpr,
-               X_PAIRED: tl.constexpr, R_PAIRED: tl.constexpr):
-    """Load blocks [B0, B0+T) of the program's rows; returns (a, b, sum of squares per row) and
-    stores out_res1 = x1 + res1 on the way. Without a residual, bf16 rows stay packed (a = b =
-    the int32 pairs: half the registers while the row waits for its norm); else a, b are the
-    float32 (even, odd) elements (the float32 sum x1 + res1 is what gets normalised)."""
+def _tile_fetch(x_rows, r_rows, row_ok, B0: tl.constexpr, T: tl.constexpr, N1: tl.constexpr,
+                SCALE_COLS: tl.constexpr, HAS_RES: tl.constexpr, X_PAIRED: tl.constexpr,
+                R_PAIRED: tl.constexpr):
+    """Issue the loads of blocks [B0, B0+T) of the program's rows, nothing else: every tile's
+    loads go out before any of them is waited on (one memory latency per program, not one per
+    tile). Paired bf16 stays packed: (v, v); else (even, odd) float32. Same for res1."""
     blk, pair, col_ok = _pairs(B0, T, N1, SCALE_COLS)
     mask = row_ok[:, None, None, None] & col_ok
-    if X_PAIRED and not HAS_RES:
-        v = tl.load(x_rows + pair, mask=mask, other=0)
-        xe, xo = _unpack(v)
-        a, b = v, v
+    if X_PAIRED:
+        xa = tl.load(x_rows + pair, mask=mask, other=0)
+        xb = xa
     else:
-        xe, xo = _load_pairs(x_rows, pair, mask, X_PAIRED)
-        if HAS_RES:
-            re, ro = _load_pairs(r_rows, pair, mask, R_PAIRED)
-            xe = xe + re
-            xo = xo + ro
-            _store_pairs(o_rows, pair, mask, xe, xo, X_PAIRED)
+        xa, xb = _load_pairs(x_rows, pair, mask, False)
+    ra, rb = xa, xb
+    if HAS_RES:
+        if R_PAIRED:
+            ra = tl.load(r_rows + pair, mask=mask, other=0)
+            rb = ra
+        else:
+            ra, rb = _load_pairs(r_rows, pair, mask, False)
+    return xa, xb, ra, rb
+
+
+@triton.jit
+def _tile_sum(xa, xb, ra, rb, o_rows, row_ok, B0: tl.constexpr, T: tl.constexpr, N1: tl.constexpr,
+              SCALE_COLS: tl.constexpr, HAS_RES: tl.constexpr, X_PAIRED: tl.constexpr,
+              R_PAIRED: tl.constexpr):
+    """(a, b, sum of squares per row) of a fetched tile; stores out_res1 = x1 + res1 on the way.
+    Without a residual, bf16 rows stay packed (a = b = the int32 pairs: half the registers while
+    the row waits for its norm); else a, b are the float32 (even, odd) elements (the float32 sum
+    x1 + res1 is what gets normalised)."""
+    if X_PAIRED:
+        xe, xo = _unpack(xa)
+    else:
+        xe, xo = xa, xb
+    a, b = xa, xb
+    if HAS_RES:
+        if R_PAIRED:
+            re, ro = _unpack(ra)
+        else:
+            re, ro = ra, rb
+        xe = xe + re
+        xo = xo + ro
+        blk, pair, col_ok = _pairs(B0, T, N1, SCALE_COLS)
+        _store_pairs(o_rows, pair, row_ok[:, None, None, None] & col_ok, xe, xo, X_PAIRED)
         a, b = xe, xo
     ss = tl.sum(tl.sum(tl.sum(xe * xe + xo * xo, axis=3), axis=2), axis=1)
     return a, b, ss
@@ -222,15 +251,23 @@ def _fused_rms_mxfp4_kernel(
             # The row's blocks in up to three power-of-two tiles (224 = 128 + 64 + 32,
             # 48 = 32 + 16): no lanes wasted on padding to the next power of two.
             RAW: tl.constexpr = X_PAIRED and not HAS_RES
-            a0, b0, ss = _tile_load(x_rows, r_rows, o_rows, row_ok, 0, T0, N1, SCALE_COLS,
-                                    HAS_RES, X_PAIRED, R_PAIRED)
+            xa0, xb0, ra0, rb0 = _tile_fetch(x_rows, r_rows, row_ok, 0, T0, N1, SCALE_COLS, HAS_RES,
+                                             X_PAIRED, R_PAIRED)
             if T1 > 0:
-                a1, b1, ss1 = _tile_load(x_rows, r_rows, o_rows, row_ok, T0, T1, N1, SCALE_COLS,
-                                         HAS_RES, X_PAIRED, R_PAIRED)
+                xa1, xb1, ra1, rb1 = _tile_fetch(x_rows, r_rows, row_ok, T0, T1, N1, SCALE_COLS, HAS_RES,
+                                                 X_PAIRED, R_PAIRED)
+            if T2 > 0:
+                xa2, xb2, ra2, rb2 = _tile_fetch(x_rows, r_rows, row_ok, T0 + T1, T2, N1, SCALE_COLS, HAS_RES,
+                                                 X_PAIRED, R_PAIRED)
+            a0, b0, ss = _tile_sum(xa0, xb0, ra0, rb0, o_rows, row_ok, 0, T0, N1, SCALE_COLS, HAS_RES,
+                                   X_PAIRED, R_PAIRED)
+            if T1 > 0:
+                a1, b1, ss1 = _tile_sum(xa1, xb1, ra1, rb1, o_rows, row_ok, T0, T1, N1, SCALE_COLS, HAS_RES,
+                                        X_PAIRED, R_PAIRED)
                 ss += ss1
             if T2 > 0:
-                a2, b2, ss2 = _tile_load(x_rows, r_rows, o_rows, row_ok, T0 + T1, T2, N1, SCALE_COLS,
-                                         HAS_RES, X_PAIRED, R_PAIRED)
+                a2, b2, ss2 = _tile_sum(xa2, xb2, ra2, rb2, o_rows, row_ok, T0 + T1, T2, N1, SCALE_COLS,
+                                        HAS_RES, X_PAIRED, R_PAIRED)
                 ss += ss2
             ms = tl.math.div_rn(ss, tl.full(ss.shape, N1, tl.float32))
             rstd = tl.math.div_rn(tl.full(ss.shape, 1.0, tl.float32), tl.math.sqrt_rn(ms + eps1))
@@ -261,8 +298,8 @@ def _fused_rms_mxfp4_kernel(
         tl.store(scale_ptr + offs, tl.full((FILL_BLOCK,), E8M0_PAD, tl.uint8), mask=offs < fill_end)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+# triton.jit picked interpreter or compiler when the kernel above was defined (at import).
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @functools.lru_cache(maxsize=None)
@@ -286,35 +323,48 @@ def _tiles(nblocks: int) -> tuple[int, int, int]:
 
 
 @functools.lru_cache(maxsize=4096)
-def _plan(m: int, n1: int, n2: int, padded: bool, on_gpu: bool, sms: int,
+def _plan(m: int, n1: int, n2: int, padded: bool, raw: bool, on_gpu: bool, sms: int,
           block_m: int | None, num_warps: int | None) -> tuple:
     """Launch plan for one shape: everything the wrapper needs besides pointers (cached: the
-    wrapper is the whole cost of a decode-size call, so it must stay a dict lookup)."""
+    wrapper is the whole cost of a decode-size call, so it must stay a dict lookup). ``raw``:
+    x1 is paired bf16 without a residual (kept packed in registers).
+
+    The numbers come from a sweep on an H200 (scripts/bench_fused_quant.py --sweep)."""
     cols = -(-n1 // 32)
     cols_pad = -(-cols // 8) * 8 if padded else cols
     tiles = _tiles(cols_pad)
     nb2 = triton.next_power_of_2(max(n2, 1))
     if not on_gpu:
         # Interpreter: cost is per program and per op, not per element: few, large programs.
-        bm, bm2 = 32, 32
+        bm, bm2, warps = 32, 32, 4
+        if block_m is not None:
+            bm = block_m
     else:
-        # ~8k elements per program; fewer rows per program when M is small so that every SM
-        # gets work (the row count per program only amortises the weight load).
+        # ~8k elements per program (the row count per program amortises the weight loads),
+        # fewer rows when M is small so that every SM gets work.
+        latency_bound = m < 2 * sms
         bm = _pow2_floor(max(1, min(32, 8192 // (cols_pad * 32))))
         bm = min(bm, _pow2_floor(max(1, m // (2 * sms))))
-        bm2 = max(1, min(32, 8192 // nb2))
+        if block_m is not None:
+            bm = block_m
+        # Registers decide occupancy, and occupancy the bytes in flight: aim at ~28 float32
+        # pairs per thread when x1 + res1 is held as float32, ~48 when bf16 pairs stay packed.
+        # No more threads than the smallest tile has 4-pair runs (Triton would replicate it),
+        # except when latency-bound (small M), where more threads per row finish sooner.
+        target = 48 if raw else 28
+        smallest = min(t for t in tiles if t)
+        warps = _pow2_floor(max(1, round(bm * cols_pad * 16 / (32 * target))))
+        warps = min(warps, _pow2_floor(max(1, bm * smallest // 8)))
+        if latency_bound:
+            warps = max(warps, 4)
+        warps = max(1, min(warps, 16))
+        if num_warps is not None:
+            warps = num_warps
+        # x2 rows: ~32 float32 elements per thread with the same warps.
+        bm2 = _pow2_floor(max(1, min(32, warps * 32 * 32 // nb2)))
         bm2 = min(bm2, _pow2_floor(max(1, m // (2 * sms))))
-    if block_m is not None:
-        bm = block_m
     if bm & (bm - 1) or not 1 <= bm <= 32:
         raise ValueError(f"block_m must be a power of two in [1, 32], got {bm}")
-    # About 8 pairs of 4 (64 elements) per thread, and no more threads than the smallest tile
-    # has 4-pair runs: Triton would replicate a smaller tile across the extra threads.
-    smallest = min(t for t in tiles if t)
-    warps = 1 << max(0, round(math.log2(max(1.0, bm * cols_pad / 64))))
-    warps = max(1, min(warps, 16, _pow2_floor(max(1, bm * smallest // 8))))
-    if num_warps is not None:
-        warps = num_warps
     if padded:
         rows_pad = -(-m // 256) * 256
         main_rows = -(-m // 32) * 32  # BLOCK_M divides 32: main programs end on a band boundary
@@ -357,13 +407,15 @@ def fused_rms_mxfp4_quant_triton(
     n2 = x2.shape[1] if x2 is not None else 0
     padded = bool(shuffle or scale_shuffle_padding)
     dev = x1.device
-    if dev.type == "cpu" and not _interpreting():
+    if dev.type == "cpu" and not INTERPRETED:
         raise RuntimeError("prep's Triton fused quant needs GPU tensors (or TRITON_INTERPRET=1 set "
                            "before layouts._triton_fused_quant is imported); use backend='torch' on CPU")
-    on_gpu = dev.type != "cpu" and not _interpreting()
+    on_gpu = dev.type != "cpu" and not INTERPRETED
     sms = _num_sms(dev.index if dev.index is not None else torch.cuda.current_device()) if on_gpu else 0
+    x_paired = _paired(x1)
     (grid, rows_pad, cols, cols_pad, tiles, bm, bm2, nb2, warps,
-     n_main, n_x2, fill_start, fill_end) = _plan(m, n1, n2, padded, on_gpu, sms, block_m, num_warps)
+     n_main, n_x2, fill_start, fill_end) = _plan(m, n1, n2, padded, x_paired and res1 is None, on_gpu, sms,
+                                                 block_m, num_warps)
 
     q = torch.empty((m, n1 // 2), dtype=torch.uint8, device=dev)
     scale = torch.empty((rows_pad, cols_pad), dtype=torch.uint8, device=dev)
@@ -374,7 +426,7 @@ def fused_rms_mxfp4_quant_triton(
 
     # bf16 operands go to the kernel as int32 views (one element pair per load, with the
     # alignment Triton needs to vectorise); out_res1 is ours, so it is paired exactly when x1 is.
-    x_paired, r_paired, w_paired = _paired(x1), res1 is not None and _paired(res1), _paired(x1_weight)
+    r_paired, w_paired = res1 is not None and _paired(res1), _paired(x1_weight)
     x1_arg, x1_stride = (x1.view(torch.int32), x1.stride(0) // 2) if x_paired else (x1, x1.stride(0))
     w1_arg = x1_weight.view(torch.int32) if w_paired else x1_weight
     res1_arg, res1_stride = res1, 0

@@ -187,7 +187,8 @@ def select_backend(device: torch.device | str, backend: str = "auto") -> str:
     "auto" picks torch for CPU tensors, else aiter when importable, else our Triton kernel.
     Asking for "aiter" where it cannot be imported raises RuntimeError with the reason.
     """
-    device = torch.device(device)
+    if not isinstance(device, torch.device):
+        device = torch.device(device)
     if backend == "auto":
         if device.type == "cpu":
             return "torch"
@@ -200,12 +201,18 @@ def select_backend(device: torch.device | str, backend: str = "auto") -> str:
     return backend
 
 
+_TRITON_IMPL: Optional[Callable] = None
+
+
 def _triton_impl() -> Callable:
-    try:
-        from . import _triton_fused_quant
-    except ImportError as exc:
-        raise RuntimeError(f"backend='triton' needs the triton package ({exc})") from exc
-    return _triton_fused_quant.fused_rms_mxfp4_quant_triton
+    global _TRITON_IMPL
+    if _TRITON_IMPL is None:  # imported on first use: the module must import with torch alone
+        try:
+            from . import _triton_fused_quant
+        except ImportError as exc:
+            raise RuntimeError(f"backend='triton' needs the triton package ({exc})") from exc
+        _TRITON_IMPL = _triton_fused_quant.fused_rms_mxfp4_quant_triton
+    return _TRITON_IMPL
 
 
 def fused_rms_mxfp4_quant(
