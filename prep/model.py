@@ -60,7 +60,7 @@ def rope_tables(cfg: dict[str, Any], positions: torch.Tensor) -> tuple[torch.Ten
         mscale = get_mscale(factor, rs.get("mscale_all_dim", 0))
     else:
         attn_factor = 1.0
-    freqs = positions.float()[:, None] * inv_freq[None, :]
+    freqs = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos() * attn_factor, emb.sin() * attn_factor, mscale
 
