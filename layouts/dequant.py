@@ -70,3 +70,26 @@ def dequantize_activation(q: torch.Tensor, scale: torch.Tensor, shuffle: bool, p
     else:
         s = scale.view(torch.uint8)[:m, :cols] if padded else scale.view(torch.uint8)
     return dequantize(q.view(torch.uint8), s, k=k)
+
+
+def stored_expert(stored: torch.Tensor, e: int, experts: int) -> torch.Tensor:
+    """Expert ``e``'s bytes of a stacked MoE tensor as stored. Every MoE layout stores the experts
+    one after another, each in the same number of bytes (W16 tiles and S32x8 bands stay inside
+    an expert, whose rows are a multiple of 256), so that is a plain slice."""
+    flat = stored.reshape(-1)
+    if flat.numel() % experts:
+        raise ValueError(f"stored tensor of {flat.numel()} bytes does not split into {experts} experts")
+    per = flat.numel() // experts
+    return flat[e * per:(e + 1) * per]
+
+
+def dequantize_expert(weight: torch.Tensor, scale: torch.Tensor, layout: Layout, e: int, weight_shape: Shape,
+                      scale_shape: Shape) -> torch.Tensor:
+    """float32 logical ``[N, K]`` of expert ``e`` of a stacked MoE weight stored in ``layout``,
+    reading only that expert's bytes. ``weight_shape`` / ``scale_shape``: the whole stacked
+    logical shapes ``[E, N, K/2]`` / ``[E, N, K/32]``."""
+    experts = weight_shape[0]
+    w1, s1 = (1, *weight_shape[1:]), (1, *scale_shape[1:])
+    w = stored_expert(weight, e, experts)
+    s = stored_expert(scale, e, experts)
+    return dequantize_stored(w, s, layout, w1, s1)[0]

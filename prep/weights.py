@@ -3,71 +3,92 @@ as the logical float32 matrix it computes with, read from any checkpoint prep un
 
 * a Quark source: each MXFP4 weight dequantized from its raw bytes;
 * a converted checkpoint: every rank loaded through the runtime module (``layouts.load_rank``,
-  manifest-checked, attributes set), each stored tensor read in its layout
-  (``layouts.dequant.dequantize_stored``, the layout's own index map), its pads dropped, and
-  the ranks' pieces put back where the TP/EP split took them from (the group records say
-  where). Merged tensors (``[q_a ; kv_a]``, ``[gate ; up]``, stacked experts) are split back
-  into their modules.
+  manifest-checked, files mapped), each stored tensor read in its layout
+  (``layouts.dequant``: the layout's own index map; one expert's bytes at a time for stacked
+  experts), its pads dropped, and the ranks' pieces put back where the TP/EP split took them
+  from (the group records say where). Merged tensors (``[q_a ; kv_a]``, ``[gate ; up]``,
+  stacked experts) are split back into their modules.
 
-MXFP4 values are exact in float32, so every layout and TP size of one source gives the same
-matrices bit for bit, and the forward computes the same logits: what the tests pin down.
+Matrices are made on first use and kept while they fit a byte budget, so a forward over the
+first layers of a 350 GB checkpoint touches only those layers' bytes (DeepSeek-R1 in float32
+would be 2.8 TB). MXFP4 values are exact in float32, so every layout and TP size of one source
+gives the same matrices bit for bit, and the forward the same logits.
+
 ``assume_layout`` reads a converted checkpoint's MXFP4 tensors as if they were in another
-layout, past every check: it exists to show the checks are not vacuous (wrong layout, wrong
-numbers).
+layout of the same kind, past every check: it exists to show that the checks are not vacuous.
 """
 
 from __future__ import annotations
 
+import json
 import pathlib
-from typing import Any
+from collections import OrderedDict
+from typing import Any, Callable
 
 import torch
 
 import layouts
-from layouts.dequant import dequantize_stored
+from layouts.dequant import dequantize_expert, dequantize_stored
 
 from .errors import PrepError
 from .groups import LinearGroup, MoEGroup, group_from_record
 from .source import SourceCheckpoint
 
-BLOCK = layouts.BLOCK_SIZE
+CACHE_BYTES = 8 << 30  # dequantized matrices kept between uses (an R1 MoE layer is 45 GB in float32)
 
 
 class ModelWeights:
     """``linear(prefix)``: float32 ``[N, K]`` (MXFP4 dequantized, or BF16 upcast); ``tensor(name)``:
     any other tensor (norms, router, embeddings) as stored. ``mxfp4(prefix)`` says which is which."""
 
-    def __init__(self, config: dict[str, Any], linears: dict[str, torch.Tensor], mxfp4: set[str],
-                 tensors: dict[str, torch.Tensor], description: str):
+    def __init__(self, config: dict[str, Any], linears: dict[str, Callable[[], torch.Tensor]],
+                 tensors: dict[str, Callable[[], torch.Tensor]], description: str, cache_bytes: int = CACHE_BYTES):
         self.config = config
-        self._linears = linears
-        self._mxfp4 = mxfp4
-        self._tensors = tensors
+        self._linears = linears  # MXFP4 module prefix -> makes its float32 matrix
+        self._tensors = tensors  # tensor name -> reads it
         self.description = description
+        self.device: torch.device | None = None
+        self._cache: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self._cache_bytes, self._held = cache_bytes, 0
 
     def to(self, device: str | torch.device) -> "ModelWeights":
-        """Move every tensor to ``device`` once (a forward then never copies weights)."""
-        self._linears = {k: v.to(device) for k, v in self._linears.items()}
-        self._tensors = {k: v.to(device) for k, v in self._tensors.items()}
+        """Hand out every tensor on ``device`` from now on."""
+        self.device = torch.device(device)
+        self._cache.clear()
+        self._held = 0
         return self
 
+    def _get(self, key: str, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        t = self._cache.get(key)
+        if t is not None:
+            self._cache.move_to_end(key)
+            return t
+        t = make()
+        if self.device is not None:
+            t = t.to(self.device)
+        n = t.numel() * t.element_size()
+        if n <= self._cache_bytes:
+            while self._held + n > self._cache_bytes and self._cache:
+                old = self._cache.popitem(last=False)[1]
+                self._held -= old.numel() * old.element_size()
+            self._cache[key] = t
+            self._held += n
+        return t
+
     def linear(self, prefix: str) -> torch.Tensor:
-        w = self._linears.get(prefix)
-        if w is not None:
-            return w
-        t = self._tensors.get(f"{prefix}.weight")
-        if t is None:
-            raise PrepError(f"{prefix}.weight: not in the checkpoint")
-        return t.float()
+        make = self._linears.get(prefix)
+        if make is not None:
+            return self._get(prefix, make)
+        return self._get(f"{prefix}.weight:float32", lambda: self.tensor(f"{prefix}.weight").float())
 
     def mxfp4(self, prefix: str) -> bool:
-        return prefix in self._mxfp4
+        return prefix in self._linears
 
     def tensor(self, name: str) -> torch.Tensor:
-        try:
-            return self._tensors[name]
-        except KeyError:
-            raise PrepError(f"{name}: not in the checkpoint") from None
+        read = self._tensors.get(name)
+        if read is None:
+            raise PrepError(f"{name}: not in the checkpoint")
+        return self._get(name, read)
 
     def has(self, name: str) -> bool:
         return name in self._tensors or name.removesuffix(".weight") in self._linears
@@ -85,78 +106,94 @@ def load_weights(model_dir: str | pathlib.Path, assume_layout: str | None = None
 
 def _from_source(root: pathlib.Path) -> ModelWeights:
     src = SourceCheckpoint(root)
-    linears, tensors, mxfp4 = {}, {}, set()
+    linears: dict[str, Callable[[], torch.Tensor]] = {}
+    tensors: dict[str, Callable[[], torch.Tensor]] = {}
     for name, info in src.tensors.items():
         if name.endswith(".weight_scale"):
             continue
         prefix = name.removesuffix(".weight")
         if info.dtype == "U8" and f"{prefix}.weight_scale" in src.tensors:
-            w, s = src.read(name), src.read(f"{prefix}.weight_scale")
-            linears[prefix] = layouts.dequantize(w, s, k=2 * w.shape[-1])
-            mxfp4.add(prefix)
+            def make(name=name, prefix=prefix):
+                w = src.read(name)
+                return layouts.dequantize(w, src.read(f"{prefix}.weight_scale"), k=2 * w.shape[-1])
+            linears[prefix] = make
         else:
-            tensors[name] = src.read(name)
-    return ModelWeights(src.config, linears, mxfp4, tensors, f"Quark source {root}")
+            tensors[name] = lambda name=name: src.read(name)
+    return ModelWeights(src.config, linears, tensors, f"Quark source {root}")
 
 
 def _from_converted(root: pathlib.Path, assume_layout: str | None) -> ModelWeights:
     manifest = layouts.load_manifest(root)
-    ranks = [layouts.load_rank(root, r, manifest=manifest) for r in range(manifest.tp)]
-    import json
-
+    ranks = [layouts.load_rank(root, r, manifest=manifest) for r in range(manifest.tp)]  # mapped, not read
     config = json.loads((root / "config.json").read_text())
     src_meta = manifest.raw["source"]["tensors"]
-    linears: dict[str, torch.Tensor] = {}
-    mxfp4: set[str] = set()
+    # For each source module: the (rank piece -> placement) steps that rebuild it.
+    pieces: dict[str, list[Callable[[torch.Tensor], None]]] = {}
 
-    def full(src_prefix: str) -> torch.Tensor:
-        if src_prefix not in linears:
-            n, kb = src_meta[f"{src_prefix}.weight"]["shape"]
-            linears[src_prefix] = torch.full((n, 2 * kb), float("nan"))  # NaN until a rank fills it
-            mxfp4.add(src_prefix)
-        return linears[src_prefix]
+    def layout_of(g) -> layouts.Layout:
+        lay = layouts.get_layout(g.layout)
+        if assume_layout and layouts.get_layout(assume_layout).kind == lay.kind:
+            return layouts.get_layout(assume_layout)
+        return lay
 
     for rec in manifest.raw["groups"]:
         g = group_from_record(rec)
-        held = ranks[g.rank]
-        w_name, s_name = (n for n, _, _ in g.outputs()[:2])
-        layout = layouts.get_layout(g.layout)
-        if assume_layout and layouts.get_layout(assume_layout).kind == layout.kind:
-            layout = layouts.get_layout(assume_layout)
+        held, lay = ranks[g.rank], layout_of(g)
+        names = [n for n, _, _ in g.outputs()]
         if isinstance(g, LinearGroup):
-            wshape, sshape = g.local_shapes()
-            values = dequantize_stored(held[w_name], held[s_name], layout, wshape, sshape)
-            row = 0
-            for p in g.parts:
-                n = p.local(g.tp)[0]
-                rows, wcols, _ = p.window(g.tp, g.rank)
-                full(p.src)[rows, 2 * wcols.start:2 * wcols.stop] = values[row:row + n]
-                row += n
+            _linear_pieces(g, held, lay, names, pieces)
         else:
-            _place_experts(g, held, layout, full)
-    # Anything left NaN was never provided by a rank: the checkpoint is incomplete.
-    for prefix, w in linears.items():
-        if torch.isnan(w).any():
+            _expert_pieces(g, held, lay, names, pieces)
+
+    def assemble(prefix: str) -> torch.Tensor:
+        n, kb = src_meta[f"{prefix}.weight"]["shape"]
+        full = torch.full((n, 2 * kb), float("nan"))  # NaN until a rank fills it
+        for place in pieces[prefix]:
+            place(full)
+        if torch.isnan(full).any():
             raise PrepError(f"{prefix}.weight: no rank holds all of it; the converted checkpoint is incomplete")
+        return full
+
+    linears = {prefix: (lambda prefix=prefix: assemble(prefix)) for prefix in pieces}
     tensors = {}
     for r in ranks:
         for name, t in r.items():
             if r.records[name].role == "passthrough":
-                tensors[name] = t
+                tensors[name] = lambda t=t: t
     what = f"converted {root} ({manifest.layout}+{manifest.moe_layout}, tp {manifest.tp}, ep {manifest.ep})"
     if assume_layout:
         what += f" read as {assume_layout}"
-    return ModelWeights(config, linears, mxfp4, tensors, what)
+    return ModelWeights(config, linears, tensors, what)
 
 
-def _place_experts(g: MoEGroup, held, layout: layouts.Layout, full) -> None:
-    names = [n for n, _, _ in g.outputs()]
+def _linear_pieces(g: LinearGroup, held, lay: layouts.Layout, names: list[str], pieces) -> None:
+    wshape, sshape = g.local_shapes()
+    row = 0
+    for p in g.parts:
+        n = p.local(g.tp)[0]
+        rows, wcols, _ = p.window(g.tp, g.rank)
+
+        def place(full, rows=rows, wcols=wcols, row=row, n=n):
+            values = dequantize_stored(held[names[0]], held[names[1]], lay, wshape, sshape)
+            full[rows, 2 * wcols.start:2 * wcols.stop] = values[row:row + n]
+
+        pieces.setdefault(p.src, []).append(place)
+        row += n
+
+
+def _expert_pieces(g: MoEGroup, held, lay: layouts.Layout, names: list[str], pieces) -> None:
     w13s, s13s, w2s, s2s = g.local_shapes()
-    w13 = dequantize_stored(held[names[0]], held[names[1]], layout, w13s, s13s)
-    w2 = dequantize_stored(held[names[2]], held[names[3]], layout, w2s, s2s)
     rows, (dcols, _) = g._windows()
     il, ip, h = g.i_local, g.i_pad, g.hidden
     for e, src in enumerate(g.experts):
-        for half, proj in enumerate(("gate_proj", "up_proj")):
-            full(f"{src}.{proj}")[rows, :] = w13[e, half * ip:half * ip + il, :h]
-        full(f"{src}.down_proj")[:, 2 * dcols.start:2 * dcols.stop] = w2[e, :h, :il]
+        def gate_up(full, e=e, half=0):
+            w = dequantize_expert(held[names[0]], held[names[1]], lay, e, w13s, s13s)
+            full[rows, :] = w[half * ip:half * ip + il, :h]
+
+        def down(full, e=e):
+            w = dequantize_expert(held[names[2]], held[names[3]], lay, e, w2s, s2s)
+            full[:, 2 * dcols.start:2 * dcols.stop] = w[:h, :il]
+
+        pieces.setdefault(f"{src}.gate_proj", []).append(gate_up)
+        pieces.setdefault(f"{src}.up_proj", []).append(lambda full, e=e: gate_up(full, e, 1))
+        pieces.setdefault(f"{src}.down_proj", []).append(down)

@@ -183,3 +183,15 @@ def test_compare_api_reports_bit_identity(sources, tmp_path):
     convert(str(sources["v2"]), out, Target("non-shuffle", "triton", 4))
     r = compare(sources["v2"], out, IDS[:5])
     assert r["identical"] and r["max_abs_diff"] == 0.0 and r["argmax_agree"] == 1.0
+
+
+def test_a_forward_over_the_first_layers_dequantizes_only_those_layers(sources, tmp_path):
+    # What makes `prep compare SRC OUT --layers 4` possible on a 350 GB checkpoint: matrices are
+    # made on first use, never all at once.
+    out = tmp_path / "out"
+    convert(str(sources["v2"]), out, Target("preshuffle", "ck", 2))
+    for root in (sources["v2"], out):
+        w = load_weights(root)
+        DeepseekV3(w, layers=1)(torch.tensor(IDS[:5]))
+        made = [k for k in w._cache if k.startswith("model.layers.")]
+        assert made and all(k.startswith("model.layers.0.") for k in made), made
