@@ -86,7 +86,7 @@ def load_rank(model_dir: str | pathlib.Path, rank: int, device: str | torch.devi
             if hasher is not None and hasher(t) != r.xxh3_128:
                 raise ManifestError(f"{path}: tensor {r.name} does not match its manifest hash; convert again")
         if device.type != "cpu":  # one transfer per file, then the same views on the device
-            buf = buf.to(device)
+            buf = to_device(buf, device)
             views = {r.name: byte_view(buf, f.tensors[r.name].offset - f.data_offset, f.tensors[r.name].nbytes,
                                        views[r.name].dtype, r.shape) for r in recs}
         out.buffers.append(buf)
@@ -97,6 +97,32 @@ def load_rank(model_dir: str | pathlib.Path, rank: int, device: str | torch.devi
             t.prep_layout, t.prep_role = r.layout, r.role
             out[r.name] = t
             out.records[r.name] = r
+    return out
+
+
+STAGE_BYTES = 64 << 20
+
+
+def to_device(buf: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Copy a (mapped) host byte buffer to ``device`` through two pinned staging blocks: the
+    host copies block i+1 into one while the DMA engine moves block i from the other. A plain
+    ``.to(device)`` of pageable (mapped) memory ran at 3.7 GB/s on an H200 host."""
+    n = buf.numel()
+    if device.type != "cuda" or n <= STAGE_BYTES:
+        return buf.to(device)
+    out = torch.empty(n, dtype=torch.uint8, device=device)
+    stream = torch.cuda.current_stream(device)
+    stages = [torch.empty(STAGE_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+    done: list[torch.cuda.Event | None] = [None, None]
+    for i, start in enumerate(range(0, n, STAGE_BYTES)):
+        k, m = i % 2, min(STAGE_BYTES, n - start)
+        if done[k] is not None:
+            done[k].synchronize()  # the DMA from this stage block has finished
+        stages[k][:m].copy_(buf[start:start + m])
+        out[start:start + m].copy_(stages[k][:m], non_blocking=True)
+        done[k] = torch.cuda.Event()
+        done[k].record(stream)
+    stream.synchronize()
     return out
 
 
