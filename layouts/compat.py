@@ -144,10 +144,13 @@ def check_compatibility(manifest: Manifest, engine: EngineConfig) -> None:
         raise CompatibilityError(f"{where}: {msg}")
     want_moe = engine.expected_moe_layout()
     if manifest.moe_layout != want_moe:
-        env_fix = f"{ENV_TRITON_MOE}=1" if manifest.moe_layout.startswith("triton") else f"{ENV_TRITON_MOE}=0"
+        if manifest.moe_layout.startswith("triton") and engine.moe_backend == "triton":
+            env_fix = f"run on the GPU the checkpoint was made for (the Triton MoE scale layout differs by arch)"
+        else:
+            env_fix = "set " + (f"{ENV_TRITON_MOE}=1" if manifest.moe_layout.startswith("triton") else f"{ENV_TRITON_MOE}=0")
         raise CompatibilityError(
             f"{where}: MoE experts are in the {manifest.moe_layout!r} layout but the engine's {engine.moe_backend} MoE "
-            f"on {engine.gpu_arch} reads {want_moe!r}; it would compute garbage: set {env_fix} or convert with "
+            f"on {engine.gpu_arch} reads {want_moe!r}; it would compute garbage: {env_fix} or convert with "
             f"--moe-layout {want_moe}")
     if engine.ep_size > 1 and engine.moe_backend == "triton":
         raise CompatibilityError(

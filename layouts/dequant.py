@@ -12,8 +12,8 @@ accident of sharing code with the inverse.
 
 from __future__ import annotations
 
-import functools
 import math
+from collections import OrderedDict
 
 import torch
 
@@ -23,10 +23,28 @@ from .registry import Layout, ScaleShuffle, Transform
 Shape = tuple[int, ...]
 
 
-@functools.lru_cache(maxsize=512)
-def stored_positions(transform: Transform, shape: Shape) -> torch.Tensor:
+_POSITIONS: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
+POSITIONS_CACHE_BYTES = 512 << 20  # int64 maps are 8 bytes per stored byte: keep only recent ones
+
+
+def stored_positions(transform: Transform, shape: Shape, device: torch.device | str = "cpu") -> torch.Tensor:
     """For each byte of a logical ``shape`` tensor (row-major), its flat position in the
-    transform's output. int64 ``[numel]``; cached per (transform, shape)."""
+    transform's output. int64 ``[numel]`` on ``device``; recent maps are cached (512 MiB)."""
+    key = (transform, tuple(shape), str(device))
+    hit = _POSITIONS.get(key)
+    if hit is not None:
+        _POSITIONS.move_to_end(key)
+        return hit
+    where = _positions(transform, tuple(shape)).to(device)
+    size = where.numel() * 8
+    if size <= POSITIONS_CACHE_BYTES:
+        while _POSITIONS and sum(t.numel() * 8 for t in _POSITIONS.values()) + size > POSITIONS_CACHE_BYTES:
+            _POSITIONS.popitem(last=False)
+        _POSITIONS[key] = where
+    return where
+
+
+def _positions(transform: Transform, shape: Shape) -> torch.Tensor:
     n = math.prod(shape)
     if n >= (1 << 31) - 1:
         raise ValueError(f"tensor of {n} bytes is too large for a position map; dequantize it in expert blocks")
@@ -34,7 +52,8 @@ def stored_positions(transform: Transform, shape: Shape) -> torch.Tensor:
     planes = [transform.forward(((pos >> (8 * i)) & 0xFF).to(torch.uint8).view(shape)) for i in range(4)]
     stored = sum(p.reshape(-1).to(torch.int64) << (8 * i) for i, p in enumerate(planes))
     valid = (stored >= 1) & (stored <= n)
-    if int(valid.sum()) != n:
+    # Every logical byte must land in exactly one stored position (anything else is not a layout).
+    if int(valid.sum()) != n or not bool((torch.bincount(stored[valid] - 1, minlength=n) == 1).all()):
         raise ValueError(f"{transform.name} on {shape} is not a permutation plus padding")
     where = torch.empty(n, dtype=torch.int64)
     where[stored[valid] - 1] = torch.nonzero(valid).reshape(-1)
@@ -46,7 +65,7 @@ def read_logical(stored: torch.Tensor, transform: Transform, shape: Shape) -> to
     flat = stored.reshape(-1)
     if flat.dtype != torch.uint8:
         flat = flat.view(torch.uint8)
-    return flat[stored_positions(transform, tuple(shape)).to(flat.device)].view(shape)
+    return flat[stored_positions(transform, tuple(shape), flat.device)].view(shape)
 
 
 def dequantize_stored(weight: torch.Tensor, scale: torch.Tensor, layout: Layout, weight_shape: Shape,

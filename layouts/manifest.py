@@ -132,15 +132,21 @@ class Manifest:
         ``xxhash``. Returns the number of tensors checked; raises naming the first mismatch."""
         import xxhash
 
-        from .safetensors_file import SafetensorsFile
+        from .safetensors_file import SafetensorsFile, SafetensorsFileError
 
         records = self.tensors if rank is None else self.rank_tensors(rank)
         by_file: dict[str, list[TensorRecord]] = {}
         for t in records:
             by_file.setdefault(t.file, []).append(t)
         for fname, ts in by_file.items():
-            f = SafetensorsFile(self.root / fname)
+            try:
+                f = SafetensorsFile(self.root / fname)
+            except (FileNotFoundError, SafetensorsFileError) as e:
+                raise ManifestError(f"{self.root / fname}: listed in the manifest but "
+                                    f"{'missing' if isinstance(e, FileNotFoundError) else 'unreadable'}; convert again") from None
             for t in ts:
+                if t.name not in f.tensors:
+                    raise ManifestError(f"{self.root / fname}: tensor {t.name} is missing from the file; convert again")
                 data = f.get(t.name)
                 if xxhash.xxh3_128(data.reshape(-1).view(torch.uint8).numpy()).hexdigest() != t.xxh3_128:
                     raise ManifestError(f"{self.root / fname}: tensor {t.name} does not match its manifest hash; "

@@ -2,14 +2,17 @@
 tensors read into fresh buffers (a block of rows at a time if asked) or the whole data section
 read once, sequentially, and handed out as views.
 
-Nothing is memory-mapped: mapped pages that were read stay resident and count against the
-process, which is how a loader or converter ends up holding a whole checkpoint. Shared by the
-runtime loader (``layouts.load_rank``) and by prep's converter, verifier and reverter.
+The converter reads with ``pread`` into its own buffers: mapped pages that were read stay
+resident and count against the process, which is how a converter ends up holding a whole
+checkpoint. The runtime loader (``layouts.load_rank``) maps whole files instead
+(:func:`map_all`): it hands the bytes on as they are, and mapped pages can be dropped under
+memory pressure. Shared by the loader and by prep's converter, verifier and reverter.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import pathlib
 from dataclasses import dataclass
@@ -59,12 +62,24 @@ class SafetensorsFile:
         self.data_offset = 8 + n
         self.tensors: dict[str, TensorInfo] = {}
         end = 0
+        if not isinstance(header, dict):
+            raise SafetensorsFileError(f"{path}: the header is not a JSON object; the file is corrupt")
         for name, meta in header.items():
             if name == "__metadata__":
                 continue
-            a, b = meta["data_offsets"]
+            try:
+                a, b = (int(x) for x in meta["data_offsets"])
+                dtype, shape = meta["dtype"], tuple(int(d) for d in meta["shape"])
+            except (KeyError, TypeError, ValueError):
+                raise SafetensorsFileError(f"{path}: header entry of {name} is malformed; the file is corrupt") from None
+            if dtype not in TORCH_DTYPES:
+                raise SafetensorsFileError(f"{path}: tensor {name} has dtype {dtype}, which this reader does not know "
+                                           f"(known: {', '.join(TORCH_DTYPES)})")
+            if not 0 <= a <= b or math.prod(shape) * TORCH_DTYPES[dtype].itemsize != b - a:
+                raise SafetensorsFileError(f"{path}: tensor {name} is {dtype} {list(shape)} but spans bytes [{a}, {b}); "
+                                           "the file is corrupt")
             end = max(end, b)
-            self.tensors[name] = TensorInfo(name, path.name, meta["dtype"], tuple(meta["shape"]), 8 + n + a, b - a)
+            self.tensors[name] = TensorInfo(name, path.name, dtype, shape, 8 + n + a, b - a)
         self.data_size = end
         if 8 + n + end != size:
             raise SafetensorsFileError(f"{path}: file is {size} bytes but its header says {8 + n + end}; "
@@ -91,6 +106,8 @@ class SafetensorsFile:
         start, stop = (0, shape[0] if shape else 1) if rows is None else \
             (rows.start or 0, shape[0] if rows.stop is None else rows.stop)
         if shape:
+            if not 0 <= start <= stop <= info.shape[0]:
+                raise ValueError(f"read {info.name}: rows [{start}, {stop}) outside its {info.shape[0]} rows")
             shape[0] = stop - start
         if out is None:
             out = torch.empty(shape, dtype=TORCH_DTYPES[info.dtype])
@@ -138,6 +155,6 @@ def byte_view(buf: torch.Tensor, offset: int, nbytes: int, dtype: torch.dtype, s
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype, device=buf.device)
     t = buf[offset:offset + nbytes]
-    if offset % dtype.itemsize:
+    if t.data_ptr() % dtype.itemsize:  # the address, not the offset: a mapped data section may start unaligned
         t = t.clone()
     return t.view(dtype).view(shape)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
 from typing import Any, Callable
 
@@ -229,6 +230,8 @@ def run_cmd(model_dir, prompt_ids, layers, device, act_quant, gemm_path, save_lo
     """
     from .run import run
 
+    if save_logits and not os.path.isdir(os.path.dirname(os.path.abspath(save_logits))):
+        raise PrepError(f"--save-logits {save_logits}: its folder does not exist")
     r = run(model_dir, _ids(prompt_ids), layers=layers, device=device, act_quant=act_quant, gemm_path=gemm_path,
             assume_layout=assume_layout)
     logits = r.pop("logits")
@@ -237,7 +240,7 @@ def run_cmd(model_dir, prompt_ids, layers, device, act_quant, gemm_path, save_lo
 
         tmp = save_logits + ".tmp"
         save_file({"logits": logits.contiguous()}, tmp, metadata={"model": str(model_dir), "prompt_ids": prompt_ids})
-        __import__("os").replace(tmp, save_logits)
+        os.replace(tmp, save_logits)
     r["argmax"] = logits.argmax(-1).tolist()
     _emit(r, as_json, [f"{r['weights']}: {r['layers']} layers, gemm path {r['gemm_path']}, act quant {r['act_quant']}",
                        f"load {r['load_s']:.2f} s, forward {r['forward_s']:.2f} s; argmax per position: {r['argmax']}"]
@@ -268,6 +271,9 @@ def compare(a, b, prompt_ids, layers, device, act_quant, gemm_path, tolerance, a
                        f"max |logit difference| {r['max_abs_diff']:.6g} over {r['tokens']} positions"
                        f"{' (identical bit for bit)' if r['identical'] else ''}; argmax agrees on "
                        f"{100 * r['argmax_agree']:.1f}%"])
+    bad = [k.upper() for k, ok in r["finite"].items() if not ok]
+    if bad:
+        raise PrepError(f"logits of {' and '.join(bad)} are not finite (NaN or inf): that checkpoint computes garbage")
     if r["max_abs_diff"] > tolerance:
         raise PrepError(f"logits differ by {r['max_abs_diff']:.6g} > --tolerance {tolerance}")
 

@@ -111,6 +111,9 @@ def plan_groups(src: SourceCheckpoint, cls: Classified, target: Target) -> list[
     if target.ep not in (1, tp):
         raise PrepError(f"--ep {target.ep} with --tp {tp}: expert parallel runs with ep_size = tp_size (ATOM's "
                         "--enable-expert-parallel); pass --ep 1 or --ep equal to --tp")
+    if target.ep > 1 and target.moe_layout != "ck":
+        raise PrepError(f"--ep {target.ep} with --moe-layout {target.moe_layout}: ATOM's Triton MoE ignores the expert "
+                        "map, so no engine could run this; use --moe-layout ck for expert parallel")
     heads = int(cfg.get("num_attention_heads", 1))
     if heads % tp:
         raise PrepError(f"config.json: num_attention_heads={heads} does not divide over tp={tp}; "

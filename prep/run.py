@@ -41,6 +41,12 @@ def run(model_dir: str | pathlib.Path, prompt_ids: list[int], *, layers: int | N
     root = pathlib.Path(model_dir)
     if not root.is_dir():
         raise PrepError(f"{root}: no such directory")
+    if layers is not None and layers < 1:
+        raise PrepError(f"--layers {layers}: run at least one layer")
+    if assume_layout is not None and assume_layout not in layouts.layout_names():
+        raise PrepError(f"--assume-layout {assume_layout!r}: not a layout; known: {', '.join(layouts.layout_names())}")
+    if device != "cpu" and not (device.startswith("cuda") and torch.cuda.is_available()):
+        raise PrepError(f"--device {device}: no such device here; use cpu" + (" or cuda" if torch.cuda.is_available() else ""))
     path, engine = engine_for(root, gemm_path)
     if engine is not None and assume_layout is None:
         try:
@@ -73,7 +79,9 @@ def compare(a: str | pathlib.Path, b: str | pathlib.Path, prompt_ids: list[int],
     la, lb = ra["logits"], rb["logits"]
     if la.shape != lb.shape:
         raise PrepError(f"logits shapes differ: {list(la.shape)} vs {list(lb.shape)}; not the same model")
-    diff = (la - lb).abs()
-    return {"a": ra["weights"], "b": rb["weights"], "max_abs_diff": float(diff.max()),
-            "identical": bool(torch.equal(la, lb)), "argmax_agree": float((la.argmax(-1) == lb.argmax(-1)).float().mean()),
-            "tokens": len(prompt_ids)}
+    finite = {"a": bool(torch.isfinite(la).all()), "b": bool(torch.isfinite(lb).all())}
+    # A NaN never compares greater than a tolerance: non-finite logits count as an infinite difference.
+    diff = float((la - lb).abs().max()) if all(finite.values()) else float("inf")
+    return {"a": ra["weights"], "b": rb["weights"], "max_abs_diff": diff, "finite": finite,
+            "identical": all(finite.values()) and bool(torch.equal(la, lb)),
+            "argmax_agree": float((la.argmax(-1) == lb.argmax(-1)).float().mean()), "tokens": len(prompt_ids)}

@@ -147,10 +147,11 @@ def _from_converted(root: pathlib.Path, assume_layout: str | None) -> ModelWeigh
 
     def assemble(prefix: str) -> torch.Tensor:
         n, kb = src_meta[f"{prefix}.weight"]["shape"]
-        full = torch.full((n, 2 * kb), float("nan"))  # NaN until a rank fills it
+        full = torch.empty((n, 2 * kb))
+        covered = torch.zeros((n, 2 * kb), dtype=torch.bool)  # which values some rank provided
         for place in pieces[prefix]:
-            place(full)
-        if torch.isnan(full).any():
+            place(full, covered)
+        if not covered.all():
             raise PrepError(f"{prefix}.weight: no rank holds all of it; the converted checkpoint is incomplete")
         return full
 
@@ -166,16 +167,35 @@ def _from_converted(root: pathlib.Path, assume_layout: str | None) -> ModelWeigh
     return ModelWeights(config, linears, tensors, what)
 
 
+def _last(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """Remember the last result: the modules of one merged tensor ([q_a ; kv_a], [gate ; up])
+    are asked for one after the other, and should not dequantize it twice."""
+    memo: dict[tuple, torch.Tensor] = {}
+
+    def call(*args):
+        if args not in memo:
+            memo.clear()
+            memo[args] = fn(*args)
+        return memo[args]
+
+    return call
+
+
+def _put(full: torch.Tensor, covered: torch.Tensor, where: tuple[slice, slice], values: torch.Tensor) -> None:
+    full[where] = values
+    covered[where] = True
+
+
 def _linear_pieces(g: LinearGroup, held, lay: layouts.Layout, names: list[str], pieces) -> None:
     wshape, sshape = g.local_shapes()
+    values = _last(lambda: dequantize_stored(held[names[0]], held[names[1]], lay, wshape, sshape))
     row = 0
     for p in g.parts:
         n = p.local(g.tp)[0]
         rows, wcols, _ = p.window(g.tp, g.rank)
 
-        def place(full, rows=rows, wcols=wcols, row=row, n=n):
-            values = dequantize_stored(held[names[0]], held[names[1]], lay, wshape, sshape)
-            full[rows, 2 * wcols.start:2 * wcols.stop] = values[row:row + n]
+        def place(full, covered, rows=rows, wcols=wcols, row=row, n=n):
+            _put(full, covered, (rows, slice(2 * wcols.start, 2 * wcols.stop)), values()[row:row + n])
 
         pieces.setdefault(p.src, []).append(place)
         row += n
@@ -185,15 +205,15 @@ def _expert_pieces(g: MoEGroup, held, lay: layouts.Layout, names: list[str], pie
     w13s, s13s, w2s, s2s = g.local_shapes()
     rows, (dcols, _) = g._windows()
     il, ip, h = g.i_local, g.i_pad, g.hidden
+    w13 = _last(lambda e: dequantize_expert(held[names[0]], held[names[1]], lay, e, w13s, s13s))
     for e, src in enumerate(g.experts):
-        def gate_up(full, e=e, half=0):
-            w = dequantize_expert(held[names[0]], held[names[1]], lay, e, w13s, s13s)
-            full[rows, :] = w[half * ip:half * ip + il, :h]
+        def gate_up(full, covered, e=e, half=0):
+            _put(full, covered, (rows, slice(None)), w13(e)[half * ip:half * ip + il, :h])
 
-        def down(full, e=e):
+        def down(full, covered, e=e):
             w = dequantize_expert(held[names[2]], held[names[3]], lay, e, w2s, s2s)
-            full[:, 2 * dcols.start:2 * dcols.stop] = w[:h, :il]
+            _put(full, covered, (slice(None), slice(2 * dcols.start, 2 * dcols.stop)), w[:h, :il])
 
         pieces.setdefault(f"{src}.gate_proj", []).append(gate_up)
-        pieces.setdefault(f"{src}.up_proj", []).append(lambda full, e=e: gate_up(full, e, 1))
+        pieces.setdefault(f"{src}.up_proj", []).append(lambda full, covered, e=e: gate_up(full, covered, e, 1))
         pieces.setdefault(f"{src}.down_proj", []).append(down)

@@ -291,6 +291,8 @@ def test_layout_and_tp_constraints_are_named(sources, tmp_path):
     assert_one_line_error(run_cli("convert", str(sources["v2"]), "-o", str(out), "--tp", "3"),
                           "num_attention_heads=8", "tp=3")
     assert_one_line_error(run_cli("convert", str(sources["v2"]), "-o", str(out), "--ep", "2"), "--ep")
+    assert_one_line_error(run_cli("convert", str(sources["v2"]), "-o", str(out), "--tp", "2", "--ep", "2",
+                                  "--moe-layout", "triton"), "ignores the expert map")
     assert nothing_left(out)
 
 

@@ -195,3 +195,43 @@ def test_a_forward_over_the_first_layers_dequantizes_only_those_layers(sources, 
         DeepseekV3(w, layers=1)(torch.tensor(IDS[:5]))
         made = [k for k in w._cache if k.startswith("model.layers.")]
         assert made and all(k.startswith("model.layers.0.") for k in made), made
+
+
+def _nan_scale_copy(src, dst):
+    """A copy of ``src`` whose first dense down_proj scale byte is 0xFF (E8M0 NaN)."""
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    shutil.copytree(src, dst)
+    name = "model.layers.0.mlp.down_proj.weight_scale"
+    index = json.loads((dst / "model.safetensors.index.json").read_text())["weight_map"]
+    f = dst / index[name]
+    with safe_open(str(f), "pt") as h:
+        tensors = {k: h.get_tensor(k) for k in h.keys()}
+        meta = h.metadata()
+    tensors[name] = tensors[name].clone()
+    tensors[name][0, 0] = 0xFF
+    save_file(tensors, str(f), metadata=meta)
+    return dst
+
+
+def test_compare_fails_on_logits_that_are_not_finite(sources, tmp_path):
+    bad = _nan_scale_copy(sources["v2"], tmp_path / "nan")
+    r = CliRunner().invoke(main, ["compare", str(bad), str(bad), "--prompt-ids", "1,5,9"])
+    assert r.exit_code == 1 and "are not finite" in r.output, r.output
+    out = tmp_path / "out"  # a converted copy runs too (to the same NaN), it is not "incomplete"
+    convert(str(bad), out, Target("preshuffle", "ck", 2))
+    assert torch.isnan(run(out, [1, 5, 9])["logits"]).all()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--layers", "0"], "run at least one layer"),
+    (["--assume-layout", "bogus"], "not a layout; known:"),
+    (["--device", "cuda:7"] if not torch.cuda.is_available() else ["--device", "tpu"], "no such device here"),
+    (["--save-logits", "/nonexistent-dir/x.safetensors"], "its folder does not exist"),
+])
+def test_run_refuses_bad_options_in_one_line(sources, args, message):
+    r = CliRunner().invoke(main, ["run", str(sources["v2"]), "--prompt-ids", "1,2", *args])
+    assert r.exit_code == 1 and message in r.output and r.output.count("\n") == 1, r.output

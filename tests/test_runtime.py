@@ -249,3 +249,66 @@ def test_activation_plan_without_fusion_returns_bf16_norms(converted):
     x, w = torch.randn(4, 256, dtype=torch.bfloat16), torch.ones(256, dtype=torch.bfloat16)
     (y, scale), res = plan.input_layernorm(x, w, 1e-6)
     assert scale is None and y.dtype == torch.bfloat16 and torch.equal(res, x)
+
+
+# ------------------------------------------------------------------------------ safetensors reader
+def _raw_safetensors(path, header: dict, data: bytes, pad_to: int = 8):
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % pad_to) if pad_to else b""
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + data)
+    return path
+
+
+@pytest.mark.parametrize("header, message", [
+    ({"a": {"dtype": "U8", "shape": [8], "data_offsets": [0, 4]}, "b": {"dtype": "U8", "shape": [4], "data_offsets": [4, 8]}},
+     "a is U8 [8] but spans bytes [0, 4)"),
+    ({"a": {"dtype": "U16", "shape": [4], "data_offsets": [0, 8]}}, "dtype U16, which this reader does not know"),
+    ({"a": {"dtype": "U8", "shape": [8]}}, "header entry of a is malformed"),
+    ({"a": {"dtype": "U8", "shape": [16], "data_offsets": [0, 16]}}, "header says"),
+])
+def test_the_safetensors_reader_refuses_headers_that_disagree_with_themselves(tmp_path, header, message):
+    from layouts.safetensors_file import SafetensorsFile, SafetensorsFileError
+
+    f = _raw_safetensors(tmp_path / "x.safetensors", header, bytes(range(8)))
+    with pytest.raises(SafetensorsFileError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+        SafetensorsFile(f)
+
+
+@pytest.mark.parametrize("header_pad", [0, 1, 2, 3])
+def test_mapped_views_work_whatever_the_alignment_of_the_data_section(tmp_path, header_pad):
+    from layouts.safetensors_file import SafetensorsFile, map_all
+
+    header = {"f": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, "u": {"dtype": "U8", "shape": [3], "data_offsets": [8, 11]}}
+    raw = json.dumps(header).encode() + b" " * header_pad
+    data = torch.tensor([1.5, -2.0]).numpy().tobytes() + b"\x01\x02\x03"
+    f = tmp_path / "x.safetensors"
+    f.write_bytes(len(raw).to_bytes(8, "little") + raw + data)
+    sf = SafetensorsFile(f)
+    _, mapped = map_all(sf)
+    _, read = sf.read_all()
+    for views in (mapped, read):
+        assert torch.equal(views["f"], torch.tensor([1.5, -2.0])) and views["u"].tolist() == [1, 2, 3]
+
+
+def test_a_transform_that_is_not_a_permutation_gets_no_position_map():
+    import dataclasses
+
+    from layouts.dequant import stored_positions
+    from layouts.registry import Transform
+
+    @dataclasses.dataclass(frozen=True)
+    class Duplicating(Transform):  # copies element 0 over element 1: loses a byte
+        name = "duplicating"
+
+        def forward(self, t):
+            t = t.clone().reshape(-1)
+            t[1] = t[0]
+            return t
+
+    with pytest.raises(ValueError, match="not a permutation"):
+        stored_positions(Duplicating(), (2, 2))
+
+
+def test_triton_moe_checkpoint_on_another_arch_names_the_arch(converted):
+    with pytest.raises(CompatibilityError, match="run on the GPU the checkpoint was made for"):
+        check_compatibility(load_manifest(converted["raw-gfx942-tp2"]), EngineConfig("triton-non-shuffle", "triton", 2))
