@@ -23,9 +23,10 @@ from .mxfp4 import (
     quantize,
     unpack_fp4,
 )
-from . import activation, manifest
+from . import activation, dequant, manifest
 from .activation import ActivationQuantPlan
 from .compat import CompatibilityError, EngineConfig, check_compatibility
+from .dequant import dequantize_activation, dequantize_expert, dequantize_stored
 from .fused_quant import fused_rms_mxfp4_quant, fused_rms_mxfp4_quant_reference
 from .loader import RankTensors, load_rank
 from .manifest import Manifest, ManifestError, TensorRecord, load_manifest
@@ -51,6 +52,7 @@ __all__ = [
     "Layout", "Transform", "get_layout", "layout_names", "register_layout",
     "GEMM_PATH_RULES", "ActivationQuantFlags", "select_activation_quant",
     "ActivationQuantPlan", "CompatibilityError", "EngineConfig", "check_compatibility",
+    "dequantize_activation", "dequantize_expert", "dequantize_stored",
     "fused_rms_mxfp4_quant", "fused_rms_mxfp4_quant_reference", "RankTensors", "load_rank",
     "Manifest", "ManifestError", "TensorRecord", "load_manifest",
     "LayoutConstraintError", "preshuffle_scale", "preshuffle_scale_per_expert", "preshuffle_weight",
