@@ -235,3 +235,28 @@ def test_compare_fails_on_logits_that_are_not_finite(sources, tmp_path):
 def test_run_refuses_bad_options_in_one_line(sources, args, message):
     r = CliRunner().invoke(main, ["run", str(sources["v2"]), "--prompt-ids", "1,2", *args])
     assert r.exit_code == 1 and message in r.output and r.output.count("\n") == 1, r.output
+
+
+def test_yarn_rope_scaling_agrees_with_transformers(sources):
+    # DeepSeek-V3/R1 ship YaRN (factor 40, mscale_all_dim 1): frequencies and the softmax scale
+    # both change. Dense first layer of the v2 model, on transformers' own layer input.
+    yarn = {"type": "yarn", "rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 64,
+            "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
+    src = sources["v2"]
+    w = load_weights(src)
+    w.config = dict(w.config, rope_scaling=yarn, max_position_embeddings=2560)
+    model = _transformers_model(src, w, rope_scaling=yarn, max_position_embeddings=2560)
+    ins, outs = {}, {}
+    layer = model.model.layers[0]
+    layer.register_forward_pre_hook(lambda mod, a, kw: ins.__setitem__(0, (a[0] if a else kw["hidden_states"])[0]),
+                                    with_kwargs=True)
+    layer.register_forward_hook(lambda mod, a, kw, out: outs.__setitem__(0, (out[0] if isinstance(out, tuple) else out)[0]),
+                                with_kwargs=True)
+    with torch.no_grad():
+        model(torch.tensor([IDS]))
+    engine = DeepseekV3(w, ForwardOptions(act_quant=False))
+    rope = rope_tables(engine.cfg, torch.arange(len(IDS)))
+    assert rope[2] > 1.0  # the YaRN mscale really applies
+    h, r = engine.decoder_layer(0, ins[0].to(torch.bfloat16), None, rope)
+    ours, theirs = h.float() + r.float(), outs[0]
+    assert (ours - theirs).abs().max() <= 0.02 * theirs.abs().max()
