@@ -5,15 +5,17 @@
 
 Without --src, generates the multi-GB "bench" preset (scripts/make_tiny_deepseek.py --preset
 bench) into a temporary folder first. Runs `cp -r SRC`, `cp -r SRC; sync` and `prep convert SRC`
-as child processes (source in the page cache for all), in --repeat interleaved rounds because
-the disk here is noisy, and prints each round's ratios, the medians, and the converter's peak
-RSS over its fixed overhead. Target: convert >= 0.7x cp at --tp 1.
+as child processes (source in the page cache for all), with a user-space copy (pread + write +
+fsync per file, in Python: the least any converter that touches the bytes does), in --repeat
+interleaved rounds because the disk here is noisy, and prints each round's ratios, the medians,
+and the converter's peak RSS over its fixed overhead. Target: convert >= 0.7x cp at --tp 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import resource
 import shutil
@@ -50,7 +52,28 @@ def _idle_rss() -> tuple[int, None]:
     return int(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout), None
 
 
+def user_copy(src: pathlib.Path, dst: pathlib.Path) -> None:
+    """What any converter that transforms bytes must at least do: read each file into user
+    memory and write it out (32 MiB blocks), fsync each file. `cp` copies inside the kernel
+    (copy_file_range) and does not fsync, so this is the baseline a converter can approach."""
+    dst.mkdir(parents=True)
+    buf = memoryview(bytearray(32 << 20))
+    for f in sorted(src.iterdir()):
+        fi = os.open(f, os.O_RDONLY)
+        with open(dst / f.name, "wb") as fo:
+            off = 0
+            while (n := os.preadv(fi, [buf], off)) > 0:
+                fo.write(buf[:n])
+                off += n
+            fo.flush()
+            os.fsync(fo.fileno())
+        os.close(fi)
+
+
 def main() -> None:
+    if len(sys.argv) == 4 and sys.argv[1] == "--user-copy":
+        user_copy(pathlib.Path(sys.argv[2]), pathlib.Path(sys.argv[3]))
+        return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--src", type=pathlib.Path)
     ap.add_argument("--tp", type=int, default=1)
@@ -83,26 +106,31 @@ def main() -> None:
             t_cp, _ = timed(["cp", "-r", str(src), str(work / "copy")])
             # prep fsyncs each file before renaming it into place; cp does not: time cp + sync too.
             t_cps, _ = timed(["sh", "-c", f"cp -r '{src}' '{work / 'copy2'}' && sync"])
+            shutil.rmtree(work / "copy3", ignore_errors=True)
+            t_py, _ = timed([sys.executable, __file__, "--user-copy", str(src), str(work / "copy3")])
+            shutil.rmtree(work / "copy3", ignore_errors=True)
             before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
             out = work / "converted"
             t_cv, rss = timed(prep + ["convert", str(src), "-o", str(out), "--tp", str(args.tp), "--layout", args.layout,
                                       "--moe-layout", args.moe_layout, "--workers", str(args.workers)])
             peak = max(peak, rss if rss > before else 0)
-            rounds.append((t_cp, t_cps, t_cv))
-            print(f"round {r + 1}: cp {t_cp:6.2f} s, cp+sync {t_cps:6.2f} s, convert {t_cv:6.2f} s -> "
-                  f"{t_cp / t_cv:4.2f}x cp, {t_cps / t_cv:4.2f}x cp+sync")
+            rounds.append((t_cp, t_cps, t_cv, t_py))
+            print(f"round {r + 1}: cp {t_cp:6.2f} s, cp+sync {t_cps:6.2f} s, user-space copy+fsync {t_py:6.2f} s, "
+                  f"convert {t_cv:6.2f} s -> {t_cp / t_cv:4.2f}x cp, {t_cps / t_cv:4.2f}x cp+sync, "
+                  f"{t_py / t_cv:4.2f}x user-space copy")
         manifest = json.loads((work / "converted" / "prep-manifest.json").read_text())
         largest = max((t for t in manifest["tensors"]), key=lambda t: _nbytes(t))
         med = lambda xs: statistics.median(xs)  # noqa: E731
-        t_cp, t_cps, t_cv = (med([r[i] for r in rounds]) for i in range(3))
+        t_cp, t_cps, t_cv, t_py = (med([r[i] for r in rounds]) for i in range(4))
         print(f"source: {size / 2**30:.2f} GiB, {len(manifest['source']['tensors'])} tensors in "
               f"{len(manifest['source']['files'])} files -> {len(manifest['tensors'])} tensors in {len(manifest['files'])} files")
         print(f"median of {args.repeat} rounds (tp {args.tp}, {args.layout}+{args.moe_layout}, workers {args.workers}):")
         print(f"cp -r       : {t_cp:7.2f} s  {size / t_cp / 1e9:6.2f} GB/s  (baseline)")
         print(f"cp -r; sync : {t_cps:7.2f} s  {size / t_cps / 1e9:6.2f} GB/s  (baseline with durability)")
+        print(f"user copy   : {t_py:7.2f} s  {size / t_py / 1e9:6.2f} GB/s  (pread + write + fsync per file, in Python)")
         print(f"prep convert: {t_cv:7.2f} s  {size / t_cv / 1e9:6.2f} GB/s  "
               f"ratios per round, median: {med([r[0] / r[2] for r in rounds]):4.2f}x cp, "
-              f"{med([r[1] / r[2] for r in rounds]):4.2f}x cp+sync")
+              f"{med([r[1] / r[2] for r in rounds]):4.2f}x cp+sync, {med([r[3] / r[2] for r in rounds]):4.2f}x user copy")
         print(f"peak RSS of convert: {peak / 2**20:.0f} MiB = fixed overhead {base_rss / 2**20:.0f} MiB (python + torch + "
               f"prep imported) + {(peak - base_rss) / 2**20:.0f} MiB of blocks in flight (blocks of "
               f"{CHUNK_BYTES >> 20} MiB; largest output tensor {largest['name']}, {_nbytes(largest) / 2**20:.0f} MiB)")
