@@ -369,3 +369,18 @@ def test_convert_resolves_a_repo_id_through_the_hub_cache_offline(sources, tmp_p
     missing = tmp_path / "missing"
     assert_one_line_error(run_cli("convert", "amd/Not-Cached", "-o", str(missing)), "amd/Not-Cached")
     assert nothing_left(missing)
+
+
+def test_inspect_of_a_converted_checkpoint_says_what_each_rank_loads(sources, tmp_path):
+    out = tmp_path / "out"
+    convert(str(sources["v2"]), out, Target("preshuffle", "ck", 2, ep=2))
+    r = CliRunner().invoke(main, ["inspect", str(out), "--json"])
+    ranks = json.loads(r.output)["ranks"]
+    m = json.loads((out / "prep-manifest.json").read_text())
+    common = sum(f["size"] for f in m["files"].values() if f["rank"] is None)
+    for x in ranks:
+        own = sum(f["size"] for f in m["files"].values() if f["rank"] == x["rank"])
+        assert x["bytes"] == own + common and x["local_experts"] == 5
+    assert [x["global_routed_experts"] for x in ranks] == [[0, 4], [4, 8]]
+    text = CliRunner().invoke(main, ["inspect", str(out)]).output
+    assert "rank 1: loads" in text and "routed 4..7 + shared" in text
