@@ -14,6 +14,7 @@ import concurrent.futures as cf
 import dataclasses
 import errno
 import json
+import multiprocessing
 import pathlib
 import shutil
 from typing import Any, Callable, Iterator
@@ -207,7 +208,10 @@ def convert(
                 if progress:
                     progress(job.nbytes)
         else:
-            with cf.ProcessPoolExecutor(max_workers=workers) as pool:
+            # spawn, not fork: a forked child inherits torch's OpenMP pool in whatever state the
+            # parent left it and can hang in its first parallel op.
+            with cf.ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
+                                        initializer=keep_freed_memory) as pool:  # worker processes are ours
                 futures = {pool.submit(_write_file, *args, job, str(staging)): job for job in todo}
                 for fut in cf.as_completed(futures):
                     records[futures[fut].name] = fut.result()

@@ -384,3 +384,17 @@ def test_inspect_of_a_converted_checkpoint_says_what_each_rank_loads(sources, tm
     assert [x["global_routed_experts"] for x in ranks] == [[0, 4], [4, 8]]
     text = CliRunner().invoke(main, ["inspect", str(out)]).output
     assert "rank 1: loads" in text and "routed 4..7 + shared" in text
+
+
+def test_parallel_workers_write_the_same_checkpoint(sources, tmp_path, monkeypatch):
+    import prep.convert as pc
+
+    monkeypatch.setattr(pc, "SHARD_BYTES", 1 << 20)  # several files per rank, so the pool has work to share
+    one, two = tmp_path / "one", tmp_path / "two"
+    convert(str(sources["v2"]), one, Target("preshuffle", "ck", 2), workers=1)
+    convert(str(sources["v2"]), two, Target("preshuffle", "ck", 2), workers=2)
+    m1, m2 = (json.loads((d / "prep-manifest.json").read_text()) for d in (one, two))
+    assert len(m1["files"]) > 3 and m1["tensors"] == m2["tensors"] and m1["files"] == m2["files"]
+    for f in m1["files"]:
+        assert (one / f).read_bytes() == (two / f).read_bytes(), f
+    verify(str(two), source=str(sources["v2"]))
