@@ -398,3 +398,10 @@ def test_parallel_workers_write_the_same_checkpoint(sources, tmp_path, monkeypat
     for f in m1["files"]:
         assert (one / f).read_bytes() == (two / f).read_bytes(), f
     verify(str(two), source=str(sources["v2"]))
+
+
+def test_deep_verify_inverts_every_group_without_a_source(sources, tmp_path):
+    out = tmp_path / "out"
+    convert(str(sources["v2"]), out, Target("preshuffle", "triton", 4))  # padded experts: pads checked
+    r = CliRunner().invoke(main, ["verify", str(out), "--deep", "--json"])
+    assert r.exit_code == 0 and json.loads(r.output)["ok"] is True, r.output
