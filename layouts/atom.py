@@ -48,23 +48,9 @@ class AtomInstallReport:
     rank_tensors: RankTensors | None = None
 
 
-class _ProcessedMethod:
-    """A module's quant method whose ``process_weights_after_loading`` is done already; every
-    other attribute (``apply``, ``hidden_pad``, ...) is the wrapped method's."""
-
-    def __init__(self, inner: Any, attrs: dict[str, Any]):
-        object.__setattr__(self, "_inner", inner)
-        object.__setattr__(self, "_attrs", attrs)
-
-    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        return None
-
-    def __getattr__(self, name: str) -> Any:
-        attrs = object.__getattribute__(self, "_attrs")
-        return attrs[name] if name in attrs else getattr(object.__getattribute__(self, "_inner"), name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        setattr(object.__getattribute__(self, "_inner"), name, value)
+def _processing_done(layer: torch.nn.Module) -> None:
+    """Stands in for ``process_weights_after_loading``: the converted bytes are final."""
+    return None
 
 
 def _as_param_dtype(t: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
@@ -122,7 +108,9 @@ def install_converted_weights(model: torch.nn.Module, model_dir: str | pathlib.P
                 if have != v:
                     raise ManifestError(f"{module_name}: ATOM's MoE method has {k}={have} but the checkpoint was padded "
                                         f"with {k}={v}; convert with the same hidden/intermediate padding")
-            module.quant_method = _ProcessedMethod(method, method_attrs)
+            # Patch this instance (ATOM makes one quant method per layer) rather than wrap it:
+            # ATOM dispatches on isinstance(layer.quant_method, ...), which a proxy would break.
+            method.process_weights_after_loading = _processing_done
         if hasattr(module, "process_weights_after_loading"):
             module.process_weights_after_loading = lambda: None  # this instance only
         report.skipped_processing.append(module_name)

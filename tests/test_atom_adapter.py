@@ -115,8 +115,9 @@ def test_every_converted_tensor_lands_in_its_atom_parameter_and_processing_is_sk
     for module in model.modules():  # nothing shuffled a second time
         assert getattr(module, "processed", 0) == 0
         if isinstance(module, FusedMoE):
+            assert isinstance(module.quant_method, Mxfp4MoEMethod)  # ATOM dispatches on the method's type
             module.quant_method.process_weights_after_loading(module)
-            assert module.quant_method._inner.processed == 0
+            assert module.quant_method.processed == 0
         if isinstance(module, Fp4Linear):
             module.process_weights_after_loading()
             assert module.processed == 0
