@@ -50,7 +50,7 @@ def load_rank(model_dir: str | pathlib.Path, rank: int, device: str | torch.devi
     ``verify_hashes`` every tensor's xxh3-128 is checked against the manifest (needs xxhash).
     ``mmap`` (default) maps each file copy-on-write instead of reading it into new memory: on
     the CPU the tensors are then backed by the page cache (no copy, nothing anonymous), and a
-    GPU gets one host-to-device copy per file straight from the mapping; ``mmap=False`` reads
+    GPU gets each file in one pass from the mapping through pinned staging blocks; ``mmap=False`` reads
     each file with large sequential ``pread`` calls into one buffer (for filesystems where
     mapping is slow, e.g. some network mounts).
     Raises :class:`ManifestError` naming the file and tensor when the files disagree with it.

@@ -140,7 +140,7 @@ def map_all(sf: "SafetensorsFile") -> tuple[torch.Tensor, dict[str, torch.Tensor
     """Like :meth:`SafetensorsFile.read_all`, but the file is memory-mapped (copy-on-write), not
     read: no copy and no anonymous memory, pages come from the page cache on first touch and can
     be dropped again under pressure (what ``safe_open`` does). The fast path for loading to a
-    GPU (one host-to-device copy per file straight from the mapping) and for CPU engines."""
+    GPU (each file staged from the mapping through pinned blocks) and for CPU engines."""
     size = sf.path.stat().st_size
     whole = torch.from_file(str(sf.path), shared=False, size=size, dtype=torch.uint8)
     buf = whole[sf.data_offset:sf.data_offset + sf.data_size]
