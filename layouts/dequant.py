@@ -25,6 +25,7 @@ Shape = tuple[int, ...]
 
 _POSITIONS: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
 POSITIONS_CACHE_BYTES = 512 << 20  # int64 maps are 8 bytes per stored byte: keep only recent ones
+_positions_held = 0  # bytes in _POSITIONS
 
 
 def stored_positions(transform: Transform, shape: Shape, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -35,12 +36,14 @@ def stored_positions(transform: Transform, shape: Shape, device: torch.device | 
     if hit is not None:
         _POSITIONS.move_to_end(key)
         return hit
+    global _positions_held
     where = _positions(transform, tuple(shape)).to(device)
     size = where.numel() * 8
     if size <= POSITIONS_CACHE_BYTES:
-        while _POSITIONS and sum(t.numel() * 8 for t in _POSITIONS.values()) + size > POSITIONS_CACHE_BYTES:
-            _POSITIONS.popitem(last=False)
+        while _POSITIONS and _positions_held + size > POSITIONS_CACHE_BYTES:
+            _positions_held -= _POSITIONS.popitem(last=False)[1].numel() * 8
         _POSITIONS[key] = where
+        _positions_held += size
     return where
 
 

@@ -18,7 +18,7 @@ import torch
 
 from .compat import EngineConfig, check_compatibility
 from .manifest import Manifest, ManifestError, TensorRecord, load_manifest
-from .safetensors_file import TORCH_DTYPES, SafetensorsFile, SafetensorsFileError, byte_view, map_all
+from .safetensors_file import TORCH_DTYPES, SafetensorsFile, SafetensorsFileError, map_all, tensor_hash
 
 
 class RankTensors(dict):
@@ -66,7 +66,6 @@ def load_rank(model_dir: str | pathlib.Path, rank: int, device: str | torch.devi
         by_file.setdefault(r.file, []).append(r)
     device = torch.device(device)
     out = RankTensors(manifest, rank)
-    hasher = _hasher() if verify_hashes else None
     for fname, recs in by_file.items():
         path = manifest.root / fname
         try:
@@ -83,12 +82,11 @@ def load_rank(model_dir: str | pathlib.Path, rank: int, device: str | torch.devi
             if t.dtype != TORCH_DTYPES[r.dtype] or tuple(t.shape) != r.shape:
                 raise ManifestError(f"{path}: tensor {r.name} is {t.dtype} {list(t.shape)} but the manifest says "
                                     f"{r.dtype} {list(r.shape)}; convert again")
-            if hasher is not None and hasher(t) != r.xxh3_128:
+            if verify_hashes and tensor_hash(t) != r.xxh3_128:
                 raise ManifestError(f"{path}: tensor {r.name} does not match its manifest hash; convert again")
         if device.type != "cpu":  # one transfer per file, then the same views on the device
             buf = to_device(buf, device)
-            views = {r.name: byte_view(buf, f.tensors[r.name].offset - f.data_offset, f.tensors[r.name].nbytes,
-                                       views[r.name].dtype, r.shape) for r in recs}
+            views = f.views(buf)
         out.buffers.append(buf)
         for r in recs:
             t = views[r.name]
@@ -125,8 +123,3 @@ def to_device(buf: torch.Tensor, device: torch.device) -> torch.Tensor:
     stream.synchronize()
     return out
 
-
-def _hasher():
-    import xxhash
-
-    return lambda t: xxhash.xxh3_128(t.reshape(-1).view(torch.uint8).numpy()).hexdigest()

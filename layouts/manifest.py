@@ -14,8 +14,6 @@ import pathlib
 import re
 from typing import Any, Iterable
 
-import torch
-
 MANIFEST_NAME = "prep-manifest.json"
 COMPLETE_NAME = "prep-complete.json"
 FORMAT = "prep-manifest"
@@ -130,9 +128,7 @@ class Manifest:
     def verify_hashes(self, rank: int | None = None) -> int:
         """Re-hash every tensor (of ``rank``, or all) and compare with the manifest. Needs
         ``xxhash``. Returns the number of tensors checked; raises naming the first mismatch."""
-        import xxhash
-
-        from .safetensors_file import SafetensorsFile, SafetensorsFileError
+        from .safetensors_file import SafetensorsFile, SafetensorsFileError, tensor_hash
 
         records = self.tensors if rank is None else self.rank_tensors(rank)
         by_file: dict[str, list[TensorRecord]] = {}
@@ -147,8 +143,7 @@ class Manifest:
             for t in ts:
                 if t.name not in f.tensors:
                     raise ManifestError(f"{self.root / fname}: tensor {t.name} is missing from the file; convert again")
-                data = f.get(t.name)
-                if xxhash.xxh3_128(data.reshape(-1).view(torch.uint8).numpy()).hexdigest() != t.xxh3_128:
+                if tensor_hash(f.get(t.name)) != t.xxh3_128:
                     raise ManifestError(f"{self.root / fname}: tensor {t.name} does not match its manifest hash; "
                                         "the file was modified or damaged: convert again")
         return len(records)

@@ -26,6 +26,21 @@ TORCH_DTYPES = {"U8": torch.uint8, "I8": torch.int8, "BOOL": torch.bool, "BF16":
 READ_BLOCK = 64 << 20  # bytes per pread when a whole file is read
 
 
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The tensor's raw bytes (little-endian, as safetensors stores them), without a copy when contiguous."""
+    t = t.detach().contiguous()
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.view(torch.uint8).reshape(-1).numpy())
+
+
+def tensor_hash(t: torch.Tensor) -> str:
+    """The xxh3-128 hex digest of the tensor's bytes: what the manifest records per tensor."""
+    import xxhash  # prep's dependency; the runtime needs it only to check hashes
+
+    return xxhash.xxh3_128(tensor_bytes(t)).hexdigest()
+
+
 class SafetensorsFileError(ValueError):
     """The file is not a whole, readable safetensors file (truncated, corrupt, or changed)."""
 
@@ -129,11 +144,12 @@ class SafetensorsFile:
         buf = torch.empty(self.data_size, dtype=torch.uint8)
         if self.data_size:
             self._pread_into(buf.numpy(), self.data_offset, "the data section")
-        views = {}
-        for name, info in self.tensors.items():
-            a = info.offset - self.data_offset
-            views[name] = byte_view(buf, a, info.nbytes, TORCH_DTYPES[info.dtype], info.shape)
-        return buf, views
+        return buf, self.views(buf)
+
+    def views(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Every tensor as a view into ``buf``, a copy of the data section (on any device)."""
+        return {name: byte_view(buf, info.offset - self.data_offset, info.nbytes, TORCH_DTYPES[info.dtype], info.shape)
+                for name, info in self.tensors.items()}
 
 
 def map_all(sf: "SafetensorsFile") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -144,9 +160,7 @@ def map_all(sf: "SafetensorsFile") -> tuple[torch.Tensor, dict[str, torch.Tensor
     size = sf.path.stat().st_size
     whole = torch.from_file(str(sf.path), shared=False, size=size, dtype=torch.uint8)
     buf = whole[sf.data_offset:sf.data_offset + sf.data_size]
-    views = {name: byte_view(buf, info.offset - sf.data_offset, info.nbytes, TORCH_DTYPES[info.dtype], info.shape)
-             for name, info in sf.tensors.items()}
-    return buf, views
+    return buf, sf.views(buf)
 
 
 def byte_view(buf: torch.Tensor, offset: int, nbytes: int, dtype: torch.dtype, shape) -> torch.Tensor:

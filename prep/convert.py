@@ -23,13 +23,14 @@ import torch
 
 import layouts
 from layouts.manifest import COMPLETE_NAME, FORMAT, FORMAT_VERSION, MANIFEST_NAME, compress_names, manifest_hash
+from layouts.safetensors_file import tensor_hash
 
 from . import __version__
 from .deepseek import Target, classify, plan_groups
 from .errors import PrepError
 from .groups import LinearGroup, MoEGroup
 from .source import ShardFile, SourceCheckpoint
-from .stwriter import StreamingSafetensorsWriter, nbytes, xxh3
+from .stwriter import StreamingSafetensorsWriter, nbytes
 
 SHARD_BYTES = 4 << 30  # split a rank's tensors into files of about this size
 # Tensors are built, transformed and written in blocks of about this size (whole experts, or
@@ -158,7 +159,7 @@ def _reusable(job: FileJob, staging: pathlib.Path) -> dict[str, Any] | None:
             return None
         f = ShardFile(final)
         for name, _, _ in job.entries:
-            if xxh3(f.get(name)) != record["hashes"].get(name):
+            if tensor_hash(f.get(name)) != record["hashes"].get(name):
                 return None
         return record
     except Exception:

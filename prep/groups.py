@@ -107,17 +107,14 @@ class LinearGroup:
             raise PrepError(f"{self.name}: merged parts have different K ({[p.src for p in self.parts]})")
         _check_layout(self.layout, self.local_shapes(), f"{self.name}.weight (rank {self.rank})")
 
-    def build(self, read: Reader) -> list[torch.Tensor]:
-        """The output tensors, whole, in ``outputs()`` order."""
-        return _whole(self, self.build_chunks(read))
-
     def build_chunks(self, read: Reader, chunk_bytes: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
         """(output name, tensor) in file order. A dense linear is at most a few hundred MiB per
         rank, so it is built whole (``chunk_bytes`` is accepted for a uniform interface)."""
         names = [n for n, _, _ in self.outputs()]
-        yield from zip(names, self._build_whole(read))
+        yield from zip(names, self.build(read))
 
-    def _build_whole(self, read: Reader) -> list[torch.Tensor]:
+    def build(self, read: Reader) -> list[torch.Tensor]:
+        """The output tensors, whole, in ``outputs()`` order."""
         ws, ss = [], []
         for p in self.parts:
             rows, wcols, scols = p.window(self.tp, self.rank)
@@ -352,7 +349,7 @@ def _alloc(shape: tuple[int, ...]) -> torch.Tensor:
     return torch.empty(shape, dtype=torch.uint8)
 
 
-def _whole(group: "LinearGroup | MoEGroup", chunks: Iterator[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
+def _whole(group: "MoEGroup", chunks: Iterator[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
     """Join a group's chunks back into its whole output tensors (blocks stack along dim 0)."""
     parts: dict[str, list[torch.Tensor]] = {}
     for name, t in chunks:

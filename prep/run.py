@@ -20,15 +20,14 @@ _PATH_FOR_LAYOUT = {"preshuffle": "asm", "non-shuffle": "triton-non-shuffle"}
 _MOE_BACKEND = {"ck": ("ck", "gfx950"), "triton": ("triton", "gfx950"), "triton-gfx942": ("triton", "gfx942")}
 
 
-def engine_for(model_dir: pathlib.Path, gemm_path: str | None = None) -> tuple[str, layouts.EngineConfig | None]:
-    """The GEMM path to emulate for ``model_dir``, and (converted checkpoints) the engine
-    configuration it is checked against: the one that reads this checkpoint's layouts."""
-    if not (model_dir / layouts.manifest.MANIFEST_NAME).is_file():
+def engine_for(manifest: layouts.Manifest | None, gemm_path: str | None = None) -> tuple[str, layouts.EngineConfig | None]:
+    """The GEMM path to emulate, and (converted checkpoints, given by their ``manifest``) the
+    engine configuration it is checked against: the one that reads this checkpoint's layouts."""
+    if manifest is None:
         return gemm_path or "triton-non-shuffle", None
-    m = layouts.load_manifest(model_dir)
-    path = gemm_path or _PATH_FOR_LAYOUT[m.layout]
-    backend, arch = _MOE_BACKEND[m.moe_layout]
-    return path, layouts.EngineConfig(path, backend, m.tp, 0, m.ep, arch)
+    path = gemm_path or _PATH_FOR_LAYOUT[manifest.layout]
+    backend, arch = _MOE_BACKEND[manifest.moe_layout]
+    return path, layouts.EngineConfig(path, backend, manifest.tp, 0, manifest.ep, arch)
 
 
 def run(model_dir: str | pathlib.Path, prompt_ids: list[int], *, layers: int | None = None, device: str = "cpu",
@@ -47,17 +46,19 @@ def run(model_dir: str | pathlib.Path, prompt_ids: list[int], *, layers: int | N
         raise PrepError(f"--assume-layout {assume_layout!r}: not a layout; known: {', '.join(layouts.layout_names())}")
     if device != "cpu" and not (device.startswith("cuda") and torch.cuda.is_available()):
         raise PrepError(f"--device {device}: no such device here; use cpu" + (" or cuda" if torch.cuda.is_available() else ""))
-    path, engine = engine_for(root, gemm_path)
+    # Parsed once: a TP 8 R1 manifest describes tens of thousands of tensors.
+    manifest = layouts.load_manifest(root) if (root / layouts.manifest.MANIFEST_NAME).is_file() else None
+    path, engine = engine_for(manifest, gemm_path)
     if engine is not None and assume_layout is None:
         try:
-            layouts.check_compatibility(layouts.load_manifest(root), engine)
+            layouts.check_compatibility(manifest, engine)
         except layouts.CompatibilityError as e:
             raise PrepError(str(e)) from None
     ids = torch.tensor(prompt_ids, dtype=torch.long)
     if ids.numel() == 0:
         raise PrepError("--prompt-ids: give at least one token id")
     t0 = time.perf_counter()
-    weights = load_weights(root, assume_layout)
+    weights = load_weights(root, assume_layout, manifest)
     if device != "cpu":
         weights.to(device)
     vocab = weights.config.get("vocab_size", 0)

@@ -13,7 +13,7 @@ import threading
 import torch
 import xxhash
 
-from layouts.safetensors_file import TORCH_DTYPES
+from layouts.safetensors_file import TORCH_DTYPES, tensor_bytes
 
 DTYPES = {t: s for s, t in TORCH_DTYPES.items()}
 WRITEBACK_BYTES = 256 << 20  # start the disk on every this many bytes written
@@ -26,18 +26,6 @@ def nbytes(dtype: str, shape) -> int:
     for d in shape:
         n *= d
     return n
-
-
-def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """The tensor's raw bytes (little-endian, as safetensors stores them), without a copy when contiguous."""
-    t = t.detach().contiguous()
-    if t.numel() == 0:
-        return memoryview(b"")
-    return memoryview(t.view(torch.uint8).reshape(-1).numpy())
-
-
-def xxh3(t: torch.Tensor) -> str:
-    return xxhash.xxh3_128(tensor_bytes(t)).hexdigest()
 
 
 class StreamingSafetensorsWriter:

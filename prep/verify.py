@@ -7,10 +7,11 @@ from typing import Callable
 
 import torch
 
+from layouts.safetensors_file import tensor_hash
+
 from .converted import ConvertedCheckpoint
 from .errors import PrepError
 from .source import SourceCheckpoint
-from .stwriter import xxh3
 
 
 def verify(out: str, source: str | None = None, deep: bool = False,
@@ -32,7 +33,7 @@ def verify(out: str, source: str | None = None, deep: bool = False,
             got = ck.read(fname, t["name"])
             if list(got.shape) != t["shape"]:
                 raise PrepError(f"{t['name']} (rank {t['rank']}): shape {list(got.shape)} differs from manifest {t['shape']}")
-            if xxh3(got) != t["xxh3_128"]:
+            if tensor_hash(got) != t["xxh3_128"]:
                 raise PrepError(f"{t['name']} (rank {t['rank']}, {fname}): content hash differs from the manifest")
             checked += 1
             if progress:

@@ -94,11 +94,13 @@ class ModelWeights:
         return name in self._tensors or name.removesuffix(".weight") in self._linears
 
 
-def load_weights(model_dir: str | pathlib.Path, assume_layout: str | None = None) -> ModelWeights:
-    """The model's weights from a Quark source folder or a converted checkpoint."""
+def load_weights(model_dir: str | pathlib.Path, assume_layout: str | None = None,
+                 manifest: layouts.Manifest | None = None) -> ModelWeights:
+    """The model's weights from a Quark source folder or a converted checkpoint (whose
+    ``manifest`` the caller may have loaded already)."""
     root = pathlib.Path(model_dir)
-    if (root / layouts.manifest.MANIFEST_NAME).is_file():
-        return _from_converted(root, assume_layout)
+    if manifest is not None or (root / layouts.manifest.MANIFEST_NAME).is_file():
+        return _from_converted(root, assume_layout, manifest or layouts.load_manifest(root))
     if assume_layout is not None:
         raise PrepError(f"{root}: assume_layout applies to converted checkpoints only")
     return _from_source(root)
@@ -122,8 +124,7 @@ def _from_source(root: pathlib.Path) -> ModelWeights:
     return ModelWeights(src.config, linears, tensors, f"Quark source {root}")
 
 
-def _from_converted(root: pathlib.Path, assume_layout: str | None) -> ModelWeights:
-    manifest = layouts.load_manifest(root)
+def _from_converted(root: pathlib.Path, assume_layout: str | None, manifest: layouts.Manifest) -> ModelWeights:
     ranks = [layouts.load_rank(root, r, manifest=manifest) for r in range(manifest.tp)]  # mapped, not read
     config = json.loads((root / "config.json").read_text())
     src_meta = manifest.raw["source"]["tensors"]
