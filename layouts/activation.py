@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 
 from .compat import EngineConfig, check_compatibility
+from .fused_quant import rms_norm_f32, fused_rms_mxfp4_quant
 from .manifest import Manifest
 from .selection import ActivationQuantFlags, select_activation_quant
 
@@ -28,10 +29,8 @@ Quantized = tuple[torch.Tensor, Optional[torch.Tensor]]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm in float32, returned in ``x``'s dtype."""
-    xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
-    return y.to(x.dtype)
+    """RMSNorm in float32 (the fused op's own arithmetic), returned in ``x``'s dtype."""
+    return rms_norm_f32(x.float(), weight, eps).to(x.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,8 +53,6 @@ class ActivationQuantPlan:
         return select_activation_quant(self.gemm_path, num_tokens)
 
     def _fused(self, x1, w1, eps1, x2=None, w2=None, eps2=0.0, res1=None):
-        from .fused_quant import fused_rms_mxfp4_quant
-
         shuffle, padding = self.flags(x1.shape[0])
         return fused_rms_mxfp4_quant(x1, w1, eps1, x2, w2, eps2, res1, shuffle=shuffle,
                                      scale_shuffle_padding=padding, backend=self.backend)

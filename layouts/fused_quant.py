@@ -67,7 +67,7 @@ def fused_scale_shape(m: int, n1: int, shuffle: bool = False, scale_shuffle_padd
 # torch reference
 
 
-def _rms_norm_f32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm_f32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """aiter's RMSNorm on a float32 ``x``: ``(x * rstd) * w`` with ``rstd = 1/sqrt(ss/N + eps)``.
 
     ``1 / sqrt`` (both correctly rounded on CPU and CUDA) rather than ``rsqrt`` (approximate on
@@ -150,10 +150,10 @@ def fused_rms_mxfp4_quant_reference(
     if res1 is not None:
         x = x + res1.float()
         out_res1 = x.to(x1.dtype)
-    q, s = _mxfp4_quant_f32(_rms_norm_f32(x, x1_weight, x1_epsilon))
+    q, s = _mxfp4_quant_f32(rms_norm_f32(x, x1_weight, x1_epsilon))
     out2 = None
     if x2 is not None:
-        out2 = _rms_norm_f32(x2.float(), x2_weight, x2_epsilon).to(x1.dtype)
+        out2 = rms_norm_f32(x2.float(), x2_weight, x2_epsilon).to(x1.dtype)
     return (q, _scale_layout(s, bool(shuffle), bool(shuffle or scale_shuffle_padding))), out2, out_res1
 
 
