@@ -85,34 +85,36 @@ class DeepseekV3:
         self.eps = float(self.cfg.get("rms_norm_eps", 1e-6))
 
     # -------------------------------------------------------------- GEMMs
-    def _gemm_quantized(self, q: torch.Tensor, scale: torch.Tensor, flags, prefix: str) -> torch.Tensor:
-        x = dequantize_activation(q, scale, flags.shuffle, flags.scale_shuffle_padding)
-        return (x @ self.w.linear(prefix).to(x.device).T).to(BF16)
+    def _gemm(self, xf: torch.Tensor, prefix: str) -> torch.Tensor:
+        """float32 ``xf @ W.T``, rounded to BF16."""
+        return (xf @ self.w.linear(prefix).to(xf.device).T).to(BF16)
+
+    @staticmethod
+    def _dequantized(quantized, flags) -> torch.Tensor:
+        """float32 values of a fused-op output ``(q, scale)``, its scale read in the flags' layout."""
+        return dequantize_activation(*quantized, flags.shuffle, flags.scale_shuffle_padding)
 
     def linear(self, x: torch.Tensor, prefix: str) -> torch.Tensor:
         """``x @ W.T`` for a BF16 input: MXFP4 weights quantize the input first (aiter's dynamic
         quant, raw scale layout), BF16 weights multiply it as is."""
-        w = self.w.linear(prefix).to(x.device)
         if self.w.mxfp4(prefix) and self.opt.act_quant:
             q, s = layouts.quantize(x.float(), layouts.AITER_TRITON)
-            xf = layouts.dequantize(q, s, k=x.shape[-1])
-        else:
-            xf = x.float()
-        return (xf @ w.T).to(BF16)
+            return self._gemm(layouts.dequantize(q, s, k=x.shape[-1]), prefix)
+        return self._gemm(x.float(), prefix)
 
     def rms(self, x: torch.Tensor, name: str) -> torch.Tensor:
         return layouts.activation.rms_norm(x, self.w.tensor(name).to(x.device), self.eps)
 
     # -------------------------------------------------------------- blocks
-    def attention(self, i: int, x_q, x_flags, x_bf16: torch.Tensor, cos, sin, mscale) -> torch.Tensor:
-        """MLA. ``x_q`` is the fused input-norm quant output (or None), ``x_bf16`` the normed input."""
+    def attention(self, i: int, x_q: torch.Tensor | None, x_bf16: torch.Tensor, cos, sin, mscale) -> torch.Tensor:
+        """MLA. ``x_q``: the fused input-norm quant output, dequantized (or None); ``x_bf16``: the normed input."""
         c, p = self.cfg, f"model.layers.{i}.self_attn"
         nh, nope, rope, vd = c["num_attention_heads"], c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"]
         t = x_bf16.shape[0]
 
         def qkv_a(name: str) -> torch.Tensor:
             if x_q is not None and self.w.mxfp4(f"{p}.{name}"):
-                return self._gemm_quantized(*x_q, x_flags, f"{p}.{name}")
+                return self._gemm(x_q, f"{p}.{name}")
             return self.linear(x_bf16, f"{p}.{name}")
 
         kv_a = qkv_a("kv_a_proj_with_mqa")
@@ -123,7 +125,7 @@ class DeepseekV3:
             if self.opt.act_quant and self.w.mxfp4(f"{p}.q_b_proj"):
                 (qq, qs), kv_n = self.plan.q_a_layernorm(q_c, qw.to(q_c.device), self.eps, k_pass.contiguous(),
                                                          kvw.to(q_c.device), self.eps)
-                q = self._gemm_quantized(qq, qs, self.plan.flags(t), f"{p}.q_b_proj")
+                q = self._gemm(self._dequantized((qq, qs), self.plan.flags(t)), f"{p}.q_b_proj")
             else:
                 kv_n = self.rms(k_pass, f"{p}.kv_a_layernorm.weight")
                 q = self.linear(self.rms(q_c, f"{p}.q_a_layernorm.weight"), f"{p}.q_b_proj")
@@ -197,13 +199,13 @@ class DeepseekV3:
         norm_w = self.w.tensor(f"{p}.input_layernorm.weight").to(h.device)
         fused = self.opt.act_quant and self.w.mxfp4(f"{p}.self_attn.kv_a_proj_with_mqa")
         if fused:  # input_layernorm (+ residual add) fused with the MXFP4 quant
-            (q, s), residual = self.plan.input_layernorm(h, norm_w, self.eps, residual)
-            x_q, flags = (q, s), self.plan.flags(h.shape[0])
-            x = layouts.activation.rms_norm(residual, norm_w, self.eps)
+            quantized, residual = self.plan.input_layernorm(h, norm_w, self.eps, residual)
+            x_q = self._dequantized(quantized, self.plan.flags(h.shape[0]))  # once for q_a and kv_a
         else:
             residual = h if residual is None else (h.float() + residual.float()).to(BF16)
-            x_q, flags, x = None, None, layouts.activation.rms_norm(residual, norm_w, self.eps)
-        h = self.attention(i, x_q, flags, x, cos.to(h.device), sin.to(h.device), mscale)
+            x_q = None
+        x = layouts.activation.rms_norm(residual, norm_w, self.eps)
+        h = self.attention(i, x_q, x, cos.to(h.device), sin.to(h.device), mscale)
         residual = (h.float() + residual.float()).to(BF16)
         x = self.rms(residual, f"{p}.post_attention_layernorm.weight")
         if i < self.cfg.get("first_k_dense_replace", 0):
