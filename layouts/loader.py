@@ -12,7 +12,6 @@ states (``is_shuffled``, ``scale_swizzle``, ``hidden_pad``, ...), as Python attr
 from __future__ import annotations
 
 import pathlib
-from typing import Iterator
 
 import torch
 
@@ -31,13 +30,6 @@ class RankTensors(dict):
         self.records: dict[str, TensorRecord] = {}
         self.buffers: list[torch.Tensor] = []  # one per file; every tensor is a view into one
 
-    def mxfp4_groups(self) -> Iterator[str]:
-        """Engine modules holding MXFP4 weights on this rank (``...fused_qkv_a_proj``, ``...experts``)."""
-        return iter(dict.fromkeys(r.group for r in self.records.values() if r.group))
-
-    @property
-    def nbytes(self) -> int:
-        return sum(b.numel() for b in self.buffers)
 
 
 def load_rank(model_dir: str | pathlib.Path, rank: int, device: str | torch.device = "cpu", *,

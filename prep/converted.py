@@ -46,10 +46,6 @@ class ConvertedCheckpoint:
             f = self._files[fname] = ShardFile(path)
         return f.get(name)
 
-    def group_keys(self) -> list[str]:
-        """Logical groups (one per module, all ranks), in manifest order."""
-        return list(self._groups)
-
     def invert_group(self, key: str) -> dict[str, torch.Tensor]:
         """Every source tensor the group ``key`` came from, rebuilt from all its ranks."""
         src_meta = self.manifest["source"]["tensors"]
