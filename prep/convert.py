@@ -118,9 +118,8 @@ def _check_layout_names(target: Target) -> None:
 
 
 # ---------------------------------------------------------------------------------- writing
-def _write_file(src_root: str, origin: dict, job: FileJob, staging: str) -> dict[str, Any]:
-    """Write one output file (runs in a worker process when --workers > 1)."""
-    src = SourceCheckpoint(pathlib.Path(src_root), origin)
+def _write_file(src: SourceCheckpoint, job: FileJob, staging: str) -> dict[str, Any]:
+    """Write one output file."""
     final = pathlib.Path(staging) / job.name
     tmp = final.with_name(final.name + ".tmp")
     with StreamingSafetensorsWriter(tmp, job.entries) as w:
@@ -134,6 +133,22 @@ def _write_file(src_root: str, origin: dict, job: FileJob, staging: str) -> dict
     record = {"file": job.name, "plan_key": job.plan_key(), "size": final.stat().st_size, "hashes": w.hashes}
     (final.with_name(final.name + ".record.json")).write_text(json.dumps(record))
     return record
+
+
+_worker_source: SourceCheckpoint | None = None  # a --workers process's own opened source
+
+
+def _init_worker(src_root: str, origin: dict) -> None:
+    """Set up a --workers process: open the source once (its headers are parsed per process,
+    not per file) and keep freed blocks for reuse as the CLI does."""
+    global _worker_source
+    keep_freed_memory()
+    _worker_source = SourceCheckpoint(pathlib.Path(src_root), origin)
+
+
+def _write_file_in_worker(job: FileJob, staging: str) -> dict[str, Any]:
+    assert _worker_source is not None, "_init_worker did not run"
+    return _write_file(_worker_source, job, staging)
 
 
 def _row_chunks(src: SourceCheckpoint, name: str) -> Iterator[torch.Tensor]:
@@ -202,18 +217,17 @@ def convert(
                     progress(job.nbytes)
             else:
                 todo.append(job)
-        args = (str(src.root), src.origin)
         if workers <= 1:
             for job in todo:
-                records[job.name] = _write_file(*args, job, str(staging))
+                records[job.name] = _write_file(src, job, str(staging))
                 if progress:
                     progress(job.nbytes)
         else:
             # spawn, not fork: a forked child inherits torch's OpenMP pool in whatever state the
             # parent left it and can hang in its first parallel op.
             with cf.ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
-                                        initializer=keep_freed_memory) as pool:  # worker processes are ours
-                futures = {pool.submit(_write_file, *args, job, str(staging)): job for job in todo}
+                                        initializer=_init_worker, initargs=(str(src.root), src.origin)) as pool:
+                futures = {pool.submit(_write_file_in_worker, job, str(staging)): job for job in todo}
                 for fut in cf.as_completed(futures):
                     records[futures[fut].name] = fut.result()
                     if progress:

@@ -1,11 +1,11 @@
 """A safetensors writer that streams: the header is computed from the planned names, dtypes and
 shapes, then each tensor's bytes are appended in order, in chunks if need be, and hashed on the
-way (xxh3-128), so a rank file of any size is written holding only a few chunks in memory."""
+way (xxh3-128), so a rank file of any size is written holding only a few chunks in memory. The
+bytes go to disk through :class:`prep.directio.AlignedFileWriter` (``O_DIRECT`` where allowed)."""
 
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import queue
 import threading
@@ -15,8 +15,9 @@ import xxhash
 
 from layouts.safetensors_file import TORCH_DTYPES, tensor_bytes
 
+from .directio import AlignedFileWriter
+
 DTYPES = {t: s for s, t in TORCH_DTYPES.items()}
-WRITEBACK_BYTES = 256 << 20  # start the disk on every this many bytes written
 ITEMSIZE = {s: t.itemsize for s, t in TORCH_DTYPES.items()}
 
 
@@ -34,10 +35,10 @@ class StreamingSafetensorsWriter:
     Use as a context manager. Either ``add`` each whole tensor in order, or ``write`` a tensor's
     bytes in consecutive chunks (any shapes; the byte count must come out exact), so that a
     stacked MoE tensor of several GiB never has to exist in memory at once. A background thread
-    does the writing and hashing, so the caller builds the next chunk while the disk works; at
-    most ``max_pending`` chunks wait in between, which bounds the memory this adds. On a clean
-    exit the file is complete and fsynced; an error in the thread (a full disk, say) is raised
-    in the caller unchanged.
+    hashes and stages the bytes (the output's own thread writes them), so the caller builds the
+    next chunk meanwhile; at most ``max_pending`` chunks wait in between, which bounds the
+    memory this adds. On a clean exit the file is complete and fsynced; an error in either
+    thread (a full disk, say) is raised in the caller unchanged.
     """
 
     def __init__(self, path: pathlib.Path, entries: list[tuple[str, str, tuple[int, ...]]],
@@ -62,13 +63,11 @@ class StreamingSafetensorsWriter:
         self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
-        self._f = None
-        self._written = self._flushed = self._dropped = 0  # writer-thread bookkeeping for _start_writeback
+        self._out: AlignedFileWriter | None = None
 
     def __enter__(self) -> "StreamingSafetensorsWriter":
-        self._f = open(self.path, "wb")
-        self._f.write(len(self._header).to_bytes(8, "little"))
-        self._f.write(self._header)
+        self._out = AlignedFileWriter(self.path)
+        self._out.write_bytes(len(self._header).to_bytes(8, "little") + self._header)
         self._thread = threading.Thread(target=self._drain, name=f"write {self.path.name}", daemon=True)
         self._thread.start()
         return self
@@ -130,28 +129,15 @@ class StreamingSafetensorsWriter:
                 if kind == "begin":
                     hasher = xxhash.xxh3_128()
                 elif kind == "data":
-                    data = tensor_bytes(arg)
-                    self._f.write(data)
-                    hasher.update(data)
-                    self._written += len(data)
-                    if self._written - self._flushed >= WRITEBACK_BYTES:
-                        self._start_writeback()
+                    hasher.update(tensor_bytes(arg))
+                    self._out.write(arg.reshape(-1).view(torch.uint8))
                 else:
                     self.hashes[arg] = hasher.hexdigest()
             except BaseException as e:  # noqa: BLE001 - handed to the caller as is
                 self._error = e
 
-    def _start_writeback(self) -> None:
-        """Hand what was written so far to the disk now (asynchronously), and let the page cache
-        drop the window before it once it is clean: the final fsync then has little left to
-        do, and a 350 GB conversion does not push everything else out of memory."""
-        self._f.flush()
-        if hasattr(os, "posix_fadvise"):  # offsets in the data section; the header is tiny
-            base = 8 + len(self._header)
-            os.posix_fadvise(self._f.fileno(), base + self._dropped, self._written - self._dropped, os.POSIX_FADV_DONTNEED)
-        self._dropped, self._flushed = self._flushed, self._written
-
     def __exit__(self, exc_type, exc, tb) -> None:
+        completed = False
         try:
             if self._thread is not None:
                 self._queue.put(None)
@@ -161,7 +147,8 @@ class StreamingSafetensorsWriter:
                     raise self._error
                 if self._next != len(self.entries):
                     raise RuntimeError(f"writer: {self.path.name} got {self._next} of {len(self.entries)} tensors")
-                self._f.flush()
-                os.fsync(self._f.fileno())
+                self._out.close()
+                completed = True
         finally:
-            self._f.close()
+            if not completed:
+                self._out.abort()

@@ -4,6 +4,7 @@ shuffles of the merged tensors; every bad input refused with one line and nothin
 
 import errno
 import json
+import os
 import pathlib
 import shutil
 
@@ -205,7 +206,7 @@ def test_resume_reuses_verified_files_and_redoes_damaged_ones(sources, tmp_path,
     real = pc._write_file
 
     def flaky(*a):
-        calls.append(a[2].name)
+        calls.append(a[1].name)
         if len(calls) == 3:
             raise KeyboardInterrupt
         return real(*a)
@@ -307,20 +308,21 @@ def test_existing_output_needs_force(sources, tmp_path):
 
 
 def test_disk_full_removes_partial_output(sources, tmp_path, monkeypatch):
-    import prep.stwriter as st
+    import prep.directio as dio
 
-    real, calls = st.tensor_bytes, []
+    real, calls = os.pwrite, []
 
-    def full(t):  # the writer thread hits a full disk a few tensors into the first file
+    def full(fd, buf, offset):  # the disk fills up a few blocks into the conversion
         calls.append(1)
         if len(calls) > 3:
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real(t)
+        return real(fd, buf, offset)
 
-    monkeypatch.setattr(st, "tensor_bytes", full)
+    monkeypatch.setattr(dio, "STAGING_BYTES", 64 << 10)  # blocks small enough that the tiny model needs many
+    monkeypatch.setattr(dio.os, "pwrite", full)
     out = tmp_path / "out"
     assert_one_line_error(run_cli("convert", str(sources["v2"]), "-o", str(out)), "disk full")
-    assert nothing_left(out)
+    assert nothing_left(out) and len(calls) > 3
 
 
 def test_verify_names_a_tampered_tensor(sources, tmp_path):

@@ -1,0 +1,118 @@
+"""prep.directio.AlignedFileWriter: the bytes on disk are exactly the bytes appended, whatever
+the piece sizes, with O_DIRECT or buffered, and write errors reach the producer."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+import torch
+
+import prep.directio as dio
+from prep.directio import AlignedFileWriter
+
+
+def _pieces(sizes, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for n in sizes]
+
+
+def _write(path, pieces, **kw):
+    w = AlignedFileWriter(path, **kw)
+    for p in pieces:
+        w.write(p)
+    w.close()
+    return w
+
+
+def _expected(pieces) -> bytes:
+    return b"".join(p.numpy().tobytes() for p in pieces)
+
+
+def _direct_supported(tmp_path) -> bool:
+    try:
+        fd = os.open(tmp_path / "probe", os.O_WRONLY | os.O_CREAT | dio.O_DIRECT)
+    except OSError:
+        return False
+    os.close(fd)
+    return bool(dio.O_DIRECT)
+
+
+@pytest.mark.parametrize("sizes", [
+    [0], [1], [4095], [4096], [4097],
+    [3, 5000, 1, 0, 77777],  # unaligned pieces, a zero-length one
+    [dio.STAGING_BYTES - 1, 2, dio.STAGING_BYTES + 5],  # pieces straddling staging blocks
+    [dio.STAGING_BYTES * dio.STAGING_BLOCKS * 2 + 123],  # one piece larger than all the staging
+])
+@pytest.mark.parametrize("direct", [True, False])
+def test_file_holds_exactly_the_appended_bytes(tmp_path, sizes, direct):
+    pieces = _pieces(sizes)
+    w = _write(tmp_path / "f", pieces, direct=direct)
+    assert (tmp_path / "f").read_bytes() == _expected(pieces)
+    assert w.size == sum(sizes)
+
+
+def test_direct_io_is_used_where_the_filesystem_allows_it(tmp_path):
+    if not _direct_supported(tmp_path):
+        pytest.skip("this filesystem refuses O_DIRECT; the fallback tests cover it")  # tmpfs on old kernels
+    w = _write(tmp_path / "f", _pieces([dio.STAGING_BYTES + 4097]))
+    assert w.direct
+
+
+def test_falls_back_to_buffered_when_open_refuses_o_direct(tmp_path, monkeypatch):
+    real_open = os.open
+
+    def no_direct(path, flags, *a):
+        if flags & dio.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *a)
+
+    monkeypatch.setattr(dio.os, "open", no_direct)
+    pieces = _pieces([5000, dio.STAGING_BYTES])
+    w = _write(tmp_path / "f", pieces)
+    assert not w.direct and (tmp_path / "f").read_bytes() == _expected(pieces)
+
+
+def test_falls_back_to_buffered_when_a_direct_write_is_refused(tmp_path, monkeypatch):
+    if not _direct_supported(tmp_path):
+        pytest.skip("this filesystem refuses O_DIRECT at open; covered by the open fallback")
+    real_pwrite, refused = os.pwrite, []
+
+    def picky(fd, buf, offset):  # a filesystem that opens with O_DIRECT but rejects the writes
+        if dio.fcntl.fcntl(fd, dio.fcntl.F_GETFL) & dio.O_DIRECT:
+            refused.append(offset)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_pwrite(fd, buf, offset)
+
+    monkeypatch.setattr(dio.os, "pwrite", picky)
+    pieces = _pieces([3 * dio.STAGING_BYTES + 10])
+    w = _write(tmp_path / "f", pieces)
+    assert refused == [0] and not w.direct
+    assert (tmp_path / "f").read_bytes() == _expected(pieces)
+
+
+def test_a_write_error_reaches_the_producer(tmp_path, monkeypatch):
+    def full(fd, buf, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(dio.os, "pwrite", full)
+    w = AlignedFileWriter(tmp_path / "f")
+    with pytest.raises(OSError) as e:
+        for p in _pieces([dio.STAGING_BYTES] * (dio.STAGING_BLOCKS + 2)):
+            w.write(p)
+        w.close()
+    assert e.value.errno == errno.ENOSPC
+    w.abort()
+
+
+def test_short_writes_are_continued(tmp_path, monkeypatch):
+    real_pwrite = os.pwrite
+
+    def short(fd, buf, offset):  # the kernel may write less than asked (buffered mode)
+        return real_pwrite(fd, buf[:max(1, len(buf) // 3)], offset)
+
+    monkeypatch.setattr(dio.os, "pwrite", short)
+    pieces = _pieces([100_000, 3])
+    _write(tmp_path / "f", pieces, direct=False)
+    assert (tmp_path / "f").read_bytes() == _expected(pieces)
