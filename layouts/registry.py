@@ -42,8 +42,11 @@ class Transform:
         """The constraints ``shape`` breaks, each as a short rule (empty when it applies)."""
         return []
 
-    def forward(self, t: torch.Tensor) -> torch.Tensor:
-        return t.contiguous()
+    def forward(self, t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The transformed tensor; with ``out`` (contiguous, of ``output_shape`` and ``t``'s
+        dtype) it is written there and ``out`` returned: how a converter builds straight into
+        its output buffer."""
+        return _into(t.contiguous(), out)
 
     def inverse(self, t: torch.Tensor, shape: Shape) -> torch.Tensor:
         """Undo :meth:`forward`; ``shape`` is the tensor's shape before the transform."""
@@ -56,6 +59,18 @@ class Transform:
     def params(self) -> dict[str, Any]:
         """What the manifest records of this transform."""
         return {"name": self.name, **dataclasses.asdict(self)}
+
+
+def _into(result: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """``result``, or ``result`` copied into ``out`` (nothing to copy when it is ``out``)."""
+    if out is None:
+        return result
+    if out.shape != result.shape or out.dtype != result.dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {result.dtype} tensor of shape {tuple(result.shape)}, "
+                         f"got {out.dtype} {tuple(out.shape)}")
+    if out.data_ptr() != result.data_ptr():
+        out.copy_(result)
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,8 +94,8 @@ class WeightPreshuffle(Transform):
             out.append(f"K % 64 == 0 (K = {2 * shape[-1]})")
         return out
 
-    def forward(self, t: torch.Tensor) -> torch.Tensor:
-        return _sh.preshuffle_weight(t)
+    def forward(self, t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return _sh.preshuffle_weight(t, out)
 
     def inverse(self, t: torch.Tensor, shape: Shape) -> torch.Tensor:
         return _sh.unshuffle_weight(t)
@@ -106,8 +121,8 @@ class ScaleShuffle(Transform):
         want = (2, 3) if self.flatten_experts else (2,)
         return [] if len(shape) in want else [f"scale is {' or '.join(f'{n}-D' for n in want)}"]
 
-    def forward(self, t: torch.Tensor) -> torch.Tensor:
-        return _sh.preshuffle_scale(t.reshape(self._rows_cols(t.shape)), pad_value=self.pad_value)
+    def forward(self, t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return _into(_sh.preshuffle_scale(t.reshape(self._rows_cols(t.shape)), pad_value=self.pad_value), out)
 
     def inverse(self, t: torch.Tensor, shape: Shape) -> torch.Tensor:
         return _sh.unshuffle_scale(t, *self._rows_cols(shape)).reshape(shape)
@@ -129,8 +144,8 @@ class ScaleShufflePerExpert(Transform):
             return ["scale is [E, N, K/32]"]
         return [] if shape[1] % _sh.S32_ROWS == 0 else [f"N % 32 == 0 (N = {shape[1]})"]
 
-    def forward(self, t: torch.Tensor) -> torch.Tensor:
-        return _sh.preshuffle_scale_per_expert(t, pad_value=self.pad_value)
+    def forward(self, t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return _into(_sh.preshuffle_scale_per_expert(t, pad_value=self.pad_value), out)
 
     def inverse(self, t: torch.Tensor, shape: Shape) -> torch.Tensor:
         return _sh.unshuffle_scale_per_expert(t, shape[-1])
@@ -169,10 +184,12 @@ class Layout:
                 f"scale {tuple(scale_shape)}: needs {'; '.join(broken)}"
             )
 
-    def apply(self, weight: torch.Tensor, scale: torch.Tensor, tensor: str = "<tensor>") -> tuple[torch.Tensor, torch.Tensor]:
-        """Forward: source-order ``(weight, scale)`` into this layout's bytes."""
+    def apply(self, weight: torch.Tensor, scale: torch.Tensor, tensor: str = "<tensor>",
+              weight_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward: source-order ``(weight, scale)`` into this layout's bytes (the weight into
+        ``weight_out`` when given; see :meth:`Transform.forward`)."""
         self.check(weight.shape, scale.shape, tensor)
-        return self.weight.forward(weight), self.scale.forward(scale)
+        return self.weight.forward(weight, weight_out), self.scale.forward(scale)
 
     def invert(
         self, weight: torch.Tensor, scale: torch.Tensor, weight_shape: Shape, scale_shape: Shape

@@ -62,16 +62,28 @@ def _as_runs(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.complex128)
 
 
-def preshuffle_weight(w: torch.Tensor) -> torch.Tensor:
+def preshuffle_weight(w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """W16 preshuffle of packed MXFP4 weights ``[..., N, K/2]`` (experts may lead). Exact inverse:
-    :func:`unshuffle_weight`."""
+    :func:`unshuffle_weight`. With ``out`` (contiguous, ``w``'s shape and dtype) the result is
+    written there, straight from ``w`` when ``out`` is 16-byte aligned, and ``out`` returned."""
     _check_w16(w.shape)
     u = as_uint8(w).contiguous()
     n, kb = u.shape[-2], u.shape[-1]
     # (n//16, n%16, kb//16) -> (n//16, kb//16, n%16): a transpose of 16-byte runs per 16-row block.
-    runs = _as_runs(u).view(-1, n // 16, 16, kb // 16)
-    out = runs.transpose(2, 3).contiguous()
-    return out.view(torch.uint8).view(w.shape).view(w.dtype)
+    runs = _as_runs(u).view(-1, n // 16, 16, kb // 16).transpose(2, 3)
+    if out is not None:
+        _check_out(out, w)
+        if out.data_ptr() % 16 == 0:
+            as_uint8(out).view(-1).view(torch.complex128).view(runs.shape).copy_(runs)
+            return out
+        return out.copy_(runs.contiguous().view(torch.uint8).view(w.shape).view(w.dtype))
+    return runs.contiguous().view(torch.uint8).view(w.shape).view(w.dtype)
+
+
+def _check_out(out: torch.Tensor, like: torch.Tensor) -> None:
+    if out.shape != like.shape or out.dtype != like.dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {like.dtype} tensor of shape {tuple(like.shape)}, "
+                         f"got {out.dtype} {tuple(out.shape)}")
 
 
 def unshuffle_weight(w: torch.Tensor) -> torch.Tensor:

@@ -14,16 +14,15 @@ import concurrent.futures as cf
 import dataclasses
 import errno
 import json
-import multiprocessing
 import pathlib
 import shutil
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 
 import layouts
 from layouts.manifest import COMPLETE_NAME, FORMAT, FORMAT_VERSION, MANIFEST_NAME, compress_names, manifest_hash
-from layouts.safetensors_file import tensor_hash
+from layouts.safetensors_file import TORCH_DTYPES, TensorInfo, tensor_hash
 
 from . import __version__
 from .deepseek import Target, classify, plan_groups
@@ -123,44 +122,36 @@ def _write_file(src: SourceCheckpoint, job: FileJob, staging: str) -> dict[str, 
     final = pathlib.Path(staging) / job.name
     tmp = final.with_name(final.name + ".tmp")
     with StreamingSafetensorsWriter(tmp, job.entries) as w:
+        def room(name: str, shape: tuple[int, ...], dtype: str = "U8") -> torch.Tensor | None:
+            """Where to build the next chunk of ``name``: the writer's staging memory (written
+            with no further copy), or None to build it elsewhere."""
+            buf = w.reserve(name, nbytes(dtype, shape))
+            t = TORCH_DTYPES[dtype]
+            if buf is None or buf.data_ptr() % t.itemsize:
+                return None
+            return buf.view(t).view(shape)
+
         for g in job.groups:
-            for name, chunk in g.build_chunks(src.read, CHUNK_BYTES):
+            for name, chunk in g.build_chunks(src.read, CHUNK_BYTES, alloc=room):
                 w.write(name, chunk)
         for name in job.passthrough:
-            for chunk in _row_chunks(src, name):
-                w.write(name, chunk)
+            info = src.info(name)
+            for rows, shape in _row_blocks(info):
+                w.write(name, src.read(name, rows, out=room(name, shape, info.dtype)))
     tmp.rename(final)
     record = {"file": job.name, "plan_key": job.plan_key(), "size": final.stat().st_size, "hashes": w.hashes}
     (final.with_name(final.name + ".record.json")).write_text(json.dumps(record))
     return record
 
 
-_worker_source: SourceCheckpoint | None = None  # a --workers process's own opened source
-
-
-def _init_worker(src_root: str, origin: dict) -> None:
-    """Set up a --workers process: open the source once (its headers are parsed per process,
-    not per file) and keep freed blocks for reuse as the CLI does."""
-    global _worker_source
-    keep_freed_memory()
-    _worker_source = SourceCheckpoint(pathlib.Path(src_root), origin)
-
-
-def _write_file_in_worker(job: FileJob, staging: str) -> dict[str, Any]:
-    assert _worker_source is not None, "_init_worker did not run"
-    return _write_file(_worker_source, job, staging)
-
-
-def _row_chunks(src: SourceCheckpoint, name: str) -> Iterator[torch.Tensor]:
-    """A pass-through tensor in blocks of whole rows (the embedding is 1.8 GiB of BF16)."""
-    info = src.info(name)
+def _row_blocks(info: TensorInfo) -> list[tuple[slice | None, tuple[int, ...]]]:
+    """(rows, shape) of each block of whole rows a pass-through tensor is copied in (the
+    embedding is 1.8 GiB of BF16); rows None: the whole tensor at once."""
     rows = info.shape[0] if len(info.shape) >= 2 else 0
     step = max(1, CHUNK_BYTES // max(1, info.nbytes // rows)) if rows else 0
     if not rows or step >= rows:
-        yield src.read(name)
-        return
-    for r in range(0, rows, step):
-        yield src.read(name, slice(r, min(rows, r + step)))
+        return [(None, tuple(info.shape))]
+    return [(slice(r, min(rows, r + step)), (min(rows, r + step) - r, *info.shape[1:])) for r in range(0, rows, step)]
 
 
 def _reusable(job: FileJob, staging: pathlib.Path) -> dict[str, Any] | None:
@@ -223,15 +214,20 @@ def convert(
                 if progress:
                     progress(job.nbytes)
         else:
-            # spawn, not fork: a forked child inherits torch's OpenMP pool in whatever state the
-            # parent left it and can hang in its first parallel op.
-            with cf.ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
-                                        initializer=_init_worker, initargs=(str(src.root), src.origin)) as pool:
-                futures = {pool.submit(_write_file_in_worker, job, str(staging)): job for job in todo}
-                for fut in cf.as_completed(futures):
-                    records[futures[fut].name] = fut.result()
-                    if progress:
-                        progress(futures[fut].nbytes)
+            # Threads, not processes: reading, shuffling, hashing and writing all run outside
+            # the GIL (preadv, torch copies, xxhash, pwrite), and threads share the opened
+            # source, where each process had to import torch and parse every header again.
+            with cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="convert") as pool:
+                futures = {pool.submit(_write_file, src, job, str(staging)): job for job in todo}
+                try:
+                    for fut in cf.as_completed(futures):
+                        records[futures[fut].name] = fut.result()
+                        if progress:
+                            progress(futures[fut].nbytes)
+                except BaseException:
+                    for f in futures:  # do not start files that are still queued
+                        f.cancel()
+                    raise
         for p in src.side_files():
             shutil.copyfile(p, staging / p.name)
         manifest = build_manifest(src, target, jobs, records, info)

@@ -20,6 +20,9 @@ from .errors import PrepError
 
 BLOCK = layouts.BLOCK_SIZE
 Reader = Callable[..., torch.Tensor]  # read(name, rows=None, cols=None, out=None) -> tensor
+# alloc(output name, shape) -> a contiguous uint8 tensor to build that chunk in (the writer's own
+# memory, so it is written without another copy), or None to build it in a fresh one.
+Alloc = Callable[[str, tuple[int, ...]], "torch.Tensor | None"]
 # A piece of a source tensor: (source tensor name, (row slice, col slice), bytes).
 Piece = tuple[str, tuple[slice, slice], torch.Tensor]
 
@@ -107,14 +110,24 @@ class LinearGroup:
             raise PrepError(f"{self.name}: merged parts have different K ({[p.src for p in self.parts]})")
         _check_layout(self.layout, self.local_shapes(), f"{self.name}.weight (rank {self.rank})")
 
-    def build_chunks(self, read: Reader, chunk_bytes: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+    def build_chunks(self, read: Reader, chunk_bytes: int = 0, alloc: Alloc | None = None
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
         """(output name, tensor) in file order. A dense linear is at most a few hundred MiB per
-        rank, so it is built whole (``chunk_bytes`` is accepted for a uniform interface)."""
-        names = [n for n, _, _ in self.outputs()]
-        yield from zip(names, self.build(read))
+        rank, so it is built whole (``chunk_bytes`` is accepted for a uniform interface); the
+        weight is built in ``alloc``'s tensor when it gives one."""
+        (wname, _, wshape), (sname, _, _) = self.outputs()
+        w, s = self._merged(read)
+        out = alloc(wname, wshape) if alloc else None
+        w, s = layouts.get_layout(self.layout).apply(w, s, f"{self.name}.weight", weight_out=out)
+        yield wname, w
+        yield sname, s
 
     def build(self, read: Reader) -> list[torch.Tensor]:
         """The output tensors, whole, in ``outputs()`` order."""
+        return list(layouts.get_layout(self.layout).apply(*self._merged(read), f"{self.name}.weight"))
+
+    def _merged(self, read: Reader) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's parts of the weight and of the scale, stacked along rows (source order)."""
         ws, ss = [], []
         for p in self.parts:
             rows, wcols, scols = p.window(self.tp, self.rank)
@@ -122,7 +135,7 @@ class LinearGroup:
             ss.append(read(f"{p.src}.weight_scale", rows, scols))
         w = ws[0].contiguous() if len(ws) == 1 else torch.cat(ws)
         s = ss[0].contiguous() if len(ss) == 1 else torch.cat(ss)
-        return list(layouts.get_layout(self.layout).apply(w, s, f"{self.name}.weight"))
+        return w, s
 
     def invert(self, tensors: list[torch.Tensor]) -> Iterator[Piece]:
         wshape, sshape = self.local_shapes()
@@ -238,12 +251,16 @@ class MoEGroup:
         """The output tensors, whole, in ``outputs()`` order (tests and small models)."""
         return _whole(self, self.build_chunks(read))
 
-    def build_chunks(self, read: Reader, chunk_bytes: int = 64 << 20) -> Iterator[tuple[str, torch.Tensor]]:
+    def build_chunks(self, read: Reader, chunk_bytes: int = 64 << 20, alloc: Alloc | None = None
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
         """(output name, chunk) in file order: each stacked weight in blocks of whole experts of
         about ``chunk_bytes``, then its scale. Every MoE layout transforms each expert on its
         own (W16 tiles and S32x8 bands never cross an expert: rows per expert are a multiple of
         256), so the blocks, laid end to end, are byte for byte the transformed whole tensor,
-        which then never exists in memory (a V3 layer at TP 1 is 3.7 GiB of w13)."""
+        which then never exists in memory (a V3 layer at TP 1 is 3.7 GiB of w13).
+
+        Each weight block is transformed into ``alloc``'s tensor when it gives one; under an
+        identity weight transform the experts are read straight into it."""
         rows, (dcols, dscols) = self._windows()
         il, ip, h = self.i_local, self.i_pad, self.hidden
         e_total = len(self.experts)
@@ -277,11 +294,13 @@ class MoEGroup:
             scales = []
             for e0 in range(0, e_total, step):
                 block = self.experts[e0:e0 + step]
-                w = _alloc((len(block), *wshape[1:]))
+                bshape = (len(block), *wshape[1:])
+                out = alloc(wname, lay.weight.output_shape(bshape)) if alloc else None
+                w = out if out is not None and lay.weight.name == "identity" else _alloc(bshape)
                 s = _alloc((len(block), *sshape[1:]))
                 for e, src in enumerate(block):
                     fill(w, s, e, src)
-                w, s = lay.apply(w, s, f"{wname} (experts {e0}..{e0 + len(block) - 1})")
+                w, s = lay.apply(w, s, f"{wname} (experts {e0}..{e0 + len(block) - 1})", weight_out=out)
                 yield wname, w
                 scales.append(s)
                 del w

@@ -89,16 +89,28 @@ def test_expert_parallel_rank_holds_aiter_shuffle_of_its_expert_block(sources, t
     assert torch.equal(_rank_tensor(out, f"{moe}.experts.w13_weight", rank), aiter_shuffle.shuffle_weight(w13, layout=(16, 16)))
 
 
-def test_padding_is_zero_whatever_memory_the_blocks_get(sources, tmp_path, monkeypatch):
+@pytest.mark.parametrize("moe_layout", ["ck", "triton"])
+def test_padding_is_zero_whatever_memory_the_blocks_get(sources, tmp_path, monkeypatch, moe_layout):
+    import prep.directio as dio
     import prep.groups as pg
 
-    # Stacked blocks are allocated uninitialised and only the pads are zeroed: give them garbage.
+    # Stacked blocks are allocated uninitialised and only the pads are zeroed: give them garbage,
+    # both the blocks experts are read into and the writer's staging memory (where an identity
+    # weight transform reads experts straight in).
     monkeypatch.setattr(pg, "_alloc", lambda shape: torch.full(shape, 0xAB, dtype=torch.uint8))
+    reserve = dio.AlignedFileWriter.reserve
+
+    def dirty_reserve(self, nbytes):
+        room = reserve(self, nbytes)
+        return room.fill_(0xAB) if room is not None else None
+
+    monkeypatch.setattr(dio.AlignedFileWriter, "reserve", dirty_reserve)
     out = tmp_path / "out"
-    convert(str(sources["v2"]), out, Target("non-shuffle", "ck", 4))  # intermediate 64 per rank, padded to 256
+    convert(str(sources["v2"]), out, Target("non-shuffle", moe_layout, 4))  # intermediate 64 per rank, padded to 256
     verify(str(out), source=str(sources["v2"]))  # inverting checks every pad byte is zero
     w13 = _rank_tensor(out, "model.layers.1.mlp.experts.w13_weight", 0)
-    assert w13.shape == (9, 512, 128) and not L.unshuffle_weight(w13)[:, 64:256].any()
+    raw = L.unshuffle_weight(w13) if moe_layout == "ck" else w13
+    assert w13.shape == (9, 512, 128) and not raw[:, 64:256].any()
 
 
 def test_manifest_describes_every_tensor(sources, tmp_path):

@@ -116,3 +116,51 @@ def test_short_writes_are_continued(tmp_path, monkeypatch):
     pieces = _pieces([100_000, 3])
     _write(tmp_path / "f", pieces, direct=False)
     assert (tmp_path / "f").read_bytes() == _expected(pieces)
+
+
+def _xxh(b: bytes) -> str:
+    import xxhash
+
+    return xxhash.xxh3_128(b).hexdigest()
+
+
+@pytest.mark.parametrize("sizes", [
+    [10, 0, 5000, 3],
+    [dio.STAGING_BYTES - 7, 20, dio.STAGING_BYTES * 2 + 1, 0],  # spans across blocks; an empty one at the very end
+])
+def test_spans_are_hashed_on_the_way_out(tmp_path, sizes):
+    pieces = _pieces([17, *sizes])  # a 17-byte "header" that no span covers
+    spans, pos = [], 17
+    for i, n in enumerate(sizes):
+        spans.append((f"t{i}", pos, pos + n))
+        pos += n
+    w = AlignedFileWriter(tmp_path / "f", spans)
+    for p in pieces:
+        w.write(p)
+    w.close()
+    data = (tmp_path / "f").read_bytes()
+    assert w.hashes == {name: _xxh(data[a:b]) for name, a, b in spans}
+
+
+def test_reserved_room_is_written_in_place_and_carries_the_unaligned_tail(tmp_path):
+    pieces = _pieces([dio.STAGING_BYTES - 100, 5000, 3, 1 << 20])
+    w = AlignedFileWriter(tmp_path / "f", [("all", 0, sum(p.numel() for p in pieces))])
+    w.write(pieces[0])
+    for p in pieces[1:]:  # the first reservation does not fit the block: its tail moves on
+        room = w.reserve(p.numel())
+        room.copy_(p)
+        w.write(room)
+    w.close()
+    assert (tmp_path / "f").read_bytes() == _expected(pieces)
+    assert w.hashes["all"] == _xxh(_expected(pieces))
+
+
+def test_reserve_declines_what_cannot_be_staged_whole(tmp_path):
+    w = AlignedFileWriter(tmp_path / "f")
+    assert w.reserve(dio.STAGING_BYTES) is None
+    room = w.reserve(100)  # a reservation not used: the next write copies over it
+    room.fill_(1)
+    pieces = _pieces([300])
+    w.write(pieces[0])
+    w.close()
+    assert (tmp_path / "f").read_bytes() == _expected(pieces)

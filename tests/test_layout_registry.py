@@ -119,3 +119,22 @@ def test_compressed_source_names_expand_to_exactly_the_original_list(templates, 
             names.append(t.format(nums[i], nums[(i + j) % 12] if j % 3 else j))
     packed = L.manifest.compress_names(names)
     assert L.manifest.expand_names(packed) == names and len(packed) <= len(names)
+
+
+@pytest.mark.parametrize("name", L.layout_names())
+@pytest.mark.parametrize("misalign", [0, 1])
+def test_forward_into_out_writes_the_same_bytes(name, misalign):
+    # Converters build straight into their output buffers; any alignment of that buffer.
+    layout = L.get_layout(name)
+    shape = (4, 256, 64) if layout.kind == "moe" else (256, 64)
+    g = torch.Generator().manual_seed(3)
+    w = torch.randint(0, 256, shape, dtype=torch.uint8, generator=g)
+    s = torch.randint(100, 140, (*shape[:-1], 4), dtype=torch.uint8, generator=g)
+    want_w, want_s = layout.apply(w, s)
+    n = want_w.numel()
+    buf = torch.zeros(n + 16, dtype=torch.uint8)
+    out = buf[misalign:misalign + n].view(want_w.shape)
+    got_w, got_s = layout.apply(w, s, weight_out=out)
+    assert got_w.data_ptr() == out.data_ptr() and torch.equal(out, want_w) and torch.equal(got_s, want_s)
+    with pytest.raises(ValueError, match="out must be"):
+        layout.apply(w, s, weight_out=torch.empty(n + 1, dtype=torch.uint8))
