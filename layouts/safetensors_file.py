@@ -12,10 +12,9 @@ memory pressure. Shared by the loader and by prep's converter, verifier and reve
 from __future__ import annotations
 
 import json
-import math
 import os
 import pathlib
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -23,6 +22,7 @@ import torch
 TORCH_DTYPES = {"U8": torch.uint8, "I8": torch.int8, "BOOL": torch.bool, "BF16": torch.bfloat16,
                 "F16": torch.float16, "F32": torch.float32, "F64": torch.float64, "I16": torch.int16,
                 "I32": torch.int32, "I64": torch.int64, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+_ITEMSIZE = {s: t.itemsize for s, t in TORCH_DTYPES.items()}
 READ_BLOCK = 64 << 20  # bytes per pread when a whole file is read
 
 
@@ -45,8 +45,10 @@ class SafetensorsFileError(ValueError):
     """The file is not a whole, readable safetensors file (truncated, corrupt, or changed)."""
 
 
-@dataclass(frozen=True)
-class TensorInfo:
+class TensorInfo(NamedTuple):
+    """Where one tensor lies in its file. A named tuple: a checkpoint has ~90k of them, and
+    building them is most of the time a header takes to parse."""
+
     name: str
     file: str  # file name, relative to the checkpoint folder
     dtype: str  # safetensors dtype string: "U8", "BF16", "F32", ...
@@ -74,27 +76,33 @@ class SafetensorsFile:
         except (OSError, ValueError) as e:
             raise SafetensorsFileError(f"{path}: unreadable safetensors file ({e}); the file is truncated or "
                                        "corrupt") from None
-        self.data_offset = 8 + n
+        self.data_offset = base = 8 + n
         self.tensors: dict[str, TensorInfo] = {}
         end = 0
         if not isinstance(header, dict):
             raise SafetensorsFileError(f"{path}: the header is not a JSON object; the file is corrupt")
-        for name, meta in header.items():
+        fname, tensors, itemsize = path.name, self.tensors, _ITEMSIZE
+        for name, meta in header.items():  # the hot loop of opening a checkpoint: kept lean
             if name == "__metadata__":
                 continue
             try:
-                a, b = (int(x) for x in meta["data_offsets"])
-                dtype, shape = meta["dtype"], tuple(int(d) for d in meta["shape"])
-            except (KeyError, TypeError, ValueError):
+                a, b = meta["data_offsets"]
+                a, b = int(a), int(b)
+                dtype, shape = meta["dtype"], tuple(map(int, meta["shape"]))
+                nb = itemsize.get(dtype)
+            except (KeyError, TypeError, ValueError, AttributeError):
                 raise SafetensorsFileError(f"{path}: header entry of {name} is malformed; the file is corrupt") from None
-            if dtype not in TORCH_DTYPES:
+            if nb is None:
                 raise SafetensorsFileError(f"{path}: tensor {name} has dtype {dtype}, which this reader does not know "
                                            f"(known: {', '.join(TORCH_DTYPES)})")
-            if not 0 <= a <= b or math.prod(shape) * TORCH_DTYPES[dtype].itemsize != b - a:
+            for d in shape:
+                nb *= d
+            if nb != b - a or a < 0 or (shape and min(shape) < 0):
                 raise SafetensorsFileError(f"{path}: tensor {name} is {dtype} {list(shape)} but spans bytes [{a}, {b}); "
                                            "the file is corrupt")
-            end = max(end, b)
-            self.tensors[name] = TensorInfo(name, path.name, dtype, shape, 8 + n + a, b - a)
+            if b > end:
+                end = b
+            tensors[name] = TensorInfo(name, fname, dtype, shape, base + a, b - a)
         self.data_size = end
         if 8 + n + end != size:
             raise SafetensorsFileError(f"{path}: file is {size} bytes but its header says {8 + n + end}; "

@@ -51,20 +51,25 @@ def arch_of(config: dict[str, Any]) -> str:
                     "prep knows DeepseekV3ForCausalLM (V3, R1) and DeepseekV2ForCausalLM")
 
 
-_KINDS = [
+_KINDS = [  # routed experts first: they are nearly all of the ~30k modules
+    (r"mlp\.experts\.\d+\.(gate|up|down)_proj$", "routed_expert"),
     (r"self_attn\.q_a_proj$", "q_a_proj"), (r"self_attn\.kv_a_proj_with_mqa$", "kv_a_proj"),
     (r"self_attn\.q_b_proj$", "q_b_proj"), (r"self_attn\.q_proj$", "q_proj"),
     (r"self_attn\.kv_b_proj$", "kv_b_proj"), (r"self_attn\.o_proj$", "o_proj"),
-    (r"mlp\.experts\.\d+\.(gate|up|down)_proj$", "routed_expert"),
     (r"mlp\.shared_experts\.(gate|up|down)_proj$", "shared_expert"),
     (r"mlp\.(gate|up|down)_proj$", "dense_mlp"),
     (r"eh_proj$", "mtp_eh_proj"),
 ]
 
 
+_KIND_RES = [(re.compile(p), kind) for p, kind in _KINDS]
+_NUMBERS = re.compile(r"(\d+)")
+_LAYER = re.compile(r"(.*?layers\.\d+\.)")
+
+
 def module_kind(prefix: str) -> str:
-    for pattern, kind in _KINDS:
-        if re.search(pattern, prefix):
+    for pattern, kind in _KIND_RES:
+        if pattern.search(prefix):
             return kind
     return "other"
 
@@ -126,7 +131,7 @@ def plan_groups(src: SourceCheckpoint, cls: Classified, target: Target) -> list[
     # Group modules by layer prefix ("model.layers.N.") keeping source order.
     by_layer: dict[str, dict[str, str]] = {}
     for prefix, kind in modules_in_order(cls):
-        m = re.match(r"(.*?layers\.\d+\.)", prefix)
+        m = _LAYER.match(prefix)
         by_layer.setdefault(m.group(1) if m else "", {})[prefix] = kind
 
     per_rank: list[list[LinearGroup | MoEGroup]] = [[] for _ in range(tp)]
@@ -141,7 +146,7 @@ def plan_groups(src: SourceCheckpoint, cls: Classified, target: Target) -> list[
 
 def modules_in_order(cls: Classified) -> list[tuple[str, str]]:
     def key(item):
-        nums = [int(x) if x.isdigit() else x for x in re.split(r"(\d+)", item[0])]
+        nums = [int(x) if x.isdigit() else x for x in _NUMBERS.split(item[0])]
         return [(0, x) if isinstance(x, int) else (1, x) for x in nums]
 
     return sorted(cls.modules.items(), key=key)

@@ -264,6 +264,10 @@ def _raw_safetensors(path, header: dict, data: bytes, pad_to: int = 8):
      "a is U8 [8] but spans bytes [0, 4)"),
     ({"a": {"dtype": "U16", "shape": [4], "data_offsets": [0, 8]}}, "dtype U16, which this reader does not know"),
     ({"a": {"dtype": "U8", "shape": [8]}}, "header entry of a is malformed"),
+    ({"a": {"dtype": ["U8"], "shape": [8], "data_offsets": [0, 8]}}, "header entry of a is malformed"),
+    ({"a": {"dtype": "U8", "shape": [8], "data_offsets": [0, 4, 8]}}, "header entry of a is malformed"),
+    ({"a": {"dtype": "U8", "shape": [-2, -4], "data_offsets": [0, 8]}}, "a is U8 [-2, -4] but spans bytes [0, 8)"),
+    ({"a": {"dtype": "U8", "shape": [8], "data_offsets": [8, 0]}}, "a is U8 [8] but spans bytes [8, 0)"),
     ({"a": {"dtype": "U8", "shape": [16], "data_offsets": [0, 16]}}, "header says"),
 ])
 def test_the_safetensors_reader_refuses_headers_that_disagree_with_themselves(tmp_path, header, message):
