@@ -108,7 +108,9 @@ def inspect(src: str, revision: str | None, as_json: bool) -> None:
 @click.option("--ep", type=int, default=1, show_default=True, help="Expert-parallel size: 1, or equal to --tp (each rank holds a block of whole experts plus the shared one).")
 @click.option("--fuse-shared-expert/--no-fuse-shared-expert", default=True, show_default=True,
               help="Put the shared expert into expert slot n_routed of the stacked tensors.")
-@click.option("--workers", type=int, default=1, show_default=True, help="Output files written in parallel.")
+@click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Output files written at once (threads). One keeps a single disk busy; more help where the "
+                   "disk is faster than one file's reading and shuffling (NVMe arrays, many cores).")
 @click.option("--force", is_flag=True, help="Replace a non-empty OUT (only once the new one is complete).")
 @click.option("--resume", is_flag=True, help="Reuse files an interrupted run finished, after re-checking their hashes.")
 @click.option("--revision", help="Hub revision when SRC is a repo id.")

@@ -4,7 +4,8 @@
     python scripts/bench_convert.py [--src DIR] [--tp 1] [--layout preshuffle] [--workers 1]
 
 Without --src, generates the multi-GB "bench" preset (scripts/make_tiny_deepseek.py --preset
-bench) into a temporary folder first. Runs `cp -r SRC`, `cp -r SRC; sync` and `prep convert SRC`
+bench; --preset bench-large for 9 GiB, more than this machine's dirty-page limit) into a
+temporary folder first. Runs `cp -r SRC`, `cp -r SRC; sync` and `prep convert SRC`
 as child processes (source in the page cache for all), with a user-space copy (pread + write +
 fsync per file, in Python: the least any converter that touches the bytes does), in --repeat
 interleaved rounds because the disk here is noisy, and prints each round's ratios, the medians,
@@ -80,7 +81,8 @@ def main() -> None:
     ap.add_argument("--layout", default="preshuffle")
     ap.add_argument("--moe-layout", default="ck")
     ap.add_argument("--workers", type=int, default=1)
-    ap.add_argument("--repeat", type=int, default=3, help="interleaved rounds of cp, cp+sync, convert")
+    ap.add_argument("--repeat", type=int, default=4, help="interleaved rounds of cp, cp+sync, user copy, convert")
+    ap.add_argument("--preset", default="bench", help="make_tiny_deepseek.py preset to generate without --src")
     ap.add_argument("--keep", action="store_true", help="keep the generated source and outputs")
     args = ap.parse_args()
 
@@ -90,7 +92,7 @@ def main() -> None:
         if src is None:
             src = work / "source"
             t0 = time.perf_counter()
-            subprocess.run([sys.executable, str(REPO / "scripts" / "make_tiny_deepseek.py"), str(src), "--preset", "bench"],
+            subprocess.run([sys.executable, str(REPO / "scripts" / "make_tiny_deepseek.py"), str(src), "--preset", args.preset],
                            check=True, stdout=subprocess.DEVNULL)
             print(f"generated bench preset in {time.perf_counter() - t0:.1f} s")
         size = du(src)
@@ -99,26 +101,35 @@ def main() -> None:
         base_rss, _ = _idle_rss()
         rounds = []
         peak = 0
-        for r in range(args.repeat):  # interleaved rounds: this machine's disk is noisy, compare within a round
-            for d in ("copy", "copy2", "converted"):
-                shutil.rmtree(work / d, ignore_errors=True)
-            subprocess.run(["sync"], check=True)
-            t_cp, _ = timed(["cp", "-r", str(src), str(work / "copy")])
+        out = work / "converted"
+        cmds = {
+            "cp": ["cp", "-r", str(src), str(work / "copy")],
             # prep fsyncs each file before renaming it into place; cp does not: time cp + sync too.
-            t_cps, _ = timed(["sh", "-c", f"cp -r '{src}' '{work / 'copy2'}' && sync"])
-            shutil.rmtree(work / "copy3", ignore_errors=True)
-            t_py, _ = timed([sys.executable, __file__, "--user-copy", str(src), str(work / "copy3")])
-            shutil.rmtree(work / "copy3", ignore_errors=True)
-            before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
-            out = work / "converted"
-            t_cv, rss = timed(prep + ["convert", str(src), "-o", str(out), "--tp", str(args.tp), "--layout", args.layout,
-                                      "--moe-layout", args.moe_layout, "--workers", str(args.workers)])
-            peak = max(peak, rss if rss > before else 0)
-            rounds.append((t_cp, t_cps, t_cv, t_py))
+            "cp+sync": ["sh", "-c", f"cp -r '{src}' '{work / 'copy2'}' && sync"],
+            "user": [sys.executable, __file__, "--user-copy", str(src), str(work / "copy3")],
+            "convert": prep + ["convert", str(src), "-o", str(out), "--tp", str(args.tp), "--layout", args.layout,
+                               "--moe-layout", args.moe_layout, "--workers", str(args.workers)],
+        }
+        order = list(cmds)
+        for r in range(args.repeat):
+            # Interleaved rounds (this machine's disk is noisy: compare within a round), and the
+            # order rotates, so that no command always runs first after the clean-up: deleting
+            # GBs on this disk (ext4, online discard) slows whatever writes next.
+            t = {}
+            for name in order[r % len(order):] + order[:r % len(order)]:
+                for d in ("copy", "copy2", "copy3", "converted"):
+                    shutil.rmtree(work / d, ignore_errors=True)
+                subprocess.run(["sync"], check=True)
+                before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+                t[name], rss = timed(cmds[name])
+                if name == "convert":
+                    peak = max(peak, rss if rss > before else 0)
+                    manifest = json.loads((out / "prep-manifest.json").read_text())
+            rounds.append((t["cp"], t["cp+sync"], t["convert"], t["user"]))
+            t_cp, t_cps, t_cv, t_py = rounds[-1]
             print(f"round {r + 1}: cp {t_cp:6.2f} s, cp+sync {t_cps:6.2f} s, user-space copy+fsync {t_py:6.2f} s, "
                   f"convert {t_cv:6.2f} s -> {t_cp / t_cv:4.2f}x cp, {t_cps / t_cv:4.2f}x cp+sync, "
-                  f"{t_py / t_cv:4.2f}x user-space copy")
-        manifest = json.loads((work / "converted" / "prep-manifest.json").read_text())
+                  f"{t_py / t_cv:4.2f}x user-space copy", flush=True)
         largest = max((t for t in manifest["tensors"]), key=lambda t: _nbytes(t))
         med = lambda xs: statistics.median(xs)  # noqa: E731
         t_cp, t_cps, t_cv, t_py = (med([r[i] for r in rounds]) for i in range(4))

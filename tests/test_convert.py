@@ -414,6 +414,27 @@ def test_parallel_workers_write_the_same_checkpoint(sources, tmp_path, monkeypat
     verify(str(two), source=str(sources["v2"]))
 
 
+def test_an_error_in_a_worker_reaches_the_caller_and_no_output_appears(sources, tmp_path, monkeypatch):
+    import prep.convert as pc
+
+    monkeypatch.setattr(pc, "SHARD_BYTES", 1 << 20)
+    real, calls = pc._write_file, []
+
+    def failing(src, job, staging):
+        calls.append(job.name)
+        if len(calls) == 2:
+            raise PrepError(f"{job.name}: injected failure")
+        return real(src, job, staging)
+
+    monkeypatch.setattr(pc, "_write_file", failing)
+    out = tmp_path / "out"
+    with pytest.raises(PrepError, match="injected failure"):
+        convert(str(sources["v2"]), out, Target("preshuffle", "ck", 2), workers=2)
+    assert not out.exists()
+    r = run_cli("convert", str(sources["v2"]), "-o", str(tmp_path / "o2"), "--workers", "0")
+    assert r.exit_code == 2 and "Invalid value for '--workers'" in r.output  # click's usage error
+
+
 def test_deep_verify_inverts_every_group_without_a_source(sources, tmp_path):
     out = tmp_path / "out"
     convert(str(sources["v2"]), out, Target("preshuffle", "triton", 4))  # padded experts: pads checked
