@@ -31,8 +31,8 @@ import torch
 import xxhash
 
 ALIGN = 4096  # a multiple of every block size O_DIRECT asks for (512 or 4096)
-STAGING_BYTES = 48 << 20  # one staging block: room for a whole 32 MiB conversion chunk plus a carried tail
-STAGING_BLOCKS = 4  # one being filled, the others being hashed and written
+STAGING_BYTES = 40 << 20  # one staging block: room for a whole 32 MiB conversion chunk plus a carried tail
+STAGING_BLOCKS = 3  # one being filled, up to two being hashed and written
 WRITEBACK_BYTES = 256 << 20  # buffered fallback: hand dirty pages to the disk this often
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 
