@@ -22,7 +22,7 @@ import torch
 
 import layouts
 from layouts.manifest import COMPLETE_NAME, FORMAT, FORMAT_VERSION, MANIFEST_NAME, compress_names, manifest_hash
-from layouts.safetensors_file import TORCH_DTYPES, TensorInfo, tensor_hash
+from layouts.safetensors_file import TORCH_DTYPES, TensorInfo
 
 from . import __version__
 from .deepseek import Target, classify, plan_groups
@@ -163,10 +163,9 @@ def _reusable(job: FileJob, staging: pathlib.Path) -> dict[str, Any] | None:
         record = json.loads(rec_path.read_text())
         if record.get("plan_key") != job.plan_key() or record.get("size") != final.stat().st_size:
             return None
-        f = ShardFile(final)
-        for name, _, _ in job.entries:
-            if tensor_hash(f.get(name)) != record["hashes"].get(name):
-                return None
+        hashes = ShardFile(final).hash_tensors([name for name, _, _ in job.entries])
+        if any(hashes[name] != record["hashes"].get(name) for name, _, _ in job.entries):
+            return None
         return record
     except Exception:
         return None

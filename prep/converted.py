@@ -37,14 +37,18 @@ class ConvertedCheckpoint:
             self._groups[rec["name"]].append(rec)
             self._sources[rec["name"]].update(dict.fromkeys(group_from_record(rec).sources()))
 
-    def read(self, fname: str, name: str) -> torch.Tensor:
+    def file(self, fname: str) -> ShardFile:
+        """The opened output file ``fname`` (opened once)."""
         f = self._files.get(fname)
         if f is None:
             path = self.root / fname
             if not path.is_file():
                 raise PrepError(f"{path}: listed in the manifest but missing; convert again")
             f = self._files[fname] = ShardFile(path)
-        return f.get(name)
+        return f
+
+    def read(self, fname: str, name: str) -> torch.Tensor:
+        return self.file(fname).get(name)
 
     def invert_group(self, key: str) -> dict[str, torch.Tensor]:
         """Every source tensor the group ``key`` came from, rebuilt from all its ranks."""

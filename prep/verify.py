@@ -7,8 +7,6 @@ from typing import Callable
 
 import torch
 
-from layouts.safetensors_file import tensor_hash
-
 from .converted import ConvertedCheckpoint
 from .errors import PrepError
 from .source import SourceCheckpoint
@@ -29,15 +27,20 @@ def verify(out: str, source: str | None = None, deep: bool = False,
                             "the file is truncated or was replaced")
     checked = 0
     for fname, entries in ck.by_file.items():
+        f = ck.file(fname)
         for t in entries:
-            got = ck.read(fname, t["name"])
-            if list(got.shape) != t["shape"]:
-                raise PrepError(f"{t['name']} (rank {t['rank']}): shape {list(got.shape)} differs from manifest {t['shape']}")
-            if tensor_hash(got) != t["xxh3_128"]:
+            info = f.tensors.get(t["name"])
+            if info is None:
+                raise PrepError(f"{ck.root / fname}: tensor {t['name']} is missing from the file; convert again")
+            if list(info.shape) != t["shape"]:
+                raise PrepError(f"{t['name']} (rank {t['rank']}): shape {list(info.shape)} differs from manifest {t['shape']}")
+        hashes = f.hash_tensors([t["name"] for t in entries])  # one sequential pass per file
+        for t in entries:
+            if hashes[t["name"]] != t["xxh3_128"]:
                 raise PrepError(f"{t['name']} (rank {t['rank']}, {fname}): content hash differs from the manifest")
             checked += 1
-            if progress:
-                progress(got.numel() * got.element_size())
+        if progress:
+            progress(sum(f.tensors[t["name"]].nbytes for t in entries))
     compared = 0
     if deep or source:
         src = SourceCheckpoint.open(source) if source else None

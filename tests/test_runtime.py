@@ -316,3 +316,21 @@ def test_a_transform_that_is_not_a_permutation_gets_no_position_map():
 def test_triton_moe_checkpoint_on_another_arch_names_the_arch(converted):
     with pytest.raises(CompatibilityError, match="run on the GPU the checkpoint was made for"):
         check_compatibility(load_manifest(converted["raw-gfx942-tp2"]), EngineConfig("triton-non-shuffle", "triton", 2))
+
+
+@pytest.mark.parametrize("block", [7, 64, 1 << 20])
+def test_one_pass_hashing_equals_hashing_each_tensor(tmp_path, monkeypatch, block):
+    import layouts.safetensors_file as sf
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {f"t{i}": torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for i, n in enumerate([0, 1, 100, 5, 300, 0])}
+    tensors["bf"] = torch.randn(3, 17, generator=g).to(torch.bfloat16)
+    save_file(tensors, str(tmp_path / "x.safetensors"))
+    monkeypatch.setattr(sf, "READ_BLOCK", block)  # blocks that cut tensors anywhere
+    f = sf.SafetensorsFile(tmp_path / "x.safetensors")
+    want = {n: sf.tensor_hash(f.get(n)) for n in f.tensors}
+    assert f.hash_tensors() == want
+    assert f.hash_tensors(["t4", "bf", "t5"]) == {n: want[n] for n in ("t4", "bf", "t5")}
+    with pytest.raises(KeyError):
+        f.hash_tensors(["nope"])
