@@ -16,6 +16,7 @@ import errno
 import json
 import pathlib
 import shutil
+import threading
 from typing import Any, Callable
 
 import torch
@@ -117,10 +118,32 @@ def _check_layout_names(target: Target) -> None:
 
 
 # ---------------------------------------------------------------------------------- writing
-def _write_file(src: SourceCheckpoint, job: FileJob, staging: str) -> dict[str, Any]:
-    """Write one output file."""
+class _Cancelled(Exception):
+    """Another worker failed (or the user interrupted): stop this file where it is."""
+
+
+def _write_file(src: SourceCheckpoint, job: FileJob, staging: str,
+                cancel: threading.Event | None = None) -> dict[str, Any]:
+    """Write one output file; with ``cancel``, give up (leaving no file) as soon as it is set."""
+    def check() -> None:
+        if cancel is not None and cancel.is_set():
+            raise _Cancelled(job.name)
+
     final = pathlib.Path(staging) / job.name
     tmp = final.with_name(final.name + ".tmp")
+    try:
+        hashes = _write_into(src, job, tmp, check)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # what a resumed run can use is whole files only
+        raise
+    tmp.rename(final)
+    record = {"file": job.name, "plan_key": job.plan_key(), "size": final.stat().st_size, "hashes": hashes}
+    (final.with_name(final.name + ".record.json")).write_text(json.dumps(record))
+    return record
+
+
+def _write_into(src: SourceCheckpoint, job: FileJob, tmp: pathlib.Path, check: Callable[[], None]) -> dict[str, str]:
+    """Stream the file's tensors into ``tmp``; returns their hashes."""
     with StreamingSafetensorsWriter(tmp, job.entries) as w:
         def room(name: str, shape: tuple[int, ...], dtype: str = "U8") -> torch.Tensor | None:
             """Where to build the next chunk of ``name``: the writer's staging memory (written
@@ -134,14 +157,13 @@ def _write_file(src: SourceCheckpoint, job: FileJob, staging: str) -> dict[str, 
         for g in job.groups:
             for name, chunk in g.build_chunks(src.read, CHUNK_BYTES, alloc=room):
                 w.write(name, chunk)
+                check()
         for name in job.passthrough:
             info = src.info(name)
             for rows, shape in _row_blocks(info):
                 w.write(name, src.read(name, rows, out=room(name, shape, info.dtype)))
-    tmp.rename(final)
-    record = {"file": job.name, "plan_key": job.plan_key(), "size": final.stat().st_size, "hashes": w.hashes}
-    (final.with_name(final.name + ".record.json")).write_text(json.dumps(record))
-    return record
+                check()
+    return w.hashes
 
 
 def _row_blocks(info: TensorInfo) -> list[tuple[slice | None, tuple[int, ...]]]:
@@ -216,17 +238,25 @@ def convert(
             # Threads, not processes: reading, shuffling, hashing and writing all run outside
             # the GIL (preadv, torch copies, xxhash, pwrite), and threads share the opened
             # source, where each process had to import torch and parse every header again.
-            with cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="convert") as pool:
-                futures = {pool.submit(_write_file, src, job, str(staging)): job for job in todo}
-                try:
-                    for fut in cf.as_completed(futures):
-                        records[futures[fut].name] = fut.result()
-                        if progress:
-                            progress(futures[fut].nbytes)
-                except BaseException:
-                    for f in futures:  # do not start files that are still queued
-                        f.cancel()
-                    raise
+            # One torch intra-op thread per worker and core share, not a full pool each.
+            torch_threads = torch.get_num_threads()
+            torch.set_num_threads(max(1, torch_threads // workers))
+            cancel = threading.Event()
+            try:
+                with cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="convert") as pool:
+                    futures = {pool.submit(_write_file, src, job, str(staging), cancel): job for job in todo}
+                    try:
+                        for fut in cf.as_completed(futures):
+                            records[futures[fut].name] = fut.result()
+                            if progress:
+                                progress(futures[fut].nbytes)
+                    except BaseException:
+                        cancel.set()  # files in progress stop at their next chunk, queued ones never start
+                        for f in futures:
+                            f.cancel()
+                        raise
+            finally:
+                torch.set_num_threads(torch_threads)
         for p in src.side_files():
             shutil.copyfile(p, staging / p.name)
         manifest = build_manifest(src, target, jobs, records, info)

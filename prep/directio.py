@@ -28,7 +28,8 @@ import queue
 import threading
 
 import torch
-import xxhash
+
+from layouts.safetensors_file import SpanHasher
 
 ALIGN = 4096  # a multiple of every block size O_DIRECT asks for (512 or 4096)
 STAGING_BYTES = 40 << 20  # one staging block: room for a whole 32 MiB conversion chunk plus a carried tail
@@ -63,29 +64,37 @@ class AlignedFileWriter:
                     raise
                 self.direct = False
         self._fd = fd if fd >= 0 else os.open(path, flags, 0o644)
+        try:
+            self._setup(spans)
+        except BaseException:
+            self._cancel_threads()
+            self._close_fd()
+            raise
+
+    def _setup(self, spans) -> None:
         self._blocks = [mmap.mmap(-1, STAGING_BYTES) for _ in range(STAGING_BLOCKS)]  # page-aligned
         self._views = [torch.frombuffer(b, dtype=torch.uint8) for b in self._blocks]
         self._free: queue.Queue[int] = queue.Queue()
         for i in range(1, STAGING_BLOCKS):
             self._free.put(i)
-        self._todo: queue.Queue = queue.Queue()
         self._cur, self._fill = 0, 0  # the block being filled and its bytes so far
         self._block_offset = 0  # where that block goes in the file
         self.size = 0  # bytes appended
         self._error: BaseException | None = None
-        # io-thread state: spans still to hash, the one in progress, digests done
+        self._cancelled = False  # set on abort: the threads skip what is still queued
         self._spans = list(spans)
-        self._span_i, self._hasher = 0, None
+        self._hasher = SpanHasher(self._spans)  # fed by the hash thread only
         self.hashes: dict[str, str] = {}
-        self._since_writeback = 0
+        self._written_back = 0  # buffered fallback: the file up to here was handed to the disk
         # Each submitted block goes to both threads: one hashes it while the other writes it
         # (both only read it); it is free again when both are done with it.
+        self._todo: queue.Queue = queue.Queue()
         self._hash_todo: queue.Queue = queue.Queue()
         self._users = [0] * STAGING_BLOCKS
         self._users_lock = threading.Lock()
-        self._threads = [threading.Thread(target=self._run, args=(self._todo, self._write_block), name=f"write {path.name}",
+        self._threads = [threading.Thread(target=self._run, args=(self._todo, self._write_block), name=f"write {self.path.name}",
                                           daemon=True),
-                         threading.Thread(target=self._run, args=(self._hash_todo, self._hash), name=f"hash {path.name}",
+                         threading.Thread(target=self._run, args=(self._hash_todo, self._hash), name=f"hash {self.path.name}",
                                           daemon=True)]
         for t in self._threads:
             t.start()
@@ -147,19 +156,22 @@ class AlignedFileWriter:
                 self._fill = 0
             self._stop()
             self._raise_error()
-            while self._span_i < len(self._spans):  # spans ending at the very end (empty ones) are due now
-                self.hashes[self._spans[self._span_i][0]] = (self._hasher or xxhash.xxh3_128()).hexdigest()
-                self._hasher = None
-                self._span_i += 1
+            unfinished = [name for name, _, stop in self._spans if stop > self.size]
+            if unfinished:
+                raise RuntimeError(f"{self.path.name}: closed after {self.size} bytes, before the end of {unfinished[0]}")
+            self.hashes = self._hasher.finish()
             os.ftruncate(self._fd, self.size)
             os.fsync(self._fd)
         finally:
+            self._cancel_threads()  # a no-op when they finished; after an interrupt they must stop before the fd closes
             self._close_fd()
 
     def abort(self) -> None:
-        """Stop without completing; the caller removes the file."""
-        self._stop()
-        self._close_fd()
+        """Stop without completing (what is queued is dropped); the caller removes the file."""
+        try:
+            self._cancel_threads()
+        finally:
+            self._close_fd()
 
     def _submit_full(self) -> None:
         self._send(self._cur, self._block_offset, STAGING_BYTES)
@@ -184,13 +196,22 @@ class AlignedFileWriter:
                 continue
 
     def _stop(self) -> None:
+        """Let both threads finish what is queued, and wait for them."""
         for q, t in zip((self._todo, self._hash_todo), self._threads):
             if t.is_alive():
                 q.put(None)
                 t.join()
 
+    def _cancel_threads(self) -> None:
+        """Make both threads drop what is queued and end, and wait for them."""
+        self._cancelled = True
+        for q, t in zip((getattr(self, "_todo", None), getattr(self, "_hash_todo", None)), getattr(self, "_threads", ())):
+            if t.is_alive():
+                q.put(None)
+                t.join()
+
     def _close_fd(self) -> None:
-        if self._fd >= 0:
+        if getattr(self, "_fd", -1) >= 0:
             os.close(self._fd)
             self._fd = -1
         # Drop the staging blocks; they are unmapped once nothing refers to them (an error's
@@ -201,7 +222,7 @@ class AlignedFileWriter:
     def _run(self, todo: queue.Queue, work) -> None:
         while (item := todo.get()) is not None:
             block, offset, length = item
-            if self._error is None:
+            if self._error is None and not self._cancelled:
                 try:
                     work(memoryview(self._blocks[block])[:length], offset)
                 except BaseException as e:  # noqa: BLE001 - raised in the producer
@@ -215,23 +236,7 @@ class AlignedFileWriter:
         self._pwrite_all(buf, offset)
 
     def _hash(self, buf: memoryview, start: int) -> None:
-        """Feed the stream bytes ``buf`` at ``start`` to the spans they overlap, in order (a
-        tail's pad lies past every span)."""
-        stop = start + len(buf)
-        while self._span_i < len(self._spans):
-            name, a, b = self._spans[self._span_i]
-            if a >= stop:
-                return
-            if self._hasher is None:
-                self._hasher = xxhash.xxh3_128()
-            lo, hi = max(a, start), min(b, stop)
-            if hi > lo:
-                self._hasher.update(buf[lo - start:hi - start])
-            if b > stop:
-                return
-            self.hashes[name] = self._hasher.hexdigest()
-            self._hasher = None
-            self._span_i += 1
+        self._hasher.feed(buf, start)  # a tail's pad lies past every span
 
     def _pwrite_all(self, buf: memoryview, offset: int) -> None:
         while buf:
@@ -244,11 +249,11 @@ class AlignedFileWriter:
                 fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) & ~O_DIRECT)
                 self.direct = False
                 continue
+            if n <= 0:
+                raise OSError(errno.EIO, f"{self.path}: write made no progress at offset {offset}")
             buf, offset = buf[n:], offset + n
-            if not self.direct:
-                self._since_writeback += n
-                if self._since_writeback >= WRITEBACK_BYTES and hasattr(os, "posix_fadvise"):
-                    # Start the disk on what is dirty so far (DONTNEED writes back, then drops
-                    # what is clean), so the final fsync has little left and memory stays free.
-                    os.posix_fadvise(self._fd, 0, offset, os.POSIX_FADV_DONTNEED)
-                    self._since_writeback = 0
+            if not self.direct and offset - self._written_back >= WRITEBACK_BYTES and hasattr(os, "posix_fadvise"):
+                # Start the disk on the window written since (DONTNEED writes back, then drops
+                # what is clean), so the final fsync has little left and memory stays free.
+                os.posix_fadvise(self._fd, self._written_back, offset - self._written_back, os.POSIX_FADV_DONTNEED)
+                self._written_back = offset

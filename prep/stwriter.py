@@ -68,7 +68,11 @@ class StreamingSafetensorsWriter:
 
     def __enter__(self) -> "StreamingSafetensorsWriter":
         self._out = AlignedFileWriter(self.path, self._spans)
-        self._out.write_bytes(len(self._header).to_bytes(8, "little") + self._header)
+        try:
+            self._out.write_bytes(len(self._header).to_bytes(8, "little") + self._header)
+        except BaseException:
+            self._out.abort()
+            raise
         return self
 
     def add(self, name: str, t: torch.Tensor) -> None:

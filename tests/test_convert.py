@@ -420,17 +420,18 @@ def test_an_error_in_a_worker_reaches_the_caller_and_no_output_appears(sources, 
     monkeypatch.setattr(pc, "SHARD_BYTES", 1 << 20)
     real, calls = pc._write_file, []
 
-    def failing(src, job, staging):
+    def failing(src, job, staging, cancel=None):
         calls.append(job.name)
         if len(calls) == 2:
             raise PrepError(f"{job.name}: injected failure")
-        return real(src, job, staging)
+        return real(src, job, staging, cancel)
 
     monkeypatch.setattr(pc, "_write_file", failing)
     out = tmp_path / "out"
     with pytest.raises(PrepError, match="injected failure"):
         convert(str(sources["v2"]), out, Target("preshuffle", "ck", 2), workers=2)
     assert not out.exists()
+    assert not list((tmp_path / ".out.prep-partial").glob("*.tmp"))  # no half-written file stays behind
     r = run_cli("convert", str(sources["v2"]), "-o", str(tmp_path / "o2"), "--workers", "0")
     assert r.exit_code == 2 and "Invalid value for '--workers'" in r.output  # click's usage error
 

@@ -164,3 +164,47 @@ def test_reserve_declines_what_cannot_be_staged_whole(tmp_path):
     w.write(pieces[0])
     w.close()
     assert (tmp_path / "f").read_bytes() == _expected(pieces)
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_a_failed_setup_leaves_no_open_file(tmp_path, monkeypatch):
+    before = _open_fds()
+
+    def no_memory(*a, **k):
+        raise MemoryError("staging")
+
+    monkeypatch.setattr(dio.mmap, "mmap", no_memory)
+    with pytest.raises(MemoryError):
+        AlignedFileWriter(tmp_path / "f")
+    assert _open_fds() == before
+
+
+def test_abort_drops_queued_blocks_and_closes(tmp_path, monkeypatch):
+    import threading
+
+    gate = threading.Event()
+    real, writes = os.pwrite, []
+
+    def slow(fd, buf, offset):  # the disk stalls until the producer has given up
+        gate.wait(5)
+        writes.append(offset)
+        return real(fd, buf, offset)
+
+    monkeypatch.setattr(dio.os, "pwrite", slow)
+    before = _open_fds()
+    w = AlignedFileWriter(tmp_path / "f")
+    for p in _pieces([dio.STAGING_BYTES] * (dio.STAGING_BLOCKS - 1)):
+        w.write(p)
+    threading.Timer(0.2, gate.set).start()
+    w.abort()
+    assert len(writes) <= 1 and _open_fds() == before  # the write in progress may finish; the rest is dropped
+
+
+def test_closing_before_a_span_is_complete_is_an_error(tmp_path):
+    w = AlignedFileWriter(tmp_path / "f", [("t", 0, 100)])
+    w.write(_pieces([50])[0])
+    with pytest.raises(RuntimeError, match="before the end of t"):
+        w.close()
