@@ -51,33 +51,42 @@ class ConvertedCheckpoint:
         return self.file(fname).get(name)
 
     def invert_group(self, key: str) -> dict[str, torch.Tensor]:
-        """Every source tensor the group ``key`` came from, rebuilt from all its ranks."""
+        """Every source tensor the group ``key`` came from, rebuilt from all its ranks.
+
+        Each rank gives rectangular windows of the (2-D) source tensors. Coverage is kept as
+        the list of windows placed, not as a byte mask: a window seen again is a replicated
+        copy and must hold the same bytes, a window that partly overlaps one placed is an
+        error, and at the end the windows must add up to the whole tensor."""
         src_meta = self.manifest["source"]["tensors"]
         out: dict[str, torch.Tensor] = {}
-        covered: dict[str, torch.Tensor] = {}  # which bytes some rank has provided
+        placed: dict[str, list[tuple[int, int, int, int]]] = {}
         for rec in self._groups[key]:
             g = group_from_record(rec)
             tensors = [self.read(rec["file"], name) for name, _, _ in g.outputs()]
             for src_name, (rows, cols), piece in g.invert(tensors):
                 if src_name not in out:
-                    shape = src_meta[src_name]["shape"]
-                    out[src_name] = torch.empty(shape, dtype=torch.uint8)
-                    covered[src_name] = torch.zeros(shape, dtype=torch.bool)
-                view, seen = out[src_name][rows, cols], covered[src_name][rows, cols]
+                    out[src_name] = torch.empty(src_meta[src_name]["shape"], dtype=torch.uint8)
+                    placed[src_name] = []
+                full = out[src_name]
+                r0, r1, _ = rows.indices(full.shape[0])
+                c0, c1, _ = cols.indices(full.shape[1])
+                rect = (r0, r1, c0, c1)
+                view = full[r0:r1, c0:c1]
                 if view.shape != piece.shape:
                     raise PrepError(f"{src_name}: rank {rec['rank']} piece {list(piece.shape)} does not fit "
                                     f"{list(view.shape)}; manifest and files disagree")
-                if seen.all():  # a replicated tensor: every rank must hold the same bytes
+                if rect in placed[src_name]:  # a replicated tensor: every rank must hold the same bytes
                     if not torch.equal(view, piece):
                         raise PrepError(f"{src_name}: replicated copies differ between ranks (rank {rec['rank']})")
                     continue
-                if seen.any():
+                if any(r0 < b1 and b0 < r1 and c0 < d1 and d0 < c1 for b0, b1, d0, d1 in placed[src_name]):
                     raise PrepError(f"{src_name}: rank {rec['rank']} overlaps another rank's piece")
                 view.copy_(piece)
-                seen.fill_(True)
-        for name, seen in covered.items():
-            if not seen.all():
-                raise PrepError(f"{name}: ranks cover {int(seen.sum())} of {seen.numel()} bytes; a rank is missing")
+                placed[src_name].append(rect)
+        for name, rects in placed.items():
+            covered, total = sum((r1 - r0) * (c1 - c0) for r0, r1, c0, c1 in rects), out[name].numel()
+            if covered != total:
+                raise PrepError(f"{name}: ranks cover {covered} of {total} bytes; a rank is missing")
         return out
 
     def units(self) -> Iterator[tuple[str, list[str]]]:

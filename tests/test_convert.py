@@ -441,3 +441,39 @@ def test_deep_verify_inverts_every_group_without_a_source(sources, tmp_path):
     convert(str(sources["v2"]), out, Target("preshuffle", "triton", 4))  # padded experts: pads checked
     r = CliRunner().invoke(main, ["verify", str(out), "--deep", "--json"])
     assert r.exit_code == 0 and json.loads(r.output)["ok"] is True, r.output
+
+
+@pytest.mark.parametrize("windows, message", [
+    ([(slice(0, 4), slice(0, 8)), (slice(4, 8), slice(0, 8))], None),  # two halves: whole
+    ([(slice(0, 4), slice(0, 8)), (slice(0, 4), slice(0, 8))], "replicated copies differ"),  # same window, other bytes
+    ([(slice(0, 4), slice(0, 8)), (slice(2, 6), slice(0, 8))], "overlaps another rank's piece"),
+    ([(slice(0, 4), slice(0, 8))], "ranks cover 32 of 64 bytes"),
+])
+def test_inverting_checks_that_rank_pieces_tile_each_source_tensor(sources, tmp_path, monkeypatch, windows, message):
+    import prep.converted as pcv
+
+    out = tmp_path / "out"
+    convert(str(sources["v2"]), out, Target(tp=1))
+    ck = pcv.ConvertedCheckpoint(out)
+    ck.manifest["source"]["tensors"]["fake.weight"] = {"shape": [8, 8]}
+
+    class Piece:  # one rank's piece of "fake.weight", bytes = 10 * rank + 1
+        def __init__(self, rec):
+            self.rec = rec
+
+        def outputs(self):
+            return []
+
+        def invert(self, tensors):
+            rows, cols = windows[self.rec["rank"]]
+            yield "fake.weight", (rows, cols), torch.full((rows.stop - rows.start, cols.stop - cols.start),
+                                                          10 * self.rec["rank"] + 1, dtype=torch.uint8)
+
+    monkeypatch.setattr(pcv, "group_from_record", Piece)
+    ck._groups["fake"] = [{"rank": r, "file": None} for r in range(len(windows))]
+    if message is None:
+        got = ck.invert_group("fake")["fake.weight"]
+        assert (got[:4] == 1).all() and (got[4:] == 11).all()
+    else:
+        with pytest.raises(PrepError, match=message):
+            ck.invert_group("fake")
