@@ -3,8 +3,9 @@ turning every group back into the source tensors it came from (the exact inverse
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
-from collections import defaultdict
+from collections import Counter, defaultdict
 from typing import Iterator
 
 import torch
@@ -12,8 +13,10 @@ import torch
 from layouts.manifest import ManifestError, load_manifest
 
 from .errors import PrepError
-from .groups import group_from_record
+from .groups import MoEGroup, group_from_record
 from .source import ShardFile
+
+STREAM_BYTES = 32 << 20  # stacked experts are inverted in blocks of about this much per rank
 
 
 class ConvertedCheckpoint:
@@ -51,43 +54,80 @@ class ConvertedCheckpoint:
         return self.file(fname).get(name)
 
     def invert_group(self, key: str) -> dict[str, torch.Tensor]:
-        """Every source tensor the group ``key`` came from, rebuilt from all its ranks.
-
-        Each rank gives rectangular windows of the (2-D) source tensors. Coverage is kept as
-        the list of windows placed, not as a byte mask: a window seen again is a replicated
-        copy and must hold the same bytes, a window that partly overlaps one placed is an
-        error, and at the end the windows must add up to the whole tensor."""
-        src_meta = self.manifest["source"]["tensors"]
-        out: dict[str, torch.Tensor] = {}
-        placed: dict[str, list[tuple[int, int, int, int]]] = {}
+        """Every source tensor the group ``key`` came from, rebuilt from all its ranks, whole."""
+        tiles = _Tiles(self.manifest["source"]["tensors"])
         for rec in self._groups[key]:
             g = group_from_record(rec)
             tensors = [self.read(rec["file"], name) for name, _, _ in g.outputs()]
             for src_name, (rows, cols), piece in g.invert(tensors):
-                if src_name not in out:
-                    out[src_name] = torch.empty(src_meta[src_name]["shape"], dtype=torch.uint8)
-                    placed[src_name] = []
-                full = out[src_name]
-                r0, r1, _ = rows.indices(full.shape[0])
-                c0, c1, _ = cols.indices(full.shape[1])
-                rect = (r0, r1, c0, c1)
-                view = full[r0:r1, c0:c1]
-                if view.shape != piece.shape:
-                    raise PrepError(f"{src_name}: rank {rec['rank']} piece {list(piece.shape)} does not fit "
-                                    f"{list(view.shape)}; manifest and files disagree")
-                if rect in placed[src_name]:  # a replicated tensor: every rank must hold the same bytes
-                    if not torch.equal(view, piece):
-                        raise PrepError(f"{src_name}: replicated copies differ between ranks (rank {rec['rank']})")
-                    continue
-                if any(r0 < b1 and b0 < r1 and c0 < d1 and d0 < c1 for b0, b1, d0, d1 in placed[src_name]):
-                    raise PrepError(f"{src_name}: rank {rec['rank']} overlaps another rank's piece")
-                view.copy_(piece)
-                placed[src_name].append(rect)
-        for name, rects in placed.items():
-            covered, total = sum((r1 - r0) * (c1 - c0) for r0, r1, c0, c1 in rects), out[name].numel()
-            if covered != total:
-                raise PrepError(f"{name}: ranks cover {covered} of {total} bytes; a rank is missing")
-        return out
+                tiles.place(src_name, rows, cols, piece, rec["rank"])
+        for name in tiles.out:
+            tiles.check_complete(name)
+        return tiles.out
+
+    def iter_source_tensors(self, unit: str) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, tensor) of every source tensor of ``unit``, in :meth:`units` order.
+
+        Stacked experts are inverted a block of experts at a time, on every rank, and each
+        source tensor is handed out once its pieces are all in: memory holds a block per rank,
+        not a layer (an R1 layer's experts are ~5.5 GB). Blocks are exact because no MoE layout
+        moves a byte across experts (what convert's chunked build relies on too)."""
+        t = self._passthrough.get(unit)
+        if t is not None:
+            yield unit, self.read(t["file"], unit)
+            return
+        recs = self._groups[unit]
+        groups = [group_from_record(r) for r in recs]
+        if not all(isinstance(g, MoEGroup) and self._streamable(r, g) for r, g in zip(recs, groups)):
+            whole = self.invert_group(unit)
+            for name in self._sources[unit]:
+                yield name, whole[name]
+            return
+        names = list(self._sources[unit])
+        tiles = _Tiles(self.manifest["source"]["tensors"])
+        # Under EP the shared expert is whole on every rank: keep its tensors to compare the copies.
+        held = Counter(e for g in groups for e in g.experts)
+        keep = {n for n in names if held[n.rsplit(".", 2)[0]] > 1} if groups[0].ep > 1 else set()
+        steps = [(r, g, e0) for r, g in zip(recs, groups) for e0 in range(0, len(g.experts), self._step(g))]
+        if groups[0].ep == 1:  # every rank holds a slice of every expert: go block by block across ranks
+            steps.sort(key=lambda s: s[2])
+        cursor = 0
+        for rec, g, e0 in steps:
+            sub = dataclasses.replace(g, experts=g.experts[e0:e0 + self._step(g)])
+            tensors = [self._expert_rows(rec, name, e0, len(sub.experts)) for name, _, _ in g.outputs()]
+            for src_name, (rows, cols), piece in sub.invert(tensors):
+                tiles.place(src_name, rows, cols, piece, rec["rank"])
+            while cursor < len(names) and tiles.done(names[cursor]):
+                name = names[cursor]
+                yield name, tiles.out[name] if name in keep else tiles.pop(name)
+                cursor += 1
+        for name in names[cursor:]:
+            tiles.check_complete(name)  # raises: some rank's piece is missing
+
+    @staticmethod
+    def _step(g: MoEGroup) -> int:
+        """Experts per block: about STREAM_BYTES of the rank's stacked w13."""
+        per_expert = 2 * g.i_pad * g.h_pad // 2
+        return max(1, STREAM_BYTES // max(1, per_expert))
+
+    def _streamable(self, rec: dict, g: MoEGroup) -> bool:
+        # A scale stored flattened over experts ([E*N, C], the ck layout) splits into blocks of
+        # experts only when N keeps S32x8's 32-row bands (and its 256-row pad) inside an expert.
+        f = self.file(rec["file"])
+        for (name, _, _), local in zip(g.outputs(), g.local_shapes()):
+            if len(f.tensors[name].shape) == 2 and local[1] % 256:
+                return False
+        return True
+
+    def _expert_rows(self, rec: dict, name: str, e0: int, n: int) -> torch.Tensor:
+        """The stored bytes of experts [e0, e0 + n) of output ``name`` of a rank's group."""
+        f = self.file(rec["file"])
+        info = f.tensors[name]
+        if len(info.shape) == 3:  # experts lead
+            return f.read(info, slice(e0, e0 + n))
+        g = group_from_record(rec)  # flattened [pad256(E*N), C]: N rows per expert
+        rows = dict(zip((o for o, _, _ in g.outputs()), g.local_shapes()))[name][1]
+        return f.read(info, slice(e0 * rows, (e0 + n) * rows))
 
     def units(self) -> Iterator[tuple[str, list[str]]]:
         """(unit, source tensor names) in order: each group key, then each pass-through tensor."""
@@ -97,7 +137,59 @@ class ConvertedCheckpoint:
             yield name, [name]
 
     def source_tensors(self, unit: str) -> dict[str, torch.Tensor]:
-        t = self._passthrough.get(unit)
-        if t is not None:
-            return {unit: self.read(t["file"], unit)}
-        return self.invert_group(unit)
+        return dict(self.iter_source_tensors(unit))
+
+
+class _Tiles:
+    """Source tensors assembled from rank pieces (rectangular windows of 2-D tensors).
+
+    Coverage is the list of windows placed, not a byte mask: a window seen again is a
+    replicated copy and must hold the same bytes, a window that partly overlaps one placed is
+    an error, and a tensor is whole when its windows add up to it."""
+
+    def __init__(self, meta: dict):
+        self.meta = meta
+        self.out: dict[str, torch.Tensor] = {}
+        self.placed: dict[str, list[tuple[int, int, int, int]]] = {}
+        self.covered: dict[str, int] = {}
+        self.handed: set[str] = set()  # popped: whole and gone
+
+    def place(self, name: str, rows: slice, cols: slice, piece: torch.Tensor, rank: int) -> None:
+        if name in self.handed:
+            raise PrepError(f"{name}: rank {rank} gives a piece of a tensor that was already whole; "
+                            "manifest and files disagree")
+        if name not in self.out:
+            self.out[name] = torch.empty(self.meta[name]["shape"], dtype=torch.uint8)
+            self.placed[name], self.covered[name] = [], 0
+        full = self.out[name]
+        r0, r1, _ = rows.indices(full.shape[0])
+        c0, c1, _ = cols.indices(full.shape[1])
+        view = full[r0:r1, c0:c1]
+        if view.shape != piece.shape:
+            raise PrepError(f"{name}: rank {rank} piece {list(piece.shape)} does not fit "
+                            f"{list(view.shape)}; manifest and files disagree")
+        rect = (r0, r1, c0, c1)
+        if rect in self.placed[name]:  # a replicated tensor: every rank must hold the same bytes
+            if not torch.equal(view, piece):
+                raise PrepError(f"{name}: replicated copies differ between ranks (rank {rank})")
+            return
+        if any(r0 < b1 and b0 < r1 and c0 < d1 and d0 < c1 for b0, b1, d0, d1 in self.placed[name]):
+            raise PrepError(f"{name}: rank {rank} overlaps another rank's piece")
+        view.copy_(piece)
+        self.placed[name].append(rect)
+        self.covered[name] += (r1 - r0) * (c1 - c0)
+
+    def done(self, name: str) -> bool:
+        return name in self.out and self.covered[name] == self.out[name].numel()
+
+    def check_complete(self, name: str) -> None:
+        total = self.out[name].numel() if name in self.out else 0
+        if name not in self.out or self.covered[name] != total:
+            raise PrepError(f"{name}: ranks cover {self.covered.get(name, 0)} of {total} bytes; a rank is missing")
+
+    def pop(self, name: str) -> torch.Tensor:
+        """Hand a whole tensor out and forget it (a copy arriving later would be an overlap)."""
+        del self.placed[name]
+        self.covered.pop(name)
+        self.handed.add(name)
+        return self.out.pop(name)

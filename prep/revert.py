@@ -36,9 +36,8 @@ def revert(out: str, dest: str | pathlib.Path, force: bool = False,
         entries = [(n, meta[n]["dtype"], tuple(meta[n]["shape"])) for _, names in chunk for n in names]
         with StreamingSafetensorsWriter(staging / fname, entries) as w:
             for unit, names in chunk:
-                tensors = ck.source_tensors(unit)
-                for n in names:
-                    w.add(n, tensors[n].view(TORCH_DTYPES[meta[n]["dtype"]]))
+                for n, t in ck.iter_source_tensors(unit):  # in ``names`` order, experts a block at a time
+                    w.add(n, t.view(TORCH_DTYPES[meta[n]["dtype"]]))
                     weight_map[n] = fname
                     if progress:
                         progress(size(n))

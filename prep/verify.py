@@ -44,15 +44,14 @@ def verify(out: str, source: str | None = None, deep: bool = False,
     compared = 0
     if deep or source:
         src = SourceCheckpoint.open(source) if source else None
-        for unit, names in ck.units():
-            rebuilt = ck.source_tensors(unit)
-            if src is None:
-                continue
-            for name in names:
+        for unit, _ in ck.units():
+            for name, got in ck.iter_source_tensors(unit):  # experts a block at a time
+                if src is None:
+                    continue
                 want = src.read(name)
-                if want.dtype != rebuilt[name].dtype:
-                    rebuilt[name] = rebuilt[name].view(want.dtype)
-                if want.shape != rebuilt[name].shape or not torch.equal(want, rebuilt[name]):
+                if want.dtype != got.dtype:
+                    got = got.view(want.dtype)
+                if want.shape != got.shape or not torch.equal(want, got):
                     raise PrepError(f"{name}: inverted bytes differ from the source")
                 compared += 1
     return {"files": len(m["files"]), "tensors_hashed": checked, "source_tensors_compared": compared}

@@ -477,3 +477,42 @@ def test_inverting_checks_that_rank_pieces_tile_each_source_tensor(sources, tmp_
     else:
         with pytest.raises(PrepError, match=message):
             ck.invert_group("fake")
+
+
+@pytest.mark.parametrize("block_experts", [1, 3])
+@pytest.mark.parametrize("layout, moe_layout, tp, ep, n_routed", [
+    ("preshuffle", "ck", 2, 1, 8), ("non-shuffle", "triton", 4, 1, 8), ("preshuffle", "triton-gfx942", 1, 1, 8),
+    ("preshuffle", "ck", 4, 4, 10),  # EP with a remainder: the shared expert's replicated copies are compared
+], ids=["ck-tp2", "triton-tp4", "gfx942-tp1", "ck-ep4"])
+def test_inverting_experts_a_block_at_a_time_equals_inverting_whole_layers(tmp_path, monkeypatch, block_experts,
+                                                                           layout, moe_layout, tp, ep, n_routed):
+    import prep.converted as pcv
+
+    src, out, back = tmp_path / "src", tmp_path / "out", tmp_path / "back"
+    write_checkpoint(SynthSpec(variant="v2", n_routed_experts=n_routed, num_hidden_layers=2), src)
+    convert(str(src), out, Target(layout, moe_layout, tp, ep=ep))
+    ck = pcv.ConvertedCheckpoint(out)
+    g = next(pcv.group_from_record(r) for r in ck.manifest["groups"] if r["kind"] == "moe")
+    monkeypatch.setattr(pcv, "STREAM_BYTES", block_experts * 2 * g.i_pad * g.h_pad // 2)  # blocks of N experts
+    for unit, names in ck.units():
+        streamed = list(ck.iter_source_tensors(unit))
+        assert [n for n, _ in streamed] == names
+        whole = ck.invert_group(unit) if unit in ck._groups else None
+        if whole is not None:
+            assert all(torch.equal(t, whole[n]) for n, t in streamed), unit
+    verify(str(out), source=str(src))
+    revert(str(out), back)
+    original, rebuilt = all_tensors(src), all_tensors(back)
+    assert original.keys() == rebuilt.keys() and all(torch.equal(rebuilt[n], t) for n, t in original.items())
+
+
+def test_streamed_inversion_refuses_a_piece_of_a_tensor_already_whole(sources, tmp_path, monkeypatch):
+    import prep.converted as pcv
+
+    out = tmp_path / "out"
+    convert(str(sources["v2"]), out, Target("preshuffle", "ck", 2))
+    ck = pcv.ConvertedCheckpoint(out)
+    unit = next(r["name"] for r in ck.manifest["groups"] if r["kind"] == "moe")
+    ck._groups[unit] = ck._groups[unit] + [ck._groups[unit][0]]  # rank 0's record twice
+    with pytest.raises(PrepError, match="already whole|replicated copies"):
+        list(ck.iter_source_tensors(unit))
