@@ -72,7 +72,11 @@ class AlignedFileWriter:
             raise
 
     def _setup(self, spans) -> None:
-        self._blocks = [mmap.mmap(-1, STAGING_BYTES) for _ in range(STAGING_BLOCKS)]  # page-aligned
+        # Page-aligned, private anonymous memory (Python's default for -1 is shared, which the
+        # kernel accounts as shmem).
+        flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+        self._blocks = [mmap.mmap(-1, STAGING_BYTES, flags=flags) if flags else mmap.mmap(-1, STAGING_BYTES)
+                        for _ in range(STAGING_BLOCKS)]
         self._views = [torch.frombuffer(b, dtype=torch.uint8) for b in self._blocks]
         self._free: queue.Queue[int] = queue.Queue()
         for i in range(1, STAGING_BLOCKS):
