@@ -65,9 +65,7 @@ def _into(result: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     """``result``, or ``result`` copied into ``out`` (nothing to copy when it is ``out``)."""
     if out is None:
         return result
-    if out.shape != result.shape or out.dtype != result.dtype or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous {result.dtype} tensor of shape {tuple(result.shape)}, "
-                         f"got {out.dtype} {tuple(out.shape)}")
+    _sh.check_out(out, result)
     if out.data_ptr() != result.data_ptr():
         out.copy_(result)
     return out

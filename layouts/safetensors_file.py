@@ -22,7 +22,7 @@ import torch
 TORCH_DTYPES = {"U8": torch.uint8, "I8": torch.int8, "BOOL": torch.bool, "BF16": torch.bfloat16,
                 "F16": torch.float16, "F32": torch.float32, "F64": torch.float64, "I16": torch.int16,
                 "I32": torch.int32, "I64": torch.int64, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
-_ITEMSIZE = {s: t.itemsize for s, t in TORCH_DTYPES.items()}
+ITEMSIZE = {s: t.itemsize for s, t in TORCH_DTYPES.items()}  # bytes per element of each dtype string
 READ_BLOCK = 64 << 20  # bytes per pread when a whole file is read
 
 
@@ -123,7 +123,7 @@ class SafetensorsFile:
         end = 0
         if not isinstance(header, dict):
             raise SafetensorsFileError(f"{path}: the header is not a JSON object; the file is corrupt")
-        fname, tensors, itemsize = path.name, self.tensors, _ITEMSIZE
+        fname, tensors, itemsize = path.name, self.tensors, ITEMSIZE
         for name, meta in header.items():  # the hot loop of opening a checkpoint: kept lean
             if name == "__metadata__":
                 continue

@@ -72,7 +72,7 @@ def preshuffle_weight(w: torch.Tensor, out: torch.Tensor | None = None) -> torch
     # (n//16, n%16, kb//16) -> (n//16, kb//16, n%16): a transpose of 16-byte runs per 16-row block.
     runs = _as_runs(u).view(-1, n // 16, 16, kb // 16).transpose(2, 3)
     if out is not None:
-        _check_out(out, w)
+        check_out(out, w)
         if out.data_ptr() % 16 == 0:
             as_uint8(out).view(-1).view(torch.complex128).view(runs.shape).copy_(runs)
             return out
@@ -80,7 +80,8 @@ def preshuffle_weight(w: torch.Tensor, out: torch.Tensor | None = None) -> torch
     return runs.contiguous().view(torch.uint8).view(w.shape).view(w.dtype)
 
 
-def _check_out(out: torch.Tensor, like: torch.Tensor) -> None:
+def check_out(out: torch.Tensor, like: torch.Tensor) -> None:
+    """Refuse an ``out`` that cannot take ``like``'s bytes as they are (shape, dtype, contiguity)."""
     if out.shape != like.shape or out.dtype != like.dtype or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous {like.dtype} tensor of shape {tuple(like.shape)}, "
                          f"got {out.dtype} {tuple(out.shape)}")

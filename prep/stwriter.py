@@ -11,12 +11,11 @@ import pathlib
 
 import torch
 
-from layouts.safetensors_file import TORCH_DTYPES
+from layouts.safetensors_file import ITEMSIZE, TORCH_DTYPES
 
 from .directio import AlignedFileWriter
 
 DTYPES = {t: s for s, t in TORCH_DTYPES.items()}
-ITEMSIZE = {s: t.itemsize for s, t in TORCH_DTYPES.items()}
 
 
 def nbytes(dtype: str, shape) -> int:
