@@ -13,7 +13,7 @@ import torch
 from layouts.manifest import ManifestError, load_manifest
 
 from .errors import PrepError
-from .groups import MoEGroup, group_from_record
+from .groups import MoEGroup, expert_rows_split_exactly, group_from_record
 from .source import ShardFile
 
 STREAM_BYTES = 32 << 20  # stacked experts are inverted in blocks of about this much per rank
@@ -78,7 +78,8 @@ class ConvertedCheckpoint:
             return
         recs = self._groups[unit]
         groups = [group_from_record(r) for r in recs]
-        if not all(isinstance(g, MoEGroup) and self._streamable(r, g) for r, g in zip(recs, groups)):
+        if not all(isinstance(g, MoEGroup) and all(expert_rows_split_exactly(s[1]) for s in g.local_shapes())
+                   for g in groups):
             whole = self.invert_group(unit)
             for name in self._sources[unit]:
                 yield name, whole[name]
@@ -88,13 +89,15 @@ class ConvertedCheckpoint:
         # Under EP the shared expert is whole on every rank: keep its tensors to compare the copies.
         held = Counter(e for g in groups for e in g.experts)
         keep = {n for n in names if held[n.rsplit(".", 2)[0]] > 1} if groups[0].ep > 1 else set()
-        steps = [(r, g, e0) for r, g in zip(recs, groups) for e0 in range(0, len(g.experts), self._step(g))]
+        steps = [(r, g, e0, e0 + _step(g)) for r, g in zip(recs, groups) for e0 in range(0, len(g.experts), _step(g))]
         if groups[0].ep == 1:  # every rank holds a slice of every expert: go block by block across ranks
             steps.sort(key=lambda s: s[2])
         cursor = 0
-        for rec, g, e0 in steps:
-            sub = dataclasses.replace(g, experts=g.experts[e0:e0 + self._step(g)])
-            tensors = [self._expert_rows(rec, name, e0, len(sub.experts)) for name, _, _ in g.outputs()]
+        for rec, g, e0, e1 in steps:
+            sub = dataclasses.replace(g, experts=g.experts[e0:e1])
+            f = self.file(rec["file"])
+            tensors = [_expert_rows(f, name, local[1], e0, len(sub.experts))
+                       for (name, _, _), local in zip(g.outputs(), g.local_shapes())]
             for src_name, (rows, cols), piece in sub.invert(tensors):
                 tiles.place(src_name, rows, cols, piece, rec["rank"])
             while cursor < len(names) and tiles.done(names[cursor]):
@@ -104,31 +107,6 @@ class ConvertedCheckpoint:
         for name in names[cursor:]:
             tiles.check_complete(name)  # raises: some rank's piece is missing
 
-    @staticmethod
-    def _step(g: MoEGroup) -> int:
-        """Experts per block: about STREAM_BYTES of the rank's stacked w13."""
-        per_expert = 2 * g.i_pad * g.h_pad // 2
-        return max(1, STREAM_BYTES // max(1, per_expert))
-
-    def _streamable(self, rec: dict, g: MoEGroup) -> bool:
-        # A scale stored flattened over experts ([E*N, C], the ck layout) splits into blocks of
-        # experts only when N keeps S32x8's 32-row bands (and its 256-row pad) inside an expert.
-        f = self.file(rec["file"])
-        for (name, _, _), local in zip(g.outputs(), g.local_shapes()):
-            if len(f.tensors[name].shape) == 2 and local[1] % 256:
-                return False
-        return True
-
-    def _expert_rows(self, rec: dict, name: str, e0: int, n: int) -> torch.Tensor:
-        """The stored bytes of experts [e0, e0 + n) of output ``name`` of a rank's group."""
-        f = self.file(rec["file"])
-        info = f.tensors[name]
-        if len(info.shape) == 3:  # experts lead
-            return f.read(info, slice(e0, e0 + n))
-        g = group_from_record(rec)  # flattened [pad256(E*N), C]: N rows per expert
-        rows = dict(zip((o for o, _, _ in g.outputs()), g.local_shapes()))[name][1]
-        return f.read(info, slice(e0 * rows, (e0 + n) * rows))
-
     def units(self) -> Iterator[tuple[str, list[str]]]:
         """(unit, source tensor names) in order: each group key, then each pass-through tensor."""
         for key in self._groups:
@@ -136,8 +114,19 @@ class ConvertedCheckpoint:
         for name in self._passthrough:
             yield name, [name]
 
-    def source_tensors(self, unit: str) -> dict[str, torch.Tensor]:
-        return dict(self.iter_source_tensors(unit))
+
+def _step(g: MoEGroup) -> int:
+    """Experts per block when inverting: about STREAM_BYTES of the rank's stacked w13."""
+    return max(1, STREAM_BYTES // max(1, 2 * g.i_pad * g.h_pad // 2))
+
+
+def _expert_rows(f: ShardFile, name: str, rows_per_expert: int, e0: int, n: int) -> torch.Tensor:
+    """The stored bytes of experts [e0, e0 + n) of the stacked output ``name``: experts lead a
+    3-D tensor; a 2-D one is a scale flattened over experts, ``rows_per_expert`` rows each."""
+    info = f.tensors[name]
+    if len(info.shape) == 3:
+        return f.read(info, slice(e0, e0 + n))
+    return f.read(info, slice(e0 * rows_per_expert, (e0 + n) * rows_per_expert))
 
 
 class _Tiles:

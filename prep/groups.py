@@ -289,7 +289,7 @@ class MoEGroup:
         for (wname, sname), wshape, sshape, fill in ((outs[0:2], w13s, s13s, fill13), (outs[2:4], w2s, s2s, fill2)):
             per_expert = wshape[1] * wshape[2]
             step = max(1, min(e_total, chunk_bytes // per_expert)) if chunk_bytes else e_total
-            if wshape[1] % 256:  # a flattened S32x8 would pad rows per block, not once at the end
+            if not expert_rows_split_exactly(wshape[1]):
                 step = e_total
             scales = []
             for e0 in range(0, e_total, step):
@@ -361,6 +361,14 @@ class MoEGroup:
             extra.update({"ep_size": self.ep, "ep_rank": self.rank, "global_routed_experts": [start, stop],
                           "shared_expert_slot": stop - start if len(self.experts) > stop - start else None})
         return extra
+
+
+def expert_rows_split_exactly(rows_per_expert: int) -> bool:
+    """Whether a stacked tensor with this many rows per expert can be transformed (and inverted)
+    a block of experts at a time: a scale flattened over experts (ck's S32x8 of [E*N, K/32])
+    pads rows to 256 and moves bytes inside 32-row bands, so each expert's rows must be whole
+    multiples of 256, or blocks would be padded where the whole tensor is not."""
+    return rows_per_expert % 256 == 0
 
 
 def _alloc(shape: tuple[int, ...]) -> torch.Tensor:
