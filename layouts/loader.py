@@ -16,7 +16,7 @@ import pathlib
 import torch
 
 from .compat import EngineConfig, check_compatibility
-from .manifest import Manifest, ManifestError, TensorRecord, load_manifest
+from .manifest import MANIFEST_NAME, Manifest, ManifestError, TensorRecord, load_manifest
 from .safetensors_file import TORCH_DTYPES, SafetensorsFile, SafetensorsFileError, map_all, tensor_hash
 
 
@@ -67,10 +67,16 @@ def load_rank(model_dir: str | pathlib.Path, rank: int, device: str | torch.devi
             raise ManifestError(f"{path}: listed in the manifest but missing; convert again") from None
         except SafetensorsFileError as e:
             raise ManifestError(f"{e}; convert again") from None
+        except (OSError, RuntimeError) as e:  # mapping or reading failed (torch.from_file raises RuntimeError)
+            raise ManifestError(f"{path}: could not be read ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
+                                "check the file and convert again") from None
         for r in recs:
             t = views.get(r.name)
             if t is None:
                 raise ManifestError(f"{path}: tensor {r.name} (rank {r.rank}) is missing from the file; convert again")
+            if r.dtype not in TORCH_DTYPES:
+                raise ManifestError(f"{manifest.root / MANIFEST_NAME}: tensor {r.name} has dtype {r.dtype!r}, which "
+                                    "this reader does not know; convert again (or upgrade layouts)")
             if t.dtype != TORCH_DTYPES[r.dtype] or tuple(t.shape) != r.shape:
                 raise ManifestError(f"{path}: tensor {r.name} is {t.dtype} {list(t.shape)} but the manifest says "
                                     f"{r.dtype} {list(r.shape)}; convert again")
@@ -83,6 +89,11 @@ def load_rank(model_dir: str | pathlib.Path, rank: int, device: str | torch.devi
         for r in recs:
             t = views[r.name]
             for k, v in r.runtime_attrs.items():
+                # An attribute torch.Tensor has (``view``, ``data``, ``__class__``) would be replaced on
+                # this tensor, or the assignment would fail deep in here: only new names are set.
+                if not k.isidentifier() or k.startswith("_") or hasattr(torch.Tensor, k):
+                    raise ManifestError(f"{manifest.root / MANIFEST_NAME}: tensor {r.name} has runtime attribute "
+                                        f"{k!r}, which is not a name an engine reads; convert again")
                 setattr(t, k, v)
             t.prep_layout, t.prep_role = r.layout, r.role
             out[r.name] = t
