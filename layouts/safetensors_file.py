@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import torch
 
-from .manifest import open_regular
+from .manifest import DuplicateKeyError, open_regular, strict_json
 
 # safetensors dtype strings and the torch dtypes they are read into.
 TORCH_DTYPES = {"U8": torch.uint8, "I8": torch.int8, "BOOL": torch.bool, "BF16": torch.bfloat16,
@@ -102,41 +102,13 @@ class TensorInfo(NamedTuple):
     nbytes: int = 0
 
 
+def _printable(v) -> str:
+    """``v`` for a one-line message: as is when it is a printable string, else its repr."""
+    return v if isinstance(v, str) and v.isprintable() else repr(v)
+
+
 _BY_SPAN = operator.itemgetter(4, 5)  # a TensorInfo's (offset, nbytes): empty tensors first at an offset
 MAX_HEADER_BYTES = 100_000_000  # what the safetensors library itself accepts (its MAX_HEADER_SIZE)
-
-
-class _DuplicateKey(ValueError):
-    pass
-
-
-def _unique_keys(pairs: list) -> dict:
-    """``object_pairs_hook``: a dict, refusing a key given twice (plain ``json.loads`` keeps the
-    last silently, so a header could hide a tensor behind another of the same name)."""
-    d = dict(pairs)
-    if len(d) != len(pairs):
-        seen: set = set()
-        raise _DuplicateKey(next(k for k, _ in pairs if k in seen or seen.add(k)))
-    return d
-
-
-def parse_header(raw: bytes):
-    """A safetensors header's JSON: strict UTF-8 (``json.loads`` of bytes would also take UTF-16
-    and UTF-32) and no key twice. The hook costs time, so the cyclic garbage collector is paused
-    while the ~100k small objects of a header are built: gen-0 collections over them were the
-    larger cost. Opening a file of 61,373 tensors (7.6 MB header; median of 15, this 2-core
-    machine, loaded): before these checks 504-533 ms; with the hook alone ~600 ms; with the hook,
-    the checks and the pause 250-270 ms. Raises ValueError (RecursionError for deep nesting)."""
-    import gc
-
-    text = raw.decode("utf-8")
-    paused = gc.isenabled()
-    gc.disable()
-    try:
-        return json.loads(text, object_pairs_hook=_unique_keys)
-    finally:
-        if paused:
-            gc.enable()
 
 
 class SafetensorsFile:
@@ -165,14 +137,11 @@ class SafetensorsFile:
             raw = os.pread(self.fd, n, 8)
             if len(raw) != n:
                 raise ValueError("short read of the header")
-            header = parse_header(raw)
+            header = strict_json(raw)  # timing: see strict_json
         except FileNotFoundError:
             raise
-        except _DuplicateKey as e:
-            raise SafetensorsFileError(f"{path}: the header names {e} twice; the file is corrupt") from None
-        except RecursionError:
-            raise SafetensorsFileError(f"{path}: unreadable safetensors file (header JSON nested too deeply); "
-                                       "the file is corrupt") from None
+        except DuplicateKeyError as e:
+            raise SafetensorsFileError(f"{path}: the header names {e.key!r} twice; the file is corrupt") from None
         except (OSError, ValueError) as e:
             raise SafetensorsFileError(f"{path}: unreadable safetensors file ({str(e).splitlines()[0]}); the file is "
                                        "truncated or corrupt") from None
@@ -181,12 +150,14 @@ class SafetensorsFile:
         if not isinstance(header, dict):
             raise SafetensorsFileError(f"{path}: the header is not a JSON object; the file is corrupt")
         fname, tensors, itemsize = path.name, self.tensors, ITEMSIZE
-        paused = gc.isenabled()  # see parse_header: ~61k named tuples are built here too
+        paused = gc.isenabled()  # see strict_json: ~61k named tuples are built here too
         gc.disable()
         try:
             for name, meta in header.items():  # the hot loop of opening a checkpoint: kept lean
                 if name == "__metadata__":
                     continue
+                if not name.isprintable():  # messages name tensors, on one line
+                    raise SafetensorsFileError(f"{path}: tensor name {name!r} holds control characters; the file is corrupt")
                 try:
                     a, b = meta["data_offsets"]
                     dtype, shape = meta["dtype"], tuple(meta["shape"])
@@ -199,7 +170,7 @@ class SafetensorsFile:
                 except (KeyError, TypeError, ValueError, AttributeError):
                     raise SafetensorsFileError(f"{path}: header entry of {name} is malformed; the file is corrupt") from None
                 if nb is None:
-                    raise SafetensorsFileError(f"{path}: tensor {name} has dtype {dtype}, which this reader does not "
+                    raise SafetensorsFileError(f"{path}: tensor {name} has dtype {_printable(dtype)}, which this reader does not "
                                                f"know (known: {', '.join(TORCH_DTYPES)})")
                 for d in shape:
                     nb *= d

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
-from typing import Any
+from typing import Any, Iterator
 
 from .errors import PrepError
 from .groups import LinearGroup, MoEGroup, Part
@@ -85,11 +85,103 @@ def module_kind(prefix: str) -> str:
     return "other"
 
 
+# config.json values that size loops and lists, read as what they must be: JSON integers (a
+# string, a float such as 1e9 or a bool is refused naming the key), in a range the checkpoint can
+# fill. Counts of layers and experts are bounded by the tensors present (each layer and each
+# expert holds several), so a config of 1e9 layers fails here, not as a MemoryError or a loop
+# over a billion layers; sizes by 2**24 (DeepSeek's largest, the vocabulary, is 129,280).
+_COUNTS = {  # key: (default when absent, lowest, may be null)
+    "num_hidden_layers": (None, 1, False), "num_nextn_predict_layers": (0, 0, True), "first_k_dense_replace": (0, 0, False),
+    "moe_layer_freq": (1, 1, False), "n_routed_experts": (None, 1, True), "n_shared_experts": (None, 0, True),
+}
+_SIZES = ("num_attention_heads", "num_key_value_heads", "hidden_size", "intermediate_size", "moe_intermediate_size",
+          "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "vocab_size",
+          "num_experts_per_tok", "n_group", "topk_group")
+MAX_SIZE = 1 << 24
+
+
+def config_ints(src: SourceCheckpoint) -> dict[str, int | None]:
+    """The integer values of config.json that prep reads, checked (:class:`PrepError` naming the
+    key): counts in [lowest, number of tensors present], sizes in [1, 2**24] or null/absent."""
+    cfg, limit = src.config, len(src.tensors)
+    out: dict[str, int | None] = {}
+    for key, (default, lo, nullable) in _COUNTS.items():
+        if key not in cfg and default is None and not nullable:
+            raise PrepError(f"{src.root / 'config.json'}: no {key}; not a DeepSeek config (re-download config.json)")
+        v = cfg.get(key, default)
+        if v is None and nullable:
+            out[key] = 0 if key == "num_nextn_predict_layers" else None
+            continue
+        if type(v) is not int or not lo <= v <= max(lo, limit):
+            raise PrepError(f"{src.root / 'config.json'}: {key} is {v!r}, not an integer in [{lo}, {max(lo, limit)}] "
+                            f"(the checkpoint holds {limit} tensors); config.json is damaged or not this checkpoint's")
+        out[key] = v
+    layers = out["num_hidden_layers"] + out["num_nextn_predict_layers"]
+    if layers > limit:
+        raise PrepError(f"{src.root / 'config.json'}: num_hidden_layers + num_nextn_predict_layers = {layers}, more "
+                        f"layers than the checkpoint's {limit} tensors; config.json is damaged or not this checkpoint's")
+    for key in _SIZES:
+        v = cfg.get(key)
+        if v is not None and (type(v) is not int or not 1 <= v <= MAX_SIZE):
+            raise PrepError(f"{src.root / 'config.json'}: {key} is {v!r}, not an integer in [1, {MAX_SIZE}]; "
+                            "config.json is damaged or not this checkpoint's")
+        out[key] = v
+    return out
+
+
+def expected_weights(cfg: dict[str, Any], ints: dict[str, int | None]) -> Iterator[tuple[str, str]]:
+    """(module, the config.json value that implies it) for every module whose ``.weight`` a
+    DeepSeek V2/V3 checkpoint of this config holds, lazily (a config of 1e9 layers must fail at
+    the first layer missing, not build a list first). As DeepSeek's modeling code builds them:
+    MLA attention (``q_proj`` without a q LoRA), dense MLP before ``first_k_dense_replace`` and
+    off the ``moe_layer_freq`` beat, else a router, the routed and the shared experts; the MTP
+    layers (``num_nextn_predict_layers``) follow the decoder layers and are built alike."""
+    n_layers, n_mtp, n_routed = ints["num_hidden_layers"], ints["num_nextn_predict_layers"], ints["n_routed_experts"]
+    yield "model.embed_tokens", "every DeepSeek checkpoint has it"
+    for layer in range(n_layers + n_mtp):
+        p = f"model.layers.{layer}"
+        why = f"config.json has num_hidden_layers={n_layers}" if layer < n_layers else \
+            f"config.json has num_nextn_predict_layers={n_mtp}"
+        yield f"{p}.input_layernorm", why
+        a = f"{p}.self_attn"
+        q = ("q_a_proj", "q_a_layernorm", "q_b_proj") if ints["q_lora_rank"] is not None else ("q_proj",)
+        for m in (*q, "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj"):
+            yield f"{a}.{m}", why
+        yield f"{p}.post_attention_layernorm", why
+        if n_routed is not None and layer >= ints["first_k_dense_replace"] and layer % ints["moe_layer_freq"] == 0:
+            yield f"{p}.mlp.gate", why
+            for e in range(n_routed):
+                for proj in ("gate_proj", "up_proj", "down_proj"):
+                    yield f"{p}.mlp.experts.{e}.{proj}", f"config.json has n_routed_experts={n_routed}"
+            if ints["n_shared_experts"]:
+                for proj in ("gate_proj", "up_proj", "down_proj"):
+                    yield f"{p}.mlp.shared_experts.{proj}", f"config.json has n_shared_experts={ints['n_shared_experts']}"
+        else:
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                yield f"{p}.mlp.{proj}", f"config.json has first_k_dense_replace={ints['first_k_dense_replace']}"
+    yield "model.norm", "every DeepSeek checkpoint has it"
+    if not cfg.get("tie_word_embeddings"):
+        yield "lm_head", "config.json does not tie it to the embedding"
+
+
+def check_complete(src: SourceCheckpoint) -> dict[str, int | None]:
+    """Refuse a checkpoint that lacks a tensor its config.json implies, naming the first one
+    missing (a weight counts in any dtype: MXFP4 or not). Returns the checked config values."""
+    ints = config_ints(src)
+    tensors = src.tensors
+    for module, why in expected_weights(src.config, ints):
+        if f"{module}.weight" not in tensors:
+            raise PrepError(f"{src.root}: tensor {module}.weight is missing ({why}); the checkpoint is incomplete "
+                            "or config.json is not its own: re-download it")
+    return ints
+
+
 def classify(src: SourceCheckpoint) -> Classified:
     cfg = src.config
     arch = arch_of(cfg)
-    n_layers = int(cfg["num_hidden_layers"])
-    mtp = [n_layers + i for i in range(int(cfg.get("num_nextn_predict_layers") or 0))]
+    ints = check_complete(src)
+    n_layers = ints["num_hidden_layers"]
+    mtp = [n_layers + i for i in range(ints["num_nextn_predict_layers"])]
     modules: dict[str, str] = {}
     consumed: set[str] = set()
     for name, info in src.tensors.items():
@@ -130,7 +222,7 @@ def plan_groups(src: SourceCheckpoint, cls: Classified, target: Target) -> list[
     if target.ep > 1 and target.moe_layout != "ck":
         raise PrepError(f"--ep {target.ep} with --moe-layout {target.moe_layout}: ATOM's Triton MoE ignores the expert "
                         "map, so no engine could run this; use --moe-layout ck for expert parallel")
-    heads = int(cfg.get("num_attention_heads", 1))
+    heads = config_ints(src)["num_attention_heads"] or 1
     if heads % tp:
         raise PrepError(f"config.json: num_attention_heads={heads} does not divide over tp={tp}; "
                         "choose a tp that divides the heads")

@@ -7,13 +7,13 @@ loaded whole, and nothing is memory-mapped (mapped pages that were read would st
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 from typing import Any
 
 import torch
 
+from layouts.manifest import DuplicateKeyError, member_problem, read_regular, strict_json
 from layouts.safetensors_file import SafetensorsFile, SafetensorsFileError, TensorInfo
 
 from .errors import PrepError
@@ -23,6 +23,11 @@ SINGLE_NAME = "model.safetensors"
 # Files copied next to the converted weights (the engine's tokenizer and generation settings).
 SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
               "special_tokens_map.json", "tokenizer.model", "configuration_deepseek.py", "modeling_deepseek.py")
+
+
+def _show(name: str) -> str:
+    """A name read from input, for a one-line message: as is when printable, else its repr."""
+    return name if name.isprintable() else repr(name)
 
 
 class ShardFile(SafetensorsFile):
@@ -85,6 +90,7 @@ class SourceCheckpoint:
         self.tensors: dict[str, TensorInfo] = {}
         for shard in self._shards.values():
             self.tensors.update(shard.tensors)
+        self._check_shards_agree()
 
     @classmethod
     def open(cls, src: str, revision: str | None = None) -> "SourceCheckpoint":
@@ -92,22 +98,50 @@ class SourceCheckpoint:
         return cls(root, origin)
 
     # ------------------------------------------------------------------ validation
-    def _read_config(self) -> dict[str, Any]:
-        p = self.root / "config.json"
-        if not p.is_file():
-            raise PrepError(f"{self.root}: no config.json; is this a Hugging Face checkpoint folder?")
+    def member(self, fname: str, what: str = "") -> pathlib.Path:
+        """``root / fname``, refused unless ``fname`` (named by an index, or a side file) is a plain
+        name of a regular file inside the folder; a symlink may point into the folder, or for a
+        Hugging Face snapshot into the repo's cache (its blobs). A missing file is the caller's
+        to report."""
+        problem = member_problem(self.root, fname)
+        if problem:
+            raise PrepError(f"{self.root}: {what + ': ' if what else ''}{problem}; a checkpoint's files are regular "
+                            "files in its folder: refusing to read it")
+        return self.root / fname
+
+    def _json(self, fname: str, what: str = "") -> Any:
+        p = self.member(fname, what)
         try:
-            return json.loads(p.read_text())
-        except json.JSONDecodeError as e:
-            raise PrepError(f"{p}: not valid JSON ({e})") from None
+            return strict_json(read_regular(p))
+        except FileNotFoundError:
+            raise
+        except DuplicateKeyError as e:
+            raise PrepError(f"{p}: names {e.key!r} twice; the file is damaged: re-download it") from None
+        except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            raise PrepError(f"{p}: not valid UTF-8 JSON ({str(e).splitlines()[0]}); re-download it") from None
+
+    def _read_config(self) -> dict[str, Any]:
+        try:
+            cfg = self._json("config.json")
+        except FileNotFoundError:
+            raise PrepError(f"{self.root}: no config.json; is this a Hugging Face checkpoint folder?") from None
+        if not isinstance(cfg, dict):
+            raise PrepError(f"{self.root / 'config.json'}: a JSON {type(cfg).__name__}, not an object; "
+                            "is this a Hugging Face checkpoint folder?")
+        return cfg
 
     def _check_quark_mxfp4(self) -> None:
         qc = self.quant_config
+        if not isinstance(qc, dict):
+            qc = {}  # refused just below, as not Quark
         if qc.get("quant_method") != "quark":
             raise PrepError(
                 f"{self.root}: not a Quark checkpoint (config.json quantization_config.quant_method is "
                 f"{qc.get('quant_method')!r}, expected 'quark'); prep converts AMD Quark MXFP4 checkpoints")
-        weight = (qc.get("global_quant_config") or {}).get("weight") or {}
+        glob = qc.get("global_quant_config") or {}
+        weight = (glob.get("weight") if isinstance(glob, dict) else None) or {}
+        if not isinstance(weight, dict):
+            weight = {}
         if weight.get("dtype") != "fp4" or weight.get("group_size") != 32 or weight.get("scale_format") != "e8m0":
             raise PrepError(
                 f"{self.root}: Quark checkpoint is not MXFP4 (global weight spec dtype={weight.get('dtype')!r}, "
@@ -116,14 +150,23 @@ class SourceCheckpoint:
 
     def _shard_files(self) -> list[str]:
         index = self.root / INDEX_NAME
-        if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError) as e:
-                raise PrepError(f"{index}: not a safetensors index ({e})") from None
+        self.weight_map: dict[str, str] | None = None
+        try:
+            raw = self._json(INDEX_NAME)
+        except FileNotFoundError:
+            raw = None
+        if raw is not None:
+            weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
+            if not isinstance(weight_map, dict) or not all(type(f) is str for f in weight_map.values()):
+                raise PrepError(f"{index}: not a safetensors index (no weight_map object of tensor name -> file "
+                                "name); re-download it")
+            self.weight_map = weight_map
             files = sorted(set(weight_map.values()))
-        elif (self.root / SINGLE_NAME).is_file():
+            for f in files:  # ../x, /etc/passwd, sub/x or a FIFO: refused before anything is opened
+                self.member(f, INDEX_NAME)
+        elif os.path.lexists(self.root / SINGLE_NAME):
             files = [SINGLE_NAME]
+            self.member(SINGLE_NAME)
         else:
             raise PrepError(f"{self.root}: no {INDEX_NAME} and no {SINGLE_NAME}")
         missing = [f for f in files if not (self.root / f).is_file()]
@@ -131,6 +174,28 @@ class SourceCheckpoint:
             raise PrepError(f"{self.root / missing[0]}: shard listed in the index is missing "
                             f"({len(missing)} missing); re-download the checkpoint")
         return files
+
+    def _check_shards_agree(self) -> None:
+        """No tensor in two shards (the later one would silently win), and the index's
+        weight_map agrees with the shards: each tensor it lists is in the shard it names. (A
+        tensor a shard holds but the index omits is kept: engines read every tensor of a shard.)"""
+        if len(self.tensors) != sum(len(s.tensors) for s in self._shards.values()):
+            seen: dict[str, str] = {}
+            for fname, shard in self._shards.items():
+                for name in shard.tensors:
+                    if name in seen:
+                        raise PrepError(f"{self.root}: tensor {_show(name)} is in two shards, {seen[name]} and {fname}; "
+                                        "a stale or duplicated shard: re-download the checkpoint")
+                    seen[name] = fname
+        if self.weight_map is None:
+            return
+        tensors = self.tensors
+        for name, fname in self.weight_map.items():
+            info = tensors.get(name)
+            if info is None or info.file != fname:
+                where = f"it is in {info.file}" if info is not None else "no shard holds it"
+                raise PrepError(f"{self.root / INDEX_NAME}: lists tensor {_show(name)} in {fname} but {where}; the index "
+                                "and the shards disagree: re-download the checkpoint")
 
     # ------------------------------------------------------------------ reading
     def info(self, name: str) -> TensorInfo:
@@ -163,7 +228,7 @@ class SourceCheckpoint:
         import xxhash
 
         files = {}
-        for fname in sorted(set(self.files) | {f for f in SIDE_FILES if (self.root / f).is_file()}):
+        for fname in sorted(set(self.files) | {p.name for p in self.side_files()}):
             p = self.root / fname
             entry: dict[str, Any] = {"size": p.stat().st_size}
             if hash_files:
@@ -176,7 +241,9 @@ class SourceCheckpoint:
         return {**self.origin, "files": files}
 
     def side_files(self) -> list[pathlib.Path]:
-        return [self.root / f for f in SIDE_FILES if (self.root / f).is_file()]
+        """The side files present (copied into the output: a symlink out of the folder or a FIFO
+        is refused, not copied or waited on)."""
+        return [self.member(f, "side file") for f in SIDE_FILES if os.path.lexists(self.root / f)]
 
     def nbytes(self) -> int:
         return sum(os.path.getsize(self.root / f) for f in self.files)
