@@ -1,5 +1,5 @@
 """ROCm ATOM adapter: put a converted checkpoint's MXFP4 tensors straight into ATOM's DeepSeek
-model and skip the load-time processing they have already had.
+model (and its MTP draft model) and skip the load-time processing they have already had.
 
 ATOM's loader (``atom/model_loader/loader.py``) copies every checkpoint tensor into the
 parameters its layers created, then calls each module's ``process_weights_after_loading`` (and
@@ -14,38 +14,55 @@ every MoE layer. ATOM has no hook to skip that, and ``is_shuffled`` is only ever
    (``is_shuffled`` on the weight, ``hidden_pad`` / ``intermediate_pad`` on the MoE method,
    which ATOM passes to ``fused_moe``), and makes that module's processing a no-op;
 2. it returns the pass-through (BF16) tensors, which ATOM's own weight loader takes as usual
-   (norms, embeddings, router, and attention where the checkpoint keeps it BF16).
+   (norms, embeddings, router, and attention where the checkpoint keeps it BF16);
+3. the MTP layer (``model.layers.{num_hidden_layers + i}``, ``i < num_nextn_predict_layers``) is
+   not in ATOM's ``DeepseekV2ForCausalLM``: ATOM builds it only in its separate draft model
+   (``DeepSeekMTP``). Its tensors are installed into that draft model when one is passed
+   (``mtp_model=``), under the draft's parameter names (:func:`atom_mtp_param_name`), else
+   returned in ``AtomInstallReport.mtp``.
 
-Call it after the model is built and before (instead of) ATOM's ``load_model`` for the MXFP4
-tensors. What is exercised here, without ROCm: the name and shape contract against a model
-built as ATOM's ``create_weights`` builds it (tests/test_atom_adapter.py). What is not: ATOM
-itself, aiter's kernels on the installed bytes, and the Triton MoE path, whose ``_swizzle_mxfp4``
-wraps the scales in triton_kernels layout objects that ATOM must still construct from the
-``CDNA4_SCALE`` tensors handed over (reported in ``AtomInstallReport.needs_engine_wrapping``).
+Call it after the model (and draft model) is built and before (instead of) ATOM's ``load_model``
+for the MXFP4 tensors. What is exercised here, without ROCm: the name and shape contract against
+models built as ATOM's ``create_weights`` builds them (tests/test_atom_adapter.py). What is not:
+ATOM itself, aiter's kernels on the installed bytes, and the Triton MoE path, whose
+``_swizzle_mxfp4`` wraps the scales in triton_kernels layout objects that ATOM must still
+construct from the ``CDNA4_SCALE`` tensors handed over (reported in
+``AtomInstallReport.needs_engine_wrapping``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import pathlib
+import re
 from typing import Any
 
 import torch
 
 from .compat import EngineConfig, check_compatibility
 from .loader import RankTensors, load_rank
-from .manifest import ManifestError, load_manifest
+from .manifest import ManifestError, TensorRecord, load_manifest
 
 
 @dataclasses.dataclass
 class AtomInstallReport:
-    """What :func:`install_converted_weights` did, for the engine's log."""
+    """What :func:`install_converted_weights` did, for the engine's log.
 
-    installed: list[str]  # parameter names whose data now holds the converted tensor
+    Names in ``skipped_processing`` and ``needs_engine_wrapping`` are those of the model the
+    tensor went into; the draft model's carry ``.mtp_block.`` (or are its layer's own), so the
+    two never collide."""
+
+    installed: list[str]  # main-model parameter names whose data now holds the converted tensor
     skipped_processing: list[str]  # modules whose process_weights_after_loading is now a no-op
-    passthrough: dict[str, torch.Tensor]  # BF16 tensors for ATOM's own weight loader
+    passthrough: dict[str, torch.Tensor]  # BF16 tensors for ATOM's own weight loader (main model)
     needs_engine_wrapping: list[str]  # Triton MoE scales ATOM still wraps in its layout objects
     rank_tensors: RankTensors | None = None
+    # The MTP layer's tensors not installed, by checkpoint name (``model.layers.{N}.…``), for the
+    # draft model: all of them without ``mtp_model``, only the BF16 ones with it. ATOM's draft
+    # loader takes these names as they are (its ``remap_mtp_weight_name`` renames them).
+    mtp: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    mtp_installed: list[str] = dataclasses.field(default_factory=list)  # draft-model parameter names filled
 
 
 def _processing_done(layer: torch.nn.Module) -> None:
@@ -62,56 +79,132 @@ def _as_param_dtype(t: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     return t.view(param.dtype)
 
 
+# ---------------------------------------------------------------------------- the MTP layer
+# ATOM's draft model, from ROCm/ATOM atom/models/deepseek_mtp.py at commit ffdf3bb5:
+# DeepSeekMTP.model is a DeepSeekMultiTokenPredictor whose ``layers`` is a ModuleDict keyed by the
+# checkpoint's own layer index (``range(num_hidden_layers, num_hidden_layers + num_nextn_predict_layers)``),
+# so the draft keeps ``model.layers.{N}.``. Each layer (DeepSeekMultiTokenPredictorLayer) holds
+# enorm, hnorm, eh_proj and shared_head itself and its decoder layer as ``mtp_block``; ATOM's loader
+# (spec_decode) renames checkpoint names with remap_mtp_weight_name -> rewrite_spec_layer_name:
+# decoder-layer tensors gain ``.mtp_block.``, the layer's own keep their name, and embed_tokens,
+# shared with the target, moves to the top (``model.embed_tokens``). The main model
+# (DeepseekV2Model, atom/models/deepseek_v2.py) makes only num_hidden_layers layers and its loader
+# drops names past them (CheckpointNameRewriter._is_past_last_layer, atom/model_loader/weight_names.py).
+_MTP_LAYER_OWN = ("embed_tokens", "enorm", "hnorm", "eh_proj", "shared_head")  # ATOM's spec_layer_weight_names
+_MTP_SHARED = ("embed_tokens",)  # ATOM's shared_weight_names
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def atom_mtp_param_name(name: str, layer: int) -> str:
+    """The parameter of ATOM's ``DeepSeekMTP`` that checkpoint tensor ``name`` of MTP layer
+    ``layer`` fills: ATOM's ``rewrite_spec_layer_name``, substring tests included."""
+    prefix = f"model.layers.{layer}."
+    own = next((w for w in _MTP_LAYER_OWN if w in name), None)
+    if own is None:
+        return name.replace(prefix, f"{prefix}mtp_block.")
+    return name.replace(prefix, "model.") if own in _MTP_SHARED else name
+
+
+def _mtp_layers(root: pathlib.Path) -> range:
+    """The MTP layers' indices, from the config.json the conversion copied next to its files
+    (the manifest does not hold the model's shape). ATOM builds its models from that file too."""
+    path = root / "config.json"
+    try:
+        cfg = json.loads(path.read_text())
+        start = int(cfg["num_hidden_layers"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ManifestError(f"{path}: cannot read num_hidden_layers ({e!r}); it tells the main model's layers "
+                            "from the MTP layer: copy the source's config.json there or convert again") from None
+    return range(start, start + int(cfg.get("num_nextn_predict_layers") or 0))
+
+
+def _layer_index(name: str) -> int | None:
+    m = _LAYER.match(name)
+    return int(m.group(1)) if m else None
+
+
+# ---------------------------------------------------------------------------- installing
+def _install(model: torch.nn.Module, items: list[tuple[str, str, torch.Tensor, TensorRecord]],
+             report: AtomInstallReport, which: str) -> list[str]:
+    """Put each ``(checkpoint name, parameter name, tensor, record)`` into ``model``'s parameter,
+    set its attributes and make its module's processing a no-op; returns the parameter names."""
+    params = dict(model.named_parameters())
+    modules = dict(model.named_modules())
+    what = "model" if which == "main" else f"{which} model"
+    installed: list[str] = []
+    groups: dict[str, dict[str, Any]] = {}
+    for ckpt_name, name, t, rec in items:
+        param = params.get(name)
+        shown = ckpt_name if name == ckpt_name else f"{ckpt_name} (ATOM's {which} parameter {name})"
+        if param is None:
+            raise ManifestError(f"{shown}: the checkpoint has it but the {what} has no such parameter; "
+                                f"is this ATOM's {'DeepSeekMTP' if which == 'draft' else 'DeepSeek model'} "
+                                "with the same --tp/--ep?")
+        module_name = name.rpartition(".")[0]
+        if rec.role == "mxfp4_weight" and tuple(param.shape) != tuple(t.shape):
+            raise ManifestError(f"{shown}: the {what} allocates {list(param.shape)} but the checkpoint holds "
+                                f"{list(t.shape)}; the model config differs from the converted one")
+        param.data = _as_param_dtype(t, param)
+        for k, v in rec.runtime_attrs.items():
+            setattr(param, k, v)
+        installed.append(name)
+        groups.setdefault(module_name, {}).update(
+            {k: v for k, v in rec.runtime_attrs.items() if k in ("hidden_pad", "intermediate_pad")})
+        if rec.runtime_attrs.get("scale_swizzle"):
+            report.needs_engine_wrapping.append(name)
+    for module_name, method_attrs in groups.items():
+        _skip_processing(modules[module_name], module_name, method_attrs)
+        report.skipped_processing.append(module_name)
+    return installed
+
+
+def _skip_processing(module: torch.nn.Module, module_name: str, method_attrs: dict[str, Any]) -> None:
+    method = getattr(module, "quant_method", None)
+    if method is not None and hasattr(method, "process_weights_after_loading"):
+        for k, v in method_attrs.items():  # ATOM computes these from the config: they must agree
+            have = getattr(method, k, v)
+            if have != v:
+                raise ManifestError(f"{module_name}: ATOM's MoE method has {k}={have} but the checkpoint was padded "
+                                    f"with {k}={v}; convert with the same hidden/intermediate padding")
+        # Patch this instance (ATOM makes one quant method per layer) rather than wrap it:
+        # ATOM dispatches on isinstance(layer.quant_method, ...), which a proxy would break.
+        method.process_weights_after_loading = _processing_done
+    if hasattr(module, "process_weights_after_loading"):
+        module.process_weights_after_loading = lambda: None  # this instance only
+
+
 def install_converted_weights(model: torch.nn.Module, model_dir: str | pathlib.Path, engine: EngineConfig,
-                              device: str | torch.device | None = None) -> AtomInstallReport:
-    """Install rank ``engine.rank``'s converted MXFP4 tensors into ``model`` (ATOM's DeepSeek).
+                              device: str | torch.device | None = None,
+                              mtp_model: torch.nn.Module | None = None) -> AtomInstallReport:
+    """Install rank ``engine.rank``'s converted MXFP4 tensors into ``model`` (ATOM's DeepSeek),
+    and the MTP layer's into ``mtp_model`` (ATOM's ``DeepSeekMTP`` draft) when given; without
+    it the MTP layer's tensors come back in the report's ``mtp``, not installed.
 
     Raises :class:`~layouts.CompatibilityError` when the engine would misread the checkpoint,
     and :class:`~layouts.ManifestError` naming the tensor when the model has no parameter for
     it or its shape is not the one ATOM allocates before processing."""
     manifest = load_manifest(model_dir)
     check_compatibility(manifest, engine)
-    params = dict(model.named_parameters())
-    modules = dict(model.named_modules())
+    mtp_layers = _mtp_layers(manifest.root)
     if device is None:
-        device = next(iter(params.values())).device if params else "cpu"
+        first = next(iter(model.parameters()), None)
+        device = first.device if first is not None else "cpu"
     tensors = load_rank(model_dir, engine.rank, device, manifest=manifest)
     report = AtomInstallReport([], [], {}, [], tensors)
-    groups: dict[str, dict[str, Any]] = {}
+    main, draft = [], []
     for name, t in tensors.items():
         rec = tensors.records[name]
-        if rec.role == "passthrough":
+        layer = _layer_index(name)
+        if layer is not None and layer in mtp_layers:
+            if mtp_model is not None and rec.role != "passthrough":
+                draft.append((name, atom_mtp_param_name(name, layer), t, rec))
+            else:
+                report.mtp[name] = t  # ATOM's main model has no MTP layer: the draft model takes these
+        elif rec.role == "passthrough":
             report.passthrough[name] = t
-            continue
-        param = params.get(name)
-        if param is None:
-            raise ManifestError(f"{name}: the checkpoint has it but the model has no such parameter; "
-                                "is this ATOM's DeepSeek model with the same --tp/--ep?")
-        module_name, _, leaf = name.rpartition(".")
-        if rec.role == "mxfp4_weight" and tuple(param.shape) != tuple(t.shape):
-            raise ManifestError(f"{name}: the model allocates {list(param.shape)} but the checkpoint holds "
-                                f"{list(t.shape)}; the model config differs from the converted one")
-        param.data = _as_param_dtype(t, param)
-        for k, v in rec.runtime_attrs.items():
-            setattr(param, k, v)
-        report.installed.append(name)
-        groups.setdefault(module_name, {}).update(
-            {k: v for k, v in rec.runtime_attrs.items() if k in ("hidden_pad", "intermediate_pad")})
-        if rec.runtime_attrs.get("scale_swizzle"):
-            report.needs_engine_wrapping.append(name)
-    for module_name, method_attrs in groups.items():
-        module = modules[module_name]
-        method = getattr(module, "quant_method", None)
-        if method is not None and hasattr(method, "process_weights_after_loading"):
-            for k, v in method_attrs.items():  # ATOM computes these from the config: they must agree
-                have = getattr(method, k, v)
-                if have != v:
-                    raise ManifestError(f"{module_name}: ATOM's MoE method has {k}={have} but the checkpoint was padded "
-                                        f"with {k}={v}; convert with the same hidden/intermediate padding")
-            # Patch this instance (ATOM makes one quant method per layer) rather than wrap it:
-            # ATOM dispatches on isinstance(layer.quant_method, ...), which a proxy would break.
-            method.process_weights_after_loading = _processing_done
-        if hasattr(module, "process_weights_after_loading"):
-            module.process_weights_after_loading = lambda: None  # this instance only
-        report.skipped_processing.append(module_name)
+        else:
+            main.append((name, name, t, rec))
+    report.installed = _install(model, main, report, "main")
+    if mtp_model is not None:
+        report.mtp_installed = _install(mtp_model, draft, report, "draft")
     return report

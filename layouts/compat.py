@@ -9,7 +9,8 @@ ATOM's switches (``atom/utils/envs.py``; on only when the value is ``"1"``, as A
 switch                                      default effect
 =========================================== ======= ==============================================
 ``ATOM_USE_FP4_NON_SHUFFLE_TRITON_GEMM``    0       dense GEMM: Triton on raw weights (wins first)
-``ATOM_USE_TRITON_GEMM``                    0       dense GEMM: Triton on preshuffled weights
+``ATOM_USE_TRITON_GEMM``                    0       dense GEMM: Triton on preshuffled weights;
+                                                    attention must be BF16 on disk (see below)
 (neither)                                           dense GEMM: ASM/CK ``gemm_a4w4`` (preshuffled)
 ``ATOM_USE_TRITON_MOE``                     unset   MoE: Triton if "1", CK if set otherwise; unset:
                                                     Triton on gfx94x, and on gfx95x only with
@@ -17,6 +18,16 @@ switch                                      default effect
 ``ATOM_ENABLE_DS_INPUT_RMSNORM_QUANT_FUSION`` 1     fused RMSNorm+quant before ``fused_qkv_a_proj``
 ``ATOM_ENABLE_DS_QKNORM_QUANT_FUSION``      1       fused q_a/kv_a RMSNorm+quant before ``q_b_proj``
 =========================================== ======= ==============================================
+
+With ``ATOM_USE_TRITON_GEMM=1`` ATOM's DeepSeek attention takes a BF16 source only (ROCm/ATOM
+``atom/models/deepseek_v2.py``, ``DeepseekV2MLAAttention.__init__``, at commit ffdf3bb5): when the
+q_a projection's quant dtype is fp4x2 it builds ``fused_qkv_a_proj`` / ``q_b_proj`` with
+``source_quant_dtype=torch.bfloat16`` (a BF16 ``[out, in]`` weight it quantizes itself in
+``process_weights_after_loading``, no ``weight_scale``) and ``kv_b_proj`` / ``o_proj`` plain BF16.
+MXFP4 attention (Quark's v2 checkpoints) then cannot load: the packed ``[out, in/2]`` weight
+fails ``LinearBase.weight_loader_process``'s copy into the ``[out, in]`` BF16 slot and the scales
+have no parameter to go to. Without the switch, ATOM keeps the quant config for exactly this
+static-Quark MXFP4 attention and runs it on the ASM/CK ``gemm_a4w4``.
 """
 
 from __future__ import annotations
@@ -121,6 +132,18 @@ _DENSE_FIX = {
 }
 
 
+# DeepSeek's attention projections (MLA; q_proj where q_lora_rank is None), as manifest groups end.
+ATTENTION_MODULES = ("q_proj", "q_a_proj", "kv_a_proj_with_mqa", "fused_qkv_a_proj", "q_b_proj", "kv_b_proj", "o_proj")
+
+
+def mxfp4_attention_group(manifest: Manifest) -> str | None:
+    """The first attention module the checkpoint holds in MXFP4, or None (attention is BF16)."""
+    for t in manifest.tensors:
+        if t.role != "passthrough" and t.group and t.group.rpartition(".")[2] in ATTENTION_MODULES:
+            return t.group
+    return None
+
+
 def check_compatibility(manifest: Manifest, engine: EngineConfig) -> None:
     """Raise :class:`CompatibilityError` naming the first mismatch and its fix; else return."""
     where = f"{manifest.root}"
@@ -142,6 +165,15 @@ def check_compatibility(manifest: Manifest, engine: EngineConfig) -> None:
                              f"checkpoint layout {manifest.layout!r} but the {engine.gemm_path} GEMM reads {want!r}: "
                              f"convert with --layout {want}")
         raise CompatibilityError(f"{where}: {msg}")
+    if engine.gemm_path == "triton-preshuffle" and (attn := mxfp4_attention_group(manifest)) is not None:
+        # The triton-preshuffle path is ATOM_USE_TRITON_GEMM=1; the dense layout fits it, but ATOM's
+        # attention under that switch expects a BF16 source (module docstring).
+        raise CompatibilityError(
+            f"{where}: attention is MXFP4 ({attn}) but with {ENV_TRITON_GEMM}=1 ATOM builds DeepSeek's attention for a "
+            "BF16 source (fused_qkv_a_proj/q_b_proj quantized at load, source_quant_dtype=bfloat16; kv_b_proj/o_proj "
+            "BF16; no weight_scale), so the packed weights fail its weight loader's copy and the scales are dropped: "
+            f"unset {ENV_TRITON_GEMM} (ATOM then runs MXFP4 attention on the ASM/CK gemm_a4w4, same layout), or use "
+            "a checkpoint whose attention is BF16 (as R1-0528)")
     want_moe = engine.expected_moe_layout()
     if manifest.moe_layout != want_moe:
         if manifest.moe_layout.startswith("triton") and engine.moe_backend == "triton":

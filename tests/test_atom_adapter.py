@@ -1,15 +1,17 @@
 """The ATOM adapter against the manifest contract: a model whose MXFP4 parameters are allocated
 as ATOM's ``create_weights`` allocates them (from config.json alone, not from the manifest)
-receives every converted tensor, the attributes ATOM's kernels read, and no second shuffle.
+receives every converted tensor, the attributes ATOM's kernels read, and no second shuffle; the
+MTP layer, which ATOM's main model lacks, goes to its draft model (or back in the report).
 ATOM itself does not run here (no ROCm)."""
 
 import json
+import shutil
 
 import pytest
 import torch
 
 import layouts as L
-from layouts.atom import install_converted_weights
+from layouts.atom import atom_mtp_param_name, install_converted_weights
 from layouts.compat import EngineConfig
 from prep.convert import convert
 from prep.deepseek import Target
@@ -54,34 +56,89 @@ class FusedMoE(torch.nn.Module):
         self.quant_method = Mxfp4MoEMethod(hp - hidden, ip - inter)
 
 
-def atom_like_model(cfg, tp, ep=1):
-    """The MXFP4 modules of ATOM's DeepseekV2ForCausalLM for one rank (attention in MXFP4)."""
+def bf16(*shape):
+    return torch.nn.Parameter(torch.zeros(*shape, dtype=torch.bfloat16), requires_grad=False)
+
+
+def atom_decoder_layer(cfg, i, tp, ep=1, mxfp4_attention=True):
+    """The MXFP4 modules of ATOM's DeepseekV2DecoderLayer ``i`` for one rank. With BF16 attention
+    (r1-0528) ATOM builds plain BF16 linears there, which the adapter leaves to ATOM's loader."""
     h, heads = cfg["hidden_size"], cfg["num_attention_heads"] // tp
     nope, rope, v = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
     n_routed = cfg["n_routed_experts"]
-    root = torch.nn.Module()
-    model = torch.nn.Module()
-    root.model = model
-    model.layers = torch.nn.ModuleList()
-    for i in range(cfg["num_hidden_layers"] + cfg["num_nextn_predict_layers"]):
-        layer = torch.nn.Module()
-        attn = torch.nn.Module()
+    layer = torch.nn.Module()
+    attn = torch.nn.Module()
+    if mxfp4_attention:
         attn.fused_qkv_a_proj = Fp4Linear(cfg["q_lora_rank"] + cfg["kv_lora_rank"] + rope, h)
         attn.q_b_proj = Fp4Linear(heads * (nope + rope), cfg["q_lora_rank"])
         attn.kv_b_proj = Fp4Linear(heads * (nope + v), cfg["kv_lora_rank"])
         attn.o_proj = Fp4Linear(h, heads * v)
-        layer.self_attn = attn
-        mlp = torch.nn.Module()
-        if i < cfg["first_k_dense_replace"]:
-            mlp.gate_up_proj = Fp4Linear(2 * cfg["intermediate_size"] // tp, h)
-            mlp.down_proj = Fp4Linear(h, cfg["intermediate_size"] // tp)
-        else:
-            inter = cfg["moe_intermediate_size"] // (1 if ep > 1 else tp)
-            n_local = (n_routed // ep if ep > 1 else n_routed) + 1  # + the fused shared expert
-            mlp.experts = FusedMoE(n_local, inter, h)
-        layer.mlp = mlp
-        model.layers.append(layer)
+    layer.self_attn = attn
+    mlp = torch.nn.Module()
+    if i < cfg["first_k_dense_replace"]:
+        mlp.gate_up_proj = Fp4Linear(2 * cfg["intermediate_size"] // tp, h)
+        mlp.down_proj = Fp4Linear(h, cfg["intermediate_size"] // tp)
+    else:
+        inter = cfg["moe_intermediate_size"] // (1 if ep > 1 else tp)
+        n_local = (n_routed // ep if ep > 1 else n_routed) + 1  # + the fused shared expert
+        mlp.experts = FusedMoE(n_local, inter, h)
+    layer.mlp = mlp
+    return layer
+
+
+def atom_like_model(cfg, tp, ep=1, mxfp4_attention=True):
+    """The MXFP4 modules of ATOM's DeepseekV2ForCausalLM for one rank: num_hidden_layers layers,
+    no MTP layer (ATOM's DeepseekV2Model makes only those; the MTP layer is the draft model's)."""
+    root = torch.nn.Module()
+    model = torch.nn.Module()
+    root.model = model
+    model.layers = torch.nn.ModuleList(atom_decoder_layer(cfg, i, tp, ep, mxfp4_attention)
+                                       for i in range(cfg["num_hidden_layers"]))
     return root
+
+
+def atom_like_draft_model(cfg, tp, ep=1):
+    """ATOM's DeepSeekMTP draft model as atom/models/deepseek_mtp.py (ROCm/ATOM ffdf3bb5) names it:
+    model.layers is a ModuleDict keyed by the checkpoint's layer index N = num_hidden_layers + i;
+    each layer holds enorm, hnorm, eh_proj (BF16: excluded by ATOM when the checkpoint has no
+    eh_proj.weight_scale) and shared_head, and the decoder layer as ``mtp_block``; embed_tokens is
+    the predictor's own, at the top. BF16 parameters included, so every name the checkpoint
+    maps to can be checked against it."""
+    h, vocab, n = cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
+    root, predictor = torch.nn.Module(), torch.nn.Module()
+    root.model = predictor
+    predictor.layers = torch.nn.ModuleDict()
+    for idx in range(n, n + cfg["num_nextn_predict_layers"]):
+        layer = torch.nn.Module()
+        for norm in ("enorm", "hnorm"):
+            setattr(layer, norm, torch.nn.Module())
+            getattr(layer, norm).weight = bf16(h)
+        layer.eh_proj = torch.nn.Module()
+        layer.eh_proj.weight = bf16(h, 2 * h)
+        layer.shared_head = torch.nn.Module()
+        layer.shared_head.norm, layer.shared_head.head = torch.nn.Module(), torch.nn.Module()
+        layer.shared_head.norm.weight, layer.shared_head.head.weight = bf16(h), bf16(vocab // tp, h)
+        block = atom_decoder_layer(cfg, idx, tp, ep)
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            setattr(block, norm, torch.nn.Module())
+            getattr(block, norm).weight = bf16(h)
+        for norm, dim in (("q_a_layernorm", cfg["q_lora_rank"]), ("kv_a_layernorm", cfg["kv_lora_rank"])):
+            setattr(block.self_attn, norm, torch.nn.Module())
+            getattr(block.self_attn, norm).weight = bf16(dim)
+        block.mlp.gate = torch.nn.Module()
+        block.mlp.gate.weight = bf16(cfg["n_routed_experts"], h)
+        block.mlp.gate.e_score_correction_bias = torch.nn.Parameter(torch.zeros(cfg["n_routed_experts"]),
+                                                                    requires_grad=False)
+        layer.mtp_block = block
+        predictor.layers[str(idx)] = layer
+    predictor.embed_tokens = torch.nn.Module()
+    predictor.embed_tokens.weight = bf16(vocab // tp, h)
+    return root
+
+
+def mtp_prefixes(cfg):
+    n = cfg["num_hidden_layers"]
+    return tuple(f"model.layers.{i}." for i in range(n, n + cfg["num_nextn_predict_layers"]))
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +148,20 @@ def ckpt(tmp_path_factory):
     convert(str(src), root / "tp2", Target("preshuffle", "ck", 2))
     convert(str(src), root / "ep2", Target("preshuffle", "ck", 2, ep=2))
     return root, json.loads((src / "config.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def r1_ckpt(tmp_path_factory):
+    """R1-0528 style: attention (and the whole MTP layer) BF16, experts and dense MLP MXFP4."""
+    root = tmp_path_factory.mktemp("atom-r1")
+    src = write_checkpoint(SynthSpec(variant="r1-0528"), root / "src")
+    convert(str(src), root / "tp2", Target("preshuffle", "ck", 2))
+    return root / "tp2", json.loads((src / "config.json").read_text())
+
+
+def fp4_params(model):
+    """The parameters ATOM allocates for MXFP4 bytes (fp4x2 / e8m0 / uint8), by name."""
+    return {n for n, p in model.named_parameters() if p.dtype.itemsize == 1}
 
 
 @pytest.mark.parametrize("kind", ["tp2", "ep2"])
@@ -122,6 +193,45 @@ def test_every_converted_tensor_lands_in_its_atom_parameter_and_processing_is_sk
             module.process_weights_after_loading()
             assert module.processed == 0
     assert "model.embed_tokens.weight" in report.passthrough and not report.needs_engine_wrapping
+    # v2 quantizes the MTP layer, which ATOM's main model does not have: it comes back, whole, for the draft.
+    mtp = {n for n in loaded if n.startswith(mtp_prefixes(cfg))}
+    assert set(report.mtp) == mtp and any(loaded.records[n].role == "mxfp4_weight" for n in mtp)
+    assert all(torch.equal(report.mtp[n], loaded[n]) for n in mtp)
+    assert not mtp & set(report.passthrough) and not report.mtp_installed
+
+
+@pytest.mark.parametrize("kind", ["tp2", "ep2"])
+def test_the_mtp_layer_installs_into_atoms_draft_model_under_its_names(ckpt, kind):
+    root, cfg = ckpt
+    ep = 2 if kind == "ep2" else 1
+    model, draft = atom_like_model(cfg, tp=2, ep=ep), atom_like_draft_model(cfg, tp=2, ep=ep)
+    draft_mxfp4 = fp4_params(draft)
+    report = install_converted_weights(model, root / kind, EngineConfig("asm", "ck", 2, rank=1, ep_size=ep),
+                                       mtp_model=draft)
+    assert set(report.installed) == fp4_params(model)
+    assert set(report.mtp_installed) == draft_mxfp4  # every MXFP4 parameter of the draft filled
+    assert all(".mtp_block." in n for n in report.mtp_installed)
+    loaded = L.load_rank(root / kind, 1)
+    layer = cfg["num_hidden_layers"]
+    by_param = {atom_mtp_param_name(n, layer): n for n in loaded if n.startswith(mtp_prefixes(cfg))}
+    params = dict(draft.named_parameters())
+    for name in report.mtp_installed:  # byte-identical, with the manifest's attributes
+        assert torch.equal(params[name].data.view(torch.uint8), loaded[by_param[name]]), name
+        if name.endswith("weight"):
+            assert params[name].is_shuffled is True
+    # What is left for ATOM's draft loader is the BF16 part, by checkpoint name; every one of them
+    # names a parameter of the draft under ATOM's rewrite (embed_tokens moves to the top).
+    assert set(report.mtp) == {n for n in by_param.values() if loaded.records[n].role == "passthrough"}
+    assert set(by_param) <= set(params)
+    assert atom_mtp_param_name(f"model.layers.{layer}.embed_tokens.weight", layer) == "model.embed_tokens.weight"
+    assert f"model.layers.{layer}.mtp_block.mlp.experts" in report.skipped_processing
+    for module in draft.modules():
+        if isinstance(module, FusedMoE):
+            module.quant_method.process_weights_after_loading(module)
+            assert module.quant_method.processed == 0
+        if isinstance(module, Fp4Linear):
+            module.process_weights_after_loading()
+            assert module.processed == 0
 
 
 def test_a_model_that_disagrees_with_the_checkpoint_is_named(ckpt):
@@ -134,9 +244,57 @@ def test_a_model_that_disagrees_with_the_checkpoint_is_named(ckpt):
     del model.model.layers[1].self_attn.q_b_proj
     with pytest.raises(L.ManifestError, match="q_b_proj.weight: the checkpoint has it but the model has no such parameter"):
         install_converted_weights(model, root / "tp2", EngineConfig("asm", "ck", 2, rank=0))
+    draft = atom_like_draft_model(cfg, tp=2)
+    del draft.model.layers[str(cfg["num_hidden_layers"])].mtp_block.self_attn.o_proj
+    with pytest.raises(L.ManifestError, match=r"model.layers.3.self_attn.o_proj.weight \(ATOM's draft parameter "
+                                              r"model.layers.3.mtp_block.self_attn.o_proj.weight\): the checkpoint "
+                                              "has it but the draft model has no such parameter"):
+        install_converted_weights(atom_like_model(cfg, tp=2), root / "tp2", EngineConfig("asm", "ck", 2), mtp_model=draft)
+
+
+def test_a_tensor_of_neither_model_is_named(ckpt, tmp_path):
+    # With no MTP layer in config.json, layer 3 belongs to no model ATOM builds: refused, named.
+    root, cfg = ckpt
+    out = tmp_path / "c"
+    shutil.copytree(root / "tp2", out)
+    (out / "config.json").write_text(json.dumps(dict(cfg, num_nextn_predict_layers=0)))
+    with pytest.raises(L.ManifestError, match="model.layers.3.self_attn.*: the checkpoint has it but the model has no "
+                                              "such parameter"):
+        install_converted_weights(atom_like_model(cfg, tp=2), out, EngineConfig("asm", "ck", 2))
+    (out / "config.json").unlink()
+    with pytest.raises(L.ManifestError, match="config.json: cannot read num_hidden_layers"):
+        install_converted_weights(atom_like_model(cfg, tp=2), out, EngineConfig("asm", "ck", 2))
 
 
 def test_the_adapter_refuses_an_engine_that_would_misread(ckpt):
     root, cfg = ckpt
     with pytest.raises(L.CompatibilityError, match="preshuffled"):
         install_converted_weights(atom_like_model(cfg, tp=2), root / "tp2", EngineConfig("triton-non-shuffle", "ck", 2))
+
+
+TRITON_GEMM = {"ATOM_USE_TRITON_GEMM": "1", "ATOM_USE_TRITON_MOE": "0"}  # CK MoE: the experts' layout fits
+
+
+def test_triton_gemm_is_refused_for_mxfp4_attention_with_atoms_reason(ckpt):
+    # ATOM (deepseek_v2.py, ffdf3bb5) builds the attention for a BF16 source under ATOM_USE_TRITON_GEMM=1.
+    root, cfg = ckpt
+    engine = EngineConfig.from_env(tp_size=2, rank=0, gpu_arch="gfx950", env=TRITON_GEMM)
+    assert engine.gemm_path == "triton-preshuffle"
+    with pytest.raises(L.CompatibilityError) as e:
+        install_converted_weights(atom_like_model(cfg, tp=2), root / "tp2", engine)
+    msg = str(e.value)
+    assert "attention is MXFP4 (model.layers." in msg and "BF16 source" in msg and "\n" not in msg
+    assert "unset ATOM_USE_TRITON_GEMM" in msg and "model config" not in msg
+
+
+def test_triton_gemm_with_bf16_attention_installs(r1_ckpt):
+    # R1-0528 keeps attention BF16: ATOM's triton-GEMM attention path is never taken, the MLPs fit.
+    out, cfg = r1_ckpt
+    model = atom_like_model(cfg, tp=2, mxfp4_attention=False)
+    engine = EngineConfig.from_env(tp_size=2, rank=0, gpu_arch="gfx950", env=TRITON_GEMM)
+    report = install_converted_weights(model, out, engine)
+    assert set(report.installed) == fp4_params(model)
+    assert "model.layers.0.self_attn.q_a_proj.weight" in report.passthrough
+    mtp = set(report.mtp)  # the excluded (BF16) MTP layer, for the draft model's own loader
+    assert mtp and all(n.startswith(mtp_prefixes(cfg)) for n in mtp)
+    assert all(report.rank_tensors.records[n].role == "passthrough" for n in mtp)
