@@ -18,17 +18,68 @@ from . import __version__
 from .errors import PrepError
 
 
+_DEBUG = {"on": bool(os.environ.get("PREP_DEBUG"))}
+
+
+def error_line(e: BaseException) -> str:
+    """One line that says what went wrong and what to do, for any error that reaches the CLI."""
+    import errno
+
+    from layouts.compat import CompatibilityError
+    from layouts.manifest import ManifestError
+    from layouts.safetensors_file import SafetensorsFileError
+    from layouts.shuffle import LayoutConstraintError
+
+    if isinstance(e, (PrepError, ManifestError, CompatibilityError, SafetensorsFileError, LayoutConstraintError)):
+        msg = str(e)
+    elif isinstance(e, OSError):
+        where = e.filename or "a file"
+        if e.errno == errno.ENOSPC:
+            msg = f"{where}: disk full; free space or write elsewhere"
+        elif e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            msg = f"{where}: cannot write or read it ({e.strerror}); choose another folder or fix its permissions"
+        else:
+            msg = f"{where}: {e.strerror or e}"
+    elif isinstance(e, MemoryError):
+        msg = "out of memory; the input asks for more than this machine has (a damaged or hostile file?)"
+    elif isinstance(e, RecursionError):
+        msg = "input nested too deeply to be a checkpoint file; the file is damaged or hostile"
+    else:
+        msg = (f"internal error ({type(e).__name__}: {e}); rerun with prep --debug for the traceback and report it")
+    return " ".join(msg.split())  # one line, whatever the message held
+
+
+_INTERRUPTED = {  # what to tell the user after Ctrl-C, by command
+    "convert": "finished files are kept in the hidden folder .OUT.prep beside OUT; rerun the same command "
+               "with --resume to continue (or without it to start over and discard them)",
+    "revert": "nothing was written to DEST; its partial copy was removed",
+}
+
+
 def _fail_cleanly(fn: Callable) -> Callable:
+    """Every error becomes one line (``error: ...`` on stderr, or a JSON object on stdout with
+    ``--json``) and exit code 1; Ctrl-C exits 130. ``prep --debug`` shows the traceback."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        as_json = bool(kwargs.get("as_json"))
         try:
             return fn(*args, **kwargs)
-        except PrepError as e:
-            click.echo(f"error: {e}", err=True)
-            sys.exit(1)
         except KeyboardInterrupt:
-            click.echo("interrupted: rerun the same command with --resume to continue", err=True)
+            msg = _INTERRUPTED.get(fn.__name__, "stopped")
+            if as_json:
+                click.echo(json.dumps({"ok": False, "error": msg, "interrupted": True}))
+            else:
+                click.echo(f"interrupted: {msg}", err=True)
             sys.exit(130)
+        except Exception as e:
+            if _DEBUG["on"]:
+                raise
+            line = error_line(e)
+            if as_json:
+                click.echo(json.dumps({"ok": False, "error": line}))
+            else:
+                click.echo(f"error: {line}", err=True)
+            sys.exit(1)
 
     return wrapper
 
@@ -64,7 +115,8 @@ def _emit(result: dict[str, Any], as_json: bool, lines: list[str]) -> None:
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="prep")
-def main() -> None:
+@click.option("--debug", is_flag=True, help="Show the traceback of an error (also: PREP_DEBUG=1).")
+def main(debug: bool) -> None:
     """Rewrite MXFP4 (AMD Quark) DeepSeek checkpoints into the exact layouts AMD's kernels read.
 
     \b
@@ -74,6 +126,8 @@ def main() -> None:
       prep verify r1-tp8 --source amd/DeepSeek-R1-0528-MXFP4
       prep revert r1-tp8 -o r1-roundtrip
     """
+    if debug:
+        _DEBUG["on"] = True
 
 
 @main.command()
@@ -98,7 +152,7 @@ def inspect(src: str, revision: str | None, as_json: bool) -> None:
 
 @main.command()
 @click.argument("src")
-@click.option("-o", "--out", required=True, type=click.Path(file_okay=False), help="Output folder (created).")
+@click.option("-o", "--out", required=True, metavar="OUT", help="Output folder (created; see --force).")
 @click.option("--layout", type=click.Choice(["preshuffle", "non-shuffle"]), default="preshuffle", show_default=True,
               help="Dense linears: preshuffle = aiter gemm_a4w4 / Triton preshuffle GEMM; "
                    "non-shuffle = ATOM_USE_FP4_NON_SHUFFLE_TRITON_GEMM.")
@@ -111,8 +165,13 @@ def inspect(src: str, revision: str | None, as_json: bool) -> None:
 @click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True,
               help="Output files written at once (threads). One keeps a single disk busy; more help where the "
                    "disk is faster than one file's reading and shuffling (NVMe arrays, many cores).")
-@click.option("--force", is_flag=True, help="Replace a non-empty OUT (only once the new one is complete).")
-@click.option("--resume", is_flag=True, help="Reuse files an interrupted run finished, after re-checking their hashes.")
+@click.option("--force", is_flag=True,
+              help="Replace OUT when it holds a previous output of prep (and nothing else); the old one is "
+                   "swapped out atomically once the new one is complete. A folder with any file prep did not "
+                   "write is never replaced.")
+@click.option("--resume", is_flag=True,
+              help="Reuse the files an interrupted run with the same options finished, after re-checking their "
+                   "hashes; files whose source files changed since are written again.")
 @click.option("--revision", help="Hub revision when SRC is a repo id.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary.")
 @_fail_cleanly
@@ -136,7 +195,8 @@ def convert(src, out, layout, moe_layout, tp, ep, fuse_shared_expert, workers, f
     bar = _Bar("convert", not as_json and sys.stderr.isatty())
     try:
         s = run(src, out, Target(layout, moe_layout, tp, ep, fuse_shared_expert), force=force, resume=resume,
-                workers=workers, revision=revision, progress=bar, on_total=bar.total)
+                workers=workers, revision=revision, progress=bar, on_total=bar.total,
+                notify=lambda line: click.echo(f"note: {line}", err=True))
     finally:
         bar.close()
     _emit(s, as_json, [f"wrote {s['out']}: {s['tensors']} tensors from {s['source_tensors']} source tensors, "
@@ -169,11 +229,13 @@ def verify(out, source, deep, as_json):
 
 @main.command()
 @click.argument("out", type=click.Path(exists=True, file_okay=False))
-@click.option("-o", "--dest", required=True, type=click.Path(file_okay=False), help="Folder for the rebuilt source.")
-@click.option("--force", is_flag=True, help="Replace a non-empty DEST.")
+@click.option("-o", "--dest", required=True, metavar="DEST", help="Folder for the rebuilt source (created; see --force).")
+@click.option("--force", is_flag=True, help="Replace DEST when it holds a previous output of prep (and nothing else).")
+@click.option("--verify/--no-verify", default=True, show_default=True,
+              help="Check every tensor against its manifest hash as it is read (a damaged file stops the revert).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary.")
 @_fail_cleanly
-def revert(out, dest, force, as_json):
+def revert(out, dest, force, verify, as_json):
     """Rebuild the original Quark checkpoint from a converted one: same tensor names, dtypes,
     shapes and bytes (shard boundaries may differ).
 
@@ -183,7 +245,7 @@ def revert(out, dest, force, as_json):
     """
     from .revert import revert as run
 
-    r = run(out, dest, force=force)
+    r = run(out, dest, force=force, verify=verify)
     _emit(r, as_json, [f"wrote {r['dest']}: {r['tensors']} tensors in {r['files']} files, {r['bytes'] / 2**30:.3f} GiB"])
 
 

@@ -1,11 +1,13 @@
 """``prep convert``: stream a Quark MXFP4 DeepSeek checkpoint into per-rank, kernel-layout files
 plus a manifest.
 
-Order of work, so that bad input leaves nothing behind: resolve and validate the source, plan
-every output tensor and check every constraint, and only then write, into a staging folder next
-to OUT. Each output file is written under a temporary name, renamed when whole, and described by
-a small record (its tensors' hashes) that ``--resume`` re-verifies and reuses. The manifest and
-then the completion marker are written last, and the staging folder is renamed to OUT.
+Order of work, so that bad input leaves nothing behind: resolve and validate the source, check
+that OUT may be written (:mod:`prep.outdir`: never the source, never a folder with files prep did
+not write), plan every output tensor and check every constraint, and only then write, under an
+exclusive lock, into a staging folder beside OUT. Each output file is written under a temporary
+name, renamed when whole, and described by a small record (its tensors' hashes and the identity
+of the source files it read) that ``--resume`` re-verifies and reuses. The manifest and then the
+completion marker are written last, and staging is swapped in for OUT atomically.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from . import __version__
 from .deepseek import Target, classify, plan_groups
 from .errors import PrepError
 from .groups import LinearGroup, MoEGroup
+from .identity import changed_files, file_identity
+from .outdir import OutputFolder, kill_point, output_id, write_json
 from .source import ShardFile, SourceCheckpoint
 from .stwriter import StreamingSafetensorsWriter, nbytes
 
@@ -51,6 +55,11 @@ class FileJob:
     @property
     def nbytes(self) -> int:
         return sum(nbytes(dtype, shape) for _, dtype, shape in self.entries)
+
+    def source_files(self, src: SourceCheckpoint) -> list[str]:
+        """The source files this output file reads (whose change means writing it again)."""
+        names = [n for g in self.groups for n in g.sources()] + self.passthrough
+        return sorted({src.tensors[n].file for n in names})
 
     def plan_key(self) -> str:
         """What must match for a finished file to be reused by --resume."""
@@ -122,14 +131,15 @@ class _Cancelled(Exception):
     """Another worker failed (or the user interrupted): stop this file where it is."""
 
 
-def _write_file(src: SourceCheckpoint, job: FileJob, staging: str,
+def _write_file(src: SourceCheckpoint, job: FileJob, out: OutputFolder, idents: dict[str, dict[str, Any]],
                 cancel: threading.Event | None = None) -> dict[str, Any]:
-    """Write one output file; with ``cancel``, give up (leaving no file) as soon as it is set."""
+    """Write one output file into staging and its record; with ``cancel``, give up (leaving no
+    file) as soon as it is set."""
     def check() -> None:
         if cancel is not None and cancel.is_set():
             raise _Cancelled(job.name)
 
-    final = pathlib.Path(staging) / job.name
+    final = out.staging / job.name
     tmp = final.with_name(final.name + ".tmp")
     try:
         hashes = _write_into(src, job, tmp, check)
@@ -137,8 +147,10 @@ def _write_file(src: SourceCheckpoint, job: FileJob, staging: str,
         tmp.unlink(missing_ok=True)  # what a resumed run can use is whole files only
         raise
     tmp.rename(final)
-    record = {"file": job.name, "plan_key": job.plan_key(), "size": final.stat().st_size, "hashes": hashes}
-    (final.with_name(final.name + ".record.json")).write_text(json.dumps(record))
+    record = {"file": job.name, "plan_key": job.plan_key(), "size": final.stat().st_size, "hashes": hashes,
+              "sources": {f: idents[f] for f in job.source_files(src)}}
+    write_json(out.records / (job.name + ".json"), record)
+    kill_point("file-written")
     return record
 
 
@@ -169,28 +181,35 @@ def _write_into(src: SourceCheckpoint, job: FileJob, tmp: pathlib.Path, check: C
 def _row_blocks(info: TensorInfo) -> list[tuple[slice | None, tuple[int, ...]]]:
     """(rows, shape) of each block of whole rows a pass-through tensor is copied in (the
     embedding is 1.8 GiB of BF16); rows None: the whole tensor at once."""
-    rows = info.shape[0] if len(info.shape) >= 2 else 0
+    rows = info.shape[0] if len(info.shape) >= 2 and info.nbytes else 0
     step = max(1, CHUNK_BYTES // max(1, info.nbytes // rows)) if rows else 0
     if not rows or step >= rows:
         return [(None, tuple(info.shape))]
     return [(slice(r, min(rows, r + step)), (min(rows, r + step) - r, *info.shape[1:])) for r in range(0, rows, step)]
 
 
-def _reusable(job: FileJob, staging: pathlib.Path) -> dict[str, Any] | None:
-    """A finished file from an interrupted run, if it is the same plan and its bytes verify."""
-    final, rec_path = staging / job.name, staging / (job.name + ".record.json")
+def _reusable(job: FileJob, out: OutputFolder, src: SourceCheckpoint,
+              idents: dict[str, dict[str, Any]]) -> tuple[dict[str, Any] | None, str]:
+    """A finished file of an interrupted run, if it was built by the same plan from source
+    files that did not change since, and its bytes verify. Returns (record or None, why not)."""
+    final, rec_path = out.staging / job.name, out.records / (job.name + ".json")
     if not (final.is_file() and rec_path.is_file()):
-        return None
+        return None, "unfinished"
     try:
         record = json.loads(rec_path.read_text())
-        if record.get("plan_key") != job.plan_key() or record.get("size") != final.stat().st_size:
-            return None
+        if record.get("plan_key") != job.plan_key():
+            return None, "planned differently"
+        changed = changed_files(record.get("sources") or {"?": None}, idents)
+        if changed or set(record["sources"]) != set(job.source_files(src)):
+            return None, f"source file {changed[0] if changed else '?'} changed"
+        if record.get("size") != final.stat().st_size:
+            return None, "damaged"
         hashes = ShardFile(final).hash_tensors([name for name, _, _ in job.entries])
         if any(hashes[name] != record["hashes"].get(name) for name, _, _ in job.entries):
-            return None
-        return record
-    except Exception:
-        return None
+            return None, "damaged"
+        return record, ""
+    except Exception:  # any doubt about a leftover file means it is written again
+        return None, "damaged"
 
 
 def convert(
@@ -204,80 +223,132 @@ def convert(
     revision: str | None = None,
     progress: Callable[[int], None] | None = None,
     on_total: Callable[[int], None] | None = None,
+    notify: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
-    """Convert ``src_spec`` into ``out``. Returns a summary (files, tensors, bytes, reused)."""
-    out = pathlib.Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
-        raise PrepError(f"{out}: exists and is not empty; choose another -o or pass --force to replace it")
+    """Convert ``src_spec`` into ``out``. Returns a summary (files, tensors, bytes, reused).
+
+    ``out`` is refused, before anything is read or written, when it is or holds or lies in the
+    source, or holds files prep did not write (see :mod:`prep.outdir`); ``force`` replaces a
+    previous output of prep, atomically, once the new one is complete. ``notify`` receives
+    one-line notes (a discarded or recovered earlier run, files redone on resume)."""
     src = SourceCheckpoint.open(src_spec, revision)
+    folder = OutputFolder(out, inputs=[src.root], force=force)
+    folder.check()
     jobs, info = plan_files(src, target)
-    staging = out.parent / f".{out.name}.prep-partial"
-    if staging.exists() and not resume:
-        shutil.rmtree(staging)
     total = sum(j.nbytes for j in jobs)
+    state = {"kind": "convert", "tool": f"prep {__version__}",
+             "options": {**dataclasses.asdict(target), "revision": revision}}
+    with folder.locked():
+        for note in (folder.recover(), *_begin(folder, state, resume, src, jobs)):
+            if note and notify:
+                notify(note)
+        if folder.state() is None:  # a resumed run had already finished: OUT is complete and checked
+            return _summary(folder.given, jobs, src, reused=len(jobs), total=total)
+        folder.check()  # after recovery: what is at OUT now
+        try:
+            records = _write_all(src, jobs, folder, resume, workers, progress, on_total, total, notify)
+            for p in src.side_files():
+                shutil.copyfile(p, folder.staging / p.name)
+            manifest = build_manifest(src, target, jobs, records, info)
+            # Compact JSON: the C encoder (indent= falls back to pure Python, 10x slower at ~90k tensors).
+            raw = json.dumps(manifest, separators=(",", ":")).encode()
+            (folder.staging / MANIFEST_NAME).write_bytes(raw)
+            write_json(folder.staging / COMPLETE_NAME, {"manifest_sha256": manifest_hash(raw), "tool": f"prep {__version__}"})
+            kill_point("marker-written")
+            folder.commit()
+        except KeyboardInterrupt:
+            raise  # finished files stay in the work folder for --resume
+        except BaseException as e:
+            folder.discard()
+            if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+                raise PrepError(f"{out}: disk full while writing ({total / 2**30:.2f} GiB needed in all); "
+                                "free space or choose another -o; partial output removed") from None
+            raise
+    return _summary(folder.given, jobs, src, sum(1 for r in records.values() if r.get("reused")), total)
+
+
+def _summary(out: str, jobs: list[FileJob], src: SourceCheckpoint, reused: int, total: int) -> dict[str, Any]:
+    return {"out": out, "files": len(jobs), "reused_files": reused, "bytes": total,
+            "tensors": sum(len(j.entries) for j in jobs), "source_tensors": len(src.tensors)}
+
+
+def _begin(folder: OutputFolder, state: dict[str, Any], resume: bool, src: SourceCheckpoint,
+           jobs: list[FileJob]) -> list[str | None]:
+    """Start the run in ``folder``'s staging; returns notes for the user. A resumed run whose
+    output had already been swapped into OUT before the kill is accepted as it is when every
+    file's record still matches the plan and the source, and OUT's bytes verify; the work
+    folder is then cleared (``folder.state()`` is None) and nothing is written."""
+    kept, note = folder.begin(state, resume)
+    if kept != "swapped":
+        return [note]
+    idents = {f: file_identity(src.root / f) for f in src.files}
+    try:
+        records = [json.loads((folder.records / (j.name + ".json")).read_text()) for j in jobs]
+        same = all(r.get("plan_key") == j.plan_key() and not changed_files(r.get("sources") or {"?": None}, idents)
+                   for r, j in zip(records, jobs))
+        same = same and output_id(folder.path) == (folder.state() or {}).get("output_id")
+        if same:
+            layouts.manifest.load_manifest(folder.path).verify_hashes()
+    except (OSError, ValueError, layouts.ManifestError):
+        same = False
+    if same:
+        folder.discard()
+        return [f"{folder.given} was already complete (the interrupted run had finished it); checked its hashes"]
+    _, note = folder.begin(state, resume=False)
+    return [note]
+
+
+def _write_all(src: SourceCheckpoint, jobs: list[FileJob], folder: OutputFolder, resume: bool, workers: int,
+               progress: Callable[[int], None] | None, on_total: Callable[[int], None] | None, total: int,
+               notify: Callable[[str], None] | None) -> dict[str, dict[str, Any]]:
+    """Write every file not reusable from an interrupted run; returns each file's record."""
+    idents = {f: file_identity(src.root / f) for f in src.files}
     if on_total:
         on_total(total)
-    try:
-        staging.mkdir(parents=True, exist_ok=True)
-        records: dict[str, dict[str, Any]] = {}
-        todo = []
-        for job in jobs:
-            rec = _reusable(job, staging) if resume else None
-            if rec is not None:
-                records[job.name] = {**rec, "reused": True}
-                if progress:
-                    progress(job.nbytes)
-            else:
-                todo.append(job)
-        if workers <= 1:
-            for job in todo:
-                records[job.name] = _write_file(src, job, str(staging))
-                if progress:
-                    progress(job.nbytes)
+    records: dict[str, dict[str, Any]] = {}
+    todo, redone = [], []
+    for job in jobs:
+        rec, why = _reusable(job, folder, src, idents) if resume else (None, "")
+        if rec is not None:
+            records[job.name] = {**rec, "reused": True}
+            if progress:
+                progress(job.nbytes)
         else:
-            # Threads, not processes: reading, shuffling, hashing and writing all run outside
-            # the GIL (preadv, torch copies, xxhash, pwrite), and threads share the opened
-            # source, where each process had to import torch and parse every header again.
-            # One torch intra-op thread per worker and core share, not a full pool each.
-            torch_threads = torch.get_num_threads()
-            torch.set_num_threads(max(1, torch_threads // workers))
-            cancel = threading.Event()
+            todo.append(job)
+            if why and why != "unfinished":
+                redone.append(f"{job.name} ({why})")
+    if redone and notify:
+        notify(f"--resume: writing {len(redone)} finished file(s) again: {redone[0]}"
+               + (f" and {len(redone) - 1} more" if len(redone) > 1 else ""))
+    if workers <= 1:
+        for job in todo:
+            records[job.name] = _write_file(src, job, folder, idents)
+            if progress:
+                progress(job.nbytes)
+        return records
+    # Threads, not processes: reading, shuffling, hashing and writing all run outside the GIL
+    # (preadv, torch copies, xxhash, pwrite), and threads share the opened source, where each
+    # process had to import torch and parse every header again. One torch intra-op thread per
+    # worker and core share, not a full pool each.
+    torch_threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, torch_threads // workers))
+    cancel = threading.Event()
+    try:
+        with cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="convert") as pool:
+            futures = {pool.submit(_write_file, src, job, folder, idents, cancel): job for job in todo}
             try:
-                with cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="convert") as pool:
-                    futures = {pool.submit(_write_file, src, job, str(staging), cancel): job for job in todo}
-                    try:
-                        for fut in cf.as_completed(futures):
-                            records[futures[fut].name] = fut.result()
-                            if progress:
-                                progress(futures[fut].nbytes)
-                    except BaseException:
-                        cancel.set()  # files in progress stop at their next chunk, queued ones never start
-                        for f in futures:
-                            f.cancel()
-                        raise
-            finally:
-                torch.set_num_threads(torch_threads)
-        for p in src.side_files():
-            shutil.copyfile(p, staging / p.name)
-        manifest = build_manifest(src, target, jobs, records, info)
-        # Compact JSON: the C encoder (indent= falls back to pure Python, 10x slower at ~90k tensors).
-        raw = json.dumps(manifest, separators=(",", ":")).encode()
-        (staging / MANIFEST_NAME).write_bytes(raw)
-        for stale in staging.glob("*.record.json"):
-            stale.unlink()
-        (staging / COMPLETE_NAME).write_text(json.dumps({"manifest_sha256": manifest_hash(raw), "tool": f"prep {__version__}"}))
-        if out.exists():
-            shutil.rmtree(out) if out.is_dir() else out.unlink()
-        staging.rename(out)
-    except OSError as e:
-        if e.errno == errno.ENOSPC:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise PrepError(f"{out}: disk full while writing ({total / 2**30:.2f} GiB needed in all); "
-                            "free space or choose another -o; partial output removed") from None
-        raise
-    reused = sum(1 for r in records.values() if r.get("reused"))
-    return {"out": str(out), "files": len(jobs), "reused_files": reused, "bytes": total,
-            "tensors": sum(len(j.entries) for j in jobs), "source_tensors": len(src.tensors)}
+                for fut in cf.as_completed(futures):
+                    records[futures[fut].name] = fut.result()
+                    if progress:
+                        progress(futures[fut].nbytes)
+            except BaseException:
+                cancel.set()  # files in progress stop at their next chunk, queued ones never start
+                for f in futures:
+                    f.cancel()
+                raise
+    finally:
+        torch.set_num_threads(torch_threads)
+    return records
 
 
 def build_manifest(src: SourceCheckpoint, target: Target, jobs: list[FileJob],

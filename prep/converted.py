@@ -4,13 +4,14 @@ turning every group back into the source tensors it came from (the exact inverse
 from __future__ import annotations
 
 import dataclasses
+import json
 import pathlib
 from collections import Counter, defaultdict
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 
-from layouts.manifest import ManifestError, load_manifest
+from layouts.manifest import COMPLETE_NAME, ManifestError, load_manifest
 
 from .errors import PrepError
 from .groups import MoEGroup, expert_rows_split_exactly, group_from_record
@@ -20,10 +21,19 @@ STREAM_BYTES = 32 << 20  # stacked experts are inverted in blocks of about this 
 
 
 class ConvertedCheckpoint:
-    def __init__(self, root: str | pathlib.Path):
+    """A converted checkpoint opened for inversion. With ``check_hashes``, every tensor read is
+    checked against its manifest hash as its bytes come in (what ``prep revert`` relies on: a
+    flipped byte stops it before anything reaches DEST); off where the caller hashed every file
+    already (``prep verify``)."""
+
+    def __init__(self, root: str | pathlib.Path, check_hashes: bool = False):
         self.root = pathlib.Path(root)
+        self.check_hashes = check_hashes
+        self._hashing: dict[tuple[str, str], tuple[Any, int]] = {}  # (file, tensor) -> (hasher, bytes fed)
         try:
             self.manifest = load_manifest(self.root).raw
+            # load_manifest checked the marker's hash against the manifest's bytes.
+            self.manifest_sha256 = json.loads((self.root / COMPLETE_NAME).read_bytes())["manifest_sha256"]
         except ManifestError as e:
             raise PrepError(str(e)) from None
         self._files: dict[str, ShardFile] = {}
@@ -32,6 +42,7 @@ class ConvertedCheckpoint:
         self._groups: dict[str, list[dict]] = defaultdict(list)  # group name -> its per-rank records
         self._sources: dict[str, dict[str, None]] = defaultdict(dict)  # group name -> source tensors, in order
         self._passthrough: dict[str, dict] = {}
+        self._want = {(t["file"], t["name"]): t["xxh3_128"] for t in self.manifest["tensors"]}
         for t in self.manifest["tensors"]:
             self.by_file[t["file"]].append(t)
             if t["role"] == "passthrough":
@@ -51,7 +62,44 @@ class ConvertedCheckpoint:
         return f
 
     def read(self, fname: str, name: str) -> torch.Tensor:
-        return self.file(fname).get(name)
+        return self.read_rows(fname, name, None)
+
+    def read_rows(self, fname: str, name: str, rows: slice | None) -> torch.Tensor:
+        """Tensor ``name`` of output file ``fname``, or a block of its rows (hash-checked)."""
+        f = self.file(fname)
+        info = f.tensors.get(name)
+        if info is None:
+            raise PrepError(f"{self.root / fname}: tensor {name} is missing from the file; convert again")
+        t = f.read(info, rows)
+        if self.check_hashes:
+            self._feed(fname, info, rows, t)
+        return t
+
+    def _feed(self, fname: str, info, rows: slice | None, t: torch.Tensor) -> None:
+        """Hash ``t`` (rows ``rows`` of ``info``) as part of its tensor's bytes; compare with the
+        manifest once the last byte is in. Blocks arrive in order; one that does not (never the
+        case for the inversion's order) gets the whole tensor hashed with a read of its own."""
+        import xxhash
+
+        from layouts.safetensors_file import tensor_bytes
+
+        key = (fname, info.name)
+        row_bytes = info.nbytes // info.shape[0] if info.shape and info.shape[0] else info.nbytes
+        start = 0 if rows is None else (rows.start or 0) * row_bytes
+        h, fed = self._hashing.pop(key, (None, 0))
+        if start != fed:
+            digest = self.file(fname).hash_tensors([info.name])[info.name]
+        else:
+            h = h or xxhash.xxh3_128()
+            h.update(tensor_bytes(t))
+            fed += t.numel() * t.element_size()
+            if fed < info.nbytes:
+                self._hashing[key] = (h, fed)
+                return
+            digest = h.hexdigest()
+        if digest != self._want[key]:
+            raise PrepError(f"{self.root / fname}: tensor {info.name} does not match its manifest hash; the file was "
+                            "modified or damaged: convert again (or pass --no-verify to read it anyway)")
 
     def invert_group(self, key: str) -> dict[str, torch.Tensor]:
         """Every source tensor the group ``key`` came from, rebuilt from all its ranks, whole."""
@@ -95,8 +143,7 @@ class ConvertedCheckpoint:
         cursor = 0
         for rec, g, e0, e1 in steps:
             sub = dataclasses.replace(g, experts=g.experts[e0:e1])
-            f = self.file(rec["file"])
-            tensors = [_expert_rows(f, name, local[1], e0, len(sub.experts))
+            tensors = [self._expert_rows(rec["file"], name, local[1], e0, len(sub.experts))
                        for (name, _, _), local in zip(g.outputs(), g.local_shapes())]
             for src_name, (rows, cols), piece in sub.invert(tensors):
                 tiles.place(src_name, rows, cols, piece, rec["rank"])
@@ -106,6 +153,14 @@ class ConvertedCheckpoint:
                 cursor += 1
         for name in names[cursor:]:
             tiles.check_complete(name)  # raises: some rank's piece is missing
+
+    def _expert_rows(self, fname: str, name: str, rows_per_expert: int, e0: int, n: int) -> torch.Tensor:
+        """The stored bytes of experts [e0, e0 + n) of the stacked output ``name``: experts lead
+        a 3-D tensor; a 2-D one is a scale flattened over experts, ``rows_per_expert`` rows each."""
+        info = self.file(fname).tensors.get(name)
+        if info is not None and len(info.shape) == 3:
+            return self.read_rows(fname, name, slice(e0, e0 + n))
+        return self.read_rows(fname, name, slice(e0 * rows_per_expert, (e0 + n) * rows_per_expert))
 
     def units(self) -> Iterator[tuple[str, list[str]]]:
         """(unit, source tensor names) in order: each group key, then each pass-through tensor."""
@@ -118,15 +173,6 @@ class ConvertedCheckpoint:
 def _step(g: MoEGroup) -> int:
     """Experts per block when inverting: about STREAM_BYTES of the rank's stacked w13."""
     return max(1, STREAM_BYTES // max(1, 2 * g.i_pad * g.h_pad // 2))
-
-
-def _expert_rows(f: ShardFile, name: str, rows_per_expert: int, e0: int, n: int) -> torch.Tensor:
-    """The stored bytes of experts [e0, e0 + n) of the stacked output ``name``: experts lead a
-    3-D tensor; a 2-D one is a scale flattened over experts, ``rows_per_expert`` rows each."""
-    info = f.tensors[name]
-    if len(info.shape) == 3:
-        return f.read(info, slice(e0, e0 + n))
-    return f.read(info, slice(e0 * rows_per_expert, (e0 + n) * rows_per_expert))
 
 
 class _Tiles:

@@ -1,26 +1,33 @@
 """``prep revert``: rebuild the original Quark checkpoint from a converted one (same tensor names,
-dtypes, shapes and bytes; shard boundaries may differ). The layout round trip, made checkable."""
+dtypes, shapes and bytes; shard boundaries may differ). The layout round trip, made checkable.
+
+It trusts nothing it reads: every tensor is checked against its manifest hash as its bytes come
+in (``verify=False`` skips that), and DEST is written like convert's OUT (:mod:`prep.outdir`):
+never inside the input, never over files prep did not write, staged beside DEST and swapped in
+only when whole. Any error or Ctrl-C removes the staged copy."""
 
 from __future__ import annotations
 
+import errno
 import json
 import pathlib
 import shutil
 from typing import Callable
 
+from . import __version__
 from .convert import shard_names
 from .converted import ConvertedCheckpoint
 from .errors import PrepError
+from .outdir import REVERT_MARKER, OutputFolder, write_json
 from .source import INDEX_NAME, SIDE_FILES
 from .stwriter import TORCH_DTYPES, StreamingSafetensorsWriter, nbytes
 
 
-def revert(out: str, dest: str | pathlib.Path, force: bool = False,
+def revert(out: str, dest: str | pathlib.Path, force: bool = False, verify: bool = True,
            progress: Callable[[int], None] | None = None) -> dict:
-    ck = ConvertedCheckpoint(out)
-    dest = pathlib.Path(dest)
-    if dest.exists() and any(dest.iterdir()) and not force:
-        raise PrepError(f"{dest}: exists and is not empty; choose another -o or pass --force")
+    ck = ConvertedCheckpoint(out, check_hashes=verify)
+    folder = OutputFolder(dest, inputs=[ck.root], force=force)
+    folder.check()
     meta = ck.manifest["source"]["tensors"]
 
     def size(name: str) -> int:
@@ -28,9 +35,34 @@ def revert(out: str, dest: str | pathlib.Path, force: bool = False,
 
     units = [((unit, names), sum(size(n) for n in names)) for unit, names in ck.units()]
     shards = shard_names(units, "model")
-    staging = dest.parent / f".{dest.name}.prep-partial"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
+    with folder.locked():
+        folder.recover()
+        folder.begin({"kind": "revert", "tool": f"prep {__version__}", "options": {}}, resume=False)
+        folder.check()
+        try:
+            weight_map = _write(ck, folder.staging, shards, meta, size, progress)
+            total = sum(size(n) for n in weight_map)
+            (folder.staging / INDEX_NAME).write_text(
+                json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+            written = [fname for fname, _ in shards] + [INDEX_NAME]
+            for f in SIDE_FILES:
+                if (ck.root / f).is_file():
+                    shutil.copyfile(ck.root / f, folder.staging / f)
+                    written.append(f)
+            # Written last: says which files are prep's (what a later --force may replace).
+            write_json(folder.staging / REVERT_MARKER, {
+                "id": f"revert:{ck.manifest_sha256}", "tool": f"prep {__version__}", "files": sorted(written)})
+            folder.commit()
+        except BaseException as e:
+            folder.discard()
+            if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+                raise PrepError(f"{dest}: disk full while writing; free space or choose another -o; "
+                                "partial output removed") from None
+            raise
+    return {"dest": str(dest), "tensors": len(weight_map), "files": len(shards), "bytes": total}
+
+
+def _write(ck: ConvertedCheckpoint, staging: pathlib.Path, shards, meta, size, progress) -> dict[str, str]:
     weight_map = {}
     for fname, chunk in shards:
         entries = [(n, meta[n]["dtype"], tuple(meta[n]["shape"])) for _, names in chunk for n in names]
@@ -41,13 +73,4 @@ def revert(out: str, dest: str | pathlib.Path, force: bool = False,
                     weight_map[n] = fname
                     if progress:
                         progress(size(n))
-    total = sum(size(n) for n in weight_map)
-    (staging / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
-    for f in SIDE_FILES:
-        if (ck.root / f).is_file():
-            shutil.copyfile(ck.root / f, staging / f)
-    if dest.exists():
-        shutil.rmtree(dest)
-    staging.rename(dest)
-    return {"dest": str(dest), "tensors": len(weight_map), "files": len(shards), "bytes": total}
-
+    return weight_map

@@ -38,7 +38,7 @@ def all_tensors(folder: pathlib.Path) -> dict[str, torch.Tensor]:
 
 
 def nothing_left(out: pathlib.Path) -> bool:
-    return not out.exists() and not (out.parent / f".{out.name}.prep-partial").exists()
+    return not out.exists() and not (out.parent / f".{out.name}.prep").exists()
 
 
 @pytest.mark.parametrize("variant", ["r1-0528", "v2"])
@@ -226,7 +226,7 @@ def test_resume_reuses_verified_files_and_redoes_damaged_ones(sources, tmp_path,
     monkeypatch.setattr(pc, "_write_file", flaky)
     with pytest.raises(KeyboardInterrupt):
         convert(str(sources["v2"]), out, Target(tp=2))
-    staging = tmp_path / ".out.prep-partial"
+    staging = tmp_path / ".out.prep" / "staging"
     done = sorted(p.name for p in staging.glob("*.safetensors"))
     assert len(done) == 2 and not out.exists()
     # Damage one finished file: resume must redo it, reuse the other.
@@ -309,14 +309,18 @@ def test_layout_and_tp_constraints_are_named(sources, tmp_path):
     assert nothing_left(out)
 
 
-def test_existing_output_needs_force(sources, tmp_path):
+def test_existing_output_needs_force_and_force_never_deletes_a_file_prep_did_not_write(sources, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    assert_one_line_error(run_cli("convert", str(sources["v2"]), "-o", str(out)), "not empty", "--force")
+    assert_one_line_error(run_cli("convert", str(sources["v2"]), "-o", str(out)), "not empty")
+    assert_one_line_error(run_cli("convert", str(sources["v2"]), "-o", str(out), "--force"), "'keep.txt'",
+                          "not an output of prep")
     assert (out / "keep.txt").read_text() == "mine"
-    r = run_cli("convert", str(sources["v2"]), "-o", str(out), "--force")
-    assert r.exit_code == 0 and not (out / "keep.txt").exists()
+    (out / "keep.txt").unlink()
+    assert run_cli("convert", str(sources["v2"]), "-o", str(out)).exit_code == 0  # an empty folder is fine
+    assert_one_line_error(run_cli("convert", str(sources["v2"]), "-o", str(out)), "previous output of prep", "--force")
+    assert run_cli("convert", str(sources["v2"]), "-o", str(out), "--force").exit_code == 0
 
 
 def test_disk_full_removes_partial_output(sources, tmp_path, monkeypatch):
@@ -420,18 +424,17 @@ def test_an_error_in_a_worker_reaches_the_caller_and_no_output_appears(sources, 
     monkeypatch.setattr(pc, "SHARD_BYTES", 1 << 20)
     real, calls = pc._write_file, []
 
-    def failing(src, job, staging, cancel=None):
+    def failing(src, job, folder, idents, cancel=None):
         calls.append(job.name)
         if len(calls) == 2:
             raise PrepError(f"{job.name}: injected failure")
-        return real(src, job, staging, cancel)
+        return real(src, job, folder, idents, cancel)
 
     monkeypatch.setattr(pc, "_write_file", failing)
     out = tmp_path / "out"
     with pytest.raises(PrepError, match="injected failure"):
         convert(str(sources["v2"]), out, Target("preshuffle", "ck", 2), workers=2)
-    assert not out.exists()
-    assert not list((tmp_path / ".out.prep-partial").glob("*.tmp"))  # no half-written file stays behind
+    assert nothing_left(out)  # no half-written file stays behind
     r = run_cli("convert", str(sources["v2"]), "-o", str(tmp_path / "o2"), "--workers", "0")
     assert r.exit_code == 2 and "Invalid value for '--workers'" in r.output  # click's usage error
 

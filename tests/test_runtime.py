@@ -28,6 +28,10 @@ def converted(tmp_path_factory):
                          "raw-gfx942-tp2": Target("non-shuffle", "triton-gfx942", 2)}.items():
         convert(str(src), root / name, target)
         out[name] = root / name
+    # R1-0528 style (attention BF16): what ATOM_USE_TRITON_GEMM=1 can load (layouts/compat.py docstring).
+    r1 = write_checkpoint(SynthSpec(variant="r1-0528"), root / "src-r1")
+    convert(str(r1), root / "r1-pre-ck-tp2", Target("preshuffle", "ck", 2))
+    out["r1-pre-ck-tp2"] = root / "r1-pre-ck-tp2"
     return out
 
 
@@ -85,6 +89,7 @@ def test_unfinished_or_modified_conversions_are_refused(converted, tmp_path):
     ("raw-gfx942-tp2", EngineConfig("triton-non-shuffle", "triton", 2, gpu_arch="gfx950"), "--moe-layout triton"),
     ("pre-ck-tp2", EngineConfig("asm", "ck", 2, ep_size=2), "converted with ep=1 but the engine runs ep=2"),
     ("pre-ck-ep2", EngineConfig("asm", "ck", 2), "converted with ep=2 but the engine runs ep=1"),
+    ("pre-ck-tp2", EngineConfig("triton-preshuffle", "ck", 2), "unset ATOM_USE_TRITON_GEMM"),
 ])
 def test_every_mismatch_is_refused_with_its_fix(converted, ckpt, engine, message):
     with pytest.raises(CompatibilityError) as e:
@@ -94,7 +99,7 @@ def test_every_mismatch_is_refused_with_its_fix(converted, ckpt, engine, message
 
 def test_matching_configurations_pass(converted):
     check_compatibility(load_manifest(converted["pre-ck-tp2"]), EngineConfig("asm", "ck", 2, rank=1))
-    check_compatibility(load_manifest(converted["pre-ck-tp2"]), EngineConfig("triton-preshuffle", "ck", 2))
+    check_compatibility(load_manifest(converted["r1-pre-ck-tp2"]), EngineConfig("triton-preshuffle", "ck", 2))
     check_compatibility(load_manifest(converted["raw-triton-tp2"]), EngineConfig("triton-non-shuffle", "triton", 2))
     check_compatibility(load_manifest(converted["raw-gfx942-tp2"]),
                         EngineConfig("triton-non-shuffle", "triton", 2, gpu_arch="gfx942"))
@@ -219,7 +224,8 @@ def test_load_rank_rebuilds_the_source_through_the_layouts(converted):
     (EngineConfig("triton-preshuffle", "ck", 2), 32, (True, True)),
 ])
 def test_activation_plan_picks_flags_per_call_from_the_token_count(converted, engine, m, want):
-    plan = L.ActivationQuantPlan.for_checkpoint(load_manifest(converted["pre-ck-tp2"]), engine)
+    ckpt = "r1-pre-ck-tp2" if engine.gemm_path == "triton-preshuffle" else "pre-ck-tp2"  # ATOM: BF16 attention only
+    plan = L.ActivationQuantPlan.for_checkpoint(load_manifest(converted[ckpt]), engine)
     assert tuple(plan.flags(m)) == want
     x, w = torch.randn(m, 256, dtype=torch.bfloat16), torch.rand(256, dtype=torch.bfloat16) + 0.5
     res = torch.randn(m, 256, dtype=torch.bfloat16)

@@ -1,0 +1,413 @@
+"""The output folder of ``prep convert`` and ``prep revert``: the rules that keep a user's files
+safe while prep writes, and the atomic swap that puts a finished output in place.
+
+A 350 GiB source checkpoint is irreplaceable, so nothing is touched until these hold:
+
+* OUT is not the input, does not contain it and does not lie inside it;
+* OUT is absent, an empty folder, or (with ``--force``) a folder holding only files a previous
+  prep run wrote there (its manifest or revert marker lists them): never a folder with one
+  file prep did not write;
+* no other prep process is writing OUT (an exclusive ``flock``; the second run is refused at
+  once, naming the holder's pid).
+
+Everything is built in a hidden work folder beside OUT, ``.OUT.prep/``::
+
+    lock          flock'ed by the run in progress; holds its pid
+    state.json    what is being built (kind, options) and, once swapping, the new manifest hash
+    records/      one record per finished output file: its hashes and its sources' identities
+    staging/      the new OUT, exactly as it will be (no record or scratch file inside)
+    old/          the previous OUT while it is being deleted
+
+Finishing swaps ``staging`` and OUT in one ``renameat2(RENAME_EXCHANGE)`` where the filesystem
+allows it (two renames elsewhere), then deletes the previous OUT and the work folder. A kill at
+any instant leaves either the previous or the new complete OUT at its path (with two renames:
+recovered by the next run), and ``state.json`` says which phase was reached, so the next run
+finishes or undoes exactly what was interrupted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import fcntl
+import json
+import os
+import pathlib
+import shutil
+import signal
+from typing import Any, Iterator
+
+from layouts.manifest import COMPLETE_NAME, MANIFEST_NAME
+
+from .errors import PrepError
+
+REVERT_MARKER = "prep-revert.json"  # written last into a reverted checkpoint: the files prep wrote there
+WORK_SUFFIX = ".prep"
+
+
+def _side_files() -> tuple[str, ...]:
+    from .source import SIDE_FILES
+
+    return SIDE_FILES
+
+
+def kill_point(name: str) -> None:
+    """Test hook: ``PREP_TEST_KILL_AT=<name>`` makes this process kill -9 itself here, so the
+    fault suite can stop a real run at every step of a write (tests/test_output_safety.py)."""
+    if os.environ.get("PREP_TEST_KILL_AT") == name:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def write_json(path: pathlib.Path, obj: Any) -> None:
+    """Write ``obj`` as JSON under a temporary name, fsync, and rename: never half a file."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def fsync_dir(path: pathlib.Path) -> None:
+    """Make a rename in ``path`` durable (not only atomic)."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _resolve(path: str | pathlib.Path) -> pathlib.Path:
+    return pathlib.Path(os.path.realpath(os.path.expanduser(str(path))))
+
+
+def _inside(a: pathlib.Path, b: pathlib.Path) -> bool:
+    """Whether ``a`` is ``b`` or lies inside it (both resolved)."""
+    return a == b or b in a.parents
+
+
+def prep_files_in(folder: pathlib.Path) -> set[str] | None:
+    """The names prep wrote into ``folder``, from its manifest or revert marker; None when the
+    folder holds neither (it is not an output of prep)."""
+    manifest, marker = folder / MANIFEST_NAME, folder / REVERT_MARKER
+    if manifest.is_file() or (folder / COMPLETE_NAME).is_file():
+        try:
+            files = json.loads(manifest.read_bytes())["files"]
+            names = set(files)
+        except (OSError, ValueError, KeyError, TypeError):
+            raise PrepError(f"{folder}: holds a prep manifest that cannot be read, so prep cannot tell which files "
+                            "are its own; remove the folder yourself or choose another -o") from None
+        return names | set(_side_files()) | {MANIFEST_NAME, COMPLETE_NAME}
+    if marker.is_file():
+        try:
+            names = set(json.loads(marker.read_bytes())["files"])
+        except (OSError, ValueError, KeyError, TypeError):
+            raise PrepError(f"{marker}: unreadable, so prep cannot tell which files are its own; remove the folder "
+                            "yourself or choose another -o") from None
+        return names | {REVERT_MARKER}
+    return None
+
+
+def output_id(folder: pathlib.Path) -> str | None:
+    """What identifies a finished output of prep in ``folder``: the sha256 of its manifest (as
+    its completion marker states it, and checked), or the id in its revert marker; None when
+    the folder holds no finished output."""
+    from layouts.manifest import manifest_hash
+
+    try:
+        if (folder / COMPLETE_NAME).is_file():
+            sha = json.loads((folder / COMPLETE_NAME).read_bytes()).get("manifest_sha256")
+            return sha if sha == manifest_hash((folder / MANIFEST_NAME).read_bytes()) else None
+        if (folder / REVERT_MARKER).is_file():
+            return json.loads((folder / REVERT_MARKER).read_bytes()).get("id")
+    except (OSError, ValueError, AttributeError):
+        pass
+    return None
+
+
+def _foreign_entry(folder: pathlib.Path) -> str | None:
+    """The first entry of a non-empty ``folder`` that prep did not write (None: all are prep's)."""
+    own = prep_files_in(folder)
+    for entry in sorted(os.scandir(folder), key=lambda e: e.name):
+        if own is None or entry.name not in own or not entry.is_file(follow_symlinks=False):
+            return entry.name
+    return None
+
+
+class _Renamer:
+    """``renameat2(RENAME_EXCHANGE)`` through libc where it exists (Linux >= 3.15, glibc >= 2.28)."""
+
+    RENAME_EXCHANGE = 2
+    AT_FDCWD = -100
+
+    def __init__(self) -> None:
+        try:
+            self._fn = ctypes.CDLL(None, use_errno=True).renameat2
+        except (OSError, AttributeError):
+            self._fn = None
+
+    def exchange(self, a: pathlib.Path, b: pathlib.Path) -> bool:
+        """Swap ``a`` and ``b`` atomically; False where the system or filesystem cannot."""
+        if self._fn is None:
+            return False
+        rc = self._fn(self.AT_FDCWD, os.fsencode(a), self.AT_FDCWD, os.fsencode(b), self.RENAME_EXCHANGE)
+        if rc == 0:
+            return True
+        err = ctypes.get_errno()
+        if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
+            return False
+        raise OSError(err, os.strerror(err), str(a))
+
+
+_renamer = _Renamer()
+
+
+class OutputFolder:
+    """OUT of one ``prep convert`` / ``prep revert`` run: checked, locked, staged, swapped in.
+
+    Use :meth:`check` before reading or planning anything expensive, then ``with
+    out.locked():`` around the whole write; inside it :meth:`begin` prepares ``staging`` and
+    :meth:`commit` puts it in place. :meth:`discard` removes the work folder after a failure
+    that a resume cannot use (a full disk, bad input found late)."""
+
+    def __init__(self, out: str | pathlib.Path, *, inputs: list[pathlib.Path], force: bool, flag: str = "-o"):
+        self.given = str(out)
+        self.path = _resolve(out)
+        if self.path == self.path.parent:
+            raise PrepError(f"{flag} {out}: the filesystem root cannot be an output folder; choose a folder below it")
+        self.inputs = [_resolve(p) for p in inputs]
+        self.force = force
+        self.flag = flag
+        self.work = self.path.with_name(f".{self.path.name}{WORK_SUFFIX}")
+        self.staging = self.work / "staging"
+        self.records = self.work / "records"
+        self.old = self.work / "old"
+        self.state_path = self.work / "state.json"
+        self._lock_fd = -1
+
+    # ------------------------------------------------------------------ checks
+    def check(self) -> None:
+        """Refuse, before anything is written, an OUT that would overwrite or delete what prep
+        did not write. Checked again under the lock, just before the swap."""
+        for src in self.inputs:
+            if self.path == src:
+                raise PrepError(f"{self.flag} {self.given}: is the input {src} itself; choose another output folder")
+            if _inside(src, self.path):
+                raise PrepError(f"{self.flag} {self.given}: contains the input {src}; choose an output folder "
+                                "outside it")
+            if _inside(self.path, src):
+                raise PrepError(f"{self.flag} {self.given}: lies inside the input {src}; choose an output folder "
+                                "outside it")
+            if _inside(src, self.work):
+                raise PrepError(f"{self.flag} {self.given}: its work folder {self.work} holds the input {src}; "
+                                "choose another output folder")
+        self.check_replaceable()
+
+    def check_replaceable(self) -> None:
+        p = self.path
+        if p.is_symlink() or (p.exists() and not p.is_dir()):
+            raise PrepError(f"{self.flag} {self.given}: exists and is not a folder; choose another output folder")
+        if not p.exists() or not any(os.scandir(p)):
+            return
+        own = prep_files_in(p)
+        if not self.force:
+            what = "a previous output of prep" if own is not None else "not empty"
+            raise PrepError(f"{self.flag} {self.given}: exists and is {what}; choose another output folder"
+                            + (" or pass --force to replace it" if own is not None else ""))
+        foreign = _foreign_entry(p)
+        if foreign is not None:
+            why = ("prep did not write it" if own is not None else
+                   "the folder is not an output of prep (no prep-manifest.json or prep-revert.json)")
+            raise PrepError(f"{self.flag} {self.given}: --force replaces only a folder prep wrote, but it holds "
+                            f"{foreign!r} and {why}; move it away or choose another output folder")
+
+    # ------------------------------------------------------------------ lock
+    @contextlib.contextmanager
+    def locked(self) -> Iterator["OutputFolder"]:
+        """Hold the exclusive lock on OUT's work folder (refused at once if another prep holds it)."""
+        self._acquire()
+        try:
+            yield self
+        finally:
+            self._release()
+
+    def _acquire(self) -> None:
+        while True:
+            try:
+                self.work.mkdir(parents=True, exist_ok=True)
+                fd = os.open(self.work / "lock", os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+            except OSError as e:
+                raise PrepError(f"{self.flag} {self.given}: cannot write beside it in {self.work.parent} "
+                                f"({e.strerror}); choose another output folder") from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                pid = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+                os.close(fd)
+                raise PrepError(f"{self.flag} {self.given}: another prep process (pid {pid}) is writing it; wait "
+                                "for it to finish or stop it") from None
+            # The holder before us may have removed the lock file as it finished: a lock on an
+            # unlinked file guards nothing, so take the one now at the path.
+            try:
+                same = os.stat(self.work / "lock").st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._lock_fd = fd
+
+    def _release(self) -> None:
+        fd, self._lock_fd = self._lock_fd, -1
+        if fd < 0:
+            return
+        try:
+            if self.work.is_dir() and {e.name for e in os.scandir(self.work)} <= {"lock"}:
+                # Nothing left to resume or recover: remove the work folder, the lock last (while held).
+                os.unlink(self.work / "lock")
+                os.rmdir(self.work)
+        except OSError:
+            pass  # a leftover empty work folder is harmless; the next run reuses it
+        finally:
+            os.close(fd)
+
+    # ------------------------------------------------------------------ state
+    def state(self) -> dict[str, Any] | None:
+        try:
+            return json.loads(self.state_path.read_bytes())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError):
+            return {}
+
+    def recover(self) -> str | None:
+        """Settle what a killed run left (under the lock), so that OUT holds one complete output
+        and the work folder one known phase. Returns a note for the user, or None.
+
+        ``swapping`` killed before the new output reached OUT goes back to ``building`` (staging
+        is complete: a ``--resume`` reuses every file); killed after, it becomes ``swapped``
+        with the previous output deleted (a ``--resume`` finds the output already complete)."""
+        st = self.state()
+        if st is None:
+            if self.work.is_dir() and {e.name for e in os.scandir(self.work)} - {"lock"}:
+                raise PrepError(f"{self.work}: holds files but no state.json, so prep cannot tell what they are; "
+                                "remove that folder yourself and run again")
+            return None
+        if st.get("phase") == "swapping":
+            want = st.get("output_id")
+            if want is not None and output_id(self.path) == want:
+                self._set_phase(st, "swapped")
+                self._delete_old()
+                return None
+            elif want is not None and output_id(self.staging) == want:
+                if not self.path.exists() and self.old.is_dir():
+                    os.rename(self.old, self.path)  # two renames, killed between: the previous OUT goes back
+                self._set_phase(st, "building")
+                return None
+            else:
+                raise PrepError(f"{self.work}: an interrupted swap left the new output neither at {self.path} nor "
+                                "in staging; remove that folder yourself and convert again")
+        if st.get("phase") == "swapped":
+            self._delete_old()
+            return None
+        if self.old.exists():  # cannot be, outside a swap; be safe: keep it for the user to look at
+            raise PrepError(f"{self.old}: left by an interrupted run; remove it yourself and run again")
+        return None
+
+    def _set_phase(self, st: dict[str, Any], phase: str) -> None:
+        write_json(self.state_path, {**st, "phase": phase})
+
+    def begin(self, state: dict[str, Any], resume: bool) -> tuple[str | None, str | None]:
+        """Prepare ``staging`` for a run with ``state`` (kind and options). Returns (kept, note).
+
+        With ``resume``, an interrupted run with the same state is kept (the caller checks its
+        finished files): ``kept`` is ``"building"``, or ``"swapped"`` when that run had already
+        put its output at OUT (``state()["output_id"]`` names it). Any other leftover is
+        discarded and ``note`` says so, for the user."""
+        old = self.state()
+        if old is not None and old.get("phase") in ("building", "swapped") and old.get("kind") == state.get("kind"):
+            if resume:
+                self._check_same_options(old, state)
+                if old["phase"] == "swapped" or self.staging.is_dir():
+                    return old["phase"], None
+        note = None
+        if old is not None and old.get("phase") == "building" and self.staging.is_dir():
+            note = (f"discarded the unfinished run in {self.work}" +
+                    (" (pass --resume to reuse its finished files)" if not resume else ""))
+        self.discard()
+        self.staging.mkdir(parents=True)
+        self.records.mkdir()
+        write_json(self.state_path, {**state, "phase": "building"})
+        return None, note
+
+    def _check_same_options(self, old: dict[str, Any], state: dict[str, Any]) -> None:
+        opts_old, opts_new = old.get("options", {}), state.get("options", {})
+        for k in sorted(set(opts_old) | set(opts_new)):
+            if opts_old.get(k) != opts_new.get(k):
+                raise PrepError(f"--resume: the interrupted run in {self.work} used {k}={opts_old.get(k)!r}, this "
+                                f"one {k}={opts_new.get(k)!r}; rerun with the same options, or without --resume "
+                                "to start over")
+        if old.get("tool") != state.get("tool"):
+            raise PrepError(f"--resume: the interrupted run was made by {old.get('tool')}, this is "
+                            f"{state.get('tool')}; run without --resume to start over")
+
+    def discard(self) -> None:
+        """Remove everything this run or an earlier one staged (the work folder is prep's own:
+        created by :meth:`_acquire` under a name of prep's), keeping the lock."""
+        for p in (self.staging, self.records, self.old):
+            shutil.rmtree(p, ignore_errors=True)
+        self.state_path.unlink(missing_ok=True)
+        self.state_path.with_name("state.json.tmp").unlink(missing_ok=True)
+
+    # ------------------------------------------------------------------ swap
+    def commit(self) -> None:
+        """Put the finished ``staging`` (its manifest and marker written) in place of OUT,
+        atomically, and delete the previous OUT."""
+        self.check_replaceable()  # again: a file may have been put into OUT while we converted
+        new_id = output_id(self.staging)
+        if new_id is None:
+            raise RuntimeError(f"{self.staging}: committed before its completion marker was written")
+        write_json(self.state_path, {**(self.state() or {}), "phase": "swapping", "output_id": new_id})
+        kill_point("swap-state-written")
+        self._swap_in()
+        self._finish()
+
+    def _swap_in(self) -> None:
+        p = self.path
+        p.parent.mkdir(parents=True, exist_ok=True)
+        if p.is_dir() and not any(os.scandir(p)):
+            p.rmdir()  # an empty folder: replaced by a plain rename
+        if p.exists():
+            if os.environ.get("PREP_TEST_NO_EXCHANGE") or not _renamer.exchange(self.staging, p):
+                # No atomic exchange here: the previous OUT moves aside first. A kill between the
+                # two renames leaves state "swapping", which the next run's recover() completes.
+                os.rename(p, self.old)
+                kill_point("moved-aside")
+                os.rename(self.staging, p)
+            else:
+                kill_point("exchanged")
+                os.rename(self.staging, self.old)  # staging now holds the previous OUT
+        else:
+            os.rename(self.staging, p)
+        fsync_dir(p.parent)
+
+    def _finish(self) -> None:
+        st = self.state() or {}
+        self._set_phase(st, "swapped")
+        self._delete_old()
+        self.discard()
+
+    def _delete_old(self) -> None:
+        if self.staging.exists():  # an exchange that was interrupted before the move to old/
+            os.rename(self.staging, self.old)
+        if self.old.is_dir():
+            kill_point("old-moved")
+            for i, entry in enumerate(sorted(os.scandir(self.old), key=lambda e: e.name)):
+                if entry.is_file(follow_symlinks=False):  # what prep writes: flat files
+                    os.unlink(entry.path)
+                    if i == 0:
+                        kill_point("old-half-deleted")
+            shutil.rmtree(self.old, ignore_errors=True)

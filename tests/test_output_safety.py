@@ -1,0 +1,336 @@
+"""The fault and abuse suite for what prep writes: real `prep` processes on real folders with
+unrelated files beside them, killed with SIGKILL at every step of a write (through the
+``PREP_TEST_KILL_AT`` hook in prep.outdir), two runs racing for one OUT, resumes against a
+changed source, and reverts of damaged checkpoints. Each case asserts the message, the exit
+code, that every file that existed before is byte-identical afterwards, and that nothing
+partial is left."""
+
+import fcntl
+import hashlib
+import json
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from layouts.manifest import load_manifest
+from prep.convert import convert
+from prep.deepseek import Target
+from prep.synth import SynthSpec, write_checkpoint
+
+ENV = {k: v for k, v in os.environ.items() if not k.startswith("PREP_TEST_")}
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    root = tmp_path_factory.mktemp("srcs")
+    return {"a": write_checkpoint(SynthSpec(variant="v2"), root / "a"),
+            "b": write_checkpoint(SynthSpec(variant="v2", seed=1), root / "b")}
+
+
+def prep(*args, kill_at=None, no_exchange=False, cwd=None, wait=True):
+    """Run the real CLI in its own process."""
+    env = dict(ENV)
+    if kill_at:
+        env["PREP_TEST_KILL_AT"] = kill_at
+    if no_exchange:
+        env["PREP_TEST_NO_EXCHANGE"] = "1"
+    cmd = [sys.executable, "-m", "prep.cli", *map(str, args)]
+    if not wait:
+        return subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=300)
+
+
+def snapshot(root: pathlib.Path) -> dict[str, str]:
+    """Every file under ``root`` (relative path -> sha256), hidden ones included."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def one_line_error(r, *needles, code=1):
+    assert r.returncode == code, (r.returncode, r.stdout, r.stderr)
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
+def complete(out: pathlib.Path) -> str:
+    """The manifest sha256 of a finished output at ``out`` whose every tensor verifies."""
+    load_manifest(out).verify_hashes()
+    return json.loads((out / "prep-complete.json").read_text())["manifest_sha256"]
+
+
+def no_work_left(out: pathlib.Path) -> bool:
+    return not out.with_name(f".{out.name}.prep").exists()
+
+
+@pytest.fixture
+def workspace(tmp_path, sources):
+    """A folder holding a copy of source A, an unrelated file and a previous output of prep."""
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    shutil.copytree(sources["a"], ws / "src")
+    (ws / "notes.txt").write_text("the user's own notes")
+    convert(str(ws / "src"), ws / "out", Target(tp=1))
+    return ws
+
+
+# ---------------------------------------------------------------------------- 1. --force
+@pytest.mark.parametrize("args, needle", [
+    (["convert", "src", "-o", ".", "--force"], "contains the input"),
+    (["convert", "ws/src", "-o", "ws", "--force"], "contains the input"),
+    (["convert", "src", "-o", "src", "--force"], "is the input"),
+    (["convert", "src", "-o", "src/sub"], "lies inside the input"),
+    (["revert", "out", "-o", "out", "--force"], "is the input"),
+    (["revert", "out", "-o", "out/rt"], "lies inside the input"),
+    (["convert", "src", "-o", "notes.txt", "--force"], "not a folder"),
+])
+def test_output_that_is_or_holds_or_lies_in_the_input_is_refused_untouched(workspace, args, needle):
+    cwd = workspace.parent if args[1].startswith("ws/") else workspace
+    before = snapshot(workspace)
+    one_line_error(prep(*args, cwd=cwd), needle)
+    assert snapshot(workspace) == before
+
+
+def test_force_never_replaces_a_folder_with_files_prep_did_not_write(workspace, tmp_path):
+    before = snapshot(workspace)
+    stranger = tmp_path / "stranger"
+    stranger.mkdir()
+    (stranger / "data.bin").write_bytes(b"\0" * 10)
+    one_line_error(prep("convert", workspace / "src", "-o", stranger, "--force"), "'data.bin'", "not an output of prep")
+    assert (stranger / "data.bin").read_bytes() == b"\0" * 10
+    # A previous output of prep with one file of the user's put into it: refused too.
+    (workspace / "out" / "my-eval.txt").write_text("keep me")
+    before = snapshot(workspace)
+    one_line_error(prep("convert", workspace / "src", "-o", workspace / "out", "--force"), "'my-eval.txt'",
+                   "prep did not write it")
+    assert snapshot(workspace) == before and no_work_left(workspace / "out")
+
+
+def test_non_empty_output_needs_force_and_force_replaces_only_prep_files(workspace):
+    out = workspace / "out"
+    one_line_error(prep("convert", workspace / "src", "-o", out, "--tp", "2"), "previous output of prep", "--force")
+    old = complete(out)
+    others = {k: v for k, v in snapshot(workspace).items() if not k.startswith("out/")}
+    r = prep("convert", workspace / "src", "-o", out, "--tp", "2", "--force")
+    assert r.returncode == 0, r.stderr
+    assert complete(out) != old and no_work_left(out)
+    assert {k: v for k, v in snapshot(workspace).items() if not k.startswith("out/")} == others
+
+
+def test_force_replaces_a_previous_revert_output_and_an_empty_folder(workspace):
+    rt = workspace / "rt"
+    assert prep("revert", workspace / "out", "-o", rt).returncode == 0
+    one_line_error(prep("revert", workspace / "out", "-o", rt), "previous output of prep")
+    assert prep("revert", workspace / "out", "-o", rt, "--force").returncode == 0
+    assert (rt / "prep-revert.json").is_file() and no_work_left(rt)
+    (workspace / "empty").mkdir()
+    assert prep("convert", workspace / "src", "-o", workspace / "empty").returncode == 0
+    complete(workspace / "empty")
+
+
+# ----------------------------------------------------------- kill -9 at every step of a write
+KILL_POINTS = ["file-written", "marker-written", "swap-state-written", "exchanged", "old-moved", "old-half-deleted"]
+
+
+@pytest.mark.parametrize("point", KILL_POINTS + ["moved-aside"])
+def test_kill_at_any_step_of_a_forced_replace_leaves_old_or_new_complete_and_the_next_run_finishes(workspace, point):
+    out = workspace / "out"
+    old = complete(out)
+    others = {k: v for k, v in snapshot(workspace).items() if not k.startswith(("out/", ".out.prep/"))}
+    r = prep("convert", workspace / "src", "-o", out, "--tp", "2", "--force", kill_at=point,
+             no_exchange=point == "moved-aside")
+    assert r.returncode == -signal.SIGKILL, r.stderr
+    assert {k: v for k, v in snapshot(workspace).items() if not k.startswith(("out/", ".out.prep/"))} == others
+    if point == "moved-aside":  # the one instant with no OUT at its path: two renames, no exchange
+        assert not out.exists()
+    else:
+        assert complete(out) == old or point in ("exchanged", "old-moved", "old-half-deleted")
+    r = prep("convert", workspace / "src", "-o", out, "--tp", "2", "--force", "--resume", "--json")
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout)
+    new = complete(out)
+    assert new != old and no_work_left(out)
+    if point != "file-written":
+        assert summary["reused_files"] == summary["files"]  # complete before the kill: nothing redone
+    else:
+        assert 0 < summary["reused_files"] < summary["files"]
+    assert {k: v for k, v in snapshot(workspace).items() if not k.startswith("out/")} == others
+
+
+def test_a_kill_after_the_swap_leaves_the_new_output_complete(workspace):
+    out = workspace / "out"
+    old = complete(out)
+    r = prep("convert", workspace / "src", "-o", out, "--tp", "2", "--force", kill_at="old-half-deleted")
+    assert r.returncode == -signal.SIGKILL
+    assert complete(out) != old  # already the new one; the old one's remains are in .out.prep/old
+    # Any later run on OUT (here a plain verify does not; the next convert does) cleans them up.
+    assert prep("convert", workspace / "src", "-o", out, "--tp", "2", "--force").returncode == 0
+    assert no_work_left(out)
+
+
+def test_a_killed_revert_leaves_dest_absent_or_complete_and_the_next_revert_starts_over(workspace):
+    rt = workspace / "rt"
+    r = prep("revert", workspace / "out", "-o", rt, kill_at="swap-state-written")
+    assert r.returncode == -signal.SIGKILL and not rt.exists()
+    assert prep("revert", workspace / "out", "-o", rt).returncode == 0
+    marker = (rt / "prep-revert.json").read_bytes()
+    r = prep("revert", workspace / "out", "-o", rt, "--force", kill_at="exchanged")
+    assert r.returncode == -signal.SIGKILL and (rt / "prep-revert.json").read_bytes() == marker
+    assert prep("revert", workspace / "out", "-o", rt, "--force").returncode == 0
+    assert no_work_left(rt) and (rt / "prep-revert.json").read_bytes() == marker
+
+
+# ---------------------------------------------------------------------- 2. --resume identity
+def test_resume_with_another_source_writes_every_file_again(sources, tmp_path):
+    out = tmp_path / "out"
+    r = prep("convert", sources["a"], "-o", out, "--tp", "2", kill_at="file-written")
+    assert r.returncode == -signal.SIGKILL
+    r = prep("convert", sources["b"], "-o", out, "--tp", "2", "--resume", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["reused_files"] == 0 and "source file" in r.stderr
+    assert prep("verify", out, "--source", sources["b"]).returncode == 0
+
+
+def test_resume_after_one_source_byte_changed_redoes_exactly_the_files_that_read_it(sources, tmp_path):
+    src, out = tmp_path / "src", tmp_path / "out"
+    shutil.copytree(sources["a"], src)
+    r = prep("convert", src, "-o", out, "--tp", "2", kill_at="marker-written")  # every file finished
+    assert r.returncode == -signal.SIGKILL
+    # The shard holding lm_head and the final norm: only the common (BF16) file reads it.
+    victim = src / json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]["lm_head.weight"]
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one byte, in the middle of the data, where sampling may not look
+    victim.write_bytes(bytes(data))
+    r = prep("convert", src, "-o", out, "--tp", "2", "--resume", "--json")
+    assert r.returncode == 0, r.stderr
+    s = json.loads(r.stdout)
+    assert s["files"] - s["reused_files"] == 1, s  # the common file, no rank file
+    assert victim.name in r.stderr and "model-common-" in r.stderr
+    assert prep("verify", out, "--source", src).returncode == 0
+
+
+def test_resume_with_other_options_is_refused_naming_the_option(sources, tmp_path):
+    out = tmp_path / "out"
+    assert prep("convert", sources["a"], "-o", out, "--tp", "2", kill_at="file-written").returncode == -signal.SIGKILL
+    one_line_error(prep("convert", sources["a"], "-o", out, "--tp", "1", "--resume"), "tp=2", "tp=1", "--resume")
+    assert not out.exists()
+    r = prep("convert", sources["a"], "-o", out, "--tp", "2", "--resume", "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["reused_files"] >= 1
+    # Without --resume, leftovers are discarded, and the user is told so.
+    assert prep("convert", sources["a"], "-o", out, "--tp", "2", "--force",
+                kill_at="file-written").returncode == -signal.SIGKILL
+    r = prep("convert", sources["a"], "-o", out, "--tp", "2", "--force")
+    assert r.returncode == 0 and "discarded the unfinished run" in r.stderr and no_work_left(out)
+
+
+# ------------------------------------------------------------------------ 3. one writer at a time
+def test_a_second_convert_into_the_same_output_is_refused_at_once_naming_the_holder(sources, tmp_path):
+    out = tmp_path / "out"
+    work = tmp_path / ".out.prep"
+    work.mkdir()
+    with open(work / "lock", "w") as f:  # a real flock held by another process (this one)
+        fcntl.flock(f, fcntl.LOCK_EX)
+        f.write("424242\n")
+        f.flush()
+        t0 = time.monotonic()
+        one_line_error(prep("convert", sources["a"], "-o", out), "pid 424242", "another prep process")
+        assert time.monotonic() - t0 < 60
+    assert not out.exists()
+    r = prep("convert", sources["a"], "-o", out)  # the lock released: it runs, and tidies up
+    assert r.returncode == 0 and no_work_left(out)
+
+
+def test_two_converts_started_together_one_wins_and_the_output_verifies(sources, tmp_path):
+    out = tmp_path / "out"
+    procs = [prep("convert", sources[k], "-o", out, "--tp", "2", wait=False) for k in ("a", "b")]
+    results = [(p.wait(timeout=300), p.stderr.read()) for p in procs]
+    codes = sorted(code for code, _ in results)
+    assert codes[0] == 0, results
+    assert codes == [0, 0] or any("another prep process" in err for _, err in results), results
+    complete(out)
+    assert no_work_left(out)
+
+
+# ----------------------------------------------------------------------------- 4. revert
+def test_revert_refuses_a_flipped_byte_and_writes_nothing(workspace):
+    out, rt = workspace / "out", workspace / "rt"
+    f = sorted(out.glob("model-tp1-rank0-*.safetensors"))[0]
+    data = bytearray(f.read_bytes())
+    data[-10] ^= 0x40
+    f.write_bytes(bytes(data))
+    before = snapshot(workspace)
+    one_line_error(prep("revert", out, "-o", rt), "does not match its manifest hash", "--no-verify")
+    assert snapshot(workspace) == before and not rt.exists() and no_work_left(rt)
+    assert prep("revert", out, "-o", rt, "--no-verify").returncode == 0  # asked for: reads it anyway
+
+
+def test_revert_of_files_that_disagree_with_the_manifest_fails_cleanly(workspace, sources):
+    out, rt = workspace / "out", workspace / "rt"
+    tp2 = workspace.parent / "tp2"
+    assert prep("convert", workspace / "src", "-o", tp2, "--tp", "2").returncode == 0
+    # A rank file of another conversion under this one's name: same tensor names, other shapes.
+    mine = sorted(out.glob("model-tp1-rank0-*.safetensors"))[0]
+    theirs = sorted(tp2.glob("model-tp2-rank0-*.safetensors"))[0]
+    shutil.copyfile(theirs, mine)
+    before = snapshot(workspace)
+    r = prep("revert", out, "-o", rt, "--no-verify")
+    assert r.returncode == 1 and r.stderr.startswith("error: ") and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert snapshot(workspace) == before and not rt.exists() and no_work_left(rt)
+
+
+def test_revert_on_a_full_disk_removes_its_partial_output(workspace, monkeypatch):
+    import errno
+
+    import prep.directio as dio
+    from click.testing import CliRunner
+
+    from prep.cli import main
+
+    real, calls = os.pwrite, []
+
+    def full(fd, buf, offset):
+        calls.append(1)
+        if len(calls) > 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, buf, offset)
+
+    monkeypatch.setattr(dio, "STAGING_BYTES", 64 << 10)
+    monkeypatch.setattr(dio.os, "pwrite", full)
+    rt = workspace / "rt"
+    r = CliRunner().invoke(main, ["revert", str(workspace / "out"), "-o", str(rt)])
+    assert r.exit_code == 1 and r.output.startswith("error: ") and "disk full" in r.output, r.output
+    assert not rt.exists() and no_work_left(rt) and len(calls) > 2
+
+
+# ------------------------------------------------------------------------- 8. CLI error shape
+def test_json_errors_are_json_and_debug_shows_the_traceback(workspace):
+    r = prep("convert", workspace / "src", "-o", workspace / "src", "--json")
+    assert r.returncode == 1 and r.stderr == ""
+    err = json.loads(r.stdout)
+    assert err["ok"] is False and "is the input" in err["error"]
+    r = prep("--debug", "convert", workspace / "src", "-o", workspace / "src")
+    assert r.returncode == 1 and "Traceback" in r.stderr
+
+
+def test_a_read_only_output_folder_is_one_line(workspace, tmp_path):
+    if os.geteuid() == 0:
+        # root ignores permission bits; a read-only bind mount needs privileges tests do not have.
+        ro = tmp_path / "ro"
+        ro.mkdir()
+        r = prep("convert", workspace / "src", "-o", "/proc/prep-out")
+        one_line_error(r, "/proc")
+        return
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    try:
+        one_line_error(prep("convert", workspace / "src", "-o", ro / "out"), "cannot write")
+    finally:
+        ro.chmod(0o755)
