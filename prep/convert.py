@@ -239,12 +239,15 @@ def convert(
     state = {"kind": "convert", "tool": f"prep {__version__}",
              "options": {**dataclasses.asdict(target), "revision": revision}}
     with folder.locked():
-        for note in (folder.recover(), *_begin(folder, state, resume, src, jobs)):
+        notes = [folder.recover()]
+        if not (resume and (folder.state() or {}).get("phase") == "swapped"):
+            folder.check()  # after recovery: what is at OUT now (unless it may be the resumed run's own)
+        notes += _begin(folder, state, resume, src, jobs)
+        for note in notes:
             if note and notify:
                 notify(note)
         if folder.state() is None:  # a resumed run had already finished: OUT is complete and checked
             return _summary(folder.given, jobs, src, reused=len(jobs), total=total)
-        folder.check()  # after recovery: what is at OUT now
         try:
             records = _write_all(src, jobs, folder, resume, workers, progress, on_total, total, notify)
             for p in src.side_files():
@@ -294,6 +297,7 @@ def _begin(folder: OutputFolder, state: dict[str, Any], resume: bool, src: Sourc
     if same:
         folder.discard()
         return [f"{folder.given} was already complete (the interrupted run had finished it); checked its hashes"]
+    folder.check()  # OUT holds an output this run will not keep: the usual rules apply
     _, note = folder.begin(state, resume=False)
     return [note]
 

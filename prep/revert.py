@@ -37,8 +37,8 @@ def revert(out: str, dest: str | pathlib.Path, force: bool = False, verify: bool
     shards = shard_names(units, "model")
     with folder.locked():
         folder.recover()
+        folder.check()  # after recovery: what is at DEST now
         folder.begin({"kind": "revert", "tool": f"prep {__version__}", "options": {}}, resume=False)
-        folder.check()
         try:
             weight_map = _write(ck, folder.staging, shards, meta, size, progress)
             total = sum(size(n) for n in weight_map)

@@ -33,17 +33,31 @@ def sources(tmp_path_factory):
             "b": write_checkpoint(SynthSpec(variant="v2", seed=1), root / "b")}
 
 
+_ZYGOTE = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def zygote():
+    from prep_proc import Zygote
+
+    _ZYGOTE["z"] = z = Zygote()
+    yield z
+    z.close()
+
+
 def prep(*args, kill_at=None, no_exchange=False, cwd=None, wait=True):
-    """Run the real CLI in its own process."""
+    """Run the real CLI in a process of its own (forked from the zygote; ``wait=False``: a
+    fresh interpreter, to run beside another)."""
     env = dict(ENV)
     if kill_at:
         env["PREP_TEST_KILL_AT"] = kill_at
     if no_exchange:
         env["PREP_TEST_NO_EXCHANGE"] = "1"
-    cmd = [sys.executable, "-m", "prep.cli", *map(str, args)]
-    if not wait:
-        return subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    return subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=300)
+    args = [str(a) for a in args]
+    if wait:
+        return _ZYGOTE["z"].run(args, env, str(cwd) if cwd else None)
+    cmd = [sys.executable, "-m", "prep.cli", *args]
+    return subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def snapshot(root: pathlib.Path) -> dict[str, str]:
