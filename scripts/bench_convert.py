@@ -37,11 +37,11 @@ def du(path: pathlib.Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def timed(cmd: list[str]) -> tuple[float, int]:
+def timed(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, int]:
     """Wall seconds and the child's peak RSS in bytes (one child per call: ru_maxrss of RUSAGE_CHILDREN
     is the max over children, so the caller compares it before/after)."""
     t0 = time.perf_counter()
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=env)
     dt = time.perf_counter() - t0
     return dt, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
 
@@ -84,6 +84,9 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=4, help="interleaved rounds of cp, cp+sync, user copy, convert")
     ap.add_argument("--preset", default="bench", help="make_tiny_deepseek.py preset to generate without --src")
     ap.add_argument("--keep", action="store_true", help="keep the generated source and outputs")
+    ap.add_argument("--baseline-tree", type=pathlib.Path,
+                    help="also time the convert of another checkout of prep (e.g. `git worktree add /tmp/base <rev>`), "
+                         "in the same rounds: the before/after of a change, on the same disk at the same time")
     args = ap.parse_args()
 
     work = pathlib.Path(tempfile.mkdtemp(prefix="prep-bench-", dir=REPO / "out" if (REPO / "out").is_dir() else None))
@@ -110,6 +113,10 @@ def main() -> None:
             "convert": prep + ["convert", str(src), "-o", str(out), "--tp", str(args.tp), "--layout", args.layout,
                                "--moe-layout", args.moe_layout, "--workers", str(args.workers)],
         }
+        envs = {}
+        if args.baseline_tree:
+            cmds["base"] = cmds["convert"][:6] + [str(work / "converted-base")] + cmds["convert"][7:]
+            envs["base"] = {**os.environ, "PYTHONPATH": str(args.baseline_tree.resolve())}
         order = list(cmds)
         for r in range(args.repeat):
             # Interleaved rounds (this machine's disk is noisy: compare within a round), and the
@@ -117,22 +124,24 @@ def main() -> None:
             # GBs on this disk (ext4, online discard) slows whatever writes next.
             t = {}
             for name in order[r % len(order):] + order[:r % len(order)]:
-                for d in ("copy", "copy2", "copy3", "converted"):
+                for d in ("copy", "copy2", "copy3", "converted", "converted-base"):
                     shutil.rmtree(work / d, ignore_errors=True)
                 subprocess.run(["sync"], check=True)
                 before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
-                t[name], rss = timed(cmds[name])
+                t[name], rss = timed(cmds[name], envs.get(name))
                 if name == "convert":
                     peak = max(peak, rss if rss > before else 0)
                     manifest = json.loads((out / "prep-manifest.json").read_text())
-            rounds.append((t["cp"], t["cp+sync"], t["convert"], t["user"]))
-            t_cp, t_cps, t_cv, t_py = rounds[-1]
+            rounds.append((t["cp"], t["cp+sync"], t["convert"], t["user"], t.get("base", 0.0)))
+            t_cp, t_cps, t_cv, t_py, t_base = rounds[-1]
             print(f"round {r + 1}: cp {t_cp:6.2f} s, cp+sync {t_cps:6.2f} s, user-space copy+fsync {t_py:6.2f} s, "
                   f"convert {t_cv:6.2f} s -> {t_cp / t_cv:4.2f}x cp, {t_cps / t_cv:4.2f}x cp+sync, "
-                  f"{t_py / t_cv:4.2f}x user-space copy", flush=True)
+                  f"{t_py / t_cv:4.2f}x user-space copy"
+                  + (f"; baseline tree {t_base:6.2f} s -> {t_base / t_cv:4.2f}x baseline" if args.baseline_tree else ""),
+                  flush=True)
         largest = max((t for t in manifest["tensors"]), key=lambda t: _nbytes(t))
         med = lambda xs: statistics.median(xs)  # noqa: E731
-        t_cp, t_cps, t_cv, t_py = (med([r[i] for r in rounds]) for i in range(4))
+        t_cp, t_cps, t_cv, t_py, t_base = (med([r[i] for r in rounds]) for i in range(5))
         print(f"source: {size / 2**30:.2f} GiB, {len(manifest['source']['tensors'])} tensors in "
               f"{len(manifest['source']['files'])} files -> {len(manifest['tensors'])} tensors in {len(manifest['files'])} files")
         print(f"median of {args.repeat} rounds (tp {args.tp}, {args.layout}+{args.moe_layout}, workers {args.workers}):")
@@ -142,6 +151,9 @@ def main() -> None:
         print(f"prep convert: {t_cv:7.2f} s  {size / t_cv / 1e9:6.2f} GB/s  "
               f"ratios per round, median: {med([r[0] / r[2] for r in rounds]):4.2f}x cp, "
               f"{med([r[1] / r[2] for r in rounds]):4.2f}x cp+sync, {med([r[3] / r[2] for r in rounds]):4.2f}x user copy")
+        if args.baseline_tree:
+            print(f"baseline    : {t_base:7.2f} s  ({args.baseline_tree}); ratio per round, median: "
+                  f"{med([r[4] / r[2] for r in rounds]):4.2f}x baseline")
         print(f"peak RSS of convert: {peak / 2**20:.0f} MiB = fixed overhead {base_rss / 2**20:.0f} MiB (python + torch + "
               f"prep imported) + {(peak - base_rss) / 2**20:.0f} MiB of blocks in flight (blocks of "
               f"{CHUNK_BYTES >> 20} MiB; largest output tensor {largest['name']}, {_nbytes(largest) / 2**20:.0f} MiB)")
