@@ -20,6 +20,7 @@ MANIFEST_NAME = "prep-manifest.json"
 COMPLETE_NAME = "prep-complete.json"
 FORMAT = "prep-manifest"
 FORMAT_VERSION = 1
+MAX_TP = 1 << 16  # no engine runs more ranks: a larger tp is a damaged manifest
 
 
 class ManifestError(ValueError):
@@ -213,11 +214,13 @@ class Manifest:
     def __init__(self, raw: dict[str, Any], root: pathlib.Path):
         self.raw = raw
         self.root = root
+        where = MANIFEST_NAME if root is None else root / MANIFEST_NAME  # built in memory: no folder
         try:
             self._check(raw)
         except ManifestError as e:
-            raise ManifestError(f"{root / MANIFEST_NAME}: {e}; the manifest is damaged or not prep's: convert again") \
-                from None
+            raise ManifestError(f"{where}: {e}; the manifest is damaged or not prep's: convert again") from None
+        if root is None:
+            return
         # Every file it names, checked once here so that every reader (load_rank, prep verify
         # and revert) is covered: a plain name of a regular file inside the folder.
         names = dict.fromkeys(t.file for t in self.tensors)
@@ -246,11 +249,9 @@ class Manifest:
         tensors = raw.get("tensors")
         if type(tensors) is not list:
             raise ManifestError(f"tensors is {type(tensors).__name__}, not a list")
-        # tp drives loops over ranks (engines, prep inspect): bounded by what the manifest holds,
-        # as every rank has tensors of its own.
-        if type(self.tp) is not int or not 1 <= self.tp <= max(1, len(tensors)):
-            raise ManifestError(f"target.tp is {self.tp!r}, not an integer in [1, {max(1, len(tensors))}] "
-                                f"(the manifest lists {len(tensors)} tensors)")
+        # tp drives loops over ranks (engines, prep inspect): an integer in a sane range.
+        if type(self.tp) is not int or not 1 <= self.tp <= MAX_TP:
+            raise ManifestError(f"target.tp is {self.tp!r}, not an integer in [1, {MAX_TP}]")
         if type(self.ep) is not int or not 1 <= self.ep <= self.tp:
             raise ManifestError(f"target.ep is {self.ep!r}, not an integer in [1, tp={self.tp}]")
         if not isinstance(raw.get("files", {}), dict):

@@ -100,10 +100,12 @@ _SIZES = ("num_attention_heads", "num_key_value_heads", "hidden_size", "intermed
 MAX_SIZE = 1 << 24
 
 
-def config_ints(src: SourceCheckpoint) -> dict[str, int | None]:
+def config_ints(src: SourceCheckpoint, bounded: bool = True) -> dict[str, int | None]:
     """The integer values of config.json that prep reads, checked (:class:`PrepError` naming the
-    key): counts in [lowest, number of tensors present], sizes in [1, 2**24] or null/absent."""
-    cfg, limit = src.config, len(src.tensors)
+    key): counts in [lowest, number of tensors present] (``bounded=False``: no upper bound, for
+    :func:`check_complete`'s walk, which stops at the first tensor missing anyway), sizes in
+    [1, 2**24] or null/absent."""
+    cfg, limit = src.config, len(src.tensors) if bounded else float("inf")
     out: dict[str, int | None] = {}
     for key, (default, lo, nullable) in _COUNTS.items():
         if key not in cfg and default is None and not nullable:
@@ -113,8 +115,10 @@ def config_ints(src: SourceCheckpoint) -> dict[str, int | None]:
             out[key] = 0 if key == "num_nextn_predict_layers" else None
             continue
         if type(v) is not int or not lo <= v <= max(lo, limit):
-            raise PrepError(f"{src.root / 'config.json'}: {key} is {v!r}, not an integer in [{lo}, {max(lo, limit)}] "
-                            f"(the checkpoint holds {limit} tensors); config.json is damaged or not this checkpoint's")
+            raise PrepError(f"{src.root / 'config.json'}: {key} is {v!r}, not an integer in [{lo}, "
+                            f"{max(lo, limit) if bounded else 'inf'}]"
+                            + (f" (the checkpoint holds {limit} tensors)" if bounded else "")
+                            + "; config.json is damaged or not this checkpoint's")
         out[key] = v
     layers = out["num_hidden_layers"] + out["num_nextn_predict_layers"]
     if layers > limit:
@@ -129,16 +133,20 @@ def config_ints(src: SourceCheckpoint) -> dict[str, int | None]:
     return out
 
 
-def expected_weights(cfg: dict[str, Any], ints: dict[str, int | None]) -> Iterator[tuple[str, str]]:
+def expected_weights(cfg: dict[str, Any], ints: dict[str, int | None], mtp_present=()) -> Iterator[tuple[str, str]]:
     """(module, the config.json value that implies it) for every module whose ``.weight`` a
     DeepSeek V2/V3 checkpoint of this config holds, lazily (a config of 1e9 layers must fail at
     the first layer missing, not build a list first). As DeepSeek's modeling code builds them:
     MLA attention (``q_proj`` without a q LoRA), dense MLP before ``first_k_dense_replace`` and
-    off the ``moe_layer_freq`` beat, else a router, the routed and the shared experts; the MTP
-    layers (``num_nextn_predict_layers``) follow the decoder layers and are built alike."""
+    off the ``moe_layer_freq`` beat, else a router, the routed and the shared experts. The MTP
+    layers (``num_nextn_predict_layers``) follow the decoder layers and are built alike, but an
+    MTP layer may be absent as a whole (``mtp_present``: the MTP layer indices the checkpoint
+    has any tensor of): transformers builds no MTP layer, so an amd-quark export of its
+    DeepseekV3 has none while its config still says ``num_nextn_predict_layers: 1``; engines
+    load them only for speculative decoding."""
     n_layers, n_mtp, n_routed = ints["num_hidden_layers"], ints["num_nextn_predict_layers"], ints["n_routed_experts"]
     yield "model.embed_tokens", "every DeepSeek checkpoint has it"
-    for layer in range(n_layers + n_mtp):
+    for layer in [*range(n_layers), *sorted(i for i in mtp_present if n_layers <= i < n_layers + n_mtp)]:
         p = f"model.layers.{layer}"
         why = f"config.json has num_hidden_layers={n_layers}" if layer < n_layers else \
             f"config.json has num_nextn_predict_layers={n_mtp}"
@@ -166,14 +174,18 @@ def expected_weights(cfg: dict[str, Any], ints: dict[str, int | None]) -> Iterat
 
 def check_complete(src: SourceCheckpoint) -> dict[str, int | None]:
     """Refuse a checkpoint that lacks a tensor its config.json implies, naming the first one
-    missing (a weight counts in any dtype: MXFP4 or not). Returns the checked config values."""
-    ints = config_ints(src)
+    missing (a weight counts in any dtype: MXFP4 or not). Returns the checked config values.
+    The walk stops at the first name missing, so it is bounded by the tensors present whatever
+    the config says; the counts are bounded by them too once it passed."""
+    ints = config_ints(src, bounded=False)
     tensors = src.tensors
-    for module, why in expected_weights(src.config, ints):
+    layers = {name.split(".", 3)[2] for name in tensors if name.startswith("model.layers.")}
+    mtp_present = {int(i) for i in layers if i.isdigit() and int(i) >= ints["num_hidden_layers"]}
+    for module, why in expected_weights(src.config, ints, mtp_present):
         if f"{module}.weight" not in tensors:
             raise PrepError(f"{src.root}: tensor {module}.weight is missing ({why}); the checkpoint is incomplete "
                             "or config.json is not its own: re-download it")
-    return ints
+    return config_ints(src)
 
 
 def classify(src: SourceCheckpoint) -> Classified:

@@ -91,6 +91,7 @@ class SourceCheckpoint:
         for shard in self._shards.values():
             self.tensors.update(shard.tensors)
         self._check_shards_agree()
+        self.side_files()  # refused now, before a conversion writes anything, not when they are copied
 
     @classmethod
     def open(cls, src: str, revision: str | None = None) -> "SourceCheckpoint":

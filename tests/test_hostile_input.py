@@ -1,0 +1,525 @@
+"""Hostile or damaged input to the reading layer: safetensors headers, indexes, config.json,
+manifests and the files they name. Each is refused before anything is allocated, looped over,
+opened outside the folder or waited on, with one line that names the file (or tensor, or key)
+and the fix, as the type its API promises: PrepError in prep (one ``error:`` line from the CLI),
+SafetensorsFileError / ManifestError in layouts. And nothing is written or left behind.
+
+One checkpoint is generated and converted per module; each case works on its own copy."""
+
+import hashlib
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file, save_file
+
+import layouts as L
+from layouts.manifest import ManifestError, load_manifest
+from layouts.safetensors_file import SafetensorsFile, SafetensorsFileError
+from prep.cli import main
+from prep.convert import convert
+from prep.deepseek import Target
+from prep.errors import PrepError
+from prep.source import SourceCheckpoint
+from prep.synth import SynthSpec, write_checkpoint
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+INDEX = "model.safetensors.index.json"
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    """A tiny v2 source checkpoint and its tp=2 conversion."""
+    root = tmp_path_factory.mktemp("hostile")
+    src = write_checkpoint(SynthSpec(variant="v2"), root / "src")
+    out = root / "tp2"
+    convert(str(src), out, Target(tp=2))
+    return {"src": src, "out": out}
+
+
+# ------------------------------------------------------------------------------ helpers
+def run_cli(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def assert_one_line_error(r, *needles):
+    assert r.exit_code == 1, r.output
+    lines = [x for x in r.output.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.output
+    assert "internal error" not in lines[0], lines[0]  # a typed error with its own message, not the catch-all
+    for n in needles:
+        assert n in lines[0], lines[0]
+    return lines[0]
+
+
+def nothing_left(out: pathlib.Path) -> bool:
+    return not out.exists() and not any(out.parent.glob(f".{out.name}*"))
+
+
+def copy(folder: pathlib.Path, dst: pathlib.Path) -> pathlib.Path:
+    shutil.copytree(folder, dst)  # real copies: cases edit files in place
+    return dst
+
+
+def raw_safetensors(path: pathlib.Path, header_text: bytes | str, data: bytes) -> pathlib.Path:
+    raw = header_text.encode() if isinstance(header_text, str) else header_text
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + data)
+    return path
+
+
+def header_file(path, header: dict, data: bytes) -> pathlib.Path:
+    return raw_safetensors(path, json.dumps(header), data)
+
+
+def edit_json(path: pathlib.Path, fn) -> None:
+    obj = json.loads(path.read_text())
+    fn(obj)
+    path.write_text(json.dumps(obj))
+
+
+def set_manifest(folder: pathlib.Path, data: bytes) -> None:
+    """Replace the manifest and keep the completion marker's hash in step with it (what a
+    damaged or crafted folder that passes the hash check looks like)."""
+    (folder / "prep-manifest.json").write_bytes(data)
+    marker = json.loads((folder / "prep-complete.json").read_text())
+    marker["manifest_sha256"] = hashlib.sha256(data).hexdigest()
+    (folder / "prep-complete.json").write_text(json.dumps(marker))
+
+
+def edit_manifest(folder: pathlib.Path, fn) -> None:
+    m = json.loads((folder / "prep-manifest.json").read_text())
+    fn(m)
+    set_manifest(folder, json.dumps(m, separators=(",", ":")).encode())
+
+
+def in_subprocess(code: str, *args, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter, killed after ``timeout``: for cases that hung or
+    exhausted memory before they were refused, so a regression fails instead of stalling."""
+    return subprocess.run([sys.executable, "-c", code, *map(str, args)], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+def listing(folder: pathlib.Path) -> list[tuple[str, int]]:
+    return sorted((p.name, p.stat().st_size) for p in folder.iterdir() if not p.is_fifo() and not p.is_symlink())
+
+
+# ------------------------------------------------------------------------------ 5: sizes that exhaust memory or hang
+def test_a_zero_byte_tensor_with_a_dimension_beyond_the_file_size_is_refused_at_parse_time(tmp_path):
+    f = header_file(tmp_path / "x.safetensors", {"huge": {"dtype": "BF16", "shape": [2**62, 0], "data_offsets": [0, 0]}},
+                    b"")
+    with pytest.raises(SafetensorsFileError, match=r"huge has shape \[4611686018427387904, 0\], a dimension larger than"):
+        SafetensorsFile(f)
+
+
+def test_convert_of_a_shard_with_a_2_62_row_empty_tensor_stops_at_once(made, tmp_path):
+    # Before: convert's row-block loop walked 2**62 rows, growing ~200 MB/s. In a process of its
+    # own, so a regression is killed by the timeout rather than taking the test run with it.
+    bad = copy(made["src"], tmp_path / "src")
+    header_file(bad / "model-extra.safetensors", {"model.extra.weight": {"dtype": "BF16", "shape": [2**62, 0],
+                                                                         "data_offsets": [0, 0]}}, b"")
+    edit_json(bad / INDEX, lambda ix: ix["weight_map"].__setitem__("model.extra.weight", "model-extra.safetensors"))
+    out = tmp_path / "out"
+    r = in_subprocess("from prep.cli import main; main()", "convert", bad, "-o", out, timeout=120)
+    assert r.returncode == 1, r.stderr[-2000:]
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "model-extra.safetensors" in lines[0] \
+        and "a dimension larger than the file" in lines[0], r.stderr
+    assert nothing_left(out)
+
+
+@pytest.mark.parametrize("key, value, says", [
+    ("num_nextn_predict_layers", 1e9, "num_nextn_predict_layers is 1000000000.0, not an integer"),
+    ("num_nextn_predict_layers", 10**9, "num_nextn_predict_layers is 1000000000, not an integer in [0, 239] "
+                                        "(the checkpoint holds 239 tensors)"),
+    # An integer count is walked lazily: the first layer or expert missing stops it.
+    ("n_routed_experts", 10**18, f"model.layers.1.mlp.experts.8.gate_proj.weight is missing (config.json has "
+                                 f"n_routed_experts={10**18})"),
+    ("num_hidden_layers", -1, "num_hidden_layers is -1, not an integer"),
+    ("num_hidden_layers", "3", "num_hidden_layers is '3', not an integer"),
+    ("first_k_dense_replace", True, "first_k_dense_replace is True, not an integer"),
+    ("num_attention_heads", "8", "num_attention_heads is '8', not an integer"),
+    ("hidden_size", 2**40, f"hidden_size is {2**40}, not an integer in [1, 16777216]"),
+    ("q_lora_rank", 0.5, "q_lora_rank is 0.5, not an integer"),
+], ids=lambda v: str(v)[:24])
+def test_config_values_that_are_not_sane_integers_are_refused_naming_the_key(made, tmp_path, key, value, says):
+    bad = copy(made["src"], tmp_path / "src")
+    edit_json(bad / "config.json", lambda c: c.__setitem__(key, value))
+    assert_one_line_error(run_cli("inspect", bad), says)
+    if key == "num_nextn_predict_layers":
+        out = tmp_path / "out"
+        assert_one_line_error(run_cli("convert", bad, "-o", out), key)
+        assert nothing_left(out)
+
+
+def test_a_config_with_more_layers_than_present_fails_at_the_first_missing_layer(made, tmp_path):
+    # Within the bound (no more layers than tensors) yet far more than the checkpoint holds: the
+    # expected names are walked lazily and the first absent one is named.
+    bad = copy(made["src"], tmp_path / "src")
+    edit_json(bad / "config.json", lambda c: c.__setitem__("num_hidden_layers", 200))
+    assert_one_line_error(run_cli("inspect", bad), "model.layers.4.input_layernorm.weight is missing",
+                          "num_hidden_layers=200")
+
+
+def test_fifos_named_by_a_manifest_or_opened_as_safetensors_are_refused_without_blocking(made, tmp_path):
+    out = copy(made["out"], tmp_path / "out")
+    rank0 = next(out.glob("model-tp2-rank0-*.safetensors"))
+    rank0.unlink()
+    os.mkfifo(rank0)  # nobody ever writes to it: a blocking open would wait forever
+    lone = tmp_path / "lone.safetensors"
+    os.mkfifo(lone)
+    fifo_manifest = copy(made["out"], tmp_path / "out2")
+    (fifo_manifest / "prep-manifest.json").unlink()
+    os.mkfifo(fifo_manifest / "prep-manifest.json")
+    code = """
+import sys
+import layouts
+from layouts.manifest import ManifestError
+from layouts.safetensors_file import SafetensorsFile, SafetensorsFileError
+for what in (lambda: layouts.load_rank(sys.argv[1], 0), lambda: layouts.load_rank(sys.argv[3], 0),
+             lambda: SafetensorsFile(sys.argv[2])):
+    try:
+        what()
+        print("loaded")
+    except (ManifestError, SafetensorsFileError) as e:
+        print(type(e).__name__, e)
+"""
+    r = in_subprocess(code, out, lone, fifo_manifest, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = r.stdout.strip().splitlines()
+    assert len(lines) == 3, r.stdout
+    assert lines[0].startswith("ManifestError") and rank0.name in lines[0] and "not a regular file but a FIFO" in lines[0]
+    assert lines[1].startswith("ManifestError") and "prep-manifest.json" in lines[1] and "FIFO" in lines[1]
+    assert lines[2].startswith("SafetensorsFileError") and "not a regular file but a FIFO" in lines[2]
+
+
+# ------------------------------------------------------------------------------ 6: paths that escape the folder
+@pytest.mark.parametrize("name", ["../outside.safetensors", "ABSOLUTE", "sub/model.safetensors", ".", "..",
+                                  "a\\b.safetensors", "nul\x00.safetensors", "new\nline.safetensors", ""],
+                         ids=["dotdot", "absolute", "subfolder", "dot", "dotdot-alone", "backslash", "nul", "newline", "empty"])
+def test_manifest_file_names_that_are_not_plain_names_in_the_folder_are_refused_on_load(made, tmp_path, name):
+    out = copy(made["out"], tmp_path / "out")
+    outside = shutil.copyfile(next(out.glob("model-tp2-rank0-*")), tmp_path / "outside.safetensors")
+    (out / "sub").mkdir()
+    shutil.copyfile(outside, out / "sub" / "model.safetensors")
+    name = str(outside) if name == "ABSOLUTE" else name
+
+    def retarget(m):
+        old = m["tensors"][0]["file"]
+        for t in m["tensors"]:
+            if t["file"] == old:
+                t["file"] = name
+    edit_manifest(out, retarget)
+    before = listing(out)
+    for load in (load_manifest, lambda p: L.load_rank(p, 0)):
+        with pytest.raises(ManifestError) as e:
+            load(out)
+        msg = str(e.value)
+        assert "\n" not in msg and "prep-manifest.json" in msg and "not a plain file name" in msg and "convert again" in msg
+    assert listing(out) == before
+
+
+def test_verify_and_revert_refuse_escaping_names_without_reading_or_writing(made, tmp_path):
+    # Before: verify stat'ed a manifest "files" key of /etc/passwd and reported its size.
+    out = copy(made["out"], tmp_path / "out")
+    edit_manifest(out, lambda m: m["files"].__setitem__("/etc/passwd", {"rank": None, "size": 1, "tensors": 0}))
+    line = assert_one_line_error(run_cli("verify", out), "prep-manifest.json", "'/etc/passwd'", "not a plain file name")
+    if os.path.exists("/etc/passwd"):
+        assert str(os.path.getsize("/etc/passwd")) not in line.split("'/etc/passwd'")[1]
+    out2 = copy(made["out"], tmp_path / "out2")
+    edit_manifest(out2, lambda m: [t.__setitem__("file", "../" + t["file"]) for t in m["tensors"]])
+    dest = tmp_path / "back"
+    assert_one_line_error(run_cli("revert", out2, "-o", dest), "prep-manifest.json", "not a plain file name")
+    assert nothing_left(dest)
+    assert_one_line_error(run_cli("verify", out2), "not a plain file name")
+
+
+def test_a_symlink_out_of_the_converted_folder_is_refused_and_one_inside_is_read(made, tmp_path):
+    out = copy(made["out"], tmp_path / "out")
+    rank0 = next(out.glob("model-tp2-rank0-*"))
+    kept = shutil.move(rank0, tmp_path / "elsewhere.safetensors")
+    rank0.symlink_to(kept)
+    with pytest.raises(ManifestError, match="is a symlink to .*elsewhere.safetensors, outside"):
+        L.load_rank(out, 0)
+    rank0.unlink()
+    shutil.move(kept, out / "real-rank0.bin")
+    rank0.symlink_to("real-rank0.bin")  # stays in the folder: read as the file it points to
+    assert len(L.load_rank(out, 0, verify_hashes=True)) > 0
+
+
+@pytest.mark.parametrize("name", ["/etc/passwd", "../elsewhere/model-00001-of-00004.safetensors",
+                                  "sub/model-00001-of-00004.safetensors"], ids=["absolute", "dotdot", "subfolder"])
+def test_index_entries_that_are_not_plain_names_in_the_folder_are_refused(made, tmp_path, name):
+    # Before: /etc/passwd was opened as a shard, and an absolute or sub/ name crashed with KeyError.
+    bad = copy(made["src"], tmp_path / "src")
+    shard = "model-00001-of-00004.safetensors"
+    for where in (tmp_path / "elsewhere", bad / "sub"):
+        where.mkdir()
+        shutil.copyfile(bad / shard, where / shard)
+    edit_json(bad / INDEX, lambda ix: ix["weight_map"].update({k: name for k, v in ix["weight_map"].items() if v == shard}))
+    out = tmp_path / "out"
+    assert_one_line_error(run_cli("convert", bad, "-o", out), INDEX, repr(name), "not a plain file name")
+    assert nothing_left(out)
+
+
+def test_index_shards_and_side_files_that_are_fifos_or_symlinks_out_are_refused(made, tmp_path):
+    bad = copy(made["src"], tmp_path / "src")
+    shard = bad / "model-00002-of-00004.safetensors"
+    kept = shutil.move(shard, tmp_path / "kept.safetensors")
+    shard.symlink_to(kept)
+    assert_one_line_error(run_cli("inspect", bad), shard.name, "is a symlink to", "outside")
+    shard.unlink()
+    os.mkfifo(shard)
+    assert_one_line_error(run_cli("inspect", bad), shard.name, "not a regular file but a FIFO")
+    shard.unlink()
+    shutil.move(kept, shard)
+    # Side files are copied into the output: one linking out of the folder would copy a secret.
+    secret = tmp_path / "secret.txt"
+    secret.write_text("not for the output")
+    (bad / "tokenizer.json").unlink()
+    (bad / "tokenizer.json").symlink_to(secret)
+    out = tmp_path / "out"
+    assert_one_line_error(run_cli("convert", bad, "-o", out), "tokenizer.json", "outside")
+    assert nothing_left(out)
+
+
+def _as_hub_snapshot(folder: pathlib.Path, cache: pathlib.Path) -> pathlib.Path:
+    """``folder`` laid out as huggingface_hub's cache does: every file a blob named by its hash,
+    the snapshot's entries relative symlinks into ../../blobs/."""
+    repo = cache / "models--org--name"
+    snap = repo / "snapshots" / ("0" * 40)
+    (repo / "blobs").mkdir(parents=True)
+    snap.mkdir(parents=True)
+    for f in folder.iterdir():
+        blob = hashlib.sha256(f.read_bytes()).hexdigest()
+        shutil.copyfile(f, repo / "blobs" / blob)
+        (snap / f.name).symlink_to(pathlib.Path("..", "..", "blobs", blob))
+    return snap
+
+
+def test_hub_cache_snapshots_are_read_through_their_blob_symlinks_and_only_those(made, tmp_path):
+    snap = _as_hub_snapshot(made["src"], tmp_path / "hub")
+    src = SourceCheckpoint(snap)
+    assert len(src.tensors) == len(SourceCheckpoint(made["src"]).tensors)
+    converted = _as_hub_snapshot(made["out"], tmp_path / "hub2")  # a converted checkpoint pulled from the Hub
+    assert len(L.load_rank(converted, 1)) > 0
+    # A snapshot entry linking out of the repo's cache folder is still refused.
+    (tmp_path / "outside.json").write_text("{}")
+    (snap / "tokenizer.json").unlink()
+    (snap / "tokenizer.json").symlink_to(tmp_path / "outside.json")
+    with pytest.raises(PrepError, match="tokenizer.json is a symlink to .*outside.json, outside .*models--org--name"):
+        SourceCheckpoint(snap).side_files()
+
+
+# ------------------------------------------------------------------------------ 7: loose checks
+@pytest.mark.parametrize("header, data, message", [
+    ({"a": {"dtype": "U8", "shape": [8], "data_offsets": [0, 8]}, "b": {"dtype": "U8", "shape": [4], "data_offsets": [4, 8]}},
+     8, "tensor b at bytes [4, 8) overlaps a [0, 8)"),
+    ({"a": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]}, "b": {"dtype": "U8", "shape": [4], "data_offsets": [8, 12]}},
+     12, "tensor b at bytes [8, 12) leaves bytes [4, 8) of the data section to no tensor"),
+    ({"a": {"dtype": "U8", "shape": [4], "data_offsets": [4, 8]}}, 8, "leaves bytes [0, 4)"),
+    ({"a": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]}, "b": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]}},
+     4, "tensor b at bytes [0, 4) overlaps a [0, 4)"),
+    ({"a": {"dtype": "U8", "shape": [4.0], "data_offsets": [0, 4]}}, 4, "header entry of a is malformed"),
+    ({"a": {"dtype": "U8", "shape": "4", "data_offsets": [0, 4]}}, 4, "header entry of a is malformed"),
+    ({"a": {"dtype": "U8", "shape": [4], "data_offsets": [0, True]}}, 1, "header entry of a is malformed"),
+    ({"a": {"dtype": "U8", "shape": [1e400], "data_offsets": [0, 4]}}, 4, "header entry of a is malformed"),
+    ({"a\nb": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]}}, 4, "tensor name 'a\\nb' holds control characters"),
+], ids=["overlap", "gap", "gap-at-start", "same-span-twice", "float-dim", "string-shape", "bool-offset", "infinite-dim",
+        "newline-in-name"])
+def test_safetensors_data_must_be_covered_exactly_by_well_typed_entries(tmp_path, header, data, message):
+    text = json.dumps(header).replace("Infinity", "1e400")
+    f = raw_safetensors(tmp_path / "x.safetensors", text, bytes(data))
+    with pytest.raises(SafetensorsFileError) as e:
+        SafetensorsFile(f)
+    assert message in str(e.value) and str(f) in str(e.value) and "\n" not in str(e.value)
+
+
+def test_our_streaming_writer_covers_the_data_section_exactly(tmp_path):
+    # The reader now refuses gaps: what prep writes (odd sizes, empty tensors, scalars) must pass.
+    from prep.stwriter import StreamingSafetensorsWriter
+
+    tensors = {"odd": torch.arange(3, dtype=torch.uint8), "bf": torch.ones(2, 3, dtype=torch.bfloat16),
+               "empty": torch.empty(0, 5, dtype=torch.float32), "scalar": torch.tensor(1.5), "tail": torch.arange(5, dtype=torch.int16)}
+    path = tmp_path / "w.safetensors"
+    with StreamingSafetensorsWriter(path, [(n, {torch.uint8: "U8", torch.bfloat16: "BF16", torch.float32: "F32",
+                                                torch.int16: "I16"}[t.dtype], tuple(t.shape)) for n, t in tensors.items()]) as w:
+        for n, t in tensors.items():
+            w.add(n, t)
+    f = SafetensorsFile(path)
+    assert all(torch.equal(f.get(n), t) for n, t in tensors.items())
+
+
+@pytest.mark.parametrize("text", [
+    '{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]},"a":{"dtype":"U8","shape":[4],"data_offsets":[4,8]}}',
+    '{"a":{"dtype":"U8","shape":[8],"data_offsets":[0,8]},"a":{"dtype":"I8","shape":[8],"data_offsets":[0,8]}}',
+    '{"a":{"dtype":"U8","shape":[8],"dtype":"I8","data_offsets":[0,8]}}',
+], ids=["two-spans", "same-span", "inside-an-entry"])
+def test_a_header_naming_a_key_twice_is_refused(tmp_path, text):
+    f = raw_safetensors(tmp_path / "x.safetensors", text, bytes(8))
+    with pytest.raises(SafetensorsFileError, match="names '(a|dtype)' twice; the file is corrupt"):
+        SafetensorsFile(f)
+
+
+@pytest.mark.parametrize("encoding", ["utf-16-le", "utf-16", "utf-32", "utf-8-sig"])
+def test_headers_that_are_not_plain_utf8_are_refused(tmp_path, encoding):
+    # json.loads(bytes) detects UTF-16/32 by itself: the format says UTF-8, so these are corrupt.
+    text = json.dumps({"a": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]}})
+    f = raw_safetensors(tmp_path / "x.safetensors", text.encode(encoding), bytes(4))
+    with pytest.raises(SafetensorsFileError, match="unreadable safetensors file"):
+        SafetensorsFile(f)
+
+
+def test_a_tensor_in_two_shards_is_refused_naming_both_files(made, tmp_path):
+    bad = copy(made["src"], tmp_path / "src")
+    first, second = sorted(bad.glob("model-0000*.safetensors"))[:2]
+    stale = load_file(second)
+    stale["model.embed_tokens.weight"] = load_file(first)["model.embed_tokens.weight"]
+    save_file(stale, second, metadata={"format": "pt"})
+    out = tmp_path / "out"
+    assert_one_line_error(run_cli("convert", bad, "-o", out), "tensor model.embed_tokens.weight is in two shards",
+                          first.name, second.name)
+    assert nothing_left(out)
+
+
+@pytest.mark.parametrize("case", ["listed-in-another-shard", "listed-but-absent"])
+def test_an_index_that_disagrees_with_its_shards_is_refused(made, tmp_path, case):
+    bad = copy(made["src"], tmp_path / "src")
+    shards = sorted(p.name for p in bad.glob("model-0000*.safetensors"))
+
+    def edit(ix):
+        wm = ix["weight_map"]
+        if case == "listed-in-another-shard":
+            wm["model.norm.weight"] = next(s for s in shards if s != wm["model.norm.weight"])
+        else:
+            wm["model.ghost.weight"] = shards[0]
+    edit_json(bad / INDEX, edit)
+    name = "model.norm.weight" if case == "listed-in-another-shard" else "model.ghost.weight"
+    assert_one_line_error(run_cli("inspect", bad), INDEX, f"lists tensor {name}",
+                          "but it is in" if case == "listed-in-another-shard" else "no shard holds it")
+
+
+def test_a_quark_config_next_to_one_random_tensor_is_refused_naming_the_first_missing(made, tmp_path):
+    bad = tmp_path / "src"
+    bad.mkdir()
+    shutil.copyfile(made["src"] / "config.json", bad / "config.json")
+    save_file({"random": torch.randn(4, 4).to(torch.bfloat16)}, bad / "model.safetensors")
+    out = tmp_path / "out"
+    assert_one_line_error(run_cli("convert", bad, "-o", out), "tensor model.embed_tokens.weight is missing")
+    assert nothing_left(out)
+    assert_one_line_error(run_cli("inspect", bad), "model.embed_tokens.weight is missing")
+
+
+def drop_tensors(folder: pathlib.Path, gone) -> None:
+    """Remove the tensors ``gone(name)`` picks from the shards and the index."""
+    index = json.loads((folder / INDEX).read_text())
+    for shard in sorted(folder.glob("model-0000*.safetensors")):
+        tensors = load_file(shard)
+        if any(gone(n) for n in tensors):
+            save_file({n: t for n, t in tensors.items() if not gone(n)}, shard, metadata={"format": "pt"})
+    index["weight_map"] = {n: f for n, f in index["weight_map"].items() if not gone(n)}
+    (folder / INDEX).write_text(json.dumps(index))
+
+
+def test_a_checkpoint_missing_one_expert_is_refused_naming_it(made, tmp_path):
+    bad = copy(made["src"], tmp_path / "src")
+    gone = "model.layers.2.mlp.experts.5.up_proj"
+    drop_tensors(bad, lambda n: n.startswith(gone + "."))
+    assert_one_line_error(run_cli("inspect", bad), f"tensor {gone}.weight is missing", "n_routed_experts=8")
+
+
+def test_an_mtp_layer_may_be_absent_as_a_whole_but_not_in_part(made, tmp_path):
+    # transformers builds no MTP layer: amd-quark exports of its DeepseekV3 have none, though
+    # their config says num_nextn_predict_layers: 1 (tests/test_quark_export.py converts one).
+    partial = copy(made["src"], tmp_path / "partial")
+    drop_tensors(partial, lambda n: n.startswith("model.layers.3.self_attn.o_proj."))
+    assert_one_line_error(run_cli("inspect", partial), "tensor model.layers.3.self_attn.o_proj.weight is missing",
+                          "num_nextn_predict_layers=1")
+    absent = copy(made["src"], tmp_path / "absent")
+    drop_tensors(absent, lambda n: n.startswith("model.layers.3."))
+    r = run_cli("inspect", absent)
+    assert r.exit_code == 0, r.output
+
+
+# ------------------------------------------------------------------------------ 8: errors of the promised type
+def _nested(depth: int) -> bytes:
+    return b'{"a":' + b"[" * depth + b"]" * depth + b"}"
+
+
+MANIFEST_CASES = {  # name: (edit of the parsed manifest, or bytes for the whole file; what the message says)
+    "not-json": (b"{not json", "not valid UTF-8 JSON"),
+    "a-json-list": (b"[]", "a JSON list, not an object"),
+    "utf-16": (None, "not valid UTF-8 JSON"),
+    "nested-too-deeply": (_nested(100_000), "nested too deeply"),
+    "tensors-not-a-list": (lambda m: m.__setitem__("tensors", {}), "tensors is dict, not a list"),
+    "entry-not-an-object": (lambda m: m["tensors"].__setitem__(0, 5), "tensors[0]: entry is int, not an object"),
+    "entry-without-file": (lambda m: m["tensors"][0].pop("file"), "lacks the key 'file'"),
+    "shape-a-string": (lambda m: m["tensors"][0].__setitem__("shape", "abc"), "shape is 'abc', not a list"),
+    "shape-of-floats": (lambda m: m["tensors"][0].__setitem__("shape", [1.5, 2]), "not a list of non-negative integers"),
+    "shape-negative": (lambda m: m["tensors"][0].__setitem__("shape", [-1, 4]), "not a list of non-negative integers"),
+    "rank-a-string": (lambda m: m["tensors"][0].__setitem__("rank", "0"), "rank is '0', not a non-negative integer"),
+    "rank-a-bool": (lambda m: m["tensors"][0].__setitem__("rank", True), "rank is True"),
+    "rank-beyond-tp": (lambda m: m["tensors"][0].__setitem__("rank", 7), "is for rank 7 of tp=2"),
+    "dtype-a-number": (lambda m: m["tensors"][0].__setitem__("dtype", 8), "dtype is 8, not a string"),
+    "attrs-a-list": (lambda m: m["tensors"][0].__setitem__("runtime_attrs", [1]), "runtime_attrs is [1], not an object"),
+    "no-target": (lambda m: m.pop("target"), "target is None, not an object"),
+    "tp-a-string": (lambda m: m["target"].__setitem__("tp", "2"), "target.tp is '2'"),
+    "tp-huge": (lambda m: m["target"].__setitem__("tp", 10**9), "target.tp is 1000000000, not an integer in [1, "),
+    "files-a-list": (lambda m: m.__setitem__("files", []), "files is not an object"),
+    "group-file-escapes": (lambda m: m["groups"][0].__setitem__("file", "../x"), "'../x' is not a plain file name"),
+}
+
+
+@pytest.mark.parametrize("case", list(MANIFEST_CASES))
+def test_every_malformed_manifest_raises_manifest_error_in_one_line(made, tmp_path, case):
+    out = copy(made["out"], tmp_path / "out")
+    edit, message = MANIFEST_CASES[case]
+    if case == "utf-16":
+        set_manifest(out, (out / "prep-manifest.json").read_text().encode("utf-16"))
+    elif isinstance(edit, bytes):
+        set_manifest(out, edit)
+    else:
+        edit_manifest(out, edit)
+    before = listing(out)
+    for load in (load_manifest, lambda p: L.load_rank(p, 0)):
+        with pytest.raises(ManifestError) as e:
+            load(out)
+        msg = str(e.value)
+        assert type(e.value) is ManifestError and "\n" not in msg, msg
+        assert message in msg and "prep-manifest.json" in msg and "convert again" in msg, msg
+    assert listing(out) == before
+    if case in ("not-json", "rank-a-string"):  # prep's readers turn it into one error line
+        assert_one_line_error(run_cli("verify", out), "prep-manifest.json", message)
+
+
+@pytest.mark.parametrize("marker, message", [(b"nope", "not valid UTF-8 JSON"), (b"[1]", "a JSON list, not an object"),
+                                             (_nested(100_000), "nested too deeply")], ids=["not-json", "a-list", "nested"])
+def test_a_malformed_completion_marker_raises_manifest_error(made, tmp_path, marker, message):
+    out = copy(made["out"], tmp_path / "out")
+    (out / "prep-complete.json").write_bytes(marker)
+    with pytest.raises(ManifestError) as e:
+        L.load_rank(out, 0)
+    assert message in str(e.value) and "prep-complete.json" in str(e.value) and "convert again" in str(e.value)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("dtype", "U16", "has dtype 'U16', which this reader does not know"),
+    ("runtime_attrs", {"view": 1}, "has runtime attribute 'view', which is not a name an engine reads"),
+    ("runtime_attrs", {"__class__": 1}, "has runtime attribute '__class__'"),
+])
+def test_load_rank_refuses_manifest_values_it_cannot_apply(made, tmp_path, field, value, message):
+    out = copy(made["out"], tmp_path / "out")
+    edit_manifest(out, lambda m: m["tensors"][0].__setitem__(field, value))
+    with pytest.raises(ManifestError, match=message):
+        L.load_rank(out, 0)
+
+
+def test_a_deeply_nested_safetensors_header_raises_safetensors_file_error(tmp_path):
+    f = raw_safetensors(tmp_path / "x.safetensors", _nested(100_000), b"")
+    with pytest.raises(SafetensorsFileError, match="nested too deeply"):
+        SafetensorsFile(f)
