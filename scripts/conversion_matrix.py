@@ -1,0 +1,69 @@
+#!/usr/bin/env python3
+"""The sha256 of every file of a fixed matrix of conversions, for "this change moved no byte".
+
+    python scripts/conversion_matrix.py WORKDIR [--out hashes.json]
+
+Generates both variants of the tiny checkpoint into WORKDIR (deterministic: the same bytes on
+every run), converts each into every combination of dense layout x MoE layout x TP 1/2/4, plus
+EP 2, and prints one line per conversion: its name, the sha256 of its manifest and a sha256 over
+all its files. Run it before and after a refactor in the same WORKDIR (the manifest records the
+source's path) and diff the two outputs; ``--out`` also writes every file's sha256 as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import pathlib
+import shutil
+import sys
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+
+def matrix():
+    for variant in ("r1-0528", "v2"):
+        for layout in ("preshuffle", "non-shuffle"):
+            for moe in ("ck", "triton"):
+                for tp in (1, 2, 4):
+                    yield variant, layout, moe, tp, 1
+            yield variant, layout, "ck", 2, 2
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("workdir", type=pathlib.Path)
+    ap.add_argument("--out", type=pathlib.Path, help="write {conversion: {file: sha256}} here")
+    args = ap.parse_args()
+
+    from prep.convert import convert
+    from prep.deepseek import Target
+    from prep.synth import SynthSpec, write_checkpoint
+
+    work = args.workdir.resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    srcs = {}
+    for v in ("r1-0528", "v2"):
+        srcs[v] = work / f"src-{v}"
+        if not (srcs[v] / "config.json").is_file():
+            write_checkpoint(SynthSpec(variant=v), srcs[v])
+    table = {}
+    for variant, layout, moe, tp, ep in matrix():
+        name = f"{variant}-{layout}-{moe}-tp{tp}-ep{ep}"
+        out = work / name
+        shutil.rmtree(out, ignore_errors=True)
+        convert(str(srcs[variant]), out, Target(layout, moe, tp, ep))
+        files = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(out.iterdir())}
+        table[name] = files
+        whole = hashlib.sha256("".join(f"{k} {v}\n" for k, v in files.items()).encode()).hexdigest()
+        print(f"{name:42s} manifest {files['prep-manifest.json'][:16]}  all files {whole[:16]}", flush=True)
+        shutil.rmtree(out)
+    if args.out:
+        args.out.write_text(json.dumps(table, indent=1, sort_keys=True))
+
+
+if __name__ == "__main__":
+    main()
