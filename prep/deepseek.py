@@ -53,8 +53,9 @@ class Classified:
 
 
 def arch_of(config: dict[str, Any]) -> str:
-    for a in config.get("architectures") or []:
-        if a in ARCHS:
+    archs = config.get("architectures")
+    for a in archs if isinstance(archs, list) else []:  # a number or a list of objects: not DeepSeek, not a crash
+        if isinstance(a, str) and a in ARCHS:
             return ARCHS[a]
     if config.get("model_type") in ARCHS.values():
         return config["model_type"]

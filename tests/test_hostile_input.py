@@ -157,6 +157,27 @@ def test_config_values_that_are_not_sane_integers_are_refused_naming_the_key(mad
         assert nothing_left(out)
 
 
+@pytest.mark.parametrize("config, says", [
+    (b"[1, 2]", "config.json: a JSON list, not an object"),
+    (b'{"a": 1, "a": 2}', "config.json: names 'a' twice"),
+    ('{"architectures": ["DeepseekV3ForCausalLM"]}'.encode("utf-16"), "config.json: not valid UTF-8 JSON"),
+    (b'{"a":' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested too deeply"),
+    ("ARCH", "architecture [{'x': 1}] is not DeepSeek"),
+    ("QUANT", "not a Quark checkpoint"),
+], ids=["a-list", "duplicate-key", "utf-16", "nested", "architectures-of-objects", "quantization-config-a-string"])
+def test_a_config_json_that_is_not_a_plain_object_is_refused_in_one_line(made, tmp_path, config, says):
+    bad = copy(made["src"], tmp_path / "src")
+    if config == "ARCH":
+        edit_json(bad / "config.json", lambda c: (c.__setitem__("architectures", [{"x": 1}]), c.pop("model_type")))
+    elif config == "QUANT":
+        edit_json(bad / "config.json", lambda c: c.__setitem__("quantization_config", "quark"))
+    else:
+        (bad / "config.json").write_bytes(config)
+    out = tmp_path / "out"
+    assert_one_line_error(run_cli("convert", bad, "-o", out), says)
+    assert nothing_left(out)
+
+
 def test_a_config_with_more_layers_than_present_fails_at_the_first_missing_layer(made, tmp_path):
     # Within the bound (no more layers than tensors) yet far more than the checkpoint holds: the
     # expected names are walked lazily and the first absent one is named.
