@@ -52,15 +52,21 @@ def test_every_converted_layout_computes_the_source_logits_bit_for_bit(sources, 
 
 
 @pytest.mark.parametrize("n", [17, 33])
-def test_the_triton_preshuffle_path_reads_its_activation_layout_on_both_sides_of_32_tokens(sources, source_logits,
+def test_the_triton_preshuffle_path_computes_the_source_logits_and_refuses_mxfp4_attention(sources, source_logits,
                                                                                          tmp_path, n):
-    # Below 32 tokens the fused op writes raw unpadded scales for this path, from 32 on shuffled
-    # and padded ones: the GEMM must read each right.
+    # ATOM's Triton preshuffle GEMM path (ATOM_USE_TRITON_GEMM=1) loads only BF16 attention: a v2
+    # checkpoint (MXFP4 attention) is refused for it (layouts/compat.py says why), an r1-0528 one
+    # computes its source's logits on both sides of the 32-token switch of the fused op's
+    # activation layout. (That layout itself is pinned against aiter in tests/test_fused_quant.py.)
     out = tmp_path / "out"
-    convert(str(sources["v2"]), out, Target("preshuffle", "ck", 2))
-    assert torch.equal(run(out, IDS[:n], gemm_path="triton-preshuffle")["logits"], source_logits[("v2", n)])
+    convert(str(sources["r1-0528"]), out, Target("preshuffle", "ck", 2))
+    assert torch.equal(run(out, IDS[:n], gemm_path="triton-preshuffle")["logits"], source_logits[("r1-0528", n)])
     with pytest.raises(PrepError, match="preshuffled; the non-shuffle Triton GEMM would read garbage"):
         run(out, IDS[:n], gemm_path="triton-non-shuffle")
+    v2 = tmp_path / "v2"
+    convert(str(sources["v2"]), v2, Target("preshuffle", "ck", 2))
+    with pytest.raises(PrepError, match="unset ATOM_USE_TRITON_GEMM"):
+        run(v2, IDS[:n], gemm_path="triton-preshuffle")
 
 
 def test_a_wrong_layout_pairing_gives_visibly_different_logits(sources, source_logits, tmp_path):
