@@ -43,6 +43,7 @@ class ConvertedCheckpoint:
         self._sources: dict[str, dict[str, None]] = defaultdict(dict)  # group name -> source tensors, in order
         self._passthrough: dict[str, dict] = {}
         self._want = {(t["file"], t["name"]): t["xxh3_128"] for t in self.manifest["tensors"]}
+        self._check_source_sizes()
         for t in self.manifest["tensors"]:
             self.by_file[t["file"]].append(t)
             if t["role"] == "passthrough":
@@ -50,6 +51,22 @@ class ConvertedCheckpoint:
         for rec in self.manifest["groups"]:
             self._groups[rec["name"]].append(rec)
             self._sources[rec["name"]].update(dict.fromkeys(group_from_record(rec).sources()))
+
+    def _check_source_sizes(self) -> None:
+        """Every source tensor the manifest describes is rebuilt in memory from bytes the files
+        hold: one larger than all files together is a damaged or hostile manifest, refused
+        before it drives an allocation."""
+        from .stwriter import nbytes
+
+        budget = sum(int(meta["size"]) for meta in self.manifest["files"].values())
+        try:
+            for name, meta in self.manifest["source"]["tensors"].items():
+                if nbytes(meta["dtype"], meta["shape"]) > budget:
+                    raise PrepError(f"{self.root}: the manifest's source tensor {name} ({meta['dtype']} "
+                                    f"{list(meta['shape'])}) is larger than all the files together; the manifest "
+                                    "is damaged: convert again")
+        except (KeyError, TypeError, AttributeError, ValueError):
+            raise PrepError(f"{self.root}: the manifest's source tensor table is malformed; convert again") from None
 
     def file(self, fname: str) -> ShardFile:
         """The opened output file ``fname`` (opened once)."""

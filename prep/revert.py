@@ -11,8 +11,9 @@ from __future__ import annotations
 import errno
 import json
 import pathlib
-import shutil
 from typing import Callable
+
+from layouts.manifest import member_problem, read_regular
 
 from . import __version__
 from .convert import shard_names
@@ -47,7 +48,10 @@ def revert(out: str, dest: str | pathlib.Path, force: bool = False, verify: bool
             written = [fname for fname, _ in shards] + [INDEX_NAME]
             for f in SIDE_FILES:
                 if (ck.root / f).is_file():
-                    shutil.copyfile(ck.root / f, folder.staging / f)
+                    problem = member_problem(ck.root, f)
+                    if problem:  # e.g. a symlink out of the folder: never copy what it points at
+                        raise PrepError(f"{ck.root}: {problem}; replace it with the file itself")
+                    (folder.staging / f).write_bytes(read_regular(ck.root / f))
                     written.append(f)
             # Written last: says which files are prep's (what a later --force may replace).
             write_json(folder.staging / REVERT_MARKER, {

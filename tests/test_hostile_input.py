@@ -544,3 +544,23 @@ def test_a_deeply_nested_safetensors_header_raises_safetensors_file_error(tmp_pa
     f = raw_safetensors(tmp_path / "x.safetensors", _nested(100_000), b"")
     with pytest.raises(SafetensorsFileError, match="nested too deeply"):
         SafetensorsFile(f)
+
+
+# ------------------------------------------------------------------------------ revert's own reads
+def test_revert_refuses_a_side_file_that_is_a_symlink_out_of_the_folder(made, tmp_path):
+    out = copy(made["out"], tmp_path / "out")
+    secret = tmp_path / "secret.txt"
+    secret.write_text("not for DEST")
+    (out / "tokenizer_config.json").unlink()
+    (out / "tokenizer_config.json").symlink_to(secret)
+    dest = tmp_path / "rt"
+    assert_one_line_error(run_cli("revert", out, "-o", dest), "tokenizer_config.json", "outside")
+    assert nothing_left(dest)
+
+
+def test_revert_refuses_a_source_tensor_larger_than_the_files_before_allocating(made, tmp_path):
+    out = copy(made["out"], tmp_path / "out")
+    edit_manifest(out, lambda m: m["source"]["tensors"]["model.norm.weight"].update(shape=[2 ** 40, 2 ** 10]))
+    dest = tmp_path / "rt"
+    assert_one_line_error(run_cli("revert", out, "-o", dest), "model.norm.weight", "larger than all the files")
+    assert nothing_left(dest)
