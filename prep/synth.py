@@ -9,7 +9,9 @@ tests) or multi-GB dims ("bench", for throughput), deterministically (same spec 
 every tensor draws from its own generator seeded by ``(seed, name)``), one shard at a time so
 memory stays bounded by one shard.
 
-Facts followed: ``../shared/docs/mxfp4-layouts.md`` section 1.
+What a Quark MXFP4 DeepSeek checkpoint holds (names, dtypes, the exclude list, the MTP layer's
+BF16 ``eh_proj``) is the format prep converts; ``docs/manifest.md`` and ``docs/layouts.md`` say
+what it becomes.
 """
 
 from __future__ import annotations
