@@ -4,21 +4,30 @@ The converter writes it; engines read it (through this module, torch-free JSON) 
 every tensor is: layout, rank, runtime attributes, hash. The marker ``prep-complete.json`` is
 written last, after every file is in place, and holds the manifest's own hash: a folder without
 it, or whose manifest hash differs, is not a finished conversion.
+
+The schema lives here once, as typed records (:class:`Manifest`, :class:`Target`,
+:class:`FileRecord`, :class:`GroupRecord`, :class:`TensorRecord`, ...), each with ``from_json``
+and ``to_json``; ``FORMAT`` and ``FORMAT_VERSION`` say which format this module reads and
+writes. The format, field by field, and its versioning rule: docs/manifest.md.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import pathlib
 import re
 import stat
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 MANIFEST_NAME = "prep-manifest.json"
 COMPLETE_NAME = "prep-complete.json"
 FORMAT = "prep-manifest"
+# Bumped when a reader of the previous version would misread a checkpoint of the new one (a field
+# that changes meaning, goes away or must be understood to read the bytes); readers refuse any
+# version but their own. docs/manifest.md states the rule in full.
 FORMAT_VERSION = 1
 MAX_TP = 1 << 16  # no engine runs more ranks: a larger tp is a damaged manifest
 
@@ -163,9 +172,321 @@ def manifest_hash(raw: bytes) -> str:
     return hashlib.sha256(raw).hexdigest()
 
 
+# ------------------------------------------------------------------ the schema
+# Every section of prep-manifest.json is a small typed record here, and nowhere else: convert
+# builds these and writes ``Manifest.to_json()``; every reader (engines through load_manifest,
+# prep's verify, revert, inspect and reference engine) gets them from ``Manifest.from_json``.
+# ``from_json`` checks types and says which key is wrong (Manifest.from_json adds the file and
+# the fix); ``to_json`` writes the keys in exactly the order prep has always written them,
+# because the manifest's bytes are hashed into the completion marker and must not move when the
+# code does. Keys a record does not know are ignored on reading (see docs/manifest.md for the
+# versioning rule). docs/manifest.md describes every field.
+
+
+def _is_count(value: Any, low: int = 0) -> bool:
+    """An integer >= ``low``; type(): True and 1.0 are not counts."""
+    return type(value) is int and value >= low
+
+
+def _object(value: Any, what: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ManifestError(f"{what} is {type(value).__name__}, not an object")
+    return value
+
+
+def _string_list(value: Any, what: str) -> tuple[str, ...]:
+    if type(value) is not list or not all(type(v) is str for v in value):
+        raise ManifestError(f"{what} is not a list of strings")
+    return tuple(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """What the checkpoint was converted for (the ``target`` section): the conversion options,
+    as prep's ``--layout``/``--moe-layout``/``--tp``/``--ep`` and padding set them, and the
+    architecture read from the source's config.json. Engines check it against their own
+    configuration before loading a byte (:func:`layouts.check_compatibility`)."""
+
+    layout: str  # registered dense layout of every MXFP4 linear
+    moe_layout: str  # registered MoE layout of every stacked expert tensor
+    tp: int  # tensor-parallel size: one set of rank files per rank
+    ep: int = 1  # expert-parallel size: 1, or equal to tp
+    fuse_shared_expert: bool = True  # shared expert stacked after the routed ones (slot n_routed)
+    inter_pad_to: int = 256  # stacked experts' intermediate dimension padded to a multiple of this
+    hidden_pad_to: int = 256  # and their hidden dimension
+    arch: str = ""  # config.json model_type, e.g. "deepseek_v3"
+
+    @classmethod
+    def from_options(cls, options: dict[str, Any], arch: str) -> "Target":
+        """The target of a conversion run with ``options`` (prep's own option record, e.g.
+        ``dataclasses.asdict(prep.deepseek.Target(...))``). An option this record has no field
+        for is refused, not dropped: an option that changes the bytes must be in the manifest,
+        or a reader could not tell two conversions apart."""
+        known = {f.name for f in dataclasses.fields(cls)} - {"arch"}
+        unknown = [k for k in options if k not in known]
+        if unknown:
+            raise ManifestError(f"conversion option {unknown[0]!r} has no field in the manifest's target; add it to "
+                                "layouts.manifest.Target and docs/manifest.md")
+        return cls.from_json({**options, "arch": arch})
+
+    @classmethod
+    def from_json(cls, t: Any) -> "Target":
+        if not isinstance(t, dict):
+            raise ManifestError(f"target is {t!r}, not an object")
+        layout, moe_layout, arch = t.get("layout"), t.get("moe_layout"), t.get("arch", "")
+        for key, value in (("layout", layout), ("moe_layout", moe_layout), ("arch", arch)):
+            if type(value) is not str:
+                raise ManifestError(f"target.{key} is {value!r}, not a string")
+        # tp drives loops over ranks (engines, prep inspect): an integer in a sane range.
+        tp, ep = t.get("tp"), t.get("ep", 1)
+        if type(tp) is not int or not 1 <= tp <= MAX_TP:
+            raise ManifestError(f"target.tp is {tp!r}, not an integer in [1, {MAX_TP}]")
+        if type(ep) is not int or not 1 <= ep <= tp:
+            raise ManifestError(f"target.ep is {ep!r}, not an integer in [1, tp={tp}]")
+        fuse = t.get("fuse_shared_expert", True)
+        if type(fuse) is not bool:
+            raise ManifestError(f"target.fuse_shared_expert is {fuse!r}, not true or false")
+        pads = t.get("inter_pad_to", 256), t.get("hidden_pad_to", 256)
+        for key, value in zip(("inter_pad_to", "hidden_pad_to"), pads):
+            if not _is_count(value, 1):
+                raise ManifestError(f"target.{key} is {value!r}, not a positive integer")
+        return cls(layout, moe_layout, tp, ep, fuse, *pads, arch)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"layout": self.layout, "moe_layout": self.moe_layout, "tp": self.tp, "ep": self.ep,
+                "fuse_shared_expert": self.fuse_shared_expert, "inter_pad_to": self.inter_pad_to,
+                "hidden_pad_to": self.hidden_pad_to, "arch": self.arch}
+
+
+@dataclasses.dataclass(frozen=True)
+class Tool:
+    """Who wrote the manifest (the ``tool`` section)."""
+
+    name: str  # "prep"
+    version: str  # prep's version
+
+    @classmethod
+    def from_json(cls, t: Any) -> "Tool":
+        t = _object(t, "tool")
+        if type(t.get("name")) is not str or type(t.get("version")) is not str:
+            raise ManifestError("tool needs a string name and version")
+        return cls(t["name"], t["version"])
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "version": self.version}
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceFile:
+    """One file of the source checkpoint as it was when converted (``source.files`` entry)."""
+
+    size: int  # bytes
+    xxh3_128: str | None = None  # the whole file's hash, only where prep was asked to hash files
+
+    @classmethod
+    def from_json(cls, f: Any) -> "SourceFile":
+        f = _object(f, "entry")
+        size, digest = f.get("size"), f.get("xxh3_128")
+        if not _is_count(size):
+            raise ManifestError(f"size is {size!r}, not a non-negative integer")
+        if digest is not None and type(digest) is not str:
+            raise ManifestError(f"xxh3_128 is {digest!r}, not a string")
+        return cls(size, digest)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"size": self.size} if self.xxh3_128 is None else {"size": self.size, "xxh3_128": self.xxh3_128}
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceTensor:
+    """One tensor of the source checkpoint (``source.tensors`` entry): what revert rebuilds."""
+
+    dtype: str  # safetensors dtype string
+    shape: tuple[int, ...]
+    file: str  # the source shard that held it
+
+    @classmethod
+    def from_json(cls, t: Any) -> "SourceTensor":
+        # Written plainly (no helper calls, no generator): R1 has ~92k source tensors, and every
+        # engine's load_manifest reads them.
+        if type(t) is not dict:
+            raise ManifestError(f"entry is {type(t).__name__}, not an object")
+        dtype, shape, file = t.get("dtype"), t.get("shape"), t.get("file")
+        if type(dtype) is not str or type(file) is not str:
+            raise ManifestError("dtype and file must be strings")
+        if type(shape) is not list:
+            raise ManifestError(f"shape is {shape!r}, not a list of non-negative integers")
+        for d in shape:
+            if type(d) is not int or d < 0:
+                raise ManifestError(f"shape is {shape!r}, not a list of non-negative integers")
+        return cls(dtype, tuple(shape), file)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"dtype": self.dtype, "shape": list(self.shape), "file": self.file}
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """Where the checkpoint came from and what it held (the ``source`` section): enough to
+    rebuild it exactly (``prep revert``) and to tell whether a folder is still that source."""
+
+    # "kind" and where: {"kind": "directory", "path"} or {"kind": "hf", "repo_id", "revision", "snapshot"}
+    origin: dict[str, Any]
+    files: dict[str, SourceFile]  # every shard and side file, by name
+    tensors: dict[str, SourceTensor]  # every source tensor, by name, in source order
+
+    @classmethod
+    def from_json(cls, s: Any) -> "Source":
+        s = _object(s, "source")
+        origin = {k: v for k, v in s.items() if k not in ("files", "tensors")}
+        if type(origin.get("kind")) is not str:
+            raise ManifestError(f"source.kind is {origin.get('kind')!r}, not a string")
+        files, tensors = {}, {}
+        for key, out, parse in (("files", files, SourceFile.from_json), ("tensors", tensors, SourceTensor.from_json)):
+            for name, entry in _object(s.get(key), f"source.{key}").items():
+                try:
+                    out[name] = parse(entry)
+                except ManifestError as e:
+                    raise ManifestError(f"source.{key}[{name!r}]: {e}") from None
+        return cls(origin, files, tensors)
+
+    def to_json(self) -> dict[str, Any]:
+        return {**self.origin, "files": {n: f.to_json() for n, f in self.files.items()},
+                "tensors": {n: t.to_json() for n, t in self.tensors.items()}}
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutRecord:
+    """A layout as it was when the checkpoint was converted (a ``layouts`` entry): the registry's
+    ``Layout.describe()``. A reader whose registry has another version of it must not read it."""
+
+    name: str
+    version: int
+    kind: str  # "dense" or "moe"
+    weight_transform: dict[str, Any]  # {"name": "w16" | "identity", ...parameters}
+    scale_transform: dict[str, Any]  # {"name": "s32x8" | "s32x8-per-expert" | "identity", ...parameters}
+    runtime_attrs: dict[str, Any]  # attributes every tensor of this layout carries
+
+    @classmethod
+    def from_json(cls, d: Any) -> "LayoutRecord":
+        d = _object(d, "entry")
+        name, version, kind = d.get("name"), d.get("version"), d.get("kind")
+        if type(name) is not str or type(kind) is not str or not _is_count(version):
+            raise ManifestError("needs a string name and kind and an integer version")
+        parts = [_object(d.get(k), k) for k in ("weight_transform", "scale_transform", "runtime_attrs")]
+        return cls(name, version, kind, *parts)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "version": self.version, "kind": self.kind,
+                "weight_transform": self.weight_transform, "scale_transform": self.scale_transform,
+                "runtime_attrs": self.runtime_attrs}
+
+
+@dataclasses.dataclass(frozen=True)
+class FileRecord:
+    """One output file (a ``files`` entry, keyed by its name)."""
+
+    rank: int | None  # the rank that reads it; None: a common file every rank reads
+    size: int  # bytes
+    tensors: int  # how many tensors it holds
+
+    @classmethod
+    def from_json(cls, f: Any) -> "FileRecord":
+        f = _object(f, "entry")
+        rank, size, tensors = f.get("rank"), f.get("size"), f.get("tensors")
+        if rank is not None and not _is_count(rank):
+            raise ManifestError(f"rank is {rank!r}, not a non-negative integer or null")
+        if not _is_count(size) or not _is_count(tensors):
+            raise ManifestError(f"size {size!r} and tensors {tensors!r} must be non-negative integers")
+        return cls(rank, size, tensors)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rank": self.rank, "size": self.size, "tensors": self.tensors}
+
+
+@dataclasses.dataclass(frozen=True)
+class PartRecord:
+    """One source linear of a dense group (a ``parts`` entry): prep's ``groups.Part``."""
+
+    src: str  # source module prefix (``...q_a_proj``)
+    n: int  # logical rows
+    k: int  # logical columns (values, not bytes)
+    split: str  # "rows", "cols" or "none": how tensor parallelism cuts it
+
+    @classmethod
+    def from_json(cls, p: Any) -> "PartRecord":
+        p = _object(p, "part")
+        src, n, k, split = p.get("src"), p.get("n"), p.get("k"), p.get("split")
+        if type(src) is not str or split not in ("rows", "cols", "none") or not _is_count(n) or not _is_count(k):
+            raise ManifestError(f"part {src!r} needs a string src, integers n and k, split rows, cols or none")
+        return cls(src, n, k, split)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"src": self.src, "n": self.n, "k": self.k, "split": self.split}
+
+
+_GROUP_KINDS = ("linear", "moe")
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupRecord:
+    """What one rank holds of one engine module, with every parameter needed to invert it (a
+    ``groups`` entry): a dense linear (``kind`` "linear": its ``parts``) or one MoE layer's
+    stacked experts (``kind`` "moe": the fields after ``parts``). prep's ``group_from_record``
+    turns ``to_json()`` back into the group that builds and inverts the bytes."""
+
+    kind: str  # "linear" or "moe"
+    name: str  # engine module prefix: ``...fused_qkv_a_proj``, ``...mlp.experts``
+    rank: int
+    tp: int
+    layout: str
+    file: str  # the output file that holds its tensors
+    parts: tuple[PartRecord, ...] = ()  # linear: the source linears stacked along rows, in order
+    experts: tuple[str, ...] = ()  # moe: source expert prefixes, in slot order (shared expert last)
+    inter: int = 0  # moe: per-expert intermediate size
+    hidden: int = 0  # moe: hidden size
+    inter_pad_to: int = 256
+    hidden_pad_to: int = 256
+    ep: int = 1
+    routed: tuple[int, int] | None = None  # moe with ep > 1: global routed expert ids [start, stop)
+
+    @classmethod
+    def from_json(cls, g: Any) -> "GroupRecord":
+        g = _object(g, "entry")
+        kind, name, rank, tp, layout, file = (g.get(k) for k in ("kind", "name", "rank", "tp", "layout", "file"))
+        if kind not in _GROUP_KINDS:
+            raise ManifestError(f"kind is {kind!r}, not one of {', '.join(_GROUP_KINDS)}")
+        if type(name) is not str or type(layout) is not str or type(file) is not str:
+            raise ManifestError(f"group {name!r}: name, layout and file must be strings")
+        if not _is_count(rank) or not _is_count(tp, 1):
+            raise ManifestError(f"group {name}: rank {rank!r} and tp {tp!r} must be integers (tp >= 1)")
+        if kind == "linear":
+            parts = g.get("parts")
+            if type(parts) is not list or not parts:
+                raise ManifestError(f"group {name}: parts is not a non-empty list")
+            return cls(kind, name, rank, tp, layout, file, parts=tuple(PartRecord.from_json(p) for p in parts))
+        experts = _string_list(g.get("experts"), f"group {name}: experts")
+        inter, hidden, ip, hp, ep, routed = (g.get("inter"), g.get("hidden"), g.get("inter_pad_to"),
+                                             g.get("hidden_pad_to"), g.get("ep", 1), g.get("routed"))
+        if not all(_is_count(v, 1) for v in (inter, hidden, ip, hp, ep)):
+            raise ManifestError(f"group {name}: inter, hidden, inter_pad_to, hidden_pad_to and ep must be positive integers")
+        if routed is not None and (type(routed) is not list or len(routed) != 2 or not all(_is_count(v) for v in routed)):
+            raise ManifestError(f"group {name}: routed is {routed!r}, not null or [start, stop]")
+        return cls(kind, name, rank, tp, layout, file, (), experts, inter, hidden, ip, hp, ep,
+                   tuple(routed) if routed else None)
+
+    def to_json(self) -> dict[str, Any]:
+        head = {"kind": self.kind, "name": self.name, "rank": self.rank, "tp": self.tp, "layout": self.layout}
+        if self.kind == "linear":
+            return {**head, "parts": [p.to_json() for p in self.parts], "file": self.file}
+        return {**head, "experts": list(self.experts), "inter": self.inter, "hidden": self.hidden,
+                "inter_pad_to": self.inter_pad_to, "hidden_pad_to": self.hidden_pad_to, "ep": self.ep,
+                "routed": list(self.routed) if self.routed else None, "file": self.file}
+
+
 @dataclasses.dataclass(frozen=True)
 class TensorRecord:
-    """One tensor of a converted checkpoint, as the manifest states it."""
+    """One tensor of a converted checkpoint, as the manifest states it (a ``tensors`` entry)."""
 
     name: str
     rank: int | None  # None: a common (pass-through) tensor every rank reads
@@ -177,6 +498,9 @@ class TensorRecord:
     group: str | None  # engine module the tensor belongs to
     runtime_attrs: dict[str, Any]  # attributes the engine must set on the parameter
     xxh3_128: str
+    # Source tensor names its bytes come from, runs of experts compressed (``compress_names``).
+    sources: tuple[str, ...] = ()
+    transforms: tuple[dict[str, Any], ...] = ()  # what was done to them, in order ({"op": ...})
 
     @classmethod
     def from_json(cls, t: dict[str, Any]) -> "TensorRecord":
@@ -203,71 +527,171 @@ class TensorRecord:
             raise ManifestError(f"tensor {name}: shape is {shape!r}, not a list of non-negative integers")
         if attrs is not None and not isinstance(attrs, dict):
             raise ManifestError(f"tensor {name}: runtime_attrs is {attrs!r}, not an object")
-        return cls(name, rank, file, dtype, tuple(shape), role, layout, group, dict(attrs or {}), digest)
+        sources = _string_list(t.get("sources", []), f"tensor {name}: sources")
+        transforms = t.get("transforms", [])
+        if type(transforms) is not list or not all(isinstance(x, dict) for x in transforms):
+            raise ManifestError(f"tensor {name}: transforms is not a list of objects")
+        return cls(name, rank, file, dtype, tuple(shape), role, layout, group, dict(attrs or {}), digest,
+                   sources, tuple(transforms))
+
+    def to_json(self) -> dict[str, Any]:
+        # An MXFP4 tensor carries group, layout and runtime_attrs; a pass-through one none of them.
+        if self.group is None and self.layout is None and not self.runtime_attrs:
+            return {"name": self.name, "rank": self.rank, "file": self.file, "dtype": self.dtype,
+                    "shape": list(self.shape), "role": self.role, "sources": list(self.sources),
+                    "transforms": list(self.transforms), "xxh3_128": self.xxh3_128}
+        return {"name": self.name, "rank": self.rank, "file": self.file, "dtype": self.dtype, "shape": list(self.shape),
+                "role": self.role, "group": self.group, "layout": self.layout, "runtime_attrs": dict(self.runtime_attrs),
+                "sources": list(self.sources), "transforms": list(self.transforms), "xxh3_128": self.xxh3_128}
+
+    def source_names(self) -> list[str]:
+        """Every source tensor this tensor's bytes come from, runs expanded."""
+        return expand_names(self.sources)
 
 
+def _rank_label(rank: int | None) -> str:
+    return "common, every rank" if rank is None else f"rank {rank}"
+
+
+def _format_problem(raw: dict[str, Any], required: bool) -> str | None:
+    """Why ``raw`` is not a manifest this module reads (None when it is). ``required``: the keys
+    must be there (a file on disk); a manifest built in memory may leave them out."""
+    fmt, version = raw.get("format", None if required else FORMAT), raw.get("format_version", None if required else FORMAT_VERSION)
+    if fmt != FORMAT:
+        return f"format {fmt!r} is not {FORMAT!r}; not a checkpoint converted by prep"
+    if version != FORMAT_VERSION:  # see docs/manifest.md: another version may mean other bytes
+        return f"format_version {version} is not supported (this layouts reads {FORMAT_VERSION}); upgrade prep/layouts"
+    return None
+
+
+@dataclasses.dataclass(repr=False)
 class Manifest:
-    """A converted checkpoint's manifest, checked, with the answers an engine asks for.
+    """A converted checkpoint's manifest (``prep-manifest.json``), checked, with the answers an
+    engine asks for. Build it with :meth:`from_json` (or :func:`load_manifest` for a folder);
+    :meth:`to_json` gives back the JSON object, keys in the order prep writes them."""
 
-    ``raw`` is the parsed JSON; ``target`` holds layout, moe_layout, tp, ep and arch."""
+    target: Target
+    tensors: list[TensorRecord]
+    files: dict[str, FileRecord] = dataclasses.field(default_factory=dict)
+    groups: list[GroupRecord] = dataclasses.field(default_factory=list)
+    source: Source | None = None
+    layouts: dict[str, LayoutRecord] = dataclasses.field(default_factory=dict)  # every layout used, by name
+    tool: Tool | None = None
+    layouts_version: str | None = None  # the layouts library that converted it
+    format: str = FORMAT
+    format_version: int = FORMAT_VERSION
+    # Not in the JSON: the folder it was read from (None: built in memory), and the sha256 of its
+    # bytes as the completion marker states it (set by load_manifest).
+    root: pathlib.Path | None = dataclasses.field(default=None, compare=False)
+    sha256: str | None = dataclasses.field(default=None, compare=False)
 
-    def __init__(self, raw: dict[str, Any], root: pathlib.Path):
-        self.raw = raw
-        self.root = root
-        where = MANIFEST_NAME if root is None else root / MANIFEST_NAME  # built in memory: no folder
+    # The target's answers, as engines ask for them.
+    layout = property(lambda self: self.target.layout)
+    moe_layout = property(lambda self: self.target.moe_layout)
+    tp = property(lambda self: self.target.tp)
+    ep = property(lambda self: self.target.ep)
+    arch = property(lambda self: self.target.arch)
+
+    @classmethod
+    def from_json(cls, raw: Any, root: pathlib.Path | None = None) -> "Manifest":
+        """The manifest of the parsed JSON ``raw`` (of folder ``root``, whose file names are then
+        checked too). Raises :class:`ManifestError` naming the file, what is wrong and the fix."""
+        where = MANIFEST_NAME if root is None else root / MANIFEST_NAME
+        problem = _format_problem(raw, required=False) if isinstance(raw, dict) else None
+        if problem:
+            raise ManifestError(f"{where}: {problem}")
         try:
-            self._check(raw)
+            with gc_paused():  # ~100k records for DeepSeek-R1 (its source tensors): see gc_paused
+                m = cls._parse(raw)
         except ManifestError as e:
             raise ManifestError(f"{where}: {e}; the manifest is damaged or not prep's: convert again") from None
-        if root is None:
-            return
-        # Every file it names, checked once here so that every reader (load_rank, prep verify
-        # and revert) is covered: a plain name of a regular file inside the folder.
+        m.root = root
+        if root is not None:
+            m._check_members(root)
+        return m
+
+    @classmethod
+    def _parse(cls, raw: Any) -> "Manifest":
+        if not isinstance(raw, dict):
+            raise ManifestError("not a JSON object")
+        target = Target.from_json(raw.get("target"))
+        tensors = raw.get("tensors")
+        if type(tensors) is not list:
+            raise ManifestError(f"tensors is {type(tensors).__name__}, not a list")
+        if not isinstance(raw.get("files", {}), dict):
+            raise ManifestError("files is not an object")
+        groups = raw.get("groups", [])
+        if type(groups) is not list or not all(isinstance(g, dict) for g in groups):
+            raise ManifestError("groups is not a list of objects")
+        files: dict[str, FileRecord] = {}
+        for name, f in raw.get("files", {}).items():
+            try:
+                files[name] = rec = FileRecord.from_json(f)
+            except ManifestError as e:
+                raise ManifestError(f"files[{name!r}]: {e}") from None
+            if rec.rank is not None and rec.rank >= target.tp:
+                raise ManifestError(f"files[{name!r}]: file for rank {rec.rank} of tp={target.tp}")
+        group_records = []
+        for i, g in enumerate(groups):
+            try:
+                group_records.append(rec := GroupRecord.from_json(g))
+            except ManifestError as e:
+                raise ManifestError(f"groups[{i}]: {e}") from None
+            if rec.rank >= target.tp:
+                raise ManifestError(f"groups[{i}]: group {rec.name} is for rank {rec.rank} of tp={target.tp}")
+        records = []
+        for i, t in enumerate(tensors):
+            try:
+                rec = TensorRecord.from_json(t)
+            except ManifestError as e:
+                raise ManifestError(f"tensors[{i}]: {e}") from None
+            if rec.rank is not None and rec.rank >= target.tp:
+                raise ManifestError(f"tensors[{i}]: tensor {rec.name} is for rank {rec.rank} of tp={target.tp}")
+            records.append(rec)
+        layouts_ = {}
+        for name, d in _object(raw.get("layouts", {}), "layouts").items():
+            try:
+                layouts_[name] = LayoutRecord.from_json(d)
+            except ManifestError as e:
+                raise ManifestError(f"layouts[{name!r}]: {e}") from None
+        source = Source.from_json(raw["source"]) if raw.get("source") is not None else None
+        tool = Tool.from_json(raw["tool"]) if raw.get("tool") is not None else None
+        version = raw.get("layouts_version")
+        if version is not None and type(version) is not str:
+            raise ManifestError(f"layouts_version is {version!r}, not a string")
+        return cls(target, records, files, group_records, source, layouts_, tool, version,
+                   raw.get("format", FORMAT), raw.get("format_version", FORMAT_VERSION))
+
+    def _check_members(self, root: pathlib.Path) -> None:
+        """Every file it names, checked once here so that every reader (load_rank, prep verify
+        and revert) is covered: a plain name of a regular file inside the folder."""
         names = dict.fromkeys(t.file for t in self.tensors)
-        names.update(dict.fromkeys(raw.get("files") or {}))
-        names.update(dict.fromkeys(g["file"] for g in raw.get("groups") or [] if "file" in g))
+        names.update(dict.fromkeys(self.files))
+        names.update(dict.fromkeys(g.file for g in self.groups))
         for name in names:
             problem = member_problem(root, name)
             if problem:
                 raise ManifestError(f"{root / MANIFEST_NAME}: {problem}; a converted checkpoint's files are regular "
                                     "files in its folder: refusing to read it (convert again)")
 
-    def _check(self, raw: Any) -> None:
-        if not isinstance(raw, dict):
-            raise ManifestError("not a JSON object")
-        target = raw.get("target")
-        if not isinstance(target, dict):
-            raise ManifestError(f"target is {target!r}, not an object")
-        self.layout: str = target.get("layout")
-        self.moe_layout: str = target.get("moe_layout")
-        self.arch: str = target.get("arch", "")
-        for key, value in (("layout", self.layout), ("moe_layout", self.moe_layout), ("arch", self.arch)):
-            if type(value) is not str:
-                raise ManifestError(f"target.{key} is {value!r}, not a string")
-        self.tp: int = target.get("tp")
-        self.ep: int = target.get("ep", 1)
-        tensors = raw.get("tensors")
-        if type(tensors) is not list:
-            raise ManifestError(f"tensors is {type(tensors).__name__}, not a list")
-        # tp drives loops over ranks (engines, prep inspect): an integer in a sane range.
-        if type(self.tp) is not int or not 1 <= self.tp <= MAX_TP:
-            raise ManifestError(f"target.tp is {self.tp!r}, not an integer in [1, {MAX_TP}]")
-        if type(self.ep) is not int or not 1 <= self.ep <= self.tp:
-            raise ManifestError(f"target.ep is {self.ep!r}, not an integer in [1, tp={self.tp}]")
-        if not isinstance(raw.get("files", {}), dict):
-            raise ManifestError("files is not an object")
-        groups = raw.get("groups", [])
-        if type(groups) is not list or not all(isinstance(g, dict) for g in groups):
-            raise ManifestError("groups is not a list of objects")
-        self.tensors: list[TensorRecord] = []
-        for i, t in enumerate(tensors):
-            try:
-                rec = TensorRecord.from_json(t)
-            except ManifestError as e:
-                raise ManifestError(f"tensors[{i}]: {e}") from None
-            if rec.rank is not None and rec.rank >= self.tp:
-                raise ManifestError(f"tensors[{i}]: tensor {rec.name} is for rank {rec.rank} of tp={self.tp}")
-            self.tensors.append(rec)
+    def to_json(self) -> dict[str, Any]:
+        """The JSON object, keys in the order prep has always written them (its bytes are hashed)."""
+        with gc_paused():
+            return self._to_json()
+
+    def _to_json(self) -> dict[str, Any]:
+        return {
+            "format": self.format,
+            "format_version": self.format_version,
+            "tool": self.tool.to_json() if self.tool else None,
+            "layouts_version": self.layouts_version,
+            "source": self.source.to_json() if self.source else None,
+            "target": self.target.to_json(),
+            "layouts": {n: d.to_json() for n, d in self.layouts.items()},
+            "files": {n: f.to_json() for n, f in self.files.items()},
+            "groups": [g.to_json() for g in self.groups],
+            "tensors": [t.to_json() for t in self.tensors],
+        }
 
     def __repr__(self) -> str:
         return (f"Manifest({self.root}: {self.arch}, layout={self.layout}, moe_layout={self.moe_layout}, "
@@ -283,9 +707,12 @@ class Manifest:
         """The files rank ``rank`` reads, each once, in manifest order (its own files first)."""
         return list(dict.fromkeys(t.file for t in self.rank_tensors(rank)))
 
-    def verify_hashes(self, rank: int | None = None) -> int:
-        """Re-hash every tensor (of ``rank``, or all) and compare with the manifest. Needs
-        ``xxhash``. Returns the number of tensors checked; raises naming the first mismatch."""
+    def verify_hashes(self, rank: int | None = None, progress: Callable[[int], None] | None = None) -> int:
+        """Check every tensor (of ``rank``, or all) against the manifest: present in its file,
+        of the dtype and shape stated, and of the same xxh3-128 (needs ``xxhash``; one
+        sequential pass per file). ``progress`` gets each file's tensor bytes once it is
+        hashed. Returns the number of tensors checked; raises naming the first mismatch: its
+        file, tensor and rank. The one hash check of every reader (engines, ``prep verify``)."""
         from .safetensors_file import SafetensorsFile, SafetensorsFileError
 
         records = self.tensors if rank is None else self.rank_tensors(rank)
@@ -293,20 +720,39 @@ class Manifest:
         for t in records:
             by_file.setdefault(t.file, []).append(t)
         for fname, ts in by_file.items():
+            path = self.root / fname
             try:
-                f = SafetensorsFile(self.root / fname)
+                f = SafetensorsFile(path)
             except (FileNotFoundError, SafetensorsFileError) as e:
-                raise ManifestError(f"{self.root / fname}: listed in the manifest but "
+                raise ManifestError(f"{path}: listed in the manifest but "
                                     f"{'missing' if isinstance(e, FileNotFoundError) else 'unreadable'}; convert again") from None
             for t in ts:
-                if t.name not in f.tensors:
-                    raise ManifestError(f"{self.root / fname}: tensor {t.name} is missing from the file; convert again")
+                info = f.tensors.get(t.name)
+                if info is None:
+                    raise ManifestError(f"{path}: tensor {t.name} is missing from the file; convert again")
+                if info.dtype != t.dtype or tuple(info.shape) != t.shape:
+                    raise ManifestError(f"{path}: tensor {t.name} ({_rank_label(t.rank)}) is {info.dtype} "
+                                        f"{list(info.shape)} but the manifest says {t.dtype} {list(t.shape)}; convert again")
             hashes = f.hash_tensors([t.name for t in ts])
             for t in ts:
                 if hashes[t.name] != t.xxh3_128:
-                    raise ManifestError(f"{self.root / fname}: tensor {t.name} does not match its manifest hash; "
-                                        "the file was modified or damaged: convert again")
+                    raise ManifestError(f"{path}: tensor {t.name} does not match its manifest hash ({_rank_label(t.rank)}: "
+                                        "its content hash differs); the file was modified or damaged: convert again")
+            if progress:
+                progress(sum(f.tensors[t.name].nbytes for t in ts))
         return len(records)
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+    """The completion marker ``prep-complete.json``, written after every other file: a folder
+    without it, or whose manifest's sha256 differs, is not a finished conversion."""
+
+    manifest_sha256: str  # sha256 of prep-manifest.json's bytes
+    tool: str  # "prep <version>"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"manifest_sha256": self.manifest_sha256, "tool": self.tool}
 
 
 def load_manifest(model_dir: str | pathlib.Path, verify_hashes: bool = False) -> Manifest:
@@ -314,7 +760,9 @@ def load_manifest(model_dir: str | pathlib.Path, verify_hashes: bool = False) ->
     marker, every entry's types and every file name (and, with ``verify_hashes``, every tensor's
     bytes). Raises :class:`ManifestError`, whatever is wrong with the files."""
     root = pathlib.Path(model_dir)
-    manifest = Manifest(_load_raw(root), root)
+    raw, digest = _load_raw(root)
+    manifest = Manifest.from_json(raw, root)
+    manifest.sha256 = digest
     if verify_hashes:
         manifest.verify_hashes()
     return manifest
@@ -354,15 +802,26 @@ def strict_json(raw: bytes) -> Any:
     The pause is process-wide but only ever ends where it began: a thread that found the
     collector paused leaves it to the one that paused it, and a caller's own ``gc.disable()``
     is kept."""
+    text = raw.decode("utf-8")
+    with gc_paused():
+        try:
+            return json.loads(text, object_pairs_hook=_unique_keys)
+        except RecursionError:
+            raise ValueError("JSON nested too deeply") from None
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """The cyclic garbage collector paused while many small objects are built (a header's
+    entries, a manifest's records): its generation-0 passes over them cost more than the
+    building. Only ever resumed where it was paused: a thread that found it paused leaves it
+    to the one that paused it, and a caller's own ``gc.disable()`` is kept."""
     import gc
 
-    text = raw.decode("utf-8")
     paused = gc.isenabled()
     gc.disable()
     try:
-        return json.loads(text, object_pairs_hook=_unique_keys)
-    except RecursionError:
-        raise ValueError("JSON nested too deeply") from None
+        yield
     finally:
         if paused:
             gc.enable()
@@ -386,17 +845,18 @@ def _read_json(path: pathlib.Path, missing: str, what: str) -> tuple[bytes, Any]
     return raw, obj
 
 
-def _load_raw(root: pathlib.Path) -> dict[str, Any]:
+def _load_raw(root: pathlib.Path) -> tuple[dict[str, Any], str]:
+    """(parsed manifest, its sha256) of folder ``root``, once the completion marker vouches for
+    its bytes and its format and version are ours."""
     mpath, cpath = root / MANIFEST_NAME, root / COMPLETE_NAME
     damaged = "the folder was modified or is not a conversion by prep: convert again"
     raw, manifest = _read_json(mpath, f"{root}: no {MANIFEST_NAME}; not a checkpoint converted by prep", damaged)
     _, marker = _read_json(cpath, f"{root}: no {COMPLETE_NAME}; the conversion did not finish: convert again (--resume)",
                            damaged)
-    if marker.get("manifest_sha256") != manifest_hash(raw):
+    digest = manifest_hash(raw)
+    if marker.get("manifest_sha256") != digest:
         raise ManifestError(f"{cpath}: manifest hash differs from the completion marker; the folder was modified")
-    if manifest.get("format") != FORMAT:
-        raise ManifestError(f"{mpath}: format {manifest.get('format')!r} is not {FORMAT!r}; not a checkpoint converted by prep")
-    if manifest.get("format_version") != FORMAT_VERSION:
-        raise ManifestError(f"{mpath}: format_version {manifest.get('format_version')} is not supported "
-                            f"(this layouts reads {FORMAT_VERSION}); upgrade prep/layouts")
-    return manifest
+    problem = _format_problem(manifest, required=True)
+    if problem:
+        raise ManifestError(f"{mpath}: {problem}")
+    return manifest, digest

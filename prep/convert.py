@@ -24,7 +24,8 @@ from typing import Any, Callable
 import torch
 
 import layouts
-from layouts.manifest import COMPLETE_NAME, FORMAT, FORMAT_VERSION, MANIFEST_NAME, compress_names, manifest_hash
+from layouts import manifest as schema
+from layouts.manifest import COMPLETE_NAME, MANIFEST_NAME, compress_names, manifest_hash
 from layouts.safetensors_file import TORCH_DTYPES, TensorInfo
 
 from . import __version__
@@ -254,9 +255,10 @@ def convert(
                 shutil.copyfile(p, folder.staging / p.name)
             manifest = build_manifest(src, target, jobs, records, info)
             # Compact JSON: the C encoder (indent= falls back to pure Python, 10x slower at ~90k tensors).
-            raw = json.dumps(manifest, separators=(",", ":")).encode()
+            raw = json.dumps(manifest.to_json(), separators=(",", ":")).encode()
             (folder.staging / MANIFEST_NAME).write_bytes(raw)
-            write_json(folder.staging / COMPLETE_NAME, {"manifest_sha256": manifest_hash(raw), "tool": f"prep {__version__}"})
+            write_json(folder.staging / COMPLETE_NAME,
+                       schema.Completion(manifest_hash(raw), f"prep {__version__}").to_json())
             kill_point("marker-written")
             folder.commit()
         except KeyboardInterrupt:
@@ -356,36 +358,38 @@ def _write_all(src: SourceCheckpoint, jobs: list[FileJob], folder: OutputFolder,
 
 
 def build_manifest(src: SourceCheckpoint, target: Target, jobs: list[FileJob],
-                   records: dict[str, dict[str, Any]], info: dict[str, Any]) -> dict[str, Any]:
+                   records: dict[str, dict[str, Any]], info: dict[str, Any]) -> schema.Manifest:
+    """The manifest of a finished conversion, as the typed records of :mod:`layouts.manifest`
+    (write ``.to_json()``): every output file, group and tensor, with the hashes in ``records``."""
     tensors = []
     groups = []
     used_layouts = {target.layout, target.moe_layout}
     for job in jobs:
         hashes = records[job.name]["hashes"]
         for g in job.groups:
-            groups.append({**g.record(), "file": job.name})
+            groups.append(schema.GroupRecord.from_json({**g.record(), "file": job.name}))
             lay = layouts.get_layout(g.layout)
             extra = g.runtime_extra() if isinstance(g, MoEGroup) else {}
+            transforms = tuple(g.transforms())
             for (name, role, shape), sources in zip(g.outputs(), g.output_sources()):
-                tensors.append({"name": name, "rank": g.rank, "file": job.name, "dtype": "U8", "shape": list(shape),
-                                "role": role, "group": g.key, "layout": g.layout,
-                                "runtime_attrs": {**lay.runtime_attrs, **extra},
-                                "sources": compress_names(sources), "transforms": g.transforms(),
-                                "xxh3_128": hashes[name]})
+                tensors.append(schema.TensorRecord(
+                    name, g.rank, job.name, "U8", tuple(shape), role, g.layout, g.key,
+                    {**lay.runtime_attrs, **extra}, hashes[name], tuple(compress_names(sources)), transforms))
         for name in job.passthrough:
             ti = src.tensors[name]
-            tensors.append({"name": name, "rank": None, "file": job.name, "dtype": ti.dtype, "shape": list(ti.shape),
-                            "role": "passthrough", "sources": [name], "transforms": [], "xxh3_128": hashes[name]})
-    return {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "tool": {"name": "prep", "version": __version__},
-        "layouts_version": layouts.__version__,
-        "source": {**src.fingerprint(), "tensors": {n: {"dtype": t.dtype, "shape": list(t.shape), "file": t.file}
-                                                    for n, t in src.tensors.items()}},
-        "target": {**dataclasses.asdict(target), "arch": info["arch"]},
-        "layouts": {n: layouts.get_layout(n).describe() for n in sorted(used_layouts)},
-        "files": {j.name: {"rank": j.rank, "size": records[j.name]["size"], "tensors": len(j.entries)} for j in jobs},
-        "groups": groups,
-        "tensors": tensors,
-    }
+            tensors.append(schema.TensorRecord(name, None, job.name, ti.dtype, tuple(ti.shape), "passthrough",
+                                               None, None, {}, hashes[name], (name,), ()))
+    fingerprint = src.fingerprint()
+    return schema.Manifest(
+        tool=schema.Tool("prep", __version__),
+        layouts_version=layouts.__version__,
+        source=schema.Source(
+            origin={k: v for k, v in fingerprint.items() if k != "files"},
+            files={n: schema.SourceFile.from_json(f) for n, f in fingerprint["files"].items()},
+            tensors={n: schema.SourceTensor(t.dtype, tuple(t.shape), t.file) for n, t in src.tensors.items()}),
+        target=schema.Target.from_options(dataclasses.asdict(target), info["arch"]),
+        layouts={n: schema.LayoutRecord.from_json(layouts.get_layout(n).describe()) for n in sorted(used_layouts)},
+        files={j.name: schema.FileRecord(j.rank, records[j.name]["size"], len(j.entries)) for j in jobs},
+        groups=groups,
+        tensors=tensors,
+    )

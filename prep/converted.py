@@ -4,17 +4,16 @@ turning every group back into the source tensors it came from (the exact inverse
 from __future__ import annotations
 
 import dataclasses
-import json
 import pathlib
 from collections import Counter, defaultdict
 from typing import Any, Iterator
 
 import torch
 
-from layouts.manifest import COMPLETE_NAME, ManifestError, load_manifest
+from layouts.manifest import GroupRecord, ManifestError, SourceTensor, TensorRecord, load_manifest
 
 from .errors import PrepError
-from .groups import MoEGroup, expert_rows_split_exactly, group_from_record
+from .groups import LinearGroup, MoEGroup, expert_rows_split_exactly, group_from_record
 from .source import ShardFile
 
 STREAM_BYTES = 32 << 20  # stacked experts are inverted in blocks of about this much per rank
@@ -31,26 +30,31 @@ class ConvertedCheckpoint:
         self.check_hashes = check_hashes
         self._hashing: dict[tuple[str, str], tuple[Any, int]] = {}  # (file, tensor) -> (hasher, bytes fed)
         try:
-            self.manifest = load_manifest(self.root).raw
-            # load_manifest checked the marker's hash against the manifest's bytes.
-            self.manifest_sha256 = json.loads((self.root / COMPLETE_NAME).read_bytes())["manifest_sha256"]
+            self.manifest = load_manifest(self.root)
         except ManifestError as e:
             raise PrepError(str(e)) from None
+        # load_manifest checked the marker's hash against the manifest's bytes.
+        self.manifest_sha256 = self.manifest.sha256
         self._files: dict[str, ShardFile] = {}
         # Indexes over the manifest, so that walking every group stays linear in its size.
-        self.by_file: dict[str, list[dict]] = defaultdict(list)
-        self._groups: dict[str, list[dict]] = defaultdict(list)  # group name -> its per-rank records
+        self.by_file: dict[str, list[TensorRecord]] = defaultdict(list)
+        self._groups: dict[str, list[GroupRecord]] = defaultdict(list)  # group name -> its per-rank records
         self._sources: dict[str, dict[str, None]] = defaultdict(dict)  # group name -> source tensors, in order
-        self._passthrough: dict[str, dict] = {}
-        self._want = {(t["file"], t["name"]): t["xxh3_128"] for t in self.manifest["tensors"]}
+        self._passthrough: dict[str, TensorRecord] = {}
+        self._want = {(t.file, t.name): t.xxh3_128 for t in self.manifest.tensors}
         self._check_source_sizes()
-        for t in self.manifest["tensors"]:
-            self.by_file[t["file"]].append(t)
-            if t["role"] == "passthrough":
-                self._passthrough[t["name"]] = t
-        for rec in self.manifest["groups"]:
-            self._groups[rec["name"]].append(rec)
-            self._sources[rec["name"]].update(dict.fromkeys(group_from_record(rec).sources()))
+        for t in self.manifest.tensors:
+            self.by_file[t.file].append(t)
+            if t.role == "passthrough":
+                self._passthrough[t.name] = t
+        for rec in self.manifest.groups:
+            self._groups[rec.name].append(rec)
+            self._sources[rec.name].update(dict.fromkeys(_group(rec).sources()))
+
+    @property
+    def source_tensors(self) -> dict[str, SourceTensor]:
+        """The source checkpoint's tensors as the manifest states them (what inverting rebuilds)."""
+        return self.manifest.source.tensors
 
     def _check_source_sizes(self) -> None:
         """Every source tensor the manifest describes is rebuilt in memory from bytes the files
@@ -58,14 +62,16 @@ class ConvertedCheckpoint:
         before it drives an allocation."""
         from .stwriter import nbytes
 
-        budget = sum(int(meta["size"]) for meta in self.manifest["files"].values())
+        if self.manifest.source is None:  # load_manifest checked its types when it is there
+            raise PrepError(f"{self.root}: the manifest has no source tensor table; convert again")
+        budget = sum(f.size for f in self.manifest.files.values())
         try:
-            for name, meta in self.manifest["source"]["tensors"].items():
-                if nbytes(meta["dtype"], meta["shape"]) > budget:
-                    raise PrepError(f"{self.root}: the manifest's source tensor {name} ({meta['dtype']} "
-                                    f"{list(meta['shape'])}) is larger than all the files together; the manifest "
+            for name, meta in self.source_tensors.items():
+                if nbytes(meta.dtype, meta.shape) > budget:
+                    raise PrepError(f"{self.root}: the manifest's source tensor {name} ({meta.dtype} "
+                                    f"{list(meta.shape)}) is larger than all the files together; the manifest "
                                     "is damaged: convert again")
-        except (KeyError, TypeError, AttributeError, ValueError):
+        except (KeyError, ValueError):  # a dtype nbytes does not know
             raise PrepError(f"{self.root}: the manifest's source tensor table is malformed; convert again") from None
 
     def file(self, fname: str) -> ShardFile:
@@ -120,12 +126,12 @@ class ConvertedCheckpoint:
 
     def invert_group(self, key: str) -> dict[str, torch.Tensor]:
         """Every source tensor the group ``key`` came from, rebuilt from all its ranks, whole."""
-        tiles = _Tiles(self.manifest["source"]["tensors"])
+        tiles = _Tiles(self.source_tensors)
         for rec in self._groups[key]:
-            g = group_from_record(rec)
-            tensors = [self.read(rec["file"], name) for name, _, _ in g.outputs()]
+            g = _group(rec)
+            tensors = [self.read(rec.file, name) for name, _, _ in g.outputs()]
             for src_name, (rows, cols), piece in g.invert(tensors):
-                tiles.place(src_name, rows, cols, piece, rec["rank"])
+                tiles.place(src_name, rows, cols, piece, rec.rank)
         for name in tiles.out:
             tiles.check_complete(name)
         return tiles.out
@@ -139,10 +145,10 @@ class ConvertedCheckpoint:
         moves a byte across experts (what convert's chunked build relies on too)."""
         t = self._passthrough.get(unit)
         if t is not None:
-            yield unit, self.read(t["file"], unit)
+            yield unit, self.read(t.file, unit)
             return
         recs = self._groups[unit]
-        groups = [group_from_record(r) for r in recs]
+        groups = [_group(r) for r in recs]
         if not all(isinstance(g, MoEGroup) and all(expert_rows_split_exactly(s[1]) for s in g.local_shapes())
                    for g in groups):
             whole = self.invert_group(unit)
@@ -150,7 +156,7 @@ class ConvertedCheckpoint:
                 yield name, whole[name]
             return
         names = list(self._sources[unit])
-        tiles = _Tiles(self.manifest["source"]["tensors"])
+        tiles = _Tiles(self.source_tensors)
         # Under EP the shared expert is whole on every rank: keep its tensors to compare the copies.
         held = Counter(e for g in groups for e in g.experts)
         keep = {n for n in names if held[n.rsplit(".", 2)[0]] > 1} if groups[0].ep > 1 else set()
@@ -160,10 +166,10 @@ class ConvertedCheckpoint:
         cursor = 0
         for rec, g, e0, e1 in steps:
             sub = dataclasses.replace(g, experts=g.experts[e0:e1])
-            tensors = [self._expert_rows(rec["file"], name, local[1], e0, len(sub.experts))
+            tensors = [self._expert_rows(rec.file, name, local[1], e0, len(sub.experts))
                        for (name, _, _), local in zip(g.outputs(), g.local_shapes())]
             for src_name, (rows, cols), piece in sub.invert(tensors):
-                tiles.place(src_name, rows, cols, piece, rec["rank"])
+                tiles.place(src_name, rows, cols, piece, rec.rank)
             while cursor < len(names) and tiles.done(names[cursor]):
                 name = names[cursor]
                 yield name, tiles.out[name] if name in keep else tiles.pop(name)
@@ -187,6 +193,11 @@ class ConvertedCheckpoint:
             yield name, [name]
 
 
+def _group(rec: GroupRecord) -> LinearGroup | MoEGroup:
+    """The group that builds and inverts ``rec``'s tensors (prep's groups read the record's JSON)."""
+    return group_from_record(rec.to_json())
+
+
 def _step(g: MoEGroup) -> int:
     """Experts per block when inverting: about STREAM_BYTES of the rank's stacked w13."""
     return max(1, STREAM_BYTES // max(1, 2 * g.i_pad * g.h_pad // 2))
@@ -199,7 +210,7 @@ class _Tiles:
     replicated copy and must hold the same bytes, a window that partly overlaps one placed is
     an error, and a tensor is whole when its windows add up to it."""
 
-    def __init__(self, meta: dict):
+    def __init__(self, meta: dict[str, SourceTensor]):
         self.meta = meta
         self.out: dict[str, torch.Tensor] = {}
         self.placed: dict[str, list[tuple[int, int, int, int]]] = {}
@@ -211,7 +222,7 @@ class _Tiles:
             raise PrepError(f"{name}: rank {rank} gives a piece of a tensor that was already whole; "
                             "manifest and files disagree")
         if name not in self.out:
-            self.out[name] = torch.empty(self.meta[name]["shape"], dtype=torch.uint8)
+            self.out[name] = torch.empty(self.meta[name].shape, dtype=torch.uint8)
             self.placed[name], self.covered[name] = [], 0
         full = self.out[name]
         r0, r1, _ = rows.indices(full.shape[0])

@@ -58,23 +58,24 @@ def _inspect_source(spec: str, revision: str | None) -> tuple[dict[str, Any], li
 def _inspect_converted(path: str) -> tuple[dict[str, Any], list[str]]:
     ck = ConvertedCheckpoint(path)
     m = ck.manifest
-    t = m["target"]
-    roles = collections.Counter(x["role"] for x in m["tensors"])
-    result = {"path": path, "format": "prep-converted", "target": t, "tool": m["tool"], "files": len(m["files"]),
-              "tensors_by_role": dict(roles), "source": {k: v for k, v in m["source"].items() if k not in ("files", "tensors")}}
+    t = m.target
+    roles = collections.Counter(x.role for x in m.tensors)
+    tool = m.tool.to_json() if m.tool else None
+    result = {"path": path, "format": "prep-converted", "target": t.to_json(), "tool": tool, "files": len(m.files),
+              "tensors_by_role": dict(roles), "source": dict(m.source.origin) if m.source else {}}
     # What each rank loads: its own files plus the common ones, and (EP) which experts it holds.
-    common = sum(f["size"] for f in m["files"].values() if f["rank"] is None)
+    common = sum(f.size for f in m.files.values() if f.rank is None)
     ranks = []
-    for r in range(int(t["tp"])):
-        own = [f for f in m["files"].values() if f["rank"] == r]
-        moe = next((x["runtime_attrs"] for x in m["tensors"] if x["rank"] == r and x["name"].endswith("w13_weight")), {})
-        ranks.append({"rank": r, "files": len(own), "bytes": sum(f["size"] for f in own) + common,
-                      "tensors": sum(f["tensors"] for f in own), "local_experts": moe.get("num_local_experts"),
+    for r in range(t.tp):
+        own = [f for f in m.files.values() if f.rank == r]
+        moe = next((x.runtime_attrs for x in m.tensors if x.rank == r and x.name.endswith("w13_weight")), {})
+        ranks.append({"rank": r, "files": len(own), "bytes": sum(f.size for f in own) + common,
+                      "tensors": sum(f.tensors for f in own), "local_experts": moe.get("num_local_experts"),
                       "global_routed_experts": moe.get("global_routed_experts")})
     result["ranks"] = ranks
-    lines = [f"{path}: converted by prep {m['tool']['version']} (manifest v{m['format_version']})",
-             f"  target: {t['arch']}, layout {t['layout']}, moe layout {t['moe_layout']}, tp {t['tp']}, ep {t['ep']}",
-             f"  {len(m['files'])} files; tensors: " + ", ".join(f"{v} {k}" for k, v in sorted(roles.items()))]
+    lines = [f"{path}: converted by prep {tool['version'] if tool else '?'} (manifest v{m.format_version})",
+             f"  target: {t.arch}, layout {t.layout}, moe layout {t.moe_layout}, tp {t.tp}, ep {t.ep}",
+             f"  {len(m.files)} files; tensors: " + ", ".join(f"{v} {k}" for k, v in sorted(roles.items()))]
     for x in ranks:
         experts = "" if x["local_experts"] is None else f", {x['local_experts']} experts per MoE layer" + (
             f" (routed {x['global_routed_experts'][0]}..{x['global_routed_experts'][1] - 1} + shared)"

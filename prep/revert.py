@@ -29,10 +29,10 @@ def revert(out: str, dest: str | pathlib.Path, force: bool = False, verify: bool
     ck = ConvertedCheckpoint(out, check_hashes=verify)
     folder = OutputFolder(dest, inputs=[ck.root], force=force)
     folder.check()
-    meta = ck.manifest["source"]["tensors"]
+    meta = ck.source_tensors
 
     def size(name: str) -> int:
-        return nbytes(meta[name]["dtype"], meta[name]["shape"])
+        return nbytes(meta[name].dtype, meta[name].shape)
 
     units = [((unit, names), sum(size(n) for n in names)) for unit, names in ck.units()]
     shards = shard_names(units, "model")
@@ -69,11 +69,11 @@ def revert(out: str, dest: str | pathlib.Path, force: bool = False, verify: bool
 def _write(ck: ConvertedCheckpoint, staging: pathlib.Path, shards, meta, size, progress) -> dict[str, str]:
     weight_map = {}
     for fname, chunk in shards:
-        entries = [(n, meta[n]["dtype"], tuple(meta[n]["shape"])) for _, names in chunk for n in names]
+        entries = [(n, meta[n].dtype, meta[n].shape) for _, names in chunk for n in names]
         with StreamingSafetensorsWriter(staging / fname, entries) as w:
             for unit, names in chunk:
                 for n, t in ck.iter_source_tensors(unit):  # in ``names`` order, experts a block at a time
-                    w.add(n, t.view(TORCH_DTYPES[meta[n]["dtype"]]))
+                    w.add(n, t.view(TORCH_DTYPES[meta[n].dtype]))
                     weight_map[n] = fname
                     if progress:
                         progress(size(n))

@@ -127,7 +127,9 @@ def _from_source(root: pathlib.Path) -> ModelWeights:
 def _from_converted(root: pathlib.Path, assume_layout: str | None, manifest: layouts.Manifest) -> ModelWeights:
     ranks = [layouts.load_rank(root, r, manifest=manifest) for r in range(manifest.tp)]  # mapped, not read
     config = json.loads((root / "config.json").read_text())
-    src_meta = manifest.raw["source"]["tensors"]
+    if manifest.source is None:
+        raise PrepError(f"{root}: the manifest has no source tensor table; convert again")
+    src_meta = manifest.source.tensors
     # For each source module: the (rank piece -> placement) steps that rebuild it.
     pieces: dict[str, list[Callable[[torch.Tensor], None]]] = {}
 
@@ -137,8 +139,8 @@ def _from_converted(root: pathlib.Path, assume_layout: str | None, manifest: lay
             return layouts.get_layout(assume_layout)
         return lay
 
-    for rec in manifest.raw["groups"]:
-        g = group_from_record(rec)
+    for rec in manifest.groups:
+        g = group_from_record(rec.to_json())  # prep's groups read the record's JSON
         held, lay = ranks[g.rank], layout_of(g)
         names = [n for n, _, _ in g.outputs()]
         if isinstance(g, LinearGroup):
@@ -147,7 +149,7 @@ def _from_converted(root: pathlib.Path, assume_layout: str | None, manifest: lay
             _expert_pieces(g, held, lay, names, pieces)
 
     def assemble(prefix: str) -> torch.Tensor:
-        n, kb = src_meta[f"{prefix}.weight"]["shape"]
+        n, kb = src_meta[f"{prefix}.weight"].shape
         full = torch.empty((n, 2 * kb))
         covered = torch.zeros((n, 2 * kb), dtype=torch.bool)  # which values some rank provided
         for place in pieces[prefix]:

@@ -458,7 +458,7 @@ def test_inverting_checks_that_rank_pieces_tile_each_source_tensor(sources, tmp_
     out = tmp_path / "out"
     convert(str(sources["v2"]), out, Target(tp=1))
     ck = pcv.ConvertedCheckpoint(out)
-    ck.manifest["source"]["tensors"]["fake.weight"] = {"shape": [8, 8]}
+    ck.source_tensors["fake.weight"] = L.manifest.SourceTensor("U8", (8, 8), "fake.safetensors")
 
     class Piece:  # one rank's piece of "fake.weight", bytes = 10 * rank + 1
         def __init__(self, rec):
@@ -473,7 +473,8 @@ def test_inverting_checks_that_rank_pieces_tile_each_source_tensor(sources, tmp_
                                                           10 * self.rec["rank"] + 1, dtype=torch.uint8)
 
     monkeypatch.setattr(pcv, "group_from_record", Piece)
-    ck._groups["fake"] = [{"rank": r, "file": None} for r in range(len(windows))]
+    ck._groups["fake"] = [L.manifest.GroupRecord("linear", "fake", r, len(windows), "preshuffle", "none")
+                          for r in range(len(windows))]
     if message is None:
         got = ck.invert_group("fake")["fake.weight"]
         assert (got[:4] == 1).all() and (got[4:] == 11).all()
@@ -495,7 +496,7 @@ def test_inverting_experts_a_block_at_a_time_equals_inverting_whole_layers(tmp_p
     write_checkpoint(SynthSpec(variant="v2", n_routed_experts=n_routed, num_hidden_layers=2), src)
     convert(str(src), out, Target(layout, moe_layout, tp, ep=ep))
     ck = pcv.ConvertedCheckpoint(out)
-    g = next(pcv.group_from_record(r) for r in ck.manifest["groups"] if r["kind"] == "moe")
+    g = next(pcv.group_from_record(r.to_json()) for r in ck.manifest.groups if r.kind == "moe")
     monkeypatch.setattr(pcv, "STREAM_BYTES", block_experts * 2 * g.i_pad * g.h_pad // 2)  # blocks of N experts
     for unit, names in ck.units():
         streamed = list(ck.iter_source_tensors(unit))
@@ -515,7 +516,7 @@ def test_streamed_inversion_refuses_a_piece_of_a_tensor_already_whole(sources, t
     out = tmp_path / "out"
     convert(str(sources["v2"]), out, Target("preshuffle", "ck", 2))
     ck = pcv.ConvertedCheckpoint(out)
-    unit = next(r["name"] for r in ck.manifest["groups"] if r["kind"] == "moe")
+    unit = next(r.name for r in ck.manifest.groups if r.kind == "moe")
     ck._groups[unit] = ck._groups[unit] + [ck._groups[unit][0]]  # rank 0's record twice
     with pytest.raises(PrepError, match="already whole|replicated copies"):
         list(ck.iter_source_tensors(unit))

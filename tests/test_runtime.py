@@ -109,7 +109,7 @@ def test_matching_configurations_pass(converted):
 def test_expert_parallel_with_the_triton_moe_is_refused():
     from layouts.manifest import Manifest
 
-    m = Manifest({"target": {"layout": "preshuffle", "moe_layout": "triton", "tp": 2, "ep": 2}, "tensors": []}, None)
+    m = Manifest.from_json({"target": {"layout": "preshuffle", "moe_layout": "triton", "tp": 2, "ep": 2}, "tensors": []})
     with pytest.raises(CompatibilityError, match="ignores the expert map"):
         check_compatibility(m, EngineConfig("triton-preshuffle", "triton", 2, ep_size=2))
 
