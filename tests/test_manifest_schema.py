@@ -1,0 +1,145 @@
+"""The manifest's typed schema (layouts/manifest.py) against real conversions and against its
+description (docs/manifest.md): reading a manifest and writing it back gives the same bytes,
+and every key written is documented, every key documented exists."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import re
+
+import pytest
+
+from layouts import manifest as schema
+from layouts.manifest import Manifest, ManifestError, load_manifest
+from prep.convert import convert
+from prep.deepseek import Target
+from prep.synth import SynthSpec, write_checkpoint
+
+DOC = pathlib.Path(__file__).resolve().parent.parent / "docs" / "manifest.md"
+
+# Both variants, plain TP and expert parallel; one Triton MoE layout, so scale_swizzle is written.
+CONVERSIONS = {
+    "v2-tp2": ("v2", Target("preshuffle", "ck", 2)),
+    "r1-tp2": ("r1-0528", Target("non-shuffle", "triton", 2)),
+    "v2-ep2": ("v2", Target("preshuffle", "ck", 2, ep=2)),
+    "r1-ep2": ("r1-0528", Target("preshuffle", "ck", 2, ep=2)),
+}
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    root = tmp_path_factory.mktemp("schema")
+    for variant in ("v2", "r1-0528"):  # random bytes: the manifest's shape is what matters here
+        write_checkpoint(SynthSpec(variant=variant, random_bytes=True), root / f"src-{variant}")
+    outs = {}
+    for name, (variant, target) in CONVERSIONS.items():
+        convert(str(root / f"src-{variant}"), root / name, target)
+        outs[name] = root / name
+    return outs
+
+
+def compact(obj) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()  # as prep convert writes it
+
+
+@pytest.mark.parametrize("name", list(CONVERSIONS))
+def test_reading_and_writing_back_a_real_manifest_gives_its_bytes(converted, name):
+    raw_bytes = (converted[name] / schema.MANIFEST_NAME).read_bytes()
+    raw = json.loads(raw_bytes)
+    m = load_manifest(converted[name])
+    assert m.to_json() == raw
+    assert compact(m.to_json()) == raw_bytes  # key order too: the completion marker hashes these bytes
+    assert m.sha256 == schema.manifest_hash(raw_bytes)
+    again = Manifest.from_json(m.to_json())
+    assert again == m and again.to_json() == raw
+    for rec in [m.target, m.tool, m.source, *m.files.values(), *m.groups, *m.layouts.values(), *m.tensors]:
+        assert type(rec).from_json(rec.to_json()) == rec, rec
+    variant, target = CONVERSIONS[name]
+    assert m.target == schema.Target.from_options(dataclasses.asdict(target), "deepseek_v3")
+    assert (m.tp, m.ep, m.layout, m.moe_layout) == (target.tp, target.ep, target.layout, target.moe_layout)
+
+
+def test_a_conversion_option_without_a_target_field_is_refused():
+    options = {**dataclasses.asdict(Target()), "new_option": 1}
+    with pytest.raises(ManifestError, match="'new_option' has no field in the manifest's target"):
+        schema.Target.from_options(options, "deepseek_v3")
+
+
+# ------------------------------------------------------------------------------ docs/manifest.md
+def documented() -> dict[str, dict[str, str]]:
+    """{section: {field: when present}} from the tables of docs/manifest.md: a ``### ...`section`...``
+    heading, then rows ``| `field` | type | present | meaning |``."""
+    sections: dict[str, dict[str, str]] = {}
+    current = None
+    for line in DOC.read_text().splitlines():
+        heading = re.match(r"^### .*?`([^`]+)`", line)
+        if heading:
+            current = sections.setdefault(heading.group(1), {})
+        elif current is not None and (row := re.match(r"^\| `([^`]+)` \| [^|]+ \| ([^|]+) \|", line)):
+            current[row.group(1)] = row.group(2).strip()
+    return sections
+
+
+def written(out: pathlib.Path) -> dict[str, list[dict]]:
+    """Every object of each documented section that one conversion wrote."""
+    raw = json.loads((out / schema.MANIFEST_NAME).read_text())
+    marker = json.loads((out / schema.COMPLETE_NAME).read_text())
+    mxfp4 = [t for t in raw["tensors"] if t["role"] != "passthrough"]
+    return {
+        "prep-manifest.json": [raw],
+        "source": [raw["source"]],
+        "source.files": list(raw["source"]["files"].values()),
+        "source.tensors": list(raw["source"]["tensors"].values()),
+        "target": [raw["target"]],
+        "layouts": list(raw["layouts"].values()),
+        "files": list(raw["files"].values()),
+        "groups": raw["groups"],
+        "parts": [p for g in raw["groups"] if g["kind"] == "linear" for p in g["parts"]],
+        "tensors": raw["tensors"],
+        "runtime_attrs": [t["runtime_attrs"] for t in mxfp4],
+        "transforms": [{x["op"]: x} for t in raw["tensors"] for x in t["transforms"]],  # keyed by op
+        "prep-complete.json": [marker],
+    }
+
+
+# Documented, but no conversion of a local folder writes them: a Hugging Face source's origin
+# (tests/test_convert.py converts one) and whole-file hashes, which convert never asks for.
+NOT_WRITTEN_HERE = {("source", "repo_id"), ("source", "revision"), ("source", "snapshot"),
+                    ("source.files", "xxh3_128")}
+
+
+def test_every_field_written_is_documented_and_every_documented_field_exists(converted):
+    doc = documented()
+    seen: dict[str, set[str]] = {}
+    for out in converted.values():
+        for section, objects in written(out).items():
+            fields = doc.get(section)
+            assert fields is not None, f"docs/manifest.md has no table for `{section}`"
+            for obj in objects:
+                assert set(obj) <= set(fields), f"{section}: {sorted(set(obj) - set(fields))} written but not documented"
+                for field, present in fields.items():
+                    if present == "always" and section != "transforms":
+                        assert field in obj, f"{section}.{field} is documented as always there but is missing"
+                seen.setdefault(section, set()).update(obj)
+                assert list(obj) == [f for f in fields if f in obj] or section == "transforms", \
+                    f"{section}: written in the order {list(obj)}, documented in another"
+    for section, fields in doc.items():
+        missing = {f for f in fields if f not in seen.get(section, set())} - {f for s, f in NOT_WRITTEN_HERE if s == section}
+        assert not missing, f"{section}: {sorted(missing)} documented but never written"
+
+
+def test_the_documented_example_is_a_manifest_in_the_order_prep_writes(converted):
+    blocks = re.findall(r"```json\n(.*?)```", DOC.read_text(), re.S)
+    example, marker = json.loads(blocks[0]), json.loads(blocks[1])
+    m = Manifest.from_json(example)
+    assert compact(m.to_json()) == compact(example)  # same keys, same order
+    assert (m.format, m.format_version) == (schema.FORMAT, schema.FORMAT_VERSION)
+    assert list(marker) == list(schema.Completion("", "").to_json())
+    assert f"now {schema.FORMAT_VERSION}" in DOC.read_text()  # the versioning section states the version
+
+
+def test_another_format_version_is_refused_naming_the_fix():
+    with pytest.raises(ManifestError, match="format_version 2 is not supported .*upgrade prep/layouts"):
+        Manifest.from_json({"format": schema.FORMAT, "format_version": 2, "target": {}, "tensors": []})
