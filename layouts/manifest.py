@@ -469,8 +469,10 @@ class GroupRecord:
         inter, hidden, ip, hp, ep, routed = (g.get("inter"), g.get("hidden"), g.get("inter_pad_to"),
                                              g.get("hidden_pad_to"), g.get("ep", 1), g.get("routed"))
         if not all(_is_count(v, 1) for v in (inter, hidden, ip, hp, ep)):
-            raise ManifestError(f"group {name}: inter, hidden, inter_pad_to, hidden_pad_to and ep must be positive integers")
-        if routed is not None and (type(routed) is not list or len(routed) != 2 or not all(_is_count(v) for v in routed)):
+            raise ManifestError(f"group {name}: inter, hidden, inter_pad_to, hidden_pad_to and ep must be "
+                                "positive integers")
+        if routed is not None and (type(routed) is not list or len(routed) != 2
+                                   or not all(_is_count(v) for v in routed)):
             raise ManifestError(f"group {name}: routed is {routed!r}, not null or [start, stop]")
         return cls(kind, name, rank, tp, layout, file, (), experts, inter, hidden, ip, hp, ep,
                    tuple(routed) if routed else None)
@@ -541,7 +543,8 @@ class TensorRecord:
                     "shape": list(self.shape), "role": self.role, "sources": list(self.sources),
                     "transforms": list(self.transforms), "xxh3_128": self.xxh3_128}
         return {"name": self.name, "rank": self.rank, "file": self.file, "dtype": self.dtype, "shape": list(self.shape),
-                "role": self.role, "group": self.group, "layout": self.layout, "runtime_attrs": dict(self.runtime_attrs),
+                "role": self.role, "group": self.group, "layout": self.layout,
+                "runtime_attrs": dict(self.runtime_attrs),
                 "sources": list(self.sources), "transforms": list(self.transforms), "xxh3_128": self.xxh3_128}
 
     def source_names(self) -> list[str]:
@@ -550,13 +553,15 @@ class TensorRecord:
 
 
 def _rank_label(rank: int | None) -> str:
+    """Whose tensor it is, for a message."""
     return "common, every rank" if rank is None else f"rank {rank}"
 
 
 def _format_problem(raw: dict[str, Any], required: bool) -> str | None:
     """Why ``raw`` is not a manifest this module reads (None when it is). ``required``: the keys
     must be there (a file on disk); a manifest built in memory may leave them out."""
-    fmt, version = raw.get("format", None if required else FORMAT), raw.get("format_version", None if required else FORMAT_VERSION)
+    fmt = raw.get("format", None if required else FORMAT)
+    version = raw.get("format_version", None if required else FORMAT_VERSION)
     if fmt != FORMAT:
         return f"format {fmt!r} is not {FORMAT!r}; not a checkpoint converted by prep"
     if version != FORMAT_VERSION:  # see docs/manifest.md: another version may mean other bytes
@@ -623,23 +628,24 @@ class Manifest:
         groups = raw.get("groups", [])
         if type(groups) is not list or not all(isinstance(g, dict) for g in groups):
             raise ManifestError("groups is not a list of objects")
+        # Ranks index per-rank lists in every reader: none may be beyond the target's tp.
         files: dict[str, FileRecord] = {}
         for name, f in raw.get("files", {}).items():
             try:
-                files[name] = rec = FileRecord.from_json(f)
+                files[name] = frec = FileRecord.from_json(f)
             except ManifestError as e:
                 raise ManifestError(f"files[{name!r}]: {e}") from None
-            if rec.rank is not None and rec.rank >= target.tp:
-                raise ManifestError(f"files[{name!r}]: file for rank {rec.rank} of tp={target.tp}")
-        group_records = []
+            if frec.rank is not None and frec.rank >= target.tp:
+                raise ManifestError(f"files[{name!r}]: file for rank {frec.rank} of tp={target.tp}")
+        group_records: list[GroupRecord] = []
         for i, g in enumerate(groups):
             try:
-                group_records.append(rec := GroupRecord.from_json(g))
+                group_records.append(grec := GroupRecord.from_json(g))
             except ManifestError as e:
                 raise ManifestError(f"groups[{i}]: {e}") from None
-            if rec.rank >= target.tp:
-                raise ManifestError(f"groups[{i}]: group {rec.name} is for rank {rec.rank} of tp={target.tp}")
-        records = []
+            if grec.rank >= target.tp:
+                raise ManifestError(f"groups[{i}]: group {grec.name} is for rank {grec.rank} of tp={target.tp}")
+        records: list[TensorRecord] = []
         for i, t in enumerate(tensors):
             try:
                 rec = TensorRecord.from_json(t)
@@ -732,12 +738,14 @@ class Manifest:
                     raise ManifestError(f"{path}: tensor {t.name} is missing from the file; convert again")
                 if info.dtype != t.dtype or tuple(info.shape) != t.shape:
                     raise ManifestError(f"{path}: tensor {t.name} ({_rank_label(t.rank)}) is {info.dtype} "
-                                        f"{list(info.shape)} but the manifest says {t.dtype} {list(t.shape)}; convert again")
+                                        f"{list(info.shape)} but the manifest says {t.dtype} {list(t.shape)}; "
+                                        "convert again")
             hashes = f.hash_tensors([t.name for t in ts])
             for t in ts:
                 if hashes[t.name] != t.xxh3_128:
-                    raise ManifestError(f"{path}: tensor {t.name} does not match its manifest hash ({_rank_label(t.rank)}: "
-                                        "its content hash differs); the file was modified or damaged: convert again")
+                    raise ManifestError(f"{path}: tensor {t.name} does not match its manifest hash "
+                                        f"({_rank_label(t.rank)}: its content hash differs); the file was modified "
+                                        "or damaged: convert again")
             if progress:
                 progress(sum(f.tensors[t.name].nbytes for t in ts))
         return len(records)
