@@ -41,7 +41,7 @@ def main() -> None:
 
     from prep.convert import convert
     from prep.deepseek import Target
-    from prep.synth import SynthSpec, write_checkpoint
+    from prep.testing import SynthSpec, write_checkpoint
 
     work = args.workdir.resolve()
     work.mkdir(parents=True, exist_ok=True)

@@ -2,7 +2,7 @@
 """Write a synthetic DeepSeek-V3 checkpoint in AMD Quark MXFP4 format (no network needed).
 
 Why: tests and benchmarks of `prep` need a faithful Quark checkpoint (names, shards, config,
-MTP quirks) without downloading ~350 GiB. See prep/synth.py for what is written.
+MTP quirks) without downloading ~350 GiB. See prep/testing.py for what is written.
 
     .venv/bin/python scripts/make_tiny_deepseek.py OUT [--preset tiny|bench] [--variant r1-0528|v2]
         [--shards N] [--layers N] [--experts N] [--hidden N] [--seed N] [--random-bytes]
@@ -18,10 +18,10 @@ import time
 from pathlib import Path
 
 try:
-    from prep import synth
+    from prep import testing as synth
 except ImportError:  # run from a checkout without an installed `prep`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from prep import synth
+    from prep import testing as synth
 
 
 def spec_from_args(args: argparse.Namespace) -> synth.SynthSpec:

@@ -15,7 +15,7 @@ from layouts.atom import atom_mtp_param_name, install_converted_weights
 from layouts.compat import EngineConfig
 from prep.convert import convert
 from prep.deepseek import Target
-from prep.synth import SynthSpec, write_checkpoint
+from prep.testing import SynthSpec, write_checkpoint
 
 FP4 = getattr(torch, "float4_e2m1fn_x2", torch.uint8)
 E8M0 = getattr(torch, "float8_e8m0fnu", torch.uint8)

@@ -20,7 +20,7 @@ from prep.convert import convert
 from prep.deepseek import Target
 from prep.errors import PrepError
 from prep.revert import revert
-from prep.synth import SynthSpec, write_checkpoint
+from prep.testing import SynthSpec, write_checkpoint
 from prep.verify import verify
 
 

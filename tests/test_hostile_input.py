@@ -27,7 +27,7 @@ from prep.convert import convert
 from prep.deepseek import Target
 from prep.errors import PrepError
 from prep.source import SourceCheckpoint
-from prep.synth import SynthSpec, write_checkpoint
+from prep.testing import SynthSpec, write_checkpoint
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 INDEX = "model.safetensors.index.json"

@@ -15,7 +15,7 @@ from layouts import manifest as schema
 from layouts.manifest import Manifest, ManifestError, load_manifest
 from prep.convert import convert
 from prep.deepseek import Target
-from prep.synth import SynthSpec, write_checkpoint
+from prep.testing import SynthSpec, write_checkpoint
 
 DOC = pathlib.Path(__file__).resolve().parent.parent / "docs" / "manifest.md"
 

@@ -21,7 +21,7 @@ import pytest
 from layouts.manifest import load_manifest
 from prep.convert import convert
 from prep.deepseek import Target
-from prep.synth import SynthSpec, write_checkpoint
+from prep.testing import SynthSpec, write_checkpoint
 
 ENV = {k: v for k, v in os.environ.items() if not k.startswith("PREP_TEST_")}
 

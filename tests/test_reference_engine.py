@@ -16,7 +16,7 @@ from prep.deepseek import Target
 from prep.errors import PrepError
 from prep.model import DeepseekV3, ForwardOptions, rope_tables
 from prep.run import compare, run
-from prep.synth import SynthSpec, write_checkpoint
+from prep.testing import SynthSpec, write_checkpoint
 from prep.weights import load_weights
 
 IDS = [1, 5, 9, 200, 17, 3, 44, 900, 12, 7, 33, 512, 1000, 2, 8, 64, 99, 31, 250, 600,

@@ -13,7 +13,7 @@ from layouts.compat import CompatibilityError, EngineConfig, check_compatibility
 from layouts.manifest import ManifestError, load_manifest
 from prep.convert import convert
 from prep.deepseek import Target
-from prep.synth import SynthSpec, write_checkpoint
+from prep.testing import SynthSpec, write_checkpoint
 from safetensors.torch import load_file
 
 

@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 
 import layouts
-from prep.synth import PRESETS, SynthSpec, build_config, is_excluded, tensor_specs, write_checkpoint
+from prep.testing import PRESETS, SynthSpec, build_config, is_excluded, tensor_specs, write_checkpoint
 
 TINY = PRESETS["tiny"]
 L = TINY.num_hidden_layers  # the MTP layer's index
