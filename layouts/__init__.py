@@ -26,6 +26,7 @@ from .mxfp4 import (
 from . import activation, dequant, manifest
 from .activation import ActivationQuantPlan
 from .compat import CompatibilityError, EngineConfig, check_compatibility
+from .errors import LayoutsError
 from .dequant import dequantize_activation, dequantize_expert, dequantize_stored
 from .fused_quant import fused_rms_mxfp4_quant, fused_rms_mxfp4_quant_reference
 from .loader import RankTensors, load_rank
@@ -51,7 +52,7 @@ __all__ = [
     "dequantize", "e2m1_decode", "e2m1_encode", "e8m0_decode", "e8m0_encode", "pack_fp4", "quantize", "unpack_fp4",
     "Layout", "Transform", "get_layout", "layout_names", "register_layout",
     "GEMM_PATH_RULES", "ActivationQuantFlags", "select_activation_quant",
-    "ActivationQuantPlan", "CompatibilityError", "EngineConfig", "check_compatibility",
+    "ActivationQuantPlan", "CompatibilityError", "LayoutsError", "EngineConfig", "check_compatibility",
     "dequantize_activation", "dequantize_expert", "dequantize_stored",
     "fused_rms_mxfp4_quant", "fused_rms_mxfp4_quant_reference", "RankTensors", "load_rank",
     "Manifest", "ManifestError", "TensorRecord", "load_manifest",

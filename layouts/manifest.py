@@ -22,6 +22,8 @@ import re
 import stat
 from typing import Any, Callable, Iterable, Iterator
 
+from .errors import LayoutsError
+
 MANIFEST_NAME = "prep-manifest.json"
 COMPLETE_NAME = "prep-complete.json"
 FORMAT = "prep-manifest"
@@ -32,7 +34,7 @@ FORMAT_VERSION = 1
 MAX_TP = 1 << 16  # no engine runs more ranks: a larger tp is a damaged manifest
 
 
-class ManifestError(ValueError):
+class ManifestError(LayoutsError):
     """A converted checkpoint's manifest is missing, unfinished, or not one we can read."""
 
 

@@ -11,7 +11,6 @@ memory pressure. Shared by the loader and by prep's converter, verifier and reve
 
 from __future__ import annotations
 
-import json
 import operator
 import os
 import pathlib
@@ -19,6 +18,7 @@ from typing import NamedTuple
 
 import torch
 
+from .errors import LayoutsError
 from .manifest import DuplicateKeyError, open_regular, strict_json
 
 # safetensors dtype strings and the torch dtypes they are read into.
@@ -86,7 +86,7 @@ class SpanHasher:
         return self.digests
 
 
-class SafetensorsFileError(ValueError):
+class SafetensorsFileError(LayoutsError):
     """The file is not a whole, readable safetensors file (truncated, corrupt, or changed)."""
 
 

@@ -23,6 +23,7 @@ import functools
 
 import torch
 
+from .errors import LayoutsError
 from .mxfp4 import E8M0_ONE, as_uint8
 
 W16_ROWS = 16
@@ -32,7 +33,7 @@ S8_COLS = 8
 SCALE_ROW_PAD = 256
 
 
-class LayoutConstraintError(ValueError):
+class LayoutConstraintError(LayoutsError):
     """A tensor's shape does not meet a layout's constraint."""
 
 

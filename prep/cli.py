@@ -26,11 +26,9 @@ def error_line(e: BaseException) -> str:
     import errno
 
     from layouts.compat import CompatibilityError
-    from layouts.manifest import ManifestError
-    from layouts.safetensors_file import SafetensorsFileError
-    from layouts.shuffle import LayoutConstraintError
+    from layouts.errors import LayoutsError
 
-    if isinstance(e, (PrepError, ManifestError, CompatibilityError, SafetensorsFileError, LayoutConstraintError)):
+    if isinstance(e, (PrepError, LayoutsError, CompatibilityError)):
         msg = str(e)
     elif isinstance(e, OSError):
         where = e.filename or "a file"

@@ -10,7 +10,7 @@ from typing import Any, Iterator
 
 import torch
 
-from layouts.manifest import GroupRecord, ManifestError, SourceTensor, TensorRecord, load_manifest
+from layouts.manifest import GroupRecord, SourceTensor, TensorRecord, load_manifest
 
 from .errors import PrepError
 from .groups import LinearGroup, MoEGroup, expert_rows_split_exactly, group_from_record
@@ -29,10 +29,7 @@ class ConvertedCheckpoint:
         self.root = pathlib.Path(root)
         self.check_hashes = check_hashes
         self._hashing: dict[tuple[str, str], tuple[Any, int]] = {}  # (file, tensor) -> (hasher, bytes fed)
-        try:
-            self.manifest = load_manifest(self.root)
-        except ManifestError as e:
-            raise PrepError(str(e)) from None
+        self.manifest = load_manifest(self.root)  # a ManifestError keeps its type: the CLI prints it
         # load_manifest checked the marker's hash against the manifest's bytes.
         self.manifest_sha256 = self.manifest.sha256
         self._files: dict[str, ShardFile] = {}

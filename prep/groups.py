@@ -31,7 +31,7 @@ def _check_layout(layout: str, shapes, tensor: str) -> None:
     try:
         layouts.get_layout(layout).check(*shapes, tensor=tensor)
     except layouts.LayoutConstraintError as e:
-        raise PrepError(f"{e}; choose a smaller --tp or another --layout") from None
+        raise layouts.LayoutConstraintError(f"{e}; choose a smaller --tp or another --layout") from None
 
 
 @dataclasses.dataclass(frozen=True)

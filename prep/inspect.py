@@ -6,6 +6,7 @@ import collections
 import pathlib
 from typing import Any
 
+from layouts.errors import LayoutsError
 from layouts.manifest import MANIFEST_NAME
 
 from .converted import ConvertedCheckpoint
@@ -34,7 +35,7 @@ def _inspect_source(spec: str, revision: str | None) -> tuple[dict[str, Any], li
             try:
                 plan_groups(src, cls, Target(layout, moe, tp))
                 row[str(tp)] = "ok"
-            except PrepError as e:
+            except (PrepError, LayoutsError) as e:  # a constraint this target breaks: say which
                 row[str(tp)] = str(e)
         support[f"{layout}+{moe}"] = row
     result = {

@@ -31,26 +31,20 @@ def _show(name: str) -> str:
 
 
 class ShardFile(SafetensorsFile):
-    """A safetensors file of a checkpoint (layouts' pread reader) whose errors are prep's
-    one-line errors: a truncated download or a changed file is named, with what to do."""
+    """A safetensors file of a checkpoint (layouts' pread reader): a truncated download or a
+    changed file is named with what to do, and a missing tensor is a PrepError."""
 
     def __init__(self, path: pathlib.Path):
         try:
             super().__init__(path)
         except SafetensorsFileError as e:
-            raise PrepError(f"{e}: re-download it") from None
+            raise SafetensorsFileError(f"{e}: re-download it") from None  # same type, with the fix
 
     def get(self, name: str) -> torch.Tensor:
         try:
             return super().get(name)
         except KeyError:
             raise PrepError(f"{self.path}: no tensor {name}") from None
-
-    def read(self, info: TensorInfo, rows: slice | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-        try:
-            return super().read(info, rows, out)
-        except SafetensorsFileError as e:
-            raise PrepError(str(e)) from None
 
 
 def resolve(src: str, revision: str | None = None) -> tuple[pathlib.Path, dict[str, Any]]:

@@ -564,3 +564,20 @@ def test_revert_refuses_a_source_tensor_larger_than_the_files_before_allocating(
     dest = tmp_path / "rt"
     assert_one_line_error(run_cli("revert", out, "-o", dest), "model.norm.weight", "larger than all the files")
     assert nothing_left(dest)
+
+
+# ------------------------------------------------------------------------------ one error base per package
+def test_errors_keep_their_type_under_one_base_per_package(made, tmp_path):
+    from layouts.shuffle import LayoutConstraintError
+
+    for cls in (ManifestError, SafetensorsFileError, LayoutConstraintError):
+        assert issubclass(cls, L.LayoutsError) and issubclass(cls, ValueError)
+    bad = copy(made["src"], tmp_path / "trunc")
+    victim = sorted(bad.glob("model-0000*.safetensors"))[1]
+    victim.write_bytes(victim.read_bytes()[:-10])
+    with pytest.raises(SafetensorsFileError, match="re-download it"):  # prep adds the fix, keeps the type
+        SourceCheckpoint.open(str(bad))
+    with pytest.raises(LayoutConstraintError, match="choose a smaller --tp"):
+        convert(str(made["src"]), tmp_path / "tp8", Target(tp=8))
+    assert nothing_left(tmp_path / "tp8")
+    assert_one_line_error(run_cli("convert", made["src"], "-o", tmp_path / "tp8", "--tp", "8"), "K % 64 == 0")
