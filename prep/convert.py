@@ -35,7 +35,7 @@ from .groups import LinearGroup, MoEGroup
 from .identity import changed_files, file_identity
 from .outdir import OutputFolder, kill_point, output_id, write_json
 from .source import ShardFile, SourceCheckpoint
-from .stwriter import StreamingSafetensorsWriter, nbytes
+from .safetensors_writer import StreamingSafetensorsWriter, nbytes
 
 SHARD_BYTES = 4 << 30  # split a rank's tensors into files of about this size
 # Tensors are built, transformed and written in blocks of about this size (whole experts, or

@@ -57,7 +57,7 @@ class ConvertedCheckpoint:
         """Every source tensor the manifest describes is rebuilt in memory from bytes the files
         hold: one larger than all files together is a damaged or hostile manifest, refused
         before it drives an allocation."""
-        from .stwriter import nbytes
+        from .safetensors_writer import nbytes
 
         if self.manifest.source is None:  # load_manifest checked its types when it is there
             raise PrepError(f"{self.root}: the manifest has no source tensor table; convert again")

@@ -21,7 +21,7 @@ from .converted import ConvertedCheckpoint
 from .errors import PrepError
 from .outdir import REVERT_MARKER, OutputFolder, write_json
 from .source import INDEX_NAME, SIDE_FILES
-from .stwriter import TORCH_DTYPES, StreamingSafetensorsWriter, nbytes
+from .safetensors_writer import TORCH_DTYPES, StreamingSafetensorsWriter, nbytes
 
 
 def revert(out: str, dest: str | pathlib.Path, force: bool = False, verify: bool = True,

@@ -30,7 +30,7 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from prep.convert import CHUNK_BYTES  # noqa: E402
-from prep.stwriter import nbytes  # noqa: E402
+from prep.safetensors_writer import nbytes  # noqa: E402
 
 
 def du(path: pathlib.Path) -> int:

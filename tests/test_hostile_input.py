@@ -363,7 +363,7 @@ def test_safetensors_data_must_be_covered_exactly_by_well_typed_entries(tmp_path
 
 def test_our_streaming_writer_covers_the_data_section_exactly(tmp_path):
     # The reader now refuses gaps: what prep writes (odd sizes, empty tensors, scalars) must pass.
-    from prep.stwriter import StreamingSafetensorsWriter
+    from prep.safetensors_writer import StreamingSafetensorsWriter
 
     tensors = {"odd": torch.arange(3, dtype=torch.uint8), "bf": torch.ones(2, 3, dtype=torch.bfloat16),
                "empty": torch.empty(0, 5, dtype=torch.float32), "scalar": torch.tensor(1.5), "tail": torch.arange(5, dtype=torch.int16)}
