@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import pathlib
 import sys
 from typing import Any, Callable
 
@@ -62,10 +63,10 @@ def _fail_cleanly(fn: Callable) -> Callable:
         as_json = bool(kwargs.get("as_json"))
         try:
             return fn(*args, **kwargs)
-        except KeyboardInterrupt:
-            msg = _INTERRUPTED.get(fn.__name__, "stopped")
+        except KeyboardInterrupt as e:
+            msg = getattr(e, "hint", None) or _INTERRUPTED.get(fn.__name__, "stopped")
             if as_json:
-                click.echo(json.dumps({"ok": False, "error": msg, "interrupted": True}))
+                click.echo(json.dumps({"ok": False, "error": msg, "code": 130, "interrupted": True}))
             else:
                 click.echo(f"interrupted: {msg}", err=True)
             sys.exit(130)
@@ -74,7 +75,7 @@ def _fail_cleanly(fn: Callable) -> Callable:
                 raise
             line = error_line(e)
             if as_json:
-                click.echo(json.dumps({"ok": False, "error": line}))
+                click.echo(json.dumps({"ok": False, "error": line, "code": 1}))
             else:
                 click.echo(f"error: {line}", err=True)
             sys.exit(1)
@@ -150,7 +151,9 @@ def inspect(src: str, revision: str | None, as_json: bool) -> None:
 
 @main.command()
 @click.argument("src")
-@click.option("-o", "--out", required=True, metavar="OUT", help="Output folder (created; see --force).")
+@click.option("-o", "--out", metavar="OUT",
+              help="Output folder (created; see --force). Default: SRC-LAYOUT[-MOE_LAYOUT]-tpN[-epN] next to a "
+                   "source folder, or in the current folder for a repo id.")
 @click.option("--layout", type=click.Choice(["preshuffle", "non-shuffle"]), default="preshuffle", show_default=True,
               help="Dense linears: preshuffle = aiter gemm_a4w4 / Triton preshuffle GEMM; "
                    "non-shuffle = ATOM_USE_FP4_NON_SHUFFLE_TRITON_GEMM.")
@@ -184,21 +187,45 @@ def convert(src, out, layout, moe_layout, tp, ep, fuse_shared_expert, workers, f
     \b
     Examples:
       prep convert amd/DeepSeek-R1-0528-MXFP4 -o r1-tp8 --tp 8
+      prep convert ./model --layout preshuffle          # writes ./model-preshuffle-tp1
       prep convert ./src -o out --layout non-shuffle --moe-layout triton --tp 4 --workers 4
     """
     from .convert import convert as run, keep_freed_memory
     from .deepseek import Target
 
     keep_freed_memory()
+    if out is None:
+        out = default_out(src, layout, moe_layout, tp, ep)
+        if not as_json:
+            click.echo(f"note: writing to {out} (choose another folder with -o)", err=True)
     bar = _Bar("convert", not as_json and sys.stderr.isatty())
     try:
         s = run(src, out, Target(layout, moe_layout, tp, ep, fuse_shared_expert), force=force, resume=resume,
                 workers=workers, revision=revision, progress=bar, on_total=bar.total,
                 notify=lambda line: click.echo(f"note: {line}", err=True))
+    except KeyboardInterrupt as e:
+        from .outdir import OutputFolder
+
+        work = OutputFolder(out, inputs=[], force=False).work
+        e.hint = (f"finished files are kept in {work}; rerun the same command with --resume to continue "
+                  "(without it, they are discarded)")
+        raise
     finally:
         bar.close()
     _emit(s, as_json, [f"wrote {s['out']}: {s['tensors']} tensors from {s['source_tensors']} source tensors, "
                        f"{s['files']} files ({s['reused_files']} reused), {s['bytes'] / 2**30:.3f} GiB"])
+
+
+def default_out(src: str, layout: str, moe_layout: str, tp: int, ep: int) -> str:
+    """``SRC-LAYOUT[-MOE_LAYOUT]-tpN[-epN]``: beside a source folder, or in the current folder
+    for a Hugging Face repo id (named after the repo). The MoE layout is named when it is not
+    the default one."""
+    from .deepseek import Target
+
+    path = pathlib.Path(src).expanduser()
+    base = path.resolve() if path.is_dir() else pathlib.Path.cwd() / src.rstrip("/").split("/")[-1]
+    name = f"{base.name}-{layout}" + (f"-{moe_layout}" if moe_layout != Target.moe_layout else "") + f"-tp{tp}"
+    return str(base.with_name(name + (f"-ep{ep}" if ep > 1 else "")))
 
 
 @main.command()

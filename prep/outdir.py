@@ -53,10 +53,13 @@ def _side_files() -> tuple[str, ...]:
 
 
 def kill_point(name: str) -> None:
-    """Test hook: ``PREP_TEST_KILL_AT=<name>`` makes this process kill -9 itself here, so the
-    fault suite can stop a real run at every step of a write (tests/test_output_safety.py)."""
+    """Test hook: ``PREP_TEST_KILL_AT=<name>`` makes this process kill -9 itself here (and
+    ``PREP_TEST_INTERRUPT_AT=<name>`` raises KeyboardInterrupt), so the fault suite can stop a
+    real run at every step of a write (tests/test_output_safety.py)."""
     if os.environ.get("PREP_TEST_KILL_AT") == name:
         os.kill(os.getpid(), signal.SIGKILL)
+    if os.environ.get("PREP_TEST_INTERRUPT_AT") == name:  # what Ctrl-C does there
+        raise KeyboardInterrupt
 
 
 def write_json(path: pathlib.Path, obj: Any) -> None:

@@ -45,7 +45,7 @@ def zygote():
     z.close()
 
 
-def prep(*args, kill_at=None, no_exchange=False, cwd=None, wait=True):
+def prep(*args, kill_at=None, interrupt_at=None, no_exchange=False, cwd=None, wait=True):
     """Run the real CLI in a process of its own (forked from the zygote; ``wait=False``: a
     fresh interpreter, to run beside another)."""
     env = dict(ENV)
@@ -53,6 +53,8 @@ def prep(*args, kill_at=None, no_exchange=False, cwd=None, wait=True):
         env["PREP_TEST_KILL_AT"] = kill_at
     if no_exchange:
         env["PREP_TEST_NO_EXCHANGE"] = "1"
+    if interrupt_at:
+        env["PREP_TEST_INTERRUPT_AT"] = interrupt_at
     args = [str(a) for a in args]
     if wait:
         return _ZYGOTE["z"].run(args, env, str(cwd) if cwd else None)
@@ -331,7 +333,7 @@ def test_json_errors_are_json_and_debug_shows_the_traceback(workspace):
     r = prep("convert", workspace / "src", "-o", workspace / "src", "--json")
     assert r.returncode == 1 and r.stderr == ""
     err = json.loads(r.stdout)
-    assert err["ok"] is False and "is the input" in err["error"]
+    assert err["ok"] is False and "is the input" in err["error"] and err["code"] == 1
     r = prep("--debug", "convert", workspace / "src", "-o", workspace / "src")
     assert r.returncode == 1 and "Traceback" in r.stderr
 
@@ -351,3 +353,29 @@ def test_a_read_only_output_folder_is_one_line(workspace, tmp_path):
         one_line_error(prep("convert", workspace / "src", "-o", ro / "out"), "cannot write")
     finally:
         ro.chmod(0o755)
+
+
+# ------------------------------------------------------------------------------ CLI conventions
+def test_convert_without_o_writes_beside_the_source_and_says_where(workspace):
+    r = prep("convert", "--layout", "preshuffle", "src", cwd=workspace)
+    assert r.returncode == 0, r.stderr
+    assert f"writing to {workspace / 'src-preshuffle-tp1'}" in r.stderr
+    complete(workspace / "src-preshuffle-tp1")
+    r = prep("convert", "src", "--moe-layout", "triton", "--tp", "2", "--ep", "1", cwd=workspace)
+    assert r.returncode == 0 and (workspace / "src-preshuffle-triton-tp2").is_dir(), r.stderr
+
+
+def test_python_dash_m_prep_is_the_cli():
+    r = subprocess.run([sys.executable, "-m", "prep", "--help"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "Usage: prep" in r.stdout
+
+
+def test_ctrl_c_names_the_work_folder_and_resume_continues(workspace, sources):
+    out = workspace / "fresh"
+    r = prep("convert", workspace / "src", "-o", out, "--tp", "2", interrupt_at="file-written")
+    assert r.returncode == 130 and str(workspace / ".fresh.prep") in r.stderr and "--resume" in r.stderr, r.stderr
+    r = prep("convert", workspace / "src", "-o", out, "--tp", "2", "--json", interrupt_at="file-written")
+    err = json.loads(r.stdout)
+    assert r.returncode == 130 and err["code"] == 130 and err["interrupted"] is True
+    r = prep("convert", workspace / "src", "-o", out, "--tp", "2", "--resume", "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["reused_files"] >= 1 and no_work_left(out)
