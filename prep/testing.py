@@ -22,6 +22,7 @@ import json
 import re
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors.torch import save_file
@@ -378,13 +379,15 @@ def _tokenizer_files() -> dict[str, object]:
     return {"tokenizer.json": tokenizer, "tokenizer_config.json": tok_config, "generation_config.json": gen_config}
 
 
-def write_checkpoint(spec: SynthSpec, out_dir: str | Path) -> Path:
+def write_checkpoint(spec: SynthSpec, out_dir: str | Path,
+                     progress: Callable[[int, int], None] | None = None) -> Path:
     """Write the checkpoint of ``spec`` into ``out_dir`` (created; must be absent or empty).
 
     Writes ``config.json``, the shards ``model-0000i-of-0000N.safetensors``,
     ``model.safetensors.index.json``, ``generation_config.json``, ``tokenizer_config.json`` and
     ``tokenizer.json``. Tensors are generated shard by shard, so peak memory is about one shard.
-    Returns ``out_dir`` as a Path.
+    ``progress(done, total)`` is called with bytes generated after each tensor. Returns
+    ``out_dir`` as a Path.
     """
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -399,12 +402,15 @@ def write_checkpoint(spec: SynthSpec, out_dir: str | Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
 
     weight_map: dict[str, str] = {}
-    total = 0
+    total, planned, made = 0, sum(p.nbytes() for p in params), 0
     for i in range(spec.num_shards):
         fname = f"model-{i + 1:05d}-of-{spec.num_shards:05d}.safetensors"
         tensors: dict[str, torch.Tensor] = {}
         for p in params[cuts[i]:cuts[i + 1]]:
             tensors.update(_materialize(spec, p))
+            made += p.nbytes()
+            if progress:
+                progress(made, planned)
         save_file(tensors, str(out / fname), metadata={"format": "pt"})
         for name, t in tensors.items():
             weight_map[name] = fname

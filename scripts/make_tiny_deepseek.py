@@ -46,6 +46,28 @@ def spec_from_args(args: argparse.Namespace) -> synth.SynthSpec:
     return dataclasses.replace(base, **changes)
 
 
+class _Bar:
+    """A tqdm bar over the bytes generated, on stderr (called with done, total)."""
+
+    bar = None
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.bar is None:  # the total is known at the first call
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc="generate", unit="B", unit_scale=True, unit_divisor=1024,
+                            file=sys.stderr)
+        self.bar.update(done - self.bar.n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _progress_bar(quiet: bool) -> "_Bar | None":
+    return None if quiet or not sys.stderr.isatty() else _Bar()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", help="output directory (must not exist or be empty)")
@@ -57,11 +79,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden", type=int, help="hidden_size")
     parser.add_argument("--seed", type=int)
     parser.add_argument("--random-bytes", action="store_true", help="random codes/scales instead of quantizing (fast)")
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress bar (it shows only on a terminal)")
     args = parser.parse_args(argv)
     try:
         spec = spec_from_args(args)
         start = time.perf_counter()
-        out = synth.write_checkpoint(spec, args.out)
+        bar = _progress_bar(args.quiet)
+        try:
+            out = synth.write_checkpoint(spec, args.out, progress=bar)
+        finally:
+            if bar is not None:
+                bar.close()
     except ValueError as exc:
         parser.error(str(exc))
     elapsed = time.perf_counter() - start
