@@ -1,27 +1,37 @@
 #!/usr/bin/env bash
-# Create (or refresh) .venv with everything prep, its tests and benchmarks need, on the CPU.
+# Create (or refresh) .venv on the CPU: what prep and the demo need, and with --tests also the test
+# tools and the oracles the tests compare against. Each step says what it installs and how long it
+# took; pip's own output is shown only when a step fails.
 # torch is pinned to the 2.13.0 CPU wheel first: an open range would pull a multi-GB CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+TESTS=0
+[ "${1:-}" = "--tests" ] && TESTS=1
 
-# Run a command quietly; show its output only if it fails.
-quiet() {
-  local log; log=$(mktemp)
-  if ! "$@" >"$log" 2>&1; then cat "$log" >&2; rm -f "$log"; return 1; fi
+# Run a step quietly, saying what it is and how long it took; show its output only if it fails.
+step() {
+  local what=$1; shift
+  local log t0; log=$(mktemp); t0=$(date +%s)
+  printf 'setup: %s ... ' "$what" >&2
+  if ! "$@" >"$log" 2>&1; then echo "failed:" >&2; cat "$log" >&2; rm -f "$log"; return 1; fi
   rm -f "$log"
+  echo "ok ($(( $(date +%s) - t0 )) s)" >&2
 }
+have() { .venv/bin/python -c "$1" >/dev/null 2>&1; }
 
-[ -x .venv/bin/python ] || "$PY" -m venv .venv
+[ -x .venv/bin/python ] || step "virtual environment .venv" "$PY" -m venv .venv
 PIP=(.venv/bin/python -m pip install --disable-pip-version-check)
-quiet "${PIP[@]}" torch==2.13.0
-quiet "${PIP[@]}" -e '.[dev]'
-.venv/bin/python -c "import torch, layouts, prep"
+have "import torch; assert torch.__version__.startswith('2.13.0')" || step "torch 2.13.0 (CPU wheel)" "${PIP[@]}" torch==2.13.0
+have "import layouts, prep, click, tqdm, xxhash, huggingface_hub" || step "prep and layouts (editable)" "${PIP[@]}" -e .
+[ "$TESTS" = 1 ] || exit 0
+
+have "import pytest, hypothesis, triton" || step "test tools: pytest, hypothesis, triton (for the interpreter)" "${PIP[@]}" -e '.[dev]'
 # Oracles the tests compare against. amd-quark (Quark's own MXFP4 exporter) installs normally;
 # aiter's layout/quant files are unpacked, not installed (`import aiter` needs ROCm, and an
 # installed aiter breaks `import quark` on such a machine).
-.venv/bin/python -c "import quark" >/dev/null 2>&1 || quiet "${PIP[@]}" amd-quark==0.13
-quiet .venv/bin/python scripts/fetch_aiter_oracle.py
+have "import quark" || step "oracle: amd-quark 0.13" "${PIP[@]}" amd-quark==0.13
+step "oracle: aiter's files from the pinned amd-aiter wheel" .venv/bin/python scripts/fetch_aiter_oracle.py
 # transformers' own DeepseekV3, the independent reference for `prep run` (tests only).
-.venv/bin/python -c "import transformers; assert transformers.__version__ == '5.24.0'" >/dev/null 2>&1 \
-  || quiet "${PIP[@]}" transformers==5.24.0
+have "import transformers; assert transformers.__version__ == '5.24.0'" \
+  || step "oracle: transformers 5.24.0 (DeepseekV3)" "${PIP[@]}" transformers==5.24.0
