@@ -1,7 +1,9 @@
 """prep's runtime library: MXFP4 numerics, the byte layouts AMD's kernels read, and the rules
 for picking them. Imports torch only; engines import this at start-up.
 
-Facts and sources: ``../shared/docs/mxfp4-layouts.md`` (aiter and ATOM are the ground truth).
+The layouts and their byte formulas: ``docs/layouts.md``. What each engine's switches mean, which
+layout each of its paths reads and what it refuses: its profile in ``layouts/engines/``
+(``docs/engines.md``). aiter and ATOM are the ground truth.
 """
 
 from .mxfp4 import (
@@ -23,10 +25,11 @@ from .mxfp4 import (
     quantize,
     unpack_fp4,
 )
-from . import activation, dequant, manifest
+from . import activation, dequant, engines, manifest
 from .activation import ActivationQuantPlan
 from .compat import CompatibilityError, EngineConfig, check_compatibility
 from .errors import LayoutsError
+from .engines import EngineProfile, engine_names, get_engine, register_engine
 from .dequant import dequantize_activation, dequantize_expert, dequantize_stored
 from .fused_quant import fused_rms_mxfp4_quant, fused_rms_mxfp4_quant_reference
 from .loader import RankTensors, load_rank
@@ -53,6 +56,7 @@ __all__ = [
     "Layout", "Transform", "get_layout", "layout_names", "register_layout",
     "GEMM_PATH_RULES", "ActivationQuantFlags", "select_activation_quant",
     "ActivationQuantPlan", "CompatibilityError", "LayoutsError", "EngineConfig", "check_compatibility",
+    "EngineProfile", "engine_names", "get_engine", "register_engine",
     "dequantize_activation", "dequantize_expert", "dequantize_stored",
     "fused_rms_mxfp4_quant", "fused_rms_mxfp4_quant_reference", "RankTensors", "load_rank",
     "Manifest", "ManifestError", "TensorRecord", "load_manifest",

@@ -229,7 +229,19 @@ def get_layout(name: str) -> Layout:
 
 
 def layout_names(kind: str | None = None) -> list[str]:
+    """The registered layout names, sorted; only those of ``kind`` ("dense" or "moe") when given."""
     return sorted(n for n, l in _REGISTRY.items() if kind is None or l.kind == kind)
+
+
+def source_order_layout(kind: str) -> Layout:
+    """The registered layout of ``kind`` whose weight and scale transforms are both the identity:
+    the byte order of an unconverted (Quark) checkpoint, what an engine path reading a source reads."""
+    found = [l for l in _REGISTRY.values()
+             if l.kind == kind and l.weight.name == Identity.name and l.scale.name == Identity.name]
+    if len(found) != 1:
+        raise KeyError(f"{len(found)} {kind} layouts keep the source's byte order ({', '.join(l.name for l in found)}); "
+                       "exactly one must")
+    return found[0]
 
 
 NON_SHUFFLE = register_layout(Layout(

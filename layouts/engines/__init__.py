@@ -1,0 +1,271 @@
+"""Engine profiles: what each inference engine's switches mean for a converted checkpoint.
+
+One module per engine (``atom.py``: ROCm ATOM) holds what this repository knows of that engine:
+its switches and how it reads them, which registered layout each of its dense GEMM paths and MoE
+back ends reads, the activation-quant flags each GEMM path needs, the configurations it would
+misread (refused with the fix), and its adapter. The rest of ``layouts`` and all of ``prep`` ask
+the profile and the layout registry (:mod:`layouts.registry`) instead of naming layouts or
+switches, so:
+
+* a new layout is one registration in the registry (+ its shuffle math), plus a line in the
+  profile of each engine that has a path reading it;
+* a new engine is one module in this package that defines ``PROFILE``, an instance of an
+  :class:`EngineProfile` subclass. It is found by its module name (``get_engine("sglang")``
+  imports ``layouts.engines.sglang``); a profile defined elsewhere joins with
+  :func:`register_engine`.
+
+A profile is data (class attributes) plus one required method, :meth:`EngineProfile.config_from_env`,
+and optional fix hints; ``docs/engines.md`` lists them and sketches SGLang's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import pkgutil
+from typing import TYPE_CHECKING, Callable, Mapping, Optional
+
+if TYPE_CHECKING:  # compat imports this package: the names are only for annotations here
+    from ..compat import EngineConfig
+    from ..manifest import Manifest
+
+DEFAULT_ENGINE = "atom"
+"""The engine a configuration is for unless it names another, and whose default configuration a
+plain ``prep convert`` targets."""
+
+NEVER = None
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmPathRule:
+    """One dense MXFP4 GEMM path: the layout it reads its weights in, and from how many tokens
+    the fused RMSNorm + MXFP4 quant feeding it must shuffle / pad the activation scale.
+
+    ``min_tokens_*``: smallest token count that turns the flag on (0 = always, None = never)."""
+
+    weight_layout: str
+    min_tokens_shuffle: int | None
+    min_tokens_padding: int | None
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuArch:
+    """A GPU family an engine runs on, by ``gcnArchName`` prefix."""
+
+    prefix: str  # "gfx95": every arch name starting with it belongs to the family
+    example: str  # a full arch of the family, for configurations made without a device ("gfx950")
+    label: str  # how messages name the family ("gfx95x (MI355)")
+
+
+Check = Callable[["Manifest", "EngineConfig"], Optional[str]]
+"""One compatibility rule: why ``engine`` would misread ``manifest``'s checkpoint (one line that
+names the fix, without the checkpoint's path, which the caller puts in front), or None."""
+
+
+class EngineProfile:
+    """What one engine reads and refuses. A subclass sets the class attributes below and
+    implements :meth:`config_from_env`; the fix hints have neutral defaults. Everything else
+    (defaults, the layout each configuration reads, the configuration that reads a checkpoint)
+    is derived from the data, so the data is the only place the engine's rules are written."""
+
+    name: str
+    """The engine's name: :attr:`EngineConfig.engine <layouts.EngineConfig>`, this module's name."""
+    gemm_paths: Mapping[str, GemmPathRule]
+    """Dense GEMM paths by name, the engine's default first. Path names are shared by all engines
+    (:func:`select_activation_quant <layouts.select_activation_quant>` is given a name only):
+    two engines may both name a path only with the same rule. For a checkpoint, the first path
+    that reads its dense layout is the one assumed (``prep run``)."""
+    moe_layouts: Mapping[tuple[str, str], str]
+    """``(MoE back end, GpuArch.prefix) -> MoE layout`` that back end reads on that GPU family;
+    the default back end first."""
+    gpu_archs: tuple[GpuArch, ...]
+    """The GPU families the engine's layouts cover; any other arch is refused."""
+    default_gpu_arch: str
+    """The arch assumed when neither the caller nor the device says (one of ``gpu_archs``)."""
+    expert_parallel_backends: tuple[str, ...]
+    """MoE back ends that honour the expert map, so run expert parallel correctly."""
+    expert_parallel_switch: str
+    """What turns expert parallel on in this engine (named in fixes)."""
+    checks: tuple[Check, ...]
+    """:func:`check_compatibility <layouts.check_compatibility>`'s rules for this engine, in
+    order; the first refusal is raised. ``layouts.compat`` has the rules every engine shares."""
+    inspected: tuple[tuple[str, str], ...]
+    """``(GEMM path, MoE back end)`` configurations, on the default arch, that ``prep inspect``
+    checks a source against (the ones users run)."""
+
+    # ------------------------------------------------------------------ derived from the data
+    @property
+    def default_gemm_path(self) -> str:
+        return next(iter(self.gemm_paths))
+
+    @property
+    def moe_backends(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(backend for backend, _ in self.moe_layouts))
+
+    @property
+    def default_moe_backend(self) -> str:
+        return self.moe_backends[0]
+
+    def arch(self, gpu_arch: str) -> GpuArch | None:
+        """The family ``gpu_arch`` belongs to, or None when the engine's layouts do not cover it."""
+        return next((a for a in self.gpu_archs if gpu_arch.startswith(a.prefix)), None)
+
+    def dense_layout(self, gemm_path: str) -> str:
+        """The dense layout ``gemm_path`` reads."""
+        return self.gemm_paths[gemm_path].weight_layout
+
+    def moe_layout(self, moe_backend: str, gpu_arch: str) -> str:
+        """The MoE layout ``moe_backend`` reads on ``gpu_arch``."""
+        family = self.arch(gpu_arch)
+        return self.moe_layouts[(moe_backend, family.prefix if family else gpu_arch)]
+
+    def gemm_path_reading(self, layout: str) -> str:
+        """The engine's first GEMM path that reads dense ``layout`` (:class:`KeyError` if none)."""
+        path = next((p for p, rule in self.gemm_paths.items() if rule.weight_layout == layout), None)
+        if path is None:
+            raise KeyError(f"no {self.name} GEMM path reads the {layout!r} layout; "
+                           f"its paths read {', '.join(sorted({r.weight_layout for r in self.gemm_paths.values()}))}")
+        return path
+
+    def moe_backend_reading(self, moe_layout: str) -> tuple[str, str]:
+        """``(MoE back end, full GPU arch)`` that reads ``moe_layout``, preferring the default arch
+        and then the default back end (:class:`KeyError` if none)."""
+        default = self.arch(self.default_gpu_arch)
+        for family in sorted(self.gpu_archs, key=lambda a: a != default):
+            for backend in self.moe_backends:
+                if self.moe_layouts.get((backend, family.prefix)) == moe_layout:
+                    return backend, self.default_gpu_arch if family == default else family.example
+        raise KeyError(f"no {self.name} MoE back end reads the {moe_layout!r} layout; "
+                       f"its back ends read {', '.join(sorted(set(self.moe_layouts.values())))}")
+
+    def expert_parallel_moe_layouts(self) -> list[str]:
+        """The MoE layouts the engine can run with expert parallel, on any of its GPUs."""
+        return list(dict.fromkeys(layout for (backend, _), layout in self.moe_layouts.items()
+                                  if backend in self.expert_parallel_backends))
+
+    def inspect_targets(self) -> list[tuple[str, str]]:
+        """``(dense layout, MoE layout)`` of each :attr:`inspected` configuration, in order, once each."""
+        return list(dict.fromkeys((self.dense_layout(path), self.moe_layout(backend, self.default_gpu_arch))
+                                  for path, backend in self.inspected))
+
+    # ------------------------------------------------------------------ the engine's own code
+    def config_from_env(self, env: Mapping[str, str], *, tp_size: int, rank: int, ep_size: int,
+                        gpu_arch: str | None) -> "EngineConfig":
+        """The configuration the engine runs with these environment switches, as the engine reads
+        them; raises :class:`~layouts.CompatibilityError` for combinations the engine gets wrong."""
+        raise NotImplementedError(f"engine {self.name!r} does not read its configuration from the environment")
+
+    def dense_fix(self, layout: str, gemm_path: str) -> str | None:
+        """The whole refusal for a ``layout`` checkpoint on ``gemm_path``, naming the switch that
+        fixes it; None: the shared message (convert with the layout the path reads)."""
+        return None
+
+    def moe_fix(self, moe_layout: str, engine: "EngineConfig") -> str | None:
+        """What to change in the engine so that it reads ``moe_layout`` (put before "or convert
+        with --moe-layout ..."); None: only converting again fixes it."""
+        return None
+
+    def target_refusal(self, tp: int, ep: int, moe_layout: str) -> str | None:
+        """Why no configuration of this engine could run a conversion with these TP/EP sizes and
+        MoE layout (``prep convert`` refuses it before writing), or None."""
+        return None
+
+    def __repr__(self) -> str:
+        return f"<engine profile {self.name}: GEMM paths {', '.join(self.gemm_paths)}; MoE {', '.join(self.moe_backends)}>"
+
+
+# ---------------------------------------------------------------------------- the profiles
+_PROFILES: dict[str, EngineProfile] = {}
+_SCANNED = {"all": False}
+
+
+def _builtin_modules() -> list[str]:
+    """The engine modules of this package (not the private ones)."""
+    return [m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_")]
+
+
+def _load(module: str) -> None:
+    mod = importlib.import_module(f"{__name__}.{module}")
+    profile = getattr(mod, "PROFILE", None)
+    if not isinstance(profile, EngineProfile):
+        raise TypeError(f"{mod.__name__} defines no PROFILE (an EngineProfile); every engine module must")
+    if profile.name not in _PROFILES:
+        register_engine(profile)
+
+
+def _load_all() -> None:
+    if not _SCANNED["all"]:
+        for module in _builtin_modules():
+            _load(module)
+        _SCANNED["all"] = True
+
+
+def register_engine(profile: EngineProfile) -> EngineProfile:
+    """Add ``profile`` to the engines :func:`get_engine` knows, after checking that it reads only
+    registered layouts and that its GEMM path names mean what other engines' mean."""
+    from ..registry import layout_names
+
+    if profile.name in _PROFILES:
+        raise ValueError(f"engine {profile.name!r} is already registered")
+    dense, moe = layout_names("dense"), layout_names("moe")
+    for path, rule in profile.gemm_paths.items():
+        if rule.weight_layout not in dense:
+            raise ValueError(f"engine {profile.name!r}: GEMM path {path!r} reads {rule.weight_layout!r}, which is not "
+                             f"a registered dense layout ({', '.join(dense)}); register the layout first")
+        for other in _PROFILES.values():
+            if other.gemm_paths.get(path, rule) != rule:
+                raise ValueError(f"engine {profile.name!r}: GEMM path {path!r} is {other.name}'s with another rule; "
+                                 "name the path differently (activation flags are looked up by path name)")
+    for (backend, prefix), layout in profile.moe_layouts.items():
+        if layout not in moe:
+            raise ValueError(f"engine {profile.name!r}: MoE back end {backend!r} on {prefix} reads {layout!r}, which is "
+                             f"not a registered MoE layout ({', '.join(moe)}); register the layout first")
+    if profile.arch(profile.default_gpu_arch) is None:
+        raise ValueError(f"engine {profile.name!r}: default GPU arch {profile.default_gpu_arch!r} is not in its gpu_archs")
+    _PROFILES[profile.name] = profile
+    return profile
+
+
+def get_engine(name: str = DEFAULT_ENGINE) -> EngineProfile:
+    """The profile of engine ``name`` (its module here is imported on first use); the error
+    lists the engines known."""
+    if name not in _PROFILES and name in _builtin_modules():
+        _load(name)
+    try:
+        return _PROFILES[name]
+    except KeyError:
+        raise KeyError(f"unknown engine {name!r}; known: {', '.join(engine_names())}") from None
+
+
+def engine_names() -> list[str]:
+    """Every engine with a profile: this package's modules and those registered from outside."""
+    _load_all()
+    return list(_PROFILES)
+
+
+def gemm_path_rule(gemm_path: str) -> GemmPathRule:
+    """The rule of GEMM path ``gemm_path``, whichever engine has it (path names are shared)."""
+    _load_all()
+    for profile in _PROFILES.values():
+        if gemm_path in profile.gemm_paths:
+            return profile.gemm_paths[gemm_path]
+    known = dict.fromkeys(p for profile in _PROFILES.values() for p in profile.gemm_paths)
+    raise ValueError(f"unknown GEMM path '{gemm_path}'; known: {', '.join(known)}")
+
+
+def current_gpu_arch() -> str | None:
+    """The first GPU's arch (``gcnArchName`` without its feature suffix) on ROCm, else None."""
+    try:
+        import torch
+
+        if torch.cuda.is_available() and getattr(torch.version, "hip", None):
+            return torch.cuda.get_device_properties(0).gcnArchName.split(":")[0]
+    except Exception:  # noqa: BLE001 - no device, no arch: the caller falls back
+        return None
+    return None
+
+
+__all__ = [
+    "DEFAULT_ENGINE", "NEVER", "Check", "EngineProfile", "GemmPathRule", "GpuArch",
+    "current_gpu_arch", "engine_names", "gemm_path_rule", "get_engine", "register_engine",
+]
