@@ -6,6 +6,7 @@ import collections
 import pathlib
 from typing import Any
 
+from layouts.engines import get_engine
 from layouts.errors import LayoutsError
 from layouts.manifest import MANIFEST_NAME
 
@@ -29,7 +30,7 @@ def _inspect_source(spec: str, revision: str | None) -> tuple[dict[str, Any], li
     kinds = collections.Counter(cls.modules.values())
     bf16 = collections.Counter(src.tensors[n].dtype for n in cls.passthrough)
     support: dict[str, dict[str, str]] = {}
-    for layout, moe in (("preshuffle", "ck"), ("preshuffle", "triton"), ("non-shuffle", "triton")):
+    for layout, moe in get_engine().inspect_targets():  # the layouts of the configurations users run
         row = {}
         for tp in TP_CANDIDATES:
             try:
