@@ -112,6 +112,62 @@ def _emit(result: dict[str, Any], as_json: bool, lines: list[str]) -> None:
             click.echo(line)
 
 
+class _FromLayouts(click.Choice):
+    """A choice among names that ``layouts`` states (the layout registry, the engine profile),
+    read when click first needs them rather than when the CLI is imported: importing layouts
+    (torch) takes seconds, which ``prep --help`` and ``prep --version`` should not pay."""
+
+    def __init__(self, names: Callable[[], list[str]]):
+        self._names = names
+        super().__init__(())
+
+    @property
+    def choices(self) -> tuple[str, ...]:
+        return tuple(self._names())
+
+    @choices.setter
+    def choices(self, _eager: Any) -> None:  # click.Choice.__init__ assigns the empty list given above
+        pass
+
+
+class _Default:
+    """An option default read when used (click calls it) or shown in ``--help`` (``str``), for
+    the same reason."""
+
+    def __init__(self, value: Callable[[], str]):
+        self._value = value
+
+    def __call__(self) -> str:
+        return self._value()
+
+    def __str__(self) -> str:
+        return self._value()
+
+
+def _layout_names(kind: str) -> Callable[[], list[str]]:
+    def names() -> list[str]:
+        import layouts
+
+        return layouts.layout_names(kind)
+
+    return names
+
+
+def _target_default(field: str) -> _Default:
+    def value() -> str:
+        from .deepseek import Target  # the default engine configuration's layouts
+
+        return getattr(Target, field)
+
+    return _Default(value)
+
+
+def _gemm_paths() -> list[str]:
+    import layouts
+
+    return list(layouts.get_engine().gemm_paths)
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="prep")
 @click.option("--debug", is_flag=True, help="Show the traceback of an error (also: PREP_DEBUG=1).")
@@ -154,11 +210,12 @@ def inspect(src: str, revision: str | None, as_json: bool) -> None:
 @click.option("-o", "--out", metavar="OUT",
               help="Output folder (created; see --force). Default: SRC-LAYOUT[-MOE_LAYOUT]-tpN[-epN] next to a "
                    "source folder, or in the current folder for a repo id.")
-@click.option("--layout", type=click.Choice(["preshuffle", "non-shuffle"]), default="preshuffle", show_default=True,
-              help="Dense linears: preshuffle = aiter gemm_a4w4 / Triton preshuffle GEMM; "
-                   "non-shuffle = ATOM_USE_FP4_NON_SHUFFLE_TRITON_GEMM.")
-@click.option("--moe-layout", type=click.Choice(["ck", "triton", "triton-gfx942"]), default="ck", show_default=True,
-              help="Stacked experts: ck = CK fused_moe; triton = ATOM_USE_TRITON_MOE on gfx950 (CDNA4_SCALE).")
+@click.option("--layout", type=_FromLayouts(_layout_names("dense")), default=_target_default("layout"),
+              show_default=True, help="Dense linears: the layout your engine's GEMM path reads (which path reads "
+                                      "which, and the switch that picks it: docs/engines.md).")
+@click.option("--moe-layout", type=_FromLayouts(_layout_names("moe")), default=_target_default("moe_layout"),
+              show_default=True, help="Stacked experts: the layout your engine's MoE back end reads on your GPU "
+                                      "(docs/engines.md).")
 @click.option("--tp", type=int, default=1, show_default=True, help="Tensor-parallel size: one set of files per rank.")
 @click.option("--ep", type=int, default=1, show_default=True, help="Expert-parallel size: 1, or equal to --tp (each rank holds a block of whole experts plus the shared one).")
 @click.option("--fuse-shared-expert/--no-fuse-shared-expert", default=True, show_default=True,
@@ -287,7 +344,7 @@ _RUN_OPTIONS = [
     click.option("--device", default="cpu", show_default=True, help="cpu or cuda (the fused op uses prep's Triton kernel there)."),
     click.option("--act-quant/--no-act-quant", default=True, show_default=True,
                  help="Quantize GEMM inputs to MXFP4 as the kernels do (off: weight-only emulation)."),
-    click.option("--gemm-path", type=click.Choice(["asm", "triton-preshuffle", "triton-non-shuffle"]),
+    click.option("--gemm-path", type=_FromLayouts(_gemm_paths),
                  help="Emulate this GEMM path's activation flags (default: the one that reads the checkpoint)."),
 ]
 

@@ -13,17 +13,24 @@ import functools
 import re
 from typing import Any, Iterator
 
+from layouts.compat import EngineConfig
+from layouts.engines import get_engine
+
 from .errors import PrepError
 from .groups import LinearGroup, MoEGroup, Part
 from .source import SourceCheckpoint
 
 ARCHS = {"DeepseekV3ForCausalLM": "deepseek_v3", "DeepseekV2ForCausalLM": "deepseek_v2"}
 
+# A plain `prep convert` targets what the default engine reads in its default configuration
+# (ATOM with no switches on gfx950: the ASM/CK GEMM and the CK MoE).
+_DEFAULT_ENGINE = EngineConfig()
+
 
 @dataclasses.dataclass(frozen=True)
 class Target:
-    layout: str = "preshuffle"  # dense linears
-    moe_layout: str = "ck"
+    layout: str = _DEFAULT_ENGINE.expected_dense_layout()  # dense linears
+    moe_layout: str = _DEFAULT_ENGINE.expected_moe_layout()
     tp: int = 1
     ep: int = 1
     fuse_shared_expert: bool = True
@@ -229,12 +236,9 @@ def plan_groups(src: SourceCheckpoint, cls: Classified, target: Target) -> list[
     tp = target.tp
     if tp < 1 or target.ep < 1:
         raise PrepError(f"--tp and --ep must be >= 1 (got tp={tp}, ep={target.ep})")
-    if target.ep not in (1, tp):
-        raise PrepError(f"--ep {target.ep} with --tp {tp}: expert parallel runs with ep_size = tp_size (ATOM's "
-                        "--enable-expert-parallel); pass --ep 1 or --ep equal to --tp")
-    if target.ep > 1 and target.moe_layout != "ck":
-        raise PrepError(f"--ep {target.ep} with --moe-layout {target.moe_layout}: ATOM's Triton MoE ignores the expert "
-                        "map, so no engine could run this; use --moe-layout ck for expert parallel")
+    why = get_engine().target_refusal(tp, target.ep, target.moe_layout)  # EP sizes and MoE back ends the engine has
+    if why:
+        raise PrepError(why)
     heads = config_ints(src)["num_attention_heads"] or 1
     if heads % tp:
         raise PrepError(f"config.json: num_attention_heads={heads} does not divide over tp={tp}; "

@@ -15,19 +15,16 @@ from .errors import PrepError
 from .model import DeepseekV3, ForwardOptions
 from .weights import load_weights
 
-# The GEMM path whose activation-quant flags a converted layout implies (ATOM's defaults).
-_PATH_FOR_LAYOUT = {"preshuffle": "asm", "non-shuffle": "triton-non-shuffle"}
-_MOE_BACKEND = {"ck": ("ck", "gfx950"), "triton": ("triton", "gfx950"), "triton-gfx942": ("triton", "gfx942")}
-
-
 def engine_for(manifest: layouts.Manifest | None, gemm_path: str | None = None) -> tuple[str, layouts.EngineConfig | None]:
     """The GEMM path to emulate, and (converted checkpoints, given by their ``manifest``) the
-    engine configuration it is checked against: the one that reads this checkpoint's layouts."""
+    engine configuration it is checked against: the default engine's configuration that reads
+    this checkpoint's layouts (:meth:`layouts.EngineConfig.reading`). A source is read in its own
+    byte order, so its path is the one that reads the source-order dense layout."""
     if manifest is None:
-        return gemm_path or "triton-non-shuffle", None
-    path = gemm_path or _PATH_FOR_LAYOUT[manifest.layout]
-    backend, arch = _MOE_BACKEND[manifest.moe_layout]
-    return path, layouts.EngineConfig(path, backend, manifest.tp, 0, manifest.ep, arch)
+        source_order = layouts.registry.source_order_layout("dense").name
+        return gemm_path or layouts.get_engine().gemm_path_reading(source_order), None
+    engine = layouts.EngineConfig.reading(manifest, gemm_path)
+    return engine.gemm_path, engine
 
 
 def run(model_dir: str | pathlib.Path, prompt_ids: list[int], *, layers: int | None = None, device: str = "cpu",
