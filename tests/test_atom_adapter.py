@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import layouts as L
-from layouts.atom import atom_mtp_param_name, install_converted_weights
+from layouts.engines.atom import atom_mtp_param_name, install_converted_weights
 from layouts.compat import EngineConfig
 from prep.convert import convert
 from prep.deepseek import Target

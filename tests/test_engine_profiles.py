@@ -1,0 +1,188 @@
+"""Engine profiles: each engine's knowledge has one home (``layouts/engines/<engine>.py``), layout
+names one home (``layouts/registry.py``), and everything else asks them. Pinned here: nothing
+else spells a layout name or an ATOM switch; the CLI's choices are the registry's and the
+profile's lists; the profile's tables answer both ways (configuration -> layouts and layouts ->
+configuration); and a second engine plugs in from its own module alone."""
+
+import ast
+import pathlib
+
+import pytest
+
+import layouts
+from layouts import engines
+from layouts.compat import SHARED_CHECKS, CompatibilityError, EngineConfig, check_compatibility
+from layouts.engines import NEVER, EngineProfile, GemmPathRule, GpuArch
+from layouts.manifest import Manifest
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+# Where the names may be written: the registry defines the layouts, the profiles say who reads them.
+HOMES = {REPO / "layouts" / "registry.py", *(REPO / "layouts" / "engines").glob("*.py")}
+# Equal strings that name something else: the fused RMSNorm + quant op's back ends (aiter, our
+# Triton kernel, torch) are not the MoE layout "triton".
+OTHER_MEANING = {("layouts/fused_quant.py", "triton")}
+
+
+def _string_constants(path: pathlib.Path):
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):  # f-string pieces included
+            yield node.lineno, node.value
+
+
+def test_no_module_outside_the_registry_and_the_profiles_spells_a_layout_or_an_atom_switch():
+    names = set(layouts.layout_names())
+    found = []
+    for path in sorted([*(REPO / "layouts").rglob("*.py"), *(REPO / "prep").rglob("*.py")]):
+        if path in HOMES:
+            continue
+        rel = path.relative_to(REPO).as_posix()
+        for line, value in _string_constants(path):
+            if (value in names and (rel, value) not in OTHER_MEANING) or value.startswith("ATOM_"):
+                found.append(f"{rel}:{line}: {value!r}")
+    assert not found, ("ask layouts.registry (layout_names, get_layout) or the engine profile "
+                       "(layouts.get_engine()) instead: " + "; ".join(found))
+
+
+def test_the_scan_sees_what_it_must_refuse(tmp_path):
+    # The pin above is only as good as its parser: a constant, a default and an f-string piece.
+    f = tmp_path / "m.py"
+    f.write_text('A = "preshuffle"\ndef f(x="ck"): return f"ATOM_USE_TRITON_GEMM={x}"\n')
+    assert [v for _, v in _string_constants(f)] == ["preshuffle", "ck", "ATOM_USE_TRITON_GEMM="]
+
+
+def test_cli_choices_are_the_registry_and_profile_lists():
+    from prep import cli
+    from prep.deepseek import Target
+
+    convert = {p.name: p for p in cli.convert.params}
+    assert list(convert["layout"].type.choices) == layouts.layout_names("dense")
+    assert list(convert["moe_layout"].type.choices) == layouts.layout_names("moe")
+    assert (convert["layout"].default(), convert["moe_layout"].default()) == (Target.layout, Target.moe_layout)
+    for command in (cli.run_cmd, cli.compare):
+        gemm = next(p for p in command.params if p.name == "gemm_path")
+        assert list(gemm.type.choices) == list(layouts.get_engine().gemm_paths)
+
+
+def test_a_plain_convert_targets_what_the_default_engine_configuration_reads():
+    from prep.deepseek import Target
+
+    default = EngineConfig()
+    assert (Target.layout, Target.moe_layout) == (default.expected_dense_layout(), default.expected_moe_layout())
+
+
+def test_every_registered_layout_is_read_by_some_engine_path():
+    # A layout no engine reads is a registration without its other half: add the path that reads
+    # it to that engine's profile (gemm_paths / moe_layouts).
+    profiles = [layouts.get_engine(n) for n in layouts.engine_names()]
+    assert {r.weight_layout for p in profiles for r in p.gemm_paths.values()} == set(layouts.layout_names("dense"))
+    assert {layout for p in profiles for layout in p.moe_layouts.values()} == set(layouts.layout_names("moe"))
+
+
+def _manifest(layout, moe_layout, tp=2, ep=1) -> Manifest:
+    return Manifest.from_json({"target": {"layout": layout, "moe_layout": moe_layout, "tp": tp, "ep": ep}, "tensors": []})
+
+
+@pytest.mark.parametrize("backend, arch", [("ck", "gfx950"), ("ck", "gfx942"), ("triton", "gfx950"), ("triton", "gfx942")])
+@pytest.mark.parametrize("gemm_path", list(layouts.GEMM_PATH_RULES))
+def test_the_configuration_reading_a_checkpoint_reads_it(gemm_path, backend, arch):
+    # prep run's engine_for used to spell this table in reverse; now both directions are one table.
+    e = EngineConfig(gemm_path, backend, 2, gpu_arch=arch)
+    m = _manifest(e.expected_dense_layout(), e.expected_moe_layout())
+    back = EngineConfig.reading(m)
+    assert (back.expected_dense_layout(), back.expected_moe_layout()) == (m.layout, m.moe_layout)
+    assert back.gemm_path == layouts.get_engine().gemm_path_reading(m.layout)  # the first path reading it
+    check_compatibility(m, back)
+
+
+def test_the_adapter_keeps_its_old_address():
+    import layouts.atom
+    import layouts.engines.atom
+
+    assert layouts.atom.install_converted_weights is layouts.engines.atom.install_converted_weights
+    assert layouts.get_engine("atom") is layouts.engines.atom.PROFILE
+    with pytest.raises(KeyError, match="unknown engine 'vllm'; known: atom"):
+        layouts.get_engine("vllm")
+    with pytest.raises(CompatibilityError, match="unknown engine 'vllm'"):
+        EngineConfig(engine="vllm")
+
+
+# ------------------------------------------------------------------------------ a second engine
+def _no_expert_parallel(manifest, engine):
+    return "the toy engine has no expert parallel: convert with --ep 1" if engine.ep_size > 1 else None
+
+
+class ToyProfile(EngineProfile):
+    """An engine whose only GEMM reads the source's byte order and quantizes activations with
+    shuffled scales from 16 tokens, never padded; one MoE back end reading the CK layout on gfx95x."""
+
+    name = "toy"
+    gemm_paths = {"toy-raw": GemmPathRule(layouts.registry.source_order_layout("dense").name, 16, NEVER)}
+    moe_layouts = {("toy-moe", "gfx95"): layouts.registry.MOE_CK.name}
+    gpu_archs = (GpuArch("gfx95", "gfx950", "gfx95x (MI355)"),)
+    default_gpu_arch = "gfx950"
+    expert_parallel_backends = ()
+    expert_parallel_switch = "--toy-expert-parallel"
+    checks = (*SHARED_CHECKS, _no_expert_parallel)
+    inspected = (("toy-raw", "toy-moe"),)
+
+    def config_from_env(self, env, *, tp_size, rank, ep_size, gpu_arch):
+        return EngineConfig(moe_backend="toy-moe", tp_size=tp_size, rank=rank, ep_size=ep_size, gpu_arch=gpu_arch,
+                            input_norm_quant_fusion=env.get("TOY_FUSION", "1") == "1", engine=self.name)
+
+
+@pytest.fixture
+def toy(monkeypatch):
+    """The toy engine registered for one test (the known engines restored afterwards)."""
+    engines.get_engine()  # the built-in profiles are loaded before the copy
+    monkeypatch.setattr(engines, "_PROFILES", dict(engines._PROFILES))
+    return layouts.register_engine(ToyProfile())
+
+
+def test_a_second_engine_plugs_into_the_checks_and_the_activation_flags(toy):
+    raw = layouts.registry.source_order_layout("dense").name
+    pre = next(n for n in layouts.layout_names("dense") if n != raw)
+    ck = layouts.registry.MOE_CK.name
+    engine = EngineConfig.from_env(tp_size=2, env={"TOY_FUSION": "0"}, engine="toy")
+    assert (engine.gemm_path, engine.moe_backend, engine.gpu_arch, engine.input_norm_quant_fusion) == (
+        "toy-raw", "toy-moe", "gfx950", False)
+    check_compatibility(_manifest(raw, ck), engine)
+    assert EngineConfig.reading(_manifest(raw, ck), engine="toy") == EngineConfig(engine="toy", tp_size=2,
+                                                                                  moe_backend="toy-moe")
+    refusals = {
+        (pre, ck, 1): f"checkpoint layout '{pre}' but the toy-raw GEMM reads '{raw}': convert with --layout {raw}",
+        (raw, ck, 2): "convert again with --ep 1, or enable --toy-expert-parallel",
+        (raw, layouts.registry.MOE_TRITON.name, 1): "toy-moe MoE on gfx950 reads 'ck'; it would compute garbage: "
+                                                    "convert with --moe-layout ck",
+    }
+    for (layout, moe, ep), message in refusals.items():
+        with pytest.raises(CompatibilityError) as e:
+            check_compatibility(_manifest(layout, moe, ep=ep), engine)
+        assert message in str(e.value)
+    with pytest.raises(CompatibilityError, match="the toy engine has no expert parallel"):
+        check_compatibility(_manifest(raw, ck, ep=2), EngineConfig(engine="toy", tp_size=2, ep_size=2))
+    with pytest.raises(CompatibilityError, match="GPU arch 'gfx942': prep's layouts cover gfx95x"):
+        EngineConfig(engine="toy", gpu_arch="gfx942")
+    assert [tuple(layouts.select_activation_quant("toy-raw", m)) for m in (15, 16)] == [(False, False), (True, False)]
+    plan = layouts.ActivationQuantPlan.for_checkpoint(_manifest(raw, ck), engine)
+    assert tuple(plan.flags(16)) == (True, False) and not plan.input_norm_quant_fusion
+    assert toy.inspect_targets() == [(raw, ck)] and "toy" in layouts.engine_names()
+    # ATOM is untouched by the newcomer.
+    assert layouts.select_activation_quant("asm", 1) == (True, True) and EngineConfig().engine == "atom"
+
+
+def test_a_profile_is_checked_when_it_registers(toy):
+    class Clash(ToyProfile):
+        name = "clash"
+        gemm_paths = {"asm": GemmPathRule(layouts.registry.PRESHUFFLE.name, 32, 32)}  # ATOM's asm has another rule
+
+    with pytest.raises(ValueError, match="GEMM path 'asm' is atom's with another rule"):
+        layouts.register_engine(Clash())
+
+    class Unregistered(ToyProfile):
+        name = "unregistered"
+        gemm_paths = {"toy-w32": GemmPathRule("w32", 0, 0)}
+
+    with pytest.raises(ValueError, match="'w32', which is not a registered dense layout"):
+        layouts.register_engine(Unregistered())
+    with pytest.raises(ValueError, match="'toy' is already registered"):
+        layouts.register_engine(ToyProfile())
