@@ -53,3 +53,12 @@ def aiter_fused_rms_quant():
     """aiter's own `fused_rms_mxfp4_quant` (its wrapper and Triton kernel), interpreted on the CPU."""
     _need(aiter_oracle.triton_ops_available("fused_mxfp4_quant"), "triton + aiter oracle files (fused_mxfp4_quant)")
     return aiter_oracle.triton_ops_module("fused_mxfp4_quant").fused_rms_mxfp4_quant
+
+
+@pytest.fixture(scope="session")
+def aiter_triton_gemm():
+    """aiter/ops/triton/gemm_afp4wfp4.py (its three MXFP4 GEMMs and their JSON configs), interpreted
+    on the CPU; needs triton >= 3.8, whose interpreter has `tl.dot_scaled`."""
+    _need(aiter_oracle.triton_gemm_available(), "triton + aiter oracle files (gemm_afp4wfp4 and its configs)")
+    _need(aiter_oracle.interpreter_has_dot_scaled(), "triton >= 3.8 (tl.dot_scaled in the interpreter)")
+    return aiter_oracle.triton_gemm_module()
