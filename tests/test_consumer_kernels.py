@@ -434,3 +434,182 @@ def test_wrong_weight_layout_fails(aiter_triton_gemm, ranks, m):
         a = dequant_act(q, s, flags)
         assert compare(run(aiter_triton_gemm, kernel, win, q, x_scales(s, flags)), a, win.ref).ok
         assert _wrong(compare(run(aiter_triton_gemm, kernel, swapped, q, x_scales(s, flags)), a, win.ref)), kernel
+
+
+# ------------------------------------------------------------------------------------------------
+# item 2: the S32x8 K-pad byte, as the kernels read it
+#
+# down_proj of a generated r1-0528 checkpoint with intermediate_size = 1152, converted at TP 1
+# (K = 1152, as DeepSeek's down_proj at TP 16: K/32 = 36 scale columns, padded to 40) and TP 2
+# (K = 576: 18 columns, padded to 24). The S32x8 scale of the preshuffle conversion gets its pad
+# bytes (every stored byte no logical scale lands on) set to 0x00, 0x7F or 0xFF; every byte the
+# kernels could read past K in the activation and the weight is hostile (0x77: E2M1 +6.0, +6.0).
+# gemm_afp4wfp4 reads raw [N, K/32] scales, which have no pad; it is given them in an [N, pad8]
+# buffer whose pad columns hold the byte under test (a raw scale padded as S32x8 pads).
+#
+# Two ways to call each kernel:
+#   "K":    K as the weight has it (what ATOM passes): the kernel's last BLOCK_SIZE_K = 256 step
+#           runs past K, with the data masked to 0 past K but the scales read unmasked;
+#   "Kpad": K passed as the padded width pad8(K/32) * 32, i.e. a caller (or kernel) that takes K
+#           from the scale's padded shape: the pad columns then scale the hostile data past K.
+# The activation's own pad columns are 0x7F throughout (what the fused quant writes, ours and
+# aiter's when it shuffles); only the weight scale's pad varies.
+
+PAD_BYTES = (0x00, 0x7F, 0xFF)
+PAD_KS = (1152, 576)
+HOSTILE = 0x77
+PAD_MODES = ("K", "Kpad")
+PAD_RUNS = [(NON_SHUFFLE, 1), (NON_SHUFFLE, 32), (PRESHUFFLED_SCALES, 32), (PRESHUFFLED_WEIGHT_SCALES, 1),
+            (PRESHUFFLED_WEIGHT_SCALES, 32)]
+
+
+@dataclasses.dataclass
+class PadCase:
+    win: Window  # first 64 rows of down_proj
+    s32_full: torch.Tensor  # the converted S32x8 scale, [256, pad8(K/32)]
+    pad: torch.Tensor  # bool, per stored byte of s32_full: holds no logical scale
+    pad_value: int  # what the manifest says prep wrote there
+
+
+def pad_cases(root) -> dict[int, PadCase]:
+    src = write_checkpoint(SynthSpec(variant="r1-0528", intermediate_size=1152), root / "src")
+    out = {}
+    for tp in (1, 2):
+        rt = {}
+        for layout in LAYOUTS:
+            convert(str(src), root / f"{layout}-tp{tp}", Target(layout, "ck", tp))
+            rt[layout] = layouts.load_rank(root / f"{layout}-tp{tp}", tp - 1)
+        prefix = MODULES["down_proj"]
+        win = window(rt["non-shuffle"], rt["preshuffle"], prefix)
+        s32 = rt["preshuffle"][prefix + ".weight_scale"]
+        n = rt["preshuffle"][prefix + ".weight"].shape[0]
+        layout = layouts.get_layout("preshuffle")
+        pad = torch.ones(s32.numel(), dtype=torch.bool)
+        pad[stored_positions(layout.scale, (n, win.k // 32))] = False
+        (xform,) = [t for t in rt["preshuffle"].records[prefix + ".weight_scale"].transforms if t.get("op") == "layout"]
+        out[win.k] = PadCase(win, s32, pad.view(s32.shape), xform["scale_transform"]["pad_value"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def pad_case(tmp_path_factory):
+    return pad_cases(tmp_path_factory.mktemp("pad-byte"))
+
+
+def _hostile_tail(t: torch.Tensor, extra: int) -> torch.Tensor:
+    """``t`` [R, C] in an [R, C + extra] buffer whose trailing columns are HOSTILE (the buffer)."""
+    buf = torch.full((t.shape[0], t.shape[1] + extra), HOSTILE, dtype=torch.uint8)
+    buf[:, : t.shape[1]] = t
+    return buf
+
+
+def pad_byte_run(gemm, case: PadCase, byte: int, kernel: str, m: int, mode: str) -> tuple[str, str]:
+    """One kernel call of the pad experiment: ``(verdict, detail)``, verdict one of "exact" (within
+    the fp32 bound), "wrong", "NaN", "raises"."""
+    win = case.win
+    k = win.k
+    kc, cp = k // 32, -(-k // 256) * 8
+    kk = k if mode == "K" else cp * 32  # the K the kernel is told
+    s32 = case.s32_full.clone()
+    s32[case.pad] = byte
+    s32v = s32.view(s32.shape[0] // 32, -1)[: win.rows // 32]
+    path = "triton-non-shuffle" if kernel == NON_SHUFFLE else "triton-preshuffle"
+    q, s, flags = activation(layouts.ActivationQuantPlan(path), "down_proj", m, k, seed=5)
+    a = dequant_act(q, s, flags)
+    qv = _hostile_tail(q, (cp * 32 - k) // 2)[:, : kk // 2]
+    if flags.shuffle:
+        xs = s.view(s.shape[0] // 32, -1)  # the fused op's padded S32x8 scale, pad columns 0x7F
+    else:
+        xs = torch.full((m, cp), 0x7F, dtype=torch.uint8)
+        xs[:, :kc] = s
+        xs = xs[:, : kk // 32]
+    if kernel == NON_SHUFFLE:
+        ws = torch.full((win.rows, cp), byte, dtype=torch.uint8)
+        ws[:, :kc] = win.raw_s
+        call = lambda: gemm.gemm_afp4wfp4(qv, _hostile_tail(win.raw_w, (cp * 32 - k) // 2)[:, : kk // 2], xs,
+                                          ws[:, : kk // 32], dtype=torch.float32)
+    elif kernel == PRESHUFFLED_SCALES:
+        call = lambda: gemm.gemm_afp4wfp4_preshuffled_scales(
+            qv, _hostile_tail(win.raw_w, (cp * 32 - k) // 2)[:, : kk // 2], xs, s32v, dtype=torch.float32)
+    else:
+        # W16 keeps each 16-row block's K tiles together: the hostile tail of a block row is its
+        # K past the real K.
+        call = lambda: gemm.gemm_afp4wfp4_preshuffled_weight_scales(
+            qv, _hostile_tail(win.w16, 16 * (cp * 32 - k) // 2)[:, : 16 * kk // 2], xs, s32v,
+            dtype=torch.float32, use_aot=False)
+    try:
+        y = call()
+    except Exception as e:  # noqa: BLE001 - the verdict records what the kernel did
+        return "raises", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:120].replace("|", "/")
+    out = compare(y, a, win.ref)
+    if not out.finite:
+        return "NaN", f"{int(torch.isnan(y).sum())} of {y.numel()} outputs"
+    return ("exact" if out.ok else "wrong"), f"{out.max_err:.3g}" + ("" if out.ok else f" (rel {out.rel_err:.3g}): wrong")
+
+
+def expected_pad_verdict(kernel: str, mode: str, byte: int) -> str:
+    """What aiter's kernels did (docs/consumer-kernels.md): the preshuffle-weight kernel has no
+    masked (EVEN_K = False) branch and cannot run K % 256 != 0; the others read the pad columns
+    (0xFF, E8M0 NaN, poisons every output) but, told the real K, multiply them by masked zeros;
+    told the padded K they multiply them by the data past K, which only 0x00 (2^-127) cancels."""
+    if kernel == PRESHUFFLED_WEIGHT_SCALES and mode == "K":
+        return "raises"
+    if byte == 0xFF:
+        return "NaN"
+    if mode == "Kpad" and byte != 0x00:
+        return "wrong"
+    return "exact"
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.parametrize("byte", PAD_BYTES, ids=[f"pad{b:02X}" for b in PAD_BYTES])
+@pytest.mark.parametrize("k", PAD_KS)
+def test_s32x8_k_pad_byte(aiter_triton_gemm, pad_case, k, byte):
+    case = pad_case[k]
+    assert case.win.k == k and k % 32 == 0 and k % 256
+    # The bytes under test replace exactly prep's pad, which the manifest records.
+    assert bool((case.s32_full[case.pad] == case.pad_value).all()) and int(case.pad.sum()) == 256 * (-(-k // 256) * 8 - k // 32)
+    got = {}
+    for kernel, m in PAD_RUNS:
+        for mode in PAD_MODES:
+            verdict, detail = pad_byte_run(aiter_triton_gemm, case, byte, kernel, m, mode)
+            got[kernel, m, mode] = verdict
+            if verdict == "raises":
+                assert "UnboundLocalError" in detail, detail  # aiter's `b` is set only when EVEN_K
+    want = {key: expected_pad_verdict(key[0], key[2], byte) for key in got}
+    assert got == want
+
+
+def pad_table(root) -> str:
+    """The table of docs/consumer-kernels.md: ``python tests/test_consumer_kernels.py NEW_DIR``."""
+    import aiter_oracle
+
+    gemm = aiter_oracle.triton_gemm_module()
+    cases = pad_cases(root)
+    lines = ["| kernel | K | K passed | M | pad 0x00 | pad 0x7F (prep today) | pad 0xFF |",
+             "|---|---|---|---|---|---|---|"]
+    for k in PAD_KS:
+        for kernel, m in PAD_RUNS:
+            for mode in PAD_MODES:
+                cells = []
+                for byte in PAD_BYTES:
+                    verdict, detail = pad_byte_run(gemm, cases[k], byte, kernel, m, mode)
+                    if verdict == "raises" and "UnboundLocalError" in detail:
+                        detail = "UnboundLocalError (`b` unset: EVEN_K is False)"
+                    cells.append({"exact": f"{detail} (within bound)", "wrong": detail}.get(verdict, f"{verdict}: {detail}"))
+                told = k if mode == "K" else -(-k // 256) * 256
+                lines.append(f"| `{kernel}` | {k} | {told} | {m} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    import os
+    import pathlib
+    import sys
+    import warnings
+
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    warnings.simplefilter("ignore", RuntimeWarning)
+    out = pathlib.Path(sys.argv[1])
+    out.mkdir(parents=True, exist_ok=False)
+    print(pad_table(out))
