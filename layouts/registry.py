@@ -5,7 +5,7 @@ scale, plus the runtime attributes an engine must set on the loaded tensors so t
 read them right (``is_shuffled``, the MoE scale swizzle label). Transforms are small frozen
 objects; their ``params`` go into the manifest so a reader knows exactly what was applied.
 
-Registered layouts (see ``../shared/docs/mxfp4-layouts.md`` section 4):
+Registered layouts (``docs/layouts.md`` draws their bytes and says which engine path reads which):
 
 ============== ===== ====================================== ==========================================
 name           kind  weight                                 weight_scale

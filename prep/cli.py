@@ -199,7 +199,7 @@ def inspect(src: str, revision: str | None, as_json: bool) -> None:
       prep inspect ./DeepSeek-R1-0528-MXFP4
       prep inspect r1-tp8 --json
     """
-    from .inspect import inspect_path
+    from .describe import inspect_path
 
     result, lines = inspect_path(src, revision)
     _emit(result, as_json, lines)
