@@ -24,9 +24,12 @@ What runs (the rest of docs/consumer-kernels.md explains each choice):
   those reads land on later rows of the same tensor, and the outputs past the window are
   masked. ``test_full_tensors`` runs whole tensors (N = 272, past the last 32-row block);
 * the preshuffle kernels only where K is a multiple of 256 (K = 128 raises in aiter's wrapper,
-  pinned below);
+  pinned below); gemm_afp4wfp4 at every K, its scale over-read past K/32 given finite bytes
+  (``with_slack``; pinned by ``test_non_shuffle_gemm_reads_scale_bytes_past_the_tensor``);
 * negative controls: wrong activation flags, wrong weight layout;
-* the S32x8 K-pad byte (issue 14, item 2): pad columns set to 0x00, 0x7F, 0xFF.
+* the S32x8 K-pad byte (issue 14, item 2): pad columns set to 0x00, 0x7F, 0xFF, with hostile
+  data past K (``test_s32x8_k_pad_byte``; ``python tests/test_consumer_kernels.py NEW_DIR``
+  prints the evidence table of docs/consumer-kernels.md).
 """
 
 from __future__ import annotations
@@ -113,7 +116,7 @@ def engine(variant: str, layout: str, tp: int) -> layouts.EngineConfig:
         path = "triton-non-shuffle"
     else:
         path = "triton-preshuffle" if variant == "r1-0528" else "asm"
-    return layouts.EngineConfig(path, "ck", tp, tp - 1)
+    return layouts.EngineConfig(gemm_path=path, moe_backend="ck", tp_size=tp, rank=tp - 1)
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +135,8 @@ def ranks(converted):
             plan = layouts.ActivationQuantPlan("triton-preshuffle")
             if variant == "r1-0528":
                 assert plan == layouts.ActivationQuantPlan.for_checkpoint(
-                    tensors.manifest, layouts.EngineConfig("triton-preshuffle", "ck", tp, tp - 1))
+                    tensors.manifest,
+                    layouts.EngineConfig(gemm_path="triton-preshuffle", moe_backend="ck", tp_size=tp, rank=tp - 1))
         return tensors, plan
 
     return get
@@ -166,7 +170,8 @@ def window(ns: layouts.RankTensors, ps: layouts.RankTensors, prefix: str, rows: 
     shapes = (n, k // 2), (n, -(-k // 32))
     ref = layouts.dequantize_stored(w16, s32, layouts.get_layout("preshuffle"), *shapes).double()
     # Both conversions hold the same numbers (each read through its own layout's index map).
-    assert torch.equal(ref, layouts.dequantize_stored(w_raw, s_raw, layouts.get_layout("non-shuffle"), *shapes).double())
+    raw_ref = layouts.dequantize_stored(w_raw, s_raw, layouts.get_layout("non-shuffle"), *shapes).double()
+    assert torch.equal(ref, raw_ref)
     n1 = n if rows is None else min(n, rows)
     assert n1 == n or n1 % 32 == 0, (n, n1)
     # A window keeps the S32x8 scale's every 32-row block (the kernels index it in blocks); the
@@ -340,7 +345,8 @@ def test_v2_triton_preshuffle_engine_refused(converted):
     builds attention for a BF16 source, so check_compatibility refuses v2's MXFP4 attention."""
     m = layouts.load_manifest(converted["v2", "preshuffle", 2])
     with pytest.raises(layouts.CompatibilityError, match="attention is MXFP4"):
-        layouts.ActivationQuantPlan.for_checkpoint(m, layouts.EngineConfig("triton-preshuffle", "ck", 2, 1))
+        layouts.ActivationQuantPlan.for_checkpoint(
+            m, layouts.EngineConfig(gemm_path="triton-preshuffle", moe_backend="ck", tp_size=2, rank=1))
 
 
 def test_r1_attention_is_bf16(ranks):
@@ -544,7 +550,9 @@ def pad_byte_run(gemm, case: PadCase, byte: int, kernel: str, m: int, mode: str)
     out = compare(y, a, win.ref)
     if not out.finite:
         return "NaN", f"{int(torch.isnan(y).sum())} of {y.numel()} outputs"
-    return ("exact" if out.ok else "wrong"), f"{out.max_err:.3g}" + ("" if out.ok else f" (rel {out.rel_err:.3g}): wrong")
+    if out.ok:
+        return "exact", f"{out.max_err:.3g}"
+    return "wrong", f"{out.max_err:.3g} (rel {out.rel_err:.3g}): wrong"
 
 
 def expected_pad_verdict(kernel: str, mode: str, byte: int) -> str:
@@ -568,7 +576,8 @@ def test_s32x8_k_pad_byte(aiter_triton_gemm, pad_case, k, byte):
     case = pad_case[k]
     assert case.win.k == k and k % 32 == 0 and k % 256
     # The bytes under test replace exactly prep's pad, which the manifest records.
-    assert bool((case.s32_full[case.pad] == case.pad_value).all()) and int(case.pad.sum()) == 256 * (-(-k // 256) * 8 - k // 32)
+    assert bool((case.s32_full[case.pad] == case.pad_value).all())
+    assert int(case.pad.sum()) == 256 * (-(-k // 256) * 8 - k // 32)  # N = 256: K-pad columns only
     got = {}
     for kernel, m in PAD_RUNS:
         for mode in PAD_MODES:
@@ -596,7 +605,8 @@ def pad_table(root) -> str:
                     verdict, detail = pad_byte_run(gemm, cases[k], byte, kernel, m, mode)
                     if verdict == "raises" and "UnboundLocalError" in detail:
                         detail = "UnboundLocalError (`b` unset: EVEN_K is False)"
-                    cells.append({"exact": f"{detail} (within bound)", "wrong": detail}.get(verdict, f"{verdict}: {detail}"))
+                    cells.append({"exact": f"{detail} (within bound)", "wrong": detail}.get(
+                        verdict, f"{verdict}: {detail}"))
                 told = k if mode == "K" else -(-k // 256) * 256
                 lines.append(f"| `{kernel}` | {k} | {told} | {m} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
