@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
-import errno
 import json
 import pathlib
 import shutil
@@ -249,7 +248,7 @@ def convert(
                 notify(note)
         if folder.state() is None:  # a resumed run had already finished: OUT is complete and checked
             return _summary(folder.given, jobs, src, reused=len(jobs), total=total)
-        try:
+        with folder.discarded_on_error(keep_on_interrupt=True, needed=f" ({total / 2**30:.2f} GiB needed in all)"):
             records = _write_all(src, jobs, folder, resume, workers, progress, on_total, total, notify)
             for p in src.side_files():
                 shutil.copyfile(p, folder.staging / p.name)
@@ -261,14 +260,6 @@ def convert(
                        schema.Completion(manifest_hash(raw), f"prep {__version__}").to_json())
             kill_point("marker-written")
             folder.commit()
-        except KeyboardInterrupt:
-            raise  # finished files stay in the work folder for --resume
-        except BaseException as e:
-            folder.discard()
-            if isinstance(e, OSError) and e.errno == errno.ENOSPC:
-                raise PrepError(f"{out}: disk full while writing ({total / 2**30:.2f} GiB needed in all); "
-                                "free space or choose another -o; partial output removed") from None
-            raise
     return _summary(folder.given, jobs, src, sum(1 for r in records.values() if r.get("reused")), total)
 
 

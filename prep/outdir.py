@@ -357,6 +357,24 @@ class OutputFolder:
             raise PrepError(f"--resume: the interrupted run was made by {old.get('tool')}, this is "
                             f"{state.get('tool')}; run without --resume to start over")
 
+    @contextlib.contextmanager
+    def discarded_on_error(self, keep_on_interrupt: bool, needed: str = "") -> Iterator[None]:
+        """Run the write; on any error remove what it staged (on Ctrl-C too, unless
+        ``keep_on_interrupt``: a resumable run keeps its finished files). A full disk becomes
+        one line saying so (``needed``: how much the whole output takes)."""
+        try:
+            yield
+        except KeyboardInterrupt:
+            if not keep_on_interrupt:
+                self.discard()
+            raise
+        except BaseException as e:
+            self.discard()
+            if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+                raise PrepError(f"{self.flag} {self.given}: disk full while writing{needed}; free space or choose "
+                                "another output folder; partial output removed") from None
+            raise
+
     def discard(self) -> None:
         """Remove everything this run or an earlier one staged (the work folder is prep's own:
         created by :meth:`_acquire` under a name of prep's), keeping the lock."""

@@ -8,7 +8,6 @@ only when whole. Any error or Ctrl-C removes the staged copy."""
 
 from __future__ import annotations
 
-import errno
 import json
 import pathlib
 from typing import Callable
@@ -40,7 +39,7 @@ def revert(out: str, dest: str | pathlib.Path, force: bool = False, verify: bool
         folder.recover()
         folder.check()  # after recovery: what is at DEST now
         folder.begin({"kind": "revert", "tool": f"prep {__version__}", "options": {}}, resume=False)
-        try:
+        with folder.discarded_on_error(keep_on_interrupt=False):
             weight_map = _write(ck, folder.staging, shards, meta, size, progress)
             total = sum(size(n) for n in weight_map)
             (folder.staging / INDEX_NAME).write_text(
@@ -57,12 +56,6 @@ def revert(out: str, dest: str | pathlib.Path, force: bool = False, verify: bool
             write_json(folder.staging / REVERT_MARKER, {
                 "id": f"revert:{ck.manifest_sha256}", "tool": f"prep {__version__}", "files": sorted(written)})
             folder.commit()
-        except BaseException as e:
-            folder.discard()
-            if isinstance(e, OSError) and e.errno == errno.ENOSPC:
-                raise PrepError(f"{dest}: disk full while writing; free space or choose another -o; "
-                                "partial output removed") from None
-            raise
     return {"dest": str(dest), "tensors": len(weight_map), "files": len(shards), "bytes": total}
 
 
