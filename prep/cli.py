@@ -374,7 +374,7 @@ def run_cmd(model_dir, prompt_ids, layers, device, act_quant, gemm_path, save_lo
       prep run r1-tp8 --prompt-ids 0,100,200 --save-logits logits.safetensors
       prep run ./tiny --prompt-ids 1,2,3 --layers 2 --no-act-quant
     """
-    from .run import run
+    from .reference.run import run
 
     if save_logits and not os.path.isdir(os.path.dirname(os.path.abspath(save_logits))):
         raise PrepError(f"--save-logits {save_logits}: its folder does not exist")
@@ -410,7 +410,7 @@ def compare(a, b, prompt_ids, layers, device, act_quant, gemm_path, tolerance, a
     Example:
       prep compare amd/DeepSeek-R1-0528-MXFP4-local r1-tp8 --prompt-ids 0,100,200 --layers 4
     """
-    from .run import compare as run
+    from .reference.run import compare as run
 
     r = run(a, b, _ids(prompt_ids), layers=layers, device=device, act_quant=act_quant, gemm_path=gemm_path)
     _emit(r, as_json, [f"A: {r['a']}", f"B: {r['b']}",

@@ -27,9 +27,9 @@ import torch  # noqa: E402
 
 from prep.convert import convert  # noqa: E402
 from prep.deepseek import Target  # noqa: E402
-from prep.model import DeepseekV3, ForwardOptions  # noqa: E402
+from prep.reference.model import DeepseekV3, ForwardOptions  # noqa: E402
+from prep.reference.weights import load_weights  # noqa: E402
 from prep.testing import SynthSpec, write_checkpoint  # noqa: E402
-from prep.weights import load_weights  # noqa: E402
 
 LARGE = SynthSpec(hidden_size=2048, q_lora_rank=512, kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=32,
                   v_head_dim=64, num_attention_heads=16, intermediate_size=4096, moe_intermediate_size=512,

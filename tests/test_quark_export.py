@@ -10,7 +10,7 @@ import torch
 import quark_export
 from prep.convert import convert
 from prep.deepseek import Target
-from prep.run import run
+from prep.reference.run import run
 from prep.verify import verify
 
 IDS = [1, 5, 9, 200, 17, 3, 44, 900]

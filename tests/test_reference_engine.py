@@ -14,10 +14,10 @@ from prep.cli import main
 from prep.convert import convert
 from prep.deepseek import Target
 from prep.errors import PrepError
-from prep.model import DeepseekV3, ForwardOptions, rope_tables
-from prep.run import compare, run
+from prep.reference.model import DeepseekV3, ForwardOptions, rope_tables
+from prep.reference.run import compare, run
+from prep.reference.weights import load_weights
 from prep.testing import SynthSpec, write_checkpoint
-from prep.weights import load_weights
 
 IDS = [1, 5, 9, 200, 17, 3, 44, 900, 12, 7, 33, 512, 1000, 2, 8, 64, 99, 31, 250, 600,
        4, 77, 123, 321, 11, 22, 0, 1023, 400, 45, 67, 89, 101]  # 33 tokens: both sides of the M >= 32 switch

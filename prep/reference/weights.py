@@ -30,9 +30,9 @@ import torch
 import layouts
 from layouts.dequant import dequantize_expert, dequantize_stored
 
-from .errors import PrepError
-from .groups import LinearGroup, MoEGroup, group_from_record
-from .source import SourceCheckpoint
+from ..errors import PrepError
+from ..groups import LinearGroup, MoEGroup, group_from_record
+from ..source import SourceCheckpoint
 
 CACHE_BYTES = 8 << 30  # dequantized matrices kept between uses (an R1 MoE layer is 45 GB in float32)
 

@@ -11,7 +11,7 @@ import torch
 
 import layouts
 
-from .errors import PrepError
+from ..errors import PrepError
 from .model import DeepseekV3, ForwardOptions
 from .weights import load_weights
 
