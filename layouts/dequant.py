@@ -17,8 +17,9 @@ from collections import OrderedDict
 
 import torch
 
-from .mxfp4 import dequantize
+from .mxfp4 import BLOCK_SIZE, dequantize
 from .registry import Layout, ScaleShuffle, Transform
+from .sizes import ceil_div
 
 Shape = tuple[int, ...]
 
@@ -86,7 +87,7 @@ def dequantize_activation(q: torch.Tensor, scale: torch.Tensor, shuffle: bool, p
     """float32 ``[M, K]`` of an activation quantized by the fused op with these flags: the scale
     is ``[M, ceil(K/32)]``, or padded to ``[pad256(M), pad8(..)]`` and then S32x8-shuffled."""
     m, k = q.shape[0], 2 * q.shape[1]
-    cols = -(-k // 32)
+    cols = ceil_div(k, BLOCK_SIZE)
     if shuffle:
         s = read_logical(scale, ScaleShuffle(), (m, cols))
     else:

@@ -46,6 +46,8 @@ import enum
 
 import torch
 
+from .sizes import ceil_div
+
 BLOCK_SIZE = 32
 """Elements per MXFP4 block (one E8M0 scale each)."""
 
@@ -202,7 +204,7 @@ def quantize(x: torch.Tensor, recipe: QuantRecipe | str = AITER_TRITON) -> tuple
     k = x.shape[-1]
     if k % 2:
         raise ValueError(f"MXFP4 needs an even last dimension, got shape {tuple(x.shape)}")
-    nblocks = -(-k // BLOCK_SIZE)
+    nblocks = ceil_div(k, BLOCK_SIZE)
     xf = x.float()
     if nblocks * BLOCK_SIZE != k:
         xf = torch.nn.functional.pad(xf, (0, nblocks * BLOCK_SIZE - k))
@@ -225,7 +227,7 @@ def dequantize(packed: torch.Tensor, scale: torch.Tensor, k: int | None = None) 
     full = 2 * packed.shape[-1]
     k = full if k is None else k
     s = e8m0_decode(scale)
-    nblocks = -(-k // BLOCK_SIZE)
+    nblocks = ceil_div(k, BLOCK_SIZE)
     if s.shape[:-1] != packed.shape[:-1] or s.shape[-1] < nblocks:
         raise ValueError(
             f"scale shape {tuple(s.shape)} does not cover weight shape {tuple(packed.shape)} "

@@ -25,6 +25,7 @@ import torch
 
 from .errors import LayoutsError
 from .mxfp4 import E8M0_ONE, as_uint8
+from .sizes import pad_to  # noqa: F401  (imported from here by the layouts and prep)
 
 W16_ROWS = 16
 W16_KBYTES = 32
@@ -35,11 +36,6 @@ SCALE_ROW_PAD = 256
 
 class LayoutConstraintError(LayoutsError):
     """A tensor's shape does not meet a layout's constraint."""
-
-
-def pad_to(n: int, multiple: int) -> int:
-    """Smallest multiple of ``multiple`` that is >= n."""
-    return -(-n // multiple) * multiple
 
 
 def _check_w16(shape: torch.Size) -> None:

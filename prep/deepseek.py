@@ -15,6 +15,8 @@ from typing import Any, Iterator
 
 from layouts.compat import EngineConfig
 from layouts.engines import get_engine
+from layouts.mxfp4 import BLOCK_SIZE
+from layouts.sizes import ceil_div
 
 from .errors import PrepError
 from .groups import LinearGroup, MoEGroup, Part
@@ -213,7 +215,8 @@ def classify(src: SourceCheckpoint) -> Classified:
             raise PrepError(f"{name}: scale without a {prefix}.weight tensor")
         if w.dtype != "U8" or info.dtype != "U8":
             raise PrepError(f"{prefix}.weight: MXFP4 tensors must be U8 (got weight {w.dtype}, scale {info.dtype})")
-        if len(w.shape) != 2 or len(info.shape) != 2 or info.shape != (w.shape[0], -(-w.shape[1] * 2 // 32)):
+        want = (w.shape[0], ceil_div(w.shape[1] * 2, BLOCK_SIZE)) if len(w.shape) == 2 else None
+        if len(info.shape) != 2 or info.shape != want:
             raise PrepError(f"{prefix}.weight_scale: shape {list(info.shape)} does not match weight "
                             f"{list(w.shape)} (expected [N, ceil(K/32)] for packed [N, K/2])")
         modules[prefix] = module_kind(prefix)

@@ -28,6 +28,7 @@ import torch
 from safetensors.torch import save_file
 
 import layouts
+from layouts.sizes import ceil_div
 
 __all__ = [
     "PRESETS", "VARIANTS", "Param", "SynthSpec", "build_config", "exclude_patterns", "is_excluded",
@@ -221,7 +222,7 @@ class Param:
         if self.kind == "fp4":
             n, k = self.shape
             return {f"{self.module}.weight": ((n, k // 2), torch.uint8),
-                    f"{self.module}.weight_scale": ((n, -(-k // 32)), torch.uint8)}
+                    f"{self.module}.weight_scale": ((n, ceil_div(k, 32)), torch.uint8)}
         if self.kind == "bias":
             return {f"{self.module}.e_score_correction_bias": (self.shape, torch.float32)}
         return {f"{self.module}.weight": (self.shape, torch.bfloat16)}
@@ -306,7 +307,7 @@ def _generator(spec: SynthSpec, name: str) -> torch.Generator:
 def _random_uint8(shape: tuple[int, ...], g: torch.Generator, low: int = 0, high: int = 256) -> torch.Tensor:
     n = torch.Size(shape).numel()
     if (low, high) == (0, 256):  # int32 draws give 4 bytes per RNG call: ~3x faster for GBs.
-        words = torch.randint(-(2**31), 2**31 - 1, (-(-n // 4),), dtype=torch.int32, generator=g)
+        words = torch.randint(-(2**31), 2**31 - 1, (ceil_div(n, 4),), dtype=torch.int32, generator=g)
         return words.view(torch.uint8)[:n].reshape(shape).clone()
     return torch.randint(low, high, shape, dtype=torch.uint8, generator=g)
 
@@ -322,7 +323,7 @@ def _materialize(spec: SynthSpec, p: Param) -> dict[str, torch.Tensor]:
         return {names[0]: (0.02 * torch.randn(p.shape, generator=g)).to(torch.bfloat16)}
     n, k = p.shape
     if spec.random_bytes:
-        return {names[0]: _random_uint8((n, k // 2), g), names[1]: _random_uint8((n, -(-k // 32)), g, 118, 127)}
+        return {names[0]: _random_uint8((n, k // 2), g), names[1]: _random_uint8((n, ceil_div(k, 32)), g, 118, 127)}
     # Rows spread over 2^-2..2^2 so scale bytes vary across rows, as in trained weights.
     row_scale = torch.exp2(4.0 * torch.rand((n, 1), generator=g) - 2.0)
     w = (0.02 * torch.randn((n, k), generator=g) * row_scale).to(torch.bfloat16)
