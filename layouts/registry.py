@@ -55,6 +55,12 @@ class Transform:
     def output_shape(self, shape: Shape) -> Shape:
         return tuple(shape)
 
+    def splits_over_experts(self, rows_per_expert: int) -> bool:
+        """Whether a block of stacked experts (``[e, rows_per_expert, C]``) transforms into, and
+        inverts from, exactly its part of the whole stacked tensor's result: blocks laid end to
+        end are the whole. True for a transform that works inside each expert's matrix."""
+        return True
+
     @property
     def params(self) -> dict[str, Any]:
         """What the manifest records of this transform."""
@@ -128,6 +134,13 @@ class ScaleShuffle(Transform):
     def output_shape(self, shape: Shape) -> Shape:
         return _sh.shuffled_scale_shape(*self._rows_cols(shape))
 
+    def splits_over_experts(self, rows_per_expert: int) -> bool:
+        # Flattened over experts, rows are padded to 256 and moved inside 32-row bands of the
+        # whole [E*N, K/32]: a block is exact only when each expert's rows are whole multiples
+        # of 256, or the block would be padded where the whole tensor is not. Unflattened, the
+        # transform takes one 2-D tensor and stacks no experts.
+        return self.flatten_experts and rows_per_expert % _sh.SCALE_ROW_PAD == 0
+
 
 @dataclasses.dataclass(frozen=True)
 class ScaleShufflePerExpert(Transform):
@@ -197,6 +210,14 @@ class Layout:
 
     def output_shapes(self, weight_shape: Shape, scale_shape: Shape) -> tuple[Shape, Shape]:
         return self.weight.output_shape(tuple(weight_shape)), self.scale.output_shape(tuple(scale_shape))
+
+    def experts_transform_independently(self, rows_per_expert: int) -> bool:
+        """Whether a block of stacked experts with ``rows_per_expert`` rows each transforms (and
+        inverts) as that block of the whole stacked tensor would: what lets a converter build,
+        and a reader invert, a MoE layer a block of experts at a time. A dense layout stacks no
+        experts."""
+        return (self.kind == "moe" and self.weight.splits_over_experts(rows_per_expert)
+                and self.scale.splits_over_experts(rows_per_expert))
 
     def describe(self) -> dict[str, Any]:
         """The manifest's record of this layout."""

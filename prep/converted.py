@@ -13,7 +13,7 @@ import torch
 from layouts.manifest import GroupRecord, SourceTensor, TensorRecord, load_manifest
 
 from .errors import PrepError
-from .groups import LinearGroup, MoEGroup, expert_rows_split_exactly, group_from_record
+from .groups import LinearGroup, MoEGroup, group_from_record
 from .source import ShardFile
 
 STREAM_BYTES = 32 << 20  # stacked experts are inverted in blocks of about this much per rank
@@ -138,16 +138,16 @@ class ConvertedCheckpoint:
 
         Stacked experts are inverted a block of experts at a time, on every rank, and each
         source tensor is handed out once its pieces are all in: memory holds a block per rank,
-        not a layer (an R1 layer's experts are ~5.5 GB). Blocks are exact because no MoE layout
-        moves a byte across experts (what convert's chunked build relies on too)."""
+        not a layer (an R1 layer's experts are ~5.5 GB). Blocks are exact where the layout
+        transforms experts independently (``MoEGroup.blocks_exact``, what convert's chunked build
+        relies on too); other groups are inverted whole."""
         t = self._passthrough.get(unit)
         if t is not None:
             yield unit, self.read(t.file, unit)
             return
         recs = self._groups[unit]
         groups = [_group(r) for r in recs]
-        if not all(isinstance(g, MoEGroup) and all(expert_rows_split_exactly(s[1]) for s in g.local_shapes())
-                   for g in groups):
+        if not all(isinstance(g, MoEGroup) and g.blocks_exact(0) and g.blocks_exact(2) for g in groups):
             whole = self.invert_group(unit)
             for name in self._sources[unit]:
                 yield name, whole[name]

@@ -1,6 +1,12 @@
 """Output groups: what one rank's engine holds for one MXFP4 linear (or one MoE layer's experts),
 built from source tensors by TP split, merge, padding and layout, with the exact inverse.
 
+A group's geometry is written once, in its ``placements()``: where each window of each source
+tensor sits in the rank's local (merged, stacked, padded, not yet laid out) tensors. The build
+reads every placement into place and zeroes what no placement covers (the pads); the inverse,
+the streamed inverse (``prep/converted.py``) and the reference engine's reassembly
+(``prep/reference/weights.py``) cut the same placements back out.
+
 Every transform runs after the tensor-parallel split, on the rank's local tensor (the layouts do
 not commute with merged tensors). A group records all its parameters, so the manifest alone is
 enough to invert it (``prep revert``, ``prep verify --source``).
@@ -9,12 +15,13 @@ enough to invert it (``prep revert``, ``prep verify --source``).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Iterator
+import itertools
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
 import layouts
-from layouts.shuffle import pad_to
+from layouts.sizes import ceil_div, pad_to
 
 from .errors import PrepError
 
@@ -25,6 +32,87 @@ Reader = Callable[..., torch.Tensor]  # read(name, rows=None, cols=None, out=Non
 Alloc = Callable[[str, tuple[int, ...]], "torch.Tensor | None"]
 # A piece of a source tensor: (source tensor name, (row slice, col slice), bytes).
 Piece = tuple[str, tuple[slice, slice], torch.Tensor]
+Window = tuple[slice, slice]  # (rows, cols) of a 2-D tensor, explicit integer bounds
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """One window of one source tensor and where it sits in a group's local tensors.
+
+    ``window`` is (rows, cols) of the source tensor ``source``; ``dest`` the same-sized (rows,
+    cols) of output ``output`` (``outputs()`` / ``local_shapes()`` order) before the layout, of
+    stacked expert ``expert`` (its index in the stack; None for a dense linear). Columns count
+    stored units: bytes of a packed weight (two values each), entries of a scale."""
+
+    source: str
+    window: Window
+    output: int
+    dest: Window
+    expert: int | None = None
+
+    def region(self, local: torch.Tensor) -> torch.Tensor:
+        """The view of ``local`` (output ``output``'s local tensor, or a block of its experts
+        whose first is this placement's) that this placement fills."""
+        return local[self.dest] if self.expert is None else local[self.expert][self.dest]
+
+
+def _mxfp4(prefix: str, rows: slice, cols: slice, output: int, dest_rows: slice, dest_cols: slice,
+           expert: int | None = None) -> Iterator[Placement]:
+    """The two placements of one MXFP4 module's window: its weight into ``output``, its scale
+    into the next one. ``cols`` and ``dest_cols`` count values (K); the weight holds two a byte,
+    the scale one per 32-value block (a trailing partial block counts whole)."""
+    for name, out, per in ((f"{prefix}.weight", output, 2), (f"{prefix}.weight_scale", output + 1, BLOCK)):
+        yield Placement(name, (rows, _stored(cols, per)), out, (dest_rows, _stored(dest_cols, per)), expert)
+
+
+def _stored(cols: slice, per: int) -> slice:
+    """Value columns as stored columns, ``per`` values each (a partial last one counts whole)."""
+    return slice(cols.start // per, ceil_div(cols.stop, per))
+
+
+def _uncovered(shape: tuple[int, int], rects: Iterable[Window]) -> list[Window]:
+    """The windows of a 2-D ``shape`` that none of ``rects`` (which do not overlap) covers: the
+    tensor is cut into row bands at every rectangle edge, and each band's column gaps are kept."""
+    rects = list(rects)
+    cuts = sorted({0, shape[0], *(r.start for r, _ in rects), *(r.stop for r, _ in rects)})
+    gaps = []
+    for r0, r1 in zip(cuts, cuts[1:]):
+        spans = sorted((c.start, c.stop) for r, c in rects if r.start <= r0 and r1 <= r.stop)
+        col = 0
+        for c0, c1 in spans + [(shape[1], shape[1])]:
+            if c0 > col:
+                gaps.append((slice(r0, r1), slice(col, c0)))
+            col = max(col, c1)
+    return gaps
+
+
+def _pads(group: "LinearGroup | MoEGroup") -> list[list[Window]]:
+    """For each output, the windows of its local tensor (of each expert, for stacked experts)
+    that no placement fills: the padding, zero bytes. Every expert is placed alike, so the
+    first expert's placements say it for all."""
+    first = itertools.takewhile(lambda p: p.expert in (None, 0), group.placements())
+    rects: dict[int, list[Window]] = {}
+    for p in first:
+        rects.setdefault(p.output, []).append(p.dest)
+    return [_uncovered(shape[-2:], rects.get(o, [])) for o, shape in enumerate(group.local_shapes())]
+
+
+def _zero_pads(group: "LinearGroup | MoEGroup", locals_: dict[int, torch.Tensor]) -> None:
+    """Zero the padding of the given outputs' local tensors (blocks of experts lead the dims)."""
+    for o, gaps in enumerate(_pads(group)):
+        t = locals_.get(o)
+        for rows, cols in gaps if t is not None else ():
+            t[..., rows, cols].zero_()
+
+
+def _invert_placements(group: "LinearGroup | MoEGroup", local: list[torch.Tensor]) -> Iterator[Piece]:
+    """Each placement's bytes cut back out of the local tensors, after checking that every pad
+    byte is still zero (anything else means the file is not what prep wrote)."""
+    for o, gaps in enumerate(_pads(group)):
+        if any(local[o][..., rows, cols].any() for rows, cols in gaps):
+            raise PrepError(f"{group.name} (rank {group.rank}): padding bytes are not zero; the file is corrupt")
+    for p in group.placements():
+        yield p.source, p.window, p.region(local[p.output])
 
 
 def _check_layout(layout: str, shapes, tensor: str) -> None:
@@ -61,13 +149,12 @@ class Part:
             raise PrepError(f"{name}: K={self.k} does not split over tp={tp} in whole 32-element scale blocks "
                             f"(needs K % {tp * BLOCK} == 0); choose a smaller tp")
 
-    def window(self, tp: int, rank: int) -> tuple[slice, slice, slice]:
-        """(row slice, weight byte-col slice, scale col slice) of this rank in the source."""
+    def window(self, tp: int, rank: int) -> tuple[slice, slice]:
+        """(row slice, value-column slice) of this rank in the source module's [N, K]."""
         n, k = self.local(tp)
         rows = slice(rank * n, (rank + 1) * n) if self.split == "rows" else slice(0, self.n)
-        if self.split == "cols":
-            return rows, slice(rank * k // 2, (rank + 1) * k // 2), slice(rank * k // BLOCK, (rank + 1) * k // BLOCK)
-        return rows, slice(0, self.k // 2), slice(0, -(-self.k // BLOCK))
+        cols = slice(rank * k, (rank + 1) * k) if self.split == "cols" else slice(0, self.k)
+        return rows, cols
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +183,17 @@ class LinearGroup:
     def local_shapes(self) -> tuple[tuple[int, int], tuple[int, int]]:
         n = sum(p.local(self.tp)[0] for p in self.parts)
         k = self.parts[0].local(self.tp)[1]
-        return (n, k // 2), (n, -(-k // BLOCK))
+        return (n, k // 2), (n, ceil_div(k, BLOCK))
+
+    def placements(self) -> Iterator[Placement]:
+        """Each part's window of this rank, stacked along rows in source order: the weight into
+        output 0, the scale into output 1."""
+        row = 0
+        for p in self.parts:
+            rows, cols = p.window(self.tp, self.rank)
+            n, k = p.local(self.tp)
+            yield from _mxfp4(p.src, rows, cols, 0, slice(row, row + n), slice(0, k))
+            row += n
 
     def outputs(self) -> list[tuple[str, str, tuple[int, ...]]]:
         """(tensor name, role, shape) of what this group writes, in order."""
@@ -127,26 +224,17 @@ class LinearGroup:
         return list(layouts.get_layout(self.layout).apply(*self._merged(read), f"{self.name}.weight"))
 
     def _merged(self, read: Reader) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's parts of the weight and of the scale, stacked along rows (source order)."""
-        ws, ss = [], []
-        for p in self.parts:
-            rows, wcols, scols = p.window(self.tp, self.rank)
-            ws.append(read(f"{p.src}.weight", rows, wcols))
-            ss.append(read(f"{p.src}.weight_scale", rows, scols))
-        w = ws[0].contiguous() if len(ws) == 1 else torch.cat(ws)
-        s = ss[0].contiguous() if len(ss) == 1 else torch.cat(ss)
+        """This rank's local weight and scale: every placement read into place."""
+        w, s = local = [_alloc(shape) for shape in self.local_shapes()]
+        for p in self.placements():
+            read(p.source, *p.window, out=p.region(local[p.output]))
+        _zero_pads(self, dict(enumerate(local)))
         return w, s
 
     def invert(self, tensors: list[torch.Tensor]) -> Iterator[Piece]:
         wshape, sshape = self.local_shapes()
-        w, s = layouts.get_layout(self.layout).invert(tensors[0], tensors[1], wshape, sshape)
-        row = 0
-        for p in self.parts:
-            n = p.local(self.tp)[0]
-            rows, wcols, scols = p.window(self.tp, self.rank)
-            yield f"{p.src}.weight", (rows, wcols), w[row:row + n]
-            yield f"{p.src}.weight_scale", (rows, scols), s[row:row + n]
-            row += n
+        local = layouts.get_layout(self.layout).invert(tensors[0], tensors[1], wshape, sshape)
+        yield from _invert_placements(self, list(local))
 
     def transforms(self) -> list[dict[str, Any]]:
         chain: list[dict[str, Any]] = []
@@ -241,11 +329,21 @@ class MoEGroup:
         _check_layout(self.layout, (w13, s13), f"{self.name}.w13_weight (rank {self.rank})")
         _check_layout(self.layout, (w2, s2), f"{self.name}.w2_weight (rank {self.rank})")
 
-    def _windows(self):
-        r, il = self.moe_tp[1], self.i_local
-        gate_up_rows = slice(r * il, (r + 1) * il)
-        down_cols = slice(r * il // 2, (r + 1) * il // 2), slice(r * il // BLOCK, (r + 1) * il // BLOCK)
-        return gate_up_rows, down_cols
+    def placements(self) -> Iterator[Placement]:
+        """Expert by expert (stack order): gate's and up's rows of this rank at rows 0 and I_pad
+        of w13 (outputs 0, 1), down's columns of this rank at the left of w2 (outputs 2, 3);
+        every other byte of the stack is padding."""
+        r, il, ip, h = self.moe_tp[1], self.i_local, self.i_pad, self.hidden
+        mine, hidden = slice(r * il, (r + 1) * il), slice(0, h)
+        for e, src in enumerate(self.experts):
+            for half, proj in enumerate(("gate_proj", "up_proj")):
+                yield from _mxfp4(f"{src}.{proj}", mine, hidden, 0, slice(half * ip, half * ip + il), hidden, e)
+            yield from _mxfp4(f"{src}.down_proj", hidden, mine, 2, hidden, slice(0, il), e)
+
+    def blocks_exact(self, output: int) -> bool:
+        """Whether the stacked output ``output`` (and its scale, which has as many rows per
+        expert) transforms a block of experts at a time as the whole would: the layout says."""
+        return layouts.get_layout(self.layout).experts_transform_independently(self.local_shapes()[output][1])
 
     def build(self, read: Reader) -> list[torch.Tensor]:
         """The output tensors, whole, in ``outputs()`` order (tests and small models)."""
@@ -254,53 +352,39 @@ class MoEGroup:
     def build_chunks(self, read: Reader, chunk_bytes: int = 64 << 20, alloc: Alloc | None = None
                      ) -> Iterator[tuple[str, torch.Tensor]]:
         """(output name, chunk) in file order: each stacked weight in blocks of whole experts of
-        about ``chunk_bytes``, then its scale. Every MoE layout transforms each expert on its
-        own (W16 tiles and S32x8 bands never cross an expert: rows per expert are a multiple of
-        256), so the blocks, laid end to end, are byte for byte the transformed whole tensor,
-        which then never exists in memory (a V3 layer at TP 1 is 3.7 GiB of w13).
+        about ``chunk_bytes``, then its scale. Where the layout transforms experts independently
+        (:meth:`blocks_exact`: W16 tiles and S32x8 bands never cross an expert when rows per
+        expert are a multiple of 256), the blocks, laid end to end, are byte for byte the
+        transformed whole tensor, which then never exists in memory (a V3 layer at TP 1 is
+        3.7 GiB of w13); otherwise the tensor is built whole.
 
         Each weight block is transformed into ``alloc``'s tensor when it gives one; under an
         identity weight transform the experts are read straight into it."""
-        rows, (dcols, dscols) = self._windows()
-        il, ip, h = self.i_local, self.i_pad, self.hidden
         e_total = len(self.experts)
-        w13s, s13s, w2s, s2s = self.local_shapes()
+        shapes = self.local_shapes()
         outs = [n for n, _, _ in self.outputs()]
         lay = layouts.get_layout(self.layout)
 
-        # Each expert's bytes are read straight into its place in the block (read(..., out=));
-        # only the padding is zeroed, not the whole block.
-        def fill13(w, s, e, src):
-            for half, proj in enumerate(("gate_proj", "up_proj")):
-                read(f"{src}.{proj}.weight", rows, out=w[e, half * ip:half * ip + il, :h // 2])
-                read(f"{src}.{proj}.weight_scale", rows, out=s[e, half * ip:half * ip + il, :h // BLOCK])
-                for t in (w, s):
-                    t[e, half * ip + il:(half + 1) * ip].zero_()
-            w[e, :, h // 2:].zero_()
-            s[e, :, h // BLOCK:].zero_()
-
-        def fill2(w, s, e, src):
-            read(f"{src}.down_proj.weight", None, dcols, out=w[e, :h, :il // 2])
-            read(f"{src}.down_proj.weight_scale", None, dscols, out=s[e, :h, :il // BLOCK])
-            for t, k in ((w, il // 2), (s, il // BLOCK)):
-                t[e, h:].zero_()
-                t[e, :, k:].zero_()
-
-        for (wname, sname), wshape, sshape, fill in ((outs[0:2], w13s, s13s, fill13), (outs[2:4], w2s, s2s, fill2)):
+        for o in (0, 2):  # w13 and its scale, then w2 and its scale
+            (wname, sname), wshape, sshape = outs[o:o + 2], shapes[o], shapes[o + 1]
             per_expert = wshape[1] * wshape[2]
             step = max(1, min(e_total, chunk_bytes // per_expert)) if chunk_bytes else e_total
-            if not expert_rows_split_exactly(wshape[1]):
+            if not self.blocks_exact(o):
                 step = e_total
             scales = []
             for e0 in range(0, e_total, step):
-                block = self.experts[e0:e0 + step]
-                bshape = (len(block), *wshape[1:])
+                block = dataclasses.replace(self, experts=self.experts[e0:e0 + step])
+                bshape = (len(block.experts), *wshape[1:])
                 out = alloc(wname, lay.weight.output_shape(bshape)) if alloc else None
                 w = out if out is not None and lay.weight.name == "identity" else _alloc(bshape)
-                s = _alloc((len(block), *sshape[1:]))
-                for e, src in enumerate(block):
-                    fill(w, s, e, src)
-                w, s = lay.apply(w, s, f"{wname} (experts {e0}..{e0 + len(block) - 1})", weight_out=out)
+                s = _alloc((len(block.experts), *sshape[1:]))
+                # Each expert's bytes are read straight into their place in the block
+                # (read(..., out=)); only the padding is zeroed, not the whole block.
+                for p in block.placements():
+                    if p.output in (o, o + 1):
+                        read(p.source, *p.window, out=p.region(w if p.output == o else s))
+                _zero_pads(block, {o: w, o + 1: s})
+                w, s = lay.apply(w, s, f"{wname} (experts {e0}..{e0 + len(block.experts) - 1})", weight_out=out)
                 yield wname, w
                 scales.append(s)
                 del w
@@ -309,30 +393,9 @@ class MoEGroup:
 
     def invert(self, tensors: list[torch.Tensor]) -> Iterator[Piece]:
         lay = layouts.get_layout(self.layout)
-        w13s, s13s, w2s, s2s = self.local_shapes()
-        w13, s13 = lay.invert(tensors[0], tensors[1], w13s, s13s)
-        w2, s2 = lay.invert(tensors[2], tensors[3], w2s, s2s)
-        self._check_padding(w13, s13, w2, s2)
-        rows, (dcols, dscols) = self._windows()
-        il, ip, h = self.i_local, self.i_pad, self.hidden
-        full_w, full_s = slice(0, h // 2), slice(0, h // BLOCK)
-        for e, src in enumerate(self.experts):
-            for half, proj in enumerate(("gate_proj", "up_proj")):
-                yield f"{src}.{proj}.weight", (rows, full_w), w13[e, half * ip:half * ip + il, :h // 2]
-                yield f"{src}.{proj}.weight_scale", (rows, full_s), s13[e, half * ip:half * ip + il, :h // BLOCK]
-            yield f"{src}.down_proj.weight", (slice(0, h), dcols), w2[e, :h, :il // 2]
-            yield f"{src}.down_proj.weight_scale", (slice(0, h), dscols), s2[e, :h, :il // BLOCK]
-
-    def _check_padding(self, w13, s13, w2, s2) -> None:
-        """The pad regions must still be zero: anything else means the file is not what we wrote."""
-        il, ip, h = self.i_local, self.i_pad, self.hidden
-        pads = []
-        for half in range(2):
-            rows = slice(half * ip + il, (half + 1) * ip)
-            pads += [w13[:, rows], s13[:, rows]]
-        pads += [w13[:, :, h // 2:], s13[:, :, h // BLOCK:], w2[:, h:], s2[:, h:], w2[:, :, il // 2:], s2[:, :, il // BLOCK:]]
-        if any(p.numel() and p.any() for p in pads):
-            raise PrepError(f"{self.name} (rank {self.rank}): padding bytes are not zero; the file is corrupt")
+        shapes = self.local_shapes()
+        local = [t for o in (0, 2) for t in lay.invert(tensors[o], tensors[o + 1], shapes[o], shapes[o + 1])]
+        yield from _invert_placements(self, local)
 
     def transforms(self) -> list[dict[str, Any]]:
         tp, tp_rank = self.moe_tp
@@ -363,16 +426,8 @@ class MoEGroup:
         return extra
 
 
-def expert_rows_split_exactly(rows_per_expert: int) -> bool:
-    """Whether a stacked tensor with this many rows per expert can be transformed (and inverted)
-    a block of experts at a time: a scale flattened over experts (ck's S32x8 of [E*N, K/32])
-    pads rows to 256 and moves bytes inside 32-row bands, so each expert's rows must be whole
-    multiples of 256, or blocks would be padded where the whole tensor is not."""
-    return rows_per_expert % 256 == 0
-
-
 def _alloc(shape: tuple[int, ...]) -> torch.Tensor:
-    """An uninitialised uint8 block (every byte is then read in or zeroed; tests fill it with garbage)."""
+    """An uninitialised uint8 tensor (every byte is then read in or zeroed; tests fill it with garbage)."""
     return torch.empty(shape, dtype=torch.uint8)
 
 

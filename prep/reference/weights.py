@@ -141,12 +141,7 @@ def _from_converted(root: pathlib.Path, assume_layout: str | None, manifest: lay
 
     for rec in manifest.groups:
         g = group_from_record(rec.to_json())  # prep's groups read the record's JSON
-        held, lay = ranks[g.rank], layout_of(g)
-        names = [n for n, _, _ in g.outputs()]
-        if isinstance(g, LinearGroup):
-            _linear_pieces(g, held, lay, names, pieces)
-        else:
-            _expert_pieces(g, held, lay, names, pieces)
+        _weight_pieces(g, ranks[g.rank], layout_of(g), pieces)
 
     def assemble(prefix: str) -> torch.Tensor:
         n, kb = src_meta[f"{prefix}.weight"].shape
@@ -189,34 +184,29 @@ def _put(full: torch.Tensor, covered: torch.Tensor, where: tuple[slice, slice], 
     covered[where] = True
 
 
-def _linear_pieces(g: LinearGroup, held, lay: layouts.Layout, names: list[str], pieces) -> None:
-    wshape, sshape = g.local_shapes()
-    values = _last(lambda: dequantize_stored(held[names[0]], held[names[1]], lay, wshape, sshape))
-    row = 0
-    for p in g.parts:
-        n = p.local(g.tp)[0]
-        rows, wcols, _ = p.window(g.tp, g.rank)
-
-        def place(full, covered, rows=rows, wcols=wcols, row=row, n=n):
-            _put(full, covered, (rows, slice(2 * wcols.start, 2 * wcols.stop)), values()[row:row + n])
-
-        pieces.setdefault(p.src, []).append(place)
-        row += n
+def _values(cols: slice) -> slice:
+    """Packed weight bytes as value columns (two values a byte)."""
+    return slice(2 * cols.start, 2 * cols.stop)
 
 
-def _expert_pieces(g: MoEGroup, held, lay: layouts.Layout, names: list[str], pieces) -> None:
-    w13s, s13s, w2s, s2s = g.local_shapes()
-    rows, (dcols, _) = g._windows()
-    il, ip, h = g.i_local, g.i_pad, g.hidden
-    w13 = _last(lambda e: dequantize_expert(held[names[0]], held[names[1]], lay, e, w13s, s13s))
-    for e, src in enumerate(g.experts):
-        def gate_up(full, covered, e=e, half=0):
-            _put(full, covered, (rows, slice(None)), w13(e)[half * ip:half * ip + il, :h])
+def _weight_pieces(g: LinearGroup | MoEGroup, held, lay: layouts.Layout, pieces) -> None:
+    """One step per weight placement of ``g`` (the group's own geometry, as its build and its
+    inverse use it): the placement's destination in the rank's output, read in its layout
+    (one expert's bytes at a time for stacked experts), put at its window of the source module."""
+    shapes, outputs = g.local_shapes(), g.outputs()
 
-        def down(full, covered, e=e):
-            w = dequantize_expert(held[names[2]], held[names[3]], lay, e, w2s, s2s)
-            _put(full, covered, (slice(None), slice(2 * dcols.start, 2 * dcols.stop)), w[:h, :il])
+    def dequantized(o: int, expert: int | None) -> torch.Tensor:
+        w, s = held[outputs[o][0]], held[outputs[o + 1][0]]
+        if expert is None:
+            return dequantize_stored(w, s, lay, shapes[o], shapes[o + 1])
+        return dequantize_expert(w, s, lay, expert, shapes[o], shapes[o + 1])
 
-        pieces.setdefault(f"{src}.gate_proj", []).append(gate_up)
-        pieces.setdefault(f"{src}.up_proj", []).append(lambda full, covered, e=e: gate_up(full, covered, e, 1))
-        pieces.setdefault(f"{src}.down_proj", []).append(down)
+    values = {o: _last(lambda e, o=o: dequantized(o, e)) for o, (_, role, _) in enumerate(outputs)
+              if role == "mxfp4_weight"}
+    for p in g.placements():
+        if p.output in values:
+            def place(full, covered, p=p):
+                got = values[p.output](p.expert)[p.dest[0], _values(p.dest[1])]
+                _put(full, covered, (p.window[0], _values(p.window[1])), got)
+
+            pieces.setdefault(p.source.removesuffix(".weight"), []).append(place)
