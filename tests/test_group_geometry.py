@@ -133,14 +133,18 @@ def test_each_rank_placements_and_pads_fill_its_local_tensors_exactly(case):
             assert pg._pads(g)[0], "stacked experts here are padded (I and H to 256)"
 
 
-@pytest.mark.parametrize("case", list(GROUPS))
-def test_build_then_invert_goes_through_the_placements_byte_for_byte(case, monkeypatch):
+def _dirty_builds(case, monkeypatch):
+    """(group, source, whole build) per rank, blocks allocated full of garbage (0xAB): the build
+    allocates them uninitialised, and garbage must not survive where no placement writes."""
     groups = GROUPS[case]
     src = _source(groups)
-    # Blocks come uninitialised: garbage must not survive where no placement writes.
     monkeypatch.setattr(pg, "_alloc", lambda shape: torch.full(shape, 0xAB, dtype=torch.uint8))
-    for g in groups:
-        built = g.build(_reader(src))
+    return [(g, src, g.build(_reader(src))) for g in groups]
+
+
+@pytest.mark.parametrize("case", list(GROUPS))
+def test_build_then_invert_goes_through_the_placements_byte_for_byte(case, monkeypatch):
+    for g, src, built in _dirty_builds(case, monkeypatch):
         assert [tuple(t.shape) for t in built] == [tuple(s) for _, _, s in g.outputs()]
         pieces = list(g.invert(built))
         assert [(n, w) for n, w, _ in pieces] == [(p.source, p.window) for p in g.placements()]
@@ -150,11 +154,7 @@ def test_build_then_invert_goes_through_the_placements_byte_for_byte(case, monke
 
 @pytest.mark.parametrize("case", ["moe-ck-tp2", "moe-triton-tp4", "moe-ck-ep2"])
 def test_experts_built_a_block_at_a_time_equal_the_whole_build(case, monkeypatch):
-    groups = GROUPS[case]
-    src = _source(groups)
-    monkeypatch.setattr(pg, "_alloc", lambda shape: torch.full(shape, 0xCD, dtype=torch.uint8))
-    for g in groups:
-        whole = g.build(_reader(src))
+    for g, src, whole in _dirty_builds(case, monkeypatch):
         w13 = g.local_shapes()[0]
         blocks = pg._whole(g, g.build_chunks(_reader(src), chunk_bytes=w13[1] * w13[2]))  # one expert a block
         assert all(torch.equal(a, b) for a, b in zip(whole, blocks))
