@@ -51,8 +51,8 @@ class Placement:
     expert: int | None = None
 
     def region(self, local: torch.Tensor) -> torch.Tensor:
-        """The view of ``local`` (output ``output``'s local tensor, or a block of its experts
-        whose first is this placement's) that this placement fills."""
+        """The view of ``local`` (output ``output``'s local tensor: for stacked experts, the
+        stack of the group that yielded this placement, experts leading) that it fills."""
         return local[self.dest] if self.expert is None else local[self.expert][self.dest]
 
 
