@@ -271,7 +271,10 @@ def recorded_layout(record: Mapping[str, Any]) -> Layout:
     (version 1's S32x8 pad byte is 0x7F; a recorded S32x8 transform without ``pad_value`` is
     :data:`LEGACY_S32X8_PAD`). The byte order must be the registry's: a record naming other
     transforms, or a version newer than the registry's, is refused."""
-    layout = get_layout(record.get("name"))
+    try:
+        layout = get_layout(record.get("name"))
+    except KeyError as e:
+        raise LayoutsError(f"the manifest records {e.args[0]}: upgrade prep/layouts") from None
     version = record.get("version")
     if not isinstance(version, int) or not 1 <= version <= layout.version:
         raise LayoutsError(f"layout '{layout.name}' version {version!r}: this layouts knows versions 1 to "

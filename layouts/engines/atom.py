@@ -190,7 +190,7 @@ def s32x8_k_pad_usable(manifest: Manifest, engine: EngineConfig) -> str | None:
         return f"the manifest does not record the {PRESHUFFLE.name!r} layout it used (its pad byte): convert again"
     try:
         layout = recorded_layout(record.to_json())
-    except (KeyError, LayoutsError) as e:
+    except LayoutsError as e:
         return str(e.args[0])
     byte, (ok, which) = layout.scale.pad_value, usable
     if ok(byte):
