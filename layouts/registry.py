@@ -3,7 +3,13 @@
 A :class:`Layout` pairs one :class:`Transform` for the packed weight with one for its E8M0
 scale, plus the runtime attributes an engine must set on the loaded tensors so that its kernels
 read them right (``is_shuffled``, the MoE scale swizzle label). Transforms are small frozen
-objects; their ``params`` go into the manifest so a reader knows exactly what was applied.
+objects; their ``params`` go into the manifest so a reader knows exactly what was applied, and
+:func:`recorded_layout` rebuilds a layout as a manifest recorded it (an older checkpoint's pad
+byte included).
+
+A layout's ``version`` goes up when the bytes it writes change. preshuffle, ck and triton are at
+version 2: their S32x8 scales pad with 0x00 (:data:`~layouts.shuffle.S32X8_PAD`); version 1
+padded with 0x7F (:data:`LEGACY_S32X8_PAD`). The inverse is the same for both.
 
 Registered layouts (``docs/layouts.md`` draws their bytes and says which engine path reads which):
 
@@ -26,10 +32,15 @@ from typing import Any, Mapping
 import torch
 
 from . import shuffle as _sh
+from .errors import LayoutsError
 from .mxfp4 import E8M0_ONE
-from .shuffle import LayoutConstraintError, pad_to
+from .shuffle import S32X8_PAD, LayoutConstraintError, pad_to
 
 Shape = tuple[int, ...]
+
+LEGACY_S32X8_PAD = E8M0_ONE
+"""The S32x8 pad byte of layout version 1 (0x7F, scale 1.0), and what a recorded S32x8 transform
+without a ``pad_value`` means."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +71,11 @@ class Transform:
         inverts from, exactly its part of the whole stacked tensor's result: blocks laid end to
         end are the whole. True for a transform that works inside each expert's matrix."""
         return True
+
+    def pad_mismatches(self, t: torch.Tensor, shape: Shape) -> int:
+        """How many bytes of the stored ``t`` that hold no source byte (the pad this transform
+        writes) differ from what it writes there; ``shape`` is the source shape. 0 without a pad."""
+        return 0
 
     @property
     def params(self) -> dict[str, Any]:
@@ -114,7 +130,7 @@ class ScaleShuffle(Transform):
     """
 
     name = "s32x8"
-    pad_value: int = E8M0_ONE
+    pad_value: int = S32X8_PAD
     flatten_experts: bool = False
 
     def _rows_cols(self, shape: Shape) -> tuple[int, int]:
@@ -141,6 +157,14 @@ class ScaleShuffle(Transform):
         # transform takes one 2-D tensor and stacks no experts.
         return self.flatten_experts and rows_per_expert % _sh.SCALE_ROW_PAD == 0
 
+    def pad_mismatches(self, t: torch.Tensor, shape: Shape) -> int:
+        rows, cols = self._rows_cols(shape)
+        rp, cp = self.output_shape(shape)
+        if (rp, cp) == (rows, cols):
+            return 0
+        full = _sh.unshuffle_scale(t, rp, cp).view(torch.uint8)  # row-major, pad kept
+        return int((full[rows:] != self.pad_value).sum() + (full[:rows, cols:] != self.pad_value).sum())
+
 
 @dataclasses.dataclass(frozen=True)
 class ScaleShufflePerExpert(Transform):
@@ -148,7 +172,7 @@ class ScaleShufflePerExpert(Transform):
     (triton_kernels ``CDNA4MXScaleLayout``)."""
 
     name = "s32x8-per-expert"
-    pad_value: int = E8M0_ONE
+    pad_value: int = S32X8_PAD
 
     def violations(self, shape: Shape) -> list[str]:
         if len(shape) != 3:
@@ -164,6 +188,13 @@ class ScaleShufflePerExpert(Transform):
     def output_shape(self, shape: Shape) -> Shape:
         e, n, sk = shape
         return (e, n // _sh.S32_ROWS, pad_to(sk, _sh.S8_COLS) * _sh.S32_ROWS)
+
+    def pad_mismatches(self, t: torch.Tensor, shape: Shape) -> int:
+        skp = pad_to(shape[-1], _sh.S8_COLS)
+        if skp == shape[-1]:
+            return 0
+        full = _sh.unshuffle_scale_per_expert(t, skp).view(torch.uint8)  # [E, N, skp], pad kept
+        return int((full[..., shape[-1]:] != self.pad_value).sum())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,6 +239,11 @@ class Layout:
         """Inverse: this layout's bytes back to source order, given the source shapes."""
         return self.weight.inverse(weight, tuple(weight_shape)), self.scale.inverse(scale, tuple(scale_shape))
 
+    def scale_pad_mismatches(self, scale: torch.Tensor, scale_shape: Shape) -> int:
+        """How many pad bytes of the stored ``scale`` (source shape ``scale_shape``) are not this
+        layout's pad byte (0 for a layout that pads nothing)."""
+        return self.scale.pad_mismatches(scale, tuple(scale_shape))
+
     def output_shapes(self, weight_shape: Shape, scale_shape: Shape) -> tuple[Shape, Shape]:
         return self.weight.output_shape(tuple(weight_shape)), self.scale.output_shape(tuple(scale_shape))
 
@@ -249,6 +285,41 @@ def get_layout(name: str) -> Layout:
         raise KeyError(f"unknown layout '{name}'; known: {', '.join(sorted(_REGISTRY))}") from None
 
 
+def recorded_layout(record: Mapping[str, Any]) -> Layout:
+    """The layout a manifest recorded (its ``layouts`` entry, ``Layout.describe()`` of the prep
+    that wrote it): the registered layout of that name with the record's version and transform
+    parameters, so that an older checkpoint is checked against the bytes it was written with
+    (version 1's S32x8 pad byte is 0x7F; a recorded S32x8 transform without ``pad_value`` is
+    :data:`LEGACY_S32X8_PAD`). The byte order must be the registry's: a record naming other
+    transforms, or a version newer than the registry's, is refused."""
+    try:
+        layout = get_layout(record.get("name"))
+    except KeyError as e:
+        raise LayoutsError(f"the manifest records {e.args[0]}: upgrade prep/layouts") from None
+    version = record.get("version")
+    if not isinstance(version, int) or not 1 <= version <= layout.version:
+        raise LayoutsError(f"layout '{layout.name}' version {version!r}: this layouts knows versions 1 to "
+                           f"{layout.version}; upgrade prep/layouts")
+    parts = []
+    for key, have in (("weight_transform", layout.weight), ("scale_transform", layout.scale)):
+        params = dict(record.get(key) or {})
+        if params.pop("name", None) != have.name:
+            raise LayoutsError(f"layout '{layout.name}': the manifest's {key} is not '{have.name}'; "
+                               "the checkpoint was written by another prep: convert again")
+        if "pad_value" in {f.name for f in dataclasses.fields(have)}:
+            params.setdefault("pad_value", LEGACY_S32X8_PAD)
+        fields = {f.name for f in dataclasses.fields(have)}
+        if set(params) - fields:
+            raise LayoutsError(f"layout '{layout.name}': unknown {key} parameters {sorted(set(params) - fields)}; "
+                               "upgrade prep/layouts")
+        for k, v in params.items():  # as the registry types them: a manifest is input like any other
+            if type(v) is not type(getattr(have, k)) or (k == "pad_value" and not 0 <= v <= 0xFF):
+                raise LayoutsError(f"layout '{layout.name}': {key} {k} is {v!r}, not a value prep writes; "
+                                   "the manifest is damaged: convert again")
+        parts.append(dataclasses.replace(have, **params))
+    return dataclasses.replace(layout, version=version, weight=parts[0], scale=parts[1])
+
+
 def layout_names(kind: str | None = None) -> list[str]:
     """The registered layout names, sorted; only those of ``kind`` ("dense" or "moe") when given."""
     return sorted(n for n, l in _REGISTRY.items() if kind is None or l.kind == kind)
@@ -270,15 +341,15 @@ NON_SHUFFLE = register_layout(Layout(
     "row-major bytes for the non-shuffle Triton GEMM (ATOM_USE_FP4_NON_SHUFFLE_TRITON_GEMM=1)",
 ))
 PRESHUFFLE = register_layout(Layout(
-    "preshuffle", 1, "dense", WeightPreshuffle(), ScaleShuffle(), {"is_shuffled": True},
+    "preshuffle", 2, "dense", WeightPreshuffle(), ScaleShuffle(), {"is_shuffled": True},
     "W16 weight + padded S32x8 scale for aiter gemm_a4w4 (ASM/CK) and the Triton preshuffle GEMM",
 ))
 MOE_CK = register_layout(Layout(
-    "ck", 1, "moe", WeightPreshuffle(), ScaleShuffle(flatten_experts=True), {"is_shuffled": True},
+    "ck", 2, "moe", WeightPreshuffle(), ScaleShuffle(flatten_experts=True), {"is_shuffled": True},
     "CK fused_moe: W16 per expert, S32x8 over the flattened [E*N, K/32] scale, stored 2-D",
 ))
 MOE_TRITON = register_layout(Layout(
-    "triton", 1, "moe", Identity(), ScaleShufflePerExpert(), {"is_shuffled": False, "scale_swizzle": "CDNA4_SCALE"},
+    "triton", 2, "moe", Identity(), ScaleShufflePerExpert(), {"is_shuffled": False, "scale_swizzle": "CDNA4_SCALE"},
     "triton_kernels MoE on gfx950 (ATOM_USE_TRITON_MOE=1): raw weight, CDNA4_SCALE scale",
 ))
 MOE_TRITON_GFX942 = register_layout(Layout(

@@ -8,7 +8,9 @@ stays inside its own 16 rows, moved in 16-byte runs.
 **S32x8** (aiter ``e8m0_shuffle``) on E8M0 scales ``[R, C]``: pad to ``[pad256(R), pad8(C)]``,
 then with r = 32s + 16a + l and c = 8g + 4d + e, element (r, c) lands at
 ``s*32*Cp + g*256 + e*64 + l*4 + d*2 + a``. aiter leaves the pad uninitialised; we write
-``pad_value`` (0x7F, scale 1.0) so the output is deterministic and hashable.
+``pad_value`` so the output is deterministic and hashable: :data:`S32X8_PAD` (0x00, scale
+2^-127) by default, the only byte that keeps a GEMM right when a kernel multiplies the K-pad
+columns by data past K (docs/consumer-kernels.md has the kernels' evidence).
 
 **S32x8 per expert** (triton_kernels ``CDNA4MXScaleLayout``, label ``CDNA4_SCALE``) on
 ``[E, N, SK]``: the same permutation inside each expert with no 256-row pad (N % 32 == 0, SK
@@ -24,7 +26,7 @@ import functools
 import torch
 
 from .errors import LayoutsError
-from .mxfp4 import E8M0_ONE, as_uint8
+from .mxfp4 import as_uint8
 from .sizes import pad_to  # noqa: F401  (imported from here by the layouts and prep)
 
 W16_ROWS = 16
@@ -32,6 +34,10 @@ W16_KBYTES = 32
 S32_ROWS = 32
 S8_COLS = 8
 SCALE_ROW_PAD = 256
+# What a stored S32x8 weight scale holds where no logical scale lands (layout version 2 on; the
+# layouts of version 1 wrote E8M0_ONE, 0x7F). Not the activation scale's pad, which the fused
+# quant writes as aiter's kernel does (0x7F).
+S32X8_PAD = 0x00
 
 
 class LayoutConstraintError(LayoutsError):
@@ -130,7 +136,7 @@ def _s32x8(u: torch.Tensor, inverse: bool) -> torch.Tensor:
     return torch.gather(bands, 1, index).view(u.shape)
 
 
-def preshuffle_scale(s: torch.Tensor, pad_value: int = E8M0_ONE, pad_rows: bool = True) -> torch.Tensor:
+def preshuffle_scale(s: torch.Tensor, pad_value: int = S32X8_PAD, pad_rows: bool = True) -> torch.Tensor:
     """S32x8 shuffle of E8M0 scales ``[R, C]`` into ``[pad256(R), pad8(C)]`` (aiter ``e8m0_shuffle``).
 
     The pad is filled with ``pad_value``. ``pad_rows=False`` pads rows to 32 only (what a
@@ -155,7 +161,7 @@ def unshuffle_scale(s: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return u[:rows, :cols].contiguous().view(s.dtype)
 
 
-def preshuffle_scale_per_expert(s: torch.Tensor, pad_value: int = E8M0_ONE) -> torch.Tensor:
+def preshuffle_scale_per_expert(s: torch.Tensor, pad_value: int = S32X8_PAD) -> torch.Tensor:
     """Per-expert S32x8 of ``[E, N, SK]`` scales into ``[E, N/32, pad8(SK)*32]`` (``CDNA4_SCALE``).
 
     Needs N % 32 == 0; SK is padded to a multiple of 8 with ``pad_value``. Exact inverse:

@@ -3,12 +3,16 @@ invert to the source's exact bytes?"""
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
 
+from layouts.registry import recorded_layout
+
 from .converted import ConvertedCheckpoint
 from .errors import PrepError
+from .groups import group_from_record
 from .source import SourceCheckpoint
 
 
@@ -28,6 +32,7 @@ def verify(out: str, source: str | None = None, deep: bool = False,
     # The hash check engines run too (one sequential pass per file): a mismatch is a ManifestError
     # naming the file, the tensor and its rank.
     checked = m.verify_hashes(progress=progress)
+    pads = check_scale_pads(ck)
     compared = 0
     if deep or source:
         src = SourceCheckpoint.open(source) if source else None
@@ -41,4 +46,32 @@ def verify(out: str, source: str | None = None, deep: bool = False,
                 if want.shape != got.shape or not torch.equal(want, got):
                     raise PrepError(f"{name}: inverted bytes differ from the source")
                 compared += 1
-    return {"files": len(m.files), "tensors_hashed": checked, "source_tensors_compared": compared}
+    return {"files": len(m.files), "tensors_hashed": checked, "scale_pads_checked": pads,
+            "source_tensors_compared": compared}
+
+
+def check_scale_pads(ck: ConvertedCheckpoint) -> int:
+    """Every padded scale's pad bytes (S32x8 rows past N, columns past K/32) hold the byte the
+    manifest's layout records (0x00 from layout version 2, 0x7F before): the hashes only say the
+    bytes are the ones written, this says they are the ones the manifest claims, which is what
+    ``check_compatibility`` decides on. Returns how many scales have a pad."""
+    m = ck.manifest
+    recorded = {name: recorded_layout(rec.to_json()) for name, rec in m.layouts.items()}
+    padded = 0
+    for rec in m.groups:
+        layout = recorded.get(rec.layout)
+        if layout is None:
+            raise PrepError(f"{ck.root}: group {rec.name} is in layout {rec.layout!r}, which the manifest's layouts "
+                            "do not record; the manifest is damaged: convert again")
+        g = group_from_record(rec.to_json())
+        for (name, role, stored), shape in zip(g.outputs(), g.local_shapes()):
+            if role != "e8m0_scale" or math.prod(stored) == math.prod(shape):
+                continue  # nothing padded
+            bad = layout.scale_pad_mismatches(ck.read(rec.file, name), shape)
+            if bad:
+                raise PrepError(f"{ck.root / rec.file}: {name}: {bad} pad bytes are not "
+                                f"0x{layout.scale.pad_value:02X}, the pad its manifest records (layout "
+                                f"'{layout.name}' version {layout.version}); the file is not what prep wrote: "
+                                "convert again")
+            padded += 1
+    return padded

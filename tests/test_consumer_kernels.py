@@ -29,7 +29,9 @@ What runs (the rest of docs/consumer-kernels.md explains each choice):
 * negative controls: wrong activation flags, wrong weight layout;
 * the S32x8 K-pad byte (issue 14, item 2): pad columns set to 0x00, 0x7F, 0xFF, with hostile
   data past K (``test_s32x8_k_pad_byte``; ``python tests/test_consumer_kernels.py NEW_DIR``
-  prints the evidence table of docs/consumer-kernels.md).
+  prints the evidence table of docs/consumer-kernels.md), and the bytes prep writes there (0x00
+  since layout version 2) computing right even with K passed as the padded width
+  (``test_written_k_pad_computes_right_with_k_passed_as_padded_width``).
 """
 
 from __future__ import annotations
@@ -509,15 +511,18 @@ def _hostile_tail(t: torch.Tensor, extra: int) -> torch.Tensor:
     return buf
 
 
-def pad_byte_run(gemm, case: PadCase, byte: int, kernel: str, m: int, mode: str) -> tuple[str, str]:
+def pad_byte_run(gemm, case: PadCase, byte: int | None, kernel: str, m: int, mode: str) -> tuple[str, str]:
     """One kernel call of the pad experiment: ``(verdict, detail)``, verdict one of "exact" (within
-    the fp32 bound), "wrong", "NaN", "raises"."""
+    the fp32 bound), "wrong", "NaN", "raises". ``byte`` None: the S32x8 scale as prep wrote it."""
     win = case.win
     k = win.k
     kc, cp = k // 32, -(-k // 256) * 8
     kk = k if mode == "K" else cp * 32  # the K the kernel is told
     s32 = case.s32_full.clone()
-    s32[case.pad] = byte
+    if byte is not None:
+        s32[case.pad] = byte
+    elif kernel == NON_SHUFFLE:
+        raise ValueError("a non-shuffle conversion's raw scale has no pad prep writes")
     s32v = s32.view(s32.shape[0] // 32, -1)[: win.rows // 32]
     path = "triton-non-shuffle" if kernel == NON_SHUFFLE else "triton-preshuffle"
     q, s, flags = activation(layouts.ActivationQuantPlan(path), "down_proj", m, k, seed=5)
@@ -589,13 +594,29 @@ def test_s32x8_k_pad_byte(aiter_triton_gemm, pad_case, k, byte):
     assert got == want
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.parametrize("k", PAD_KS)
+def test_written_k_pad_computes_right_with_k_passed_as_padded_width(aiter_triton_gemm, pad_case, k):
+    # The checkpoint's own S32x8 bytes, untouched: with 0x00 in the K pad even a caller that takes
+    # K from the scale's padded width gets the exact product (0x7F let the hostile data in).
+    case = pad_case[k]
+    assert case.pad_value == 0x00 and bool((case.s32_full[case.pad] == 0x00).all())
+    for kernel, m in PAD_RUNS:
+        if kernel == NON_SHUFFLE:
+            continue  # reads raw scales: no pad
+        for mode in PAD_MODES:
+            verdict, detail = pad_byte_run(aiter_triton_gemm, case, None, kernel, m, mode)
+            assert verdict == expected_pad_verdict(kernel, mode, 0x00), (kernel, m, mode, detail)
+            assert verdict == ("raises" if (kernel, mode) == (PRESHUFFLED_WEIGHT_SCALES, "K") else "exact")
+
+
 def pad_table(root) -> str:
     """The table of docs/consumer-kernels.md: ``python tests/test_consumer_kernels.py NEW_DIR``."""
     import aiter_oracle
 
     gemm = aiter_oracle.triton_gemm_module()
     cases = pad_cases(root)
-    lines = ["| kernel | K | K passed | M | pad 0x00 | pad 0x7F (prep today) | pad 0xFF |",
+    lines = ["| kernel | K | K passed | M | pad 0x00 (prep, layout v2) | pad 0x7F (layout v1) | pad 0xFF |",
              "|---|---|---|---|---|---|---|"]
     for k in PAD_KS:
         for kernel, m in PAD_RUNS:

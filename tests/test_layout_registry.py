@@ -95,7 +95,8 @@ def test_non_shuffle_applies_to_any_2d_shape():
 def test_layout_description_is_json_for_the_manifest():
     desc = L.get_layout("ck").describe()
     assert json.loads(json.dumps(desc)) == desc
-    assert desc["scale_transform"] == {"name": "s32x8", "pad_value": 0x7F, "flatten_experts": True}
+    assert desc["scale_transform"] == {"name": "s32x8", "pad_value": 0x00, "flatten_experts": True}
+    assert desc["version"] == 2  # version 1 padded S32x8 scales with 0x7F
     assert desc["weight_transform"] == {"name": "w16"}
 
 

@@ -84,7 +84,9 @@ from ..compat import (CompatibilityError, EngineConfig, check_compatibility, den
                       moe_layout_matches, rank_in_range, tp_matches)
 from ..loader import RankTensors, load_rank
 from ..manifest import Manifest, ManifestError, TensorRecord, load_manifest
-from ..registry import MOE_CK, MOE_TRITON, MOE_TRITON_GFX942, NON_SHUFFLE, PRESHUFFLE
+from ..errors import LayoutsError
+from ..registry import MOE_CK, MOE_TRITON, MOE_TRITON_GFX942, NON_SHUFFLE, PRESHUFFLE, recorded_layout
+from ..shuffle import S8_COLS, pad_to
 from . import NEVER, EngineProfile, GemmPathRule, GpuArch, current_gpu_arch
 
 ENV_NON_SHUFFLE = "ATOM_USE_FP4_NON_SHUFFLE_TRITON_GEMM"
@@ -147,6 +149,59 @@ def triton_gemm_needs_bf16_attention(manifest: Manifest, engine: EngineConfig) -
     return None
 
 
+# Which bytes each GEMM path can take in the K-pad columns of an S32x8 weight scale (the columns
+# past K/32 when K/32 is not a multiple of 8: DeepSeek's down_proj at TP 16, K = 1152). Every ATOM
+# path passes the real K, taken from the activation [M, K/2] (ROCm/ATOM atom/model_ops/linear.py,
+# gemm_a4w4_quant, at commit ffdf3bb5; aiter at e4048607: gemm_afp4wfp4_preshuffle takes
+# K_elems = 2 * x_fp4.shape[1] in aiter/ops/triton/gemm/basic/gemm_afp4wfp4.py, gemm_a4w4 takes
+# k = A.shape[-1] * 2 in aiter/ops/gemm_op_a4w4.py before calling the ASM or CK kernel).
+# * triton-preshuffle: aiter's Triton kernels, told the real K, read the pad columns but multiply
+#   them by data masked to zero, so any finite byte is exact and 0xFF (E8M0 NaN) makes the output
+#   NaN (tests/test_consumer_kernels.py, test_s32x8_k_pad_byte; docs/consumer-kernels.md).
+# * asm: aiter's ASM/CK gemm_a4w4 is a binary that cannot run here; AMD-AGI/Primus-Turbo#383
+#   reports that it reads the K-pad scale columns against the data past K, which only 0x00
+#   (2^-127) cancels; a 0x7F pad (layout version 1) lets that data into the sum.
+# * triton-non-shuffle reads raw scales: there is no pad to read.
+# The MoE back ends get no rule: prep pads stacked experts to multiples of 256, so their S32x8
+# scales never pad K (and no evidence says how the CK MoE reads a pad).
+_K_PAD_USABLE = {ASM: (lambda b: b == 0x00, "only 0x00"), TRITON_PRESHUFFLE: (lambda b: b != 0xFF, "any byte but 0xFF")}
+
+
+def _k_padded_linear(manifest: Manifest) -> tuple[str, int] | None:
+    """The first dense linear whose S32x8 scale pads K, with its K per rank, or None."""
+    for g in manifest.groups:
+        if g.kind == "linear" and g.layout == PRESHUFFLE.name and g.parts:
+            p = g.parts[0]
+            k = p.k // g.tp if p.split == "cols" else p.k
+            if -(-k // 32) % S8_COLS:
+                return g.name, k
+    return None
+
+
+def s32x8_k_pad_usable(manifest: Manifest, engine: EngineConfig) -> str | None:
+    """The GEMM path reads the K-pad columns of the checkpoint's S32x8 scales: their byte must be
+    one it can use (the table above)."""
+    usable = _K_PAD_USABLE.get(engine.gemm_path)
+    padded = _k_padded_linear(manifest) if usable and manifest.layout == PRESHUFFLE.name else None
+    if padded is None:
+        return None
+    record = manifest.layouts.get(PRESHUFFLE.name)
+    if record is None:
+        return f"the manifest does not record the {PRESHUFFLE.name!r} layout it used (its pad byte): convert again"
+    try:
+        layout = recorded_layout(record.to_json())
+    except LayoutsError as e:
+        return str(e.args[0])
+    byte, (ok, which) = layout.scale.pad_value, usable
+    if ok(byte):
+        return None
+    name, k = padded
+    return (f"{name}: K = {k} pads its S32x8 scale from {-(-k // 32)} to {pad_to(-(-k // 32), S8_COLS)} columns with "
+            f"0x{byte:02X} (layout '{PRESHUFFLE.name}' version {layout.version}), and the {engine.gemm_path} GEMM "
+            f"reads those columns ({which} keeps it right): re-convert with this prep version "
+            f"(layout version {PRESHUFFLE.version} pads with 0x{PRESHUFFLE.scale.pad_value:02X})")
+
+
 def expert_parallel_needs_ck_moe(manifest: Manifest, engine: EngineConfig) -> str | None:
     if engine.ep_size > 1 and engine.moe_backend not in AtomProfile.expert_parallel_backends:
         return ("expert parallel with the Triton MoE: ATOM's triton_kernel_fused_experts ignores the expert map "
@@ -166,7 +221,7 @@ class AtomProfile(EngineProfile):
     expert_parallel_backends = (CK,)  # ATOM's Triton MoE ignores the expert map
     expert_parallel_switch = "--enable-expert-parallel"  # sets ep_size = tp_size
     checks = (tp_matches, rank_in_range, ep_matches, dense_layout_matches, triton_gemm_needs_bf16_attention,
-              moe_layout_matches, expert_parallel_needs_ck_moe)
+              s32x8_k_pad_usable, moe_layout_matches, expert_parallel_needs_ck_moe)
     # ATOM's default, the default with the Triton MoE, and all-Triton on raw weights.
     inspected = ((ASM, CK), (ASM, TRITON), (TRITON_NON_SHUFFLE, TRITON))
 
