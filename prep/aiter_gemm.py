@@ -250,6 +250,20 @@ def _pad8(n: int) -> int:
     return -(-n // 8) * 8
 
 
+def shape_problem(layout: str, n: int, k: int, name: str = "weight") -> str | None:
+    """Why aiter's kernel for ``layout`` cannot run a weight of logical shape ``[n, k]`` (None if it can)."""
+    if layout not in KERNELS:
+        return (f"{name}: layout {layout!r} has no aiter Triton GEMM here (they read {', '.join(KERNELS)}); "
+                "run with --gemm torch")
+    if layout == "preshuffle" and k % 256:
+        return (f"{name}: K = {k} (per rank) is not a multiple of 256, which aiter's {KERNELS[layout]} needs "
+                "(K = 128 fails its block shape: 'Shape element 1 must be a power of 2'; other K have no masked "
+                "loop); convert with --layout non-shuffle or a smaller --tp, or run --gemm torch")
+    if layout == "preshuffle" and n % 16:
+        return f"{name}: N = {n} is not a multiple of 16, which the W16 layout needs; convert again"
+    return None
+
+
 def mxfp4_gemm(kernels: types.ModuleType, q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
                weight_scale: torch.Tensor, layout: str, n: int, k: int, name: str = "weight") -> torch.Tensor:
     """float32 ``[M, N]`` = MXFP4 activation ``(q [M, K/2], x_scale)`` times the stored weight
@@ -257,9 +271,9 @@ def mxfp4_gemm(kernels: types.ModuleType, q: torch.Tensor, x_scale: torch.Tensor
     layout. ``x_scale`` is in the layout the kernel's GEMM path gives (``ACTIVATION_PATH``): raw
     ``[M, K/32]``, or for ``preshuffle`` from 32 tokens on S32x8 ``[pad256(M), pad8(K/32)]``.
     ``name`` (the stored tensor) is what an error names."""
-    if layout not in KERNELS:
-        raise PrepError(f"{name}: layout {layout!r} has no aiter Triton GEMM here (they read "
-                        f"{', '.join(KERNELS)}); run with --gemm torch")
+    problem = shape_problem(layout, n, k, name)
+    if problem:
+        raise PrepError(problem)
     q, x_scale = q.view(torch.uint8), x_scale.view(torch.uint8)
     weight, weight_scale = weight.view(torch.uint8), weight_scale.view(torch.uint8)
     m = q.shape[0]
@@ -276,11 +290,7 @@ def mxfp4_gemm(kernels: types.ModuleType, q: torch.Tensor, x_scale: torch.Tensor
             x_scale, ws.view(n, k // 32))
         call = lambda: kernels.gemm_afp4wfp4(q, w, xs, ws, dtype=torch.float32)  # noqa: E731
     else:
-        if k % 256:
-            raise PrepError(f"{name}: K = {k} (per rank) is not a multiple of 256, which aiter's {kernel} needs "
-                            "(K = 128 fails its block shape: 'Shape element 1 must be a power of 2'; other K have no "
-                            "masked loop); convert with --layout non-shuffle or a smaller --tp, or run --gemm torch")
-        if n % 16 or weight.numel() < n * k // 2 or weight_scale.numel() < _pad256(n) * _pad8(k // 32):
+        if weight.numel() < n * k // 2 or weight_scale.numel() < _pad256(n) * _pad8(k // 32):
             raise PrepError(f"{name}: {list(weight.shape)} / {list(weight_scale.shape)} bytes are not a W16 weight "
                             f"and S32x8 scale of [{n}, {k}]; the checkpoint is not in the preshuffle layout")
         w = weight.reshape(-1)[: n * k // 2].view(n // 16, 16 * k // 2)

@@ -38,6 +38,14 @@ from .errors import PrepError
 from .groups import LinearGroup, group_from_record
 from .source import SourceCheckpoint
 
+# Logits of the two dense GEMMs (torch, aiter-triton) agree within LOGIT_RTOL * max |logit|: one
+# BF16 rounding step of the largest logit. Each GEMM output of either is within K * 2**-24 *
+# (|A| @ |W|^T) of the exact sum of its (exact) MXFP4 products, so the two differ by at most
+# 2 * K * 2**-24 of that (6.1e-5 relative for K = 512), 64 times below one BF16 step (2**-8); both
+# are rounded to BF16 before the next module, so they agree there unless the exact value lies
+# that close to a rounding boundary, where they differ by one step. docs/consumer-kernels.md.
+LOGIT_RTOL = 2.0 ** -8
+
 _MOE_SOURCE = re.compile(r"\.mlp\.(experts\.\d+|shared_experts)\.")
 
 
@@ -106,6 +114,9 @@ class AiterDenseGemms:
             if assume_layout and layouts.get_layout(assume_layout).kind == layouts.get_layout(layout).kind:
                 layout = assume_layout  # read the bytes as another layout (to show a mismatch)
             (n, half_k), _ = g.local_shapes()
+            problem = aiter_gemm.shape_problem(layout, n, 2 * half_k, f"{g.name}.weight (rank {g.rank})")
+            if problem:  # refused before the forward starts, not halfway through it
+                raise PrepError(problem)
             held = ranks[g.rank]
             self._groups[g.name, g.rank] = (
                 lambda held=held, g=g: (held[f"{g.name}.weight"], held[f"{g.name}.weight_scale"]), layout, n, 2 * half_k)
