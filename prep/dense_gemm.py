@@ -118,8 +118,8 @@ class AiterDenseGemms:
             if problem:  # refused before the forward starts, not halfway through it
                 raise PrepError(problem)
             held = ranks[g.rank]
-            self._groups[g.name, g.rank] = (
-                lambda held=held, g=g: (held[f"{g.name}.weight"], held[f"{g.name}.weight_scale"]), layout, n, 2 * half_k)
+            read = lambda held=held, g=g: (held[f"{g.name}.weight"], held[f"{g.name}.weight_scale"])  # noqa: E731
+            self._groups[g.name, g.rank] = (read, layout, n, 2 * half_k)
             row = 0
             for p in g.parts:
                 pn = p.local(g.tp)[0]

@@ -84,7 +84,7 @@ def run(model_dir: str | pathlib.Path, prompt_ids: list[int], *, layers: int | N
         from .dense_gemm import AiterDenseGemms
 
         dense = AiterDenseGemms(root, manifest, assume_layout=assume_layout, device=device, aiter_dir=aiter_dir)
-        path = dense.gemm_path  # the checkpoint is checked against its engine; the kernel reads its own path's flags
+        path = kernel_path  # the checkpoint is checked against its engine; the kernel reads its own path's flags
     elif gemm == "aiter-triton":
         raise PrepError("--gemm aiter-triton needs --act-quant: aiter's kernels multiply MXFP4 activations")
     model = DeepseekV3(weights, ForwardOptions(act_quant=act_quant, gemm_path=path), layers=layers, dense_gemm=dense)
