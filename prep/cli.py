@@ -346,6 +346,15 @@ _RUN_OPTIONS = [
                  help="Quantize GEMM inputs to MXFP4 as the kernels do (off: weight-only emulation)."),
     click.option("--gemm-path", type=_FromLayouts(_gemm_paths),
                  help="Emulate this GEMM path's activation flags (default: the one that reads the checkpoint)."),
+    click.option("--gemm", type=click.Choice(["torch", "aiter-triton"]), default="torch", show_default=True,
+                 help="Who computes the dense MXFP4 GEMMs: torch (dequantize and matmul in float32) or aiter-triton "
+                      "(aiter's own Triton GEMM for the checkpoint's dense layout, on its stored bytes, rank by rank; "
+                      "interpreted on the CPU, needs triton >= 3.8 and aiter's files, see --aiter-dir). MoE experts "
+                      "always run on torch."),
+    click.option("--aiter-dir", type=click.Path(file_okay=False),
+                 help="Folder of the amd-aiter wheel's files for --gemm aiter-triton (default: $PREP_AITER_DIR, else "
+                      ".cache/aiter-oracle, filled by `python scripts/fetch_aiter_oracle.py`; an installed aiter "
+                      "is used on a ROCm GPU)."),
 ]
 
 
@@ -362,7 +371,8 @@ def _run_options(fn: Callable) -> Callable:
 @click.option("--assume-layout", help="Read MXFP4 tensors as this layout, skipping the compatibility check (to see a mismatch).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary.")
 @_fail_cleanly
-def run_cmd(model_dir, prompt_ids, layers, device, act_quant, gemm_path, save_logits, assume_layout, as_json):
+def run_cmd(model_dir, prompt_ids, layers, device, act_quant, gemm_path, gemm, aiter_dir, save_logits, assume_layout,
+            as_json):
     """Run the reference DeepSeek-V3 forward on MODEL_DIR (a Quark source or a converted
     checkpoint at any layout and TP; ranks are combined in-process) and print the logits' argmax.
 
@@ -373,13 +383,14 @@ def run_cmd(model_dir, prompt_ids, layers, device, act_quant, gemm_path, save_lo
     Examples:
       prep run r1-tp8 --prompt-ids 0,100,200 --save-logits logits.safetensors
       prep run ./tiny --prompt-ids 1,2,3 --layers 2 --no-act-quant
+      prep run r1-tp2 --prompt-ids 1,2,3 --gemm aiter-triton
     """
     from .reference.run import run
 
     if save_logits and not os.path.isdir(os.path.dirname(os.path.abspath(save_logits))):
         raise PrepError(f"--save-logits {save_logits}: its folder does not exist")
     r = run(model_dir, _ids(prompt_ids), layers=layers, device=device, act_quant=act_quant, gemm_path=gemm_path,
-            assume_layout=assume_layout)
+            assume_layout=assume_layout, gemm=gemm, aiter_dir=aiter_dir)
     logits = r.pop("logits")
     if save_logits:
         from safetensors.torch import save_file
@@ -388,7 +399,8 @@ def run_cmd(model_dir, prompt_ids, layers, device, act_quant, gemm_path, save_lo
         save_file({"logits": logits.contiguous()}, tmp, metadata={"model": str(model_dir), "prompt_ids": prompt_ids})
         os.replace(tmp, save_logits)
     r["argmax"] = logits.argmax(-1).tolist()
-    _emit(r, as_json, [f"{r['weights']}: {r['layers']} layers, gemm path {r['gemm_path']}, act quant {r['act_quant']}",
+    _emit(r, as_json, [f"{r['weights']}: {r['layers']} layers, gemm path {r['gemm_path']}, act quant {r['act_quant']}"
+                       f"{', dense GEMMs on aiter-triton' if gemm == 'aiter-triton' else ''}",
                        f"load {r['load_s']:.2f} s, forward {r['forward_s']:.2f} s; argmax per position: {r['argmax']}"]
           + ([f"logits written to {save_logits}"] if save_logits else []))
 
@@ -398,30 +410,45 @@ def run_cmd(model_dir, prompt_ids, layers, device, act_quant, gemm_path, save_lo
 @click.argument("b", type=click.Path(exists=True, file_okay=False))
 @_run_options
 @click.option("--tolerance", type=float, default=0.0, show_default=True, help="Largest |logit difference| that passes.")
+@click.option("--rtol", type=float, default=0.0, show_default=True,
+              help="Also pass differences up to RTOL times A's largest |logit| (torch vs aiter-triton: 0.00390625, "
+                   "one BF16 rounding step; docs/consumer-kernels.md derives it).")
+@click.option("--gemm-a", type=click.Choice(["torch", "aiter-triton"]), help="--gemm for A only.")
+@click.option("--gemm-b", type=click.Choice(["torch", "aiter-triton"]), help="--gemm for B only.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary.")
 @_fail_cleanly
-def compare(a, b, prompt_ids, layers, device, act_quant, gemm_path, tolerance, as_json):
+def compare(a, b, prompt_ids, layers, device, act_quant, gemm_path, gemm, aiter_dir, tolerance, rtol, gemm_a, gemm_b,
+            as_json):
     """Run checkpoints A and B on the same tokens and compare their logits (exit 1 above --tolerance).
 
     A converted checkpoint computes the same model as its source bit for bit: the layouts only
     move bytes. Use this before putting a conversion behind a server.
 
+    To compare aiter's own GEMMs with prep's on one checkpoint, give it twice with
+    --gemm-b aiter-triton (or two checkpoints, each with its --gemm-a / --gemm-b).
+
     \b
-    Example:
+    Examples:
       prep compare amd/DeepSeek-R1-0528-MXFP4-local r1-tp8 --prompt-ids 0,100,200 --layers 4
+      prep compare r1-tp2 r1-tp2 --gemm-b aiter-triton --prompt-ids 1,2,3 --rtol 0.00390625
     """
     from .reference.run import compare as run
 
-    r = run(a, b, _ids(prompt_ids), layers=layers, device=device, act_quant=act_quant, gemm_path=gemm_path)
-    _emit(r, as_json, [f"A: {r['a']}", f"B: {r['b']}",
-                       f"max |logit difference| {r['max_abs_diff']:.6g} over {r['tokens']} positions"
+    r = run(a, b, _ids(prompt_ids), layers=layers, device=device, act_quant=act_quant, gemm_path=gemm_path,
+            gemm=gemm, gemm_a=gemm_a, gemm_b=gemm_b, aiter_dir=aiter_dir)
+    _emit(r, as_json, [f"A: {r['a']}" + (f" (gemm {r['gemm_a']})" if r["gemm_a"] != r["gemm_b"] else ""),
+                       f"B: {r['b']}" + (f" (gemm {r['gemm_b']})" if r["gemm_a"] != r["gemm_b"] else ""),
+                       f"max |logit difference| {r['max_abs_diff']:.6g} (max |logit| {r['max_abs_logit']:.4g}) "
+                       f"over {r['tokens']} positions"
                        f"{' (identical bit for bit)' if r['identical'] else ''}; argmax agrees on "
                        f"{100 * r['argmax_agree']:.1f}%"])
     bad = [k.upper() for k, ok in r["finite"].items() if not ok]
     if bad:
         raise PrepError(f"logits of {' and '.join(bad)} are not finite (NaN or inf): that checkpoint computes garbage")
-    if r["max_abs_diff"] > tolerance:
-        raise PrepError(f"logits differ by {r['max_abs_diff']:.6g} > --tolerance {tolerance}")
+    allowed = tolerance + rtol * r["max_abs_logit"]
+    if r["max_abs_diff"] > allowed:
+        raise PrepError(f"logits differ by {r['max_abs_diff']:.6g} > --tolerance {tolerance}"
+                        + (f" + --rtol {rtol} x max |logit| {r['max_abs_logit']:.6g}" if rtol else ""))
 
 
 if __name__ == "__main__":

@@ -184,106 +184,29 @@ def triton_ops_module(name: str, interpret: bool = True) -> types.ModuleType:
 
 # --- aiter's Triton MXFP4 GEMMs (gemm_afp4wfp4 and its two preshuffled variants) ---
 #
-# aiter/ops/triton/gemm_afp4wfp4.py and its kernels file use relative imports across
-# aiter/ops/triton/ (`..utils._triton.arch_info`, `.utils.core`), so they are loaded inside a
-# package of our own whose __path__ is that folder (its __init__ is not run). aiter's arch
-# detection asks the GPU driver; here it is stubbed to gfx950 (MI350X, the arch with MXFP4):
-# `arch_info.get_arch` -> "gfx950", `is_fp4_avail` -> True, `chip_info.get_gfx` -> "gfx950".
-# Its JSON configs carry AMD-only launch keys that other back ends (the interpreter, CUDA)
-# refuse; `_get_config` is wrapped to drop them and to return a fresh dict per call, because
-# the wrapper writes into the config it gets (BLOCK_SIZE_K, SPLITK_BLOCK_SIZE, BLOCK_SIZE_N)
-# and aiter's lru_cached dicts would otherwise carry one call's edits into the next.
-
-GEMM_AFP4WFP4 = "gemm_afp4wfp4"
-AMD_ONLY_LAUNCH_KEYS = ("waves_per_eu", "matrix_instr_nonkdim", "kpack")
-STUB_ARCH = "gfx950"
+# Loaded by prep/aiter_gemm.py (`prep run --gemm aiter-triton` loads them the same way): from this
+# oracle folder, arch detection stubbed to gfx950, AMD-only launch keys dropped from the configs
+# (that module's docstring says why each).
 
 
 def triton_gemm_available() -> bool:
     """Whether aiter's gemm_afp4wfp4 wrapper, kernels and JSON configs are here (and triton imports)."""
-    base = ORACLE_DIR / "aiter" / "ops" / "triton"
-    return (triton_available() and (base / "gemm_afp4wfp4.py").is_file()
-            and (base / "_triton_kernels" / "gemm_afp4wfp4.py").is_file()
-            and (base / "configs" / "gemm" / "MI350X-GEMM-AFP4WFP4.json").is_file()
-            and (base / "configs" / "gemm" / "MI350X-GEMM-AFP4WFP4_PRESHUFFLED.json").is_file())
+    from prep import aiter_gemm
+
+    return triton_available() and not aiter_gemm.missing_files(ORACLE_DIR)
 
 
 def interpreter_has_dot_scaled() -> bool:
     """triton's interpreter runs `tl.dot_scaled` from 3.8 on (3.6 and 3.7 lack it)."""
-    try:
-        from triton.runtime.interpreter import InterpreterBuilder
-    except ImportError:
-        return False
-    return hasattr(InterpreterBuilder, "create_dot_scaled")
+    from prep import aiter_gemm
 
-
-def _arch_info_stub(name: str) -> types.ModuleType:
-    m = types.ModuleType(name)
-    m.get_arch = lambda: STUB_ARCH
-    m.get_device = lambda: "MI350X"
-    m.is_fp4_avail = lambda: True
-    m.is_fp8_avail = lambda: True
-    return m
-
-
-def _package(name: str, path: pathlib.Path) -> types.ModuleType:
-    pkg = types.ModuleType(name)
-    pkg.__path__ = [str(path)]
-    pkg.__package__ = name
-    sys.modules[name] = pkg
-    return pkg
-
-
-def strip_amd_launch_keys(config: dict) -> dict:
-    """A copy of an aiter GEMM config without the AMD-only launch keys."""
-    return {k: v for k, v in config.items() if k not in AMD_ONLY_LAUNCH_KEYS}
+    return aiter_gemm.interpreter_has_dot_scaled()
 
 
 def triton_gemm_module(interpret: bool = True) -> types.ModuleType:
-    """aiter/ops/triton/gemm_afp4wfp4.py (aiter's wrapper: `gemm_afp4wfp4`,
-    `gemm_afp4wfp4_preshuffled_scales`, `gemm_afp4wfp4_preshuffled_weight_scales`) with its Triton
-    kernels, interpreted on the CPU (``interpret=True``) or compiled for the GPU; arch detection
-    stubbed to gfx950, AMD-only launch keys dropped from its configs (module comment above)."""
-    tag = "interp" if interpret else "jit"
-    root = f"{_PKG}_triton_{tag}"
-    modname = f"{root}.{GEMM_AFP4WFP4}"
-    if modname in sys.modules:
-        return sys.modules[modname]
-    base = ORACLE_DIR / "aiter" / "ops" / "triton"
-    if root not in sys.modules:
-        _package(root, base)
-        _package(f"{root}._triton_kernels", base / "_triton_kernels")
-        _package(f"{root}.utils", base / "utils")
-        _package(f"{root}.utils._triton", base / "utils" / "_triton")
-        sys.modules[f"{root}.utils._triton.arch_info"] = _arch_info_stub(f"{root}.utils._triton.arch_info")
-    with _triton_interpret(interpret):
-        kernels = importlib.import_module(f"{root}._triton_kernels.{GEMM_AFP4WFP4}")
-        logger = _load("ops/triton/utils/logger.py", f"{_PKG}_triton_logger")
-        names = ["aiter", "aiter.ops", "aiter.ops.triton", "aiter.ops.triton._triton_kernels",
-                 "aiter.ops.triton.utils", "aiter.ops.triton.utils._triton", "aiter.utility",
-                 "aiter.utility.triton", "aiter.jit", "aiter.jit.utils"]
-        stubs = {n: types.ModuleType(n) for n in names}
-        for stub in stubs.values():
-            stub.__path__ = []
-        stubs[f"aiter.ops.triton._triton_kernels.{GEMM_AFP4WFP4}"] = kernels
-        stubs["aiter.ops.triton.utils.logger"] = logger
-        stubs["aiter.ops.triton.utils._triton.arch_info"] = sys.modules[f"{root}.utils._triton.arch_info"]
-        redirect = types.ModuleType("aiter.utility.triton.triton_metadata_redirect")
-        redirect.AOTMetadataContext = lambda *_a, **_k: contextlib.nullcontext()  # AOT binaries: GPU only
-        stubs[redirect.__name__] = redirect
-        chip_info = types.ModuleType("aiter.jit.utils.chip_info")
-        chip_info.get_gfx = lambda: STUB_ARCH
-        stubs[chip_info.__name__] = chip_info
-        with _temporary_modules(stubs):
-            spec = importlib.util.spec_from_file_location(modname, base / f"{GEMM_AFP4WFP4}.py")
-            mod = importlib.util.module_from_spec(spec)
-            sys.modules[modname] = mod
-            try:
-                spec.loader.exec_module(mod)
-            except BaseException:
-                del sys.modules[modname]
-                raise
-    aiter_get_config = kernels._get_config
-    mod.aiter_get_config = aiter_get_config
-    mod._get_config = lambda M, N, K, shuffle=False: strip_amd_launch_keys(aiter_get_config(M, N, K, shuffle))
-    return mod
+    """aiter/ops/triton/gemm_afp4wfp4.py (`gemm_afp4wfp4`, `gemm_afp4wfp4_preshuffled_scales`,
+    `gemm_afp4wfp4_preshuffled_weight_scales`) from the oracle folder, interpreted on the CPU
+    (``interpret=True``) or compiled for the GPU (prep/aiter_gemm.py)."""
+    from prep import aiter_gemm
+
+    return aiter_gemm.load_from_folder(ORACLE_DIR, interpret=interpret)

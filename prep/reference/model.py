@@ -7,7 +7,10 @@ do: the activation is quantized to MXFP4 first (at DeepSeek's two fused call sit
 runtime module's :class:`layouts.ActivationQuantPlan`, whose flags decide how the scale is laid
 out; elsewhere by aiter's dynamic quant recipe), then multiplied, in float32, with the weight
 dequantized from its stored layout. With ``act_quant=False`` activations stay BF16
-(weight-only emulation, the mode to compare with transformers).
+(weight-only emulation, the mode to compare with transformers). Given ``dense_gemm``
+(:class:`prep.dense_gemm.AiterDenseGemms`, ``prep run --gemm aiter-triton``), the dense MXFP4
+GEMMs it handles run on aiter's own kernels instead, on the quantized activation and the stored
+bytes; MoE experts stay on the dequantize-and-matmul path.
 
 Arithmetic is float32 with BF16 between modules, on one device, deterministically: the same
 weights give the same logits bit for bit.
@@ -76,8 +79,10 @@ def _rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -
 class DeepseekV3:
     """``logits = DeepseekV3(weights)(token_ids)``; ``layers`` runs only the first N decoder layers."""
 
-    def __init__(self, weights: ModelWeights, options: ForwardOptions = ForwardOptions(), layers: int | None = None):
+    def __init__(self, weights: ModelWeights, options: ForwardOptions = ForwardOptions(), layers: int | None = None,
+                 dense_gemm: Any = None):
         self.w = weights
+        self.dense_gemm = dense_gemm  # handles(prefix), (prefix, q, scale, flags) -> float32 [T, N]
         self.cfg = weights.config
         self.opt = options
         self.num_layers = self.cfg["num_hidden_layers"] if layers is None else min(layers, self.cfg["num_hidden_layers"])
@@ -94,11 +99,25 @@ class DeepseekV3:
         """float32 values of a fused-op output ``(q, scale)``, its scale read in the flags' layout."""
         return dequantize_activation(*quantized, flags.shuffle, flags.scale_shuffle_padding)
 
+    def _on_stored(self, prefix: str) -> bool:
+        return self.dense_gemm is not None and self.dense_gemm.handles(prefix)
+
+    def _mxfp4_gemm(self, quantized, flags, prefix: str) -> torch.Tensor:
+        """BF16 ``x @ W.T`` of a fused-op output ``(q, scale)`` whose scale is laid out by ``flags``."""
+        if self._on_stored(prefix):
+            return self.dense_gemm(prefix, *quantized, flags).to(BF16)
+        return self._gemm(self._dequantized(quantized, flags), prefix)
+
     def linear(self, x: torch.Tensor, prefix: str) -> torch.Tensor:
         """``x @ W.T`` for a BF16 input: MXFP4 weights quantize the input first (aiter's dynamic
         quant, raw scale layout), BF16 weights multiply it as is."""
         if self.w.mxfp4(prefix) and self.opt.act_quant:
             q, s = layouts.quantize(x.float(), layouts.AITER_TRITON)
+            if self._on_stored(prefix):  # the kernel reads the scale laid out as its path quantizes it
+                from .dense_gemm import lay_out_scale
+
+                flags = self.plan.flags(x.shape[0])
+                return self.dense_gemm(prefix, q, lay_out_scale(s, flags), flags).to(BF16)
             return self._gemm(layouts.dequantize(q, s, k=x.shape[-1]), prefix)
         return self._gemm(x.float(), prefix)
 
@@ -107,14 +126,14 @@ class DeepseekV3:
 
     # -------------------------------------------------------------- blocks
     def attention(self, i: int, x_q: torch.Tensor | None, x_bf16: torch.Tensor, cos, sin, mscale) -> torch.Tensor:
-        """MLA. ``x_q``: the fused input-norm quant output, dequantized (or None); ``x_bf16``: the normed input."""
+        """MLA. ``x_q``: the fused input-norm quant output and its flags (or None); ``x_bf16``: the normed input."""
         c, p = self.cfg, f"model.layers.{i}.self_attn"
         nh, nope, rope, vd = c["num_attention_heads"], c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"]
         t = x_bf16.shape[0]
 
         def qkv_a(name: str) -> torch.Tensor:
             if x_q is not None and self.w.mxfp4(f"{p}.{name}"):
-                return self._gemm(x_q, f"{p}.{name}")
+                return self._mxfp4_gemm(*x_q, f"{p}.{name}")
             return self.linear(x_bf16, f"{p}.{name}")
 
         kv_a = qkv_a("kv_a_proj_with_mqa")
@@ -125,7 +144,7 @@ class DeepseekV3:
             if self.opt.act_quant and self.w.mxfp4(f"{p}.q_b_proj"):
                 (qq, qs), kv_n = self.plan.q_a_layernorm(q_c, qw.to(q_c.device), self.eps, k_pass.contiguous(),
                                                          kvw.to(q_c.device), self.eps)
-                q = self._gemm(self._dequantized((qq, qs), self.plan.flags(t)), f"{p}.q_b_proj")
+                q = self._mxfp4_gemm((qq, qs), self.plan.flags(t), f"{p}.q_b_proj")
             else:
                 kv_n = self.rms(k_pass, f"{p}.kv_a_layernorm.weight")
                 q = self.linear(self.rms(q_c, f"{p}.q_a_layernorm.weight"), f"{p}.q_b_proj")
@@ -200,7 +219,7 @@ class DeepseekV3:
         fused = self.opt.act_quant and self.w.mxfp4(f"{p}.self_attn.kv_a_proj_with_mqa")
         if fused:  # input_layernorm (+ residual add) fused with the MXFP4 quant
             quantized, residual = self.plan.input_layernorm(h, norm_w, self.eps, residual)
-            x_q = self._dequantized(quantized, self.plan.flags(h.shape[0]))  # once for q_a and kv_a
+            x_q = (quantized, self.plan.flags(h.shape[0]))  # for q_a and kv_a
         else:
             residual = h if residual is None else (h.float() + residual.float()).to(BF16)
             x_q = None

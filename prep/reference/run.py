@@ -27,9 +27,17 @@ def engine_for(manifest: layouts.Manifest | None, gemm_path: str | None = None) 
     return engine.gemm_path, engine
 
 
+GEMMS = ("torch", "aiter-triton")  # who computes the dense MXFP4 GEMMs (prep/dense_gemm.py)
+
+
 def run(model_dir: str | pathlib.Path, prompt_ids: list[int], *, layers: int | None = None, device: str = "cpu",
-        act_quant: bool = True, gemm_path: str | None = None, assume_layout: str | None = None) -> dict[str, Any]:
+        act_quant: bool = True, gemm_path: str | None = None, assume_layout: str | None = None,
+        gemm: str = "torch", aiter_dir: str | None = None) -> dict[str, Any]:
     """Logits ``[T, vocab]`` (float32) of ``prompt_ids``, and how long loading and the forward took.
+
+    ``gemm="aiter-triton"`` computes every dense MXFP4 GEMM with aiter's own Triton kernel for the
+    checkpoint's dense layout (from ``aiter_dir``, see :mod:`prep.aiter_gemm`), with that kernel's
+    activation flags; MoE experts stay on the dequantize-and-matmul path.
 
     ``assume_layout`` reads a converted checkpoint's MXFP4 tensors as that layout and skips the
     compatibility check (to see what a mismatch does); otherwise a converted checkpoint is checked
@@ -45,7 +53,16 @@ def run(model_dir: str | pathlib.Path, prompt_ids: list[int], *, layers: int | N
         raise PrepError(f"--device {device}: no such device here; use cpu" + (" or cuda" if torch.cuda.is_available() else ""))
     # Parsed once: a TP 8 R1 manifest describes tens of thousands of tensors.
     manifest = layouts.load_manifest(root) if (root / layouts.manifest.MANIFEST_NAME).is_file() else None
-    path, engine = engine_for(manifest, gemm_path)
+    if gemm not in GEMMS:
+        raise PrepError(f"--gemm {gemm!r}: choose one of {', '.join(GEMMS)}")
+    if gemm == "aiter-triton":
+        from .dense_gemm import kernel_gemm_path
+
+        kernel_path = kernel_gemm_path(manifest, assume_layout)
+        if gemm_path not in (None, kernel_path):
+            raise PrepError(f"--gemm-path {gemm_path}: with --gemm aiter-triton the activation is quantized for the "
+                            f"kernel that runs, whose path is {kernel_path}; leave --gemm-path out")
+    path, engine = engine_for(manifest, None if gemm == "aiter-triton" else gemm_path)
     if engine is not None and assume_layout is None:
         try:
             layouts.check_compatibility(manifest, engine)
@@ -62,24 +79,38 @@ def run(model_dir: str | pathlib.Path, prompt_ids: list[int], *, layers: int | N
     if int(ids.max()) >= vocab or int(ids.min()) < 0:
         raise PrepError(f"--prompt-ids: ids must be in [0, {vocab}) for this model")
     t1 = time.perf_counter()
-    model = DeepseekV3(weights, ForwardOptions(act_quant=act_quant, gemm_path=path), layers=layers)
+    dense = None
+    if gemm == "aiter-triton" and act_quant:
+        from .dense_gemm import AiterDenseGemms
+
+        dense = AiterDenseGemms(root, manifest, assume_layout=assume_layout, device=device, aiter_dir=aiter_dir)
+        path = kernel_path  # the checkpoint is checked against its engine; the kernel reads its own path's flags
+    elif gemm == "aiter-triton":
+        raise PrepError("--gemm aiter-triton needs --act-quant: aiter's kernels multiply MXFP4 activations")
+    model = DeepseekV3(weights, ForwardOptions(act_quant=act_quant, gemm_path=path), layers=layers, dense_gemm=dense)
     logits = model(ids, device)
     if device != "cpu":
         torch.cuda.synchronize()
     t2 = time.perf_counter()
     return {"logits": logits.cpu(), "load_s": t1 - t0, "forward_s": t2 - t1, "weights": weights.description,
-            "gemm_path": path, "act_quant": act_quant, "layers": model.num_layers}
+            "gemm_path": path, "act_quant": act_quant, "layers": model.num_layers, "gemm": gemm}
 
 
-def compare(a: str | pathlib.Path, b: str | pathlib.Path, prompt_ids: list[int], **kw) -> dict[str, Any]:
-    """Run both checkpoints on the same tokens: max |difference| of logits, and whether equal bit for bit."""
-    ra, rb = run(a, prompt_ids, **kw), run(b, prompt_ids, **kw)
+def compare(a: str | pathlib.Path, b: str | pathlib.Path, prompt_ids: list[int], *, gemm_a: str | None = None,
+            gemm_b: str | None = None, **kw) -> dict[str, Any]:
+    """Run both checkpoints on the same tokens: max |difference| of logits, and whether equal bit for bit.
+    ``gemm_a`` / ``gemm_b`` pick each side's dense GEMM (default: ``kw``'s ``gemm``, else torch)."""
+    gemm = kw.pop("gemm", "torch")
+    ra = run(a, prompt_ids, gemm=gemm_a or gemm, **kw)
+    rb = run(b, prompt_ids, gemm=gemm_b or gemm, **kw)
     la, lb = ra["logits"], rb["logits"]
     if la.shape != lb.shape:
         raise PrepError(f"logits shapes differ: {list(la.shape)} vs {list(lb.shape)}; not the same model")
     finite = {"a": bool(torch.isfinite(la).all()), "b": bool(torch.isfinite(lb).all())}
     # A NaN never compares greater than a tolerance: non-finite logits count as an infinite difference.
     diff = float((la - lb).abs().max()) if all(finite.values()) else float("inf")
-    return {"a": ra["weights"], "b": rb["weights"], "max_abs_diff": diff, "finite": finite,
+    return {"a": ra["weights"], "b": rb["weights"], "gemm_a": ra["gemm"], "gemm_b": rb["gemm"],
+            "max_abs_diff": diff, "max_abs_logit": float(la.abs().max()) if finite["a"] else float("inf"),
+            "finite": finite,
             "identical": all(finite.values()) and bool(torch.equal(la, lb)),
             "argmax_agree": float((la.argmax(-1) == lb.argmax(-1)).float().mean()), "tokens": len(prompt_ids)}
