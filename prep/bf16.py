@@ -121,7 +121,8 @@ class Bf16Group:
     def invert(self, tensors: list[torch.Tensor]) -> Iterator[Piece]:
         (t,) = tensors
         if tuple(t.shape) != self.shape:
-            raise PrepError(f"{self.name} (rank {self.rank}): stored shape {list(t.shape)}, expected {list(self.shape)}")
+            raise PrepError(f"{self.name} (rank {self.rank}): stored shape {list(t.shape)}, expected "
+                            f"{list(self.shape)}; the file is not this manifest's: convert again")
         for p in self.placements:
             yield p.source, (p.rows, p.cols), t[p.dest_row:p.dest_row + p.out_shape[0]]
 
