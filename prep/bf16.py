@@ -10,9 +10,10 @@ stored tensor is its source window again (``invert``).
 Covered: vocabulary-parallel embeddings and heads (rows), column-parallel attention (``q_b_proj``,
 ``q_proj``, ``kv_b_proj``: rows), row-parallel ``o_proj`` and a BF16 dense ``down_proj``
 (columns), the merged-replicated ``fused_qkv_a_proj`` of BF16 ``q_a_proj`` + ``kv_a_proj_with_mqa``
-and the merged-column ``gate_up_proj`` of a BF16 dense MLP. Not yet: BF16 experts (the R1-0528
-MTP layer), which stay pass-through, as do the replicated tensors (norms, router, its bias,
-``eh_proj``).
+the merged-column ``gate_up_proj`` of a BF16 dense MLP, and BF16 experts (the R1-0528 MTP
+layer) stacked into ``w13``/``w2`` split by TP or by expert parallel. The replicated tensors
+(norms, router, its bias, ``eh_proj``) are left whole. The BF16 experts are stacked but not
+shuffled: ATOM still shuffles them after loading (``docs/rank-exact.md``).
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ class Placement:
 
     ``dim`` is the source dim the window cuts (None: the whole tensor), ``[start, stop)`` its
     range; the window lands at ``dest_row`` rows into the stored tensor (merged tensors stack
-    their parts along rows), all its columns (a column window fills the stored tensor's width).
+    their parts along rows), all its columns (a column window fills the stored tensor's width),
+    in expert ``slot`` of a stacked tensor when there is one.
     """
 
     source: str
@@ -44,6 +46,7 @@ class Placement:
     start: int
     stop: int
     dest_row: int = 0
+    slot: int | None = None  # stacked experts: the expert slot it lands in (a 3-D stored tensor)
 
     @property
     def rows(self) -> slice:
@@ -74,11 +77,18 @@ class Bf16Group:
         return self.name
 
     @property
-    def shape(self) -> tuple[int, int]:
+    def stacked(self) -> bool:
+        return self.placements[0].slot is not None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
         width = {p.out_shape[1] for p in self.placements}
         if len(width) != 1:
             raise PrepError(f"{self.name}: merged parts have different widths {sorted(width)}")
-        return max(p.dest_row + p.out_shape[0] for p in self.placements), width.pop()
+        rows = max(p.dest_row + p.out_shape[0] for p in self.placements)
+        if self.stacked:
+            return max(p.slot for p in self.placements) + 1, rows, width.pop()
+        return rows, width.pop()
 
     def sources(self) -> list[str]:
         return [p.source for p in self.placements]
@@ -90,23 +100,42 @@ class Bf16Group:
         return [(self.name, "bf16_shard", self.shape)]
 
     def check(self) -> None:
-        rows = sorted((p.dest_row, p.dest_row + p.out_shape[0]) for p in self.placements)
-        if rows[0][0] != 0 or any(a[1] != b[0] for a, b in zip(rows, rows[1:])):
-            raise PrepError(f"{self.name} (rank {self.rank}): its parts do not tile the rows {rows}")
-        self.shape  # noqa: B018 -- the widths agree
+        slots: dict[int | None, list[tuple[int, int]]] = {}
+        for p in self.placements:
+            slots.setdefault(p.slot, []).append((p.dest_row, p.dest_row + p.out_shape[0]))
+        n = self.shape[-2]
+        if self.stacked and sorted(slots) != list(range(self.shape[0])):
+            raise PrepError(f"{self.name} (rank {self.rank}): expert slots {sorted(slots)} are not 0..n-1")
+        for slot, rows in slots.items():
+            rows.sort()
+            if rows[0][0] != 0 or rows[-1][1] != n or any(a[1] != b[0] for a, b in zip(rows, rows[1:])):
+                raise PrepError(f"{self.name} (rank {self.rank}): its parts do not tile the rows {rows}")
 
     def build_chunks(self, read: Reader, chunk_bytes: int = 32 << 20, alloc=None
                      ) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, block of whole rows) in file order, each about ``chunk_bytes`` (an embedding at
         TP 1 is 1.8 GiB), read straight into ``alloc``'s memory when it gives some."""
-        n, k = self.shape
+        shape = self.shape
         itemsize = _ITEMSIZE[self.dtype]
+        if self.stacked:  # blocks of whole experts
+            per = shape[1] * shape[2] * itemsize
+            step = max(1, chunk_bytes // per) if chunk_bytes else shape[0]
+            by_slot: dict[int, list[Placement]] = {}
+            for p in self.placements:
+                by_slot.setdefault(p.slot, []).append(p)
+            for e0 in range(0, shape[0], step):
+                e1 = min(shape[0], e0 + step)
+                out = self._room(alloc, (e1 - e0, *shape[1:]))
+                for e in range(e0, e1):
+                    for p in by_slot[e]:
+                        read(p.source, p.rows, p.cols, out=out[e - e0, p.dest_row:p.dest_row + p.out_shape[0]])
+                yield self.name, out
+            return
+        n, k = shape
         step = max(1, chunk_bytes // max(1, k * itemsize)) if chunk_bytes else n
         for r0 in range(0, n, step):
             r1 = min(n, r0 + step)
-            out = alloc(self.name, (r1 - r0, k), self.dtype) if alloc else None
-            if out is None:
-                out = torch.empty((r1 - r0, k), dtype=_TORCH[self.dtype])
+            out = self._room(alloc, (r1 - r0, k))
             for p in self.placements:
                 lo, hi = max(r0, p.dest_row), min(r1, p.dest_row + p.out_shape[0])
                 if lo >= hi:
@@ -114,6 +143,10 @@ class Bf16Group:
                 first = p.rows.start + lo - p.dest_row
                 read(p.source, slice(first, first + hi - lo), p.cols, out=out[lo - r0:hi - r0])
             yield self.name, out
+
+    def _room(self, alloc, shape: tuple[int, ...]) -> torch.Tensor:
+        out = alloc(self.name, shape, self.dtype) if alloc else None
+        return torch.empty(shape, dtype=_TORCH[self.dtype]) if out is None else out
 
     def build(self, read: Reader) -> list[torch.Tensor]:
         return [torch.cat([t for _, t in self.build_chunks(read, 0)])]
@@ -124,9 +157,15 @@ class Bf16Group:
             raise PrepError(f"{self.name} (rank {self.rank}): stored shape {list(t.shape)}, expected "
                             f"{list(self.shape)}; the file is not this manifest's: convert again")
         for p in self.placements:
-            yield p.source, (p.rows, p.cols), t[p.dest_row:p.dest_row + p.out_shape[0]]
+            slot = t if p.slot is None else t[p.slot]
+            yield p.source, (p.rows, p.cols), slot[p.dest_row:p.dest_row + p.out_shape[0]]
 
     def transforms(self) -> list[dict[str, Any]]:
+        if self.stacked:  # one entry for the layer's experts, as the MXFP4 stacks have
+            p = self.placements[0]
+            split = {"op": "tp_split", "dim": "intermediate", "tp": self.tp, "rank": self.rank} if p.dim is not None \
+                else {"op": "ep_split", "rank": self.rank, "experts": self.shape[0]}
+            return [split, {"op": "stack_experts", "experts": self.shape[0], "w13": "[gate ; up] rows per expert"}]
         chain: list[dict[str, Any]] = [{"op": "tp_split", "source": p.source, "dim": p.dim, "tp": self.tp,
                                         "rank": self.rank} for p in self.placements if p.dim is not None]
         if len(self.placements) > 1:
@@ -145,8 +184,8 @@ _TORCH = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 def group_from_record(rec: dict[str, Any]) -> Bf16Group:
     if rec.get("kind") != "bf16":
         raise PrepError(f"manifest: group {rec.get('name')!r} is not a bf16 group")
-    ps = tuple(Placement(p["source"], tuple(p["shape"]), p["dim"], p["start"], p["stop"], p["dest_row"])
-               for p in rec["placements"])
+    ps = tuple(Placement(p["source"], tuple(p["shape"]), p["dim"], p["start"], p["stop"], p["dest_row"],
+                         p.get("slot")) for p in rec["placements"])
     return Bf16Group(rec["name"], rec["rank"], rec["tp"], rec["dtype"], ps)
 
 
@@ -156,18 +195,21 @@ _COLUMN = re.compile(r"\.self_attn\.(q_b_proj|q_proj|kv_b_proj)\.weight$")
 _ROW = re.compile(r"\.(self_attn\.o_proj|mlp\.down_proj)\.weight$")
 _QKV_A = re.compile(r"^(.*\.self_attn\.)(q_a_proj|kv_a_proj_with_mqa)\.weight$")
 _GATE_UP = re.compile(r"^(.*\.mlp\.)(gate_proj|up_proj)\.weight$")  # a dense MLP (not experts: no digit before)
+_EXPERT = re.compile(r"^(.*\.mlp\.)(?:experts\.(\d+)|shared_experts)\.(gate|up|down)_proj\.weight$")
 
 
-def plan_bf16_groups(tensors: dict[str, Any], config: dict[str, Any], tp: int
-                     ) -> tuple[list[list[Bf16Group]], list[str]]:
+def plan_bf16_groups(tensors: dict[str, Any], config: dict[str, Any], tp: int, ep: int = 1,
+                     fuse_shared_expert: bool = True) -> tuple[list[list[Bf16Group]], list[str]]:
     """For each rank, the BF16 groups it holds, and the names left whole (replicated: every rank
     holds all of them). ``tensors``: the source's non-MXFP4 tensors, name -> info with ``dtype``
-    and ``shape``, in source order. Expert parallel changes nothing here: it splits experts only.
+    and ``shape``, in source order. Expert parallel (``ep`` = ``tp``) splits the BF16 experts
+    only: whole experts in blocks, as for the MXFP4 ones; everything else is split by ``tp``.
 
     Refuses (naming the tensor and the fix) a split that does not divide: ATOM pads nothing."""
     per_rank: list[list[Bf16Group]] = [[] for _ in range(tp)]
     whole: list[str] = []
     merged: dict[str, dict[str, Any]] = {}  # engine name -> {part: info}
+    experts: dict[str, dict[int | None, dict[str, tuple[str, Any]]]] = {}  # "...mlp." -> expert (None: shared)
 
     def part(name, info, dim, rank):
         size = info.shape[dim]
@@ -187,7 +229,10 @@ def plan_bf16_groups(tensors: dict[str, Any], config: dict[str, Any], tp: int
                 per_rank[r].append(Bf16Group(name, r, tp, info.dtype, (p,)))
         elif two_d and q_lora is not None and (m := _QKV_A.match(name)):
             merged.setdefault(f"{m.group(1)}fused_qkv_a_proj.weight", {})[m.group(2)] = (name, info)
-        elif two_d and ".experts." not in name and ".shared_experts." not in name and (m := _GATE_UP.match(name)):
+        elif two_d and (m := _EXPERT.match(name)):
+            e = None if m.group(2) is None else int(m.group(2))
+            experts.setdefault(m.group(1), {}).setdefault(e, {})[m.group(3)] = (name, info)
+        elif two_d and (m := _GATE_UP.match(name)):
             merged.setdefault(f"{m.group(1)}gate_up_proj.weight", {})[m.group(2)] = (name, info)
         else:
             whole.append(name)
@@ -206,4 +251,62 @@ def plan_bf16_groups(tensors: dict[str, Any], config: dict[str, Any], tp: int
                 ps.append(dataclasses.replace(p, dest_row=row))
                 row += p.out_shape[0]
             per_rank[r].append(Bf16Group(target, r, tp, parts[order[0]][1].dtype, tuple(ps)))
+    for mlp, layer in experts.items():
+        _plan_experts(mlp, layer, tp, ep, fuse_shared_expert, per_rank, whole)
     return per_rank, whole
+
+
+def _plan_experts(mlp: str, layer: dict, tp: int, ep: int, fuse_shared: bool, per_rank: list[list[Bf16Group]],
+                  whole: list[str]) -> None:
+    """One MoE layer's BF16 experts as the engine stacks them: ``w13 [E, 2 I/tp, H]`` (gate rows,
+    then up rows) and ``w2 [E, H, I/tp]``; under expert parallel whole experts, rank r the
+    routed block ATOM's ``determine_expert_map`` gives it (the remainder to the last rank); the
+    shared expert, when fused, in the slot after the routed ones on every rank."""
+    routed = sorted(e for e in layer if e is not None)
+    if not routed:  # a BF16 shared expert beside MXFP4 routed ones: the engine keeps it apart
+        whole.extend(n for parts in layer.values() for n, _ in parts.values())
+        return
+    if routed != list(range(len(routed))):
+        raise PrepError(f"{mlp}experts: BF16 experts {routed[0]}..{routed[-1]} are not numbered 0..n-1 "
+                        "(a missing expert); re-download the checkpoint")
+    for e, parts in layer.items():
+        if set(parts) != {"gate", "up", "down"}:
+            raise PrepError(f"{next(iter(parts.values()))[0]}: expert {e} lacks a BF16 "
+                            f"{'/'.join(sorted({'gate', 'up', 'down'} - set(parts)))}_proj; re-download the checkpoint")
+    if ep not in (1, tp):
+        raise PrepError(f"{mlp}experts: ep={ep} with tp={tp}; expert parallel runs with ep equal to tp")
+    if ep > len(routed):
+        raise PrepError(f"{mlp}experts: --ep {ep} exceeds the {len(routed)} routed experts")
+    shared = fuse_shared and None in layer
+    if None in layer and not shared:
+        whole.extend(n for n, _ in layer[None].values())
+    dtype = layer[0]["gate"][1].dtype
+    for r in range(tp):
+        if ep > 1:
+            per = len(routed) // ep
+            local = routed[r * per:len(routed) if r == ep - 1 else (r + 1) * per]
+            moe_tp, moe_rank = 1, 0
+        else:
+            local, moe_tp, moe_rank = routed, tp, r
+        ids = [*local, None] if shared else local
+        w13, w2 = [], []
+        for slot, e in enumerate(ids):
+            parts = layer[e]
+            for i, proj in enumerate(("gate", "up")):
+                name, info = parts[proj]
+                n = _moe_split(name, info.shape[0], moe_tp)
+                dim = 0 if moe_tp > 1 else None
+                w13.append(Placement(name, tuple(info.shape), dim, moe_rank * n, (moe_rank + 1) * n, i * n, slot))
+            name, info = parts["down"]
+            k = _moe_split(name, info.shape[1], moe_tp)
+            w2.append(Placement(name, tuple(info.shape), 1 if moe_tp > 1 else None, moe_rank * k, (moe_rank + 1) * k,
+                                0, slot))
+        per_rank[r].append(Bf16Group(f"{mlp}experts.w13_weight", r, tp, dtype, tuple(w13)))
+        per_rank[r].append(Bf16Group(f"{mlp}experts.w2_weight", r, tp, dtype, tuple(w2)))
+
+
+def _moe_split(name: str, size: int, tp: int) -> int:
+    if size % tp:
+        raise PrepError(f"{name}: moe intermediate {size} does not split over tp={tp}; choose a tp that divides it "
+                        "(or --ep equal to --tp)")
+    return size // tp
