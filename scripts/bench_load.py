@@ -47,6 +47,7 @@ import torch  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 
 import layouts as L  # noqa: E402
+from layouts.safetensors_file import SafetensorsFile, map_all  # noqa: E402
 from prep.convert import convert  # noqa: E402
 from prep.deepseek import Target, classify, plan_groups  # noqa: E402
 from prep.source import SourceCheckpoint  # noqa: E402
@@ -171,6 +172,81 @@ def time_rank(src_dir: pathlib.Path, conv: pathlib.Path, rank: int, repeat: int,
     print(f"ratio     : {s / c:7.2f}x faster to rank ready (target >= 2x)")
 
 
+def write_rank_exact(src: SourceCheckpoint, conv: pathlib.Path, out: pathlib.Path
+                     ) -> dict[str, list[list[pathlib.Path]]]:
+    """A prototype of the rank-exact layout beside a conversion (prep convert does not write it
+    yet): each rank's BF16 tensors split by ``prep.bf16`` (ATOM's rules), in two variants of
+    where the replicated ones go. Returns, per variant, each rank's files (its MXFP4 files from
+    the conversion first): "per-rank": the replicated tensors in every rank's own file;
+    "shared": in one file all ranks read."""
+    from safetensors.torch import save_file
+
+    from prep.bf16 import plan_bf16_groups
+
+    manifest = L.load_manifest(conv)
+    bf16 = {n: i for n, i in src.tensors.items() if i.dtype != "U8"}
+    per_rank, whole = plan_bf16_groups(bf16, src.config, manifest.tp, manifest.ep)
+
+    def replicated(g) -> bool:  # the same bytes on every rank (fused_qkv_a_proj)
+        return not g.stacked and all(p.dim is None for p in g.placements)
+
+    out.mkdir(parents=True, exist_ok=True)
+    shared = {n: src.read(n) for n in whole}
+    shared.update({g.name: g.build(src.read)[0] for g in per_rank[0] if replicated(g)})
+    save_file(shared, str(out / "bf16-replicated.safetensors"))
+    files: dict[str, list[list[pathlib.Path]]] = {"per-rank": [], "shared": []}
+    for rank, groups in enumerate(per_rank):
+        mxfp4 = [conv / r.file for r in manifest.rank_tensors(rank) if r.rank == rank]
+        mxfp4 = list(dict.fromkeys(mxfp4))
+        split = {g.name: g.build(src.read)[0] for g in groups if not replicated(g)}
+        save_file(split, str(out / f"bf16-rank{rank}.safetensors"))
+        save_file({**split, **shared}, str(out / f"bf16-rank{rank}-with-replicated.safetensors"))
+        files["per-rank"].append(mxfp4 + [out / f"bf16-rank{rank}-with-replicated.safetensors"])
+        files["shared"].append(mxfp4 + [out / f"bf16-rank{rank}.safetensors", out / "bf16-replicated.safetensors"])
+        del split
+    return files
+
+
+def map_and_touch(paths) -> int:
+    """What load_rank does with a rank's files, without the manifest: map each file, touch
+    every page. Returns the bytes mapped."""
+    n = 0
+    for p in paths:
+        buf, _ = map_all(SafetensorsFile(p))
+        int(buf[::4096].sum())
+        n += buf.numel()
+    return n
+
+
+def compare_layouts(src: SourceCheckpoint, conv: pathlib.Path, rank: int, repeat: int, cold: bool) -> None:
+    """Bytes each rank reads and the time to map and touch them: today's layout against the
+    rank-exact prototype (both variants of where replicated tensors go), in the same run."""
+    manifest = L.load_manifest(conv)
+    total = sum(i.nbytes for i in src.tensors.values())
+    layouts_files = {"today": [[conv / f for f in manifest.rank_files(r)] for r in range(manifest.tp)]}
+    layouts_files.update(write_rank_exact(src, conv, conv / "rank-exact"))
+    print(f"rank-exact prototype, tp {manifest.tp} ep {manifest.ep}: bytes read per rank "
+          f"(checkpoint {total / 2**30:.3f} GiB, 1/tp {total / manifest.tp / 2**30:.3f} GiB)")
+    for name, per_rank in layouts_files.items():
+        sizes = [sum(p.stat().st_size for p in files) for files in per_rank]
+        disk = sum(p.stat().st_size for p in {p for files in per_rank for p in files})
+        print(f"  {name:9s}: {max(sizes) / 2**30:.3f} GiB read per rank at most ({max(sizes) / total:.3f} of the "
+              f"checkpoint; least {min(sizes) / 2**30:.3f} GiB), {disk / 2**30:.3f} GiB on disk for all ranks")
+    for label, evict_first in (("warm", False), ("cold", True)) if cold else (("warm", False),):
+        times: dict[str, list[float]] = {k: [] for k in layouts_files}
+        for i in range(repeat + 1):
+            for name, per_rank in layouts_files.items():
+                if evict_first:
+                    evict([p for files in per_rank for p in files])
+                t0 = time.perf_counter()
+                map_and_touch(per_rank[rank])
+                if i or evict_first:
+                    times[name].append(time.perf_counter() - t0)
+        base = min(times["today"])
+        print(f"  rank {rank} map + touch, {label}, best of {len(times['today'])}: " + ", ".join(
+            f"{k} {min(v):.3f} s ({base / min(v):.2f}x)" for k, v in times.items()))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--src", type=pathlib.Path, required=True)
@@ -183,6 +259,9 @@ def main() -> None:
     ap.add_argument("--pread", action="store_true", help="load_rank(mmap=False): read files into new memory")
     ap.add_argument("--cold", action="store_true", help="also time with the files evicted from the page cache")
     ap.add_argument("--bytes-only", action="store_true", help="the per-rank bytes table only, no timing")
+    ap.add_argument("--rank-exact", action="store_true",
+                    help="also write the rank-exact prototype beside each conversion and compare it with today's")
+    ap.add_argument("--no-source", action="store_true", help="skip timing the engine-like load from the source")
     args = ap.parse_args()
     src = SourceCheckpoint(args.src)
     out_root = REPO / "out" if (REPO / "out").is_dir() else None
@@ -198,7 +277,9 @@ def main() -> None:
                   f"in {time.perf_counter() - t0:.1f} s")
         try:
             bytes_table(src, conv)
-            if not args.bytes_only:
+            if args.rank_exact:
+                compare_layouts(src, conv, args.rank, args.repeat, args.cold)
+            if not args.bytes_only and not args.no_source:
                 time_rank(args.src, conv, args.rank, args.repeat, args.device, args.pread, cold=False)
                 if args.cold:
                     time_rank(args.src, conv, args.rank, args.repeat, args.device, args.pread, cold=True)
