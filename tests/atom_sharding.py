@@ -24,6 +24,8 @@ itself. ``docs/rank-exact.md`` cites the ATOM file and line behind each rule; in
 - The MTP layer (``model.layers.{num_hidden_layers + i}``) is skipped by the target model and
   loaded by ``DeepSeekMTP``: its ``embed_tokens`` becomes the draft's ``model.embed_tokens``, its
   ``enorm``/``hnorm``/``eh_proj``/``shared_head`` stay its own, the rest goes to ``.mtp_block.``.
+  (ATOM's drafter then swaps the draft's embedding for the target's; :func:`held` states what
+  the loader writes, before that swap.)
 """
 
 from __future__ import annotations
