@@ -122,3 +122,28 @@ def test_refuses_a_stored_tensor_of_the_wrong_shape(source):
     (t,) = g.build(source.read)
     with pytest.raises(PrepError, match=rf"{g.name} \(rank 0\): stored shape"):
         list(g.invert([t[:-1]]))
+
+
+def test_a_rank_file_written_by_prep_writer_holds_the_built_tensors(source, tmp_path):
+    """Through prep's own writer, built in its staging memory as convert does (``alloc``), in
+    small blocks: the file read back holds exactly what ``build`` gives, with its hashes."""
+    from layouts.safetensors_file import TORCH_DTYPES, SafetensorsFile, tensor_hash
+    from prep.safetensors_writer import StreamingSafetensorsWriter, nbytes
+
+    groups = plan_bf16_groups(_bf16(source), source.config, 4, 4)[0][1]
+    entries = [(g.name, g.dtype, g.shape) for g in groups]
+    path = tmp_path / "rank1.safetensors"
+    with StreamingSafetensorsWriter(path, entries) as w:
+        def room(name, shape, dtype):
+            buf = w.reserve(name, nbytes(dtype, shape))
+            return None if buf is None else buf.view(TORCH_DTYPES[dtype]).view(shape)
+
+        for g in groups:
+            for name, chunk in g.build_chunks(source.read, 4096, alloc=room):
+                w.write(name, chunk)
+    f = SafetensorsFile(path)
+    _, views = f.read_all()
+    for g in groups:
+        (built,) = g.build(source.read)
+        assert torch.equal(views[g.name], built), g.name
+        assert w.hashes[g.name] == tensor_hash(built)
