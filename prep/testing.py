@@ -112,6 +112,14 @@ PRESETS: dict[str, SynthSpec] = {
 # bench-large: the bench dims with 40 layers, 9.14 GiB in 24 shards (61,373 tensors): more than
 # a 24 GiB machine's dirty-page limit, so copies reach the disk as a real 350 GB one does.
 PRESETS["bench-large"] = replace(PRESETS["bench"], num_hidden_layers=40, num_shards=24)
+# bench-r1: R1-0528's shape where it decides what a rank reads: its 128 heads of 192/128 dims
+# (BF16 attention 5.6% of the bytes, R1's 5.8%), 256 experts of moe_intermediate 2048 (at TP 8
+# a rank's 256 rows need no padding, as in R1), the MTP layer BF16 with its experts; hidden 256
+# and 8 layers keep it at 2.35 GiB (11,677 tensors), so the MTP experts are 32% of it (R1: 5.6%).
+PRESETS["bench-r1"] = replace(
+    PRESETS["bench"], hidden_size=256, q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=128, qk_rope_head_dim=64,
+    v_head_dim=128, num_attention_heads=128, intermediate_size=2048, moe_intermediate_size=2048, vocab_size=32768,
+)
 
 
 def exclude_patterns(spec: SynthSpec) -> list[str]:

@@ -16,6 +16,15 @@ in memory; ``--pread`` reads each file into new memory instead).
 Both run with the files in the page cache (each path runs once untimed first), alternating, and
 the best of ``--repeat`` is reported, with tensor counts and the ratio (target: >= 2x). Without
 ``--converted`` the source is converted first (preshuffle + ck, ``--tp``) into a temporary folder.
+
+Bytes per rank (``--tp 4 8`` converts at each TP in the same run; ``--ep`` adds expert parallel):
+for every rank, the bytes ``load_rank`` reads (the rank's own files, and the common files every
+rank reads whole), against the bytes ATOM keeps of them (the rank's MXFP4 tensors, plus the
+slice ATOM's weight loader keeps of each BF16 tensor, from ``tests/atom_sharding.py``, the
+test-side statement of ATOM's rules) and against 1/TP of the checkpoint; then the time to rank
+ready of ``--rank`` for each layout, page cache warm, and with ``--cold`` also after evicting the
+checkpoint's files from the page cache (``posix_fadvise(DONTNEED)``; no root needed).
+For an R1-0528-shaped checkpoint: ``make_tiny_deepseek.py OUT --preset bench-r1``.
 A checkpoint with DeepSeek-like tensor counts: ``scripts/make_tiny_deepseek.py OUT --layers 30
 --experts 256 --hidden 512 --random-bytes`` (45,843 tensors, 1.7 GB).
 """
@@ -23,6 +32,8 @@ A checkpoint with DeepSeek-like tensor counts: ``scripts/make_tiny_deepseek.py O
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import pathlib
 import shutil
 import sys
@@ -36,6 +47,7 @@ import torch  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 
 import layouts as L  # noqa: E402
+from layouts.safetensors_file import SafetensorsFile, map_all  # noqa: E402
 from prep.convert import convert  # noqa: E402
 from prep.deepseek import Target, classify, plan_groups  # noqa: E402
 from prep.source import SourceCheckpoint  # noqa: E402
@@ -72,58 +84,208 @@ def load_source_like_an_engine(src_dir: pathlib.Path, tp: int, rank: int, device
     return reads, held
 
 
+def evict(paths) -> None:
+    """Drop these files' pages from the page cache, so the next read comes from the disk."""
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def atom_keeps(src: SourceCheckpoint, manifest, rank: int) -> tuple[int, int]:
+    """(bytes of the rank's own files, bytes ATOM keeps of the BF16 tensors): the second from
+    tests/atom_sharding.py (both the target model and the MTP draft model)."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from atom_sharding import held  # the test-side statement of ATOM's per-rank slices
+
+    kept = 0
+    for name, info in src.tensors.items():
+        if info.dtype == "U8":
+            continue
+        h = held(src.config, name, tuple(info.shape), manifest.tp, rank, manifest.ep)
+        if h is not None:
+            kept += info.nbytes // info.shape[h.axis] * h.length if h.axis is not None else info.nbytes
+    size = {"U8": 1, "BF16": 2, "F32": 4}
+    own = sum(math.prod(r.shape) * size[r.dtype] for r in manifest.rank_tensors(rank) if r.rank == rank)
+    return own, kept
+
+
+def bytes_table(src: SourceCheckpoint, conv: pathlib.Path) -> None:
+    manifest = L.load_manifest(conv)
+    total = sum(i.nbytes for i in src.tensors.values())
+    print(f"per-rank bytes, tp {manifest.tp} ep {manifest.ep}: checkpoint {total / 2**30:.3f} GiB, "
+          f"1/tp = {total / manifest.tp / 2**30:.3f} GiB")
+    print("rank  own files GiB  common GiB  read GiB  read/ckpt  ATOM keeps GiB  read/kept")
+    for rank in range(manifest.tp):
+        files = manifest.rank_files(rank)
+        sizes = {f: (conv / f).stat().st_size for f in files}
+        own_files = {r.file for r in manifest.rank_tensors(rank) if r.rank == rank}
+        own_b = sum(v for f, v in sizes.items() if f in own_files)
+        common_b = sum(v for f, v in sizes.items() if f not in own_files)
+        mx, bf = atom_keeps(src, manifest, rank)
+        read = own_b + common_b
+        print(f"{rank:4d}  {own_b / 2**30:13.3f}  {common_b / 2**30:10.3f}  {read / 2**30:8.3f}  {read / total:9.3f}  "
+              f"{(mx + bf) / 2**30:14.3f}  {read / (mx + bf):9.2f}")
+
+
+def time_rank(src_dir: pathlib.Path, conv: pathlib.Path, rank: int, repeat: int, device: str, pread: bool,
+              cold: bool) -> None:
+    manifest = L.load_manifest(conv)
+    tp = manifest.tp
+    files = [conv / f for f in manifest.rank_files(rank)]
+    src_files = [src_dir / f for f in SourceCheckpoint(src_dir).files]
+    times: dict[str, list[float]] = {"source": [], "converted": []}
+    counts = {}
+    for i in range(repeat + 1):  # the first round warms the page cache and is not timed
+        if cold:
+            evict(src_files)
+        t0 = time.perf_counter()
+        reads, held = load_source_like_an_engine(src_dir, tp, rank, device)
+        if device != "cpu":
+            torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        if cold:
+            evict(files)
+        t1 = time.perf_counter()
+        ranked = L.load_rank(conv, rank, device, mmap=not pread)
+        if device == "cpu":  # touch every page, so a mapped file is really in memory
+            for t in ranked.buffers:
+                int(t[::4096].sum())
+        else:
+            torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        counts = {"source": (reads, held), "converted": (len(ranked), len(ranked))}
+        if i or cold:
+            times["source"].append(t1 - t0)
+            times["converted"].append(t2 - t1)
+        del ranked
+    nbytes = sum(f.stat().st_size for f in files)
+    s, c = min(times["source"]), min(times["converted"])
+    print(f"rank {rank} of tp {tp}, device {device}, best of {len(times['converted'])} "
+          f"({'cold: files evicted before each load' if cold else 'page cache warm'})")
+    print(f"source    : {s:7.3f} s  {counts['source'][0]:6d} tensors read by name, merged into {counts['source'][1]} "
+          "and shuffled at load")
+    print(f"converted : {c:7.3f} s  {counts['converted'][0]:6d} tensors in {len(files)} files "
+          f"({nbytes / 2**30:.2f} GiB, {nbytes / c / 1e9:.2f} GB/s)")
+    print(f"ratio     : {s / c:7.2f}x faster to rank ready (target >= 2x)")
+
+
+def write_rank_exact(src: SourceCheckpoint, conv: pathlib.Path, out: pathlib.Path
+                     ) -> dict[str, list[list[pathlib.Path]]]:
+    """A prototype of the rank-exact layout beside a conversion (prep convert does not write it
+    yet): each rank's BF16 tensors split by ``prep.bf16`` (ATOM's rules), in two variants of
+    where the replicated ones go. Returns, per variant, each rank's files (its MXFP4 files from
+    the conversion first): "per-rank": the replicated tensors in every rank's own file;
+    "shared": in one file all ranks read."""
+    from safetensors.torch import save_file
+
+    from prep.bf16 import plan_bf16_groups
+
+    manifest = L.load_manifest(conv)
+    bf16 = {n: i for n, i in src.tensors.items() if i.dtype != "U8"}
+    per_rank, whole = plan_bf16_groups(bf16, src.config, manifest.tp, manifest.ep)
+
+    def replicated(g) -> bool:  # the same bytes on every rank (fused_qkv_a_proj)
+        return not g.stacked and all(p.dim is None for p in g.placements)
+
+    out.mkdir(parents=True, exist_ok=True)
+    shared = {n: src.read(n) for n in whole}
+    shared.update({g.name: g.build(src.read)[0] for g in per_rank[0] if replicated(g)})
+    save_file(shared, str(out / "bf16-replicated.safetensors"))
+    files: dict[str, list[list[pathlib.Path]]] = {"per-rank": [], "shared": []}
+    for rank, groups in enumerate(per_rank):
+        mxfp4 = [conv / r.file for r in manifest.rank_tensors(rank) if r.rank == rank]
+        mxfp4 = list(dict.fromkeys(mxfp4))
+        split = {g.name: g.build(src.read)[0] for g in groups if not replicated(g)}
+        save_file(split, str(out / f"bf16-rank{rank}.safetensors"))
+        save_file({**split, **shared}, str(out / f"bf16-rank{rank}-with-replicated.safetensors"))
+        files["per-rank"].append(mxfp4 + [out / f"bf16-rank{rank}-with-replicated.safetensors"])
+        files["shared"].append(mxfp4 + [out / f"bf16-rank{rank}.safetensors", out / "bf16-replicated.safetensors"])
+        del split
+    return files
+
+
+def map_and_touch(paths) -> int:
+    """What load_rank does with a rank's files, without the manifest: map each file, touch
+    every page. Returns the bytes mapped."""
+    n = 0
+    for p in paths:
+        buf, _ = map_all(SafetensorsFile(p))
+        int(buf[::4096].sum())
+        n += buf.numel()
+    return n
+
+
+def compare_layouts(src: SourceCheckpoint, conv: pathlib.Path, rank: int, repeat: int, cold: bool) -> None:
+    """Bytes each rank reads and the time to map and touch them: today's layout against the
+    rank-exact prototype (both variants of where replicated tensors go), in the same run."""
+    manifest = L.load_manifest(conv)
+    total = sum(i.nbytes for i in src.tensors.values())
+    layouts_files = {"today": [[conv / f for f in manifest.rank_files(r)] for r in range(manifest.tp)]}
+    layouts_files.update(write_rank_exact(src, conv, conv / "rank-exact"))
+    print(f"rank-exact prototype, tp {manifest.tp} ep {manifest.ep}: bytes read per rank "
+          f"(checkpoint {total / 2**30:.3f} GiB, 1/tp {total / manifest.tp / 2**30:.3f} GiB)")
+    for name, per_rank in layouts_files.items():
+        sizes = [sum(p.stat().st_size for p in files) for files in per_rank]
+        disk = sum(p.stat().st_size for p in {p for files in per_rank for p in files})
+        print(f"  {name:9s}: {max(sizes) / 2**30:.3f} GiB read per rank at most ({max(sizes) / total:.3f} of the "
+              f"checkpoint; least {min(sizes) / 2**30:.3f} GiB), {disk / 2**30:.3f} GiB on disk for all ranks")
+    for label, evict_first in (("warm", False), ("cold", True)) if cold else (("warm", False),):
+        times: dict[str, list[float]] = {k: [] for k in layouts_files}
+        for i in range(repeat + 1):
+            for name, per_rank in layouts_files.items():
+                if evict_first:
+                    evict([p for files in per_rank for p in files])
+                t0 = time.perf_counter()
+                map_and_touch(per_rank[rank])
+                if i or evict_first:
+                    times[name].append(time.perf_counter() - t0)
+        base = min(times["today"])
+        print(f"  rank {rank} map + touch, {label}, best of {len(times['today'])}: " + ", ".join(
+            f"{k} {min(v):.3f} s ({base / min(v):.2f}x)" for k, v in times.items()))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--src", type=pathlib.Path, required=True)
-    ap.add_argument("--converted", type=pathlib.Path)
-    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--converted", type=pathlib.Path, help="an existing conversion (then --tp is its own)")
+    ap.add_argument("--tp", type=int, nargs="+", default=[1], help="one or more TP sizes, each converted and measured")
+    ap.add_argument("--ep", action="store_true", help="convert with expert parallel (--ep equal to --tp)")
     ap.add_argument("--rank", type=int, default=0)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--pread", action="store_true", help="load_rank(mmap=False): read files into new memory")
+    ap.add_argument("--cold", action="store_true", help="also time with the files evicted from the page cache")
+    ap.add_argument("--bytes-only", action="store_true", help="the per-rank bytes table only, no timing")
+    ap.add_argument("--rank-exact", action="store_true",
+                    help="also write the rank-exact prototype beside each conversion and compare it with today's")
+    ap.add_argument("--no-source", action="store_true", help="skip timing the engine-like load from the source")
     args = ap.parse_args()
-    tmp = None
-    conv = args.converted
-    if conv is None:
-        tmp = pathlib.Path(tempfile.mkdtemp(prefix="prep-bench-load-", dir=REPO / "out" if (REPO / "out").is_dir() else None))
-        conv = tmp / "converted"
-        t0 = time.perf_counter()
-        convert(str(args.src), conv, Target("preshuffle", "ck", args.tp))
-        print(f"converted {args.src} at tp {args.tp} in {time.perf_counter() - t0:.1f} s")
-    try:
-        tp = L.load_manifest(conv).tp
-        times: dict[str, list[float]] = {"source": [], "converted": []}
-        counts = {}
-        for i in range(args.repeat + 1):  # the first round warms the page cache and is not timed
+    src = SourceCheckpoint(args.src)
+    out_root = REPO / "out" if (REPO / "out").is_dir() else None
+    for tp in [None] if args.converted else args.tp:
+        tmp = None
+        conv = args.converted
+        if conv is None:
+            tmp = pathlib.Path(tempfile.mkdtemp(prefix="prep-bench-load-", dir=out_root))
+            conv = tmp / "converted"
             t0 = time.perf_counter()
-            reads, held = load_source_like_an_engine(args.src, tp, args.rank, args.device)
-            if args.device != "cpu":
-                torch.cuda.synchronize()
-            t1 = time.perf_counter()
-            ranked = L.load_rank(conv, args.rank, args.device, mmap=not args.pread)
-            if args.device == "cpu":  # touch every page, so a mapped file is really in memory
-                for t in ranked.buffers:
-                    int(t[::4096].sum())
-            else:
-                torch.cuda.synchronize()
-            t2 = time.perf_counter()
-            counts = {"source": (reads, held), "converted": (len(ranked), len(ranked))}
-            if i:
-                times["source"].append(t1 - t0)
-                times["converted"].append(t2 - t1)
-            del ranked
-        files = L.load_manifest(conv).rank_files(args.rank)
-        nbytes = sum((conv / f).stat().st_size for f in files)
-        s, c = min(times["source"]), min(times["converted"])
-        print(f"rank {args.rank} of tp {tp}, device {args.device}, best of {args.repeat} (page cache warm)")
-        print(f"source    : {s:7.3f} s  {counts['source'][0]:6d} tensors read by name, merged into {counts['source'][1]} "
-              "and shuffled at load")
-        print(f"converted : {c:7.3f} s  {counts['converted'][0]:6d} tensors in {len(files)} files "
-              f"({nbytes / 2**30:.2f} GiB, {nbytes / c / 1e9:.2f} GB/s)")
-        print(f"ratio     : {s / c:7.2f}x faster to rank ready (target >= 2x)")
-    finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
+            convert(str(args.src), conv, Target("preshuffle", "ck", tp, ep=tp if args.ep else 1))
+            print(f"converted {args.src} at tp {tp}{' ep ' + str(tp) if args.ep else ''} "
+                  f"in {time.perf_counter() - t0:.1f} s")
+        try:
+            bytes_table(src, conv)
+            if args.rank_exact:
+                compare_layouts(src, conv, args.rank, args.repeat, args.cold)
+            if not args.bytes_only and not args.no_source:
+                time_rank(args.src, conv, args.rank, args.repeat, args.device, args.pread, cold=False)
+                if args.cold:
+                    time_rank(args.src, conv, args.rank, args.repeat, args.device, args.pread, cold=True)
+        finally:
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,312 @@
+"""Per-rank BF16 groups: the part of the checkpoint's BF16 weights one rank's engine holds, split
+and merged as ATOM's layer classes hold them (``docs/rank-exact.md`` gives each rule and where it
+is in ATOM), so a rank reads only its own slice instead of every BF16 tensor whole.
+
+A :class:`Bf16Group` is one stored tensor of one rank, made of :class:`Placement` s: a window of a
+source tensor (whole, or a range along one dim) and where it lands in the stored tensor. The
+bytes are copied, never converted, so the inverse is exact: each placement's region of the
+stored tensor is its source window again (``invert``).
+
+Covered: vocabulary-parallel embeddings and heads (rows), column-parallel attention (``q_b_proj``,
+``q_proj``, ``kv_b_proj``: rows), row-parallel ``o_proj`` and a BF16 dense ``down_proj``
+(columns), the merged-replicated ``fused_qkv_a_proj`` of BF16 ``q_a_proj`` + ``kv_a_proj_with_mqa``
+the merged-column ``gate_up_proj`` of a BF16 dense MLP, and BF16 experts (the R1-0528 MTP
+layer) stacked into ``w13``/``w2`` split by TP or by expert parallel. The replicated tensors
+(norms, router, its bias, ``eh_proj``) are left whole. The BF16 experts are stacked but not
+shuffled: ATOM still shuffles them after loading (``docs/rank-exact.md``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Callable, Iterator
+
+import torch
+
+from .errors import PrepError
+
+Reader = Callable[..., torch.Tensor]  # read(name, rows=None, cols=None, out=None) -> tensor
+Piece = tuple[str, tuple[slice, slice], torch.Tensor]
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """A window of one 2-D source tensor and where it lands in the stored tensor.
+
+    ``dim`` is the source dim the window cuts (None: the whole tensor), ``[start, stop)`` its
+    range; the window lands at ``dest_row`` rows into the stored tensor (merged tensors stack
+    their parts along rows), all its columns (a column window fills the stored tensor's width),
+    in expert ``slot`` of a stacked tensor when there is one.
+    """
+
+    source: str
+    shape: tuple[int, int]  # the source tensor's shape
+    dim: int | None
+    start: int
+    stop: int
+    dest_row: int = 0
+    slot: int | None = None  # stacked experts: the expert slot it lands in (a 3-D stored tensor)
+
+    @property
+    def rows(self) -> slice:
+        return slice(self.start, self.stop) if self.dim == 0 else slice(0, self.shape[0])
+
+    @property
+    def cols(self) -> slice:
+        return slice(self.start, self.stop) if self.dim == 1 else slice(0, self.shape[1])
+
+    @property
+    def out_shape(self) -> tuple[int, int]:
+        return self.rows.stop - self.rows.start, self.cols.stop - self.cols.start
+
+
+@dataclasses.dataclass(frozen=True)
+class Bf16Group:
+    """One stored BF16 (or other non-MXFP4) tensor of one rank, built from its placements."""
+
+    name: str  # stored tensor name: the engine parameter, e.g. model.layers.3.self_attn.fused_qkv_a_proj.weight
+    rank: int
+    tp: int
+    dtype: str  # safetensors dtype of the sources, kept as is
+    placements: tuple[Placement, ...]
+    kind = "bf16"
+
+    @property
+    def key(self) -> str:
+        return self.name
+
+    @property
+    def stacked(self) -> bool:
+        return self.placements[0].slot is not None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        width = {p.out_shape[1] for p in self.placements}
+        if len(width) != 1:
+            raise PrepError(f"{self.name}: merged parts have different widths {sorted(width)}")
+        rows = max(p.dest_row + p.out_shape[0] for p in self.placements)
+        if self.stacked:
+            return max(p.slot for p in self.placements) + 1, rows, width.pop()
+        return rows, width.pop()
+
+    def sources(self) -> list[str]:
+        return [p.source for p in self.placements]
+
+    def output_sources(self) -> list[list[str]]:
+        return [self.sources()]
+
+    def outputs(self) -> list[tuple[str, str, tuple[int, ...]]]:
+        return [(self.name, "bf16_shard", self.shape)]
+
+    def check(self) -> None:
+        slots: dict[int | None, list[tuple[int, int]]] = {}
+        for p in self.placements:
+            slots.setdefault(p.slot, []).append((p.dest_row, p.dest_row + p.out_shape[0]))
+        n = self.shape[-2]
+        if self.stacked and sorted(slots) != list(range(self.shape[0])):
+            raise PrepError(f"{self.name} (rank {self.rank}): expert slots {sorted(slots)} are not 0..n-1")
+        for slot, rows in slots.items():
+            rows.sort()
+            if rows[0][0] != 0 or rows[-1][1] != n or any(a[1] != b[0] for a, b in zip(rows, rows[1:])):
+                raise PrepError(f"{self.name} (rank {self.rank}): its parts do not tile the rows {rows}")
+
+    def build_chunks(self, read: Reader, chunk_bytes: int = 32 << 20, alloc=None
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, block of whole rows) in file order, each about ``chunk_bytes`` (an embedding at
+        TP 1 is 1.8 GiB), read straight into ``alloc``'s memory when it gives some."""
+        shape = self.shape
+        itemsize = _ITEMSIZE[self.dtype]
+        if self.stacked:  # blocks of whole experts
+            per = shape[1] * shape[2] * itemsize
+            step = max(1, chunk_bytes // per) if chunk_bytes else shape[0]
+            by_slot: dict[int, list[Placement]] = {}
+            for p in self.placements:
+                by_slot.setdefault(p.slot, []).append(p)
+            for e0 in range(0, shape[0], step):
+                e1 = min(shape[0], e0 + step)
+                out = self._room(alloc, (e1 - e0, *shape[1:]))
+                for e in range(e0, e1):
+                    for p in by_slot[e]:
+                        read(p.source, p.rows, p.cols, out=out[e - e0, p.dest_row:p.dest_row + p.out_shape[0]])
+                yield self.name, out
+            return
+        n, k = shape
+        step = max(1, chunk_bytes // max(1, k * itemsize)) if chunk_bytes else n
+        for r0 in range(0, n, step):
+            r1 = min(n, r0 + step)
+            out = self._room(alloc, (r1 - r0, k))
+            for p in self.placements:
+                lo, hi = max(r0, p.dest_row), min(r1, p.dest_row + p.out_shape[0])
+                if lo >= hi:
+                    continue
+                first = p.rows.start + lo - p.dest_row
+                read(p.source, slice(first, first + hi - lo), p.cols, out=out[lo - r0:hi - r0])
+            yield self.name, out
+
+    def _room(self, alloc, shape: tuple[int, ...]) -> torch.Tensor:
+        out = alloc(self.name, shape, self.dtype) if alloc else None
+        return torch.empty(shape, dtype=_TORCH[self.dtype]) if out is None else out
+
+    def build(self, read: Reader) -> list[torch.Tensor]:
+        return [torch.cat([t for _, t in self.build_chunks(read, 0)])]
+
+    def invert(self, tensors: list[torch.Tensor]) -> Iterator[Piece]:
+        (t,) = tensors
+        if tuple(t.shape) != self.shape:
+            raise PrepError(f"{self.name} (rank {self.rank}): stored shape {list(t.shape)}, expected "
+                            f"{list(self.shape)}; the file is not this manifest's: convert again")
+        for p in self.placements:
+            slot = t if p.slot is None else t[p.slot]
+            yield p.source, (p.rows, p.cols), slot[p.dest_row:p.dest_row + p.out_shape[0]]
+
+    def transforms(self) -> list[dict[str, Any]]:
+        if self.stacked:  # one entry for the layer's experts, as the MXFP4 stacks have
+            p = self.placements[0]
+            split = {"op": "tp_split", "dim": "intermediate", "tp": self.tp, "rank": self.rank} if p.dim is not None \
+                else {"op": "ep_split", "rank": self.rank, "experts": self.shape[0]}
+            return [split, {"op": "stack_experts", "experts": self.shape[0], "w13": "[gate ; up] rows per expert"}]
+        chain: list[dict[str, Any]] = [{"op": "tp_split", "source": p.source, "dim": p.dim, "tp": self.tp,
+                                        "rank": self.rank} for p in self.placements if p.dim is not None]
+        if len(self.placements) > 1:
+            chain.append({"op": "concat_rows", "parts": self.sources()})
+        return chain
+
+    def record(self) -> dict[str, Any]:
+        return {"kind": self.kind, "name": self.name, "rank": self.rank, "tp": self.tp, "dtype": self.dtype,
+                "placements": [{**dataclasses.asdict(p), "shape": list(p.shape)} for p in self.placements]}
+
+
+_ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4}
+_TORCH = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+
+
+def group_from_record(rec: dict[str, Any]) -> Bf16Group:
+    if rec.get("kind") != "bf16":
+        raise PrepError(f"manifest: group {rec.get('name')!r} is not a bf16 group")
+    ps = tuple(Placement(p["source"], tuple(p["shape"]), p["dim"], p["start"], p["stop"], p["dest_row"],
+                         p.get("slot")) for p in rec["placements"])
+    return Bf16Group(rec["name"], rec["rank"], rec["tp"], rec["dtype"], ps)
+
+
+# ---------------------------------------------------------------------------------- planning
+_VOCAB = re.compile(r"^(model\.embed_tokens|lm_head|model\.layers\.\d+\.(embed_tokens|shared_head\.head))\.weight$")
+_COLUMN = re.compile(r"\.self_attn\.(q_b_proj|q_proj|kv_b_proj)\.weight$")
+_ROW = re.compile(r"\.(self_attn\.o_proj|mlp\.down_proj)\.weight$")
+_QKV_A = re.compile(r"^(.*\.self_attn\.)(q_a_proj|kv_a_proj_with_mqa)\.weight$")
+_GATE_UP = re.compile(r"^(.*\.mlp\.)(gate_proj|up_proj)\.weight$")  # a dense MLP (not experts: no digit before)
+_EXPERT = re.compile(r"^(.*\.mlp\.)(?:experts\.(\d+)|shared_experts)\.(gate|up|down)_proj\.weight$")
+
+
+def plan_bf16_groups(tensors: dict[str, Any], config: dict[str, Any], tp: int, ep: int = 1,
+                     fuse_shared_expert: bool = True) -> tuple[list[list[Bf16Group]], list[str]]:
+    """For each rank, the BF16 groups it holds, and the names left whole (replicated: every rank
+    holds all of them). ``tensors``: the source's non-MXFP4 tensors, name -> info with ``dtype``
+    and ``shape``, in source order. Expert parallel (``ep`` = ``tp``) splits the BF16 experts
+    only: whole experts in blocks, as for the MXFP4 ones; everything else is split by ``tp``.
+
+    Refuses (naming the tensor and the fix) a split that does not divide: ATOM pads nothing."""
+    per_rank: list[list[Bf16Group]] = [[] for _ in range(tp)]
+    whole: list[str] = []
+    merged: dict[str, dict[str, Any]] = {}  # engine name -> {part: info}
+    experts: dict[str, dict[int | None, dict[str, tuple[str, Any]]]] = {}  # "...mlp." -> expert (None: shared)
+
+    def part(name, info, dim, rank):
+        size = info.shape[dim]
+        if size % tp:
+            raise PrepError(f"{name}: dim {dim} of {size} does not split over tp={tp} (the engine splits it and pads "
+                            "nothing); choose a tp that divides it")
+        n = size // tp
+        return Placement(name, tuple(info.shape), dim if tp > 1 else None, rank * n, (rank + 1) * n)
+
+    q_lora = config.get("q_lora_rank")
+    for name, info in tensors.items():
+        two_d = len(info.shape) == 2
+        if two_d and (_VOCAB.match(name) or _COLUMN.search(name) or _ROW.search(name)):
+            dim = 1 if _ROW.search(name) else 0
+            for r in range(tp):
+                p = part(name, info, dim, r)
+                per_rank[r].append(Bf16Group(name, r, tp, info.dtype, (p,)))
+        elif two_d and q_lora is not None and (m := _QKV_A.match(name)):
+            merged.setdefault(f"{m.group(1)}fused_qkv_a_proj.weight", {})[m.group(2)] = (name, info)
+        elif two_d and (m := _EXPERT.match(name)):
+            e = None if m.group(2) is None else int(m.group(2))
+            experts.setdefault(m.group(1), {}).setdefault(e, {})[m.group(3)] = (name, info)
+        elif two_d and (m := _GATE_UP.match(name)):
+            merged.setdefault(f"{m.group(1)}gate_up_proj.weight", {})[m.group(2)] = (name, info)
+        else:
+            whole.append(name)
+    for target, parts in merged.items():
+        order = ("q_a_proj", "kv_a_proj_with_mqa") if target.endswith("fused_qkv_a_proj.weight") else \
+            ("gate_proj", "up_proj")
+        if set(parts) != set(order):
+            raise PrepError(f"{parts[next(iter(parts))][0]}: its partner of {target} is missing or not BF16; "
+                            "the engine merges the two, so both must be BF16 (re-download the checkpoint)")
+        column = order[0] == "gate_proj"  # MergedColumnParallelLinear; fused_qkv_a_proj is replicated
+        for r in range(tp):
+            row, ps = 0, []
+            for key in order:
+                name, info = parts[key]
+                p = part(name, info, 0, r) if column else Placement(name, tuple(info.shape), None, 0, info.shape[0])
+                ps.append(dataclasses.replace(p, dest_row=row))
+                row += p.out_shape[0]
+            per_rank[r].append(Bf16Group(target, r, tp, parts[order[0]][1].dtype, tuple(ps)))
+    for mlp, layer in experts.items():
+        _plan_experts(mlp, layer, tp, ep, fuse_shared_expert, per_rank, whole)
+    return per_rank, whole
+
+
+def _plan_experts(mlp: str, layer: dict, tp: int, ep: int, fuse_shared: bool, per_rank: list[list[Bf16Group]],
+                  whole: list[str]) -> None:
+    """One MoE layer's BF16 experts as the engine stacks them: ``w13 [E, 2 I/tp, H]`` (gate rows,
+    then up rows) and ``w2 [E, H, I/tp]``; under expert parallel whole experts, rank r the
+    routed block ATOM's ``determine_expert_map`` gives it (the remainder to the last rank); the
+    shared expert, when fused, in the slot after the routed ones on every rank."""
+    routed = sorted(e for e in layer if e is not None)
+    if not routed:  # a BF16 shared expert beside MXFP4 routed ones: the engine keeps it apart
+        whole.extend(n for parts in layer.values() for n, _ in parts.values())
+        return
+    if routed != list(range(len(routed))):
+        raise PrepError(f"{mlp}experts: BF16 experts {routed[0]}..{routed[-1]} are not numbered 0..n-1 "
+                        "(a missing expert); re-download the checkpoint")
+    for e, parts in layer.items():
+        if set(parts) != {"gate", "up", "down"}:
+            raise PrepError(f"{next(iter(parts.values()))[0]}: expert {e} lacks a BF16 "
+                            f"{'/'.join(sorted({'gate', 'up', 'down'} - set(parts)))}_proj; re-download the checkpoint")
+    if ep not in (1, tp):
+        raise PrepError(f"{mlp}experts: ep={ep} with tp={tp}; expert parallel runs with ep equal to tp")
+    if ep > len(routed):
+        raise PrepError(f"{mlp}experts: --ep {ep} exceeds the {len(routed)} routed experts")
+    shared = fuse_shared and None in layer
+    if None in layer and not shared:
+        whole.extend(n for n, _ in layer[None].values())
+    dtype = layer[0]["gate"][1].dtype
+    for r in range(tp):
+        if ep > 1:
+            per = len(routed) // ep
+            local = routed[r * per:len(routed) if r == ep - 1 else (r + 1) * per]
+            moe_tp, moe_rank = 1, 0
+        else:
+            local, moe_tp, moe_rank = routed, tp, r
+        ids = [*local, None] if shared else local
+        w13, w2 = [], []
+        for slot, e in enumerate(ids):
+            parts = layer[e]
+            for i, proj in enumerate(("gate", "up")):
+                name, info = parts[proj]
+                n = _moe_split(name, info.shape[0], moe_tp)
+                dim = 0 if moe_tp > 1 else None
+                w13.append(Placement(name, tuple(info.shape), dim, moe_rank * n, (moe_rank + 1) * n, i * n, slot))
+            name, info = parts["down"]
+            k = _moe_split(name, info.shape[1], moe_tp)
+            w2.append(Placement(name, tuple(info.shape), 1 if moe_tp > 1 else None, moe_rank * k, (moe_rank + 1) * k,
+                                0, slot))
+        per_rank[r].append(Bf16Group(f"{mlp}experts.w13_weight", r, tp, dtype, tuple(w13)))
+        per_rank[r].append(Bf16Group(f"{mlp}experts.w2_weight", r, tp, dtype, tuple(w2)))
+
+
+def _moe_split(name: str, size: int, tp: int) -> int:
+    if size % tp:
+        raise PrepError(f"{name}: moe intermediate {size} does not split over tp={tp}; choose a tp that divides it "
+                        "(or --ep equal to --tp)")
+    return size // tp

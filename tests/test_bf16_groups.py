@@ -1,0 +1,149 @@
+"""Per-rank BF16 groups (prep/bf16.py) against tests/atom_sharding.py, the independent statement
+of what ATOM's weight loader keeps: on both generated variants, TP 1/2/4/8, with and without
+expert parallel, every stored tensor of every rank (the R1-0528 MTP layer's stacked BF16
+experts included) equals the ATOM parameter assembled from the source with ATOM's rules, the
+inverse gives each source window back byte for byte, the ranks' windows rebuild every split
+source tensor, and the tensors left whole are the ones ATOM replicates."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from atom_sharding import held
+from prep.bf16 import Bf16Group, group_from_record, plan_bf16_groups
+from prep.errors import PrepError
+from prep.source import SourceCheckpoint
+from prep.testing import SynthSpec, write_checkpoint
+
+VARIANTS = ("r1-0528", "v2")
+
+
+@pytest.fixture(scope="module", params=VARIANTS)
+def source(request, tmp_path_factory):
+    spec = SynthSpec(variant=request.param)
+    return SourceCheckpoint(write_checkpoint(spec, tmp_path_factory.mktemp(request.param) / "ckpt"))
+
+
+def _bf16(src: SourceCheckpoint) -> dict:
+    return {n: i for n, i in src.tensors.items() if i.dtype != "U8"}
+
+
+def _atom_param(src: SourceCheckpoint, group: Bf16Group, tp: int, rank: int, ep: int) -> torch.Tensor:
+    """The ATOM parameter the group stands for, assembled from whole source tensors with
+    atom_sharding's rules (each held slice copied to its slot and offset); NaN where no source
+    landed, so a part prep left out shows."""
+    param = torch.full(group.shape, float("nan"), dtype=torch.bfloat16)
+    for name in group.sources():
+        info = src.tensors[name]
+        h = held(src.config, name, tuple(info.shape), tp, rank, ep)
+        assert h is not None, f"{name}: stored on rank {rank}, which ATOM does not give it"
+        piece = h.take(src.read(name))
+        dest = param if h.slot is None else param[h.slot]
+        dest.narrow(h.dest_axis, h.dest_offset, piece.shape[h.dest_axis]).copy_(piece)
+    return param
+
+
+def _atom_experts(src: SourceCheckpoint, mlp: str, tp: int, rank: int, ep: int) -> int:
+    """How many experts ATOM stacks on the rank: those atom_sharding gives it, the shared one included."""
+    names = [n for n in src.tensors if n.startswith(mlp) and n.endswith(".gate_proj.weight")]
+    return sum(held(src.config, n, tuple(src.tensors[n].shape), tp, rank, ep) is not None for n in names)
+
+
+@pytest.mark.parametrize("tp", (1, 2, 4, 8))
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_each_rank_stores_what_atoms_loader_keeps(source, tp, expert_parallel):
+    ep = tp if expert_parallel else 1
+    per_rank, whole = plan_bf16_groups(_bf16(source), source.config, tp, ep)
+    for rank, groups in enumerate(per_rank):
+        assert groups, "every rank holds split BF16 tensors (embeddings and heads at least)"
+        for g in groups:
+            g.check()
+            (stored,) = g.build(source.read)
+            expected = _atom_param(source, g, tp, rank, ep)
+            assert stored.dtype == expected.dtype and torch.equal(stored, expected), (g.name, rank)
+            if g.stacked:
+                assert stored.shape[0] == _atom_experts(source, g.name.rsplit("experts.", 1)[0], tp, rank, ep)
+            # streamed in small row blocks, the file bytes are the same
+            blocks = torch.cat([t for _, t in g.build_chunks(source.read, chunk_bytes=1000)])
+            assert torch.equal(blocks, stored)
+    for name in whole:  # left whole: ATOM keeps the whole tensor on every rank
+        info = source.tensors[name]
+        assert all(held(source.config, name, tuple(info.shape), tp, r, ep).axis is None for r in range(tp)), name
+
+
+@pytest.mark.parametrize("tp", (1, 4, 8))
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_inverse_rebuilds_every_split_tensor_bit_for_bit(source, tp, expert_parallel):
+    bf16 = _bf16(source)
+    per_rank, whole = plan_bf16_groups(bf16, source.config, tp, tp if expert_parallel else 1)
+    rebuilt = {n: torch.full(tuple(bf16[n].shape), float("nan"), dtype=torch.bfloat16)
+               for groups in per_rank for g in groups for n in g.sources()}
+    for groups in per_rank:
+        for g in groups:
+            g = group_from_record(g.record())  # as revert gets it: from the manifest's record
+            for name, (rows, cols), t in g.invert(g.build(source.read)):
+                assert torch.equal(t, source.read(name, rows, cols)), name
+                rebuilt[name][rows, cols] = t
+    for name, t in rebuilt.items():
+        assert torch.equal(t, source.read(name)), name
+    assert set(rebuilt) | set(whole) == set(bf16)
+    assert not set(rebuilt) & set(whole)
+
+
+def test_r1_attention_and_vocab_are_split_and_v2_keeps_its_attention_mxfp4(source):
+    per_rank, _ = plan_bf16_groups(_bf16(source), source.config, 4)
+    names = {g.name for g in per_rank[0]}
+    assert {"model.embed_tokens.weight", "lm_head.weight", "model.layers.3.embed_tokens.weight",
+            "model.layers.3.shared_head.head.weight"} <= names
+    attn = {n for n in names if ".self_attn." in n}
+    if source.config["quantization_config"]["exclude"][0] == "*self_attn*":  # r1-0528
+        assert {"model.layers.0.self_attn.fused_qkv_a_proj.weight", "model.layers.3.self_attn.o_proj.weight",
+                "model.layers.2.self_attn.kv_b_proj.weight", "model.layers.1.self_attn.q_b_proj.weight"} <= attn
+        # the MTP layer's BF16 experts, stacked with the shared one in the last slot; the decoder
+        # layers' experts are MXFP4 (prep's MoE groups)
+        stacked = {g.name: g for g in per_rank[0] if g.stacked}
+        assert set(stacked) == {"model.layers.3.mlp.experts.w13_weight", "model.layers.3.mlp.experts.w2_weight"}
+        w13 = stacked["model.layers.3.mlp.experts.w13_weight"]
+        assert w13.shape == (9, 2 * 256 // 4, 256)
+        assert {p.source for p in w13.placements if p.slot == 8} == {
+            "model.layers.3.mlp.shared_experts.gate_proj.weight", "model.layers.3.mlp.shared_experts.up_proj.weight"}
+    else:
+        assert not attn and not any(g.stacked for g in per_rank[0])
+
+
+def test_refuses_a_vocabulary_that_does_not_divide(source):
+    with pytest.raises(PrepError, match=r"model.embed_tokens.weight: dim 0 of 1024 does not split over tp=3"):
+        plan_bf16_groups(_bf16(source), source.config, 3)
+
+
+def test_refuses_a_stored_tensor_of_the_wrong_shape(source):
+    g = plan_bf16_groups(_bf16(source), source.config, 2)[0][0][0]
+    (t,) = g.build(source.read)
+    with pytest.raises(PrepError, match=rf"{g.name} \(rank 0\): stored shape"):
+        list(g.invert([t[:-1]]))
+
+
+def test_a_rank_file_written_by_prep_writer_holds_the_built_tensors(source, tmp_path):
+    """Through prep's own writer, built in its staging memory as convert does (``alloc``), in
+    small blocks: the file read back holds exactly what ``build`` gives, with its hashes."""
+    from layouts.safetensors_file import TORCH_DTYPES, SafetensorsFile, tensor_hash
+    from prep.safetensors_writer import StreamingSafetensorsWriter, nbytes
+
+    groups = plan_bf16_groups(_bf16(source), source.config, 4, 4)[0][1]
+    entries = [(g.name, g.dtype, g.shape) for g in groups]
+    path = tmp_path / "rank1.safetensors"
+    with StreamingSafetensorsWriter(path, entries) as w:
+        def room(name, shape, dtype):
+            buf = w.reserve(name, nbytes(dtype, shape))
+            return None if buf is None else buf.view(TORCH_DTYPES[dtype]).view(shape)
+
+        for g in groups:
+            for name, chunk in g.build_chunks(source.read, 4096, alloc=room):
+                w.write(name, chunk)
+    f = SafetensorsFile(path)
+    _, views = f.read_all()
+    for g in groups:
+        (built,) = g.build(source.read)
+        assert torch.equal(views[g.name], built), g.name
+        assert w.hashes[g.name] == tensor_hash(built)
