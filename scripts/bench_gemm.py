@@ -334,8 +334,10 @@ DEEPSEEK_ATTN = SynthSpec(variant="v2", hidden_size=7168, q_lora_rank=1536, kv_l
                           qk_rope_head_dim=64, v_head_dim=128, num_attention_heads=128, intermediate_size=256,
                           moe_intermediate_size=256, num_hidden_layers=1, vocab_size=256, num_shards=1,
                           random_bytes=True)
+# small attention that still converts to preshuffle at TP 8 (o_proj K = 16 * 64 / 8 = 128: W16 needs K % 64 == 0)
 DEEPSEEK_MLP = SynthSpec(variant="v2", hidden_size=7168, intermediate_size=18432, moe_intermediate_size=256,
-                         num_hidden_layers=1, vocab_size=256, num_shards=1, random_bytes=True)
+                         num_attention_heads=16, v_head_dim=64, num_hidden_layers=1, vocab_size=256, num_shards=1,
+                         random_bytes=True)
 TIMED = (("q_b_proj", 1), ("o_proj", 1), ("fused_qkv_a_proj", 1), ("gate_up_proj", 8), ("down_proj", 8))
 SMOKE_ATTN = SynthSpec(variant="v2", random_bytes=True, num_hidden_layers=1)
 
