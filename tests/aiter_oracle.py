@@ -184,21 +184,21 @@ def triton_ops_module(name: str, interpret: bool = True) -> types.ModuleType:
 
 # --- aiter's Triton MXFP4 GEMMs (gemm_afp4wfp4 and its two preshuffled variants) ---
 #
-# Loaded by prep/aiter_gemm.py (`prep run --gemm aiter-triton` loads them the same way): from this
+# Loaded by prep/reference/aiter_gemm.py (`prep run --gemm aiter-triton` loads them the same way): from this
 # oracle folder, arch detection stubbed to gfx950, AMD-only launch keys dropped from the configs
 # (that module's docstring says why each).
 
 
 def triton_gemm_available() -> bool:
     """Whether aiter's gemm_afp4wfp4 wrapper, kernels and JSON configs are here (and triton imports)."""
-    from prep import aiter_gemm
+    from prep.reference import aiter_gemm
 
     return triton_available() and not aiter_gemm.missing_files(ORACLE_DIR)
 
 
 def interpreter_has_dot_scaled() -> bool:
     """triton's interpreter runs `tl.dot_scaled` from 3.8 on (3.6 and 3.7 lack it)."""
-    from prep import aiter_gemm
+    from prep.reference import aiter_gemm
 
     return aiter_gemm.interpreter_has_dot_scaled()
 
@@ -206,7 +206,7 @@ def interpreter_has_dot_scaled() -> bool:
 def triton_gemm_module(interpret: bool = True) -> types.ModuleType:
     """aiter/ops/triton/gemm_afp4wfp4.py (`gemm_afp4wfp4`, `gemm_afp4wfp4_preshuffled_scales`,
     `gemm_afp4wfp4_preshuffled_weight_scales`) from the oracle folder, interpreted on the CPU
-    (``interpret=True``) or compiled for the GPU (prep/aiter_gemm.py)."""
-    from prep import aiter_gemm
+    (``interpret=True``) or compiled for the GPU (prep/reference/aiter_gemm.py)."""
+    from prep.reference import aiter_gemm
 
     return aiter_gemm.load_from_folder(ORACLE_DIR, interpret=interpret)

@@ -3,7 +3,7 @@ Triton kernel (interpreted on the CPU) agrees with its torch dequantize-and-matm
 ``LOGIT_RTOL`` of the largest logit, on generated checkpoints of both variants converted to both
 dense layouts at TP 1 and 2; a wrong weight layout or activation layout lands far outside it.
 
-The tolerance (prep/dense_gemm.py, docs/consumer-kernels.md): both paths multiply the same MXFP4
+The tolerance (prep/reference/dense_gemm.py, docs/consumer-kernels.md): both paths multiply the same MXFP4
 activations by the same weights; only the float32 summation order differs, by at most
 ``2 * K * 2**-24`` of ``|A| @ |W|^T`` per output, 64 times below the BF16 step every GEMM output
 is rounded to; the budget is one BF16 step of the largest logit.
@@ -33,12 +33,12 @@ import layouts
 from prep.cli import main
 from prep.convert import convert
 from prep.deepseek import Target
-from prep.dense_gemm import LOGIT_RTOL, AiterDenseGemms
+from prep.reference.dense_gemm import LOGIT_RTOL, AiterDenseGemms
 from prep.errors import PrepError
-from prep.model import DeepseekV3, ForwardOptions
-from prep.run import run
+from prep.reference.model import DeepseekV3, ForwardOptions
+from prep.reference.run import run
 from prep.testing import SynthSpec, write_checkpoint
-from prep.weights import load_weights
+from prep.reference.weights import load_weights
 
 IDS = [1, 5, 9, 200, 17, 3, 44, 900, 12, 7, 33, 512, 1000, 2, 8, 64, 99, 31, 250, 600,
        4, 77, 123, 321, 11, 22, 0, 1023, 400, 45, 67, 89]  # 32 tokens

@@ -8,7 +8,7 @@ runtime module's :class:`layouts.ActivationQuantPlan`, whose flags decide how th
 out; elsewhere by aiter's dynamic quant recipe), then multiplied, in float32, with the weight
 dequantized from its stored layout. With ``act_quant=False`` activations stay BF16
 (weight-only emulation, the mode to compare with transformers). Given ``dense_gemm``
-(:class:`prep.dense_gemm.AiterDenseGemms`, ``prep run --gemm aiter-triton``), the dense MXFP4
+(:class:`prep.reference.dense_gemm.AiterDenseGemms`, ``prep run --gemm aiter-triton``), the dense MXFP4
 GEMMs it handles run on aiter's own kernels instead, on the quantized activation and the stored
 bytes; MoE experts stay on the dequantize-and-matmul path.
 

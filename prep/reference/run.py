@@ -27,7 +27,7 @@ def engine_for(manifest: layouts.Manifest | None, gemm_path: str | None = None) 
     return engine.gemm_path, engine
 
 
-GEMMS = ("torch", "aiter-triton")  # who computes the dense MXFP4 GEMMs (prep/dense_gemm.py)
+GEMMS = ("torch", "aiter-triton")  # who computes the dense MXFP4 GEMMs (prep/reference/dense_gemm.py)
 
 
 def run(model_dir: str | pathlib.Path, prompt_ids: list[int], *, layers: int | None = None, device: str = "cpu",
@@ -36,7 +36,7 @@ def run(model_dir: str | pathlib.Path, prompt_ids: list[int], *, layers: int | N
     """Logits ``[T, vocab]`` (float32) of ``prompt_ids``, and how long loading and the forward took.
 
     ``gemm="aiter-triton"`` computes every dense MXFP4 GEMM with aiter's own Triton kernel for the
-    checkpoint's dense layout (from ``aiter_dir``, see :mod:`prep.aiter_gemm`), with that kernel's
+    checkpoint's dense layout (from ``aiter_dir``, see :mod:`prep.reference.aiter_gemm`), with that kernel's
     activation flags; MoE experts stay on the dequantize-and-matmul path.
 
     ``assume_layout`` reads a converted checkpoint's MXFP4 tensors as that layout and skips the

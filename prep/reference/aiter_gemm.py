@@ -52,7 +52,7 @@ from typing import Iterator
 
 import torch
 
-from .errors import PrepError
+from ..errors import PrepError
 
 ENV_DIR = "PREP_AITER_DIR"
 DEFAULT_DIR = pathlib.Path(__file__).resolve().parent.parent / ".cache" / "aiter-oracle"

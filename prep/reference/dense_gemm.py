@@ -3,7 +3,7 @@ each module's product computed rank by rank on the bytes each rank stores, as an
 
 For a converted checkpoint every dense linear group (``LinearGroup``: merged ``[q_a ; kv_a]``,
 ``[gate ; up]``, split by TP) runs on each rank's stored tensors (``layouts.load_rank``) through
-:func:`prep.aiter_gemm.mxfp4_gemm`; the module's output is put back together as tensor
+:func:`prep.reference.aiter_gemm.mxfp4_gemm`; the module's output is put back together as tensor
 parallelism does: column-parallel ranks' rows side by side, row-parallel ranks' partial sums
 added in float32 in rank order (the all-reduce), a replicated module taken from its first rank.
 A merged group's GEMM runs once for both of its modules (the model asks for them one after the
@@ -34,9 +34,9 @@ import layouts
 from layouts.selection import ActivationQuantFlags
 
 from . import aiter_gemm
-from .errors import PrepError
-from .groups import LinearGroup, group_from_record
-from .source import SourceCheckpoint
+from ..errors import PrepError
+from ..groups import LinearGroup, group_from_record
+from ..source import SourceCheckpoint
 
 # Logits of the two dense GEMMs (torch, aiter-triton) agree within LOGIT_RTOL * max |logit|: one
 # BF16 rounding step of the largest logit. Each GEMM output of either is within K * 2**-24 *
