@@ -3,9 +3,10 @@ converted, any layout and TP, ranks combined in-process) and compare two checkpo
 
 from __future__ import annotations
 
+import json
 import pathlib
 import time
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
@@ -13,6 +14,7 @@ import layouts
 
 from .errors import PrepError
 from .model import DeepseekV3, ForwardOptions
+from .verify import verify_tensors_read
 from .weights import load_weights
 
 def engine_for(manifest: layouts.Manifest | None, gemm_path: str | None = None) -> tuple[str, layouts.EngineConfig | None]:
@@ -28,12 +30,16 @@ def engine_for(manifest: layouts.Manifest | None, gemm_path: str | None = None) 
 
 
 def run(model_dir: str | pathlib.Path, prompt_ids: list[int], *, layers: int | None = None, device: str = "cpu",
-        act_quant: bool = True, gemm_path: str | None = None, assume_layout: str | None = None) -> dict[str, Any]:
+        act_quant: bool = True, gemm_path: str | None = None, assume_layout: str | None = None, verify: bool = True,
+        progress: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Logits ``[T, vocab]`` (float32) of ``prompt_ids``, and how long loading and the forward took.
 
     ``assume_layout`` reads a converted checkpoint's MXFP4 tensors as that layout and skips the
     compatibility check (to see what a mismatch does); otherwise a converted checkpoint is checked
-    against the engine configuration that reads it, as an engine would."""
+    against the engine configuration that reads it, as an engine would. ``verify`` checks the hash
+    of every tensor of a converted checkpoint the forward reads first. ``progress``: bars (a
+    ``total(n)`` method, called with each step's count) for ``"check"`` (bytes hashed) and
+    ``"forward"`` (layers run)."""
     root = pathlib.Path(model_dir)
     if not root.is_dir():
         raise PrepError(f"{root}: no such directory")
@@ -54,6 +60,12 @@ def run(model_dir: str | pathlib.Path, prompt_ids: list[int], *, layers: int | N
     ids = torch.tensor(prompt_ids, dtype=torch.long)
     if ids.numel() == 0:
         raise PrepError("--prompt-ids: give at least one token id")
+    bars = progress or {}
+    hashed = None
+    if manifest is not None and verify:
+        n_layers = json.loads((root / "config.json").read_text())["num_hidden_layers"]
+        hashed = verify_tensors_read(manifest, n_layers if layers is None else min(layers, n_layers), bars.get("check"))
+        getattr(bars.get("check"), "close", lambda: None)()  # done before the forward's bar starts below it
     t0 = time.perf_counter()
     weights = load_weights(root, assume_layout, manifest)
     if device != "cpu":
@@ -63,12 +75,29 @@ def run(model_dir: str | pathlib.Path, prompt_ids: list[int], *, layers: int | N
         raise PrepError(f"--prompt-ids: ids must be in [0, {vocab}) for this model")
     t1 = time.perf_counter()
     model = DeepseekV3(weights, ForwardOptions(act_quant=act_quant, gemm_path=path), layers=layers)
+    if bars.get("forward") is not None:
+        _count_layers(model, bars["forward"])
     logits = model(ids, device)
     if device != "cpu":
         torch.cuda.synchronize()
     t2 = time.perf_counter()
     return {"logits": logits.cpu(), "load_s": t1 - t0, "forward_s": t2 - t1, "weights": weights.description,
-            "gemm_path": path, "act_quant": act_quant, "layers": model.num_layers}
+            "gemm_path": path, "act_quant": act_quant, "layers": model.num_layers,
+            "converted": manifest is not None, "hashes_checked": hashed}
+
+
+def _count_layers(model: DeepseekV3, bar: Any) -> None:
+    """Tick ``bar`` once per decoder layer the forward finishes (this instance only): the layers
+    are what takes the time, each dequantizing its weights on first use."""
+    bar.total(model.num_layers)
+    layer = model.decoder_layer
+
+    def counted(*args, **kwargs):
+        out = layer(*args, **kwargs)
+        bar(1)
+        return out
+
+    model.decoder_layer = counted
 
 
 def compare(a: str | pathlib.Path, b: str | pathlib.Path, prompt_ids: list[int], **kw) -> dict[str, Any]:
@@ -81,5 +110,7 @@ def compare(a: str | pathlib.Path, b: str | pathlib.Path, prompt_ids: list[int],
     # A NaN never compares greater than a tolerance: non-finite logits count as an infinite difference.
     diff = float((la - lb).abs().max()) if all(finite.values()) else float("inf")
     return {"a": ra["weights"], "b": rb["weights"], "max_abs_diff": diff, "finite": finite,
+            "converted": {"a": ra["converted"], "b": rb["converted"]},
+            "hashes_checked": {"a": ra["hashes_checked"], "b": rb["hashes_checked"]},
             "identical": all(finite.values()) and bool(torch.equal(la, lb)),
             "argmax_agree": float((la.argmax(-1) == lb.argmax(-1)).float().mean()), "tokens": len(prompt_ids)}
