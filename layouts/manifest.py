@@ -715,15 +715,19 @@ class Manifest:
         """The files rank ``rank`` reads, each once, in manifest order (its own files first)."""
         return list(dict.fromkeys(t.file for t in self.rank_tensors(rank)))
 
-    def verify_hashes(self, rank: int | None = None, progress: Callable[[int], None] | None = None) -> int:
+    def verify_hashes(self, rank: int | None = None, progress: Callable[[int], None] | None = None,
+                      select: Callable[[TensorRecord], bool] | None = None) -> int:
         """Check every tensor (of ``rank``, or all) against the manifest: present in its file,
         of the dtype and shape stated, and of the same xxh3-128 (needs ``xxhash``; one
         sequential pass per file). ``progress`` gets each file's tensor bytes once it is
-        hashed. Returns the number of tensors checked; raises naming the first mismatch: its
+        hashed. ``select`` keeps only the records it is true for (a reader checks what it reads).
+        Returns the number of tensors checked; raises naming the first mismatch: its
         file, tensor and rank. The one hash check of every reader (engines, ``prep verify``)."""
         from .safetensors_file import SafetensorsFile, SafetensorsFileError
 
         records = self.tensors if rank is None else self.rank_tensors(rank)
+        if select is not None:
+            records = [t for t in records if select(t)]
         by_file: dict[str, list[TensorRecord]] = {}
         for t in records:
             by_file.setdefault(t.file, []).append(t)

@@ -37,11 +37,21 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).reshape(-1).numpy())
 
 
+def _xxh3_128():
+    """xxhash's xxh3-128 constructor. xxhash is optional for the runtime (prep-layouts installs
+    with torch alone; its ``hashes`` extra adds xxhash): without it, loading works and checking
+    a hash says what to install."""
+    try:
+        import xxhash
+    except ImportError:
+        raise LayoutsError("checking tensor hashes needs xxhash, which is not installed: pip install "
+                           "'prep-layouts[hashes]' (or xxhash), or load without verify_hashes") from None
+    return xxhash.xxh3_128
+
+
 def tensor_hash(t: torch.Tensor) -> str:
     """The xxh3-128 hex digest of the tensor's bytes: what the manifest records per tensor."""
-    import xxhash  # prep's dependency; the runtime needs it only to check hashes
-
-    return xxhash.xxh3_128(tensor_bytes(t)).hexdigest()
+    return _xxh3_128()(tensor_bytes(t)).hexdigest()
 
 
 class SpanHasher:
@@ -51,9 +61,7 @@ class SpanHasher:
     header, a pad) are skipped."""
 
     def __init__(self, spans):
-        import xxhash  # prep's dependency; the runtime needs it only to check hashes
-
-        self._new = xxhash.xxh3_128
+        self._new = _xxh3_128()
         self._spans = list(spans)
         self._i = 0  # the span in progress
         self._h = None

@@ -84,16 +84,24 @@ def _fail_cleanly(fn: Callable) -> Callable:
 
 
 class _Bar:
-    """A tqdm byte bar that is silent when stderr is not a terminal or --json is on."""
+    """A tqdm bar (bytes, or ``unit``) on stderr, silent unless stderr is a terminal, and never
+    with --json or --quiet: a pipe, a log file and a JSON reader get no carriage returns."""
 
-    def __init__(self, desc: str, enabled: bool):
-        self.desc, self.enabled, self.bar = desc, enabled, None
+    def __init__(self, desc: str, enabled: bool, unit: str = "B"):
+        self.desc, self.enabled, self.unit, self.bar = desc, enabled, unit, None
+
+    @classmethod
+    def shown(cls, desc: str, as_json: bool, quiet: bool, unit: str = "B") -> "_Bar":
+        return cls(desc, not (as_json or quiet) and sys.stderr.isatty(), unit)
 
     def total(self, n: int) -> None:
         if self.enabled:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=n, desc=self.desc, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr)
+            self.close()
+            scaled = self.unit == "B"
+            self.bar = tqdm(total=n, desc=self.desc, unit=self.unit, unit_scale=scaled,
+                            unit_divisor=1024 if scaled else 1000, file=sys.stderr)
 
     def __call__(self, n: int) -> None:
         if self.bar is not None:
@@ -102,6 +110,7 @@ class _Bar:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+            self.bar = None
 
 
 def _emit(result: dict[str, Any], as_json: bool, lines: list[str]) -> None:
@@ -168,7 +177,52 @@ def _gemm_paths() -> list[str]:
     return list(layouts.get_engine().gemm_paths)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+class _PrepGroup(click.Group):
+    """click's group, with its usage errors (a bad option, a missing argument) printed as
+    every other error of prep: one line, ``error: ...`` on stderr or a JSON object on stdout
+    when ``--json`` was given; the exit status stays click's 2 (a usage error, not a failed run)."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode, **extra)
+        argv = list(sys.argv[1:] if args is None else args)
+        try:
+            rv = super().main(argv, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.exceptions.Abort:  # Ctrl-C while click itself was reading the command line
+            click.echo("interrupted: stopped", err=True)
+            sys.exit(130)
+        except click.ClickException as e:
+            ctx = getattr(e, "ctx", None)
+            where = f" (see {' '.join(['prep', *ctx.command_path.split()[1:]])} --help)" if ctx is not None else ""
+            line = " ".join(e.format_message().split()) + where
+            if "--json" in argv:
+                click.echo(json.dumps({"ok": False, "error": line, "code": e.exit_code}))
+            else:
+                click.echo(f"error: {line}", err=True)
+            sys.exit(e.exit_code)
+        sys.exit(rv if isinstance(rv, int) else 0)  # --help and --version return 0
+
+
+def _existing_dir(path: str, what: str) -> str:
+    """``path`` if it is a folder; else the one-line error every verb gives for a missing input."""
+    p = pathlib.Path(path).expanduser()
+    if not p.exists():
+        raise PrepError(f"{path}: no such directory; {what}")
+    if not p.is_dir():
+        raise PrepError(f"{path}: not a directory; {what}")
+    return path
+
+
+_CONVERTED = "give the folder prep convert wrote"
+_CHECKPOINT = "give a Quark source folder or a folder prep convert wrote"
+
+
+def _quiet_option(fn: Callable) -> Callable:
+    return click.option("-q", "--quiet", is_flag=True,
+                        help="No progress bar (it shows only when stderr is a terminal, never with --json).")(fn)
+
+
+@click.group(cls=_PrepGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="prep")
 @click.option("--debug", is_flag=True, help="Show the traceback of an error (also: PREP_DEBUG=1).")
 def main(debug: bool) -> None:
@@ -189,8 +243,9 @@ def main(debug: bool) -> None:
 @click.argument("src")
 @click.option("--revision", help="Hub revision when SRC is a repo id.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@_quiet_option
 @_fail_cleanly
-def inspect(src: str, revision: str | None, as_json: bool) -> None:
+def inspect(src: str, revision: str | None, as_json: bool, quiet: bool) -> None:
     """Describe a Quark MXFP4 checkpoint (or a converted one): format, architecture, which tensors
     are MXFP4 GEMM weights by module kind, and which layouts and TP sizes the shapes allow.
 
@@ -201,7 +256,11 @@ def inspect(src: str, revision: str | None, as_json: bool) -> None:
     """
     from .describe import inspect_path
 
-    result, lines = inspect_path(src, revision)
+    bar = _Bar.shown("inspect", as_json, quiet, unit="check")
+    try:
+        result, lines = inspect_path(src, revision, progress=bar, on_total=bar.total)
+    finally:
+        bar.close()
     _emit(result, as_json, lines)
 
 
@@ -232,8 +291,10 @@ def inspect(src: str, revision: str | None, as_json: bool) -> None:
                    "hashes; files whose source files changed since are written again.")
 @click.option("--revision", help="Hub revision when SRC is a repo id.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary.")
+@_quiet_option
 @_fail_cleanly
-def convert(src, out, layout, moe_layout, tp, ep, fuse_shared_expert, workers, force, resume, revision, as_json):
+def convert(src, out, layout, moe_layout, tp, ep, fuse_shared_expert, workers, force, resume, revision, as_json,
+            quiet):
     """Convert SRC (a folder or a Hugging Face repo id) into per-rank, kernel-layout files in OUT.
 
     Each rank's tensors are exactly what that rank's engine holds after its own load-time
@@ -255,7 +316,7 @@ def convert(src, out, layout, moe_layout, tp, ep, fuse_shared_expert, workers, f
         out = default_out(src, layout, moe_layout, tp, ep)
         if not as_json:
             click.echo(f"note: writing to {out} (choose another folder with -o)", err=True)
-    bar = _Bar("convert", not as_json and sys.stderr.isatty())
+    bar = _Bar.shown("convert", as_json, quiet)
     try:
         s = run(src, out, Target(layout, moe_layout, tp, ep, fuse_shared_expert), force=force, resume=resume,
                 workers=workers, revision=revision, progress=bar, on_total=bar.total,
@@ -286,12 +347,13 @@ def default_out(src: str, layout: str, moe_layout: str, tp: int, ep: int) -> str
 
 
 @main.command()
-@click.argument("out", type=click.Path(exists=True, file_okay=False))
+@click.argument("out")
 @click.option("--source", help="Also invert every tensor and compare bytes with this source checkpoint.")
 @click.option("--deep", is_flag=True, help="Also invert every group (checks padding) without a source.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary.")
+@_quiet_option
 @_fail_cleanly
-def verify(out, source, deep, as_json):
+def verify(out, source, deep, as_json, quiet):
     """Check a converted checkpoint: manifest, completion marker, file sizes, every tensor's hash.
 
     Exit status 1 names the first file or tensor that does not match.
@@ -303,21 +365,26 @@ def verify(out, source, deep, as_json):
     """
     from .verify import verify as run
 
-    r = run(out, source=source, deep=deep)
+    bar = _Bar.shown("verify", as_json, quiet)
+    try:
+        r = run(_existing_dir(out, _CONVERTED), source=source, deep=deep, progress=bar, on_total=bar.total)
+    finally:
+        bar.close()
     _emit({"ok": True, **r}, as_json, [
         f"ok: {r['files']} files, {r['tensors_hashed']} tensors match the manifest"
         + (f", {r['source_tensors_compared']} source tensors byte-identical after inversion" if source else "")])
 
 
 @main.command()
-@click.argument("out", type=click.Path(exists=True, file_okay=False))
+@click.argument("out")
 @click.option("-o", "--dest", required=True, metavar="DEST", help="Folder for the rebuilt source (created; see --force).")
 @click.option("--force", is_flag=True, help="Replace DEST when it holds a previous output of prep (and nothing else).")
 @click.option("--verify/--no-verify", default=True, show_default=True,
               help="Check every tensor against its manifest hash as it is read (a damaged file stops the revert).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary.")
+@_quiet_option
 @_fail_cleanly
-def revert(out, dest, force, verify, as_json):
+def revert(out, dest, force, verify, as_json, quiet):
     """Rebuild the original Quark checkpoint from a converted one: same tensor names, dtypes,
     shapes and bytes (shard boundaries may differ).
 
@@ -327,7 +394,11 @@ def revert(out, dest, force, verify, as_json):
     """
     from .revert import revert as run
 
-    r = run(out, dest, force=force, verify=verify)
+    bar = _Bar.shown("revert", as_json, quiet)
+    try:
+        r = run(_existing_dir(out, _CONVERTED), dest, force=force, verify=verify, progress=bar, on_total=bar.total)
+    finally:
+        bar.close()
     _emit(r, as_json, [f"wrote {r['dest']}: {r['tensors']} tensors in {r['files']} files, {r['bytes'] / 2**30:.3f} GiB"])
 
 
@@ -355,6 +426,11 @@ _RUN_OPTIONS = [
                  help="Folder of the amd-aiter wheel's files for --gemm aiter-triton (default: $PREP_AITER_DIR, else "
                       ".cache/aiter-oracle, filled by `python scripts/fetch_aiter_oracle.py`; an installed aiter "
                       "is used on a ROCm GPU)."),
+    click.option("--verify/--no-verify", "verify", default=True, show_default=True,
+                 help="Check the hash of every tensor of a converted checkpoint that the forward reads, before it "
+                      "runs (a damaged file stops the run, naming the tensor)."),
+    click.option("--json", "as_json", is_flag=True, help="Print one JSON summary."),
+    _quiet_option,
 ]
 
 
@@ -364,15 +440,36 @@ def _run_options(fn: Callable) -> Callable:
     return fn
 
 
+def _with_run_bars(fn: Callable, as_json: bool, quiet: bool, *args, **kwargs) -> dict[str, Any]:
+    """``fn`` (run or compare) with a bar over the bytes it hashes and one over the layers it runs."""
+    check, layers = _Bar.shown("check", as_json, quiet), _Bar.shown("forward", as_json, quiet, unit="layer")
+    try:
+        return fn(*args, **kwargs, progress={"check": check, "forward": layers})
+    finally:
+        check.close()
+        layers.close()
+
+
+def _hashes_line(checked: int | None, converted: bool, short: bool = False) -> str:
+    """What the run checked: ``checked`` tensors' hashes, or why none (a source, --no-verify)."""
+    if not converted:
+        what = "a source (no manifest hashes)"
+    elif checked is None:
+        what = "not checked (--no-verify)"
+    else:
+        what = f"{checked} tensors read match the manifest"
+    return what if short else f"hashes: {what}"
+
+
 @main.command(name="run")
-@click.argument("model_dir", type=click.Path(exists=True, file_okay=False))
+@click.argument("model_dir")
 @_run_options
 @click.option("--save-logits", type=click.Path(dir_okay=False), help="Write the logits of every position to this .safetensors file.")
-@click.option("--assume-layout", help="Read MXFP4 tensors as this layout, skipping the compatibility check (to see a mismatch).")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON summary.")
+@click.option("--assume-layout", help="Read MXFP4 tensors as this layout, skipping the compatibility check (to see "
+                                      "a mismatch: the logits are garbage by design, and a warning says so).")
 @_fail_cleanly
-def run_cmd(model_dir, prompt_ids, layers, device, act_quant, gemm_path, gemm, aiter_dir, save_logits, assume_layout,
-            as_json):
+def run_cmd(model_dir, prompt_ids, layers, device, act_quant, gemm_path, gemm, aiter_dir, verify, as_json, quiet,
+            save_logits, assume_layout):
     """Run the reference DeepSeek-V3 forward on MODEL_DIR (a Quark source or a converted
     checkpoint at any layout and TP; ranks are combined in-process) and print the logits' argmax.
 
@@ -387,10 +484,19 @@ def run_cmd(model_dir, prompt_ids, layers, device, act_quant, gemm_path, gemm, a
     """
     from .reference.run import run
 
+    _existing_dir(model_dir, _CHECKPOINT)
     if save_logits and not os.path.isdir(os.path.dirname(os.path.abspath(save_logits))):
         raise PrepError(f"--save-logits {save_logits}: its folder does not exist")
-    r = run(model_dir, _ids(prompt_ids), layers=layers, device=device, act_quant=act_quant, gemm_path=gemm_path,
-            assume_layout=assume_layout, gemm=gemm, aiter_dir=aiter_dir)
+    r = _with_run_bars(run, as_json, quiet, model_dir, _ids(prompt_ids), layers=layers, device=device,
+                       act_quant=act_quant, gemm_path=gemm_path, assume_layout=assume_layout, verify=verify,
+                       gemm=gemm, aiter_dir=aiter_dir)
+    if assume_layout:
+        # On stderr even with --json (stdout stays one JSON object), just before the results: a
+        # reader of the argmax must not mistake it for the model's output.
+        click.echo(f"WARNING: --assume-layout {assume_layout}: the checkpoint's bytes were read as a layout they are "
+                   "not in, past the compatibility check; these logits are GARBAGE BY DESIGN (they show what a "
+                   "layout mismatch does; never serve or compare them)", err=True)
+        r["warning"] = f"--assume-layout {assume_layout}: logits are garbage by design"
     logits = r.pop("logits")
     if save_logits:
         from safetensors.torch import save_file
@@ -401,13 +507,14 @@ def run_cmd(model_dir, prompt_ids, layers, device, act_quant, gemm_path, gemm, a
     r["argmax"] = logits.argmax(-1).tolist()
     _emit(r, as_json, [f"{r['weights']}: {r['layers']} layers, gemm path {r['gemm_path']}, act quant {r['act_quant']}"
                        f"{', dense GEMMs on aiter-triton' if gemm == 'aiter-triton' else ''}",
+                       _hashes_line(r["hashes_checked"], r["converted"]),
                        f"load {r['load_s']:.2f} s, forward {r['forward_s']:.2f} s; argmax per position: {r['argmax']}"]
           + ([f"logits written to {save_logits}"] if save_logits else []))
 
 
 @main.command()
-@click.argument("a", type=click.Path(exists=True, file_okay=False))
-@click.argument("b", type=click.Path(exists=True, file_okay=False))
+@click.argument("a")
+@click.argument("b")
 @_run_options
 @click.option("--tolerance", type=float, default=0.0, show_default=True, help="Largest |logit difference| that passes.")
 @click.option("--rtol", type=float, default=0.0, show_default=True,
@@ -415,10 +522,9 @@ def run_cmd(model_dir, prompt_ids, layers, device, act_quant, gemm_path, gemm, a
                    "one BF16 rounding step; docs/consumer-kernels.md derives it).")
 @click.option("--gemm-a", type=click.Choice(["torch", "aiter-triton"]), help="--gemm for A only.")
 @click.option("--gemm-b", type=click.Choice(["torch", "aiter-triton"]), help="--gemm for B only.")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON summary.")
 @_fail_cleanly
-def compare(a, b, prompt_ids, layers, device, act_quant, gemm_path, gemm, aiter_dir, tolerance, rtol, gemm_a, gemm_b,
-            as_json):
+def compare(a, b, prompt_ids, layers, device, act_quant, gemm_path, gemm, aiter_dir, verify, as_json, quiet, tolerance,
+            rtol, gemm_a, gemm_b):
     """Run checkpoints A and B on the same tokens and compare their logits (exit 1 above --tolerance).
 
     A converted checkpoint computes the same model as its source bit for bit: the layouts only
@@ -434,10 +540,14 @@ def compare(a, b, prompt_ids, layers, device, act_quant, gemm_path, gemm, aiter_
     """
     from .reference.run import compare as run
 
-    r = run(a, b, _ids(prompt_ids), layers=layers, device=device, act_quant=act_quant, gemm_path=gemm_path,
-            gemm=gemm, gemm_a=gemm_a, gemm_b=gemm_b, aiter_dir=aiter_dir)
+    _existing_dir(a, _CHECKPOINT)
+    _existing_dir(b, _CHECKPOINT)
+    r = _with_run_bars(run, as_json, quiet, a, b, _ids(prompt_ids), layers=layers, device=device, act_quant=act_quant,
+                       gemm_path=gemm_path, verify=verify, gemm=gemm, gemm_a=gemm_a, gemm_b=gemm_b, aiter_dir=aiter_dir)
     _emit(r, as_json, [f"A: {r['a']}" + (f" (gemm {r['gemm_a']})" if r["gemm_a"] != r["gemm_b"] else ""),
                        f"B: {r['b']}" + (f" (gemm {r['gemm_b']})" if r["gemm_a"] != r["gemm_b"] else ""),
+                       f"hashes: A {_hashes_line(r['hashes_checked']['a'], r['converted']['a'], short=True)}, "
+                       f"B {_hashes_line(r['hashes_checked']['b'], r['converted']['b'], short=True)}",
                        f"max |logit difference| {r['max_abs_diff']:.6g} (max |logit| {r['max_abs_logit']:.4g}) "
                        f"over {r['tokens']} positions"
                        f"{' (identical bit for bit)' if r['identical'] else ''}; argmax agrees on "

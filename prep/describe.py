@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import collections
 import pathlib
-from typing import Any
+from typing import Any, Callable
 
 from layouts.engines import get_engine
 from layouts.errors import LayoutsError
@@ -18,19 +18,26 @@ from .source import SourceCheckpoint
 TP_CANDIDATES = (1, 2, 4, 8, 16)
 
 
-def inspect_path(src: str, revision: str | None = None) -> tuple[dict[str, Any], list[str]]:
+def inspect_path(src: str, revision: str | None = None, progress: Callable[[int], None] | None = None,
+                 on_total: Callable[[int], None] | None = None) -> tuple[dict[str, Any], list[str]]:
+    """What ``src`` is; for a source, ``on_total`` gets the number of (layouts, TP) checks and
+    ``progress`` one per check done (each plans every group: seconds on a large model)."""
     if (pathlib.Path(src) / MANIFEST_NAME).is_file():
         return _inspect_converted(src)
-    return _inspect_source(src, revision)
+    return _inspect_source(src, revision, progress, on_total)
 
 
-def _inspect_source(spec: str, revision: str | None) -> tuple[dict[str, Any], list[str]]:
+def _inspect_source(spec: str, revision: str | None, progress: Callable[[int], None] | None = None,
+                    on_total: Callable[[int], None] | None = None) -> tuple[dict[str, Any], list[str]]:
     src = SourceCheckpoint.open(spec, revision)
     cls = classify(src)
     kinds = collections.Counter(cls.modules.values())
     bf16 = collections.Counter(src.tensors[n].dtype for n in cls.passthrough)
     support: dict[str, dict[str, str]] = {}
-    for layout, moe in get_engine().inspect_targets():  # the layouts of the configurations users run
+    targets = get_engine().inspect_targets()  # every pair of layouts a configuration of the engine reads
+    if on_total:
+        on_total(len(targets) * len(TP_CANDIDATES))
+    for layout, moe in targets:
         row = {}
         for tp in TP_CANDIDATES:
             try:
@@ -38,6 +45,8 @@ def _inspect_source(spec: str, revision: str | None) -> tuple[dict[str, Any], li
                 row[str(tp)] = "ok"
             except (PrepError, LayoutsError) as e:  # a constraint this target breaks: say which
                 row[str(tp)] = str(e)
+            if progress:
+                progress(1)
         support[f"{layout}+{moe}"] = row
     result = {
         "path": str(src.root), "format": "quark-mxfp4", "arch": cls.arch, "num_layers": cls.num_layers,

@@ -24,7 +24,9 @@ from .safetensors_writer import TORCH_DTYPES, StreamingSafetensorsWriter, nbytes
 
 
 def revert(out: str, dest: str | pathlib.Path, force: bool = False, verify: bool = True,
-           progress: Callable[[int], None] | None = None) -> dict:
+           progress: Callable[[int], None] | None = None, on_total: Callable[[int], None] | None = None) -> dict:
+    """Rebuild the source into ``dest``; ``on_total`` gets the bytes to write, ``progress`` each
+    tensor's bytes once written."""
     ck = ConvertedCheckpoint(out, check_hashes=verify)
     folder = OutputFolder(dest, inputs=[ck.root], force=force)
     folder.check()
@@ -35,6 +37,8 @@ def revert(out: str, dest: str | pathlib.Path, force: bool = False, verify: bool
 
     units = [((unit, names), sum(size(n) for n in names)) for unit, names in ck.units()]
     shards = shard_names(units, "model")
+    if on_total:
+        on_total(sum(n for _, n in units))
     with folder.locked():
         folder.recover()
         folder.check()  # after recovery: what is at DEST now

@@ -1,25 +1,32 @@
 """``prep verify``: is a converted checkpoint what its manifest says, and (with a source) does it
-invert to the source's exact bytes?"""
+invert to the source's exact bytes? And the hash check ``prep run`` makes of what it reads."""
 
 from __future__ import annotations
 
 import math
-from typing import Callable
+import re
+from typing import Any, Callable
 
 import torch
 
+from layouts.manifest import Manifest, TensorRecord
 from layouts.registry import recorded_layout
 
 from .converted import ConvertedCheckpoint
 from .errors import PrepError
 from .groups import group_from_record
+from .safetensors_writer import nbytes
 from .source import SourceCheckpoint
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def verify(out: str, source: str | None = None, deep: bool = False,
-           progress: Callable[[int], None] | None = None) -> dict:
+           progress: Callable[[int], None] | None = None, on_total: Callable[[int], None] | None = None) -> dict:
     """Check files, sizes and every tensor's hash; ``deep`` also inverts every group (padding
-    checks); ``source`` also compares the inverted bytes with the source checkpoint."""
+    checks); ``source`` also compares the inverted bytes with the source checkpoint.
+    ``on_total`` gets the bytes the run goes through (hashed, then inverted) and ``progress``
+    each step's share as it is done."""
     ck = ConvertedCheckpoint(out)
     m = ck.manifest
     for fname, meta in m.files.items():
@@ -29,15 +36,21 @@ def verify(out: str, source: str | None = None, deep: bool = False,
         if path.stat().st_size != meta.size:
             raise PrepError(f"{path}: size {path.stat().st_size} differs from the manifest's {meta.size}; "
                             "the file is truncated or was replaced")
+    inverting = deep or source
+    if on_total:
+        on_total(sum(nbytes(t.dtype, t.shape) for t in m.tensors)
+                 + (sum(nbytes(s.dtype, s.shape) for s in ck.source_tensors.values()) if inverting else 0))
     # The hash check engines run too (one sequential pass per file): a mismatch is a ManifestError
     # naming the file, the tensor and its rank.
     checked = m.verify_hashes(progress=progress)
     pads = check_scale_pads(ck)
     compared = 0
-    if deep or source:
+    if inverting:
         src = SourceCheckpoint.open(source) if source else None
         for unit, _ in ck.units():
             for name, got in ck.iter_source_tensors(unit):  # experts a block at a time
+                if progress:
+                    progress(got.numel() * got.element_size())
                 if src is None:
                     continue
                 want = src.read(name)
@@ -75,3 +88,20 @@ def check_scale_pads(ck: ConvertedCheckpoint) -> int:
                                 "convert again")
             padded += 1
     return padded
+
+
+def verify_tensors_read(manifest: Manifest, layers_run: int, bar: Any = None) -> int:
+    """Check the hash of every tensor a forward over the first ``layers_run`` decoder layers
+    reads (those layers, and the tensors of no layer: embedding, final norm, lm_head), before
+    it runs: ``prep run --layers 4`` on a TP 8 R1 then hashes 4 layers, not 350 GB, and a layer
+    it never runs (the MTP layer, or past ``--layers``) is not what it reports on. ``bar``: a
+    progress bar (``total(n)``, then called with the bytes of each file hashed). Returns the
+    number of tensors checked; raises the manifest's one-line error naming the first mismatch."""
+
+    def read(t: TensorRecord) -> bool:
+        m = _LAYER.match(t.name)
+        return m is None or int(m.group(1)) < layers_run
+
+    if bar is not None:
+        bar.total(sum(nbytes(t.dtype, t.shape) for t in manifest.tensors if read(t)))
+    return manifest.verify_hashes(progress=bar, select=read)

@@ -123,7 +123,6 @@ class ToyProfile(EngineProfile):
     expert_parallel_backends = ()
     expert_parallel_switch = "--toy-expert-parallel"
     checks = (*SHARED_CHECKS, _no_expert_parallel)
-    inspected = (("toy-raw", "toy-moe"),)
 
     def config_from_env(self, env, *, tp_size, rank, ep_size, gpu_arch):
         return EngineConfig(moe_backend="toy-moe", tp_size=tp_size, rank=rank, ep_size=ep_size, gpu_arch=gpu_arch,

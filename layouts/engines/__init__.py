@@ -89,9 +89,6 @@ class EngineProfile:
     checks: tuple[Check, ...]
     """:func:`check_compatibility <layouts.check_compatibility>`'s rules for this engine, in
     order; the first refusal is raised. ``layouts.compat`` has the rules every engine shares."""
-    inspected: tuple[tuple[str, str], ...]
-    """``(GEMM path, MoE back end)`` configurations, on the default arch, that ``prep inspect``
-    checks a source against (the ones users run)."""
 
     # ------------------------------------------------------------------ derived from the data
     @property
@@ -144,9 +141,14 @@ class EngineProfile:
                                   if backend in self.expert_parallel_backends))
 
     def inspect_targets(self) -> list[tuple[str, str]]:
-        """``(dense layout, MoE layout)`` of each :attr:`inspected` configuration, in order, once each."""
-        return list(dict.fromkeys((self.dense_layout(path), self.moe_layout(backend, self.default_gpu_arch))
-                                  for path, backend in self.inspected))
+        """Every ``(dense layout, MoE layout)`` pair some configuration of the engine reads (each
+        GEMM path with each MoE back end on each GPU family), once each, the default first:
+        what ``prep inspect`` checks a source against, so that no pair the engine runs is left
+        out (``non-shuffle`` + ``ck`` is ATOM's non-shuffle Triton GEMM with its CK MoE)."""
+        families = sorted(self.gpu_archs, key=lambda a: a != self.arch(self.default_gpu_arch))
+        moe = [self.moe_layouts[(backend, family.prefix)] for family in families for backend in self.moe_backends
+               if (backend, family.prefix) in self.moe_layouts]
+        return list(dict.fromkeys((rule.weight_layout, m) for rule in self.gemm_paths.values() for m in moe))
 
     # ------------------------------------------------------------------ the engine's own code
     def config_from_env(self, env: Mapping[str, str], *, tp_size: int, rank: int, ep_size: int,

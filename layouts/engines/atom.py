@@ -222,8 +222,6 @@ class AtomProfile(EngineProfile):
     expert_parallel_switch = "--enable-expert-parallel"  # sets ep_size = tp_size
     checks = (tp_matches, rank_in_range, ep_matches, dense_layout_matches, triton_gemm_needs_bf16_attention,
               s32x8_k_pad_usable, moe_layout_matches, expert_parallel_needs_ck_moe)
-    # ATOM's default, the default with the Triton MoE, and all-Triton on raw weights.
-    inspected = ((ASM, CK), (ASM, TRITON), (TRITON_NON_SHUFFLE, TRITON))
 
     def config_from_env(self, env: Mapping[str, str], *, tp_size: int, rank: int, ep_size: int,
                         gpu_arch: str | None) -> EngineConfig:

@@ -3,9 +3,10 @@ converted, any layout and TP, ranks combined in-process) and compare two checkpo
 
 from __future__ import annotations
 
+import json
 import pathlib
 import time
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
@@ -13,6 +14,7 @@ import layouts
 
 from ..errors import PrepError
 from .model import DeepseekV3, ForwardOptions
+from ..verify import verify_tensors_read
 from .weights import load_weights
 
 def engine_for(manifest: layouts.Manifest | None, gemm_path: str | None = None) -> tuple[str, layouts.EngineConfig | None]:
@@ -32,7 +34,8 @@ GEMMS = ("torch", "aiter-triton")  # who computes the dense MXFP4 GEMMs (prep/re
 
 def run(model_dir: str | pathlib.Path, prompt_ids: list[int], *, layers: int | None = None, device: str = "cpu",
         act_quant: bool = True, gemm_path: str | None = None, assume_layout: str | None = None,
-        gemm: str = "torch", aiter_dir: str | None = None) -> dict[str, Any]:
+        gemm: str = "torch", aiter_dir: str | None = None, verify: bool = True,
+        progress: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Logits ``[T, vocab]`` (float32) of ``prompt_ids``, and how long loading and the forward took.
 
     ``gemm="aiter-triton"`` computes every dense MXFP4 GEMM with aiter's own Triton kernel for the
@@ -41,7 +44,10 @@ def run(model_dir: str | pathlib.Path, prompt_ids: list[int], *, layers: int | N
 
     ``assume_layout`` reads a converted checkpoint's MXFP4 tensors as that layout and skips the
     compatibility check (to see what a mismatch does); otherwise a converted checkpoint is checked
-    against the engine configuration that reads it, as an engine would."""
+    against the engine configuration that reads it, as an engine would. ``verify`` checks the hash
+    of every tensor of a converted checkpoint the forward reads first. ``progress``: bars (a
+    ``total(n)`` method, called with each step's count) for ``"check"`` (bytes hashed) and
+    ``"forward"`` (layers run)."""
     root = pathlib.Path(model_dir)
     if not root.is_dir():
         raise PrepError(f"{root}: no such directory")
@@ -71,6 +77,12 @@ def run(model_dir: str | pathlib.Path, prompt_ids: list[int], *, layers: int | N
     ids = torch.tensor(prompt_ids, dtype=torch.long)
     if ids.numel() == 0:
         raise PrepError("--prompt-ids: give at least one token id")
+    bars = progress or {}
+    hashed = None
+    if manifest is not None and verify:
+        n_layers = json.loads((root / "config.json").read_text())["num_hidden_layers"]
+        hashed = verify_tensors_read(manifest, n_layers if layers is None else min(layers, n_layers), bars.get("check"))
+        getattr(bars.get("check"), "close", lambda: None)()  # done before the forward's bar starts below it
     t0 = time.perf_counter()
     weights = load_weights(root, assume_layout, manifest)
     if device != "cpu":
@@ -88,12 +100,29 @@ def run(model_dir: str | pathlib.Path, prompt_ids: list[int], *, layers: int | N
     elif gemm == "aiter-triton":
         raise PrepError("--gemm aiter-triton needs --act-quant: aiter's kernels multiply MXFP4 activations")
     model = DeepseekV3(weights, ForwardOptions(act_quant=act_quant, gemm_path=path), layers=layers, dense_gemm=dense)
+    if bars.get("forward") is not None:
+        _count_layers(model, bars["forward"])
     logits = model(ids, device)
     if device != "cpu":
         torch.cuda.synchronize()
     t2 = time.perf_counter()
     return {"logits": logits.cpu(), "load_s": t1 - t0, "forward_s": t2 - t1, "weights": weights.description,
-            "gemm_path": path, "act_quant": act_quant, "layers": model.num_layers, "gemm": gemm}
+            "gemm_path": path, "act_quant": act_quant, "layers": model.num_layers, "gemm": gemm,
+            "converted": manifest is not None, "hashes_checked": hashed}
+
+
+def _count_layers(model: DeepseekV3, bar: Any) -> None:
+    """Tick ``bar`` once per decoder layer the forward finishes (this instance only): the layers
+    are what takes the time, each dequantizing its weights on first use."""
+    bar.total(model.num_layers)
+    layer = model.decoder_layer
+
+    def counted(*args, **kwargs):
+        out = layer(*args, **kwargs)
+        bar(1)
+        return out
+
+    model.decoder_layer = counted
 
 
 def compare(a: str | pathlib.Path, b: str | pathlib.Path, prompt_ids: list[int], *, gemm_a: str | None = None,
@@ -112,5 +141,7 @@ def compare(a: str | pathlib.Path, b: str | pathlib.Path, prompt_ids: list[int],
     return {"a": ra["weights"], "b": rb["weights"], "gemm_a": ra["gemm"], "gemm_b": rb["gemm"],
             "max_abs_diff": diff, "max_abs_logit": float(la.abs().max()) if finite["a"] else float("inf"),
             "finite": finite,
+            "converted": {"a": ra["converted"], "b": rb["converted"]},
+            "hashes_checked": {"a": ra["hashes_checked"], "b": rb["hashes_checked"]},
             "identical": all(finite.values()) and bool(torch.equal(la, lb)),
             "argmax_agree": float((la.argmax(-1) == lb.argmax(-1)).float().mean()), "tokens": len(prompt_ids)}

@@ -1,0 +1,195 @@
+"""The conventions every `prep` verb follows: one error style (a missing input, a usage error),
+`inspect` listing every layout pair the engine reads, `run --assume-layout` warning loudly,
+`run`/`compare` checking the hashes of what they read, and progress bars only on a terminal."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import pathlib
+import pty
+import select
+import struct
+import subprocess
+import sys
+import termios
+
+import pytest
+from click.testing import CliRunner
+
+import layouts
+from prep.cli import main
+from prep.convert import convert
+from prep.deepseek import Target
+from prep.testing import SynthSpec, write_checkpoint
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory):
+    return write_checkpoint(SynthSpec(variant="v2"), tmp_path_factory.mktemp("src") / "v2")
+
+
+@pytest.fixture(scope="module")
+def converted(src, tmp_path_factory):
+    out = tmp_path_factory.mktemp("cv") / "tp2"
+    convert(str(src), out, Target("preshuffle", "ck", 2))
+    return out
+
+
+def invoke(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def one_line(r, code: int, *needles: str) -> str:
+    assert r.exit_code == code, r.output
+    lines = [x for x in r.output.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.output
+    for n in needles:
+        assert n in lines[0], lines[0]
+    return lines[0]
+
+
+MISSING_INPUT = {  # each verb with an input folder that does not exist
+    "inspect": ["inspect", "{missing}"],
+    "convert": ["convert", "{missing}", "-o", "{tmp}/out"],
+    "verify": ["verify", "{missing}"],
+    "revert": ["revert", "{missing}", "-o", "{tmp}/out"],
+    "run": ["run", "{missing}", "--prompt-ids", "1"],
+    "compare (A)": ["compare", "{missing}", "{src}", "--prompt-ids", "1"],
+    "compare (B)": ["compare", "{src}", "{missing}", "--prompt-ids", "1"],
+}
+
+
+@pytest.mark.parametrize("verb", MISSING_INPUT)
+def test_a_missing_input_is_one_line_exit_1_and_json_under_json(verb, src, tmp_path):
+    args = [a.format(missing=tmp_path / "nope", tmp=tmp_path, src=src) for a in MISSING_INPUT[verb]]
+    r = invoke(*args)
+    assert r.exit_code == 1 and r.stdout == "", r.output
+    line = [x for x in r.stderr.splitlines() if x.startswith("error: ")]
+    assert len(line) == 1 and str(tmp_path / "nope") in line[0] and "Usage" not in r.output, r.output
+    j = invoke(*args, "--json")
+    assert j.exit_code == 1
+    assert json.loads(j.stdout) == {"ok": False, "error": line[0].removeprefix("error: "), "code": 1}
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["verify"], "Missing argument 'OUT'"),
+    (["convert", "x", "--tp", "two"], "Invalid value for '--tp'"),
+    (["run", "x"], "Missing option '--prompt-ids'"),
+    (["inspect", "x", "--bogus"], "--bogus"),
+])
+def test_a_usage_error_is_one_line_exit_2_naming_the_help(args, needle):
+    line = one_line(invoke(*args), 2, needle)
+    assert line.endswith(f"(see prep {args[0]} --help)")
+    j = invoke(*args, "--json")
+    assert j.exit_code == 2 and json.loads(j.stdout)["code"] == 2 and needle in json.loads(j.stdout)["error"]
+
+
+def test_help_and_version_still_exit_0():
+    assert invoke("--help").exit_code == 0 and invoke("verify", "--help").exit_code == 0
+    assert invoke("--version").exit_code == 0
+
+
+def test_inspect_lists_every_layout_pair_the_engine_reads(src, tmp_path):
+    r = invoke("inspect", src, "--json")
+    assert r.exit_code == 0, r.output
+    listed = json.loads(r.stdout)["layouts_by_tp"]
+    dense, moe = layouts.layout_names("dense"), layouts.layout_names("moe")
+    engine = layouts.get_engine()
+    readable = {(engine.dense_layout(p), m) for p in engine.gemm_paths for m in engine.moe_layouts.values()}
+    assert set(listed) == {f"{d}+{m}" for d, m in readable} and len(listed) == len(dense) * len(moe)
+    # The pair the issue found missing: it converts and an engine configuration reads it.
+    assert listed["non-shuffle+ck"]["1"] == "ok"
+    out = tmp_path / "ns-ck"
+    convert(str(src), out, Target("non-shuffle", "ck", 1))
+    m = layouts.load_manifest(out)
+    layouts.check_compatibility(m, layouts.EngineConfig.reading(m))
+
+
+def test_run_assume_layout_warns_on_stderr_that_the_logits_are_garbage(converted):
+    r = invoke("run", converted, "--prompt-ids", "1,2", "--assume-layout", "non-shuffle", "--json")
+    assert r.exit_code == 0, r.output
+    assert "WARNING: --assume-layout non-shuffle" in r.stderr and "GARBAGE BY DESIGN" in r.stderr
+    assert "garbage by design" in json.loads(r.stdout)["warning"]  # stdout is still one JSON object
+    plain = invoke("run", converted, "--prompt-ids", "1,2")
+    assert plain.exit_code == 0 and "WARNING" not in plain.output
+
+
+def _flip_a_byte_of(folder: pathlib.Path, name: str) -> None:
+    m = layouts.load_manifest(folder)
+    rec = next(t for t in m.tensors if t.name == name)
+    path = folder / rec.file
+    data = bytearray(path.read_bytes())
+    header = int.from_bytes(data[:8], "little")
+    data[8 + header + json.loads(data[8:8 + header])[name]["data_offsets"][0]] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_run_and_compare_catch_a_flipped_byte_unless_no_verify(src, converted, tmp_path):
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(converted, bad)
+    name = "model.layers.0.self_attn.o_proj.weight"  # layer 0: every run reads it
+    _flip_a_byte_of(bad, name)
+    for args in (["run", bad], ["compare", src, bad]):
+        one_line(invoke(*args, "--prompt-ids", "1,2"), 1, name, "does not match its manifest hash")
+        r = invoke(*args, "--prompt-ids", "1,2", "--no-verify")
+        assert "does not match its manifest hash" not in r.output and "not checked (--no-verify)" in r.output, r.output
+    ok = invoke("run", converted, "--prompt-ids", "1,2", "--json")
+    assert json.loads(ok.stdout)["hashes_checked"] > 0
+    # A layer the forward does not run is not what run checks: the MTP layer (and past --layers).
+    mtp = tmp_path / "mtp"
+    shutil.copytree(converted, mtp)
+    _flip_a_byte_of(mtp, "model.layers.1.mlp.experts.w13_weight")
+    assert invoke("run", mtp, "--prompt-ids", "1", "--layers", "1").exit_code == 0
+    one_line(invoke("run", mtp, "--prompt-ids", "1", "--layers", "2"), 1, "w13_weight")
+
+
+def _on_a_terminal(args: list[str]) -> tuple[str, str]:
+    """Run prep with stderr on a pseudo-terminal (80x24) and stdout on a pipe: (stdout, stderr)."""
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    p = subprocess.Popen([sys.executable, "-m", "prep", *args], stdout=subprocess.PIPE, stderr=slave, env=env)
+    os.close(slave)
+    err = b""
+    while True:
+        ready, _, _ = select.select([master], [], [], 1)
+        if ready:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:  # the child closed the terminal
+                break
+            if not chunk:
+                break
+            err += chunk
+        elif p.poll() is not None:
+            break
+    out = p.stdout.read().decode()
+    p.wait()
+    os.close(master)
+    return out, err.decode(errors="replace")
+
+
+def test_progress_bars_show_on_a_terminal_only_and_never_with_json_or_quiet(src, converted, tmp_path):
+    out, err = _on_a_terminal(["verify", str(converted), "--source", str(src)])
+    assert "verify: 100%" in err and "ok: 3 files" in out
+    out, err = _on_a_terminal(["run", str(converted), "--prompt-ids", "1", "--layers", "2"])
+    assert "check: 100%" in err and "forward: 100%" in err and "2/2" in err, err
+    out, err = _on_a_terminal(["revert", str(converted), "-o", str(tmp_path / "rv")])
+    assert "revert: 100%" in err
+    out, err = _on_a_terminal(["inspect", str(src)])
+    assert "inspect: 100%" in err
+    out, err = _on_a_terminal(["verify", str(converted), "--json"])
+    assert "%|" not in err and json.loads(out)["ok"] is True
+    out, err = _on_a_terminal(["run", str(converted), "--prompt-ids", "1", "-q"])
+    assert "%|" not in err and "argmax" in out
+    # Not a terminal (a pipe, a log): no bar at all.
+    r = subprocess.run([sys.executable, "-m", "prep", "verify", str(converted)], capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert r.returncode == 0 and r.stderr == "", r.stderr
