@@ -55,7 +55,7 @@ import torch
 from ..errors import PrepError
 
 ENV_DIR = "PREP_AITER_DIR"
-DEFAULT_DIR = pathlib.Path(__file__).resolve().parent.parent / ".cache" / "aiter-oracle"
+DEFAULT_DIR = pathlib.Path(__file__).resolve().parents[2] / ".cache" / "aiter-oracle"  # the repository's (prep/reference/)
 FETCH = "python scripts/fetch_aiter_oracle.py"
 GEMM_AFP4WFP4 = "gemm_afp4wfp4"
 AMD_ONLY_LAUNCH_KEYS = ("waves_per_eu", "matrix_instr_nonkdim", "kpack")
