@@ -123,8 +123,8 @@ class AiterDenseGemms:
             row = 0
             for p in g.parts:
                 pn = p.local(g.tp)[0]
-                rows, wcols, _ = p.window(g.tp, g.rank)
-                piece = Piece(g.name, g.rank, row, pn, rows, slice(2 * wcols.start, 2 * wcols.stop))
+                rows, ks = p.window(g.tp, g.rank)  # rows and K (value) columns of the source module
+                piece = Piece(g.name, g.rank, row, pn, rows, ks)
                 have = self.pieces.setdefault(p.src, [])
                 # A replicated module is stored whole on every rank: its first rank computes it.
                 if not any((q.rows, q.ks) == (piece.rows, piece.ks) for q in have):
