@@ -39,6 +39,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -79,20 +80,47 @@ def _store_pairs(row_ptr, pair, mask, even, odd, PAIRED: tl.constexpr):
 
 
 @triton.jit
-def _e2m1_code(v):
-    """E2M1 code (uint32, 0..15) of float32 ``v``: nearest, ties away from zero, saturating at 6,
-    sign kept (a negative that rounds to zero gives 8)."""
-    bits = v.to(tl.uint32, bitcast=True)
-    sign = (bits >> 28) & 8
-    mag = bits & 0x7FFFFFFF
-    # |v| >= 1: E2M1 normals have one mantissa bit (float32 bit 22). Adding half of it (bit 21)
-    # and truncating rounds half away from zero; (exponent, top mantissa bit) then counts grid
-    # steps from 1.0 (= code 2). Inf/NaN land above 7 and saturate like aiter's kernel.
-    big = tl.minimum(((mag + 0x200000) >> 22) - 252, 7)
-    # |v| < 1: the grid is 0, 0.5, 1 with ties 0.25 and 0.75 (rounded up).
-    small = (mag >= 0x3E800000).to(tl.uint32) + (mag >= 0x3F400000).to(tl.uint32)
-    code = tl.where(mag >= 0x3F800000, big, small)
-    return code | sign
+def _rz_half_plus_half(a, RZ_ASM: tl.constexpr):
+    """``0.5 + 0.5 * a`` rounded toward zero, for ``0 <= a <= 6``."""
+    if RZ_ASM:  # one FMA on the FP32 pipe
+        bits = tl.inline_asm_elementwise("fma.rz.f32 $0, $1, 0f3F000000, 0f3F000000;", "=r,r",
+                                         [a.to(tl.int32, bitcast=True)], dtype=tl.int32, is_pure=True, pack=1)
+        return bits.to(tl.float32, bitcast=True)
+    # The interpreter has no rounding modes: round to nearest, then step back one ulp where that
+    # rounded up. 0.5 * a is exact; where the sum is below 1, f - 0.5 is exact (Sterbenz); where
+    # it is not, a >= 1 and the caller takes a, not f (both f's are <= a).
+    h = a * 0.5
+    f = h + 0.5
+    return tl.where(f - 0.5 > h, (f.to(tl.int32, bitcast=True) - 1).to(tl.float32, bitcast=True), f)
+
+
+@triton.jit
+def _e2m1_offset(v, RZ_ASM: tl.constexpr):
+    """``t`` with ``t >> 22`` = the E2M1 magnitude code (0..7) of float32 ``v``: nearest, ties away
+    from zero, saturating at 6 (inf and NaN too: ``minimum`` returns the number).
+
+    E2M1 is 0, 0.5, 1 (step 0.5), then one mantissa bit per octave up to 6. Every rounding
+    threshold (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5) is a multiple of 2^21 in float32 bit space.
+    For ``a = |v| >= 1`` the code counts half-octaves: ``((bits(a) + 2^21) >> 22) - 252``. For
+    ``a < 1``, ``b = 0.5 + a / 2`` (rounded toward zero, so no value crosses a threshold) lies in
+    [0.5, 1) with the step-0.5 grid of ``a`` mapped onto the half-octaves of that octave, and the
+    same formula gives 0, 1, 2. ``max(a, b)`` picks the right one (b > a exactly when a < 1), so
+    the code is ``(bits(max(a, b)) - (252 << 22) + 2^21) >> 22``: two min/max, one FMA, one add
+    and a shift, against ~14 integer and select operations of the compare-based encoding."""
+    a = tl.minimum(tl.abs(v), 6.0)
+    b = tl.maximum(a, _rz_half_plus_half(a, RZ_ASM))
+    return b.to(tl.uint32, bitcast=True) - 0x3EE00000
+
+
+@triton.jit
+def _e2m1_pair(ve, vo, RZ_ASM: tl.constexpr):
+    """The FP4 byte (uint32, 0..255) of the pair (``ve`` low nibble, ``vo`` high nibble), signs
+    kept (a negative that rounds to zero gives code 8). Each nibble's magnitude and sign come
+    straight from shifted bits; what else the shifts bring along is masked off."""
+    se = ve.to(tl.uint32, bitcast=True) >> 28  # sign at bit 3
+    so = vo.to(tl.uint32, bitcast=True) >> 24  # sign at bit 7
+    return ((_e2m1_offset(ve, RZ_ASM) >> 22) | (se & 8) | ((_e2m1_offset(vo, RZ_ASM) >> 18) & 0x70)
+            | (so & 0x80))
 
 
 @triton.jit
@@ -110,7 +138,7 @@ def _scale_offsets(rows, cols, SCALE_COLS_PAD: tl.constexpr, SHUFFLE: tl.constex
 
 
 @triton.jit
-def _pairs(B0: tl.constexpr, T: tl.constexpr, N1: tl.constexpr, SCALE_COLS: tl.constexpr):
+def _pairs(B0, T: tl.constexpr, N1: tl.constexpr, SCALE_COLS: tl.constexpr):
     """Pair indices [1, T, 4, 4] of blocks [B0, B0+T) and which of them exist ([1, T, 1, 1] or
     [1, T, 4, 4]). A block's 16 pairs are 4 runs of 4 (16 bytes of int32 pairs): with a
     [.., 16] axis Triton converts register layouts through shared memory between the 16-byte
@@ -126,7 +154,7 @@ def _pairs(B0: tl.constexpr, T: tl.constexpr, N1: tl.constexpr, SCALE_COLS: tl.c
 
 
 @triton.jit
-def _tile_fetch(x_rows, r_rows, row_ok, B0: tl.constexpr, T: tl.constexpr, N1: tl.constexpr,
+def _tile_fetch(x_rows, r_rows, row_ok, B0, T: tl.constexpr, N1: tl.constexpr,
                 SCALE_COLS: tl.constexpr, HAS_RES: tl.constexpr, X_PAIRED: tl.constexpr,
                 R_PAIRED: tl.constexpr):
     """Issue the loads of blocks [B0, B0+T) of the program's rows, nothing else: every tile's
@@ -150,9 +178,9 @@ def _tile_fetch(x_rows, r_rows, row_ok, B0: tl.constexpr, T: tl.constexpr, N1: t
 
 
 @triton.jit
-def _tile_sum(xa, xb, ra, rb, o_rows, row_ok, B0: tl.constexpr, T: tl.constexpr, N1: tl.constexpr,
+def _tile_sum(xa, xb, ra, rb, o_rows, row_ok, B0, T: tl.constexpr, N1: tl.constexpr,
               SCALE_COLS: tl.constexpr, HAS_RES: tl.constexpr, X_PAIRED: tl.constexpr,
-              R_PAIRED: tl.constexpr):
+              R_PAIRED: tl.constexpr, STORE: tl.constexpr):
     """(a, b, sum of squares per row) of a fetched tile; stores out_res1 = x1 + res1 on the way.
     Without a residual, bf16 rows stay packed (a = b = the int32 pairs: half the registers while
     the row waits for its norm); else a, b are the float32 (even, odd) elements (the float32 sum
@@ -169,26 +197,31 @@ def _tile_sum(xa, xb, ra, rb, o_rows, row_ok, B0: tl.constexpr, T: tl.constexpr,
             re, ro = ra, rb
         xe = xe + re
         xo = xo + ro
-        blk, pair, col_ok = _pairs(B0, T, N1, SCALE_COLS)
-        _store_pairs(o_rows, pair, row_ok[:, None, None, None] & col_ok, xe, xo, X_PAIRED)
+        if STORE:
+            blk, pair, col_ok = _pairs(B0, T, N1, SCALE_COLS)
+            _store_pairs(o_rows, pair, row_ok[:, None, None, None] & col_ok, xe, xo, X_PAIRED)
         a, b = xe, xo
     ss = tl.sum(tl.sum(tl.sum(xe * xe + xo * xo, axis=3), axis=2), axis=1)
     return a, b, ss
 
 
 @triton.jit
-def _tile_quant(a, b, rstd, w1_ptr, rows, row_ok, q_rows, scale_ptr, B0: tl.constexpr, T: tl.constexpr,
+def _tile_weight(w1_ptr, B0, T: tl.constexpr, N1: tl.constexpr, SCALE_COLS: tl.constexpr, W_PAIRED: tl.constexpr):
+    """(even, odd) float32 RMSNorm weights of blocks [B0, B0+T) (L2-resident: shared by every row)."""
+    blk, pair, col_ok = _pairs(B0, T, N1, SCALE_COLS)
+    return _load_pairs(w1_ptr, pair, col_ok, W_PAIRED)
+
+
+@triton.jit
+def _tile_quant(a, b, rstd, we, wo, rows, row_ok, q_rows, scale_ptr, B0, T: tl.constexpr,
                 N1: tl.constexpr, SCALE_COLS: tl.constexpr, SCALE_COLS_PAD: tl.constexpr,
-                SHUFFLE: tl.constexpr, PAD: tl.constexpr, RAW: tl.constexpr, W_PAIRED: tl.constexpr):
+                SHUFFLE: tl.constexpr, PAD: tl.constexpr, RAW: tl.constexpr, RZ_ASM: tl.constexpr):
     """Normalise, quantize and store blocks [B0, B0+T): FP4 codes and their scale bytes."""
     blk, pair, col_ok = _pairs(B0, T, N1, SCALE_COLS)
     if RAW:
         xe, xo = _unpack(a)
     else:
         xe, xo = a, b
-    # The weight is loaded only now (it is L2-resident, shared by every row): fewer registers
-    # live while the row's loads are in flight.
-    we, wo = _load_pairs(w1_ptr, pair, col_ok, W_PAIRED)
     r4 = rstd[:, None, None, None]
     ye = xe * r4 * we  # (x * rstd) * w, rounded twice, as aiter and the reference do
     yo = xo * r4 * wo
@@ -202,7 +235,7 @@ def _tile_quant(a, b, rstd, w1_ptr, rows, row_ok, q_rows, scale_ptr, B0: tl.cons
     # 2^-e exactly; its biased exponent 127 - e is 0 only for e = 127 (2^-127 is denormal).
     ib = 127 - e
     inv = tl.where(ib == 0, 0x00400000, ib << 23).to(tl.float32, bitcast=True)[:, :, None, None]
-    q = (_e2m1_code(ye * inv) | (_e2m1_code(yo * inv) << 4)).to(tl.uint8)
+    q = _e2m1_pair(ye * inv, yo * inv, RZ_ASM).to(tl.uint8)
     tl.store(q_rows + pair, q, mask=row_ok[:, None, None, None] & col_ok)
 
     sc = e + 127
@@ -220,65 +253,89 @@ def _fused_rms_mxfp4_kernel(
     x2_ptr, w2_ptr, out2_ptr,
     M, x1_stride, res1_stride, x2_stride,
     eps1, eps2,
-    n_main, n_x2, fill_start, fill_end,
+    n_split, n_main, n_x2, fill_start, fill_end,
     N1: tl.constexpr, N2: tl.constexpr,
     SCALE_COLS: tl.constexpr, SCALE_COLS_PAD: tl.constexpr, NB_PAD: tl.constexpr,
-    T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr,
+    T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, SPLIT: tl.constexpr, TS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
     HAS_RES: tl.constexpr, HAS_X2: tl.constexpr, SHUFFLE: tl.constexpr, PAD: tl.constexpr,
-    X_PAIRED: tl.constexpr, R_PAIRED: tl.constexpr, W_PAIRED: tl.constexpr,
+    X_PAIRED: tl.constexpr, R_PAIRED: tl.constexpr, W_PAIRED: tl.constexpr, RZ_ASM: tl.constexpr,
     FILL_BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    if pid < n_main:
-        row0 = pid * BLOCK_M
+    if pid < n_split:
+        # BLOCK_M rows; with SPLIT > 1, SPLIT programs share them, each quantizing TS blocks.
+        row0 = (pid // SPLIT) * BLOCK_M
         rows = row0 + tl.arange(0, BLOCK_M)
-        if row0 >= M:
-            # A block of scale pad rows inside the last partial 32-row band (padded mode only).
-            blk = tl.arange(0, NB_PAD)
-            pad = tl.full((BLOCK_M, NB_PAD), E8M0_PAD, tl.uint8)
-            tl.store(scale_ptr + _scale_offsets(rows, blk, SCALE_COLS_PAD, SHUFFLE), pad,
-                     mask=(blk < SCALE_COLS_PAD)[None, :])
-        else:
-            row_ok = rows < M
-            rows64 = rows.to(tl.int64)
-            # Row strides are in units of the pointer's element (int32 pairs when PAIRED).
-            x_rows = x1_ptr + (rows64 * x1_stride)[:, None, None, None]
-            r_rows = res1_ptr + (rows64 * res1_stride)[:, None, None, None] if HAS_RES else res1_ptr
-            o_rows = out_res1_ptr + (rows64 * (N1 // 2 if X_PAIRED else N1))[:, None, None, None] if HAS_RES \
-                else out_res1_ptr
-            q_rows = q_ptr + (rows64 * (N1 // 2))[:, None, None, None]
-            # The row's blocks in up to three power-of-two tiles (224 = 128 + 64 + 32,
-            # 48 = 32 + 16): no lanes wasted on padding to the next power of two.
-            RAW: tl.constexpr = X_PAIRED and not HAS_RES
-            xa0, xb0, ra0, rb0 = _tile_fetch(x_rows, r_rows, row_ok, 0, T0, N1, SCALE_COLS, HAS_RES,
+        row_ok = rows < M
+        rows64 = rows.to(tl.int64)
+        # Row strides are in units of the pointer's element (int32 pairs when PAIRED).
+        x_rows = x1_ptr + (rows64 * x1_stride)[:, None, None, None]
+        r_rows = res1_ptr + (rows64 * res1_stride)[:, None, None, None] if HAS_RES else res1_ptr
+        o_rows = out_res1_ptr + (rows64 * (N1 // 2 if X_PAIRED else N1))[:, None, None, None] if HAS_RES \
+            else out_res1_ptr
+        q_rows = q_ptr + (rows64 * (N1 // 2))[:, None, None, None]
+        RAW: tl.constexpr = X_PAIRED and not HAS_RES
+        if SPLIT > 1:
+            # Small M (latency-bound): every program reads the whole rows for the sum of squares
+            # (from L2 after the first), and quantizes only its own TS blocks, so that a row's
+            # quant runs on SPLIT multiprocessors at once. Its slice and weights are loaded with
+            # the rest, before anything waits.
+            bs = (pid % SPLIT) * TS
+            xas, xbs, ras, rbs = _tile_fetch(x_rows, r_rows, row_ok, bs, TS, N1, SCALE_COLS, HAS_RES,
                                              X_PAIRED, R_PAIRED)
+            wes, wos = _tile_weight(w1_ptr, bs, TS, N1, SCALE_COLS, W_PAIRED)
+        # The row's blocks in up to three power-of-two tiles (224 = 128 + 64 + 32,
+        # 48 = 32 + 16): no lanes wasted on padding to the next power of two.
+        xa0, xb0, ra0, rb0 = _tile_fetch(x_rows, r_rows, row_ok, 0, T0, N1, SCALE_COLS, HAS_RES,
+                                         X_PAIRED, R_PAIRED)
+        if T1 > 0:
+            xa1, xb1, ra1, rb1 = _tile_fetch(x_rows, r_rows, row_ok, T0, T1, N1, SCALE_COLS, HAS_RES,
+                                             X_PAIRED, R_PAIRED)
+        if T2 > 0:
+            xa2, xb2, ra2, rb2 = _tile_fetch(x_rows, r_rows, row_ok, T0 + T1, T2, N1, SCALE_COLS, HAS_RES,
+                                             X_PAIRED, R_PAIRED)
+        # With SPLIT > 1 these sums store nothing (STORE = False): out_res1 is the slice's.
+        STORE: tl.constexpr = HAS_RES and SPLIT == 1
+        a0, b0, ss = _tile_sum(xa0, xb0, ra0, rb0, o_rows, row_ok, 0, T0, N1, SCALE_COLS, HAS_RES,
+                               X_PAIRED, R_PAIRED, STORE)
+        if T1 > 0:
+            a1, b1, ss1 = _tile_sum(xa1, xb1, ra1, rb1, o_rows, row_ok, T0, T1, N1, SCALE_COLS, HAS_RES,
+                                    X_PAIRED, R_PAIRED, STORE)
+            ss += ss1
+        if T2 > 0:
+            a2, b2, ss2 = _tile_sum(xa2, xb2, ra2, rb2, o_rows, row_ok, T0 + T1, T2, N1, SCALE_COLS,
+                                    HAS_RES, X_PAIRED, R_PAIRED, STORE)
+            ss += ss2
+        ms = tl.math.div_rn(ss, tl.full(ss.shape, N1, tl.float32))
+        rstd = tl.math.div_rn(tl.full(ss.shape, 1.0, tl.float32), tl.math.sqrt_rn(ms + eps1))
+        if SPLIT > 1:
+            a_s, b_s, _ = _tile_sum(xas, xbs, ras, rbs, o_rows, row_ok, bs, TS, N1, SCALE_COLS, HAS_RES,
+                                    X_PAIRED, R_PAIRED, HAS_RES)
+            _tile_quant(a_s, b_s, rstd, wes, wos, rows, row_ok, q_rows, scale_ptr, bs, TS, N1,
+                        SCALE_COLS, SCALE_COLS_PAD, SHUFFLE, PAD, RAW, RZ_ASM)
+        else:
+            # The weights are loaded only now: fewer registers live while the rows' loads are in
+            # flight (occupancy decides the bytes in flight at large M).
+            we, wo = _tile_weight(w1_ptr, 0, T0, N1, SCALE_COLS, W_PAIRED)
+            _tile_quant(a0, b0, rstd, we, wo, rows, row_ok, q_rows, scale_ptr, 0, T0, N1,
+                        SCALE_COLS, SCALE_COLS_PAD, SHUFFLE, PAD, RAW, RZ_ASM)
             if T1 > 0:
-                xa1, xb1, ra1, rb1 = _tile_fetch(x_rows, r_rows, row_ok, T0, T1, N1, SCALE_COLS, HAS_RES,
-                                                 X_PAIRED, R_PAIRED)
+                we, wo = _tile_weight(w1_ptr, T0, T1, N1, SCALE_COLS, W_PAIRED)
+                _tile_quant(a1, b1, rstd, we, wo, rows, row_ok, q_rows, scale_ptr, T0, T1, N1,
+                            SCALE_COLS, SCALE_COLS_PAD, SHUFFLE, PAD, RAW, RZ_ASM)
             if T2 > 0:
-                xa2, xb2, ra2, rb2 = _tile_fetch(x_rows, r_rows, row_ok, T0 + T1, T2, N1, SCALE_COLS, HAS_RES,
-                                                 X_PAIRED, R_PAIRED)
-            a0, b0, ss = _tile_sum(xa0, xb0, ra0, rb0, o_rows, row_ok, 0, T0, N1, SCALE_COLS, HAS_RES,
-                                   X_PAIRED, R_PAIRED)
-            if T1 > 0:
-                a1, b1, ss1 = _tile_sum(xa1, xb1, ra1, rb1, o_rows, row_ok, T0, T1, N1, SCALE_COLS, HAS_RES,
-                                        X_PAIRED, R_PAIRED)
-                ss += ss1
-            if T2 > 0:
-                a2, b2, ss2 = _tile_sum(xa2, xb2, ra2, rb2, o_rows, row_ok, T0 + T1, T2, N1, SCALE_COLS,
-                                        HAS_RES, X_PAIRED, R_PAIRED)
-                ss += ss2
-            ms = tl.math.div_rn(ss, tl.full(ss.shape, N1, tl.float32))
-            rstd = tl.math.div_rn(tl.full(ss.shape, 1.0, tl.float32), tl.math.sqrt_rn(ms + eps1))
-            _tile_quant(a0, b0, rstd, w1_ptr, rows, row_ok, q_rows, scale_ptr, 0, T0, N1,
-                        SCALE_COLS, SCALE_COLS_PAD, SHUFFLE, PAD, RAW, W_PAIRED)
-            if T1 > 0:
-                _tile_quant(a1, b1, rstd, w1_ptr, rows, row_ok, q_rows, scale_ptr, T0, T1, N1,
-                            SCALE_COLS, SCALE_COLS_PAD, SHUFFLE, PAD, RAW, W_PAIRED)
-            if T2 > 0:
-                _tile_quant(a2, b2, rstd, w1_ptr, rows, row_ok, q_rows, scale_ptr, T0 + T1, T2, N1,
-                            SCALE_COLS, SCALE_COLS_PAD, SHUFFLE, PAD, RAW, W_PAIRED)
+                we, wo = _tile_weight(w1_ptr, T0 + T1, T2, N1, SCALE_COLS, W_PAIRED)
+                _tile_quant(a2, b2, rstd, we, wo, rows, row_ok, q_rows, scale_ptr, T0 + T1, T2, N1,
+                            SCALE_COLS, SCALE_COLS_PAD, SHUFFLE, PAD, RAW, RZ_ASM)
+    elif pid < n_main:
+        # A block of scale pad rows inside the last partial 32-row band (padded mode only), after
+        # the rows the programs above cover.
+        rows = (n_split // SPLIT + pid - n_split) * BLOCK_M + tl.arange(0, BLOCK_M)
+        blk = tl.arange(0, NB_PAD)
+        pad = tl.full((BLOCK_M, NB_PAD), E8M0_PAD, tl.uint8)
+        tl.store(scale_ptr + _scale_offsets(rows, blk, SCALE_COLS_PAD, SHUFFLE), pad,
+                 mask=(blk < SCALE_COLS_PAD)[None, :])
     elif pid < n_main + n_x2:
         if HAS_X2:
             rows = (pid - n_main) * BLOCK_M2 + tl.arange(0, BLOCK_M2)
@@ -322,9 +379,33 @@ def _tiles(nblocks: int) -> tuple[int, int, int]:
     return t0, t1, t2
 
 
+class Plan(NamedTuple):
+    """A launch plan (see :func:`_plan`). Program ids, in order: ``[0, n_split)`` real rows,
+    ``BLOCK_M`` rows per ``split`` programs (each quantizing ``ts`` scale blocks when ``split >
+    1``); ``[n_split, n_main)`` blocks of scale pad rows up to the 32-row band; ``n_x2`` blocks of
+    x2 rows; then the fill programs for whole pad bands ``[fill_start, fill_end)``."""
+
+    grid: tuple
+    rows_pad: int
+    cols: int
+    cols_pad: int
+    tiles: tuple
+    bm: int
+    bm2: int
+    nb2: int
+    warps: int
+    n_split: int
+    n_main: int
+    n_x2: int
+    fill_start: int
+    fill_end: int
+    split: int
+    ts: int
+
+
 @functools.lru_cache(maxsize=4096)
 def _plan(m: int, n1: int, n2: int, padded: bool, raw: bool, on_gpu: bool, sms: int,
-          block_m: int | None, num_warps: int | None) -> tuple:
+          block_m: int | None, num_warps: int | None, split: int | None = None) -> Plan:
     """Launch plan for one shape: everything the wrapper needs besides pointers (cached: the
     wrapper is the whole cost of a decode-size call, so it must stay a dict lookup). ``raw``:
     x1 is paired bf16 without a residual (kept packed in registers).
@@ -334,16 +415,21 @@ def _plan(m: int, n1: int, n2: int, padded: bool, raw: bool, on_gpu: bool, sms: 
     cols_pad = -(-cols // 8) * 8 if padded else cols
     tiles = _tiles(cols_pad)
     nb2 = triton.next_power_of_2(max(n2, 1))
+    # Split rows (small M): up to 8 slices of >= 16 blocks (7168: 7 x 32, 1536: 3 x 16).
+    ts = max(16, triton.next_power_of_2(-(-cols_pad // 8)))
+    slices = -(-cols_pad // ts)
     if not on_gpu:
         # Interpreter: cost is per program and per op, not per element: few, large programs.
-        bm, bm2, warps = 32, 32, 4
+        bm, bm2, warps, nsplit = 32, 32, 4, 1
         if block_m is not None:
             bm = block_m
     else:
-        # ~8k elements per program (the row count per program amortises the weight loads),
-        # fewer rows when M is small so that every SM gets work.
+        # ~1k element pairs per program (N1 = 1536 and 7168: one row), fewer rows when M is small
+        # so that every SM gets work. At N1 = 1536 one row on one warp keeps the row's sums inside
+        # the warp (no shared-memory round trip) and its registers low (28 one-warp programs per
+        # SM): 121 us against 165 us for 4 rows on 2 warps at M = 65536 (H200 sweep, 2026-12-03).
         latency_bound = m < 2 * sms
-        bm = _pow2_floor(max(1, min(32, 8192 // (cols_pad * 32))))
+        bm = _pow2_floor(max(1, min(32, 1024 // (cols_pad * 16))))
         bm = min(bm, _pow2_floor(max(1, m // (2 * sms))))
         if block_m is not None:
             bm = block_m
@@ -358,13 +444,23 @@ def _plan(m: int, n1: int, n2: int, padded: bool, raw: bool, on_gpu: bool, sms: 
         if latency_bound:
             warps = max(warps, 4)
         warps = max(1, min(warps, 16))
+        # When the rows alone cannot fill the SMs, each row's quant is split over `slices`
+        # programs (the latency of one row's quant on one SM was most of a decode call).
+        nsplit = slices if latency_bound and slices > 1 and -(-m // bm) * slices <= 2 * sms else 1
+        if nsplit > 1:
+            warps = max(1, min(4, bm * ts * 4 // 32))  # the slice's 4-pair runs, one per thread
         if num_warps is not None:
             warps = num_warps
         # x2 rows: ~32 float32 elements per thread with the same warps.
         bm2 = _pow2_floor(max(1, min(32, warps * 32 * 32 // nb2)))
         bm2 = min(bm2, _pow2_floor(max(1, m // (2 * sms))))
+    if split is not None:
+        nsplit = split
     if bm & (bm - 1) or not 1 <= bm <= 32:
         raise ValueError(f"block_m must be a power of two in [1, 32], got {bm}")
+    if nsplit < 1:
+        raise ValueError(f"split must be >= 1, got {nsplit}")
+    ts = triton.next_power_of_2(-(-cols_pad // nsplit))  # blocks per slice (the whole row when 1)
     if padded:
         rows_pad = -(-m // 256) * 256
         main_rows = -(-m // 32) * 32  # BLOCK_M divides 32: main programs end on a band boundary
@@ -372,11 +468,14 @@ def _plan(m: int, n1: int, n2: int, padded: bool, raw: bool, on_gpu: bool, sms: 
     else:
         rows_pad = main_rows = m
         fill_start = fill_end = 0
-    n_main = -(-main_rows // bm)
+    real_blocks = -(-m // bm)
+    n_split = real_blocks * nsplit
+    n_main = n_split + max(0, (main_rows - real_blocks * bm) // bm)
     n_x2 = -(-m // bm2) if n2 else 0
     n_fill = -(-(fill_end - fill_start) // _FILL_BLOCK)
     grid = (n_main + n_x2 + n_fill,)
-    return (grid, rows_pad, cols, cols_pad, tiles, bm, bm2, nb2, warps, n_main, n_x2, fill_start, fill_end)
+    return Plan(grid, rows_pad, cols, cols_pad, tiles, bm, bm2, nb2, warps, n_split, n_main, n_x2, fill_start,
+                fill_end, nsplit, ts)
 
 
 def _paired(t: torch.Tensor) -> bool:
@@ -397,10 +496,12 @@ def fused_rms_mxfp4_quant_triton(
     *,
     block_m: int | None = None,
     num_warps: int | None = None,
+    split: int | None = None,
 ):
     """Our Triton back end of :func:`layouts.fused_quant.fused_rms_mxfp4_quant` (same contract).
 
-    ``block_m`` / ``num_warps`` override the launch plan (benchmarks and tests only).
+    ``block_m`` / ``num_warps`` / ``split`` (programs per row block) override the launch plan
+    (benchmarks and tests only).
     Inputs must have a unit last stride (the public wrapper makes sure of it).
     """
     m, n1 = x1.shape
@@ -413,9 +514,8 @@ def fused_rms_mxfp4_quant_triton(
     on_gpu = dev.type != "cpu" and not INTERPRETED
     sms = _num_sms(dev.index if dev.index is not None else torch.cuda.current_device()) if on_gpu else 0
     x_paired = _paired(x1)
-    (grid, rows_pad, cols, cols_pad, tiles, bm, bm2, nb2, warps,
-     n_main, n_x2, fill_start, fill_end) = _plan(m, n1, n2, padded, x_paired and res1 is None, on_gpu, sms,
-                                                 block_m, num_warps)
+    plan = _plan(m, n1, n2, padded, x_paired and res1 is None, on_gpu, sms, block_m, num_warps, split)
+    grid, rows_pad, cols_pad, tiles = plan.grid, plan.rows_pad, plan.cols_pad, plan.tiles
 
     q = torch.empty((m, n1 // 2), dtype=torch.uint8, device=dev)
     scale = torch.empty((rows_pad, cols_pad), dtype=torch.uint8, device=dev)
@@ -438,13 +538,13 @@ def fused_rms_mxfp4_quant_triton(
         x2, x2_weight, out2,
         m, x1_stride, res1_stride, x2.stride(0) if x2 is not None else 0,
         float(x1_epsilon), float(x2_epsilon),
-        n_main, n_x2, fill_start, fill_end,
-        N1=n1, N2=n2, SCALE_COLS=cols, SCALE_COLS_PAD=cols_pad, NB_PAD=triton.next_power_of_2(cols_pad),
-        T0=tiles[0], T1=tiles[1], T2=tiles[2],
-        BLOCK_M=bm, BLOCK_M2=bm2, BLOCK_N2=nb2,
+        plan.n_split, plan.n_main, plan.n_x2, plan.fill_start, plan.fill_end,
+        N1=n1, N2=n2, SCALE_COLS=plan.cols, SCALE_COLS_PAD=cols_pad, NB_PAD=triton.next_power_of_2(cols_pad),
+        T0=tiles[0], T1=tiles[1], T2=tiles[2], SPLIT=plan.split, TS=plan.ts,
+        BLOCK_M=plan.bm, BLOCK_M2=plan.bm2, BLOCK_N2=plan.nb2,
         HAS_RES=res1 is not None, HAS_X2=x2 is not None, SHUFFLE=bool(shuffle), PAD=padded,
-        X_PAIRED=x_paired, R_PAIRED=r_paired, W_PAIRED=w_paired,
+        X_PAIRED=x_paired, R_PAIRED=r_paired, W_PAIRED=w_paired, RZ_ASM=on_gpu,
         FILL_BLOCK=_FILL_BLOCK,
-        num_warps=warps,
+        num_warps=plan.warps,
     )
     return (q, scale), out2, out_res1

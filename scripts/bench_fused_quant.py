@@ -14,7 +14,12 @@ ASM-GEMM flags):
 * unfused   -- torch ops for the residual add and ``F.rms_norm``, then aiter's separate
                ``dynamic_mxfp4_quant`` Triton kernel (row-major scale, no shuffle: a lower bound
                on what the unfused sequence costs);
+* old       -- with ``--old-kernel FILE``: an earlier version of our kernel file, loaded by path
+               (before/after in one run);
 * copy      -- a device-to-device copy moving the same number of bytes (read + written).
+
+"%best" is ours against the best device copy of the run: a 2 GiB int32 copy_ timed once at the
+start (the copy of the op's own bytes, as uint8, runs well below it at these sizes).
 
 Two DeepSeek call sites: input_layernorm (N1=7168, with residual) and q_a_layernorm + kv_a
 (N1=1536, x2 N2=512). Times are medians of CUDA-graph replays (many calls per graph: device
@@ -50,6 +55,10 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--ms", default=None, help="comma-separated M values (default: 1,16,256,4096,16384,65536)")
     ap.add_argument("--time-limit", type=float, default=240,
                     help="seconds after which the remaining contenders are skipped (the table still prints)")
+    ap.add_argument("--old-kernel", default=None,
+                    help="a copy of an earlier layouts/_triton_fused_quant.py: timed (and checked) beside ours as 'old'")
+    ap.add_argument("--e2m1-exhaustive", action="store_true",
+                    help="compare our E2M1 encoding with the old kernel's on all 2^32 float32 values (GPU)")
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="exercise this script on the CPU (TRITON_INTERPRET=1, tiny shapes, wall-clock times)")
     return ap.parse_args()
@@ -334,6 +343,49 @@ def load_aiter():
     return fused, quant
 
 
+def load_old_kernel():
+    """The old kernel file's wrapper (module loaded by path under its own name, beside ours)."""
+    if not ARGS.old_kernel:
+        return None
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_old_triton_fused_quant", ARGS.old_kernel)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def e2m1_exhaustive(old_mod) -> None:
+    """Every float32 bit pattern through our E2M1 pair encoding (both nibbles) and the old
+    kernel's compare-based ``_e2m1_code``, compiled for this GPU; prints the mismatch count."""
+    import triton
+    import triton.language as tl
+
+    from layouts import _triton_fused_quant as new_mod
+
+    g = globals()
+    g["_new_pair"], g["_old_code"] = new_mod._e2m1_pair, old_mod._e2m1_code
+
+    @triton.jit
+    def kernel(count_ptr, base, BLOCK: tl.constexpr):
+        bits = (base + tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)).to(tl.uint32)
+        v = bits.to(tl.float32, bitcast=True)
+        new = _new_pair(v, v, True)  # noqa: F821 - set in globals above
+        old = _old_code(v)  # noqa: F821
+        bad = tl.sum((new != (old | (old << 4))).to(tl.int32), axis=0)
+        tl.atomic_add(count_ptr, bad)
+
+    count = torch.zeros(1, dtype=torch.int32, device="cuda")
+    block, per_launch = 1024, 1 << 30
+    t0 = time.time()
+    for base in range(0, 1 << 32, per_launch):
+        kernel[(per_launch // block,)](count, base, BLOCK=block)
+    torch.cuda.synchronize()
+    say(f"E2M1 encoding, all 2^32 float32 patterns, ours vs the old kernel's: {int(count.item())} mismatches "
+        f"({time.time() - t0:.1f} s)")
+
+
 def aiter_dynamic_quant(mod):
     """aiter's `dynamic_mxfp4_quant` launch (its own block-size choice, read from the pinned
     wrapper) minus the AMD-only `waves_per_eu` launch option, which NVIDIA's Triton rejects."""
@@ -390,9 +442,12 @@ def _plan_of(m: int, n1: int, n2: int) -> tuple:
     return T._plan(m, n1, n2, True, raw, True, T._num_sms(torch.cuda.current_device()), None, None)
 
 
-SWEEP = {  # (rows per program, warps) around the defaults, per site
-    "input_layernorm+res": [(1, 2), (1, 4), (1, 8), (2, 4), (2, 8)],
-    "q_a+kv_a_layernorm": [(1, 4), (2, 2), (2, 4), (4, 2), (4, 4), (8, 2), (8, 4)],
+SWEEP = {  # (rows per program, warps, row split) around the defaults, per site and size
+    "input_layernorm+res": {"small": [(1, 4, 1), (1, 8, 1), (1, 4, 7), (1, 8, 7), (1, 2, 7), (1, 4, 4)],
+                            "large": [(1, 2, 1), (1, 4, 1), (1, 8, 1), (2, 4, 1), (2, 8, 1)]},
+    "q_a+kv_a_layernorm": {"small": [(1, 4, 1), (1, 2, 3), (1, 4, 3), (1, 1, 3), (1, 2, 2)],
+                           "large": [(1, 1, 1), (1, 2, 1), (2, 1, 1), (2, 2, 1), (2, 4, 1), (4, 2, 1), (4, 4, 1),
+                                     (8, 4, 1)]},
 }
 
 
@@ -407,15 +462,15 @@ def sweep(ms: list[int], t_start: float) -> None:
             args = make_inputs(m, n1, res, n2)
             plan = _plan_of(m, n1, n2)
             row = []
-            for bm, warps in SWEEP[site]:
+            for bm, warps, split in SWEEP[site]["small" if m < 256 else "large"]:
                 try:
                     t = time_graph_us(lambda: fused_rms_mxfp4_quant_triton(
-                        **args, shuffle=True, scale_shuffle_padding=True, block_m=bm, num_warps=warps), 30)
-                    mark = "*" if (bm, warps) == (plan[5], plan[8]) else ""
-                    row.append(f"bm{bm}/w{warps}{mark}={t:.1f}")
+                        **args, shuffle=True, scale_shuffle_padding=True, block_m=bm, num_warps=warps, split=split), 30)
+                    mark = "*" if (bm, warps, split) == (plan.bm, plan.warps, plan.split) else ""
+                    row.append(f"bm{bm}/w{warps}/s{split}{mark}={t:.1f}")
                 except Exception as exc:  # noqa: BLE001
-                    row.append(f"bm{bm}/w{warps}=ERR({type(exc).__name__})")
-            say(f"{site} M={m} (default bm{plan[5]}/w{plan[8]}): " + "  ".join(row))
+                    row.append(f"bm{bm}/w{warps}/s{split}=ERR({type(exc).__name__})")
+            say(f"{site} M={m} (default bm{plan.bm}/w{plan.warps}/s{plan.split}): " + "  ".join(row))
             del args
             if not ARGS.cpu_smoke:
                 torch.cuda.empty_cache()
@@ -433,7 +488,17 @@ def main() -> None:
         [1, 33] if ARGS.cpu_smoke else [1, 256, 16384] if ARGS.quick else [1, 16, 256, 4096, 16384, 65536])
     budget = 20 if ARGS.quick else 60  # ms of timed work per measurement
     aiter_fused, aiter_quant = load_aiter()
+    old_mod = load_old_kernel()
+    if old_mod is not None and ARGS.e2m1_exhaustive and not ARGS.cpu_smoke:
+        e2m1_exhaustive(old_mod)
     verify_edges()
+    best_copy = None
+    if not ARGS.cpu_smoke:
+        big = torch.empty(1 << 29, dtype=torch.int32, device=DEVICE)
+        big_dst = torch.empty_like(big)
+        best_copy = 2 * big.numel() * 4 / time_graph_us(lambda: big_dst.copy_(big), 200) / 1e3  # GB/s
+        del big, big_dst
+        say(f"best copy: 2 GiB int32 copy_ at {best_copy:.0f} GB/s (read + written)")
     compiled = None
     if not ARGS.no_compile:
         compiled = torch.compile(FQ.fused_rms_mxfp4_quant_reference, dynamic=True)
@@ -444,6 +509,11 @@ def main() -> None:
             args = make_inputs(m, n1, res, n2, seed=m)
             status = verify(site, m, args, aiter_fused)
             say(f"check {site} M={m}: {status}")
+            if old_mod is not None:
+                bad, n, n_s = check(old_mod.fused_rms_mxfp4_quant_triton(**args, shuffle=True, scale_shuffle_padding=True),
+                                    FQ.fused_rms_mxfp4_quant_reference(**args, shuffle=True, scale_shuffle_padding=True),
+                                    f"old kernel {site} M={m}", True)
+                say(f"check old kernel {site} M={m}: {'ok' if not bad else 'FAILED ' + '; '.join(bad)}")
             nbytes = op_bytes(m, n1, res, n2)
             src = torch.empty(nbytes // 2, dtype=torch.uint8, device=DEVICE)
             dst = torch.empty_like(src)
@@ -455,6 +525,9 @@ def main() -> None:
                 "unfused": unfused_fn(args, n1, aiter_quant),
                 "copy": lambda: dst.copy_(src),
             }
+            if old_mod is not None:
+                fns["old"] = lambda: old_mod.fused_rms_mxfp4_quant_triton(**args, shuffle=True,
+                                                                           scale_shuffle_padding=True)
             t = {}
             for name, fn in fns.items():
                 if fn is None:
@@ -480,7 +553,7 @@ def main() -> None:
         "(CUDA graph), eager = one Python call ==")
     head = (f"{'site':<21}{'N1':>6}{'M':>7} {'ours us':>9}{'eager':>8}{'aiter us':>9}{'eager':>8}"
             f"{'compiled':>9}{'unfused':>9}{'copy us':>9} {'ours GB/s':>10}{'%copy':>7}{'aiter %copy':>12}"
-            f"{'x aiter':>8}{'x unfused':>10}{'x compiled':>11}")
+            f"{'x aiter':>8}{'x unfused':>10}{'x compiled':>11}{'old us':>8}{'x old':>7}{'%best':>7}{'aiter %best':>12}")
     say(head)
     say("-" * len(head))
 
@@ -496,9 +569,14 @@ def main() -> None:
         say(f"{site:<21}{n1:>6}{m:>7} {f(ours, 9)}{f(t.get('ours_eager'), 8)}{f(aiter, 9)}"
             f"{f(t.get('aiter_eager'), 8)}{f(comp, 9)}{f(unf, 9)}{f(copy, 9)} {f(gbs, 10, 0)}{f(pct, 7, 0)}"
             f"{f(apct, 12, 0)}{f(aiter / ours if aiter and ours else None, 8, 2)}"
-            f"{f(unf / ours if unf and ours else None, 10, 2)}{f(comp / ours if comp and ours else None, 11, 2)}")
+            f"{f(unf / ours if unf and ours else None, 10, 2)}{f(comp / ours if comp and ours else None, 11, 2)}"
+            f"{f(t.get('old'), 8)}{f(t['old'] / ours if t.get('old') and ours else None, 7, 2)}"
+            f"{f(100 * gbs / best_copy if gbs and best_copy else None, 7, 0)}"
+            f"{f(100 * nbytes / aiter / 1e3 / best_copy if aiter and best_copy else None, 12, 0)}")
+    say("%copy: against the copy of the op's own bytes; %best: against the 2 GiB int32 copy; x old / x aiter: "
+        "their time / ours")
     if ARGS.sweep:
-        sweep([1, 33] if ARGS.cpu_smoke else [1, 16384, 65536], t_start)
+        sweep([1, 33] if ARGS.cpu_smoke else [1, 16, 16384, 65536], t_start)
     say(f"(total {time.time() - t_start:.0f} s)")
 
 

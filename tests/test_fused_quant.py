@@ -198,23 +198,45 @@ def test_triton_kernel_covers_rows_of_any_block_count(n1, padding):
 
 @pytest.mark.parametrize("n1,n2,raw", [(7168, 0, False), (1536, 512, True), (512, 512, False), (80, 0, True)])
 def test_gpu_launch_plan_covers_every_row_and_scale_byte(n1, n2, raw):
-    # The GPU plan (not run here: the interpreter uses its own) for a 132-SM device: main
-    # programs cover every row up to the 32-row band, fill programs exactly the rest of the
-    # padded scale, tiles every scale column, launch sizes are powers of two.
+    # The GPU plan (not run here: the interpreter uses its own) for a 132-SM device: row programs
+    # cover every row, their slices every scale column, pad-row programs the rest up to the 32-row
+    # band, fill programs exactly the rest of the padded scale; launch sizes are powers of two.
     from layouts._triton_fused_quant import _plan
 
     for m in (1, 16, 31, 33, 256, 300, 4096, 65536):
         for padded in (False, True):
-            (grid, rows_pad, cols, cols_pad, tiles, bm, bm2, nb2, warps, n_main, n_x2, fill_start,
-             fill_end) = _plan(m, n1, n2, padded, raw, True, 132, None, None)
-            assert (rows_pad, cols_pad) == FQ.fused_scale_shape(m, n1, padded, padded)
+            p = _plan(m, n1, n2, padded, raw, True, 132, None, None)
+            assert (p.rows_pad, p.cols_pad) == FQ.fused_scale_shape(m, n1, padded, padded)
             main_rows = -(-m // 32) * 32 if padded else m
-            assert n_main * bm >= main_rows and (n_main - 1) * bm < main_rows and 32 % bm == 0
-            assert (fill_start, fill_end) == ((main_rows * cols_pad, rows_pad * cols_pad) if padded else (0, 0))
-            assert grid[0] == n_main + n_x2 + -(-(fill_end - fill_start) // 4096)
-            assert n_x2 * bm2 >= (m if n2 else 0) and nb2 >= n2
-            assert sum(tiles) >= cols_pad and all(t & (t - 1) == 0 for t in tiles)
-            assert warps & (warps - 1) == 0 and 1 <= warps <= 16 and bm2 & (bm2 - 1) == 0
+            real = -(-m // p.bm)
+            assert p.n_split == real * p.split and p.split * p.ts >= p.cols_pad and (p.split - 1) * p.ts < p.cols_pad
+            assert real * p.bm + (p.n_main - p.n_split) * p.bm == max(main_rows, real * p.bm) and 32 % p.bm == 0
+            assert (p.fill_start, p.fill_end) == ((main_rows * p.cols_pad, p.rows_pad * p.cols_pad) if padded else (0, 0))
+            assert p.grid[0] == p.n_main + p.n_x2 + -(-(p.fill_end - p.fill_start) // 4096)
+            assert p.n_x2 * p.bm2 >= (m if n2 else 0) and p.nb2 >= n2
+            assert sum(p.tiles) >= p.cols_pad and all(t & (t - 1) == 0 for t in p.tiles) and p.ts & (p.ts - 1) == 0
+            assert p.warps & (p.warps - 1) == 0 and 1 <= p.warps <= 16 and p.bm2 & (p.bm2 - 1) == 0
+    # Decode sizes split each row's quant over several programs (small rows stay whole).
+    assert _plan(1, 7168, 0, True, False, True, 132, None, None).split == 7
+    assert _plan(1, 1536, 512, True, True, True, 132, None, None).split == 3
+    assert _plan(65536, 7168, 0, True, False, True, 132, None, None).split == 1
+
+
+@pytest.mark.parametrize("m,n1,with_x2,with_res,split", [(1, 7168, False, True, 7), (3, 1536, True, False, 3),
+                                                        (33, 1000, True, True, 2), (2, 512, False, True, 4)])
+def test_triton_kernel_result_does_not_depend_on_row_split(m, n1, with_x2, with_res, split):
+    # Decode sizes on a GPU split each row over `split` programs, each quantizing a slice of the
+    # row's blocks after summing the whole row; the bytes must be those of the unsplit kernel,
+    # pad rows, pad columns and out_res1 included (1000: a partial last block; 512 in 4 slices
+    # of 16 blocks: the last slice wholly past the 16 real columns, only padding).
+    from layouts._triton_fused_quant import fused_rms_mxfp4_quant_triton
+
+    args = make_inputs(m, n1, x2=with_x2, res=with_res, seed=m + split)
+    for shuffle, padding in ((True, True), (False, False)):
+        want = reference(args, shuffle, padding)
+        out = fused_rms_mxfp4_quant_triton(**args, shuffle=shuffle, scale_shuffle_padding=padding, block_m=1,
+                                           split=split)
+        assert_matches_reference(out, want, args)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
