@@ -19,8 +19,10 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 # Where the names may be written: the registry defines the layouts, the profiles say who reads them.
 HOMES = {REPO / "layouts" / "registry.py", *(REPO / "layouts" / "engines").glob("*.py")}
 # Equal strings that name something else: the fused RMSNorm + quant op's back ends (aiter, our
-# Triton kernel, torch) are not the MoE layout "triton".
-OTHER_MEANING = {("layouts/fused_quant.py", "triton")}
+# Triton kernel, torch) are not the MoE layout "triton"; nor is a package or folder named triton.
+OTHER_MEANING = {("layouts/fused_quant.py", "triton"),
+                 # the triton package and aiter's aiter/ops/triton folder, which aiter_gemm loads from
+                 ("prep/reference/aiter_gemm.py", "triton")}
 
 
 def _string_constants(path: pathlib.Path):

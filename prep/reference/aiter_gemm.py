@@ -52,6 +52,8 @@ from typing import Iterator
 
 import torch
 
+import layouts
+
 from ..errors import PrepError
 
 ENV_DIR = "PREP_AITER_DIR"
@@ -63,8 +65,12 @@ STUB_ARCH = "gfx950"
 CONFIGS = ("MI350X-GEMM-AFP4WFP4.json", "MI350X-GEMM-AFP4WFP4_PRESHUFFLED.json")
 # The dense layouts aiter's Triton GEMMs read, the kernel for each, and the GEMM path whose
 # activation-quant flags that kernel reads (layouts' engine profile names them).
-KERNELS = {"non-shuffle": "gemm_afp4wfp4", "preshuffle": "gemm_afp4wfp4_preshuffled_weight_scales"}
-ACTIVATION_PATH = {"non-shuffle": "triton-non-shuffle", "preshuffle": "triton-preshuffle"}
+# The dense layouts ATOM's two Triton GEMM paths read, as its engine profile states them (layout
+# names have one home: the registry, and the profiles that say who reads which).
+_PATHS = ("triton-non-shuffle", "triton-preshuffle")
+NON_SHUFFLE, PRESHUFFLE = (layouts.get_engine("atom").dense_layout(p) for p in _PATHS)
+KERNELS = {NON_SHUFFLE: "gemm_afp4wfp4", PRESHUFFLE: "gemm_afp4wfp4_preshuffled_weight_scales"}
+ACTIVATION_PATH = dict(zip((NON_SHUFFLE, PRESHUFFLE), _PATHS))
 
 
 def aiter_dir(given: str | os.PathLike | None = None) -> pathlib.Path:
@@ -255,11 +261,11 @@ def shape_problem(layout: str, n: int, k: int, name: str = "weight") -> str | No
     if layout not in KERNELS:
         return (f"{name}: layout {layout!r} has no aiter Triton GEMM here (they read {', '.join(KERNELS)}); "
                 "run with --gemm torch")
-    if layout == "preshuffle" and k % 256:
+    if layout == PRESHUFFLE and k % 256:
         return (f"{name}: K = {k} (per rank) is not a multiple of 256, which aiter's {KERNELS[layout]} needs "
                 "(K = 128 fails its block shape: 'Shape element 1 must be a power of 2'; other K have no masked "
                 "loop); convert with --layout non-shuffle or a smaller --tp, or run --gemm torch")
-    if layout == "preshuffle" and n % 16:
+    if layout == PRESHUFFLE and n % 16:
         return f"{name}: N = {n} is not a multiple of 16, which the W16 layout needs; convert again"
     return None
 
@@ -280,7 +286,7 @@ def mxfp4_gemm(kernels: types.ModuleType, q: torch.Tensor, x_scale: torch.Tensor
     if q.dim() != 2 or q.shape[1] * 2 != k:
         raise PrepError(f"{name}: activation is {list(q.shape)} packed, the weight takes K = {k}")
     kernel = KERNELS[layout]
-    if layout == "non-shuffle":
+    if layout == NON_SHUFFLE:
         if tuple(x_scale.shape) != (m, k // 32):
             raise PrepError(f"{name}: {kernel} reads a raw activation scale [{m}, {k // 32}], got "
                             f"{list(x_scale.shape)}")

@@ -101,7 +101,7 @@ class AiterDenseGemms:
             self._from_converted(manifest, assume_layout)
         else:
             self._from_source()
-        self.layout = next(iter({lay for _, lay, _, _ in self._groups.values()}), "non-shuffle")
+        self.layout = next(iter({lay for _, lay, _, _ in self._groups.values()}), aiter_gemm.NON_SHUFFLE)
         self.gemm_path = aiter_gemm.ACTIVATION_PATH.get(self.layout, "triton-non-shuffle")
 
     def _from_converted(self, manifest: layouts.Manifest, assume_layout: str | None) -> None:
@@ -141,7 +141,7 @@ class AiterDenseGemms:
             n, half_k = info.shape
             self._groups[prefix, 0] = (
                 lambda prefix=prefix: (src.read(f"{prefix}.weight"), src.read(f"{prefix}.weight_scale")),
-                "non-shuffle", n, 2 * half_k)
+                aiter_gemm.NON_SHUFFLE, n, 2 * half_k)
             self.pieces[prefix] = [Piece(prefix, 0, 0, n, slice(0, n), slice(0, 2 * half_k))]
 
     def handles(self, prefix: str) -> bool:
@@ -197,7 +197,7 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def kernel_gemm_path(manifest: layouts.Manifest | None, assume_layout: str | None = None) -> str:
     """The GEMM path whose activation flags aiter's kernel for this checkpoint's dense layout reads."""
-    layout = "non-shuffle" if manifest is None else manifest.layout
+    layout = aiter_gemm.NON_SHUFFLE if manifest is None else manifest.layout
     if assume_layout and layouts.get_layout(assume_layout).kind == "dense":
         layout = assume_layout
     if layout not in aiter_gemm.ACTIVATION_PATH:
