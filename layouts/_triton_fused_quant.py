@@ -16,22 +16,28 @@ only difference from the torch reference is the float32 summation order of ``sum
 
 Layout of the work (one launch, no other kernel, no torch.fill):
 
-* programs ``[0, n_main)``: ``BLOCK_M`` rows of x1 each, the whole row in registers. The row's
+* programs ``[0, n_split)``: ``BLOCK_M`` rows of x1 each, the whole row in registers. The row's
   32-element blocks are split into <= 3 power-of-two tiles (224 = 128 + 64 + 32 for N1 = 7168,
   48 = 32 + 16 for 1536), each held as ``[BLOCK_M, T, 4, 4]`` element *pairs*: bf16 pairs are
   loaded as one int32 each (the wrapper passes int32 views), which makes the (even, odd) nibble
   packing free and every load and store a 16-byte vector in one register layout. All tiles'
   loads are issued before any is used (one memory latency per program). Without a residual the
   pairs stay packed until quantized (half the registers, so more programs per SM). Scales go
-  straight to their S32x8 offsets when ``SHUFFLE``; in padded mode rows >= M (up to the next
-  multiple of 32) and columns >= ceil(N1/32) get 0x7F.
+  straight to their S32x8 offsets when ``SHUFFLE``; in padded mode columns >= ceil(N1/32) get 0x7F.
+  At decode sizes (``SPLIT > 1``) ``SPLIT`` programs share the rows: each sums the whole rows and
+  quantizes ``TS`` blocks of them, so one row's quant runs on several SMs at once.
+* programs ``[n_split, n_main)``: scale pad rows up to the next multiple of 32 (0x7F).
 * programs ``[n_main, n_main + n_x2)``: ``BLOCK_M2`` rows of the second RMSNorm (x2).
 * the rest: fill whole 32-row bands of scale padding (rows >= pad32(M)) with 0x7F; in both the
   row-major and the S32x8 layouts these bands are one contiguous byte range.
 
-Measured on an H200 (scripts/bench_fused_quant.py, CUDA graphs, shuffle + padding): at M = 65536,
-N1 = 7168 with residual 881 us = 126 % of a device copy of the same bytes (aiter's kernel 74 %),
-N1 = 1536 + kv 512: 166 us = 86 % of copy; M = 1: 4.3 us and 2.6 us.
+The E2M1 encoding (:func:`_e2m1_offset`) is min/max, one round-toward-zero FMA (inline PTX on a
+GPU, emulated exactly in the interpreter) and shifts: all 2^32 float32 inputs give the bytes of
+the earlier compare-based encoding (scripts/bench_fused_quant.py --e2m1-exhaustive).
+
+Measured on an H200 (scripts/bench_fused_quant.py, CUDA graphs, shuffle + padding, 2026-12-03):
+M = 65536, N1 = 7168 with residual 852 us (3.6 TB/s); N1 = 1536 + kv 512: 121 us (3.2 TB/s,
+was 164 us); M = 1: 3.0-3.4 us (was 4.6-4.8) and 2.1-2.3 us (was 2.5-2.8).
 """
 
 from __future__ import annotations

@@ -56,7 +56,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--time-limit", type=float, default=240,
                     help="seconds after which the remaining contenders are skipped (the table still prints)")
     ap.add_argument("--old-kernel", default=None,
-                    help="a copy of an earlier layouts/_triton_fused_quant.py: timed (and checked) beside ours as 'old'")
+                    help="a copy of an earlier layouts/_triton_fused_quant.py: timed (and checked) beside ours "
+                         "as 'old'")
     ap.add_argument("--e2m1-exhaustive", action="store_true",
                     help="compare our E2M1 encoding with the old kernel's on all 2^32 float32 values (GPU)")
     ap.add_argument("--cpu-smoke", action="store_true",
@@ -510,9 +511,9 @@ def main() -> None:
             status = verify(site, m, args, aiter_fused)
             say(f"check {site} M={m}: {status}")
             if old_mod is not None:
-                bad, n, n_s = check(old_mod.fused_rms_mxfp4_quant_triton(**args, shuffle=True, scale_shuffle_padding=True),
-                                    FQ.fused_rms_mxfp4_quant_reference(**args, shuffle=True, scale_shuffle_padding=True),
-                                    f"old kernel {site} M={m}", True)
+                flags = dict(shuffle=True, scale_shuffle_padding=True)
+                bad = check(old_mod.fused_rms_mxfp4_quant_triton(**args, **flags),
+                            FQ.fused_rms_mxfp4_quant_reference(**args, **flags), f"old kernel {site} M={m}", True)[0]
                 say(f"check old kernel {site} M={m}: {'ok' if not bad else 'FAILED ' + '; '.join(bad)}")
             nbytes = op_bytes(m, n1, res, n2)
             src = torch.empty(nbytes // 2, dtype=torch.uint8, device=DEVICE)
@@ -553,7 +554,8 @@ def main() -> None:
         "(CUDA graph), eager = one Python call ==")
     head = (f"{'site':<21}{'N1':>6}{'M':>7} {'ours us':>9}{'eager':>8}{'aiter us':>9}{'eager':>8}"
             f"{'compiled':>9}{'unfused':>9}{'copy us':>9} {'ours GB/s':>10}{'%copy':>7}{'aiter %copy':>12}"
-            f"{'x aiter':>8}{'x unfused':>10}{'x compiled':>11}{'old us':>8}{'x old':>7}{'%best':>7}{'aiter %best':>12}")
+            f"{'x aiter':>8}{'x unfused':>10}{'x compiled':>11}{'old us':>8}{'x old':>7}{'%best':>7}"
+            f"{'aiter %best':>12}")
     say(head)
     say("-" * len(head))
 

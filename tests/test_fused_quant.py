@@ -211,7 +211,8 @@ def test_gpu_launch_plan_covers_every_row_and_scale_byte(n1, n2, raw):
             real = -(-m // p.bm)
             assert p.n_split == real * p.split and p.split * p.ts >= p.cols_pad and (p.split - 1) * p.ts < p.cols_pad
             assert real * p.bm + (p.n_main - p.n_split) * p.bm == max(main_rows, real * p.bm) and 32 % p.bm == 0
-            assert (p.fill_start, p.fill_end) == ((main_rows * p.cols_pad, p.rows_pad * p.cols_pad) if padded else (0, 0))
+            fill = (main_rows * p.cols_pad, p.rows_pad * p.cols_pad) if padded else (0, 0)
+            assert (p.fill_start, p.fill_end) == fill
             assert p.grid[0] == p.n_main + p.n_x2 + -(-(p.fill_end - p.fill_start) // 4096)
             assert p.n_x2 * p.bm2 >= (m if n2 else 0) and p.nb2 >= n2
             assert sum(p.tiles) >= p.cols_pad and all(t & (t - 1) == 0 for t in p.tiles) and p.ts & (p.ts - 1) == 0
