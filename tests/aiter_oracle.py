@@ -9,7 +9,6 @@ that only satisfies its decorators (its Triton kernels are never called here).
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import importlib.util
 import os
@@ -128,32 +127,9 @@ def triton_ops_available(name: str) -> bool:
     return triton_available() and (base / f"{name}.py").is_file() and (base / "_triton_kernels" / f"{name}.py").is_file()
 
 
-@contextlib.contextmanager
-def _triton_interpret(on: bool):
-    # triton.jit picks interpreter or compiler when a kernel is decorated (at import).
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1" if on else "0"
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = old
-
-
-@contextlib.contextmanager
-def _temporary_modules(mods: dict):
-    saved = {k: sys.modules.get(k) for k in mods}
-    sys.modules.update(mods)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                sys.modules.pop(k, None)
-            else:
-                sys.modules[k] = v
+# TRITON_INTERPRET per import, and stub modules for one import: one home, prep.reference.aiter_gemm.
+from prep.reference.aiter_gemm import temporary_modules as _temporary_modules  # noqa: E402
+from prep.reference.aiter_gemm import triton_interpret as _triton_interpret  # noqa: E402
 
 
 def triton_ops_module(name: str, interpret: bool = True) -> types.ModuleType:

@@ -97,7 +97,9 @@ def interpreter_has_dot_scaled() -> bool:
 
 
 @contextlib.contextmanager
-def _triton_interpret(on: bool) -> Iterator[None]:
+def triton_interpret(on: bool) -> Iterator[None]:
+    """TRITON_INTERPRET set to ``on`` for the block: triton.jit picks interpreter or compiler when a
+    kernel is decorated, i.e. when its module is imported."""
     old = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1" if on else "0"
     try:
@@ -110,7 +112,8 @@ def _triton_interpret(on: bool) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _temporary_modules(mods: dict[str, types.ModuleType]) -> Iterator[None]:
+def temporary_modules(mods: dict[str, types.ModuleType]) -> Iterator[None]:
+    """``mods`` in sys.modules for the block (stubs an import resolves against), then as before."""
     saved = {k: sys.modules.get(k) for k in mods}
     sys.modules.update(mods)
     try:
@@ -194,7 +197,7 @@ def load_from_folder(root: str | os.PathLike | None = None, interpret: bool = Tr
         _package(f"{pkg}.utils", base / "utils")
         _package(f"{pkg}.utils._triton", base / "utils" / "_triton")
         sys.modules[f"{pkg}.utils._triton.arch_info"] = _arch_info_stub(f"{pkg}.utils._triton.arch_info")
-    with _triton_interpret(interpret):
+    with triton_interpret(interpret):
         kernels = importlib.import_module(f"{pkg}._triton_kernels.{GEMM_AFP4WFP4}")
         logger = importlib.import_module(f"{pkg}.utils.logger")
         names = ["aiter", "aiter.ops", "aiter.ops.triton", "aiter.ops.triton._triton_kernels",
@@ -212,7 +215,7 @@ def load_from_folder(root: str | os.PathLike | None = None, interpret: bool = Tr
         chip_info = types.ModuleType("aiter.jit.utils.chip_info")
         chip_info.get_gfx = lambda: STUB_ARCH
         stubs[chip_info.__name__] = chip_info
-        with _temporary_modules(stubs):
+        with temporary_modules(stubs):
             mod = _exec_file(modname, base / f"{GEMM_AFP4WFP4}.py")
     aiter_get_config = kernels._get_config
     mod.aiter_get_config = aiter_get_config
