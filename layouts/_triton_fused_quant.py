@@ -254,6 +254,28 @@ def _tile_quant(a, b, rstd, we, wo, rows, row_ok, q_rows, scale_ptr, B0, T: tl.c
 
 
 @triton.jit
+def _x2_fetch(x2_ptr, rows, row_ok, x2_stride, N2: tl.constexpr, BLOCK_N2: tl.constexpr):
+    """Issue the loads of x2 rows ``rows`` (as stored: the norm widens them later), and the mask."""
+    cols = tl.arange(0, BLOCK_N2)
+    m2 = row_ok[:, None] & (cols < N2)[None, :]
+    x = tl.load(x2_ptr + (rows.to(tl.int64) * x2_stride)[:, None] + cols[None, :], mask=m2, other=0.0)
+    return x, m2
+
+
+@triton.jit
+def _x2_norm(x, m2, rows, w2_ptr, out2_ptr, eps2, N2: tl.constexpr, BLOCK_N2: tl.constexpr):
+    """RMSNorm of fetched x2 rows into out2 (x1's dtype, as aiter allocates it)."""
+    cols = tl.arange(0, BLOCK_N2)
+    x = x.to(tl.float32)
+    w = tl.load(w2_ptr + cols, mask=cols < N2, other=0.0).to(tl.float32)
+    ss = tl.sum(x * x, axis=1)
+    ms = tl.math.div_rn(ss, tl.full(ss.shape, N2, tl.float32))
+    rstd = tl.math.div_rn(tl.full(ss.shape, 1.0, tl.float32), tl.math.sqrt_rn(ms + eps2))
+    y = x * rstd[:, None] * w[None, :]
+    tl.store(out2_ptr + (rows.to(tl.int64) * N2)[:, None] + cols[None, :], y.to(out2_ptr.dtype.element_ty), mask=m2)
+
+
+@triton.jit
 def _fused_rms_mxfp4_kernel(
     x1_ptr, w1_ptr, res1_ptr, out_res1_ptr, q_ptr, scale_ptr,
     x2_ptr, w2_ptr, out2_ptr,
@@ -266,7 +288,7 @@ def _fused_rms_mxfp4_kernel(
     BLOCK_M: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
     HAS_RES: tl.constexpr, HAS_X2: tl.constexpr, SHUFFLE: tl.constexpr, PAD: tl.constexpr,
     X_PAIRED: tl.constexpr, R_PAIRED: tl.constexpr, W_PAIRED: tl.constexpr, RZ_ASM: tl.constexpr,
-    FILL_BLOCK: tl.constexpr,
+    X2_MAIN: tl.constexpr, FILL_BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     if pid < n_split:
@@ -301,6 +323,10 @@ def _fused_rms_mxfp4_kernel(
         if T2 > 0:
             xa2, xb2, ra2, rb2 = _tile_fetch(x_rows, r_rows, row_ok, T0 + T1, T2, N1, SCALE_COLS, HAS_RES,
                                              X_PAIRED, R_PAIRED)
+        if X2_MAIN:
+            # The x2 rows of the same rows (SPLIT == 1 only): their loads go out with x1's, and a
+            # second launch of programs for x2 (a third of the grid at N1 = 1536) is saved.
+            x2v, m2 = _x2_fetch(x2_ptr, rows, row_ok, x2_stride, N2, BLOCK_N2)
         # With SPLIT > 1 these sums store nothing (STORE = False): out_res1 is the slice's.
         STORE: tl.constexpr = HAS_RES and SPLIT == 1
         a0, b0, ss = _tile_sum(xa0, xb0, ra0, rb0, o_rows, row_ok, 0, T0, N1, SCALE_COLS, HAS_RES,
@@ -334,6 +360,8 @@ def _fused_rms_mxfp4_kernel(
                 we, wo = _tile_weight(w1_ptr, T0 + T1, T2, N1, SCALE_COLS, W_PAIRED)
                 _tile_quant(a2, b2, rstd, we, wo, rows, row_ok, q_rows, scale_ptr, T0 + T1, T2, N1,
                             SCALE_COLS, SCALE_COLS_PAD, SHUFFLE, PAD, RAW, RZ_ASM)
+            if X2_MAIN:
+                _x2_norm(x2v, m2, rows, w2_ptr, out2_ptr, eps2, N2, BLOCK_N2)
     elif pid < n_main:
         # A block of scale pad rows inside the last partial 32-row band (padded mode only), after
         # the rows the programs above cover.
@@ -345,16 +373,8 @@ def _fused_rms_mxfp4_kernel(
     elif pid < n_main + n_x2:
         if HAS_X2:
             rows = (pid - n_main) * BLOCK_M2 + tl.arange(0, BLOCK_M2)
-            cols = tl.arange(0, BLOCK_N2)
-            rows64 = rows.to(tl.int64)
-            m2 = (rows < M)[:, None] & (cols < N2)[None, :]
-            x = tl.load(x2_ptr + (rows64 * x2_stride)[:, None] + cols[None, :], mask=m2, other=0.0).to(tl.float32)
-            w = tl.load(w2_ptr + cols, mask=cols < N2, other=0.0).to(tl.float32)
-            ss = tl.sum(x * x, axis=1)
-            ms = tl.math.div_rn(ss, tl.full(ss.shape, N2, tl.float32))
-            rstd = tl.math.div_rn(tl.full(ss.shape, 1.0, tl.float32), tl.math.sqrt_rn(ms + eps2))
-            y = x * rstd[:, None] * w[None, :]
-            tl.store(out2_ptr + (rows64 * N2)[:, None] + cols[None, :], y.to(out2_ptr.dtype.element_ty), mask=m2)
+            x2v, m2 = _x2_fetch(x2_ptr, rows, rows < M, x2_stride, N2, BLOCK_N2)
+            _x2_norm(x2v, m2, rows, w2_ptr, out2_ptr, eps2, N2, BLOCK_N2)
     else:
         # Whole 32-row bands of scale padding: one contiguous byte range in either layout.
         offs = fill_start + (pid - n_main - n_x2) * FILL_BLOCK + tl.arange(0, FILL_BLOCK)
@@ -407,11 +427,13 @@ class Plan(NamedTuple):
     fill_end: int
     split: int
     ts: int
+    x2_main: bool
 
 
 @functools.lru_cache(maxsize=4096)
 def _plan(m: int, n1: int, n2: int, padded: bool, raw: bool, on_gpu: bool, sms: int,
-          block_m: int | None, num_warps: int | None, split: int | None = None) -> Plan:
+          block_m: int | None, num_warps: int | None, split: int | None = None,
+          x2_main: bool | None = None) -> Plan:
     """Launch plan for one shape: everything the wrapper needs besides pointers (cached: the
     wrapper is the whole cost of a decode-size call, so it must stay a dict lookup). ``raw``:
     x1 is paired bf16 without a residual (kept packed in registers).
@@ -467,6 +489,15 @@ def _plan(m: int, n1: int, n2: int, padded: bool, raw: bool, on_gpu: bool, sms: 
     if nsplit < 1:
         raise ValueError(f"split must be >= 1, got {nsplit}")
     ts = triton.next_power_of_2(-(-cols_pad // nsplit))  # blocks per slice (the whole row when 1)
+    # x2 rows ride in the row programs (same rows) unless the rows are split: then a row's x2
+    # runs beside its slices on programs of its own, off the decode critical path.
+    if x2_main is None:
+        x2_main = nsplit == 1
+    x2_main = bool(n2) and x2_main
+    if x2_main:
+        if nsplit != 1:
+            raise ValueError("x2_main needs split == 1")
+        bm2 = bm
     if padded:
         rows_pad = -(-m // 256) * 256
         main_rows = -(-m // 32) * 32  # BLOCK_M divides 32: main programs end on a band boundary
@@ -477,11 +508,11 @@ def _plan(m: int, n1: int, n2: int, padded: bool, raw: bool, on_gpu: bool, sms: 
     real_blocks = -(-m // bm)
     n_split = real_blocks * nsplit
     n_main = n_split + max(0, (main_rows - real_blocks * bm) // bm)
-    n_x2 = -(-m // bm2) if n2 else 0
+    n_x2 = -(-m // bm2) if n2 and not x2_main else 0
     n_fill = -(-(fill_end - fill_start) // _FILL_BLOCK)
     grid = (n_main + n_x2 + n_fill,)
     return Plan(grid, rows_pad, cols, cols_pad, tiles, bm, bm2, nb2, warps, n_split, n_main, n_x2, fill_start,
-                fill_end, nsplit, ts)
+                fill_end, nsplit, ts, x2_main)
 
 
 def _paired(t: torch.Tensor) -> bool:
@@ -503,11 +534,12 @@ def fused_rms_mxfp4_quant_triton(
     block_m: int | None = None,
     num_warps: int | None = None,
     split: int | None = None,
+    x2_main: bool | None = None,
 ):
     """Our Triton back end of :func:`layouts.fused_quant.fused_rms_mxfp4_quant` (same contract).
 
-    ``block_m`` / ``num_warps`` / ``split`` (programs per row block) override the launch plan
-    (benchmarks and tests only).
+    ``block_m`` / ``num_warps`` / ``split`` (programs per row block) / ``x2_main`` (x2 rows in
+    the row programs) override the launch plan (benchmarks and tests only).
     Inputs must have a unit last stride (the public wrapper makes sure of it).
     """
     m, n1 = x1.shape
@@ -520,7 +552,8 @@ def fused_rms_mxfp4_quant_triton(
     on_gpu = dev.type != "cpu" and not INTERPRETED
     sms = _num_sms(dev.index if dev.index is not None else torch.cuda.current_device()) if on_gpu else 0
     x_paired = _paired(x1)
-    plan = _plan(m, n1, n2, padded, x_paired and res1 is None, on_gpu, sms, block_m, num_warps, split)
+    plan = _plan(m, n1, n2, padded, x_paired and res1 is None, on_gpu, sms, block_m, num_warps, split,
+                 x2_main)
     grid, rows_pad, cols_pad, tiles = plan.grid, plan.rows_pad, plan.cols_pad, plan.tiles
 
     q = torch.empty((m, n1 // 2), dtype=torch.uint8, device=dev)
@@ -550,7 +583,7 @@ def fused_rms_mxfp4_quant_triton(
         BLOCK_M=plan.bm, BLOCK_M2=plan.bm2, BLOCK_N2=plan.nb2,
         HAS_RES=res1 is not None, HAS_X2=x2 is not None, SHUFFLE=bool(shuffle), PAD=padded,
         X_PAIRED=x_paired, R_PAIRED=r_paired, W_PAIRED=w_paired, RZ_ASM=on_gpu,
-        FILL_BLOCK=_FILL_BLOCK,
+        X2_MAIN=plan.x2_main, FILL_BLOCK=_FILL_BLOCK,
         num_warps=plan.warps,
     )
     return (q, scale), out2, out_res1
