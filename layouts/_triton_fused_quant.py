@@ -254,6 +254,22 @@ def _tile_quant(a, b, rstd, we, wo, rows, row_ok, q_rows, scale_ptr, B0, T: tl.c
 
 
 @triton.jit
+def _row_sumsq(x1_ptr, res1_ptr, rows64, row_ok, x1_stride, res1_stride, N1: tl.constexpr,
+               NPAIR: tl.constexpr, HAS_RES: tl.constexpr, X_PAIRED: tl.constexpr, R_PAIRED: tl.constexpr):
+    """Sum of squares of whole rows (x1 + res1 in float32), read as one flat ``[BLOCK_M, NPAIR]``
+    tile of element pairs: one reduction (one cross-warp step) instead of one per tile. The split
+    programs use it: at decode sizes the kernel's time is the chain load -> sum -> rstd -> quant."""
+    pair = tl.arange(0, NPAIR)[None, :]
+    mask = row_ok[:, None] & (pair < N1 // 2)
+    xe, xo = _load_pairs(x1_ptr + (rows64 * x1_stride)[:, None], pair, mask, X_PAIRED)
+    if HAS_RES:
+        re, ro = _load_pairs(res1_ptr + (rows64 * res1_stride)[:, None], pair, mask, R_PAIRED)
+        xe = xe + re
+        xo = xo + ro
+    return tl.sum(xe * xe + xo * xo, axis=1)
+
+
+@triton.jit
 def _x2_fetch(x2_ptr, rows, row_ok, x2_stride, N2: tl.constexpr, BLOCK_N2: tl.constexpr):
     """Issue the loads of x2 rows ``rows`` (as stored: the norm widens them later), and the mask."""
     cols = tl.arange(0, BLOCK_N2)
@@ -288,7 +304,7 @@ def _fused_rms_mxfp4_kernel(
     BLOCK_M: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
     HAS_RES: tl.constexpr, HAS_X2: tl.constexpr, SHUFFLE: tl.constexpr, PAD: tl.constexpr,
     X_PAIRED: tl.constexpr, R_PAIRED: tl.constexpr, W_PAIRED: tl.constexpr, RZ_ASM: tl.constexpr,
-    X2_MAIN: tl.constexpr, FILL_BLOCK: tl.constexpr,
+    X2_MAIN: tl.constexpr, FLAT_SUM: tl.constexpr, NPAIR: tl.constexpr, FILL_BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     if pid < n_split:
@@ -313,32 +329,36 @@ def _fused_rms_mxfp4_kernel(
             xas, xbs, ras, rbs = _tile_fetch(x_rows, r_rows, row_ok, bs, TS, N1, SCALE_COLS, HAS_RES,
                                              X_PAIRED, R_PAIRED)
             wes, wos = _tile_weight(w1_ptr, bs, TS, N1, SCALE_COLS, W_PAIRED)
-        # The row's blocks in up to three power-of-two tiles (224 = 128 + 64 + 32,
-        # 48 = 32 + 16): no lanes wasted on padding to the next power of two.
-        xa0, xb0, ra0, rb0 = _tile_fetch(x_rows, r_rows, row_ok, 0, T0, N1, SCALE_COLS, HAS_RES,
-                                         X_PAIRED, R_PAIRED)
-        if T1 > 0:
-            xa1, xb1, ra1, rb1 = _tile_fetch(x_rows, r_rows, row_ok, T0, T1, N1, SCALE_COLS, HAS_RES,
+        if FLAT_SUM:
+            ss = _row_sumsq(x1_ptr, res1_ptr, rows64, row_ok, x1_stride, res1_stride, N1, NPAIR, HAS_RES,
+                            X_PAIRED, R_PAIRED)
+        else:
+            # The row's blocks in up to three power-of-two tiles (224 = 128 + 64 + 32,
+            # 48 = 32 + 16): no lanes wasted on padding to the next power of two.
+            xa0, xb0, ra0, rb0 = _tile_fetch(x_rows, r_rows, row_ok, 0, T0, N1, SCALE_COLS, HAS_RES,
                                              X_PAIRED, R_PAIRED)
-        if T2 > 0:
-            xa2, xb2, ra2, rb2 = _tile_fetch(x_rows, r_rows, row_ok, T0 + T1, T2, N1, SCALE_COLS, HAS_RES,
-                                             X_PAIRED, R_PAIRED)
-        if X2_MAIN:
-            # The x2 rows of the same rows (SPLIT == 1 only): their loads go out with x1's, and a
-            # second launch of programs for x2 (a third of the grid at N1 = 1536) is saved.
-            x2v, m2 = _x2_fetch(x2_ptr, rows, row_ok, x2_stride, N2, BLOCK_N2)
-        # With SPLIT > 1 these sums store nothing (STORE = False): out_res1 is the slice's.
-        STORE: tl.constexpr = HAS_RES and SPLIT == 1
-        a0, b0, ss = _tile_sum(xa0, xb0, ra0, rb0, o_rows, row_ok, 0, T0, N1, SCALE_COLS, HAS_RES,
-                               X_PAIRED, R_PAIRED, STORE)
-        if T1 > 0:
-            a1, b1, ss1 = _tile_sum(xa1, xb1, ra1, rb1, o_rows, row_ok, T0, T1, N1, SCALE_COLS, HAS_RES,
-                                    X_PAIRED, R_PAIRED, STORE)
-            ss += ss1
-        if T2 > 0:
-            a2, b2, ss2 = _tile_sum(xa2, xb2, ra2, rb2, o_rows, row_ok, T0 + T1, T2, N1, SCALE_COLS,
-                                    HAS_RES, X_PAIRED, R_PAIRED, STORE)
-            ss += ss2
+            if T1 > 0:
+                xa1, xb1, ra1, rb1 = _tile_fetch(x_rows, r_rows, row_ok, T0, T1, N1, SCALE_COLS, HAS_RES,
+                                                 X_PAIRED, R_PAIRED)
+            if T2 > 0:
+                xa2, xb2, ra2, rb2 = _tile_fetch(x_rows, r_rows, row_ok, T0 + T1, T2, N1, SCALE_COLS, HAS_RES,
+                                                 X_PAIRED, R_PAIRED)
+            if X2_MAIN:
+                # The x2 rows of the same rows (SPLIT == 1 only): their loads go out with x1's, and a
+                # second launch of programs for x2 (a third of the grid at N1 = 1536) is saved.
+                x2v, m2 = _x2_fetch(x2_ptr, rows, row_ok, x2_stride, N2, BLOCK_N2)
+            # With SPLIT > 1 these sums store nothing (STORE = False): out_res1 is the slice's.
+            STORE: tl.constexpr = HAS_RES and SPLIT == 1
+            a0, b0, ss = _tile_sum(xa0, xb0, ra0, rb0, o_rows, row_ok, 0, T0, N1, SCALE_COLS, HAS_RES,
+                                   X_PAIRED, R_PAIRED, STORE)
+            if T1 > 0:
+                a1, b1, ss1 = _tile_sum(xa1, xb1, ra1, rb1, o_rows, row_ok, T0, T1, N1, SCALE_COLS, HAS_RES,
+                                        X_PAIRED, R_PAIRED, STORE)
+                ss += ss1
+            if T2 > 0:
+                a2, b2, ss2 = _tile_sum(xa2, xb2, ra2, rb2, o_rows, row_ok, T0 + T1, T2, N1, SCALE_COLS,
+                                        HAS_RES, X_PAIRED, R_PAIRED, STORE)
+                ss += ss2
         ms = tl.math.div_rn(ss, tl.full(ss.shape, N1, tl.float32))
         rstd = tl.math.div_rn(tl.full(ss.shape, 1.0, tl.float32), tl.math.sqrt_rn(ms + eps1))
         if SPLIT > 1:
@@ -428,12 +448,13 @@ class Plan(NamedTuple):
     split: int
     ts: int
     x2_main: bool
+    flat_sum: bool
 
 
 @functools.lru_cache(maxsize=4096)
 def _plan(m: int, n1: int, n2: int, padded: bool, raw: bool, on_gpu: bool, sms: int,
           block_m: int | None, num_warps: int | None, split: int | None = None,
-          x2_main: bool | None = None) -> Plan:
+          x2_main: bool | None = None, flat_sum: bool | None = None) -> Plan:
     """Launch plan for one shape: everything the wrapper needs besides pointers (cached: the
     wrapper is the whole cost of a decode-size call, so it must stay a dict lookup). ``raw``:
     x1 is paired bf16 without a residual (kept packed in registers).
@@ -498,6 +519,8 @@ def _plan(m: int, n1: int, n2: int, padded: bool, raw: bool, on_gpu: bool, sms: 
         if nsplit != 1:
             raise ValueError("x2_main needs split == 1")
         bm2 = bm
+    # Split programs sum the whole rows as one flat tile (one reduction; see _row_sumsq).
+    flat_sum = nsplit > 1 if flat_sum is None else bool(flat_sum) and nsplit > 1
     if padded:
         rows_pad = -(-m // 256) * 256
         main_rows = -(-m // 32) * 32  # BLOCK_M divides 32: main programs end on a band boundary
@@ -512,7 +535,7 @@ def _plan(m: int, n1: int, n2: int, padded: bool, raw: bool, on_gpu: bool, sms: 
     n_fill = -(-(fill_end - fill_start) // _FILL_BLOCK)
     grid = (n_main + n_x2 + n_fill,)
     return Plan(grid, rows_pad, cols, cols_pad, tiles, bm, bm2, nb2, warps, n_split, n_main, n_x2, fill_start,
-                fill_end, nsplit, ts, x2_main)
+                fill_end, nsplit, ts, x2_main, flat_sum)
 
 
 def _paired(t: torch.Tensor) -> bool:
@@ -535,11 +558,13 @@ def fused_rms_mxfp4_quant_triton(
     num_warps: int | None = None,
     split: int | None = None,
     x2_main: bool | None = None,
+    flat_sum: bool | None = None,
 ):
     """Our Triton back end of :func:`layouts.fused_quant.fused_rms_mxfp4_quant` (same contract).
 
     ``block_m`` / ``num_warps`` / ``split`` (programs per row block) / ``x2_main`` (x2 rows in
-    the row programs) override the launch plan (benchmarks and tests only).
+    the row programs) / ``flat_sum`` (split programs sum rows as one flat tile) override the
+    launch plan (benchmarks and tests only).
     Inputs must have a unit last stride (the public wrapper makes sure of it).
     """
     m, n1 = x1.shape
@@ -553,7 +578,7 @@ def fused_rms_mxfp4_quant_triton(
     sms = _num_sms(dev.index if dev.index is not None else torch.cuda.current_device()) if on_gpu else 0
     x_paired = _paired(x1)
     plan = _plan(m, n1, n2, padded, x_paired and res1 is None, on_gpu, sms, block_m, num_warps, split,
-                 x2_main)
+                 x2_main, flat_sum)
     grid, rows_pad, cols_pad, tiles = plan.grid, plan.rows_pad, plan.cols_pad, plan.tiles
 
     q = torch.empty((m, n1 // 2), dtype=torch.uint8, device=dev)
@@ -583,7 +608,8 @@ def fused_rms_mxfp4_quant_triton(
         BLOCK_M=plan.bm, BLOCK_M2=plan.bm2, BLOCK_N2=plan.nb2,
         HAS_RES=res1 is not None, HAS_X2=x2 is not None, SHUFFLE=bool(shuffle), PAD=padded,
         X_PAIRED=x_paired, R_PAIRED=r_paired, W_PAIRED=w_paired, RZ_ASM=on_gpu,
-        X2_MAIN=plan.x2_main, FILL_BLOCK=_FILL_BLOCK,
+        X2_MAIN=plan.x2_main, FLAT_SUM=plan.flat_sum, NPAIR=triton.next_power_of_2(n1 // 2),
+        FILL_BLOCK=_FILL_BLOCK,
         num_warps=plan.warps,
     )
     return (q, scale), out2, out_res1

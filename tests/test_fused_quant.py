@@ -223,7 +223,10 @@ def test_gpu_launch_plan_covers_every_row_and_scale_byte(n1, n2, raw):
             assert p.x2_main == bool(n2 and p.split == 1) and (p.n_x2 == 0 or not p.x2_main)
             assert sum(p.tiles) >= p.cols_pad and all(t & (t - 1) == 0 for t in p.tiles) and p.ts & (p.ts - 1) == 0
             assert p.warps & (p.warps - 1) == 0 and 1 <= p.warps <= 16 and p.bm2 & (p.bm2 - 1) == 0
-    # Decode sizes split each row's quant over several programs (small rows stay whole).
+    # Decode sizes split each row's quant over several programs (small rows stay whole); split
+    # programs sum their rows as one flat tile.
+    assert _plan(1, 7168, 0, True, False, True, 132, None, None).flat_sum
+    assert not _plan(65536, 7168, 0, True, False, True, 132, None, None).flat_sum
     assert _plan(1, 7168, 0, True, False, True, 132, None, None).split == 7
     assert _plan(1, 1536, 512, True, True, True, 132, None, None).split == 3
     assert _plan(65536, 7168, 0, True, False, True, 132, None, None).split == 1
@@ -231,7 +234,8 @@ def test_gpu_launch_plan_covers_every_row_and_scale_byte(n1, n2, raw):
 
 @pytest.mark.parametrize("m,n1,with_x2,with_res,split", [(1, 7168, False, True, 7), (3, 1536, True, False, 3),
                                                         (33, 1000, True, True, 2), (2, 512, False, True, 4)])
-def test_triton_kernel_result_does_not_depend_on_row_split(m, n1, with_x2, with_res, split):
+@pytest.mark.parametrize("flat_sum", [True, False], ids=["flat-sum", "tile-sums"])
+def test_triton_kernel_result_does_not_depend_on_row_split(m, n1, with_x2, with_res, split, flat_sum):
     # Decode sizes on a GPU split each row over `split` programs, each quantizing a slice of the
     # row's blocks after summing the whole row; the bytes must be those of the unsplit kernel,
     # pad rows, pad columns and out_res1 included (1000: a partial last block; 512 in 4 slices
@@ -242,7 +246,7 @@ def test_triton_kernel_result_does_not_depend_on_row_split(m, n1, with_x2, with_
     for shuffle, padding in ((True, True), (False, False)):
         want = reference(args, shuffle, padding)
         out = fused_rms_mxfp4_quant_triton(**args, shuffle=shuffle, scale_shuffle_padding=padding, block_m=1,
-                                           split=split)
+                                           split=split, flat_sum=flat_sum)
         assert_matches_reference(out, want, args)
 
 
