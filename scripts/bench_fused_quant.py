@@ -451,14 +451,14 @@ def _plan_of(m: int, n1: int, n2: int) -> tuple:
     return T._plan(m, n1, n2, True, raw, True, T._num_sms(torch.cuda.current_device()), None, None)
 
 
-SWEEP = {  # (rows per program, warps, row split, x2 rows in the row programs) around the defaults
-    "input_layernorm+res": {"small": [(1, 4, 1, None), (1, 4, 7, None), (1, 8, 7, None), (1, 2, 7, None),
-                                      (1, 2, 14, None), (1, 4, 14, None), (1, 1, 14, None)],
-                            "large": [(1, 2, 1, None), (1, 4, 1, None), (1, 8, 1, None), (2, 4, 1, None)]},
-    "q_a+kv_a_layernorm": {"small": [(1, 1, 1, True), (1, 4, 1, True), (1, 2, 3, None), (1, 1, 3, None),
-                                     (1, 1, 6, None)],
-                           "large": [(1, 1, 1, True), (1, 1, 1, False), (1, 2, 1, True), (2, 1, 1, True),
-                                     (2, 2, 1, True), (4, 2, 1, True), (4, 4, 1, True)]},
+X2IN, X2OWN, FLAT, TILES = dict(x2_main=True), dict(x2_main=False), dict(flat_sum=True), dict(flat_sum=False)
+SWEEP = {  # (rows per program, warps, row split, plan options) around the defaults
+    "input_layernorm+res": {"small": [(1, 4, 1, {}), (1, 4, 7, FLAT), (1, 4, 7, TILES), (1, 8, 7, FLAT),
+                                      (1, 2, 7, FLAT), (1, 4, 14, FLAT), (1, 8, 14, FLAT), (1, 8, 4, FLAT)],
+                            "large": [(1, 2, 1, {}), (1, 4, 1, {}), (1, 8, 1, {})]},
+    "q_a+kv_a_layernorm": {"small": [(1, 1, 1, X2IN), (1, 2, 3, FLAT), (1, 2, 3, TILES), (1, 1, 3, FLAT),
+                                     (1, 4, 3, FLAT), (1, 1, 6, FLAT)],
+                           "large": [(1, 1, 1, X2IN), (1, 1, 1, X2OWN), (1, 2, 1, X2IN), (2, 1, 1, X2IN)]},
 }
 
 
@@ -473,18 +473,19 @@ def sweep(ms: list[int], t_start: float) -> None:
             args = make_inputs(m, n1, res, n2)
             plan = _plan_of(m, n1, n2)
             row = []
-            for bm, warps, split, x2m in SWEEP[site]["small" if m < 256 else "large"]:
-                name = f"bm{bm}/w{warps}/s{split}" + ("" if x2m is None else "/x2in" if x2m else "/x2own")
+            for bm, warps, split, opts in SWEEP[site]["small" if m < 256 else "large"]:
+                name = f"bm{bm}/w{warps}/s{split}" + "".join(f"/{k}={int(v)}" for k, v in opts.items())
                 try:
                     t = time_graph_us(lambda: fused_rms_mxfp4_quant_triton(
                         **args, shuffle=True, scale_shuffle_padding=True, block_m=bm, num_warps=warps, split=split,
-                        x2_main=x2m), 30)
+                        **opts), 30)
                     mark = "*" if ((bm, warps, split) == (plan.bm, plan.warps, plan.split)
-                                   and (x2m is None or x2m == plan.x2_main)) else ""
+                                   and all(getattr(plan, k) == v for k, v in opts.items())) else ""
                     row.append(f"{name}{mark}={t:.1f}")
                 except Exception as exc:  # noqa: BLE001
                     row.append(f"{name}=ERR({type(exc).__name__})")
-            say(f"{site} M={m} (default bm{plan.bm}/w{plan.warps}/s{plan.split}/x2in={plan.x2_main}): "
+            say(f"{site} M={m} (default bm{plan.bm}/w{plan.warps}/s{plan.split}/x2_main={int(plan.x2_main)}"
+                f"/flat_sum={int(plan.flat_sum)}): "
                 + "  ".join(row))
             del args
             if not ARGS.cpu_smoke:
@@ -532,7 +533,8 @@ def main() -> None:
             fns = {
                 "ours": lambda: FQ.fused_rms_mxfp4_quant(**args, shuffle=True, scale_shuffle_padding=True,
                                                          backend="triton"),
-                "aiter": (lambda: aiter_fused(**args, shuffle=True, scale_shuffle_padding=True)) if aiter_fused else None,
+                "aiter": ((lambda: aiter_fused(**args, shuffle=True, scale_shuffle_padding=True))
+                          if aiter_fused else None),
                 "compiled": (lambda: compiled(**args, shuffle=True, scale_shuffle_padding=True)) if compiled else None,
                 "unfused": unfused_fn(args, n1, aiter_quant),
                 "copy_": copies["copy_"],
