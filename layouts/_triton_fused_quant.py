@@ -24,10 +24,13 @@ Layout of the work (one launch, no other kernel, no torch.fill):
   loads are issued before any is used (one memory latency per program). Without a residual the
   pairs stay packed until quantized (half the registers, so more programs per SM). Scales go
   straight to their S32x8 offsets when ``SHUFFLE``; in padded mode columns >= ceil(N1/32) get 0x7F.
-  At decode sizes (``SPLIT > 1``) ``SPLIT`` programs share the rows: each sums the whole rows and
-  quantizes ``TS`` blocks of them, so one row's quant runs on several SMs at once.
+  At decode sizes (``SPLIT > 1``) ``SPLIT`` programs share the rows: each sums the whole rows (as
+  one flat tile: one reduction, not one per tile) and quantizes ``TS`` blocks of them, so one
+  row's quant runs on several SMs at once. Unsplit programs also normalise the x2 rows of their
+  rows (``X2_MAIN``), loaded with x1's.
 * programs ``[n_split, n_main)``: scale pad rows up to the next multiple of 32 (0x7F).
-* programs ``[n_main, n_main + n_x2)``: ``BLOCK_M2`` rows of the second RMSNorm (x2).
+* programs ``[n_main, n_main + n_x2)``: ``BLOCK_M2`` rows of the second RMSNorm (x2), only when
+  the rows are split (decode sizes: x2 then runs beside the slices, off their critical path).
 * the rest: fill whole 32-row bands of scale padding (rows >= pad32(M)) with 0x7F; in both the
   row-major and the S32x8 layouts these bands are one contiguous byte range.
 
@@ -35,9 +38,10 @@ The E2M1 encoding (:func:`_e2m1_offset`) is min/max, one round-toward-zero FMA (
 GPU, emulated exactly in the interpreter) and shifts: all 2^32 float32 inputs give the bytes of
 the earlier compare-based encoding (scripts/bench_fused_quant.py --e2m1-exhaustive).
 
-Measured on an H200 (scripts/bench_fused_quant.py, CUDA graphs, shuffle + padding, 2026-12-03):
-M = 65536, N1 = 7168 with residual 852 us (3.6 TB/s); N1 = 1536 + kv 512: 121 us (3.2 TB/s,
-was 164 us); M = 1: 3.0-3.4 us (was 4.6-4.8) and 2.1-2.3 us (was 2.5-2.8).
+Measured on an H200 (scripts/bench_fused_quant.py, CUDA graphs, shuffle + padding, 2026-12-04;
+docs/BENCHMARKS.md): M = 65536, N1 = 7168 with residual 849 us (3.61 TB/s, 0.86 of the run's
+best copy); N1 = 1536 + kv 512: 103 us (3.78 TB/s, 0.90; was 121); M = 1: 2.3-2.6 us (was
+2.9-3.0 in the same runs) and 1.8 us (was 1.9).
 """
 
 from __future__ import annotations
