@@ -50,7 +50,8 @@ def _svg(width: int, height: int, body: list[str]) -> str:
 
 def _rect(x: float, y: float, w: float, h: float, fill: str, label: str = "", stroke: str = "#555") -> str:
     text = (f"<text x='{x + w / 2:g}' y='{y + h - 3:g}' text-anchor='middle'>{label}</text>" if label else "")
-    return f"<rect x='{x:g}' y='{y:g}' width='{w:g}' height='{h:g}' fill='{fill}' stroke='{stroke}' stroke-width='0.5'/>{text}"
+    return (f"<rect x='{x:g}' y='{y:g}' width='{w:g}' height='{h:g}' fill='{fill}' stroke='{stroke}' "
+            f"stroke-width='0.5'/>{text}")
 
 
 def _title(x: float, y: float, text: str, size: int = 11) -> str:
@@ -102,10 +103,11 @@ def draw_w16(n: int = 32, kb: int = 64) -> str:
         i = j
     tile_lines = 16 * 32 // per_line
     for line in range(0, n * kb // per_line + 1, tile_lines):
-        body.append(f"<line x1='{x1}' y1='{y0 + line * row_h}' x2='{x1 + per_line * px}' y2='{y0 + line * row_h}' "
-                    "stroke='black' stroke-width='1.5'/>")
+        y = y0 + line * row_h
+        body.append(f"<line x1='{x1}' y1='{y}' x2='{x1 + per_line * px}' y2='{y}' stroke='black' stroke-width='1.5'/>")
     y = y0 + n * row_h + 20
-    body += [_note(x0, y, "A tile is 16 rows x 32 bytes (thick lines). Stored: the tile's first 16 bytes of every row,"),
+    body += [_note(x0, y, "A tile is 16 rows x 32 bytes (thick lines). Stored: the tile's first 16 bytes of every "
+                          "row,"),
              _note(x0, y + 14, "then its second 16 bytes of every row; tiles follow along K, then down N."),
              _note(x0, y + 28, "Drawn by scripts/draw_layouts.py from layouts.get_layout('preshuffle').weight.")]
     return _svg(max(int(x1 + per_line * px + 20), 660), y + 40, body)
@@ -150,9 +152,12 @@ def draw_s32x8(rows: int = 32, cols: int = 12) -> str:
         body.append(f"<line x1='{x1}' y1='{y0 + line * cell_h}' x2='{x1 + per_line * sw}' y2='{y0 + line * cell_h}' "
                     "stroke='black' stroke-width='1.5'/>")
     y = y0 + max(rows, band // per_line) * cell_h + 20
-    body += [_note(x0, y, "A tile is 32 rows x 8 columns = 256 stored bytes (thick lines); tiles follow along the columns."),
-             _note(x0, y + 14, "Each 4 stored bytes hold one row l and column e of the four quarters: (l, e), (l+16, e),"),
-             _note(x0, y + 28, "(l, e+4), (l+16, e+4); l runs 0-15, then e 0-3. Pad columns and rows are written 0x00."),
+    body += [_note(x0, y, "A tile is 32 rows x 8 columns = 256 stored bytes (thick lines); tiles follow along the "
+                          "columns."),
+             _note(x0, y + 14, "Each 4 stored bytes hold one row l and column e of the four quarters: (l, e), "
+                               "(l+16, e),"),
+             _note(x0, y + 28, "(l, e+4), (l+16, e+4); l runs 0-15, then e 0-3. Pad columns and rows are written "
+                               "0x00."),
              _note(x0, y + 42, "Drawn by scripts/draw_layouts.py from layouts.get_layout('preshuffle').scale.")]
     return _svg(int(x1 + per_line * sw + 20), y + 54, body)
 
