@@ -120,7 +120,9 @@ def test_every_readme_block_runs_verbatim(work):
         assert _shape(r.stdout + r.stderr) == _shape(want), (
             f"README sample (line {sample.line}): `{cmd}` now prints\n{r.stdout}{r.stderr}\ninstead of\n{want}")
         ran.append(cmd)
-    src = work / ran[0].split()[2]
+    generate = ran[0].split()
+    assert generate[1] == "scripts/make_tiny_deepseek.py", "the sample must start by generating its checkpoint"
+    src = work / generate[2]
     fake_hub_cache(pathlib.Path(env["HF_HUB_CACHE"]).parent, src, repo=REPO_ID)
     for b in blocks:
         if b.marker is not None:
