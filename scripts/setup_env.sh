@@ -26,7 +26,8 @@ have "import torch; assert torch.__version__.startswith('2.13.0')" || step "torc
 have "import layouts, prep, click, tqdm, xxhash, huggingface_hub" || step "prep and layouts (editable)" "${PIP[@]}" -e .
 [ "$TESTS" = 1 ] || exit 0
 
-have "import pytest, hypothesis, triton" || step "test tools: pytest, hypothesis, triton (for the interpreter)" "${PIP[@]}" -e '.[dev]'
+have "import pytest, xdist, hypothesis, triton" \
+  || step "test tools: pytest, pytest-xdist, hypothesis, triton (for the interpreter)" "${PIP[@]}" -e '.[dev]'
 # Oracles the tests compare against. amd-quark (Quark's own MXFP4 exporter) installs normally;
 # aiter's layout/quant files are unpacked, not installed (`import aiter` needs ROCm, and an
 # installed aiter breaks `import quark` on such a machine).

@@ -1,6 +1,11 @@
 #!/usr/bin/env bash
-# Set up .venv if needed and run the whole test suite (CPU only).
+# Set up .venv if needed and run the test suite (CPU only), one pytest-xdist worker per core.
+#   bash scripts/test.sh                          # everything, in parallel
+#   bash scripts/test.sh tests/test_convert.py    # one file (any pytest arguments pass through)
+#   bash scripts/test.sh -n 0 tests/test_x.py     # serially, e.g. to use a debugger
+# worksteal: a worker that runs out of tests takes half of the other's queue, so the few slow
+# files (Quark export, the reference engine, aiter's GEMMs) do not leave one core idle at the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh --tests
-exec .venv/bin/python -m pytest -q "$@"
+exec .venv/bin/python -m pytest -q -n auto --dist worksteal "$@"

@@ -4,6 +4,14 @@ import os
 # kernel is defined, so it must be set before any kernel module is imported.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist (scripts/test.sh runs `-n auto`) every worker is a process of its own, and
+# torch would give each one thread per core: N workers x N threads on N cores, whose OpenMP threads
+# spin waiting on each other. Each worker (and the prep processes it starts) gets its share of the
+# cores instead; this must be set before torch is first imported, which is just below.
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _workers > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // _workers)))
+
 import pytest  # noqa: E402
 
 import aiter_oracle  # noqa: E402

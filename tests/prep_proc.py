@@ -58,9 +58,12 @@ class Zygote:
         self.proc = subprocess.Popen([sys.executable, "-c", _ZYGOTE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      text=True, env={k: v for k, v in os.environ.items() if not k.startswith("PREP_")})
 
-    def run(self, args: list[str], env: dict[str, str], cwd: str | None = None) -> subprocess.CompletedProcess:
+    def run(self, args: list[str], env: dict[str, str], cwd: str | None = None,
+            stderr_to: str | None = None) -> subprocess.CompletedProcess:
+        """``stderr_to``: a path the run's stderr opens instead of a file (e.g. a pseudo-terminal's
+        /dev/pts/N, read by the caller); the result's stderr is then empty."""
         with tempfile.TemporaryDirectory() as d:
-            o, e = os.path.join(d, "out"), os.path.join(d, "err")
+            o, e = os.path.join(d, "out"), stderr_to or os.path.join(d, "err")
             job = {"args": args, "env": env, "cwd": cwd or os.getcwd(), "stdout": o, "stderr": e}
             self.proc.stdin.write(json.dumps(job) + "\n")
             self.proc.stdin.flush()
@@ -68,8 +71,12 @@ class Zygote:
             if not line:
                 raise RuntimeError("the prep zygote died")
             code = json.loads(line)["returncode"]
-            with open(o) as fo, open(e) as fe:
-                return subprocess.CompletedProcess(["prep", *args], code, fo.read(), fe.read())
+            with open(o) as fo:
+                out = fo.read()
+            if stderr_to:
+                return subprocess.CompletedProcess(["prep", *args], code, out, "")
+            with open(e) as fe:
+                return subprocess.CompletedProcess(["prep", *args], code, out, fe.read())
 
     def close(self) -> None:
         self.proc.stdin.close()

@@ -11,9 +11,8 @@ import pathlib
 import pty
 import select
 import struct
-import subprocess
-import sys
 import termios
+import threading
 
 import pytest
 from click.testing import CliRunner
@@ -24,7 +23,6 @@ from prep.convert import convert
 from prep.deepseek import Target
 from prep.testing import SynthSpec, write_checkpoint
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
@@ -150,46 +148,57 @@ def test_run_and_compare_catch_a_flipped_byte_unless_no_verify(src, converted, t
     one_line(invoke("run", mtp, "--prompt-ids", "1", "--layers", "2"), 1, "w13_weight")
 
 
-def _on_a_terminal(args: list[str]) -> tuple[str, str]:
-    """Run prep with stderr on a pseudo-terminal (80x24) and stdout on a pipe: (stdout, stderr)."""
+@pytest.fixture(scope="module")
+def zygote():
+    # Each run is a real process (forked, see prep_proc) whose stderr is the terminal, without
+    # paying a fresh interpreter's torch import for each of the runs below.
+    from prep_proc import Zygote
+
+    z = Zygote()
+    yield z
+    z.close()
+
+
+def _on_a_terminal(zygote, args: list[str]) -> tuple[str, str]:
+    """Run prep with stderr on a pseudo-terminal (80x24) and stdout on a file: (stdout, stderr)."""
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
-    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    p = subprocess.Popen([sys.executable, "-m", "prep", *args], stdout=subprocess.PIPE, stderr=slave, env=env)
-    os.close(slave)
-    err = b""
-    while True:
-        ready, _, _ = select.select([master], [], [], 1)
-        if ready:
-            try:
-                chunk = os.read(master, 65536)
-            except OSError:  # the child closed the terminal
-                break
-            if not chunk:
-                break
-            err += chunk
-        elif p.poll() is not None:
-            break
-    out = p.stdout.read().decode()
-    p.wait()
-    os.close(master)
-    return out, err.decode(errors="replace")
+    chunks, done = [], threading.Event()
+
+    def drain():  # read while prep writes, so a full terminal buffer never blocks it
+        while True:
+            ready, _, _ = select.select([master], [], [], 0.05)
+            if ready:
+                chunks.append(os.read(master, 65536))
+            elif done.is_set():
+                return
+
+    reader = threading.Thread(target=drain)
+    reader.start()
+    try:
+        r = zygote.run(args, dict(os.environ), stderr_to=os.ttyname(slave))
+    finally:
+        done.set()
+        reader.join()
+        os.close(slave)
+        os.close(master)
+    assert r.returncode == 0, (args, r.stdout, b"".join(chunks))
+    return r.stdout, b"".join(chunks).decode(errors="replace")
 
 
-def test_progress_bars_show_on_a_terminal_only_and_never_with_json_or_quiet(src, converted, tmp_path):
-    out, err = _on_a_terminal(["verify", str(converted), "--source", str(src)])
+def test_progress_bars_show_on_a_terminal_only_and_never_with_json_or_quiet(src, converted, tmp_path, zygote):
+    out, err = _on_a_terminal(zygote, ["verify", str(converted), "--source", str(src)])
     assert "verify: 100%" in err and "ok: 3 files" in out
-    out, err = _on_a_terminal(["run", str(converted), "--prompt-ids", "1", "--layers", "2"])
+    out, err = _on_a_terminal(zygote, ["run", str(converted), "--prompt-ids", "1", "--layers", "2"])
     assert "check: 100%" in err and "forward: 100%" in err and "2/2" in err, err
-    out, err = _on_a_terminal(["revert", str(converted), "-o", str(tmp_path / "rv")])
+    out, err = _on_a_terminal(zygote, ["revert", str(converted), "-o", str(tmp_path / "rv")])
     assert "revert: 100%" in err
-    out, err = _on_a_terminal(["inspect", str(src)])
+    out, err = _on_a_terminal(zygote, ["inspect", str(src)])
     assert "inspect: 100%" in err
-    out, err = _on_a_terminal(["verify", str(converted), "--json"])
+    out, err = _on_a_terminal(zygote, ["verify", str(converted), "--json"])
     assert "%|" not in err and json.loads(out)["ok"] is True
-    out, err = _on_a_terminal(["run", str(converted), "--prompt-ids", "1", "-q"])
+    out, err = _on_a_terminal(zygote, ["run", str(converted), "--prompt-ids", "1", "-q"])
     assert "%|" not in err and "argmax" in out
     # Not a terminal (a pipe, a log): no bar at all.
-    r = subprocess.run([sys.executable, "-m", "prep", "verify", str(converted)], capture_output=True, text=True,
-                       env={**os.environ, "PYTHONPATH": str(REPO)})
+    r = zygote.run(["verify", str(converted)], dict(os.environ))
     assert r.returncode == 0 and r.stderr == "", r.stderr

@@ -58,6 +58,12 @@ def _closure(names: list[str]) -> dict[str, md.Distribution]:
     return seen
 
 
+def _clean_env() -> dict[str, str]:
+    """This environment less what points into the checkout: with PYTHONPATH on the worktree (as
+    helpers run the tests), pip would find its prep.egg-info and install nothing."""
+    return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TRITON_INTERPRET")}
+
+
 def _fresh_venv(path: pathlib.Path, packages: list[str]) -> pathlib.Path:
     """A new virtual environment holding ``packages`` and what they need, linked from this one."""
     subprocess.run([sys.executable, "-m", "venv", str(path)], check=True, capture_output=True)
@@ -119,7 +125,8 @@ def test_an_engine_environment_loads_a_checkpoint_with_the_runtime_alone(wheels,
     convert(str(src), out, Target("preshuffle", "ck", 2))
     py = _fresh_venv(tmp_path / "engine", ["torch", "numpy"])
     r = subprocess.run([str(py), "-m", "pip", "install", "--no-index", "--find-links", str(wheels), "-q",
-                        "--disable-pip-version-check", "prep-layouts"], capture_output=True, text=True, cwd=tmp_path)
+                        "--disable-pip-version-check", "prep-layouts"], capture_output=True, text=True, cwd=tmp_path,
+                       env=_clean_env())
     assert r.returncode == 0, r.stderr
     code = f"""
 import importlib.util, json, sys
@@ -136,7 +143,7 @@ except layouts.LayoutsError as e:
 print(json.dumps({{"file": layouts.__file__, "present": absent, "shuffled": w13.is_shuffled,
                   "shape": list(w13.shape), "hashes": hashes}}))
 """
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TRITON_INTERPRET")}
+    env = _clean_env()
     r = subprocess.run([str(py), "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     got = json.loads(r.stdout)
@@ -149,9 +156,10 @@ def test_pip_install_prep_gives_the_cli(wheels, tmp_path):
     py = _fresh_venv(tmp_path / "user", ["torch", "numpy", "safetensors", "click", "tqdm", "huggingface_hub",
                                          "xxhash"])
     r = subprocess.run([str(py), "-m", "pip", "install", "--no-index", "--find-links", str(wheels), "-q",
-                        "--disable-pip-version-check", "prep"], capture_output=True, text=True, cwd=tmp_path)
+                        "--disable-pip-version-check", "prep"], capture_output=True, text=True, cwd=tmp_path,
+                       env=_clean_env())
     assert r.returncode == 0, r.stderr
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TRITON_INTERPRET")}
+    env = _clean_env()
     r = subprocess.run([str(py.parent / "prep"), "--version"], capture_output=True, text=True, env=env)
     assert r.returncode == 0 and "prep, version 0.1.0" in r.stdout, r.stderr
     r = subprocess.run([str(py.parent / "prep"), "inspect", str(tmp_path / "nope"), "--json"], capture_output=True,
