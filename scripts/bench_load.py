@@ -272,7 +272,7 @@ def main() -> None:
             tmp = pathlib.Path(tempfile.mkdtemp(prefix="prep-bench-load-", dir=out_root))
             conv = tmp / "converted"
             t0 = time.perf_counter()
-            convert(str(args.src), conv, Target("preshuffle", "ck", tp, ep=tp if args.ep else 1))
+            convert(str(args.src), conv, Target("preshuffle", "ck", tp, ep=tp if args.ep else 1, rank_exact=False))
             print(f"converted {args.src} at tp {tp}{' ep ' + str(tp) if args.ep else ''} "
                   f"in {time.perf_counter() - t0:.1f} s")
         try:

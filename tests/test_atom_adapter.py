@@ -159,19 +159,21 @@ def mtp_prefixes(cfg):
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
+    """Format 1 (``--common-bf16``): the MXFP4 tensors installed, the BF16 ones left whole for
+    ATOM's loader. Rank-exact checkpoints (the default) are the tests at the end of this file."""
     root = tmp_path_factory.mktemp("atom")
     src = write_checkpoint(SynthSpec(variant="v2"), root / "src")
-    convert(str(src), root / "tp2", Target("preshuffle", "ck", 2))
-    convert(str(src), root / "ep2", Target("preshuffle", "ck", 2, ep=2))
+    convert(str(src), root / "tp2", Target("preshuffle", "ck", 2, rank_exact=False))
+    convert(str(src), root / "ep2", Target("preshuffle", "ck", 2, ep=2, rank_exact=False))
     return root, json.loads((src / "config.json").read_text())
 
 
 @pytest.fixture(scope="module")
 def r1_ckpt(tmp_path_factory):
-    """R1-0528 style: attention (and the whole MTP layer) BF16, experts and dense MLP MXFP4."""
+    """R1-0528 style: attention (and the whole MTP layer) BF16, experts and dense MLP MXFP4; format 1."""
     root = tmp_path_factory.mktemp("atom-r1")
     src = write_checkpoint(SynthSpec(variant="r1-0528"), root / "src")
-    convert(str(src), root / "tp2", Target("preshuffle", "ck", 2))
+    convert(str(src), root / "tp2", Target("preshuffle", "ck", 2, rank_exact=False))
     return root / "tp2", json.loads((src / "config.json").read_text())
 
 

@@ -105,7 +105,7 @@ def test_each_rank_reads_one_tp_th_of_the_split_bf16_plus_the_replicated(source,
     every replicated one (format 1: every rank reads all of them), and no rank reads the MTP
     layer's embedding."""
     root, src_dir = source
-    convert(str(src_dir), tmp_path / "v1", Target(tp=4))
+    convert(str(src_dir), tmp_path / "v1", Target(tp=4, rank_exact=False))
     convert(str(src_dir), tmp_path / "v2", Target(tp=4, rank_exact=True))
     old, new = layouts.load_manifest(tmp_path / "v1"), layouts.load_manifest(tmp_path / "v2")
     src = SourceCheckpoint(src_dir)
@@ -125,7 +125,7 @@ def test_each_rank_reads_one_tp_th_of_the_split_bf16_plus_the_replicated(source,
 def test_a_format_1_conversion_still_loads_verifies_and_reverts(source, tmp_path):
     root, src_dir = source
     out = tmp_path / "v1"
-    convert(str(src_dir), out, Target(tp=2))
+    convert(str(src_dir), out, Target(tp=2, rank_exact=False))
     raw = json.loads((out / layouts.manifest.MANIFEST_NAME).read_text())
     assert raw["format_version"] == 1 and "rank_exact" not in raw["target"]
     m = layouts.load_manifest(out)
