@@ -359,7 +359,8 @@ def _layer_groups(layer, mods, rank, target, part, experts: _LayerExperts | None
 MTP_EMBED = re.compile(r"^model\.layers\.(\d+)\.embed_tokens\.weight$")
 
 
-def plan_bf16(src: SourceCheckpoint, cls: Classified, target: Target) -> tuple[list[list[Bf16Group]], list[str], list[str]]:
+def plan_bf16(src: SourceCheckpoint, cls: Classified, target: Target
+              ) -> tuple[list[list[Bf16Group]], list[str], list[str]]:
     """The non-MXFP4 tensors of a rank-exact conversion: per rank, the BF16 groups it holds
     (split as ATOM holds them, :mod:`prep.bf16`); the tensors every rank holds whole
     (replicated: norms, router, its bias, ``eh_proj``, a replicated ``fused_qkv_a_proj``'s
