@@ -169,19 +169,17 @@ class ConvertedCheckpoint:
         steps = [(r, g, e0, e0 + _step(g)) for r, g in zip(recs, groups) for e0 in range(0, len(g.experts), _step(g))]
         if groups[0].ep == 1:  # every rank holds a slice of every expert: go block by block across ranks
             steps.sort(key=lambda s: s[2])
-        cursor = 0
-        for rec, g, e0, e1 in steps:
-            sub = dataclasses.replace(g, experts=g.experts[e0:e1])
-            tensors = [self._expert_rows(rec.file, name, local[1], e0, len(sub.experts))
-                       for (name, _, _), local in zip(g.outputs(), g.local_shapes())]
-            for src_name, (rows, cols), piece in sub.invert(tensors):
-                tiles.place(src_name, rows, cols, piece, rec.rank)
-            while cursor < len(names) and tiles.done(names[cursor]):
-                name = names[cursor]
-                yield name, tiles.out[name] if name in keep else tiles.pop(name)
-                cursor += 1
-        for name in names[cursor:]:
-            tiles.check_complete(name)  # raises: some rank's piece is missing
+
+        def place() -> Iterator[None]:
+            for rec, g, e0, e1 in steps:
+                sub = dataclasses.replace(g, experts=g.experts[e0:e1])
+                tensors = [self._expert_rows(rec.file, name, local[1], e0, len(sub.experts))
+                           for (name, _, _), local in zip(g.outputs(), g.local_shapes())]
+                for src_name, (rows, cols), piece in sub.invert(tensors):
+                    tiles.place(src_name, rows, cols, piece, rec.rank)
+                yield
+
+        yield from tiles.hand_out(names, keep, place())
 
     def _iter_bf16(self, unit: str, recs: list[GroupRecord], groups: list[Bf16Group]
                    ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -201,27 +199,25 @@ class ConvertedCheckpoint:
         if any(p.dim is not None for g in groups for p in g.placements):  # split: block by block across ranks
             steps.sort(key=lambda s: s[0])
         tiles = _Tiles(self.source_tensors)
-        cursor = 0
-        for b0, rec, g, b1 in steps:
-            block = self.read_rows(rec.file, g.name, slice(b0, b1))
-            for p in g.placements:
-                if g.stacked:
-                    if not b0 <= p.slot < b1:
-                        continue
-                    rows, piece = p.rows, block[p.slot - b0, p.dest_row:p.dest_row + p.out_shape[0]]
-                else:
-                    lo, hi = max(b0, p.dest_row), min(b1, p.dest_row + p.out_shape[0])
-                    if lo >= hi:
-                        continue
-                    first = p.rows.start + lo - p.dest_row
-                    rows, piece = slice(first, first + hi - lo), block[lo - b0:hi - b0]
-                tiles.place(p.source, rows, p.cols, piece, rec.rank)
-            while cursor < len(names) and tiles.done(names[cursor]):
-                name = names[cursor]
-                yield name, tiles.out[name] if name in keep else tiles.pop(name)
-                cursor += 1
-        for name in names[cursor:]:
-            tiles.check_complete(name)  # raises: some rank's piece is missing
+
+        def place() -> Iterator[None]:
+            for b0, rec, g, b1 in steps:
+                block = self.read_rows(rec.file, g.name, slice(b0, b1))
+                for p in g.placements:
+                    if g.stacked:
+                        if not b0 <= p.slot < b1:
+                            continue
+                        rows, piece = p.rows, block[p.slot - b0, p.dest_row:p.dest_row + p.out_shape[0]]
+                    else:
+                        lo, hi = max(b0, p.dest_row), min(b1, p.dest_row + p.out_shape[0])
+                        if lo >= hi:
+                            continue
+                        first = p.rows.start + lo - p.dest_row
+                        rows, piece = slice(first, first + hi - lo), block[lo - b0:hi - b0]
+                    tiles.place(p.source, rows, p.cols, piece, rec.rank)
+                yield
+
+        yield from tiles.hand_out(names, keep, place())
 
     def _expert_rows(self, fname: str, name: str, rows_per_expert: int, e0: int, n: int) -> torch.Tensor:
         """The stored bytes of experts [e0, e0 + n) of the stacked output ``name``: experts lead
@@ -288,6 +284,18 @@ class _Tiles:
         view.copy_(piece)
         self.placed[name].append(rect)
         self.covered[name] += (r1 - r0) * (c1 - c0)
+
+    def hand_out(self, names: list[str], keep: set[str], steps: Iterator[None]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Run ``steps`` (each places some pieces) and hand out each of ``names``, in order, as
+        soon as it is whole; those in ``keep`` stay to compare later copies with (replicated)."""
+        cursor = 0
+        for _ in steps:
+            while cursor < len(names) and self.done(names[cursor]):
+                name = names[cursor]
+                yield name, self.out[name] if name in keep else self.pop(name)
+                cursor += 1
+        for name in names[cursor:]:
+            self.check_complete(name)  # raises: some rank's piece is missing
 
     def done(self, name: str) -> bool:
         return name in self.out and self.covered[name] == self.out[name].numel()
