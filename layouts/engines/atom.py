@@ -461,5 +461,6 @@ def install_converted_weights(model: torch.nn.Module, model_dir: str | pathlib.P
     if exact:
         for which, m, done in (("main", model, report.installed), ("draft", mtp_model, report.mtp_installed)):
             if m is not None:
-                report.not_installed += [f"{which}:{n}" for n, _ in m.named_parameters() if n not in set(done)]
+                filled = set(done)
+                report.not_installed += [f"{which}:{n}" for n, _ in m.named_parameters() if n not in filled]
     return report
