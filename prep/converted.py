@@ -192,7 +192,14 @@ class ConvertedCheckpoint:
         keep = {key[0] for key, n in held.items() if n > 1}
         steps = []
         for rec, g in zip(recs, groups):
+            g.check()  # its windows tile the stored tensor
             shape = g.shape
+            info = self.file(rec.file).tensors.get(g.name)
+            bad = next((p.source for p in g.placements if p.source not in self.source_tensors
+                        or tuple(self.source_tensors[p.source].shape) != p.shape), None)
+            if info is None or tuple(info.shape) != shape or bad:
+                raise PrepError(f"{self.root / rec.file}: {g.name} (rank {rec.rank}) does not match its group record"
+                                + (f" (source {bad})" if bad else "") + "; the manifest is damaged: convert again")
             per = math.prod(shape[1:]) * ITEMSIZE[g.dtype]
             step = max(1, STREAM_BYTES // max(1, per))
             steps += [(b0, rec, g, min(shape[0], b0 + step)) for b0 in range(0, shape[0], step)]
