@@ -60,7 +60,8 @@ def _inspect_source(spec: str, revision: str | None, progress: Callable[[int], N
     lines = [f"{src.root}: Quark MXFP4, {cls.arch}, {cls.num_layers} layers + MTP {cls.mtp_layers}",
              f"  {len(src.files)} shards, {len(src.tensors)} tensors, {src.nbytes() / 2**30:.3f} GiB",
              "  MXFP4 GEMM weights by module kind: " + ", ".join(f"{k} {v}" for k, v in sorted(kinds.items())),
-             "  passed through unchanged: " + ", ".join(f"{v} {k}" for k, v in sorted(bf16.items()))]
+             "  not MXFP4 (bytes unchanged, split per rank as the engine holds them): "
+             + ", ".join(f"{v} {k}" for k, v in sorted(bf16.items()))]
     for combo, row in support.items():
         ok = [tp for tp, r in row.items() if r == "ok"]
         bad = {tp: r for tp, r in row.items() if r != "ok"}
