@@ -139,7 +139,7 @@ ATTENTION_MODULES = ("q_proj", "q_a_proj", "kv_a_proj_with_mqa", "fused_qkv_a_pr
 def mxfp4_attention_group(manifest: Manifest) -> str | None:
     """The first attention module the checkpoint holds in MXFP4, or None (attention is BF16)."""
     for t in manifest.tensors:
-        if t.role != "passthrough" and t.group and t.group.rpartition(".")[2] in ATTENTION_MODULES:
+        if t.role == "mxfp4_weight" and t.group and t.group.rpartition(".")[2] in ATTENTION_MODULES:
             return t.group
     return None
 
