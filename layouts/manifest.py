@@ -30,7 +30,11 @@ FORMAT = "prep-manifest"
 # Bumped when a reader of the previous version would misread a checkpoint of the new one (a field
 # that changes meaning, goes away or must be understood to read the bytes); readers refuse any
 # version but their own. docs/manifest.md states the rule in full.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+# Versions this module reads. 1: every non-MXFP4 tensor whole in common files every rank reads.
+# 2 (rank-exact): split BF16 tensors (role "bf16_shard", group kind "bf16"), replicated tensors in
+# every rank's files, and role "unread" for what no rank reads (kept for revert).
+READ_VERSIONS = (1, 2)
 MAX_TP = 1 << 16  # no engine runs more ranks: a larger tp is a damaged manifest
 
 
@@ -216,6 +220,9 @@ class Target:
     fuse_shared_expert: bool = True  # shared expert stacked after the routed ones (slot n_routed)
     inter_pad_to: int = 256  # stacked experts' intermediate dimension padded to a multiple of this
     hidden_pad_to: int = 256  # and their hidden dimension
+    # Rank-exact (format 2): BF16 split per rank as the engine holds it, replicated tensors in
+    # every rank's files. Absent (format 1): false, every non-MXFP4 tensor in common files.
+    rank_exact: bool = False
     arch: str = ""  # config.json model_type, e.g. "deepseek_v3"
 
     @classmethod
@@ -252,12 +259,16 @@ class Target:
         for key, value in zip(("inter_pad_to", "hidden_pad_to"), pads):
             if not _is_count(value, 1):
                 raise ManifestError(f"target.{key} is {value!r}, not a positive integer")
-        return cls(layout, moe_layout, tp, ep, fuse, *pads, arch)
+        rank_exact = t.get("rank_exact", False)
+        if type(rank_exact) is not bool:
+            raise ManifestError(f"target.rank_exact is {rank_exact!r}, not true or false")
+        return cls(layout, moe_layout, tp, ep, fuse, *pads, rank_exact, arch)
 
     def to_json(self) -> dict[str, Any]:
         return {"layout": self.layout, "moe_layout": self.moe_layout, "tp": self.tp, "ep": self.ep,
                 "fuse_shared_expert": self.fuse_shared_expert, "inter_pad_to": self.inter_pad_to,
-                "hidden_pad_to": self.hidden_pad_to, "arch": self.arch}
+                "hidden_pad_to": self.hidden_pad_to, **({"rank_exact": True} if self.rank_exact else {}),
+                "arch": self.arch}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -427,21 +438,55 @@ class PartRecord:
         return {"src": self.src, "n": self.n, "k": self.k, "split": self.split}
 
 
-_GROUP_KINDS = ("linear", "moe")
+@dataclasses.dataclass(frozen=True)
+class PlacementRecord:
+    """One window of a source tensor in a BF16 group's stored tensor (a ``placements`` entry):
+    prep's ``bf16.Placement``. ``dim`` is the source dim the window cuts (null: whole),
+    ``[start, stop)`` its range; it lands ``dest_row`` rows in, in expert ``slot`` when stacked."""
+
+    source: str
+    shape: tuple[int, int]
+    dim: int | None
+    start: int
+    stop: int
+    dest_row: int = 0
+    slot: int | None = None
+
+    @classmethod
+    def from_json(cls, p: Any) -> "PlacementRecord":
+        p = _object(p, "placement")
+        source, shape, dim, start, stop, row, slot = (p.get(k) for k in ("source", "shape", "dim", "start", "stop",
+                                                                          "dest_row", "slot"))
+        ok = (type(source) is str and type(shape) is list and len(shape) == 2 and all(_is_count(d) for d in shape)
+              and dim in (None, 0, 1) and type(dim) is not bool and _is_count(start) and _is_count(stop)
+              and _is_count(row) and (slot is None or _is_count(slot)))
+        if not ok or start > stop or stop > shape[0 if dim is None else dim]:
+            raise ManifestError(f"placement of {source!r} needs a string source, a [rows, cols] shape, dim null, 0 "
+                                "or 1, a window [start, stop) inside that dim, an integer dest_row and slot")
+        return cls(source, tuple(shape), dim, start, stop, row, slot)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"source": self.source, "shape": list(self.shape), "dim": self.dim, "start": self.start,
+                "stop": self.stop, "dest_row": self.dest_row, "slot": self.slot}
+
+
+_GROUP_KINDS = ("linear", "moe", "bf16")
 
 
 @dataclasses.dataclass(frozen=True)
 class GroupRecord:
     """What one rank holds of one engine module, with every parameter needed to invert it (a
     ``groups`` entry): a dense linear (``kind`` "linear": its ``parts``) or one MoE layer's
-    stacked experts (``kind`` "moe": the fields after ``parts``). prep's ``group_from_record``
-    turns ``to_json()`` back into the group that builds and inverts the bytes."""
+    stacked experts (``kind`` "moe": the fields after ``parts``) or, rank-exact, one split BF16
+    tensor (``kind`` "bf16": its ``dtype`` and ``placements``; ``layout`` null unless the bytes
+    are in a registered layout). prep's ``group_from_record`` turns ``to_json()`` back into the
+    group that builds and inverts the bytes."""
 
-    kind: str  # "linear" or "moe"
+    kind: str  # "linear", "moe" or "bf16"
     name: str  # engine module prefix: ``...fused_qkv_a_proj``, ``...mlp.experts``
     rank: int
     tp: int
-    layout: str
+    layout: str | None  # null only for a bf16 group stored as the source holds it
     file: str  # the output file that holds its tensors
     parts: tuple[PartRecord, ...] = ()  # linear: the source linears stacked along rows, in order
     experts: tuple[str, ...] = ()  # moe: source expert prefixes, in slot order (shared expert last)
@@ -451,6 +496,8 @@ class GroupRecord:
     hidden_pad_to: int = 256
     ep: int = 1
     routed: tuple[int, int] | None = None  # moe with ep > 1: global routed expert ids [start, stop)
+    dtype: str = ""  # bf16: the stored (and source) safetensors dtype
+    placements: tuple[PlacementRecord, ...] = ()  # bf16: source windows, in order
 
     @classmethod
     def from_json(cls, g: Any) -> "GroupRecord":
@@ -458,10 +505,17 @@ class GroupRecord:
         kind, name, rank, tp, layout, file = (g.get(k) for k in ("kind", "name", "rank", "tp", "layout", "file"))
         if kind not in _GROUP_KINDS:
             raise ManifestError(f"kind is {kind!r}, not one of {', '.join(_GROUP_KINDS)}")
-        if type(name) is not str or type(layout) is not str or type(file) is not str:
+        if type(name) is not str or type(file) is not str or not (type(layout) is str
+                                                                  or (layout is None and kind == "bf16")):
             raise ManifestError(f"group {name!r}: name, layout and file must be strings")
         if not _is_count(rank) or not _is_count(tp, 1):
             raise ManifestError(f"group {name}: rank {rank!r} and tp {tp!r} must be integers (tp >= 1)")
+        if kind == "bf16":
+            dtype, placements = g.get("dtype"), g.get("placements")
+            if type(dtype) is not str or type(placements) is not list or not placements:
+                raise ManifestError(f"group {name}: a bf16 group needs a string dtype and a non-empty placements list")
+            return cls(kind, name, rank, tp, layout, file, dtype=dtype,
+                       placements=tuple(PlacementRecord.from_json(p) for p in placements))
         if kind == "linear":
             parts = g.get("parts")
             if type(parts) is not list or not parts:
@@ -483,6 +537,9 @@ class GroupRecord:
         head = {"kind": self.kind, "name": self.name, "rank": self.rank, "tp": self.tp, "layout": self.layout}
         if self.kind == "linear":
             return {**head, "parts": [p.to_json() for p in self.parts], "file": self.file}
+        if self.kind == "bf16":
+            return {**head, "dtype": self.dtype, "placements": [p.to_json() for p in self.placements],
+                    "file": self.file}
         return {**head, "experts": list(self.experts), "inter": self.inter, "hidden": self.hidden,
                 "inter_pad_to": self.inter_pad_to, "hidden_pad_to": self.hidden_pad_to, "ep": self.ep,
                 "routed": list(self.routed) if self.routed else None, "file": self.file}
@@ -497,7 +554,9 @@ class TensorRecord:
     file: str
     dtype: str  # safetensors dtype string
     shape: tuple[int, ...]
-    role: str  # "mxfp4_weight", "e8m0_scale" or "passthrough"
+    # "mxfp4_weight", "e8m0_scale", "bf16_shard" (a split BF16 tensor), "passthrough" (a source
+    # tensor whole: rank null = every rank reads it) or "unread" (whole, read by no rank: kept for revert)
+    role: str
     layout: str | None  # registered layout name (MXFP4 tensors)
     group: str | None  # engine module the tensor belongs to
     runtime_attrs: dict[str, Any]  # attributes the engine must set on the parameter
@@ -556,7 +615,7 @@ class TensorRecord:
 
 def _rank_label(rank: int | None) -> str:
     """Whose tensor it is, for a message."""
-    return "common, every rank" if rank is None else f"rank {rank}"
+    return "common" if rank is None else f"rank {rank}"
 
 
 def _format_problem(raw: dict[str, Any], required: bool) -> str | None:
@@ -566,8 +625,9 @@ def _format_problem(raw: dict[str, Any], required: bool) -> str | None:
     version = raw.get("format_version", None if required else FORMAT_VERSION)
     if fmt != FORMAT:
         return f"format {fmt!r} is not {FORMAT!r}; not a checkpoint converted by prep"
-    if version != FORMAT_VERSION:  # see docs/manifest.md: another version may mean other bytes
-        return f"format_version {version} is not supported (this layouts reads {FORMAT_VERSION}); upgrade prep/layouts"
+    if version not in READ_VERSIONS:  # see docs/manifest.md: another version may mean other bytes
+        return (f"format_version {version} is not supported (this layouts reads "
+                f"{', '.join(map(str, READ_VERSIONS))}); upgrade prep/layouts")
     return None
 
 
@@ -706,10 +766,11 @@ class Manifest:
                 f"tp={self.tp}, ep={self.ep}, {len(self.tensors)} tensors)")
 
     def rank_tensors(self, rank: int) -> list[TensorRecord]:
-        """What rank ``rank`` loads: its own tensors and the common ones, in file order."""
+        """What rank ``rank`` loads: its own tensors and the common ones, in file order (not the
+        ``unread`` ones, which no engine reads)."""
         if not 0 <= rank < self.tp:
             raise ManifestError(f"{self.root}: rank {rank} is out of range for a checkpoint converted for tp={self.tp}")
-        return [t for t in self.tensors if t.rank in (rank, None)]
+        return [t for t in self.tensors if t.rank in (rank, None) and t.role != "unread"]
 
     def rank_files(self, rank: int) -> list[str]:
         """The files rank ``rank`` reads, each once, in manifest order (its own files first)."""

@@ -70,6 +70,9 @@ class Bf16Group:
     tp: int
     dtype: str  # safetensors dtype of the sources, kept as is
     placements: tuple[Placement, ...]
+    # The registered layout the stored bytes are in, for stacked BF16 experts the engine would
+    # otherwise shuffle after loading; None: as the source holds them (split, unshuffled).
+    layout: str | None = None
     kind = "bf16"
 
     @property
@@ -174,6 +177,7 @@ class Bf16Group:
 
     def record(self) -> dict[str, Any]:
         return {"kind": self.kind, "name": self.name, "rank": self.rank, "tp": self.tp, "dtype": self.dtype,
+                "layout": self.layout,
                 "placements": [{**dataclasses.asdict(p), "shape": list(p.shape)} for p in self.placements]}
 
 
@@ -186,7 +190,7 @@ def group_from_record(rec: dict[str, Any]) -> Bf16Group:
         raise PrepError(f"manifest: group {rec.get('name')!r} is not a bf16 group")
     ps = tuple(Placement(p["source"], tuple(p["shape"]), p["dim"], p["start"], p["stop"], p["dest_row"],
                          p.get("slot")) for p in rec["placements"])
-    return Bf16Group(rec["name"], rec["rank"], rec["tp"], rec["dtype"], ps)
+    return Bf16Group(rec["name"], rec["rank"], rec["tp"], rec["dtype"], ps, rec.get("layout"))
 
 
 # ---------------------------------------------------------------------------------- planning

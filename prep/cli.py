@@ -289,6 +289,10 @@ def inspect(src: str, revision: str | None, as_json: bool, quiet: bool) -> None:
 @click.option("--ep", type=int, default=1, show_default=True, help="Expert-parallel size: 1, or equal to --tp (each rank holds a block of whole experts plus the shared one).")
 @click.option("--fuse-shared-expert/--no-fuse-shared-expert", default=True, show_default=True,
               help="Put the shared expert into expert slot n_routed of the stacked tensors.")
+@click.option("--common-bf16", is_flag=True,
+              help="Write the BF16 tensors whole into common files every rank reads (manifest format 1), for "
+                   "an engine that slices them itself. Default: each rank's files hold its BF16 slices, split "
+                   "as the engine holds them, and a copy of the replicated tensors (docs/rank-exact.md).")
 @click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True,
               help="Output files written at once (threads). One keeps a single disk busy; more help where the "
                    "disk is faster than one file's reading and shuffling (NVMe arrays, many cores).")
@@ -303,14 +307,15 @@ def inspect(src: str, revision: str | None, as_json: bool, quiet: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary.")
 @_quiet_option
 @_fail_cleanly
-def convert(src, out, layout, moe_layout, tp, ep, fuse_shared_expert, workers, force, resume, revision, as_json,
-            quiet):
+def convert(src, out, layout, moe_layout, tp, ep, fuse_shared_expert, common_bf16, workers, force, resume, revision,
+            as_json, quiet):
     """Convert SRC (a folder or a Hugging Face repo id) into per-rank, kernel-layout files in OUT.
 
     Each rank's tensors are exactly what that rank's engine holds after its own load-time
     processing: TP split, merged fused_qkv_a_proj / gate_up_proj, experts stacked into w13/w2
-    (intermediate padded to 256), then shuffled. BF16 tensors are copied unchanged into common
-    files. prep-manifest.json records every tensor; prep-complete.json is written last.
+    (intermediate padded to 256), then shuffled. BF16 tensors are split and merged the same way
+    (bytes unchanged) and the replicated ones copied into every rank's files, so a rank reads
+    only its own files. prep-manifest.json records every tensor; prep-complete.json is written last.
 
     \b
     Examples:
@@ -328,9 +333,9 @@ def convert(src, out, layout, moe_layout, tp, ep, fuse_shared_expert, workers, f
             click.echo(f"note: writing to {out} (choose another folder with -o)", err=True)
     bar = _Bar.shown("convert", as_json, quiet)
     try:
-        s = run(src, out, Target(layout, moe_layout, tp, ep, fuse_shared_expert), force=force, resume=resume,
-                workers=workers, revision=revision, progress=bar, on_total=bar.total,
-                notify=lambda line: click.echo(f"note: {line}", err=True))
+        target = Target(layout, moe_layout, tp, ep, fuse_shared_expert, rank_exact=not common_bf16)
+        s = run(src, out, target, force=force, resume=resume, workers=workers, revision=revision, progress=bar,
+                on_total=bar.total, notify=lambda line: click.echo(f"note: {line}", err=True))
     except KeyboardInterrupt as e:
         from .outdir import OutputFolder
 

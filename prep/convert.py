@@ -28,7 +28,8 @@ from layouts.manifest import COMPLETE_NAME, MANIFEST_NAME, compress_names, manif
 from layouts.safetensors_file import TORCH_DTYPES, TensorInfo
 
 from . import __version__
-from .deepseek import Target, classify, plan_groups
+from .bf16 import Bf16Group
+from .deepseek import Target, classify, plan_bf16, plan_groups
 from .errors import PrepError
 from .groups import LinearGroup, MoEGroup
 from .identity import changed_files, file_identity
@@ -48,8 +49,8 @@ class FileJob:
 
     name: str
     rank: int | None
-    groups: list[LinearGroup | MoEGroup]  # MXFP4 groups (rank files)
-    passthrough: list[str]  # source tensor names (common files)
+    groups: list[LinearGroup | MoEGroup | Bf16Group]  # the rank's groups (rank files)
+    passthrough: list[str]  # source tensor names copied whole (replicated in rank files, or common files)
     entries: list[tuple[str, str, tuple[int, ...]]]
 
     @property
@@ -100,17 +101,30 @@ def shard_names(items: list[tuple[Any, int]], prefix: str) -> list[tuple[str, li
 
 
 def plan_files(src: SourceCheckpoint, target: Target) -> tuple[list[FileJob], dict[str, Any]]:
-    """Validate everything and lay out the output files. Raises PrepError on any bad input."""
+    """Validate everything and lay out the output files. Raises PrepError on any bad input.
+
+    Rank-exact (``target.rank_exact``): a rank's files hold its MXFP4 groups, its BF16 groups
+    and a copy of every replicated tensor, so a rank reads exactly its own files; the one
+    common file holds only what no rank reads. Otherwise (format 1) every non-MXFP4 tensor is
+    whole in common files that every rank reads."""
     _check_layout_names(target)
     cls = classify(src)
     per_rank = plan_groups(src, cls, target)
+    replicated, common = [], list(cls.passthrough)
+    if target.rank_exact:
+        split, replicated, common = plan_bf16(src, cls, target)
+        for groups, more in zip(per_rank, split):
+            groups += more
     jobs: list[FileJob] = []
     for rank, groups in enumerate(per_rank):
-        sized = [(g, sum(nbytes("U8", shape) for _, _, shape in g.outputs())) for g in groups]
+        sized = [(g, sum(nbytes(_dtype(g), shape) for _, _, shape in g.outputs())) for g in groups]
+        sized += [(n, src.tensors[n].nbytes) for n in replicated]
         for fname, chunk in shard_names(sized, f"model-tp{target.tp}-rank{rank}"):
-            entries = [(n, "U8", tuple(shape)) for g in chunk for n, _, shape in g.outputs()]
-            jobs.append(FileJob(fname, rank, chunk, [], entries))
-    sized = [(n, src.tensors[n].nbytes) for n in cls.passthrough]
+            gs, names = [x for x in chunk if not isinstance(x, str)], [x for x in chunk if isinstance(x, str)]
+            entries = [(n, _dtype(g), tuple(shape)) for g in gs for n, _, shape in g.outputs()]
+            entries += [(n, src.tensors[n].dtype, src.tensors[n].shape) for n in names]
+            jobs.append(FileJob(fname, rank, gs, names, entries))
+    sized = [(n, src.tensors[n].nbytes) for n in common]
     if sized:
         for fname, chunk in shard_names(sized, "model-common"):
             entries = [(n, src.tensors[n].dtype, src.tensors[n].shape) for n in chunk]
@@ -118,6 +132,11 @@ def plan_files(src: SourceCheckpoint, target: Target) -> tuple[list[FileJob], di
     info = {"arch": cls.arch, "num_layers": cls.num_layers, "mtp_layers": cls.mtp_layers,
             "modules": cls.modules, "passthrough": cls.passthrough}
     return jobs, info
+
+
+def _dtype(g: LinearGroup | MoEGroup | Bf16Group) -> str:
+    """The safetensors dtype of a group's stored tensors: MXFP4 groups store bytes."""
+    return g.dtype if isinstance(g, Bf16Group) else "U8"
 
 
 def _check_layout_names(target: Target) -> None:
@@ -355,20 +374,29 @@ def build_manifest(src: SourceCheckpoint, target: Target, jobs: list[FileJob],
     tensors = []
     groups = []
     used_layouts = {target.layout, target.moe_layout}
+    used_layouts |= {g.layout for j in jobs for g in j.groups if isinstance(g, Bf16Group) and g.layout}
     for job in jobs:
         hashes = records[job.name]["hashes"]
         for g in job.groups:
             groups.append(schema.GroupRecord.from_json({**g.record(), "file": job.name}))
+            transforms = tuple(g.transforms())
+            if isinstance(g, Bf16Group):  # bytes of the source, split: no layout attributes to set
+                for (name, role, shape), sources in zip(g.outputs(), g.output_sources()):
+                    tensors.append(schema.TensorRecord(name, g.rank, job.name, g.dtype, tuple(shape), role, g.layout,
+                                                       g.key, {}, hashes[name], tuple(compress_names(sources)),
+                                                       transforms))
+                continue
             lay = layouts.get_layout(g.layout)
             extra = g.runtime_extra() if isinstance(g, MoEGroup) else {}
-            transforms = tuple(g.transforms())
             for (name, role, shape), sources in zip(g.outputs(), g.output_sources()):
                 tensors.append(schema.TensorRecord(
                     name, g.rank, job.name, "U8", tuple(shape), role, g.layout, g.key,
                     {**lay.runtime_attrs, **extra}, hashes[name], tuple(compress_names(sources)), transforms))
+        # A whole tensor in a common file is read by every rank (format 1) or, rank-exact, by none.
+        role = "unread" if job.rank is None and target.rank_exact else "passthrough"
         for name in job.passthrough:
             ti = src.tensors[name]
-            tensors.append(schema.TensorRecord(name, None, job.name, ti.dtype, tuple(ti.shape), "passthrough",
+            tensors.append(schema.TensorRecord(name, job.rank, job.name, ti.dtype, tuple(ti.shape), role,
                                                None, None, {}, hashes[name], (name,), ()))
     fingerprint = src.fingerprint()
     return schema.Manifest(
@@ -383,4 +411,5 @@ def build_manifest(src: SourceCheckpoint, target: Target, jobs: list[FileJob],
         files={j.name: schema.FileRecord(j.rank, records[j.name]["size"], len(j.entries)) for j in jobs},
         groups=groups,
         tensors=tensors,
+        format_version=schema.FORMAT_VERSION if target.rank_exact else 1,
     )

@@ -4,6 +4,7 @@ turning every group back into the source tensors it came from (the exact inverse
 from __future__ import annotations
 
 import dataclasses
+import math
 import pathlib
 from collections import Counter, defaultdict
 from typing import Any, Iterator
@@ -11,7 +12,9 @@ from typing import Any, Iterator
 import torch
 
 from layouts.manifest import GroupRecord, SourceTensor, TensorRecord, load_manifest
+from layouts.safetensors_file import ITEMSIZE, TORCH_DTYPES
 
+from .bf16 import Bf16Group
 from .errors import PrepError
 from .groups import LinearGroup, MoEGroup, group_from_record
 from .source import ShardFile
@@ -42,8 +45,11 @@ class ConvertedCheckpoint:
         self._check_source_sizes()
         for t in self.manifest.tensors:
             self.by_file[t.file].append(t)
-            if t.role == "passthrough":
-                self._passthrough[t.name] = t
+            if t.role in ("passthrough", "unread"):  # whole; rank-exact: a copy in each rank's files
+                first = self._passthrough.setdefault(t.name, t)
+                if first.xxh3_128 != t.xxh3_128:
+                    raise PrepError(f"{self.root}: the copies of replicated tensor {t.name} have different hashes "
+                                    f"({first.file}, {t.file}); the manifest is damaged: convert again")
         for rec in self.manifest.groups:
             self._groups[rec.name].append(rec)
             self._sources[rec.name].update(dict.fromkeys(_group(rec).sources()))
@@ -147,6 +153,9 @@ class ConvertedCheckpoint:
             return
         recs = self._groups[unit]
         groups = [_group(r) for r in recs]
+        if all(isinstance(g, Bf16Group) for g in groups):
+            yield from self._iter_bf16(unit, recs, groups)
+            return
         if not all(isinstance(g, MoEGroup) and g.blocks_exact(0) and g.blocks_exact(2) for g in groups):
             whole = self.invert_group(unit)
             for name in self._sources[unit]:
@@ -160,19 +169,62 @@ class ConvertedCheckpoint:
         steps = [(r, g, e0, e0 + _step(g)) for r, g in zip(recs, groups) for e0 in range(0, len(g.experts), _step(g))]
         if groups[0].ep == 1:  # every rank holds a slice of every expert: go block by block across ranks
             steps.sort(key=lambda s: s[2])
-        cursor = 0
-        for rec, g, e0, e1 in steps:
-            sub = dataclasses.replace(g, experts=g.experts[e0:e1])
-            tensors = [self._expert_rows(rec.file, name, local[1], e0, len(sub.experts))
-                       for (name, _, _), local in zip(g.outputs(), g.local_shapes())]
-            for src_name, (rows, cols), piece in sub.invert(tensors):
-                tiles.place(src_name, rows, cols, piece, rec.rank)
-            while cursor < len(names) and tiles.done(names[cursor]):
-                name = names[cursor]
-                yield name, tiles.out[name] if name in keep else tiles.pop(name)
-                cursor += 1
-        for name in names[cursor:]:
-            tiles.check_complete(name)  # raises: some rank's piece is missing
+
+        def place() -> Iterator[None]:
+            for rec, g, e0, e1 in steps:
+                sub = dataclasses.replace(g, experts=g.experts[e0:e1])
+                tensors = [self._expert_rows(rec.file, name, local[1], e0, len(sub.experts))
+                           for (name, _, _), local in zip(g.outputs(), g.local_shapes())]
+                for src_name, (rows, cols), piece in sub.invert(tensors):
+                    tiles.place(src_name, rows, cols, piece, rec.rank)
+                yield
+
+        yield from tiles.hand_out(names, keep, place())
+
+    def _iter_bf16(self, unit: str, recs: list[GroupRecord], groups: list[Bf16Group]
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The source tensors of a split BF16 tensor, its ranks' stored tensors read in blocks of
+        about STREAM_BYTES (whole experts, or rows: an embedding at TP 1 is 1.8 GiB), each
+        handed out once whole. A window several ranks hold (a replicated ``fused_qkv_a_proj``,
+        the shared expert under EP) is kept to compare the later copies with."""
+        names = list(self._sources[unit])
+        held = Counter((p.source, p.dim, p.start) for g in groups for p in g.placements)
+        keep = {key[0] for key, n in held.items() if n > 1}
+        steps = []
+        for rec, g in zip(recs, groups):
+            g.check()  # its windows tile the stored tensor
+            shape = g.shape
+            info = self.file(rec.file).tensors.get(g.name)
+            bad = next((p.source for p in g.placements if p.source not in self.source_tensors
+                        or tuple(self.source_tensors[p.source].shape) != p.shape), None)
+            if info is None or tuple(info.shape) != shape or bad:
+                raise PrepError(f"{self.root / rec.file}: {g.name} (rank {rec.rank}) does not match its group record"
+                                + (f" (source {bad})" if bad else "") + "; the manifest is damaged: convert again")
+            per = math.prod(shape[1:]) * ITEMSIZE[g.dtype]
+            step = max(1, STREAM_BYTES // max(1, per))
+            steps += [(b0, rec, g, min(shape[0], b0 + step)) for b0 in range(0, shape[0], step)]
+        if any(p.dim is not None for g in groups for p in g.placements):  # split: block by block across ranks
+            steps.sort(key=lambda s: s[0])
+        tiles = _Tiles(self.source_tensors)
+
+        def place() -> Iterator[None]:
+            for b0, rec, g, b1 in steps:
+                block = self.read_rows(rec.file, g.name, slice(b0, b1))
+                for p in g.placements:
+                    if g.stacked:
+                        if not b0 <= p.slot < b1:
+                            continue
+                        rows, piece = p.rows, block[p.slot - b0, p.dest_row:p.dest_row + p.out_shape[0]]
+                    else:
+                        lo, hi = max(b0, p.dest_row), min(b1, p.dest_row + p.out_shape[0])
+                        if lo >= hi:
+                            continue
+                        first = p.rows.start + lo - p.dest_row
+                        rows, piece = slice(first, first + hi - lo), block[lo - b0:hi - b0]
+                    tiles.place(p.source, rows, p.cols, piece, rec.rank)
+                yield
+
+        yield from tiles.hand_out(names, keep, place())
 
     def _expert_rows(self, fname: str, name: str, rows_per_expert: int, e0: int, n: int) -> torch.Tensor:
         """The stored bytes of experts [e0, e0 + n) of the stacked output ``name``: experts lead
@@ -190,7 +242,7 @@ class ConvertedCheckpoint:
             yield name, [name]
 
 
-def _group(rec: GroupRecord) -> LinearGroup | MoEGroup:
+def _group(rec: GroupRecord) -> LinearGroup | MoEGroup | Bf16Group:
     """The group that builds and inverts ``rec``'s tensors (prep's groups read the record's JSON)."""
     return group_from_record(rec.to_json())
 
@@ -219,7 +271,8 @@ class _Tiles:
             raise PrepError(f"{name}: rank {rank} gives a piece of a tensor that was already whole; "
                             "manifest and files disagree")
         if name not in self.out:
-            self.out[name] = torch.empty(self.meta[name].shape, dtype=torch.uint8)
+            # In the source's own dtype: a piece is copied by value, so a BF16 piece needs BF16.
+            self.out[name] = torch.empty(self.meta[name].shape, dtype=TORCH_DTYPES[self.meta[name].dtype])
             self.placed[name], self.covered[name] = [], 0
         full = self.out[name]
         r0, r1, _ = rows.indices(full.shape[0])
@@ -238,6 +291,18 @@ class _Tiles:
         view.copy_(piece)
         self.placed[name].append(rect)
         self.covered[name] += (r1 - r0) * (c1 - c0)
+
+    def hand_out(self, names: list[str], keep: set[str], steps: Iterator[None]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Run ``steps`` (each places some pieces) and hand out each of ``names``, in order, as
+        soon as it is whole; those in ``keep`` stay to compare later copies with (replicated)."""
+        cursor = 0
+        for _ in steps:
+            while cursor < len(names) and self.done(names[cursor]):
+                name = names[cursor]
+                yield name, self.out[name] if name in keep else self.pop(name)
+                cursor += 1
+        for name in names[cursor:]:
+            self.check_complete(name)  # raises: some rank's piece is missing
 
     def done(self, name: str) -> bool:
         return name in self.out and self.covered[name] == self.out[name].numel()

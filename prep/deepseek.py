@@ -19,6 +19,7 @@ from layouts.mxfp4 import BLOCK_SIZE
 from layouts.sizes import ceil_div
 
 from .errors import PrepError
+from .bf16 import Bf16Group, plan_bf16_groups
 from .groups import LinearGroup, MoEGroup, Part
 from .source import SourceCheckpoint
 
@@ -38,6 +39,11 @@ class Target:
     fuse_shared_expert: bool = True
     inter_pad_to: int = 256
     hidden_pad_to: int = 256
+    # Rank-exact (manifest format 2, the default): every BF16 tensor split the way the rank's
+    # engine holds it, in the rank's own files, the replicated ones copied into each rank's files;
+    # off (``--common-bf16``): the format-1 layout, every non-MXFP4 tensor whole in common files
+    # every rank reads (kept to compare against, and for engines that slice BF16 themselves).
+    rank_exact: bool = True
 
 
 @dataclasses.dataclass
@@ -347,3 +353,25 @@ def _layer_groups(layer, mods, rank, target, part, experts: _LayerExperts | None
                  "shared_expert": "cols" if prefix.endswith("down_proj") else "rows"}.get(kind, "none")
         linear(prefix, [part(prefix, split)])
     return out
+
+
+# The MTP layer's own embedding (its layer index is past num_hidden_layers): the engine replaces it.
+MTP_EMBED = re.compile(r"^model\.layers\.(\d+)\.embed_tokens\.weight$")
+
+
+def plan_bf16(src: SourceCheckpoint, cls: Classified, target: Target
+              ) -> tuple[list[list[Bf16Group]], list[str], list[str]]:
+    """The non-MXFP4 tensors of a rank-exact conversion: per rank, the BF16 groups it holds
+    (split as ATOM holds them, :mod:`prep.bf16`); the tensors every rank holds whole
+    (replicated: norms, router, its bias, ``eh_proj``, a replicated ``fused_qkv_a_proj``'s
+    parts are a group); and the tensors no rank reads: the MTP layer's ``embed_tokens``, which
+    ATOM's drafter replaces by the target model's after loading (``docs/rank-exact.md``), kept
+    whole only so that ``revert`` is exact."""
+    mtp = set(cls.mtp_layers)
+    unread = [n for n in cls.passthrough if (m := MTP_EMBED.match(n)) and int(m.group(1)) in mtp]
+    rest = {n: src.tensors[n] for n in cls.passthrough if n not in set(unread)}
+    per_rank, replicated = plan_bf16_groups(rest, src.config, target.tp, target.ep, target.fuse_shared_expert)
+    for groups in per_rank:
+        for g in groups:
+            g.check()
+    return per_rank, replicated, unread

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import json
 import pathlib
 from typing import Any, Callable
 
@@ -10,9 +11,11 @@ from layouts.engines import get_engine
 from layouts.errors import LayoutsError
 from layouts.manifest import MANIFEST_NAME
 
+from .bf16 import plan_bf16_groups
 from .converted import ConvertedCheckpoint
-from .deepseek import Target, classify, plan_groups
+from .deepseek import MTP_EMBED, Target, classify, plan_groups
 from .errors import PrepError
+from .safetensors_writer import nbytes
 from .source import SourceCheckpoint
 
 TP_CANDIDATES = (1, 2, 4, 8, 16)
@@ -57,7 +60,8 @@ def _inspect_source(spec: str, revision: str | None, progress: Callable[[int], N
     lines = [f"{src.root}: Quark MXFP4, {cls.arch}, {cls.num_layers} layers + MTP {cls.mtp_layers}",
              f"  {len(src.files)} shards, {len(src.tensors)} tensors, {src.nbytes() / 2**30:.3f} GiB",
              "  MXFP4 GEMM weights by module kind: " + ", ".join(f"{k} {v}" for k, v in sorted(kinds.items())),
-             "  passed through unchanged: " + ", ".join(f"{v} {k}" for k, v in sorted(bf16.items()))]
+             "  not MXFP4 (bytes unchanged, split per rank as the engine holds them): "
+             + ", ".join(f"{v} {k}" for k, v in sorted(bf16.items()))]
     for combo, row in support.items():
         ok = [tp for tp, r in row.items() if r == "ok"]
         bad = {tp: r for tp, r in row.items() if r != "ok"}
@@ -74,13 +78,14 @@ def _inspect_converted(path: str) -> tuple[dict[str, Any], list[str]]:
     tool = m.tool.to_json() if m.tool else None
     result = {"path": path, "format": "prep-converted", "target": t.to_json(), "tool": tool, "files": len(m.files),
               "tensors_by_role": dict(roles), "source": dict(m.source.origin) if m.source else {}}
-    # What each rank loads: its own files plus the common ones, and (EP) which experts it holds.
-    common = sum(f.size for f in m.files.values() if f.rank is None)
+    # What each rank reads (the files load_rank opens) and keeps (what its engine holds).
+    kept = _kept_bytes(ck)
     ranks = []
     for r in range(t.tp):
         own = [f for f in m.files.values() if f.rank == r]
         moe = next((x.runtime_attrs for x in m.tensors if x.rank == r and x.name.endswith("w13_weight")), {})
-        ranks.append({"rank": r, "files": len(own), "bytes": sum(f.size for f in own) + common,
+        ranks.append({"rank": r, "files": len(own), "bytes": sum(m.files[f].size for f in m.rank_files(r)),
+                      "bytes_kept": kept[r] if kept else None,
                       "tensors": sum(f.tensors for f in own), "local_experts": moe.get("num_local_experts"),
                       "global_routed_experts": moe.get("global_routed_experts")})
     result["ranks"] = ranks
@@ -91,6 +96,33 @@ def _inspect_converted(path: str) -> tuple[dict[str, Any], list[str]]:
         experts = "" if x["local_experts"] is None else f", {x['local_experts']} experts per MoE layer" + (
             f" (routed {x['global_routed_experts'][0]}..{x['global_routed_experts'][1] - 1} + shared)"
             if x["global_routed_experts"] else "")
-        lines.append(f"  rank {x['rank']}: loads {x['bytes'] / 2**30:.3f} GiB ({x['files']} own files + common), "
+        common = "" if t.rank_exact else " + common"
+        keeps = "" if x["bytes_kept"] is None else f", keeps {x['bytes_kept'] / 2**30:.3f} GiB"
+        lines.append(f"  rank {x['rank']}: reads {x['bytes'] / 2**30:.3f} GiB ({x['files']} own files{common}){keeps}, "
                      f"{x['tensors']} own tensors{experts}")
     return result, lines
+
+
+def _kept_bytes(ck: ConvertedCheckpoint) -> list[int] | None:
+    """The tensor bytes each rank's engine holds. Rank-exact: its own tensors, which are read
+    whole. Format 1: its own tensors plus what the engine keeps of the common ones, by the rules
+    rank-exact conversions are split with (``docs/rank-exact.md``; the MTP layer's embedding,
+    which ATOM's drafter replaces, counts as not kept). None when config.json cannot say."""
+    m = ck.manifest
+    own = [0] * m.tp
+    for t in m.tensors:
+        if t.rank is not None and t.role != "unread":
+            own[t.rank] += nbytes(t.dtype, t.shape)
+    if m.target.rank_exact:
+        return own
+    try:
+        config = json.loads((ck.root / "config.json").read_text())
+        common = {t.name: m.source.tensors[t.name] for t in m.tensors if t.rank is None and t.role == "passthrough"}
+        layers = config["num_hidden_layers"]
+        common = {n: i for n, i in common.items()
+                  if not ((x := MTP_EMBED.match(n)) and int(x.group(1)) >= layers)}
+        split, whole = plan_bf16_groups(common, config, m.tp, m.ep, m.target.fuse_shared_expert)
+    except (OSError, ValueError, KeyError, TypeError, PrepError):
+        return None
+    replicated = sum(nbytes(common[n].dtype, common[n].shape) for n in whole)
+    return [own[r] + replicated + sum(nbytes(g.dtype, g.shape) for g in split[r]) for r in range(m.tp)]

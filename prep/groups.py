@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Any, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -24,6 +24,9 @@ import layouts
 from layouts.sizes import ceil_div, pad_to
 
 from .errors import PrepError
+
+if TYPE_CHECKING:
+    from .bf16 import Bf16Group
 
 BLOCK = layouts.BLOCK_SIZE
 Reader = Callable[..., torch.Tensor]  # read(name, rows=None, cols=None, out=None) -> tensor
@@ -443,8 +446,12 @@ def _whole(group: "MoEGroup", chunks: Iterator[tuple[str, torch.Tensor]]) -> lis
     return out
 
 
-def group_from_record(rec: dict[str, Any]) -> LinearGroup | MoEGroup:
-    """Rebuild a group from its manifest record."""
+def group_from_record(rec: dict[str, Any]) -> "LinearGroup | MoEGroup | Bf16Group":
+    """Rebuild a group from its manifest record, by its kind."""
+    if rec["kind"] == "bf16":
+        from .bf16 import group_from_record as bf16_group  # bf16 groups: their own module
+
+        return bf16_group(rec)
     if rec["kind"] == "linear":
         return LinearGroup(rec["name"], rec["rank"], rec["tp"], tuple(Part(**p) for p in rec["parts"]), rec["layout"])
     if rec["kind"] == "moe":

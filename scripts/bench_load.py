@@ -47,9 +47,9 @@ import torch  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 
 import layouts as L  # noqa: E402
-from layouts.safetensors_file import SafetensorsFile, map_all  # noqa: E402
 from prep.convert import convert  # noqa: E402
 from prep.deepseek import Target, classify, plan_groups  # noqa: E402
+from prep.safetensors_writer import nbytes  # noqa: E402
 from prep.source import SourceCheckpoint  # noqa: E402
 
 
@@ -172,78 +172,51 @@ def time_rank(src_dir: pathlib.Path, conv: pathlib.Path, rank: int, repeat: int,
     print(f"ratio     : {s / c:7.2f}x faster to rank ready (target >= 2x)")
 
 
-def write_rank_exact(src: SourceCheckpoint, conv: pathlib.Path, out: pathlib.Path
-                     ) -> dict[str, list[list[pathlib.Path]]]:
-    """A prototype of the rank-exact layout beside a conversion (prep convert does not write it
-    yet): each rank's BF16 tensors split by ``prep.bf16`` (ATOM's rules), in two variants of
-    where the replicated ones go. Returns, per variant, each rank's files (its MXFP4 files from
-    the conversion first): "per-rank": the replicated tensors in every rank's own file;
-    "shared": in one file all ranks read."""
-    from safetensors.torch import save_file
-
-    from prep.bf16 import plan_bf16_groups
-
-    manifest = L.load_manifest(conv)
-    bf16 = {n: i for n, i in src.tensors.items() if i.dtype != "U8"}
-    per_rank, whole = plan_bf16_groups(bf16, src.config, manifest.tp, manifest.ep)
-
-    def replicated(g) -> bool:  # the same bytes on every rank (fused_qkv_a_proj)
-        return not g.stacked and all(p.dim is None for p in g.placements)
-
-    out.mkdir(parents=True, exist_ok=True)
-    shared = {n: src.read(n) for n in whole}
-    shared.update({g.name: g.build(src.read)[0] for g in per_rank[0] if replicated(g)})
-    save_file(shared, str(out / "bf16-replicated.safetensors"))
-    files: dict[str, list[list[pathlib.Path]]] = {"per-rank": [], "shared": []}
-    for rank, groups in enumerate(per_rank):
-        mxfp4 = [conv / r.file for r in manifest.rank_tensors(rank) if r.rank == rank]
-        mxfp4 = list(dict.fromkeys(mxfp4))
-        split = {g.name: g.build(src.read)[0] for g in groups if not replicated(g)}
-        save_file(split, str(out / f"bf16-rank{rank}.safetensors"))
-        save_file({**split, **shared}, str(out / f"bf16-rank{rank}-with-replicated.safetensors"))
-        files["per-rank"].append(mxfp4 + [out / f"bf16-rank{rank}-with-replicated.safetensors"])
-        files["shared"].append(mxfp4 + [out / f"bf16-rank{rank}.safetensors", out / "bf16-replicated.safetensors"])
-        del split
-    return files
+def load_and_touch(conv: pathlib.Path, rank: int) -> int:
+    """Rank ready on the CPU: ``load_rank`` (each of the rank's files mapped once), then every
+    page touched so the bytes are really in memory. Returns the bytes mapped."""
+    ranked = L.load_rank(conv, rank)
+    for t in ranked.buffers:
+        int(t[::4096].sum())
+    return sum(t.numel() for t in ranked.buffers)
 
 
-def map_and_touch(paths) -> int:
-    """What load_rank does with a rank's files, without the manifest: map each file, touch
-    every page. Returns the bytes mapped."""
-    n = 0
-    for p in paths:
-        buf, _ = map_all(SafetensorsFile(p))
-        int(buf[::4096].sum())
-        n += buf.numel()
-    return n
-
-
-def compare_layouts(src: SourceCheckpoint, conv: pathlib.Path, rank: int, repeat: int, cold: bool) -> None:
-    """Bytes each rank reads and the time to map and touch them: today's layout against the
-    rank-exact prototype (both variants of where replicated tensors go), in the same run."""
-    manifest = L.load_manifest(conv)
+def compare_layouts(src: SourceCheckpoint, convs: dict[str, pathlib.Path], rank: int, repeat: int,
+                    cold: bool) -> None:
+    """Bytes each rank reads and rank ``rank``'s time to rank ready, for each conversion of the
+    same source (format 1, ``--common-bf16``, against ``"rank-exact"``), alternating, in the same run."""
     total = sum(i.nbytes for i in src.tensors.values())
-    layouts_files = {"today": [[conv / f for f in manifest.rank_files(r)] for r in range(manifest.tp)]}
-    layouts_files.update(write_rank_exact(src, conv, conv / "rank-exact"))
-    print(f"rank-exact prototype, tp {manifest.tp} ep {manifest.ep}: bytes read per rank "
-          f"(checkpoint {total / 2**30:.3f} GiB, 1/tp {total / manifest.tp / 2**30:.3f} GiB)")
-    for name, per_rank in layouts_files.items():
-        sizes = [sum(p.stat().st_size for p in files) for files in per_rank]
-        disk = sum(p.stat().st_size for p in {p for files in per_rank for p in files})
-        print(f"  {name:9s}: {max(sizes) / 2**30:.3f} GiB read per rank at most ({max(sizes) / total:.3f} of the "
-              f"checkpoint; least {min(sizes) / 2**30:.3f} GiB), {disk / 2**30:.3f} GiB on disk for all ranks")
+    first = L.load_manifest(next(iter(convs.values())))
+    print(f"layouts, tp {first.tp} ep {first.ep}: bytes read per rank (checkpoint {total / 2**30:.3f} GiB, "
+          f"1/tp {total / first.tp / 2**30:.3f} GiB)")
+    # The issue's bound: 1/tp of the checkpoint plus the tensors every rank holds whole (what a
+    # rank-exact conversion copies into each rank's files: passthrough, and whole BF16 windows).
+    exact = L.load_manifest(convs["rank-exact"])
+    replicated = sum(nbytes(t.dtype, t.shape) for t in exact.rank_tensors(0) if t.role == "passthrough")
+    replicated += sum(nbytes(src.tensors[p.source].dtype, src.tensors[p.source].shape) for g in exact.groups
+                      if g.kind == "bf16" and g.rank == 0 for p in g.placements if p.dim is None)
+    bound = total / exact.tp + replicated
+    print(f"  bound: 1/tp + replicated ({replicated / 2**20:.1f} MiB) = {bound / 2**30:.3f} GiB (target: read <= 1.05x)")
+    for name, conv in convs.items():
+        m = L.load_manifest(conv)
+        sizes = [sum(m.files[f].size for f in m.rank_files(r)) for r in range(m.tp)]
+        disk = sum(f.size for f in m.files.values())
+        print(f"  {name:12s}: {max(sizes) / 2**30:.3f} GiB read per rank at most ({max(sizes) / total:.3f} of the "
+              f"checkpoint; least {min(sizes) / 2**30:.3f} GiB, {max(sizes) / bound:.3f}x the bound), "
+              f"{disk / 2**30:.3f} GiB on disk for all ranks")
     for label, evict_first in (("warm", False), ("cold", True)) if cold else (("warm", False),):
-        times: dict[str, list[float]] = {k: [] for k in layouts_files}
-        for i in range(repeat + 1):
-            for name, per_rank in layouts_files.items():
+        times: dict[str, list[float]] = {k: [] for k in convs}
+        for i in range(repeat + 1):  # the first round warms the page cache (untimed unless cold)
+            for name, conv in convs.items():
                 if evict_first:
-                    evict([p for files in per_rank for p in files])
+                    m = L.load_manifest(conv)
+                    evict([conv / f for f in m.files])
                 t0 = time.perf_counter()
-                map_and_touch(per_rank[rank])
+                load_and_touch(conv, rank)
                 if i or evict_first:
                     times[name].append(time.perf_counter() - t0)
-        base = min(times["today"])
-        print(f"  rank {rank} map + touch, {label}, best of {len(times['today'])}: " + ", ".join(
+        base = min(next(iter(times.values())))
+        print(f"  rank {rank} load_rank + touch, {label}, best of {repeat + (1 if evict_first else 0)}: " + ", ".join(
             f"{k} {min(v):.3f} s ({base / min(v):.2f}x)" for k, v in times.items()))
 
 
@@ -260,7 +233,7 @@ def main() -> None:
     ap.add_argument("--cold", action="store_true", help="also time with the files evicted from the page cache")
     ap.add_argument("--bytes-only", action="store_true", help="the per-rank bytes table only, no timing")
     ap.add_argument("--rank-exact", action="store_true",
-                    help="also write the rank-exact prototype beside each conversion and compare it with today's")
+                    help="also convert rank-exact (the default layout) and compare it with --common-bf16 (format 1)")
     ap.add_argument("--no-source", action="store_true", help="skip timing the engine-like load from the source")
     args = ap.parse_args()
     src = SourceCheckpoint(args.src)
@@ -272,13 +245,17 @@ def main() -> None:
             tmp = pathlib.Path(tempfile.mkdtemp(prefix="prep-bench-load-", dir=out_root))
             conv = tmp / "converted"
             t0 = time.perf_counter()
-            convert(str(args.src), conv, Target("preshuffle", "ck", tp, ep=tp if args.ep else 1))
+            convert(str(args.src), conv, Target("preshuffle", "ck", tp, ep=tp if args.ep else 1, rank_exact=False))
             print(f"converted {args.src} at tp {tp}{' ep ' + str(tp) if args.ep else ''} "
                   f"in {time.perf_counter() - t0:.1f} s")
         try:
             bytes_table(src, conv)
-            if args.rank_exact:
-                compare_layouts(src, conv, args.rank, args.repeat, args.cold)
+            if args.rank_exact and tmp is not None:
+                exact = tmp / "rank-exact"
+                t0 = time.perf_counter()
+                convert(str(args.src), exact, Target("preshuffle", "ck", tp, ep=tp if args.ep else 1))
+                print(f"converted rank-exact in {time.perf_counter() - t0:.1f} s")
+                compare_layouts(src, {"common-bf16": conv, "rank-exact": exact}, args.rank, args.repeat, args.cold)
             if not args.bytes_only and not args.no_source:
                 time_rank(args.src, conv, args.rank, args.repeat, args.device, args.pread, cold=False)
                 if args.cold:

@@ -60,19 +60,25 @@ def bf16(*shape):
     return torch.nn.Parameter(torch.zeros(*shape, dtype=torch.bfloat16), requires_grad=False)
 
 
-def atom_decoder_layer(cfg, i, tp, ep=1, mxfp4_attention=True):
-    """The MXFP4 modules of ATOM's DeepseekV2DecoderLayer ``i`` for one rank. With BF16 attention
-    (r1-0528) ATOM builds plain BF16 linears there, which the adapter leaves to ATOM's loader."""
+def atom_decoder_layer(cfg, i, tp, ep=1, mxfp4_attention=True, full=False, mxfp4_experts=True):
+    """ATOM's DeepseekV2DecoderLayer ``i`` for one rank: its MXFP4 modules, and with ``full`` its
+    BF16 parameters too (norms, router and its bias, BF16 attention, BF16 experts), shaped as
+    ATOM's layer classes allocate them for the rank (split, merged, stacked). With BF16 attention
+    (r1-0528) ATOM builds plain BF16 linears there."""
     h, heads = cfg["hidden_size"], cfg["num_attention_heads"] // tp
     nope, rope, v = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
+    q_lora, kv_lora = cfg["q_lora_rank"], cfg["kv_lora_rank"]
     n_routed = cfg["n_routed_experts"]
     layer = torch.nn.Module()
     attn = torch.nn.Module()
-    if mxfp4_attention:
-        attn.fused_qkv_a_proj = Fp4Linear(cfg["q_lora_rank"] + cfg["kv_lora_rank"] + rope, h)
-        attn.q_b_proj = Fp4Linear(heads * (nope + rope), cfg["q_lora_rank"])
-        attn.kv_b_proj = Fp4Linear(heads * (nope + v), cfg["kv_lora_rank"])
-        attn.o_proj = Fp4Linear(h, heads * v)
+    shapes = {"fused_qkv_a_proj": (q_lora + kv_lora + rope, h), "q_b_proj": (heads * (nope + rope), q_lora),
+              "kv_b_proj": (heads * (nope + v), kv_lora), "o_proj": (h, heads * v)}
+    for module, (n, k) in shapes.items():
+        if mxfp4_attention:
+            setattr(attn, module, Fp4Linear(n, k))
+        elif full:
+            setattr(attn, module, torch.nn.Module())
+            getattr(attn, module).weight = bf16(n, k)
     layer.self_attn = attn
     mlp = torch.nn.Module()
     if i < cfg["first_k_dense_replace"]:
@@ -81,29 +87,50 @@ def atom_decoder_layer(cfg, i, tp, ep=1, mxfp4_attention=True):
     else:
         inter = cfg["moe_intermediate_size"] // (1 if ep > 1 else tp)
         n_local = (n_routed // ep if ep > 1 else n_routed) + 1  # + the fused shared expert
-        mlp.experts = FusedMoE(n_local, inter, h)
+        if mxfp4_experts:
+            mlp.experts = FusedMoE(n_local, inter, h)
+        elif full:  # ATOM's UnquantizedFusedMoEMethod: BF16 w13 [E, 2I, H] and w2 [E, H, I], no pad
+            mlp.experts = torch.nn.Module()
+            mlp.experts.w13_weight, mlp.experts.w2_weight = bf16(n_local, 2 * inter, h), bf16(n_local, h, inter)
+        if full:
+            mlp.gate = torch.nn.Module()
+            mlp.gate.weight = bf16(n_routed, h)
+            mlp.gate.e_score_correction_bias = bf16(n_routed)  # ATOM holds it in BF16 (the checkpoint: F32)
     layer.mlp = mlp
+    if full:
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            setattr(layer, norm, torch.nn.Module())
+            getattr(layer, norm).weight = bf16(h)
+        for norm, dim in (("q_a_layernorm", q_lora), ("kv_a_layernorm", kv_lora)):
+            setattr(attn, norm, torch.nn.Module())
+            getattr(attn, norm).weight = bf16(dim)
     return layer
 
 
-def atom_like_model(cfg, tp, ep=1, mxfp4_attention=True):
-    """The MXFP4 modules of ATOM's DeepseekV2ForCausalLM for one rank: num_hidden_layers layers,
-    no MTP layer (ATOM's DeepseekV2Model makes only those; the MTP layer is the draft model's)."""
+def atom_like_model(cfg, tp, ep=1, mxfp4_attention=True, full=False):
+    """ATOM's DeepseekV2ForCausalLM for one rank: num_hidden_layers layers, no MTP layer (ATOM's
+    DeepseekV2Model makes only those; the MTP layer is the draft model's). Its MXFP4 modules, and
+    with ``full`` every parameter (embedding and lm_head split by vocabulary rows)."""
     root = torch.nn.Module()
     model = torch.nn.Module()
     root.model = model
-    model.layers = torch.nn.ModuleList(atom_decoder_layer(cfg, i, tp, ep, mxfp4_attention)
+    model.layers = torch.nn.ModuleList(atom_decoder_layer(cfg, i, tp, ep, mxfp4_attention, full)
                                        for i in range(cfg["num_hidden_layers"]))
+    if full:
+        h, vocab = cfg["hidden_size"], cfg["vocab_size"]
+        model.embed_tokens, model.norm, root.lm_head = torch.nn.Module(), torch.nn.Module(), torch.nn.Module()
+        model.embed_tokens.weight, model.norm.weight, root.lm_head.weight = bf16(vocab // tp, h), bf16(h), \
+            bf16(vocab // tp, h)
     return root
 
 
-def atom_like_draft_model(cfg, tp, ep=1):
+def atom_like_draft_model(cfg, tp, ep=1, bf16_layer=False):
     """ATOM's DeepSeekMTP draft model as atom/models/deepseek_mtp.py (ROCm/ATOM ffdf3bb5) names it:
     model.layers is a ModuleDict keyed by the checkpoint's layer index N = num_hidden_layers + i;
     each layer holds enorm, hnorm, eh_proj (BF16: excluded by ATOM when the checkpoint has no
     eh_proj.weight_scale) and shared_head, and the decoder layer as ``mtp_block``; embed_tokens is
     the predictor's own, at the top. BF16 parameters included, so every name the checkpoint
-    maps to can be checked against it."""
+    maps to can be checked against it. ``bf16_layer``: the whole layer BF16 (R1-0528)."""
     h, vocab, n = cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
     root, predictor = torch.nn.Module(), torch.nn.Module()
     root.model = predictor
@@ -118,18 +145,7 @@ def atom_like_draft_model(cfg, tp, ep=1):
         layer.shared_head = torch.nn.Module()
         layer.shared_head.norm, layer.shared_head.head = torch.nn.Module(), torch.nn.Module()
         layer.shared_head.norm.weight, layer.shared_head.head.weight = bf16(h), bf16(vocab // tp, h)
-        block = atom_decoder_layer(cfg, idx, tp, ep)
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            setattr(block, norm, torch.nn.Module())
-            getattr(block, norm).weight = bf16(h)
-        for norm, dim in (("q_a_layernorm", cfg["q_lora_rank"]), ("kv_a_layernorm", cfg["kv_lora_rank"])):
-            setattr(block.self_attn, norm, torch.nn.Module())
-            getattr(block.self_attn, norm).weight = bf16(dim)
-        block.mlp.gate = torch.nn.Module()
-        block.mlp.gate.weight = bf16(cfg["n_routed_experts"], h)
-        block.mlp.gate.e_score_correction_bias = torch.nn.Parameter(torch.zeros(cfg["n_routed_experts"]),
-                                                                    requires_grad=False)
-        layer.mtp_block = block
+        layer.mtp_block = atom_decoder_layer(cfg, idx, tp, ep, not bf16_layer, full=True, mxfp4_experts=not bf16_layer)
         predictor.layers[str(idx)] = layer
     predictor.embed_tokens = torch.nn.Module()
     predictor.embed_tokens.weight = bf16(vocab // tp, h)
@@ -143,19 +159,21 @@ def mtp_prefixes(cfg):
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
+    """Format 1 (``--common-bf16``): the MXFP4 tensors installed, the BF16 ones left whole for
+    ATOM's loader. Rank-exact checkpoints (the default) are the tests at the end of this file."""
     root = tmp_path_factory.mktemp("atom")
     src = write_checkpoint(SynthSpec(variant="v2"), root / "src")
-    convert(str(src), root / "tp2", Target("preshuffle", "ck", 2))
-    convert(str(src), root / "ep2", Target("preshuffle", "ck", 2, ep=2))
+    convert(str(src), root / "tp2", Target("preshuffle", "ck", 2, rank_exact=False))
+    convert(str(src), root / "ep2", Target("preshuffle", "ck", 2, ep=2, rank_exact=False))
     return root, json.loads((src / "config.json").read_text())
 
 
 @pytest.fixture(scope="module")
 def r1_ckpt(tmp_path_factory):
-    """R1-0528 style: attention (and the whole MTP layer) BF16, experts and dense MLP MXFP4."""
+    """R1-0528 style: attention (and the whole MTP layer) BF16, experts and dense MLP MXFP4; format 1."""
     root = tmp_path_factory.mktemp("atom-r1")
     src = write_checkpoint(SynthSpec(variant="r1-0528"), root / "src")
-    convert(str(src), root / "tp2", Target("preshuffle", "ck", 2))
+    convert(str(src), root / "tp2", Target("preshuffle", "ck", 2, rank_exact=False))
     return root / "tp2", json.loads((src / "config.json").read_text())
 
 
@@ -298,3 +316,52 @@ def test_triton_gemm_with_bf16_attention_installs(r1_ckpt):
     mtp = set(report.mtp)  # the excluded (BF16) MTP layer, for the draft model's own loader
     assert mtp and all(n.startswith(mtp_prefixes(cfg)) for n in mtp)
     assert all(report.rank_tensors.records[n].role == "passthrough" for n in mtp)
+
+
+# ---------------------------------------------------------------------------- rank-exact (format 2)
+@pytest.fixture(scope="module", params=["v2", "r1-0528"])
+def exact_ckpt(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(f"atom-exact-{request.param}")
+    src = write_checkpoint(SynthSpec(variant=request.param), root / "src")
+    for tp, ep in ((2, 1), (2, 2)):
+        convert(str(src), root / f"tp{tp}ep{ep}", Target("preshuffle", "ck", tp, ep, rank_exact=True))
+    return root, src, request.param, json.loads((src / "config.json").read_text())
+
+
+@pytest.mark.parametrize("ep", (1, 2))
+def test_a_rank_exact_checkpoint_fills_every_parameter_of_atoms_models(exact_ckpt, ep):
+    """Every parameter of the target and the draft model is written, BF16 included (ATOM's
+    "N/M parameters were NOT loaded" warning has nothing to count), each with the bytes of the
+    rank's tensor, and nothing is handed to ATOM's loader."""
+    root, src, variant, cfg = exact_ckpt
+    bf16_attention = variant == "r1-0528"
+    for rank in range(2):
+        model = atom_like_model(cfg, tp=2, ep=ep, mxfp4_attention=not bf16_attention, full=True)
+        draft = atom_like_draft_model(cfg, tp=2, ep=ep, bf16_layer=bf16_attention)
+        engine = EngineConfig("asm", "ck", 2, rank=rank, ep_size=ep)
+        report = install_converted_weights(model, root / f"tp2ep{ep}", engine, mtp_model=draft)
+        assert not report.not_installed and not report.passthrough and not report.mtp
+        assert set(report.installed) == {n for n, _ in model.named_parameters()}
+        assert set(report.mtp_installed) == {n for n, _ in draft.named_parameters()}
+        loaded = report.rank_tensors
+        params = dict(model.named_parameters())
+        for name, t in loaded.items():
+            if name in params:
+                p = params[name]
+                want = t if p.dtype == t.dtype or loaded.records[name].layout else t.to(p.dtype)
+                assert torch.equal(p.data.view(torch.uint8), want.view(torch.uint8)), name
+        # ATOM's drafter shares the target's embedding: the draft gets the rank's target embedding.
+        assert torch.equal(dict(draft.named_parameters())["model.embed_tokens.weight"],
+                           loaded["model.embed_tokens.weight"])
+        # BF16 experts (R1-0528's MTP layer) keep ATOM's processing (its shuffle), MXFP4 ones skip it.
+        layer = cfg["num_hidden_layers"]
+        assert (f"model.layers.{layer}.mtp_block.mlp.experts" in report.skipped_processing) != bf16_attention
+
+
+def test_a_rank_exact_checkpoint_without_a_draft_returns_the_mtp_layer(exact_ckpt):
+    root, _, variant, cfg = exact_ckpt
+    model = atom_like_model(cfg, tp=2, mxfp4_attention=variant != "r1-0528", full=True)
+    report = install_converted_weights(model, root / "tp2ep1", EngineConfig("asm", "ck", 2, rank=1))
+    assert not report.not_installed and not report.passthrough
+    assert report.mtp and all(n.startswith(mtp_prefixes(cfg)) for n in report.mtp)
+    assert f"model.layers.{cfg['num_hidden_layers']}.embed_tokens.weight" not in report.mtp  # no rank reads it

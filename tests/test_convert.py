@@ -380,19 +380,27 @@ def test_convert_resolves_a_repo_id_through_the_hub_cache_offline(sources, tmp_p
     assert nothing_left(missing)
 
 
-def test_inspect_of_a_converted_checkpoint_says_what_each_rank_loads(sources, tmp_path):
-    out = tmp_path / "out"
-    convert(str(sources["v2"]), out, Target("preshuffle", "ck", 2, ep=2))
-    r = CliRunner().invoke(main, ["inspect", str(out), "--json"])
-    ranks = json.loads(r.output)["ranks"]
-    m = json.loads((out / "prep-manifest.json").read_text())
-    common = sum(f["size"] for f in m["files"].values() if f["rank"] is None)
-    for x in ranks:
-        own = sum(f["size"] for f in m["files"].values() if f["rank"] == x["rank"])
-        assert x["bytes"] == own + common and x["local_experts"] == 5
-    assert [x["global_routed_experts"] for x in ranks] == [[0, 4], [4, 8]]
-    text = CliRunner().invoke(main, ["inspect", str(out)]).output
-    assert "rank 1: loads" in text and "routed 4..7 + shared" in text
+def test_inspect_of_a_converted_checkpoint_says_what_each_rank_reads_and_keeps(sources, tmp_path):
+    for exact in (True, False):
+        out = tmp_path / f"out-{exact}"
+        convert(str(sources["v2"]), out, Target("preshuffle", "ck", 2, ep=2, rank_exact=exact))
+        r = CliRunner().invoke(main, ["inspect", str(out), "--json"])
+        ranks = json.loads(r.output)["ranks"]
+        m = json.loads((out / "prep-manifest.json").read_text())
+        common = sum(f["size"] for f in m["files"].values() if f["rank"] is None)
+        for x in ranks:
+            own = sum(f["size"] for f in m["files"].values() if f["rank"] == x["rank"])
+            # Rank-exact: a rank reads its own files, which are what it keeps (plus headers).
+            # Format 1: it reads every common file too and keeps a slice of the BF16 in them.
+            assert x["bytes"] == (own if exact else own + common) and x["local_experts"] == 5
+            assert x["bytes_kept"] <= x["bytes"] and (x["bytes"] - x["bytes_kept"] < 64 << 10) == exact
+        assert [x["global_routed_experts"] for x in ranks] == [[0, 4], [4, 8]]
+        text = CliRunner().invoke(main, ["inspect", str(out)]).output
+        assert "rank 1: reads" in text and "keeps" in text and "routed 4..7 + shared" in text
+        kept = [x["bytes_kept"] for x in ranks]
+        if exact:
+            exact_kept = kept
+    assert kept == exact_kept  # format 1's "kept", computed from the rules, is what rank-exact stores
 
 
 def test_parallel_workers_write_the_same_checkpoint(sources, tmp_path, monkeypatch):

@@ -493,7 +493,25 @@ MANIFEST_CASES = {  # name: (edit of the parsed manifest, or bytes for the whole
     "tp-huge": (lambda m: m["target"].__setitem__("tp", 10**9), "target.tp is 1000000000, not an integer in [1, "),
     "files-a-list": (lambda m: m.__setitem__("files", []), "files is not an object"),
     "group-file-escapes": (lambda m: m["groups"][0].__setitem__("file", "../x"), "'../x' is not a plain file name"),
+    "bf16-window-outside": (lambda m: next(g for g in m["groups"] if g["kind"] == "bf16")["placements"][0]
+                            .__setitem__("stop", 10**9), "a window [start, stop) inside that dim"),
 }
+
+
+def test_a_bf16_group_that_does_not_match_its_file_is_refused_in_one_line(made, tmp_path):
+    """A rank-exact group record whose windows no longer describe the stored tensor (half of
+    one split window): inverting it stops with one line naming the tensor, before any read."""
+    out = copy(made["out"], tmp_path / "out")
+
+    def halve(m):
+        g = next(g for g in m["groups"] if g["kind"] == "bf16" and g["placements"][0]["dim"] == 0)
+        p = g["placements"][0]
+        p["stop"] = p["start"] + (p["stop"] - p["start"]) // 2
+        return g["name"]
+
+    edit_manifest(out, halve)
+    assert_one_line_error(run_cli("verify", out, "--source", made["src"]), "does not match its group record")
+    assert_one_line_error(run_cli("revert", out, "-o", tmp_path / "back"), "does not match its group record")
 
 
 @pytest.mark.parametrize("case", list(MANIFEST_CASES))

@@ -25,6 +25,7 @@ CONVERSIONS = {
     "r1-tp2": ("r1-0528", Target("non-shuffle", "triton", 2)),
     "v2-ep2": ("v2", Target("preshuffle", "ck", 2, ep=2)),
     "r1-ep2": ("r1-0528", Target("preshuffle", "ck", 2, ep=2)),
+    "v2-tp2-format1": ("v2", Target("preshuffle", "ck", 2, rank_exact=False)),  # --common-bf16
 }
 
 
@@ -86,7 +87,7 @@ def written(out: pathlib.Path) -> dict[str, list[dict]]:
     """Every object of each documented section that one conversion wrote."""
     raw = json.loads((out / schema.MANIFEST_NAME).read_text())
     marker = json.loads((out / schema.COMPLETE_NAME).read_text())
-    mxfp4 = [t for t in raw["tensors"] if t["role"] != "passthrough"]
+    grouped = [t for t in raw["tensors"] if "runtime_attrs" in t]  # tensors of a group
     return {
         "prep-manifest.json": [raw],
         "source": [raw["source"]],
@@ -97,8 +98,9 @@ def written(out: pathlib.Path) -> dict[str, list[dict]]:
         "files": list(raw["files"].values()),
         "groups": raw["groups"],
         "parts": [p for g in raw["groups"] if g["kind"] == "linear" for p in g["parts"]],
+        "placements": [p for g in raw["groups"] if g["kind"] == "bf16" for p in g["placements"]],
         "tensors": raw["tensors"],
-        "runtime_attrs": [t["runtime_attrs"] for t in mxfp4],
+        "runtime_attrs": [t["runtime_attrs"] for t in grouped],
         "transforms": [{x["op"]: x} for t in raw["tensors"] for x in t["transforms"]],  # keyed by op
         "prep-complete.json": [marker],
     }
@@ -141,5 +143,5 @@ def test_the_documented_example_is_a_manifest_in_the_order_prep_writes(converted
 
 
 def test_another_format_version_is_refused_naming_the_fix():
-    with pytest.raises(ManifestError, match="format_version 2 is not supported .*upgrade prep/layouts"):
-        Manifest.from_json({"format": schema.FORMAT, "format_version": 2, "target": {}, "tensors": []})
+    with pytest.raises(ManifestError, match="format_version 3 is not supported .*reads 1, 2.*upgrade prep/layouts"):
+        Manifest.from_json({"format": schema.FORMAT, "format_version": 3, "target": {}, "tensors": []})

@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from layouts.manifest import load_manifest
+from layouts.manifest import expand_names, load_manifest
 from prep.convert import convert
 from prep.deepseek import Target
 from prep.testing import SynthSpec, write_checkpoint
@@ -219,16 +219,21 @@ def test_resume_after_one_source_byte_changed_redoes_exactly_the_files_that_read
     shutil.copytree(sources["a"], src)
     r = prep("convert", src, "-o", out, "--tp", "2", kill_at="marker-written")  # every file finished
     assert r.returncode == -signal.SIGKILL
-    # The shard holding lm_head and the final norm: only the common (BF16) file reads it.
+    # The shard holding lm_head and the final norm: read by the files that hold a slice or a copy
+    # of one of its tensors (every rank's, rank-exact), and by no other.
     victim = src / json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]["lm_head.weight"]
+    m = json.loads((out.parent / f".{out.name}.prep" / "staging" / "prep-manifest.json").read_text())
+    readers = {t["file"] for t in m["tensors"]
+               if any(m["source"]["tensors"][n]["file"] == victim.name for n in expand_names(t["sources"]))}
+    assert readers and len(readers) < len(m["files"])
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0x01  # one byte, in the middle of the data, where sampling may not look
     victim.write_bytes(bytes(data))
     r = prep("convert", src, "-o", out, "--tp", "2", "--resume", "--json")
     assert r.returncode == 0, r.stderr
     s = json.loads(r.stdout)
-    assert s["files"] - s["reused_files"] == 1, s  # the common file, no rank file
-    assert victim.name in r.stderr and "model-common-" in r.stderr
+    assert s["files"] - s["reused_files"] == len(readers), s
+    assert victim.name in r.stderr and sorted(readers)[0] in r.stderr
     assert prep("verify", out, "--source", src).returncode == 0
 
 

@@ -53,8 +53,15 @@ skip that, and ``is_shuffled`` is only ever written. So:
    the layout pads: S32x8 scales, 2-D CK MoE scales), sets the attributes the manifest states
    (``is_shuffled`` on the weight, ``hidden_pad`` / ``intermediate_pad`` on the MoE method,
    which ATOM passes to ``fused_moe``), and makes that module's processing a no-op;
-2. it returns the pass-through (BF16) tensors, which ATOM's own weight loader takes as usual
-   (norms, embeddings, router, and attention where the checkpoint keeps it BF16);
+2. a rank-exact checkpoint (manifest format 2, ``docs/rank-exact.md``) holds the rank's BF16
+   tensors already split and merged as ATOM's layer classes hold them: each is installed into its
+   parameter too (the F32 router bias cast to ATOM's BF16), so nothing is left for ATOM's loader
+   and ``AtomInstallReport.not_installed`` lists any parameter still unfilled. Their modules keep
+   ATOM's own processing: BF16 linears need none, and BF16 experts (the R1-0528 MTP layer) are
+   stored split but unshuffled (their group's layout is None) so ATOM's ``shuffle_weights`` still
+   runs on them; a BF16 MoE layout in the registry would let that be skipped too. Of a format-1
+   checkpoint the pass-through (BF16) tensors are whole and come back in
+   ``AtomInstallReport.passthrough`` for ATOM's own loader to slice;
 3. the MTP layer (``model.layers.{num_hidden_layers + i}``, ``i < num_nextn_predict_layers``) is
    not in ATOM's ``DeepseekV2ForCausalLM``: ATOM builds it only in its separate draft model
    (``DeepSeekMTP``). Its tensors are installed into that draft model when one is passed
@@ -140,7 +147,7 @@ ATTENTION_MODULES = ("q_proj", "q_a_proj", "kv_a_proj_with_mqa", "fused_qkv_a_pr
 def mxfp4_attention_group(manifest: Manifest) -> str | None:
     """The first attention module the checkpoint holds in MXFP4, or None (attention is BF16)."""
     for t in manifest.tensors:
-        if t.role != "passthrough" and t.group and t.group.rpartition(".")[2] in ATTENTION_MODULES:
+        if t.role == "mxfp4_weight" and t.group and t.group.rpartition(".")[2] in ATTENTION_MODULES:
             return t.group
     return None
 
@@ -295,6 +302,9 @@ class AtomInstallReport:
     # loader takes these names as they are (its ``remap_mtp_weight_name`` renames them).
     mtp: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     mtp_installed: list[str] = dataclasses.field(default_factory=list)  # draft-model parameter names filled
+    # Rank-exact: parameters of the models ("main:…", "draft:…") the checkpoint did not fill; ATOM's
+    # loader would warn that they were NOT loaded. Empty when the model is the converted one.
+    not_installed: list[str] = dataclasses.field(default_factory=list)
 
 
 def _processing_done(layer: torch.nn.Module) -> None:
@@ -324,6 +334,7 @@ def _as_param_dtype(t: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
 # drops names past them (CheckpointNameRewriter._is_past_last_layer, atom/model_loader/weight_names.py).
 _MTP_LAYER_OWN = ("embed_tokens", "enorm", "hnorm", "eh_proj", "shared_head")  # ATOM's spec_layer_weight_names
 _MTP_SHARED = ("embed_tokens",)  # ATOM's shared_weight_names
+_TARGET_EMBED = "model.embed_tokens.weight"
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
@@ -373,9 +384,14 @@ def _install(model: torch.nn.Module, items: list[tuple[str, str, torch.Tensor, T
                                 f"is this ATOM's {'DeepSeekMTP' if which == 'draft' else 'DeepSeek model'} "
                                 "with the same --tp/--ep?")
         module_name = name.rpartition(".")[0]
-        if rec.role == "mxfp4_weight" and tuple(param.shape) != tuple(t.shape):
+        # Scales may be padded past ATOM's allocation; every other tensor is exactly the parameter.
+        if rec.role != "e8m0_scale" and tuple(param.shape) != tuple(t.shape):
             raise ManifestError(f"{shown}: the {what} allocates {list(param.shape)} but the checkpoint holds "
                                 f"{list(t.shape)}; the model config differs from the converted one")
+        if rec.layout is None:  # source bytes, already split: ATOM's own processing still runs on them
+            param.data = t if param.dtype == t.dtype else t.to(param.dtype)  # the F32 router bias: ATOM keeps BF16
+            installed.append(name)
+            continue
         param.data = _as_param_dtype(t, param)
         for k, v in rec.runtime_attrs.items():
             setattr(param, k, v)
@@ -408,9 +424,17 @@ def _skip_processing(module: torch.nn.Module, module_name: str, method_attrs: di
 def install_converted_weights(model: torch.nn.Module, model_dir: str | pathlib.Path, engine: EngineConfig,
                               device: str | torch.device | None = None,
                               mtp_model: torch.nn.Module | None = None) -> AtomInstallReport:
-    """Install rank ``engine.rank``'s converted MXFP4 tensors into ``model`` (ATOM's DeepSeek),
-    and the MTP layer's into ``mtp_model`` (ATOM's ``DeepSeekMTP`` draft) when given; without
-    it the MTP layer's tensors come back in the report's ``mtp``, not installed.
+    """Install rank ``engine.rank``'s converted tensors into ``model`` (ATOM's DeepSeek), and the
+    MTP layer's into ``mtp_model`` (ATOM's ``DeepSeekMTP`` draft) when given; without it the MTP
+    layer's tensors come back in the report's ``mtp``, not installed.
+
+    A rank-exact checkpoint (manifest format 2) holds every tensor of the rank already split as
+    ATOM holds it: all of them are installed, BF16 included, and nothing is left for ATOM's
+    loader (``report.not_installed`` names any parameter of the model still unfilled). The
+    draft's ``model.embed_tokens`` gets the rank's target embedding, which is what ATOM's drafter
+    puts there after loading. Of a format-1 checkpoint the MXFP4 tensors are installed and the
+    pass-through ones (whole, for every rank) come back in ``report.passthrough`` for ATOM's
+    loader to slice.
 
     Raises :class:`~layouts.CompatibilityError` when the engine would misread the checkpoint,
     and :class:`~layouts.ManifestError` naming the tensor when the model has no parameter for
@@ -422,21 +446,30 @@ def install_converted_weights(model: torch.nn.Module, model_dir: str | pathlib.P
         first = next(iter(model.parameters()), None)
         device = first.device if first is not None else "cpu"
     tensors = load_rank(model_dir, engine.rank, device, manifest=manifest)
+    exact = manifest.target.rank_exact
     report = AtomInstallReport([], [], {}, [], tensors)
     main, draft = [], []
     for name, t in tensors.items():
         rec = tensors.records[name]
         layer = _layer_index(name)
+        whole = rec.role == "passthrough" and not exact  # format 1: ATOM's loader slices it
         if layer is not None and layer in mtp_layers:
-            if mtp_model is not None and rec.role != "passthrough":
+            if mtp_model is not None and not whole:
                 draft.append((name, atom_mtp_param_name(name, layer), t, rec))
             else:
                 report.mtp[name] = t  # ATOM's main model has no MTP layer: the draft model takes these
-        elif rec.role == "passthrough":
+        elif whole:
             report.passthrough[name] = t
         else:
             main.append((name, name, t, rec))
+            if exact and mtp_model is not None and name == _TARGET_EMBED:
+                draft.append((name, _TARGET_EMBED, t, rec))  # ATOM's drafter shares the target's embedding
     report.installed = _install(model, main, report, "main")
     if mtp_model is not None:
         report.mtp_installed = _install(mtp_model, draft, report, "draft")
+    if exact:
+        for which, m, done in (("main", model, report.installed), ("draft", mtp_model, report.mtp_installed)):
+            if m is not None:
+                filled = set(done)
+                report.not_installed += [f"{which}:{n}" for n, _ in m.named_parameters() if n not in filled]
     return report

@@ -29,7 +29,9 @@ import torch
 
 import layouts
 from layouts.dequant import dequantize_expert, dequantize_stored
+from layouts.safetensors_file import TORCH_DTYPES
 
+from ..bf16 import Bf16Group
 from ..errors import PrepError
 from ..groups import LinearGroup, MoEGroup, group_from_record
 from ..source import SourceCheckpoint
@@ -139,9 +141,28 @@ def _from_converted(root: pathlib.Path, assume_layout: str | None, manifest: lay
             return layouts.get_layout(assume_layout)
         return lay
 
+    split: dict[str, list[Bf16Group]] = {}  # rank-exact: BF16 source tensor -> the groups holding a window
     for rec in manifest.groups:
         g = group_from_record(rec.to_json())  # prep's groups read the record's JSON
+        if isinstance(g, Bf16Group):
+            for name in dict.fromkeys(g.sources()):
+                split.setdefault(name, []).append(g)
+            continue
         _weight_pieces(g, ranks[g.rank], layout_of(g), pieces)
+
+    def assemble_bf16(name: str) -> torch.Tensor:
+        """A split BF16 source tensor put back together from its ranks' windows."""
+        meta = src_meta[name]
+        full = torch.empty(meta.shape, dtype=TORCH_DTYPES[meta.dtype])
+        covered = torch.zeros(meta.shape, dtype=torch.bool)
+        for g in split[name]:
+            for source, (rows, cols), piece in g.invert([ranks[g.rank][g.name]]):
+                if source == name:
+                    full[rows, cols] = piece
+                    covered[rows, cols] = True
+        if not covered.all():
+            raise PrepError(f"{name}: no rank holds all of it; the converted checkpoint is incomplete")
+        return full
 
     def assemble(prefix: str) -> torch.Tensor:
         n, kb = src_meta[f"{prefix}.weight"].shape
@@ -159,6 +180,8 @@ def _from_converted(root: pathlib.Path, assume_layout: str | None, manifest: lay
         for name, t in r.items():
             if r.records[name].role == "passthrough":
                 tensors[name] = lambda t=t: t
+    for name in split:
+        tensors[name] = lambda name=name: assemble_bf16(name)
     what = f"converted {root} ({manifest.layout}+{manifest.moe_layout}, tp {manifest.tp}, ep {manifest.ep})"
     if assume_layout:
         what += f" read as {assume_layout}"
