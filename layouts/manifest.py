@@ -223,6 +223,9 @@ class Target:
     # Rank-exact (format 2): BF16 split per rank as the engine holds it, replicated tensors in
     # every rank's files. Absent (format 1): false, every non-MXFP4 tensor in common files.
     rank_exact: bool = False
+    # Rank-exact only: the registered layout of stacked BF16 experts (R1-0528's MTP layer), the one
+    # the engine's unquantized MoE reads; None: stored unshuffled (the engine shuffles at load).
+    bf16_moe_layout: str | None = None
     arch: str = ""  # config.json model_type, e.g. "deepseek_v3"
 
     @classmethod
@@ -262,13 +265,16 @@ class Target:
         rank_exact = t.get("rank_exact", False)
         if type(rank_exact) is not bool:
             raise ManifestError(f"target.rank_exact is {rank_exact!r}, not true or false")
-        return cls(layout, moe_layout, tp, ep, fuse, *pads, rank_exact, arch)
+        bf16_moe = t.get("bf16_moe_layout") if rank_exact else None  # format 1 stacks no BF16 experts
+        if bf16_moe is not None and type(bf16_moe) is not str:
+            raise ManifestError(f"target.bf16_moe_layout is {bf16_moe!r}, not a string")
+        return cls(layout, moe_layout, tp, ep, fuse, *pads, rank_exact, bf16_moe, arch)
 
     def to_json(self) -> dict[str, Any]:
         return {"layout": self.layout, "moe_layout": self.moe_layout, "tp": self.tp, "ep": self.ep,
                 "fuse_shared_expert": self.fuse_shared_expert, "inter_pad_to": self.inter_pad_to,
                 "hidden_pad_to": self.hidden_pad_to, **({"rank_exact": True} if self.rank_exact else {}),
-                "arch": self.arch}
+                **({"bf16_moe_layout": self.bf16_moe_layout} if self.bf16_moe_layout else {}), "arch": self.arch}
 
 
 @dataclasses.dataclass(frozen=True)

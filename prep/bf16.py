@@ -12,8 +12,10 @@ Covered: vocabulary-parallel embeddings and heads (rows), column-parallel attent
 (columns), the merged-replicated ``fused_qkv_a_proj`` of BF16 ``q_a_proj`` + ``kv_a_proj_with_mqa``
 the merged-column ``gate_up_proj`` of a BF16 dense MLP, and BF16 experts (the R1-0528 MTP
 layer) stacked into ``w13``/``w2`` split by TP or by expert parallel. The replicated tensors
-(norms, router, its bias, ``eh_proj``) are left whole. The BF16 experts are stacked but not
-shuffled: ATOM still shuffles them after loading (``docs/rank-exact.md``).
+(norms, router, its bias, ``eh_proj``) are left whole. The stacked BF16 experts are stored in
+the layout the engine's unquantized MoE reads (a group's ``layout``: ATOM's ``bf16-preshuffle``,
+aiter's ``shuffle_weight`` per expert), so ATOM need not shuffle them after loading; the layout
+is undone a block of whole experts at a time when reading back.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import re
 from typing import Any, Callable, Iterator
 
 import torch
+
+import layouts
 
 from .errors import PrepError
 
@@ -102,6 +106,25 @@ class Bf16Group:
     def outputs(self) -> list[tuple[str, str, tuple[int, ...]]]:
         return [(self.name, "bf16_shard", self.shape)]
 
+    def with_layout(self, name: str) -> "Bf16Group":
+        """This group stored in registered layout ``name``, refused (naming the tensor) where the
+        layout cannot take its shape: e.g. aiter's 16-bit shuffle needs 32 columns per expert."""
+        try:
+            layouts.get_layout(name).check(self.shape, None, self.name)
+        except layouts.LayoutConstraintError as e:
+            raise PrepError(f"{e} (rank {self.rank}); the engine shuffles these BF16 experts the same way and "
+                            "would fail too: choose a smaller --tp, or --ep") from None
+        return dataclasses.replace(self, layout=name)
+
+    def to_layout(self, block: torch.Tensor) -> torch.Tensor:
+        """A block of whole stored experts put in the group's layout, in place (whole experts
+        transform independently in every BF16 MoE layout: the registry checks it)."""
+        return layouts.get_layout(self.layout).weight.forward(block, block) if self.layout else block
+
+    def from_layout(self, block: torch.Tensor) -> torch.Tensor:
+        """A block of whole stored experts back in source order."""
+        return layouts.get_layout(self.layout).weight.inverse(block, tuple(block.shape)) if self.layout else block
+
     def check(self) -> None:
         slots: dict[int | None, list[tuple[int, int]]] = {}
         for p in self.placements:
@@ -132,7 +155,7 @@ class Bf16Group:
                 for e in range(e0, e1):
                     for p in by_slot[e]:
                         read(p.source, p.rows, p.cols, out=out[e - e0, p.dest_row:p.dest_row + p.out_shape[0]])
-                yield self.name, out
+                yield self.name, self.to_layout(out)
             return
         n, k = shape
         step = max(1, chunk_bytes // max(1, k * itemsize)) if chunk_bytes else n
@@ -159,6 +182,7 @@ class Bf16Group:
         if tuple(t.shape) != self.shape:
             raise PrepError(f"{self.name} (rank {self.rank}): stored shape {list(t.shape)}, expected "
                             f"{list(self.shape)}; the file is not this manifest's: convert again")
+        t = self.from_layout(t)
         for p in self.placements:
             slot = t if p.slot is None else t[p.slot]
             yield p.source, (p.rows, p.cols), slot[p.dest_row:p.dest_row + p.out_shape[0]]
@@ -168,7 +192,8 @@ class Bf16Group:
             p = self.placements[0]
             split = {"op": "tp_split", "dim": "intermediate", "tp": self.tp, "rank": self.rank} if p.dim is not None \
                 else {"op": "ep_split", "rank": self.rank, "experts": self.shape[0]}
-            return [split, {"op": "stack_experts", "experts": self.shape[0], "w13": "[gate ; up] rows per expert"}]
+            chain = [split, {"op": "stack_experts", "experts": self.shape[0], "w13": "[gate ; up] rows per expert"}]
+            return chain + ([{"op": "layout", **layouts.get_layout(self.layout).describe()}] if self.layout else [])
         chain: list[dict[str, Any]] = [{"op": "tp_split", "source": p.source, "dim": p.dim, "tp": self.tp,
                                         "rank": self.rank} for p in self.placements if p.dim is not None]
         if len(self.placements) > 1:

@@ -380,10 +380,11 @@ def build_manifest(src: SourceCheckpoint, target: Target, jobs: list[FileJob],
         for g in job.groups:
             groups.append(schema.GroupRecord.from_json({**g.record(), "file": job.name}))
             transforms = tuple(g.transforms())
-            if isinstance(g, Bf16Group):  # bytes of the source, split: no layout attributes to set
+            if isinstance(g, Bf16Group):  # source bytes, split; stacked experts may be in a layout
+                attrs = dict(layouts.get_layout(g.layout).runtime_attrs) if g.layout else {}
                 for (name, role, shape), sources in zip(g.outputs(), g.output_sources()):
                     tensors.append(schema.TensorRecord(name, g.rank, job.name, g.dtype, tuple(shape), role, g.layout,
-                                                       g.key, {}, hashes[name], tuple(compress_names(sources)),
+                                                       g.key, attrs, hashes[name], tuple(compress_names(sources)),
                                                        transforms))
                 continue
             lay = layouts.get_layout(g.layout)

@@ -210,6 +210,8 @@ class ConvertedCheckpoint:
         def place() -> Iterator[None]:
             for b0, rec, g, b1 in steps:
                 block = self.read_rows(rec.file, g.name, slice(b0, b1))
+                if g.stacked:  # whole experts: undo the layout a block at a time
+                    block = g.from_layout(block)
                 for p in g.placements:
                     if g.stacked:
                         if not b0 <= p.slot < b1:

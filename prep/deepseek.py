@@ -44,6 +44,9 @@ class Target:
     # off (``--common-bf16``): the format-1 layout, every non-MXFP4 tensor whole in common files
     # every rank reads (kept to compare against, and for engines that slice BF16 themselves).
     rank_exact: bool = True
+    # Stacked BF16 experts (R1-0528's MTP layer), rank-exact only: the layout the engine's
+    # unquantized MoE reads, so that it need not shuffle them after loading; None: unshuffled.
+    bf16_moe_layout: str | None = _DEFAULT_ENGINE.expected_bf16_moe_layout()
 
 
 @dataclasses.dataclass
@@ -371,6 +374,8 @@ def plan_bf16(src: SourceCheckpoint, cls: Classified, target: Target
     unread = [n for n in cls.passthrough if (m := MTP_EMBED.match(n)) and int(m.group(1)) in mtp]
     rest = {n: src.tensors[n] for n in cls.passthrough if n not in set(unread)}
     per_rank, replicated = plan_bf16_groups(rest, src.config, target.tp, target.ep, target.fuse_shared_expert)
+    if target.bf16_moe_layout:
+        per_rank = [[g.with_layout(target.bf16_moe_layout) if g.stacked else g for g in groups] for groups in per_rank]
     for groups in per_rank:
         for g in groups:
             g.check()

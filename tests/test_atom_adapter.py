@@ -353,9 +353,12 @@ def test_a_rank_exact_checkpoint_fills_every_parameter_of_atoms_models(exact_ckp
         # ATOM's drafter shares the target's embedding: the draft gets the rank's target embedding.
         assert torch.equal(dict(draft.named_parameters())["model.embed_tokens.weight"],
                            loaded["model.embed_tokens.weight"])
-        # BF16 experts (R1-0528's MTP layer) keep ATOM's processing (its shuffle), MXFP4 ones skip it.
+        # Experts skip ATOM's processing, BF16 ones (R1-0528's MTP layer) too: they are stored in
+        # the layout ATOM's unquantized MoE would shuffle them into, and marked so.
         layer = cfg["num_hidden_layers"]
-        assert (f"model.layers.{layer}.mtp_block.mlp.experts" in report.skipped_processing) != bf16_attention
+        assert f"model.layers.{layer}.mtp_block.mlp.experts" in report.skipped_processing
+        w13 = dict(draft.named_parameters())[f"model.layers.{layer}.mtp_block.mlp.experts.w13_weight"]
+        assert w13.is_shuffled and (w13.dtype == torch.bfloat16) == bf16_attention
 
 
 def test_a_rank_exact_checkpoint_without_a_draft_returns_the_mtp_layer(exact_ckpt):

@@ -41,9 +41,11 @@ def _atom_name(config: dict, name: str) -> tuple[str, str]:
     return "target", name
 
 
-def _expected(src: SourceCheckpoint, tp: int, rank: int, ep: int, loaded: layouts.RankTensors) -> dict:
+def _expected(src: SourceCheckpoint, tp: int, rank: int, ep: int, loaded: layouts.RankTensors, aiter_shuffle) -> dict:
     """ATOM's parameters on ``rank``, filled from the source with atom_sharding's rules, shaped
-    as the loaded ones; every element must be written exactly once (checked with a count)."""
+    as the loaded ones; every element must be written exactly once (checked with a count). Then
+    what ATOM's ``process_weights_after_loading`` does to them: its unquantized MoE shuffles each
+    BF16 expert with aiter's ``shuffle_weight(layout=(16, 16))`` (run here from aiter's own file)."""
     by_param = {_atom_name(src.config, n): n for n, r in loaded.records.items() if r.dtype != "U8"}
     params, counts = {}, {}
     for name, info in src.tensors.items():
@@ -69,11 +71,16 @@ def _expected(src: SourceCheckpoint, tp: int, rank: int, ep: int, loaded: layout
     for stored, c in counts.items():
         assert bool((c == 1).all()), f"{stored} (rank {rank}): not every element written once from the source"
     assert set(params) == set(by_param.values()), f"rank {rank} loads tensors ATOM's loader does not fill"
+    for stored, t in params.items():
+        if loaded.records[stored].layout is not None:  # stacked BF16 experts, the only BF16 in a layout
+            assert t.dim() == 3 and loaded[stored].is_shuffled, stored
+            for e in range(t.shape[0]):
+                t[e].copy_(aiter_shuffle.shuffle_weight(t[e], layout=(16, 16)))
     return params
 
 
 @pytest.mark.parametrize("tp,ep", SHAPES)
-def test_every_rank_holds_what_atoms_loader_keeps_and_reverts_exactly(source, tmp_path, tp, ep):
+def test_every_rank_holds_what_atoms_loader_keeps_and_reverts_exactly(source, tmp_path, tp, ep, aiter_shuffle):
     root, src_dir = source
     out = tmp_path / "out"
     # The tiny v2's MXFP4 o_proj at TP 8 has K = 32, too narrow for preshuffle: raw layout there.
@@ -86,7 +93,7 @@ def test_every_rank_holds_what_atoms_loader_keeps_and_reverts_exactly(source, tm
         # A rank reads its own files and nothing else (the common file holds what no rank reads).
         assert m.rank_files(rank) == [n for n, f in m.files.items() if f.rank == rank]
         loaded = layouts.load_rank(out, rank, manifest=m)
-        for stored, want in _expected(src, tp, rank, ep, loaded).items():
+        for stored, want in _expected(src, tp, rank, ep, loaded, aiter_shuffle).items():
             got = loaded[stored]
             assert got.dtype == want.dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8)), stored
     assert {t.role for t in m.tensors if t.rank is None} == {"unread"}
