@@ -4,6 +4,8 @@ turning every group back into the source tensors it came from (the exact inverse
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
 import pathlib
 from collections import Counter, defaultdict
 from typing import Any, Iterator
@@ -11,12 +13,28 @@ from typing import Any, Iterator
 import torch
 
 from layouts.manifest import GroupRecord, SourceTensor, TensorRecord, load_manifest
+from layouts.safetensors_file import ITEMSIZE
 
 from .errors import PrepError
 from .groups import LinearGroup, MoEGroup, group_from_record
 from .source import ShardFile
 
-STREAM_BYTES = 32 << 20  # stacked experts are inverted in blocks of about this much per rank
+# What reading back holds at once: stacked experts are inverted in blocks of about this much per
+# rank, and every source tensor is read, compared and written in blocks of rows of at most this
+# much (an embedding is 1.8 GiB). PREP_STREAM_BYTES sets it (tests make it small).
+STREAM_BYTES = int(os.environ.get("PREP_STREAM_BYTES") or 32 << 20)
+
+
+def row_blocks(shape: tuple[int, ...], itemsize: int, budget: int | None = None) -> Iterator[slice | None]:
+    """Slices of dim 0 that cover a tensor of ``shape`` in blocks of at most ``budget`` bytes
+    (default :data:`STREAM_BYTES`; one row when a row is larger); None for a 0-d tensor."""
+    if not shape:
+        yield None
+        return
+    row = itemsize * math.prod(shape[1:])
+    step = max(1, (budget or STREAM_BYTES) // max(1, row))
+    for r0 in range(0, shape[0], step):
+        yield slice(r0, min(shape[0], r0 + step))
 
 
 class ConvertedCheckpoint:
@@ -173,6 +191,24 @@ class ConvertedCheckpoint:
                 cursor += 1
         for name in names[cursor:]:
             tiles.check_complete(name)  # raises: some rank's piece is missing
+
+    def iter_source_blocks(self, unit: str) -> Iterator[tuple[str, slice | None, torch.Tensor]]:
+        """(name, rows, bytes) of every source tensor of ``unit`` in blocks of rows of at most
+        :data:`STREAM_BYTES`, in :meth:`units` order and in row order: what ``verify --source``
+        compares and ``revert`` writes, so neither holds a tensor whole. A pass-through tensor
+        is read a block at a time; a group's tensors come from :meth:`iter_source_tensors`
+        (experts a block at a time; a dense linear, a few hundred MiB at most, whole)."""
+        t = self._passthrough.get(unit)
+        if t is not None:
+            info = self.file(t.file).tensors.get(unit)
+            if info is None:
+                raise PrepError(f"{self.root / t.file}: tensor {unit} is missing from the file; convert again")
+            for rows in row_blocks(tuple(info.shape), ITEMSIZE[info.dtype]):
+                yield unit, rows, self.read_rows(t.file, unit, rows)
+            return
+        for name, whole in self.iter_source_tensors(unit):
+            for rows in row_blocks(tuple(whole.shape), whole.element_size()):
+                yield name, rows, whole if rows is None else whole[rows]
 
     def _expert_rows(self, fname: str, name: str, rows_per_expert: int, e0: int, n: int) -> torch.Tensor:
         """The stored bytes of experts [e0, e0 + n) of the stacked output ``name``: experts lead
