@@ -32,7 +32,7 @@ from layouts.sizes import ceil_div
 
 __all__ = [
     "PRESETS", "VARIANTS", "Param", "SynthSpec", "build_config", "exclude_patterns", "is_excluded",
-    "plan_groups", "tensor_specs", "write_checkpoint",
+    "plan_groups", "run_measured", "tensor_specs", "write_checkpoint",
 ]
 
 VARIANTS = ("r1-0528", "v2")
@@ -443,3 +443,20 @@ def write_checkpoint(spec: SynthSpec, out_dir: str | Path,
     for name, obj in _tokenizer_files().items():
         _write_json(out / name, obj)
     return out
+
+
+def run_measured(cmd: list[str], env: dict[str, str] | None = None, cwd: str | None = None) -> tuple[int, int, str]:
+    """Run ``cmd`` as a process of its own, in ``cwd``: (exit code, its peak resident memory in
+    bytes, its output). The peak is the kernel's high-water mark (``ru_maxrss`` from ``wait4``):
+    anonymous memory and the mapped file pages it touched, as ``top`` and the OOM killer count
+    them. (``python -m`` puts ``cwd`` first on the path, ahead of PYTHONPATH.)"""
+    import os
+    import subprocess
+
+    proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    out = proc.stdout.read()
+    proc.stdout.close()
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return proc.returncode, usage.ru_maxrss * 1024, out.decode(errors="replace")

@@ -1,0 +1,75 @@
+"""Every command's memory is bounded by its blocks, not by the checkpoint's tensors.
+
+``verify --source`` and ``revert`` run as processes of their own, with a 1 MiB block budget
+(PREP_STREAM_BYTES), on a checkpoint whose BF16 tensors (embeddings and heads) are 128 MiB each:
+their peak memory, over that of ``prep verify`` without a source (the same imports and hash pass,
+no tensor rebuilt), stays far below one such tensor. Reading one whole, as they once did, costs
+it twice (the rebuilt copy and the source's). The reference forward keeps to ``--max-memory``:
+with a budget below what the process already holds it drops every matrix after use and still
+computes the same logits bit for bit, and it never makes the 256 MiB float32 lm_head whole."""
+
+import os
+import sys
+
+import pytest
+import torch
+
+from prep.convert import convert
+from prep.deepseek import Target
+from prep.reference.run import run
+from prep.testing import SynthSpec, run_measured, write_checkpoint
+
+MiB = 1 << 20
+VOCAB = 1 << 18  # x hidden 256 x 2 bytes: 128 MiB per embedding / head, four of them in v2
+TENSOR = VOCAB * 256 * 2
+IDS = [1, 5, 9, 200, 17]
+
+
+@pytest.fixture(scope="module")
+def big_vocab(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mem")
+    src = write_checkpoint(SynthSpec(variant="v2", vocab_size=VOCAB, num_hidden_layers=2), root / "src")
+    out = root / "out"
+    convert(str(src), out, Target("preshuffle", "ck", 2))
+    return src, out, root
+
+
+def _prep(*args: str) -> tuple[int, int, str]:
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {"PREP_STREAM_BYTES": str(MiB), "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
+    return run_measured([sys.executable, "-m", "prep", *args, "-q"], env)
+
+
+def test_verify_source_and_revert_hold_blocks_not_tensors(big_vocab):
+    src, out, root = big_vocab
+    rc, floor, text = _prep("verify", str(out))  # imports, manifest, the hash pass: no tensor rebuilt
+    assert rc == 0, text
+    rc, verify_peak, text = _prep("verify", str(out), "--source", str(src))
+    assert rc == 0 and "byte-identical" in text, text
+    rc, revert_peak, text = _prep("revert", str(out), "-o", str(root / "rev"))
+    assert rc == 0, text
+    assert (root / "rev" / "model.safetensors.index.json").is_file()
+    for what, peak in (("verify --source", verify_peak), ("revert", revert_peak)):
+        assert peak - floor < TENSOR // 4, f"{what}: {(peak - floor) / MiB:.0f} MiB over the floor"
+
+
+def test_the_forward_keeps_to_max_memory_and_its_logits_do_not_depend_on_it(big_vocab):
+    src, out, _ = big_vocab
+    for root in (src, out):
+        roomy = run(root, IDS, layers=1)
+        tight = run(root, IDS, layers=1, max_memory=256 * MiB)  # below what this process holds already
+        assert roomy["evictions"] == 0 and tight["evictions"] > 0
+        assert torch.equal(roomy["logits"], tight["logits"])
+    assert torch.equal(run(src, IDS, layers=1)["logits"], run(out, IDS, layers=1)["logits"])
+
+
+def test_compare_never_makes_a_large_matrix_whole(big_vocab):
+    src, out, _ = big_vocab
+    rc, floor, text = _prep("verify", str(out))
+    assert rc == 0, text
+    rc, peak, text = _prep("compare", str(src), str(out), "--prompt-ids", "1,5,9", "--layers", "1",
+                           "--max-memory", "0.25")
+    assert rc == 0 and "identical bit for bit" in text, text
+    # The lm_head is 128 MiB of BF16 and 256 MiB in float32: made in 64 MiB row blocks, each
+    # dropped after use, and the embedding read at three rows only.
+    assert peak - floor < TENSOR, f"compare: {(peak - floor) / MiB:.0f} MiB over the floor"
