@@ -445,18 +445,33 @@ def write_checkpoint(spec: SynthSpec, out_dir: str | Path,
     return out
 
 
+# Started by run_measured: runs the command and writes its ru_maxrss (KiB) to $PREP_MAXRSS_FILE.
+# A child's ru_maxrss is at least its parent's resident size when it was forked (exec records the
+# old address space's high-water mark), so the command is forked from this small interpreter,
+# not from the caller (a test process holding torch and a checkpoint).
+_LAUNCHER = """import os, subprocess, sys
+p = subprocess.Popen(sys.argv[1:])
+_, status, usage = os.wait4(p.pid, 0)
+with open(os.environ["PREP_MAXRSS_FILE"], "w") as f:
+    f.write(str(usage.ru_maxrss))
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
 def run_measured(cmd: list[str], env: dict[str, str] | None = None, cwd: str | None = None) -> tuple[int, int, str]:
     """Run ``cmd`` as a process of its own, in ``cwd``: (exit code, its peak resident memory in
-    bytes, its output). The peak is the kernel's high-water mark (``ru_maxrss`` from ``wait4``):
-    anonymous memory and the mapped file pages it touched, as ``top`` and the OOM killer count
-    them. (``python -m`` puts ``cwd`` first on the path, ahead of PYTHONPATH.)"""
+    bytes, its output). The peak is the kernel's high-water mark (``ru_maxrss``): anonymous
+    memory and the mapped file pages it touched, as ``top`` and the OOM killer count them.
+    (``python -m`` puts ``cwd`` first on the path, ahead of PYTHONPATH.)"""
     import os
     import subprocess
+    import sys
+    import tempfile
 
-    proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, cwd=cwd, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT)
-    out = proc.stdout.read()
-    proc.stdout.close()
-    _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    return proc.returncode, usage.ru_maxrss * 1024, out.decode(errors="replace")
+    with tempfile.TemporaryDirectory() as tmp:
+        where = os.path.join(tmp, "maxrss")
+        proc = subprocess.run([sys.executable, "-c", _LAUNCHER, *cmd], cwd=cwd, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, env={**os.environ, **(env or {}), "PREP_MAXRSS_FILE": where})
+        with open(where) as f:
+            peak = int(f.read()) * 1024
+    return proc.returncode, peak, proc.stdout.decode(errors="replace")

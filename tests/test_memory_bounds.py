@@ -49,6 +49,7 @@ def test_verify_source_and_revert_hold_blocks_not_tensors(big_vocab):
     rc, revert_peak, text = _prep("revert", str(out), "-o", str(root / "rev"))
     assert rc == 0, text
     assert (root / "rev" / "model.safetensors.index.json").is_file()
+    # (Measured: 0 MiB over the floor for both; 137 and 125 MiB before, reading tensors whole.)
     for what, peak in (("verify --source", verify_peak), ("revert", revert_peak)):
         assert peak - floor < TENSOR // 4, f"{what}: {(peak - floor) / MiB:.0f} MiB over the floor"
 
@@ -72,4 +73,5 @@ def test_compare_never_makes_a_large_matrix_whole(big_vocab):
     assert rc == 0 and "identical bit for bit" in text, text
     # The lm_head is 128 MiB of BF16 and 256 MiB in float32: made in 64 MiB row blocks, each
     # dropped after use, and the embedding read at three rows only.
-    assert peak - floor < TENSOR, f"compare: {(peak - floor) / MiB:.0f} MiB over the floor"
+    # (Measured: 30 MiB over the floor; 404 MiB before, holding the lm_head whole in both dtypes.)
+    assert peak - floor < TENSOR // 2, f"compare: {(peak - floor) / MiB:.0f} MiB over the floor"
