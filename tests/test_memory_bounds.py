@@ -75,3 +75,23 @@ def test_compare_never_makes_a_large_matrix_whole(big_vocab):
     # dropped after use, and the embedding read at three rows only.
     # (Measured: 30 MiB over the floor; 404 MiB before, holding the lm_head whole in both dtypes.)
     assert peak - floor < TENSOR // 2, f"compare: {(peak - floor) / MiB:.0f} MiB over the floor"
+
+
+@pytest.mark.parametrize("layout, shape", [("preshuffle", (2048, 512)), ("non-shuffle", (2048, 512)),
+                                           ("ck", (2, 512, 256)), ("triton", (2, 512, 256)),
+                                           ("preshuffle", (304, 64))])
+def test_stored_bytes_read_a_band_of_rows_at_a_time_are_the_one_gather_read(monkeypatch, layout, shape):
+    # A dense MLP's merged weight is 132 MB at TP 1: its position map, derived whole, took ~8 GB.
+    # Read in bands of 256 rows, every layout gives the same bytes as the one gather (and the
+    # source's); a shape that cannot be banded (304 rows) is read whole.
+    from layouts import dequant
+    from layouts.registry import get_layout
+
+    lay = get_layout(layout)
+    w = torch.randint(0, 256, shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    stored = lay.weight.forward(w)
+    monkeypatch.setattr(dequant, "BAND_BYTES", 1 << 12)
+    banded = dequant.read_logical(stored, lay.weight, shape)
+    assert (dequant._band_rows(lay.weight, shape) is not None) == (shape[-2] % 256 == 0)
+    monkeypatch.setattr(dequant, "BAND_BYTES", 1 << 40)
+    assert torch.equal(banded, dequant.read_logical(stored, lay.weight, shape)) and torch.equal(banded, w)
