@@ -103,9 +103,12 @@ def run(model_dir: str | pathlib.Path, prompt_ids: list[int], *, layers: int | N
     model = DeepseekV3(weights, ForwardOptions(act_quant=act_quant, gemm_path=path), layers=layers, dense_gemm=dense)
     if bars.get("forward") is not None:
         _count_layers(model, bars["forward"])
-    logits = model(ids, device)
-    if device != "cpu":
-        torch.cuda.synchronize()
+    try:
+        logits = model(ids, device)
+        if device != "cpu":
+            torch.cuda.synchronize()
+    finally:
+        weights.release()  # compare's second run must not share the budget with the first's matrices
     t2 = time.perf_counter()
     return {"logits": logits.cpu(), "load_s": t1 - t0, "forward_s": t2 - t1, "weights": weights.description,
             "gemm_path": path, "act_quant": act_quant, "layers": model.num_layers, "gemm": gemm,

@@ -103,7 +103,7 @@ class ModelWeights:
                  shapes: dict[str, tuple[int, ...]] | None = None,
                  rows: dict[str, Callable[[slice], torch.Tensor]] | None = None,
                  linear_rows: dict[str, Callable[[slice], torch.Tensor]] | None = None,
-                 mapped: list[torch.Tensor] | None = None):
+                 mapped: list[torch.Tensor] | None = None, memo: dict | None = None):
         self.config = config
         self._linears = linears  # MXFP4 module prefix -> makes its float32 matrix
         self._tensors = tensors  # tensor name -> reads it
@@ -111,6 +111,7 @@ class ModelWeights:
         self._rows = rows or {}
         self._linear_rows = linear_rows or {}
         self._mapped = mapped or []
+        self._memo = memo if memo is not None else {}  # what the makers remember between calls
         self.description = description
         self.device: torch.device | None = None
         self._cache: OrderedDict[str, torch.Tensor] = OrderedDict()
@@ -124,6 +125,14 @@ class ModelWeights:
         self._cache.clear()
         self._held = 0
         return self
+
+    def release(self) -> None:
+        """Drop every matrix held (a run is over: the next one, e.g. compare's B, starts empty
+        even while something still refers to this object)."""
+        self._cache.clear()
+        self._held = 0
+        self._whole = None
+        self._memo.clear()
 
     def _make_room(self, need: int, keep: str | None = None) -> None:
         """Drop least recently used matrices until the process, plus ``need`` bytes, fits."""
@@ -278,9 +287,10 @@ def _from_converted(root: pathlib.Path, assume_layout: str | None, manifest: lay
             return layouts.get_layout(assume_layout)
         return lay
 
+    memo: dict = {}  # the last dequantized stored output, shared by every group
     for rec in manifest.groups:
         g = group_from_record(rec.to_json())  # prep's groups read the record's JSON
-        _weight_pieces(g, ranks[g.rank], layout_of(g), pieces)
+        _weight_pieces(g, ranks[g.rank], layout_of(g), pieces, memo)
 
     def assemble(prefix: str) -> torch.Tensor:
         n, kb = src_meta[f"{prefix}.weight"].shape
@@ -309,19 +319,21 @@ def _from_converted(root: pathlib.Path, assume_layout: str | None, manifest: lay
     if assume_layout:
         what += f" read as {assume_layout}"
     mapped = [b for r in ranks for b in r.buffers]
-    return ModelWeights(config, linears, tensors, what, max_memory, shapes=shapes, rows=rows, mapped=mapped)
+    return ModelWeights(config, linears, tensors, what, max_memory, shapes=shapes, rows=rows, mapped=mapped,
+                        memo=memo)
 
 
-def _last(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+def _last(fn: Callable[..., torch.Tensor], memo: dict) -> Callable[..., torch.Tensor]:
     """Remember the last result: the modules of one merged tensor ([q_a ; kv_a], [gate ; up])
-    are asked for one after the other, and should not dequantize it twice."""
-    memo: dict[tuple, torch.Tensor] = {}
+    are asked for one after the other, and should not dequantize it twice. ``memo`` is shared
+    by every group: one result is held in all (a dense MLP's is 1 GB), not one per group."""
 
     def call(*args):
-        if args not in memo:
+        key = (id(call), args)
+        if key not in memo:
             memo.clear()
-            memo[args] = fn(*args)
-        return memo[args]
+            memo[key] = fn(*args)
+        return memo[key]
 
     return call
 
@@ -336,7 +348,7 @@ def _values(cols: slice) -> slice:
     return slice(2 * cols.start, 2 * cols.stop)
 
 
-def _weight_pieces(g: LinearGroup | MoEGroup, held, lay: layouts.Layout, pieces) -> None:
+def _weight_pieces(g: LinearGroup | MoEGroup, held, lay: layouts.Layout, pieces, memo: dict) -> None:
     """One step per weight placement of ``g`` (the group's own geometry, as its build and its
     inverse use it): the placement's destination in the rank's output, read in its layout
     (one expert's bytes at a time for stacked experts), put at its window of the source module."""
@@ -348,7 +360,7 @@ def _weight_pieces(g: LinearGroup | MoEGroup, held, lay: layouts.Layout, pieces)
             return dequantize_stored(w, s, lay, shapes[o], shapes[o + 1])
         return dequantize_expert(w, s, lay, expert, shapes[o], shapes[o + 1])
 
-    values = {o: _last(lambda e, o=o: dequantized(o, e)) for o, (_, role, _) in enumerate(outputs)
+    values = {o: _last(lambda e, o=o: dequantized(o, e), memo) for o, (_, role, _) in enumerate(outputs)
               if role == "mxfp4_weight"}
     for p in g.placements():
         if p.output in values:
