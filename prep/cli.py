@@ -446,9 +446,10 @@ _RUN_OPTIONS = [
                  help="Bound on this process's memory (resident set, GiB): dequantized matrices are kept while the "
                       "process, activations and torch included, stays under it, least recently used dropped first; a "
                       "matrix over 64 MiB in float32 is made and multiplied in row blocks, an embedding read at the "
-                      "prompt's rows only. The floor it cannot go below: torch itself (~0.4 GiB) plus the largest "
-                      "matrix being made (a converted dense MXFP4 module is dequantized whole: ~1.5 GiB for "
-                      "DeepSeek's dense MLP at TP 1). The logits do not depend on it."),
+                      "prompt's rows only. It holds above a floor: torch itself (~0.4 GiB) plus the largest "
+                      "matrix being made, for a converted checkpoint a dense MXFP4 module assembled whole (DeepSeek's "
+                      "dense MLP at TP 1: the process peaked at 3.4 GiB with --max-memory 2, at 6.8 GiB with 8; "
+                      "docs/BENCHMARKS.md). The logits do not depend on it."),
     click.option("--json", "as_json", is_flag=True, help="Print one JSON summary."),
     _quiet_option,
 ]
