@@ -41,10 +41,12 @@ from .shuffle import (
     preshuffle_scale,
     preshuffle_scale_per_expert,
     preshuffle_weight,
+    preshuffle_weight_16bit,
     shuffled_scale_shape,
     unshuffle_scale,
     unshuffle_scale_per_expert,
     unshuffle_weight,
+    unshuffle_weight_16bit,
 )
 
 __version__ = "0.1.0"
@@ -62,4 +64,5 @@ __all__ = [
     "Manifest", "ManifestError", "TensorRecord", "load_manifest",
     "LayoutConstraintError", "preshuffle_scale", "preshuffle_scale_per_expert", "preshuffle_weight",
     "shuffled_scale_shape", "unshuffle_scale", "unshuffle_scale_per_expert", "unshuffle_weight",
+    "preshuffle_weight_16bit", "unshuffle_weight_16bit",
 ]

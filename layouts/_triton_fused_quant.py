@@ -24,10 +24,13 @@ Layout of the work (one launch, no other kernel, no torch.fill):
   loads are issued before any is used (one memory latency per program). Without a residual the
   pairs stay packed until quantized (half the registers, so more programs per SM). Scales go
   straight to their S32x8 offsets when ``SHUFFLE``; in padded mode columns >= ceil(N1/32) get 0x7F.
-  At decode sizes (``SPLIT > 1``) ``SPLIT`` programs share the rows: each sums the whole rows and
-  quantizes ``TS`` blocks of them, so one row's quant runs on several SMs at once.
+  At decode sizes (``SPLIT > 1``) ``SPLIT`` programs share the rows: each sums the whole rows (as
+  one flat tile: one reduction, not one per tile) and quantizes ``TS`` blocks of them, so one
+  row's quant runs on several SMs at once. Unsplit programs also normalise the x2 rows of their
+  rows (``X2_MAIN``), loaded with x1's.
 * programs ``[n_split, n_main)``: scale pad rows up to the next multiple of 32 (0x7F).
-* programs ``[n_main, n_main + n_x2)``: ``BLOCK_M2`` rows of the second RMSNorm (x2).
+* programs ``[n_main, n_main + n_x2)``: ``BLOCK_M2`` rows of the second RMSNorm (x2), only when
+  the rows are split (decode sizes: x2 then runs beside the slices, off their critical path).
 * the rest: fill whole 32-row bands of scale padding (rows >= pad32(M)) with 0x7F; in both the
   row-major and the S32x8 layouts these bands are one contiguous byte range.
 
@@ -35,9 +38,10 @@ The E2M1 encoding (:func:`_e2m1_offset`) is min/max, one round-toward-zero FMA (
 GPU, emulated exactly in the interpreter) and shifts: all 2^32 float32 inputs give the bytes of
 the earlier compare-based encoding (scripts/bench_fused_quant.py --e2m1-exhaustive).
 
-Measured on an H200 (scripts/bench_fused_quant.py, CUDA graphs, shuffle + padding, 2026-12-03):
-M = 65536, N1 = 7168 with residual 852 us (3.6 TB/s); N1 = 1536 + kv 512: 121 us (3.2 TB/s,
-was 164 us); M = 1: 3.0-3.4 us (was 4.6-4.8) and 2.1-2.3 us (was 2.5-2.8).
+Measured on an H200 (scripts/bench_fused_quant.py, CUDA graphs, shuffle + padding, 2026-12-04;
+docs/BENCHMARKS.md): M = 65536, N1 = 7168 with residual 849 us (3.61 TB/s, 0.86 of the run's
+best copy); N1 = 1536 + kv 512: 103 us (3.78 TB/s, 0.90; was 121); M = 1: 2.3-2.6 us (was
+2.9-3.0 in the same runs) and 1.8 us (was 1.9).
 """
 
 from __future__ import annotations
@@ -254,6 +258,44 @@ def _tile_quant(a, b, rstd, we, wo, rows, row_ok, q_rows, scale_ptr, B0, T: tl.c
 
 
 @triton.jit
+def _row_sumsq(x1_ptr, res1_ptr, rows64, row_ok, x1_stride, res1_stride, N1: tl.constexpr,
+               NPAIR: tl.constexpr, HAS_RES: tl.constexpr, X_PAIRED: tl.constexpr, R_PAIRED: tl.constexpr):
+    """Sum of squares of whole rows (x1 + res1 in float32), read as one flat ``[BLOCK_M, NPAIR]``
+    tile of element pairs: one reduction (one cross-warp step) instead of one per tile. The split
+    programs use it: at decode sizes the kernel's time is the chain load -> sum -> rstd -> quant."""
+    pair = tl.arange(0, NPAIR)[None, :]
+    mask = row_ok[:, None] & (pair < N1 // 2)
+    xe, xo = _load_pairs(x1_ptr + (rows64 * x1_stride)[:, None], pair, mask, X_PAIRED)
+    if HAS_RES:
+        re, ro = _load_pairs(res1_ptr + (rows64 * res1_stride)[:, None], pair, mask, R_PAIRED)
+        xe = xe + re
+        xo = xo + ro
+    return tl.sum(xe * xe + xo * xo, axis=1)
+
+
+@triton.jit
+def _x2_fetch(x2_ptr, rows, row_ok, x2_stride, N2: tl.constexpr, BLOCK_N2: tl.constexpr):
+    """Issue the loads of x2 rows ``rows`` (as stored: the norm widens them later), and the mask."""
+    cols = tl.arange(0, BLOCK_N2)
+    m2 = row_ok[:, None] & (cols < N2)[None, :]
+    x = tl.load(x2_ptr + (rows.to(tl.int64) * x2_stride)[:, None] + cols[None, :], mask=m2, other=0.0)
+    return x, m2
+
+
+@triton.jit
+def _x2_norm(x, m2, rows, w2_ptr, out2_ptr, eps2, N2: tl.constexpr, BLOCK_N2: tl.constexpr):
+    """RMSNorm of fetched x2 rows into out2 (x1's dtype, as aiter allocates it)."""
+    cols = tl.arange(0, BLOCK_N2)
+    x = x.to(tl.float32)
+    w = tl.load(w2_ptr + cols, mask=cols < N2, other=0.0).to(tl.float32)
+    ss = tl.sum(x * x, axis=1)
+    ms = tl.math.div_rn(ss, tl.full(ss.shape, N2, tl.float32))
+    rstd = tl.math.div_rn(tl.full(ss.shape, 1.0, tl.float32), tl.math.sqrt_rn(ms + eps2))
+    y = x * rstd[:, None] * w[None, :]
+    tl.store(out2_ptr + (rows.to(tl.int64) * N2)[:, None] + cols[None, :], y.to(out2_ptr.dtype.element_ty), mask=m2)
+
+
+@triton.jit
 def _fused_rms_mxfp4_kernel(
     x1_ptr, w1_ptr, res1_ptr, out_res1_ptr, q_ptr, scale_ptr,
     x2_ptr, w2_ptr, out2_ptr,
@@ -266,7 +308,7 @@ def _fused_rms_mxfp4_kernel(
     BLOCK_M: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
     HAS_RES: tl.constexpr, HAS_X2: tl.constexpr, SHUFFLE: tl.constexpr, PAD: tl.constexpr,
     X_PAIRED: tl.constexpr, R_PAIRED: tl.constexpr, W_PAIRED: tl.constexpr, RZ_ASM: tl.constexpr,
-    FILL_BLOCK: tl.constexpr,
+    X2_MAIN: tl.constexpr, FLAT_SUM: tl.constexpr, NPAIR: tl.constexpr, FILL_BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     if pid < n_split:
@@ -291,28 +333,36 @@ def _fused_rms_mxfp4_kernel(
             xas, xbs, ras, rbs = _tile_fetch(x_rows, r_rows, row_ok, bs, TS, N1, SCALE_COLS, HAS_RES,
                                              X_PAIRED, R_PAIRED)
             wes, wos = _tile_weight(w1_ptr, bs, TS, N1, SCALE_COLS, W_PAIRED)
-        # The row's blocks in up to three power-of-two tiles (224 = 128 + 64 + 32,
-        # 48 = 32 + 16): no lanes wasted on padding to the next power of two.
-        xa0, xb0, ra0, rb0 = _tile_fetch(x_rows, r_rows, row_ok, 0, T0, N1, SCALE_COLS, HAS_RES,
-                                         X_PAIRED, R_PAIRED)
-        if T1 > 0:
-            xa1, xb1, ra1, rb1 = _tile_fetch(x_rows, r_rows, row_ok, T0, T1, N1, SCALE_COLS, HAS_RES,
+        if FLAT_SUM:
+            ss = _row_sumsq(x1_ptr, res1_ptr, rows64, row_ok, x1_stride, res1_stride, N1, NPAIR, HAS_RES,
+                            X_PAIRED, R_PAIRED)
+        else:
+            # The row's blocks in up to three power-of-two tiles (224 = 128 + 64 + 32,
+            # 48 = 32 + 16): no lanes wasted on padding to the next power of two.
+            xa0, xb0, ra0, rb0 = _tile_fetch(x_rows, r_rows, row_ok, 0, T0, N1, SCALE_COLS, HAS_RES,
                                              X_PAIRED, R_PAIRED)
-        if T2 > 0:
-            xa2, xb2, ra2, rb2 = _tile_fetch(x_rows, r_rows, row_ok, T0 + T1, T2, N1, SCALE_COLS, HAS_RES,
-                                             X_PAIRED, R_PAIRED)
-        # With SPLIT > 1 these sums store nothing (STORE = False): out_res1 is the slice's.
-        STORE: tl.constexpr = HAS_RES and SPLIT == 1
-        a0, b0, ss = _tile_sum(xa0, xb0, ra0, rb0, o_rows, row_ok, 0, T0, N1, SCALE_COLS, HAS_RES,
-                               X_PAIRED, R_PAIRED, STORE)
-        if T1 > 0:
-            a1, b1, ss1 = _tile_sum(xa1, xb1, ra1, rb1, o_rows, row_ok, T0, T1, N1, SCALE_COLS, HAS_RES,
-                                    X_PAIRED, R_PAIRED, STORE)
-            ss += ss1
-        if T2 > 0:
-            a2, b2, ss2 = _tile_sum(xa2, xb2, ra2, rb2, o_rows, row_ok, T0 + T1, T2, N1, SCALE_COLS,
-                                    HAS_RES, X_PAIRED, R_PAIRED, STORE)
-            ss += ss2
+            if T1 > 0:
+                xa1, xb1, ra1, rb1 = _tile_fetch(x_rows, r_rows, row_ok, T0, T1, N1, SCALE_COLS, HAS_RES,
+                                                 X_PAIRED, R_PAIRED)
+            if T2 > 0:
+                xa2, xb2, ra2, rb2 = _tile_fetch(x_rows, r_rows, row_ok, T0 + T1, T2, N1, SCALE_COLS, HAS_RES,
+                                                 X_PAIRED, R_PAIRED)
+            if X2_MAIN:
+                # The x2 rows of the same rows (SPLIT == 1 only): their loads go out with x1's, and a
+                # second launch of programs for x2 (a third of the grid at N1 = 1536) is saved.
+                x2v, m2 = _x2_fetch(x2_ptr, rows, row_ok, x2_stride, N2, BLOCK_N2)
+            # With SPLIT > 1 these sums store nothing (STORE = False): out_res1 is the slice's.
+            STORE: tl.constexpr = HAS_RES and SPLIT == 1
+            a0, b0, ss = _tile_sum(xa0, xb0, ra0, rb0, o_rows, row_ok, 0, T0, N1, SCALE_COLS, HAS_RES,
+                                   X_PAIRED, R_PAIRED, STORE)
+            if T1 > 0:
+                a1, b1, ss1 = _tile_sum(xa1, xb1, ra1, rb1, o_rows, row_ok, T0, T1, N1, SCALE_COLS, HAS_RES,
+                                        X_PAIRED, R_PAIRED, STORE)
+                ss += ss1
+            if T2 > 0:
+                a2, b2, ss2 = _tile_sum(xa2, xb2, ra2, rb2, o_rows, row_ok, T0 + T1, T2, N1, SCALE_COLS,
+                                        HAS_RES, X_PAIRED, R_PAIRED, STORE)
+                ss += ss2
         ms = tl.math.div_rn(ss, tl.full(ss.shape, N1, tl.float32))
         rstd = tl.math.div_rn(tl.full(ss.shape, 1.0, tl.float32), tl.math.sqrt_rn(ms + eps1))
         if SPLIT > 1:
@@ -334,6 +384,8 @@ def _fused_rms_mxfp4_kernel(
                 we, wo = _tile_weight(w1_ptr, T0 + T1, T2, N1, SCALE_COLS, W_PAIRED)
                 _tile_quant(a2, b2, rstd, we, wo, rows, row_ok, q_rows, scale_ptr, T0 + T1, T2, N1,
                             SCALE_COLS, SCALE_COLS_PAD, SHUFFLE, PAD, RAW, RZ_ASM)
+            if X2_MAIN:
+                _x2_norm(x2v, m2, rows, w2_ptr, out2_ptr, eps2, N2, BLOCK_N2)
     elif pid < n_main:
         # A block of scale pad rows inside the last partial 32-row band (padded mode only), after
         # the rows the programs above cover.
@@ -345,16 +397,8 @@ def _fused_rms_mxfp4_kernel(
     elif pid < n_main + n_x2:
         if HAS_X2:
             rows = (pid - n_main) * BLOCK_M2 + tl.arange(0, BLOCK_M2)
-            cols = tl.arange(0, BLOCK_N2)
-            rows64 = rows.to(tl.int64)
-            m2 = (rows < M)[:, None] & (cols < N2)[None, :]
-            x = tl.load(x2_ptr + (rows64 * x2_stride)[:, None] + cols[None, :], mask=m2, other=0.0).to(tl.float32)
-            w = tl.load(w2_ptr + cols, mask=cols < N2, other=0.0).to(tl.float32)
-            ss = tl.sum(x * x, axis=1)
-            ms = tl.math.div_rn(ss, tl.full(ss.shape, N2, tl.float32))
-            rstd = tl.math.div_rn(tl.full(ss.shape, 1.0, tl.float32), tl.math.sqrt_rn(ms + eps2))
-            y = x * rstd[:, None] * w[None, :]
-            tl.store(out2_ptr + (rows64 * N2)[:, None] + cols[None, :], y.to(out2_ptr.dtype.element_ty), mask=m2)
+            x2v, m2 = _x2_fetch(x2_ptr, rows, rows < M, x2_stride, N2, BLOCK_N2)
+            _x2_norm(x2v, m2, rows, w2_ptr, out2_ptr, eps2, N2, BLOCK_N2)
     else:
         # Whole 32-row bands of scale padding: one contiguous byte range in either layout.
         offs = fill_start + (pid - n_main - n_x2) * FILL_BLOCK + tl.arange(0, FILL_BLOCK)
@@ -407,11 +451,14 @@ class Plan(NamedTuple):
     fill_end: int
     split: int
     ts: int
+    x2_main: bool
+    flat_sum: bool
 
 
 @functools.lru_cache(maxsize=4096)
 def _plan(m: int, n1: int, n2: int, padded: bool, raw: bool, on_gpu: bool, sms: int,
-          block_m: int | None, num_warps: int | None, split: int | None = None) -> Plan:
+          block_m: int | None, num_warps: int | None, split: int | None = None,
+          x2_main: bool | None = None, flat_sum: bool | None = None) -> Plan:
     """Launch plan for one shape: everything the wrapper needs besides pointers (cached: the
     wrapper is the whole cost of a decode-size call, so it must stay a dict lookup). ``raw``:
     x1 is paired bf16 without a residual (kept packed in registers).
@@ -467,6 +514,17 @@ def _plan(m: int, n1: int, n2: int, padded: bool, raw: bool, on_gpu: bool, sms: 
     if nsplit < 1:
         raise ValueError(f"split must be >= 1, got {nsplit}")
     ts = triton.next_power_of_2(-(-cols_pad // nsplit))  # blocks per slice (the whole row when 1)
+    # x2 rows ride in the row programs (same rows) unless the rows are split: then a row's x2
+    # runs beside its slices on programs of its own, off the decode critical path.
+    if x2_main is None:
+        x2_main = nsplit == 1
+    x2_main = bool(n2) and x2_main
+    if x2_main:
+        if nsplit != 1:
+            raise ValueError("x2_main needs split == 1")
+        bm2 = bm
+    # Split programs sum the whole rows as one flat tile (one reduction; see _row_sumsq).
+    flat_sum = nsplit > 1 if flat_sum is None else bool(flat_sum) and nsplit > 1
     if padded:
         rows_pad = -(-m // 256) * 256
         main_rows = -(-m // 32) * 32  # BLOCK_M divides 32: main programs end on a band boundary
@@ -477,11 +535,11 @@ def _plan(m: int, n1: int, n2: int, padded: bool, raw: bool, on_gpu: bool, sms: 
     real_blocks = -(-m // bm)
     n_split = real_blocks * nsplit
     n_main = n_split + max(0, (main_rows - real_blocks * bm) // bm)
-    n_x2 = -(-m // bm2) if n2 else 0
+    n_x2 = -(-m // bm2) if n2 and not x2_main else 0
     n_fill = -(-(fill_end - fill_start) // _FILL_BLOCK)
     grid = (n_main + n_x2 + n_fill,)
     return Plan(grid, rows_pad, cols, cols_pad, tiles, bm, bm2, nb2, warps, n_split, n_main, n_x2, fill_start,
-                fill_end, nsplit, ts)
+                fill_end, nsplit, ts, x2_main, flat_sum)
 
 
 def _paired(t: torch.Tensor) -> bool:
@@ -503,11 +561,14 @@ def fused_rms_mxfp4_quant_triton(
     block_m: int | None = None,
     num_warps: int | None = None,
     split: int | None = None,
+    x2_main: bool | None = None,
+    flat_sum: bool | None = None,
 ):
     """Our Triton back end of :func:`layouts.fused_quant.fused_rms_mxfp4_quant` (same contract).
 
-    ``block_m`` / ``num_warps`` / ``split`` (programs per row block) override the launch plan
-    (benchmarks and tests only).
+    ``block_m`` / ``num_warps`` / ``split`` (programs per row block) / ``x2_main`` (x2 rows in
+    the row programs) / ``flat_sum`` (split programs sum rows as one flat tile) override the
+    launch plan (benchmarks and tests only).
     Inputs must have a unit last stride (the public wrapper makes sure of it).
     """
     m, n1 = x1.shape
@@ -520,7 +581,8 @@ def fused_rms_mxfp4_quant_triton(
     on_gpu = dev.type != "cpu" and not INTERPRETED
     sms = _num_sms(dev.index if dev.index is not None else torch.cuda.current_device()) if on_gpu else 0
     x_paired = _paired(x1)
-    plan = _plan(m, n1, n2, padded, x_paired and res1 is None, on_gpu, sms, block_m, num_warps, split)
+    plan = _plan(m, n1, n2, padded, x_paired and res1 is None, on_gpu, sms, block_m, num_warps, split,
+                 x2_main, flat_sum)
     grid, rows_pad, cols_pad, tiles = plan.grid, plan.rows_pad, plan.cols_pad, plan.tiles
 
     q = torch.empty((m, n1 // 2), dtype=torch.uint8, device=dev)
@@ -550,6 +612,7 @@ def fused_rms_mxfp4_quant_triton(
         BLOCK_M=plan.bm, BLOCK_M2=plan.bm2, BLOCK_N2=plan.nb2,
         HAS_RES=res1 is not None, HAS_X2=x2 is not None, SHUFFLE=bool(shuffle), PAD=padded,
         X_PAIRED=x_paired, R_PAIRED=r_paired, W_PAIRED=w_paired, RZ_ASM=on_gpu,
+        X2_MAIN=plan.x2_main, FLAT_SUM=plan.flat_sum, NPAIR=triton.next_power_of_2(n1 // 2),
         FILL_BLOCK=_FILL_BLOCK,
         num_warps=plan.warps,
     )

@@ -21,6 +21,7 @@ from . import engines
 from .engines import DEFAULT_ENGINE, EngineProfile
 from .errors import LayoutsError
 from .manifest import Manifest
+from .registry import BF16_MOE
 
 
 class CompatibilityError(LayoutsError):
@@ -103,6 +104,10 @@ class EngineConfig:
         """The MoE layout this configuration's MoE back end reads on its GPU."""
         return self.profile.moe_layout(self.moe_backend, self.gpu_arch)
 
+    def expected_bf16_moe_layout(self) -> str | None:
+        """The layout the engine's unquantized MoE holds BF16 experts in (None: none known)."""
+        return self.profile.bf16_moe_layout
+
 
 # ---------------------------------------------------------------------------- shared rules
 # Each returns why the engine would misread the checkpoint (one line, naming the fix), or None.
@@ -149,7 +154,21 @@ def moe_layout_matches(manifest: Manifest, engine: EngineConfig) -> str | None:
     return None
 
 
-SHARED_CHECKS = (tp_matches, rank_in_range, ep_matches, dense_layout_matches, moe_layout_matches)
+def bf16_moe_layout_matches(manifest: Manifest, engine: EngineConfig) -> str | None:
+    # A BF16 expert group names its layout, and the manifest's ``layouts`` records every layout
+    # used; BF16 experts stored without one are unshuffled, which the engine's own load-time
+    # processing still handles (so the adapter must let it run), and are not checked here.
+    want = engine.expected_bf16_moe_layout()
+    for name, record in manifest.layouts.items():
+        if record.kind == BF16_MOE and name != want:
+            reads = f"reads {want!r}" if want else "has no layout for them"
+            return (f"BF16 MoE experts are in the {name!r} layout but the {engine.engine} engine's unquantized MoE "
+                    f"{reads}; it would compute garbage: convert for {engine.engine} again")
+    return None
+
+
+SHARED_CHECKS = (tp_matches, rank_in_range, ep_matches, dense_layout_matches, moe_layout_matches,
+                 bf16_moe_layout_matches)
 """The rules every engine has, in the order a profile without rules of its own runs them."""
 
 

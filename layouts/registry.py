@@ -1,11 +1,12 @@
 """The layout registry: each engine-side layout is a name, its constraints, a forward and an inverse.
 
 A :class:`Layout` pairs one :class:`Transform` for the packed weight with one for its E8M0
-scale, plus the runtime attributes an engine must set on the loaded tensors so that its kernels
-read them right (``is_shuffled``, the MoE scale swizzle label). Transforms are small frozen
-objects; their ``params`` go into the manifest so a reader knows exactly what was applied, and
-:func:`recorded_layout` rebuilds a layout as a manifest recorded it (an older checkpoint's pad
-byte included).
+scale (a ``bf16-moe`` layout, for stacked BF16 experts, has a weight only: its scale transform
+is the identity and takes no tensor), plus the runtime attributes an engine must set on the
+loaded tensors so that its kernels read them right (``is_shuffled``, the MoE scale swizzle
+label). Transforms are small frozen objects; their ``params`` go into the manifest so a reader
+knows exactly what was applied, and :func:`recorded_layout` rebuilds a layout as a manifest
+recorded it (an older checkpoint's pad byte included).
 
 A layout's ``version`` goes up when the bytes it writes change. preshuffle, ck and triton are at
 version 2: their S32x8 scales pad with 0x00 (:data:`~layouts.shuffle.S32X8_PAD`); version 1
@@ -13,15 +14,16 @@ padded with 0x7F (:data:`LEGACY_S32X8_PAD`). The inverse is the same for both.
 
 Registered layouts (``docs/layouts.md`` draws their bytes and says which engine path reads which):
 
-============== ===== ====================================== ==========================================
-name           kind  weight                                 weight_scale
-============== ===== ====================================== ==========================================
-non-shuffle    dense raw ``[N, K/2]``                      raw ``[N, K/32]``
-preshuffle     dense W16                                    S32x8 ``[pad256(N), pad8(K/32)]``
-ck             moe   W16 per expert ``[E, N, K/2]``          S32x8 of ``[E*N, K/32]``, stored 2-D
-triton         moe   raw ``[E, N, K/2]``                     per-expert S32x8 ``[E, N/32, pad8(K/32)*32]``
-triton-gfx942  moe   raw                                    raw ``[E, N, K/32]``
-============== ===== ====================================== ==========================================
+=============== ======== =============================== =============================================
+name            kind     weight                          weight_scale
+=============== ======== =============================== =============================================
+non-shuffle     dense    raw ``[N, K/2]``                raw ``[N, K/32]``
+preshuffle      dense    W16                             S32x8 ``[pad256(N), pad8(K/32)]``
+ck              moe      W16 per expert ``[E, N, K/2]``  S32x8 of ``[E*N, K/32]``, stored 2-D
+triton          moe      raw ``[E, N, K/2]``             per-expert S32x8 ``[E, N/32, pad8(K/32)*32]``
+triton-gfx942   moe      raw                             raw ``[E, N, K/32]``
+bf16-preshuffle bf16-moe W16 of 16-bit values per expert none (BF16 experts ``[E, N, K]``)
+=============== ======== =============================== =============================================
 """
 
 from __future__ import annotations
@@ -37,6 +39,10 @@ from .mxfp4 import E8M0_ONE
 from .shuffle import S32X8_PAD, LayoutConstraintError, pad_to
 
 Shape = tuple[int, ...]
+
+BF16_MOE = "bf16-moe"
+"""The kind of a layout of stacked BF16 experts ``[E, N, K]`` (an unquantized MoE): a weight
+transform and no scale."""
 
 LEGACY_S32X8_PAD = E8M0_ONE
 """The S32x8 pad byte of layout version 1 (0x7F, scale 1.0), and what a recorded S32x8 transform
@@ -122,6 +128,30 @@ class WeightPreshuffle(Transform):
 
 
 @dataclasses.dataclass(frozen=True)
+class WeightPreshuffle16Bit(Transform):
+    """aiter ``shuffle_weight(x, (16, 16))`` on 16-bit values ``[..., N, K]``: W16 of the bytes,
+    N % 16 and K % 32 (values); leading dims are experts, each shuffled inside its own rows."""
+
+    name = "w16-16bit"
+
+    def violations(self, shape: Shape) -> list[str]:
+        if len(shape) < 2:
+            return ["tensor is [..., N, K]"]
+        out = []
+        if shape[-2] % _sh.W16_ROWS:
+            out.append(f"N % 16 == 0 (N = {shape[-2]})")
+        if shape[-1] % _sh.W16_K_VALUES_16BIT:
+            out.append(f"K % 32 == 0 (K = {shape[-1]})")
+        return out
+
+    def forward(self, t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return _sh.preshuffle_weight_16bit(t, out)
+
+    def inverse(self, t: torch.Tensor, shape: Shape) -> torch.Tensor:
+        return _sh.unshuffle_weight_16bit(t)
+
+
+@dataclasses.dataclass(frozen=True)
 class ScaleShuffle(Transform):
     """S32x8 on ``[R, C]`` padded to ``[pad256(R), pad8(C)]`` (aiter ``e8m0_shuffle``).
 
@@ -199,60 +229,74 @@ class ScaleShufflePerExpert(Transform):
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """One way an engine's kernels read an MXFP4 linear's weight and scale."""
+    """One way an engine's kernels read an MXFP4 linear's weight and scale, or (kind
+    :data:`BF16_MOE`) stacked BF16 experts, which have no scale: pass ``None`` for it."""
 
     name: str
     version: int
-    kind: str  # "dense" (2-D linears) or "moe" (stacked experts, [E, N, K/2])
+    kind: str  # "dense" (2-D linears), "moe" (stacked experts, [E, N, K/2]) or BF16_MOE ([E, N, K] BF16)
     weight: Transform
     scale: Transform
     runtime_attrs: Mapping[str, Any]
     description: str
 
-    def violations(self, weight_shape: Shape, scale_shape: Shape) -> list[str]:
-        """Every constraint the pair of shapes breaks, weight first."""
+    @property
+    def has_scale(self) -> bool:
+        """Whether the weight comes with an E8M0 scale (MXFP4); a BF16 layout's does not."""
+        return self.kind != BF16_MOE
+
+    def violations(self, weight_shape: Shape, scale_shape: Shape | None) -> list[str]:
+        """Every constraint the pair of shapes breaks, weight first (``scale_shape`` None: no scale)."""
         dims = 2 if self.kind == "dense" else 3
         found = [f"weight is {dims}-D"] if len(weight_shape) != dims else []
         found += [f"weight: {v}" for v in self.weight.violations(tuple(weight_shape))]
-        found += [f"scale: {v}" for v in self.scale.violations(tuple(scale_shape))]
+        if self.has_scale and scale_shape is None:
+            found.append("a weight_scale")
+        elif not self.has_scale and scale_shape is not None:
+            found.append("no scale (BF16 weights)")
+        elif scale_shape is not None:
+            found += [f"scale: {v}" for v in self.scale.violations(tuple(scale_shape))]
         return found
 
-    def check(self, weight_shape: Shape, scale_shape: Shape, tensor: str = "<tensor>") -> None:
+    def check(self, weight_shape: Shape, scale_shape: Shape | None, tensor: str = "<tensor>") -> None:
         """Raise :class:`LayoutConstraintError` naming ``tensor`` and the broken constraints."""
         broken = self.violations(weight_shape, scale_shape)
         if broken:
+            scale = "" if scale_shape is None else f" / scale {tuple(scale_shape)}"
             raise LayoutConstraintError(
-                f"{tensor}: layout '{self.name}' cannot apply to weight {tuple(weight_shape)} / "
-                f"scale {tuple(scale_shape)}: needs {'; '.join(broken)}"
+                f"{tensor}: layout '{self.name}' cannot apply to weight {tuple(weight_shape)}{scale}: "
+                f"needs {'; '.join(broken)}"
             )
 
-    def apply(self, weight: torch.Tensor, scale: torch.Tensor, tensor: str = "<tensor>",
-              weight_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def apply(self, weight: torch.Tensor, scale: torch.Tensor | None, tensor: str = "<tensor>",
+              weight_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Forward: source-order ``(weight, scale)`` into this layout's bytes (the weight into
-        ``weight_out`` when given; see :meth:`Transform.forward`)."""
-        self.check(weight.shape, scale.shape, tensor)
-        return self.weight.forward(weight, weight_out), self.scale.forward(scale)
+        ``weight_out`` when given; see :meth:`Transform.forward`); the scale is None for a BF16 layout."""
+        self.check(weight.shape, None if scale is None else scale.shape, tensor)
+        return self.weight.forward(weight, weight_out), None if scale is None else self.scale.forward(scale)
 
     def invert(
-        self, weight: torch.Tensor, scale: torch.Tensor, weight_shape: Shape, scale_shape: Shape
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, weight: torch.Tensor, scale: torch.Tensor | None, weight_shape: Shape, scale_shape: Shape | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Inverse: this layout's bytes back to source order, given the source shapes."""
-        return self.weight.inverse(weight, tuple(weight_shape)), self.scale.inverse(scale, tuple(scale_shape))
+        back = None if scale is None else self.scale.inverse(scale, tuple(scale_shape))
+        return self.weight.inverse(weight, tuple(weight_shape)), back
 
     def scale_pad_mismatches(self, scale: torch.Tensor, scale_shape: Shape) -> int:
         """How many pad bytes of the stored ``scale`` (source shape ``scale_shape``) are not this
         layout's pad byte (0 for a layout that pads nothing)."""
         return self.scale.pad_mismatches(scale, tuple(scale_shape))
 
-    def output_shapes(self, weight_shape: Shape, scale_shape: Shape) -> tuple[Shape, Shape]:
-        return self.weight.output_shape(tuple(weight_shape)), self.scale.output_shape(tuple(scale_shape))
+    def output_shapes(self, weight_shape: Shape, scale_shape: Shape | None) -> tuple[Shape, Shape | None]:
+        scale = None if scale_shape is None else self.scale.output_shape(tuple(scale_shape))
+        return self.weight.output_shape(tuple(weight_shape)), scale
 
     def experts_transform_independently(self, rows_per_expert: int) -> bool:
         """Whether a block of stacked experts with ``rows_per_expert`` rows each transforms (and
         inverts) as that block of the whole stacked tensor would: what lets a converter build,
         and a reader invert, a MoE layer a block of experts at a time. A dense layout stacks no
         experts."""
-        return (self.kind == "moe" and self.weight.splits_over_experts(rows_per_expert)
+        return (self.kind != "dense" and self.weight.splits_over_experts(rows_per_expert)
                 and self.scale.splits_over_experts(rows_per_expert))
 
     def describe(self) -> dict[str, Any]:
@@ -321,7 +365,8 @@ def recorded_layout(record: Mapping[str, Any]) -> Layout:
 
 
 def layout_names(kind: str | None = None) -> list[str]:
-    """The registered layout names, sorted; only those of ``kind`` ("dense" or "moe") when given."""
+    """The registered layout names, sorted; only those of ``kind`` ("dense", "moe" or
+    :data:`BF16_MOE`) when given."""
     return sorted(n for n, l in _REGISTRY.items() if kind is None or l.kind == kind)
 
 
@@ -355,4 +400,8 @@ MOE_TRITON = register_layout(Layout(
 MOE_TRITON_GFX942 = register_layout(Layout(
     "triton-gfx942", 1, "moe", Identity(), Identity(), {"is_shuffled": False, "scale_swizzle": None},
     "triton_kernels MoE on gfx942: raw weight and scale",
+))
+MOE_BF16 = register_layout(Layout(
+    "bf16-preshuffle", 1, BF16_MOE, WeightPreshuffle16Bit(), Identity(), {"is_shuffled": True},
+    "aiter shuffle_weight (16, 16) per expert on BF16 w13/w2, as ATOM's unquantized FusedMoE holds them",
 ))

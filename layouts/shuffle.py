@@ -16,7 +16,14 @@ columns by data past K (docs/consumer-kernels.md has the kernels' evidence).
 ``[E, N, SK]``: the same permutation inside each expert with no 256-row pad (N % 32 == 0, SK
 padded to a multiple of 8), stored ``[E, N/32, SKp*32]``.
 
-Every function takes uint8 or the matching torch fp4/e8m0 view dtype and returns the same dtype.
+**W16 on 16-bit weights** (aiter ``shuffle_weight(x, layout=(16, 16))`` on BF16/F16 ``[..., N, K]``,
+what ATOM applies to the BF16 experts of its unquantized MoE): aiter moves runs of 16 bytes, 8
+values here, so it is W16 on the tensor's bytes ``[..., N, 2K]``; element (n, k) lands at
+``(((n//16)*(K/8) + k//8)*16 + n%16)*8 + k%8``. aiter's K block is 32 values whatever the dtype,
+so it needs N % 16 == 0 and K % 32 == 0 (64 bytes a row, where packed MXFP4 needs 32).
+
+Every MXFP4 function takes uint8 or the matching torch fp4/e8m0 view dtype and returns the same
+dtype; the 16-bit one takes and returns a 2-byte dtype.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from .sizes import pad_to  # noqa: F401  (imported from here by the layouts and 
 
 W16_ROWS = 16
 W16_KBYTES = 32
+W16_K_VALUES_16BIT = 32  # aiter's BK = 2 * layout[1] values: 64 bytes of a 16-bit row
 S32_ROWS = 32
 S8_COLS = 8
 SCALE_ROW_PAD = 256
@@ -98,6 +106,44 @@ def unshuffle_weight(w: torch.Tensor) -> torch.Tensor:
     runs = _as_runs(u).view(-1, n // 16, kb // 16, 16)
     out = runs.transpose(2, 3).contiguous()
     return out.view(torch.uint8).view(w.shape).view(w.dtype)
+
+
+def _check_w16_16bit(w: torch.Tensor) -> None:
+    if w.element_size() != 2 or w.dtype.is_complex:
+        raise LayoutConstraintError(f"16-bit W16 takes a 2-byte dtype (bfloat16, float16), got {w.dtype}")
+    if w.dim() < 2:
+        raise LayoutConstraintError(f"16-bit W16 needs a [..., N, K] tensor, got shape {tuple(w.shape)}")
+    n, k = w.shape[-2], w.shape[-1]
+    if n % W16_ROWS or k % W16_K_VALUES_16BIT:
+        raise LayoutConstraintError(
+            f"16-bit W16 needs N % 16 == 0 and K % 32 == 0, got shape {tuple(w.shape)} (N = {n}, K = {k})")
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors' bytes share memory (a transpose cannot run in place)."""
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and \
+        a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
+def preshuffle_weight_16bit(w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """aiter ``shuffle_weight(w, layout=(16, 16))`` of 16-bit weights ``[..., N, K]`` (BF16 stacked
+    experts: leading dims are experts; each expert's rows stay its own). Exact inverse:
+    :func:`unshuffle_weight_16bit`. ``out`` as for :func:`preshuffle_weight`; it may be ``w``."""
+    _check_w16_16bit(w)
+    if out is not None:
+        check_out(out, w)
+        if _overlaps(out, w):
+            w = w.clone()
+        preshuffle_weight(w.contiguous().view(torch.uint8), out.view(torch.uint8))
+        return out
+    return preshuffle_weight(w.contiguous().view(torch.uint8)).view(w.dtype)
+
+
+def unshuffle_weight_16bit(w: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`preshuffle_weight_16bit`: row-major ``[..., N, K]`` values back."""
+    _check_w16_16bit(w)
+    return unshuffle_weight(w.contiguous().view(torch.uint8)).view(w.dtype)
 
 
 def shuffled_scale_shape(rows: int, cols: int, pad_rows: bool = True) -> tuple[int, int]:

@@ -214,7 +214,17 @@ def _existing_dir(path: str, what: str) -> str:
 
 
 _CONVERTED = "give the folder prep convert wrote"
-_CHECKPOINT = "give a Quark source folder or a folder prep convert wrote"
+
+
+def _checkpoint_dir(src: str) -> str:
+    """A folder to run: ``src`` itself, or a Hugging Face repo id (``org/name``, not a path
+    that exists) resolved through huggingface_hub's cache as ``convert`` resolves its source."""
+    p = pathlib.Path(src).expanduser()
+    if not p.exists() and src.count("/") == 1 and not src.startswith((".", "/", "~")):
+        from .source import resolve
+
+        return str(resolve(src)[0])
+    return _existing_dir(src, "give a Quark source folder (or its Hugging Face repo id) or a folder prep convert wrote")
 
 
 def _quiet_option(fn: Callable) -> Callable:
@@ -491,8 +501,9 @@ def _hashes_line(checked: int | None, converted: bool, short: bool = False) -> s
 @_fail_cleanly
 def run_cmd(model_dir, prompt_ids, layers, device, act_quant, gemm_path, gemm, aiter_dir, verify, max_memory, as_json,
             quiet, save_logits, assume_layout):
-    """Run the reference DeepSeek-V3 forward on MODEL_DIR (a Quark source or a converted
-    checkpoint at any layout and TP; ranks are combined in-process) and print the logits' argmax.
+    """Run the reference DeepSeek-V3 forward on MODEL_DIR (a Quark source, as a folder or a
+    Hugging Face repo id, or a converted checkpoint at any layout and TP; ranks are combined
+    in-process) and print the logits' argmax.
 
     Converted checkpoints are loaded through the runtime module (manifest and compatibility
     checks, load_rank), and each MXFP4 weight is read in its stored layout.
@@ -505,7 +516,7 @@ def run_cmd(model_dir, prompt_ids, layers, device, act_quant, gemm_path, gemm, a
     """
     from .reference.run import run
 
-    _existing_dir(model_dir, _CHECKPOINT)
+    model_dir = _checkpoint_dir(model_dir)
     if save_logits and not os.path.isdir(os.path.dirname(os.path.abspath(save_logits))):
         raise PrepError(f"--save-logits {save_logits}: its folder does not exist")
     r = _with_run_bars(run, as_json, quiet, model_dir, _ids(prompt_ids), layers=layers, device=device,
@@ -549,21 +560,21 @@ def compare(a, b, prompt_ids, layers, device, act_quant, gemm_path, gemm, aiter_
     """Run checkpoints A and B on the same tokens and compare their logits (exit 1 above --tolerance).
 
     A converted checkpoint computes the same model as its source bit for bit: the layouts only
-    move bytes. Use this before putting a conversion behind a server. A and B run one after the
-    other, each within --max-memory.
+    move bytes. Use this before putting a conversion behind a server. A and B are folders; a
+    source may also be a Hugging Face repo id, as for convert. A and B run one after the other,
+    each within --max-memory.
 
     To compare aiter's own GEMMs with prep's on one checkpoint, give it twice with
     --gemm-b aiter-triton (or two checkpoints, each with its --gemm-a / --gemm-b).
 
     \b
     Examples:
-      prep compare amd/DeepSeek-R1-0528-MXFP4-local r1-tp8 --prompt-ids 0,100,200 --layers 4
+      prep compare amd/DeepSeek-R1-0528-MXFP4 r1-tp8 --prompt-ids 0,100,200 --layers 4
       prep compare r1-tp2 r1-tp2 --gemm-b aiter-triton --prompt-ids 1,2,3 --rtol 0.00390625
     """
     from .reference.run import compare as run
 
-    _existing_dir(a, _CHECKPOINT)
-    _existing_dir(b, _CHECKPOINT)
+    a, b = _checkpoint_dir(a), _checkpoint_dir(b)
     r = _with_run_bars(run, as_json, quiet, a, b, _ids(prompt_ids), layers=layers, device=device, act_quant=act_quant,
                        gemm_path=gemm_path, verify=verify, gemm=gemm, gemm_a=gemm_a, gemm_b=gemm_b, aiter_dir=aiter_dir,
                        max_memory=int(max_memory * 2**30))

@@ -36,7 +36,6 @@ import dataclasses
 import os
 import pathlib
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -71,20 +70,16 @@ import torch  # noqa: E402
 import layouts  # noqa: E402
 from prep.convert import convert  # noqa: E402
 from prep.deepseek import Target  # noqa: E402
+from prep.reference.aiter_gemm import DENSE_MODULES  # noqa: E402
 from prep.testing import SynthSpec, write_checkpoint  # noqa: E402
+
+import cuda_timing  # noqa: E402  (scripts/, beside this file)
 
 NON_SHUFFLE = "gemm_afp4wfp4"
 PS_WEIGHT = "gemm_afp4wfp4_preshuffled_weight_scales"
 PS_SCALES = "gemm_afp4wfp4_preshuffled_scales"
 KERNELS = (NON_SHUFFLE, PS_WEIGHT, PS_SCALES)
-MODULES = {
-    "fused_qkv_a_proj": "model.layers.0.self_attn.fused_qkv_a_proj",
-    "q_b_proj": "model.layers.0.self_attn.q_b_proj",
-    "kv_b_proj": "model.layers.0.self_attn.kv_b_proj",
-    "o_proj": "model.layers.0.self_attn.o_proj",
-    "gate_up_proj": "model.layers.0.mlp.gate_up_proj",
-    "down_proj": "model.layers.0.mlp.down_proj",
-}
+MODULES = DENSE_MODULES
 EPS = 1e-6
 
 
@@ -283,51 +278,10 @@ def print_checks(title: str, rows: list) -> tuple[int, int]:
 
 
 # ------------------------------------------------------------------------------------ timing
-def _events_ms(fn, n: int) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(n):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end)
-
-
 def time_graph_us(fns: list, budget_ms: float = 40) -> float:
     """Median per-call device time of a CUDA graph that calls ``fns`` in turn (each its own weight
     copy), replayed."""
-    if ARGS.cpu_smoke:
-        t0 = time.perf_counter()
-        fns[0]()
-        return (time.perf_counter() - t0) * 1e6
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for fn in fns:
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    one = max(_events_ms(lambda: [fn() for fn in fns], 2) / (2 * len(fns)), 1e-3)
-    rounds = int(min(50, max(1, 2.0 / (one * len(fns)))))  # ~2 ms of work per replay
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(rounds):
-            for fn in fns:
-                fn()
-    g.replay()
-    torch.cuda.synchronize()
-    calls = rounds * len(fns)
-    replays = int(min(30, max(5, budget_ms / (calls * one))))
-    times = []
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(replays):
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    del g
-    return statistics.median(times) * 1e3
+    return cuda_timing.time_graph_us(fns, budget_ms, cpu=ARGS.cpu_smoke, max_calls=50 * len(fns), max_replays=30)
 
 
 DEEPSEEK_ATTN = SynthSpec(variant="v2", hidden_size=7168, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,

@@ -46,6 +46,7 @@ import layouts
 from layouts.dequant import stored_positions
 from prep.convert import convert
 from prep.deepseek import Target
+from prep.reference.aiter_gemm import DENSE_MODULES
 from prep.testing import SynthSpec, write_checkpoint
 
 MS = (1, 16, 31, 32, 33, 256)
@@ -55,14 +56,7 @@ EPS = 1e-6
 VARIANTS = ("v2", "r1-0528")
 LAYOUTS = ("non-shuffle", "preshuffle")
 
-MODULES = {
-    "fused_qkv_a_proj": "model.layers.0.self_attn.fused_qkv_a_proj",
-    "q_b_proj": "model.layers.0.self_attn.q_b_proj",
-    "kv_b_proj": "model.layers.0.self_attn.kv_b_proj",
-    "o_proj": "model.layers.0.self_attn.o_proj",
-    "gate_up_proj": "model.layers.0.mlp.gate_up_proj",
-    "down_proj": "model.layers.0.mlp.down_proj",
-}
+MODULES = DENSE_MODULES
 MXFP4_MODULES = {"v2": tuple(MODULES), "r1-0528": ("gate_up_proj", "down_proj")}  # r1-0528: BF16 attention
 
 # The kernel each engine path runs, and the kernel taking raw weights with S32x8 scales.

@@ -23,6 +23,8 @@ from prep.revert import revert
 from prep.testing import SynthSpec, write_checkpoint
 from prep.verify import verify
 
+from hub_cache import fake_hub_cache
+
 
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory):
@@ -358,19 +360,8 @@ def test_verify_names_a_tampered_tensor(sources, tmp_path):
     assert_one_line_error(run_cli("verify", str(out)), "did not finish")
 
 
-def _fake_hub_cache(tmp_path, src, repo="amd/Tiny-DeepSeek-MXFP4", commit="0123456789abcdef0123456789abcdef01234567"):
-    """A Hugging Face hub cache holding ``src`` as ``repo`` at ``commit`` (the layout
-    huggingface_hub writes: refs/main -> commit, snapshots/<commit>/<files>)."""
-    cache = tmp_path / "hub"
-    repo_dir = cache / f"models--{repo.replace('/', '--')}"
-    (repo_dir / "refs").mkdir(parents=True)
-    (repo_dir / "refs" / "main").write_text(commit)
-    shutil.copytree(src, repo_dir / "snapshots" / commit)
-    return cache, repo, commit
-
-
 def test_convert_resolves_a_repo_id_through_the_hub_cache_offline(sources, tmp_path, monkeypatch):
-    cache, repo, commit = _fake_hub_cache(tmp_path, sources["v2"])
+    cache, repo, commit = fake_hub_cache(tmp_path, sources["v2"])
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     import huggingface_hub.constants as hc

@@ -78,6 +78,7 @@ def test_every_registered_layout_is_read_by_some_engine_path():
     profiles = [layouts.get_engine(n) for n in layouts.engine_names()]
     assert {r.weight_layout for p in profiles for r in p.gemm_paths.values()} == set(layouts.layout_names("dense"))
     assert {layout for p in profiles for layout in p.moe_layouts.values()} == set(layouts.layout_names("moe"))
+    assert {p.bf16_moe_layout for p in profiles} - {None} == set(layouts.layout_names("bf16-moe"))
 
 
 def _manifest(layout, moe_layout, tp=2, ep=1) -> Manifest:

@@ -167,15 +167,18 @@ def test_triton_kernel_matches_torch_reference(m, n1, with_x2, with_res, shuffle
     assert_matches_reference(out, want, args)
 
 
+@pytest.mark.parametrize("x2_main", [True, False], ids=["x2-in-row-programs", "x2-own-programs"])
 @pytest.mark.parametrize("block_m", [1, 2, 8])
-def test_triton_kernel_result_does_not_depend_on_rows_per_program(block_m):
-    # The launch plan picks BLOCK_M per shape (1 on the GPU for small M, 32 in the interpreter);
-    # every choice must write the same bytes, pad programs included.
+def test_triton_kernel_result_does_not_depend_on_rows_per_program(block_m, x2_main):
+    # The launch plan picks BLOCK_M per shape (1 on the GPU for small M, 32 in the interpreter),
+    # and whether x2 rows ride in the row programs; every choice must write the same bytes, pad
+    # programs included.
     from layouts._triton_fused_quant import fused_rms_mxfp4_quant_triton
 
     args = make_inputs(45, 1536, x2=True, res=True, seed=3)
     want = reference(args, True, True)
-    out = fused_rms_mxfp4_quant_triton(**args, shuffle=True, scale_shuffle_padding=True, block_m=block_m)
+    out = fused_rms_mxfp4_quant_triton(**args, shuffle=True, scale_shuffle_padding=True, block_m=block_m,
+                                       x2_main=x2_main)
     assert_matches_reference(out, want, args)
 
 
@@ -214,10 +217,16 @@ def test_gpu_launch_plan_covers_every_row_and_scale_byte(n1, n2, raw):
             fill = (main_rows * p.cols_pad, p.rows_pad * p.cols_pad) if padded else (0, 0)
             assert (p.fill_start, p.fill_end) == fill
             assert p.grid[0] == p.n_main + p.n_x2 + -(-(p.fill_end - p.fill_start) // 4096)
-            assert p.n_x2 * p.bm2 >= (m if n2 else 0) and p.nb2 >= n2
+            # x2 rows: in the row programs (whole rows only) or in programs of their own.
+            x2_rows = real * p.bm if p.x2_main else p.n_x2 * p.bm2
+            assert x2_rows >= (m if n2 else 0) and p.nb2 >= n2 and (p.split == 1 or not p.x2_main)
+            assert p.x2_main == bool(n2 and p.split == 1) and (p.n_x2 == 0 or not p.x2_main)
             assert sum(p.tiles) >= p.cols_pad and all(t & (t - 1) == 0 for t in p.tiles) and p.ts & (p.ts - 1) == 0
             assert p.warps & (p.warps - 1) == 0 and 1 <= p.warps <= 16 and p.bm2 & (p.bm2 - 1) == 0
-    # Decode sizes split each row's quant over several programs (small rows stay whole).
+    # Decode sizes split each row's quant over several programs (small rows stay whole); split
+    # programs sum their rows as one flat tile.
+    assert _plan(1, 7168, 0, True, False, True, 132, None, None).flat_sum
+    assert not _plan(65536, 7168, 0, True, False, True, 132, None, None).flat_sum
     assert _plan(1, 7168, 0, True, False, True, 132, None, None).split == 7
     assert _plan(1, 1536, 512, True, True, True, 132, None, None).split == 3
     assert _plan(65536, 7168, 0, True, False, True, 132, None, None).split == 1
@@ -225,7 +234,8 @@ def test_gpu_launch_plan_covers_every_row_and_scale_byte(n1, n2, raw):
 
 @pytest.mark.parametrize("m,n1,with_x2,with_res,split", [(1, 7168, False, True, 7), (3, 1536, True, False, 3),
                                                         (33, 1000, True, True, 2), (2, 512, False, True, 4)])
-def test_triton_kernel_result_does_not_depend_on_row_split(m, n1, with_x2, with_res, split):
+@pytest.mark.parametrize("flat_sum", [True, False], ids=["flat-sum", "tile-sums"])
+def test_triton_kernel_result_does_not_depend_on_row_split(m, n1, with_x2, with_res, split, flat_sum):
     # Decode sizes on a GPU split each row over `split` programs, each quantizing a slice of the
     # row's blocks after summing the whole row; the bytes must be those of the unsplit kernel,
     # pad rows, pad columns and out_res1 included (1000: a partial last block; 512 in 4 slices
@@ -236,7 +246,7 @@ def test_triton_kernel_result_does_not_depend_on_row_split(m, n1, with_x2, with_
     for shuffle, padding in ((True, True), (False, False)):
         want = reference(args, shuffle, padding)
         out = fused_rms_mxfp4_quant_triton(**args, shuffle=shuffle, scale_shuffle_padding=padding, block_m=1,
-                                           split=split)
+                                           split=split, flat_sum=flat_sum)
         assert_matches_reference(out, want, args)
 
 

@@ -15,34 +15,44 @@ def rand_u8(*shape, seed=0):
     return torch.randint(0, 256, shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
 
 
-def test_registry_lists_dense_and_moe_layouts():
+def sample(layout, shape):
+    """Random source bytes ``(weight, scale)`` of a weight of ``shape`` ([.., N, K/2] packed MXFP4)
+    for ``layout``: BF16 experts (the same bits as 16-bit values, [.., N, K/4]) have no scale."""
+    w = rand_u8(*shape, seed=sum(shape))
+    if not layout.has_scale:
+        return w.view(torch.bfloat16), None
+    return w, torch.randint(100, 140, (*shape[:-1], shape[-1] // 16), dtype=torch.uint8)
+
+
+def test_registry_lists_dense_moe_and_bf16_moe_layouts():
     assert L.layout_names("dense") == ["non-shuffle", "preshuffle"]
     assert L.layout_names("moe") == ["ck", "triton", "triton-gfx942"]
+    assert L.layout_names("bf16-moe") == ["bf16-preshuffle"]
 
 
 @pytest.mark.parametrize("name", L.layout_names())
 def test_every_layout_inverts_exactly_and_predicts_its_output_shapes(name):
     layout = L.get_layout(name)
-    if layout.kind == "dense":
-        w, s = rand_u8(64, 128, seed=1), rand_u8(64, 8, seed=2)
-    else:
-        w, s = rand_u8(5, 64, 96, seed=3), rand_u8(5, 64, 6, seed=4)
+    w, s = sample(layout, (64, 128) if layout.kind == "dense" else (5, 64, 128))
     lw, ls = layout.apply(w, s, "t")
-    assert (tuple(lw.shape), tuple(ls.shape)) == layout.output_shapes(w.shape, s.shape)
-    bw, bs = layout.invert(lw, ls, w.shape, s.shape)
-    assert torch.equal(bw, w) and torch.equal(bs, s)
+    assert (tuple(lw.shape), ls if ls is None else tuple(ls.shape)) == layout.output_shapes(
+        w.shape, None if s is None else s.shape)
+    bw, bs = layout.invert(lw, ls, w.shape, None if s is None else s.shape)
+    assert torch.equal(bw.view(torch.uint8), w.view(torch.uint8))
+    assert (bs is None and s is None) or torch.equal(bs, s)
 
 
-@pytest.mark.parametrize("name", L.layout_names("moe"))
+@pytest.mark.parametrize("name", L.layout_names("moe") + L.layout_names("bf16-moe"))
 def test_moe_layouts_transform_each_expert_on_its_own(name):
     # prep convert builds stacked experts in blocks: with 256 rows per expert the blocks' outputs,
     # laid end to end, must be the whole tensor's output byte for byte.
     layout = L.get_layout(name)
-    w, s = rand_u8(7, 256, 64, seed=7), rand_u8(7, 256, 4, seed=8)
+    assert layout.experts_transform_independently(256)
+    w, s = sample(layout, (7, 256, 64))
     whole_w, whole_s = layout.apply(w, s, "t")
-    blocks = [layout.apply(w[i:i + 3], s[i:i + 3], "t") for i in range(0, 7, 3)]
-    assert torch.equal(torch.cat([b[0] for b in blocks]), whole_w)
-    assert torch.equal(torch.cat([b[1] for b in blocks]), whole_s)
+    blocks = [layout.apply(w[i:i + 3], None if s is None else s[i:i + 3], "t") for i in range(0, 7, 3)]
+    assert torch.equal(torch.cat([b[0] for b in blocks]).view(torch.uint8), whole_w.view(torch.uint8))  # NaN bits
+    assert s is None or torch.equal(torch.cat([b[1] for b in blocks]), whole_s)
 
 
 def test_preshuffle_layout_is_the_two_primitives():
@@ -71,6 +81,7 @@ def test_runtime_attributes_say_whether_the_weight_is_shuffled():
     assert L.get_layout("ck").runtime_attrs["is_shuffled"] is True
     assert L.get_layout("non-shuffle").runtime_attrs["is_shuffled"] is False
     assert L.get_layout("triton").runtime_attrs["is_shuffled"] is False
+    assert L.get_layout("bf16-preshuffle").runtime_attrs["is_shuffled"] is True  # aiter's fused_moe reads it
 
 
 def test_a_layout_that_cannot_apply_names_the_tensor_and_every_broken_constraint():
@@ -101,7 +112,7 @@ def test_layout_description_is_json_for_the_manifest():
 
 
 def test_unknown_layout_lists_the_known_ones():
-    with pytest.raises(KeyError, match="known: ck, non-shuffle, preshuffle"):
+    with pytest.raises(KeyError, match="known: bf16-preshuffle, ck, non-shuffle, preshuffle"):
         L.get_layout("shuffled")
 
 
@@ -127,15 +138,13 @@ def test_compressed_source_names_expand_to_exactly_the_original_list(templates, 
 def test_forward_into_out_writes_the_same_bytes(name, misalign):
     # Converters build straight into their output buffers; any alignment of that buffer.
     layout = L.get_layout(name)
-    shape = (4, 256, 64) if layout.kind == "moe" else (256, 64)
-    g = torch.Generator().manual_seed(3)
-    w = torch.randint(0, 256, shape, dtype=torch.uint8, generator=g)
-    s = torch.randint(100, 140, (*shape[:-1], 4), dtype=torch.uint8, generator=g)
+    w, s = sample(layout, (256, 64) if layout.kind == "dense" else (4, 256, 64))
     want_w, want_s = layout.apply(w, s)
     n = want_w.numel()
-    buf = torch.zeros(n + 16, dtype=torch.uint8)
+    buf = torch.zeros(n + 16, dtype=w.dtype)
     out = buf[misalign:misalign + n].view(want_w.shape)
     got_w, got_s = layout.apply(w, s, weight_out=out)
-    assert got_w.data_ptr() == out.data_ptr() and torch.equal(out, want_w) and torch.equal(got_s, want_s)
+    assert got_w.data_ptr() == out.data_ptr() and torch.equal(out.view(torch.uint8), want_w.view(torch.uint8))
+    assert (got_s is None and want_s is None) or torch.equal(got_s, want_s)
     with pytest.raises(ValueError, match="out must be"):
-        layout.apply(w, s, weight_out=torch.empty(n + 1, dtype=torch.uint8))
+        layout.apply(w, s, weight_out=torch.empty(n + 1, dtype=w.dtype))

@@ -78,6 +78,11 @@ class EngineProfile:
     moe_layouts: Mapping[tuple[str, str], str]
     """``(MoE back end, GpuArch.prefix) -> MoE layout`` that back end reads on that GPU family;
     the default back end first."""
+    bf16_moe_layout: str | None = None
+    """The ``bf16-moe`` layout the engine's unquantized MoE holds stacked BF16 experts in once
+    loaded (R1-0528's MTP layer), in every configuration: a checkpoint whose BF16 experts are in
+    it installs them with no processing. None: no such layout is known for the engine, and a
+    checkpoint that stores BF16 experts in a layout is refused."""
     gpu_archs: tuple[GpuArch, ...]
     """The GPU families the engine's layouts cover; any other arch is refused."""
     default_gpu_arch: str
@@ -205,7 +210,7 @@ def _load_all() -> None:
 def register_engine(profile: EngineProfile) -> EngineProfile:
     """Add ``profile`` to the engines :func:`get_engine` knows, after checking that it reads only
     registered layouts and that its GEMM path names mean what other engines' mean."""
-    from ..registry import layout_names
+    from ..registry import BF16_MOE, layout_names
 
     if profile.name in _PROFILES:
         raise ValueError(f"engine {profile.name!r} is already registered")
@@ -222,6 +227,10 @@ def register_engine(profile: EngineProfile) -> EngineProfile:
         if layout not in moe:
             raise ValueError(f"engine {profile.name!r}: MoE back end {backend!r} on {prefix} reads {layout!r}, which is "
                              f"not a registered MoE layout ({', '.join(moe)}); register the layout first")
+    bf16 = layout_names(BF16_MOE)
+    if profile.bf16_moe_layout is not None and profile.bf16_moe_layout not in bf16:
+        raise ValueError(f"engine {profile.name!r}: its BF16 MoE reads {profile.bf16_moe_layout!r}, which is not a "
+                         f"registered {BF16_MOE} layout ({', '.join(bf16)}); register the layout first")
     if profile.arch(profile.default_gpu_arch) is None:
         raise ValueError(f"engine {profile.name!r}: default GPU arch {profile.default_gpu_arch!r} is not in its gpu_archs")
     _PROFILES[profile.name] = profile

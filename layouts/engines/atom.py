@@ -80,12 +80,12 @@ from typing import Any, Mapping
 
 import torch
 
-from ..compat import (CompatibilityError, EngineConfig, check_compatibility, dense_layout_matches, ep_matches,
-                      moe_layout_matches, rank_in_range, tp_matches)
+from ..compat import (CompatibilityError, EngineConfig, bf16_moe_layout_matches, check_compatibility,
+                      dense_layout_matches, ep_matches, moe_layout_matches, rank_in_range, tp_matches)
 from ..loader import RankTensors, load_rank
 from ..manifest import Manifest, ManifestError, TensorRecord, load_manifest
 from ..errors import LayoutsError
-from ..registry import MOE_CK, MOE_TRITON, MOE_TRITON_GFX942, NON_SHUFFLE, PRESHUFFLE, recorded_layout
+from ..registry import MOE_BF16, MOE_CK, MOE_TRITON, MOE_TRITON_GFX942, NON_SHUFFLE, PRESHUFFLE, recorded_layout
 from ..shuffle import S8_COLS, pad_to
 from . import NEVER, EngineProfile, GemmPathRule, GpuArch, current_gpu_arch
 
@@ -111,6 +111,14 @@ MOE_LAYOUTS: dict[tuple[str, str], str] = {  # CK first: it is ATOM's MoE unless
     (TRITON, GFX94.prefix): MOE_TRITON_GFX942.name,  # triton_kernels on gfx942 reads raw scales
     (TRITON, GFX95.prefix): MOE_TRITON.name,  # and CDNA4_SCALE-swizzled ones on gfx950
 }
+# BF16 experts (R1-0528's MTP layer) go to UnquantizedFusedMoEMethod whatever the switches say
+# (ROCm/ATOM ffdf3bb5 atom/model_ops/moe.py:2888-2891; ATOM_USE_TRITON_MOE is read only by the
+# MXFP4 method, 1046-1052). Its process_weights_after_loading (moe.py:830-836) pads nothing
+# (_maybe_pad_weight, 827-828, is the identity) and calls shuffle_weights(w13, w2), which shuffles
+# each expert [N, K] with aiter's shuffle_weight(layout=(16, 16)), no gate/up interleave, and
+# sets is_shuffled (atom/model_ops/utils.py:134-168); aiter's fused_moe reads that attribute
+# (aiter e4048607 aiter/fused_moe.py:747). On every arch, CK or Triton MXFP4 MoE alike.
+BF16_MOE_LAYOUT = MOE_BF16.name
 
 # ---------------------------------------------------------------------------- refusals
 _DENSE_FIX = {
@@ -220,8 +228,9 @@ class AtomProfile(EngineProfile):
     default_gpu_arch = GFX95.example
     expert_parallel_backends = (CK,)  # ATOM's Triton MoE ignores the expert map
     expert_parallel_switch = "--enable-expert-parallel"  # sets ep_size = tp_size
+    bf16_moe_layout = BF16_MOE_LAYOUT
     checks = (tp_matches, rank_in_range, ep_matches, dense_layout_matches, triton_gemm_needs_bf16_attention,
-              s32x8_k_pad_usable, moe_layout_matches, expert_parallel_needs_ck_moe)
+              s32x8_k_pad_usable, moe_layout_matches, bf16_moe_layout_matches, expert_parallel_needs_ck_moe)
 
     def config_from_env(self, env: Mapping[str, str], *, tp_size: int, rank: int, ep_size: int,
                         gpu_arch: str | None) -> EngineConfig:

@@ -72,6 +72,17 @@ NON_SHUFFLE, PRESHUFFLE = (layouts.get_engine("atom").dense_layout(p) for p in _
 KERNELS = {NON_SHUFFLE: "gemm_afp4wfp4", PRESHUFFLE: "gemm_afp4wfp4_preshuffled_weight_scales"}
 ACTIVATION_PATH = dict(zip((NON_SHUFFLE, PRESHUFFLE), _PATHS))
 
+# The dense MXFP4 modules of a DeepSeek layer (layer 0 of a converted checkpoint): what the
+# consumer-kernel tests and scripts/bench_gemm.py run aiter's GEMMs on.
+DENSE_MODULES = {
+    "fused_qkv_a_proj": "model.layers.0.self_attn.fused_qkv_a_proj",
+    "q_b_proj": "model.layers.0.self_attn.q_b_proj",
+    "kv_b_proj": "model.layers.0.self_attn.kv_b_proj",
+    "o_proj": "model.layers.0.self_attn.o_proj",
+    "gate_up_proj": "model.layers.0.mlp.gate_up_proj",
+    "down_proj": "model.layers.0.mlp.down_proj",
+}
+
 
 def aiter_dir(given: str | os.PathLike | None = None) -> pathlib.Path:
     """The folder of the amd-aiter wheel's files: ``given``, else ``$PREP_AITER_DIR``, else the default."""
