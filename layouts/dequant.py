@@ -64,12 +64,39 @@ def _positions(transform: Transform, shape: Shape) -> torch.Tensor:
     return where
 
 
+BAND_BYTES = 4 << 20  # a larger tensor is gathered a band of rows at a time, where its transform allows
+
+
 def read_logical(stored: torch.Tensor, transform: Transform, shape: Shape) -> torch.Tensor:
-    """The logical ``shape`` bytes of ``stored`` (the transform's output), by one gather."""
+    """The logical ``shape`` bytes of ``stored`` (the transform's output), by one gather, or
+    one per band of rows: a position map is 8 bytes per byte and takes several such arrays to
+    derive, so a dense MLP's 132 MB merged weight would need ~8 GB at once. Banded only where
+    the transform pads nothing and works inside blocks of that many rows (as it does inside
+    each stacked expert), so each band's map is the whole map's part for that band."""
     flat = stored.reshape(-1)
     if flat.dtype != torch.uint8:
         flat = flat.view(torch.uint8)
-    return flat[stored_positions(transform, tuple(shape), flat.device)].view(shape)
+    rows = _band_rows(transform, tuple(shape))
+    if rows is None:
+        return flat[stored_positions(transform, tuple(shape), flat.device)].view(shape)
+    band = rows * shape[-1]
+    where = stored_positions(transform, (rows, shape[-1]), flat.device)
+    out = torch.empty(flat.numel(), dtype=torch.uint8, device=flat.device)
+    for b0 in range(0, flat.numel(), band):
+        torch.take(flat[b0:b0 + band], where, out=out[b0:b0 + band])
+    return out.view(shape)
+
+
+def _band_rows(transform: Transform, shape: Shape) -> int | None:
+    """Rows per band (a multiple of 256 dividing the matrix rows, about BAND_BYTES), or None
+    when the tensor is small or its transform cannot be read a band at a time."""
+    if len(shape) < 2 or math.prod(shape) <= BAND_BYTES or tuple(transform.output_shape(shape)) != tuple(shape):
+        return None
+    n, c = shape[-2], shape[-1]
+    for rows in range(max(256, BAND_BYTES // c // 256 * 256), 0, -256):
+        if n % rows == 0 and transform.splits_over_experts(rows) and not transform.violations((rows, c)):
+            return rows
+    return None
 
 
 def dequantize_stored(weight: torch.Tensor, scale: torch.Tensor, layout: Layout, weight_shape: Shape,

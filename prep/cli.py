@@ -317,6 +317,10 @@ def convert(src, out, layout, moe_layout, tp, ep, fuse_shared_expert, common_bf1
     (bytes unchanged) and the replicated ones copied into every rank's files, so a rank reads
     only its own files. prep-manifest.json records every tensor; prep-complete.json is written last.
 
+    Memory stays flat whatever the checkpoint's size: each file is built in blocks of whole
+    experts or rows of about 32 MiB and written through three 40 MiB buffers (per --workers):
+    0.6 GiB measured on a 13 GiB checkpoint of DeepSeek's real widths (docs/BENCHMARKS.md).
+
     \b
     Examples:
       prep convert amd/DeepSeek-R1-0528-MXFP4 -o r1-tp8 --tp 8
@@ -373,6 +377,11 @@ def verify(out, source, deep, as_json, quiet):
 
     Exit status 1 names the first file or tensor that does not match.
 
+    Memory stays flat whatever the checkpoint's size: files are hashed in 64 MiB reads, and with
+    --source every tensor is inverted and compared a block of rows (or of experts) of at most
+    32 MiB per rank at a time (PREP_STREAM_BYTES sets it), a dense linear whole (DeepSeek's
+    largest is 0.13 GiB per rank): about 0.5 GiB at TP 1.
+
     \b
     Examples:
       prep verify r1-tp8
@@ -402,6 +411,10 @@ def verify(out, source, deep, as_json, quiet):
 def revert(out, dest, force, verify, as_json, quiet):
     """Rebuild the original Quark checkpoint from a converted one: same tensor names, dtypes,
     shapes and bytes (shard boundaries may differ).
+
+    Memory stays flat whatever the checkpoint's size: every tensor is rebuilt and written a
+    block of rows (or of experts) of at most 32 MiB per rank at a time (PREP_STREAM_BYTES sets
+    it), a dense linear whole, through three 40 MiB write buffers: about 0.5 GiB at TP 1.
 
     \b
     Example:
@@ -444,6 +457,14 @@ _RUN_OPTIONS = [
     click.option("--verify/--no-verify", "verify", default=True, show_default=True,
                  help="Check the hash of every tensor of a converted checkpoint that the forward reads, before it "
                       "runs (a damaged file stops the run, naming the tensor)."),
+    click.option("--max-memory", type=click.FloatRange(min=0.25), default=8.0, show_default=True, metavar="GIB",
+                 help="Bound on this process's memory (resident set, GiB): dequantized matrices are kept while the "
+                      "process, activations and torch included, stays under it, least recently used dropped first; a "
+                      "matrix over 64 MiB in float32 is made and multiplied in row blocks, an embedding read at the "
+                      "prompt's rows only. It holds above a floor: torch itself (~0.4 GiB) plus the largest "
+                      "matrix being made, for a converted checkpoint a dense MXFP4 module assembled whole (DeepSeek's "
+                      "dense MLP at TP 1: the process peaked at 3.4 GiB with --max-memory 2, at 6.8 GiB with 8; "
+                      "docs/BENCHMARKS.md). The logits do not depend on it."),
     click.option("--json", "as_json", is_flag=True, help="Print one JSON summary."),
     _quiet_option,
 ]
@@ -483,8 +504,8 @@ def _hashes_line(checked: int | None, converted: bool, short: bool = False) -> s
 @click.option("--assume-layout", help="Read MXFP4 tensors as this layout, skipping the compatibility check (to see "
                                       "a mismatch: the logits are garbage by design, and a warning says so).")
 @_fail_cleanly
-def run_cmd(model_dir, prompt_ids, layers, device, act_quant, gemm_path, gemm, aiter_dir, verify, as_json, quiet,
-            save_logits, assume_layout):
+def run_cmd(model_dir, prompt_ids, layers, device, act_quant, gemm_path, gemm, aiter_dir, verify, max_memory, as_json,
+            quiet, save_logits, assume_layout):
     """Run the reference DeepSeek-V3 forward on MODEL_DIR (a Quark source, as a folder or a
     Hugging Face repo id, or a converted checkpoint at any layout and TP; ranks are combined
     in-process) and print the logits' argmax.
@@ -505,7 +526,7 @@ def run_cmd(model_dir, prompt_ids, layers, device, act_quant, gemm_path, gemm, a
         raise PrepError(f"--save-logits {save_logits}: its folder does not exist")
     r = _with_run_bars(run, as_json, quiet, model_dir, _ids(prompt_ids), layers=layers, device=device,
                        act_quant=act_quant, gemm_path=gemm_path, assume_layout=assume_layout, verify=verify,
-                       gemm=gemm, aiter_dir=aiter_dir)
+                       gemm=gemm, aiter_dir=aiter_dir, max_memory=int(max_memory * 2**30))
     if assume_layout:
         # On stderr even with --json (stdout stays one JSON object), just before the results: a
         # reader of the argmax must not mistake it for the model's output.
@@ -539,13 +560,14 @@ def run_cmd(model_dir, prompt_ids, layers, device, act_quant, gemm_path, gemm, a
 @click.option("--gemm-a", type=click.Choice(["torch", "aiter-triton"]), help="--gemm for A only.")
 @click.option("--gemm-b", type=click.Choice(["torch", "aiter-triton"]), help="--gemm for B only.")
 @_fail_cleanly
-def compare(a, b, prompt_ids, layers, device, act_quant, gemm_path, gemm, aiter_dir, verify, as_json, quiet, tolerance,
-            rtol, gemm_a, gemm_b):
+def compare(a, b, prompt_ids, layers, device, act_quant, gemm_path, gemm, aiter_dir, verify, max_memory, as_json, quiet,
+            tolerance, rtol, gemm_a, gemm_b):
     """Run checkpoints A and B on the same tokens and compare their logits (exit 1 above --tolerance).
 
     A converted checkpoint computes the same model as its source bit for bit: the layouts only
     move bytes. Use this before putting a conversion behind a server. A and B are folders; a
-    source may also be a Hugging Face repo id, as for convert.
+    source may also be a Hugging Face repo id, as for convert. A and B run one after the other,
+    each within --max-memory.
 
     To compare aiter's own GEMMs with prep's on one checkpoint, give it twice with
     --gemm-b aiter-triton (or two checkpoints, each with its --gemm-a / --gemm-b).
@@ -559,7 +581,8 @@ def compare(a, b, prompt_ids, layers, device, act_quant, gemm_path, gemm, aiter_
 
     a, b = _checkpoint_dir(a), _checkpoint_dir(b)
     r = _with_run_bars(run, as_json, quiet, a, b, _ids(prompt_ids), layers=layers, device=device, act_quant=act_quant,
-                       gemm_path=gemm_path, verify=verify, gemm=gemm, gemm_a=gemm_a, gemm_b=gemm_b, aiter_dir=aiter_dir)
+                       gemm_path=gemm_path, verify=verify, gemm=gemm, gemm_a=gemm_a, gemm_b=gemm_b, aiter_dir=aiter_dir,
+                       max_memory=int(max_memory * 2**30))
     _emit(r, as_json, [f"A: {r['a']}" + (f" (gemm {r['gemm_a']})" if r["gemm_a"] != r["gemm_b"] else ""),
                        f"B: {r['b']}" + (f" (gemm {r['gemm_b']})" if r["gemm_a"] != r["gemm_b"] else ""),
                        f"hashes: A {_hashes_line(r['hashes_checked']['a'], r['converted']['a'], short=True)}, "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import pathlib
 from collections import Counter, defaultdict
 from typing import Any, Iterator
@@ -19,7 +20,22 @@ from .errors import PrepError
 from .groups import LinearGroup, MoEGroup, group_from_record
 from .source import ShardFile
 
-STREAM_BYTES = 32 << 20  # stacked experts are inverted in blocks of about this much per rank
+# What reading back holds at once: stacked experts are inverted in blocks of about this much per
+# rank, and every source tensor is read, compared and written in blocks of rows of at most this
+# much (an embedding is 1.8 GiB). PREP_STREAM_BYTES sets it (tests make it small).
+STREAM_BYTES = int(os.environ.get("PREP_STREAM_BYTES") or 32 << 20)
+
+
+def row_blocks(shape: tuple[int, ...], itemsize: int, budget: int | None = None) -> Iterator[slice | None]:
+    """Slices of dim 0 that cover a tensor of ``shape`` in blocks of at most ``budget`` bytes
+    (default :data:`STREAM_BYTES`; one row when a row is larger); None for a 0-d tensor."""
+    if not shape:
+        yield None
+        return
+    row = itemsize * math.prod(shape[1:])
+    step = max(1, (budget or STREAM_BYTES) // max(1, row))
+    for r0 in range(0, shape[0], step):
+        yield slice(r0, min(shape[0], r0 + step))
 
 
 class ConvertedCheckpoint:
@@ -192,14 +208,8 @@ class ConvertedCheckpoint:
         keep = {key[0] for key, n in held.items() if n > 1}
         steps = []
         for rec, g in zip(recs, groups):
-            g.check()  # its windows tile the stored tensor
+            self._check_bf16(rec, g)
             shape = g.shape
-            info = self.file(rec.file).tensors.get(g.name)
-            bad = next((p.source for p in g.placements if p.source not in self.source_tensors
-                        or tuple(self.source_tensors[p.source].shape) != p.shape), None)
-            if info is None or tuple(info.shape) != shape or bad:
-                raise PrepError(f"{self.root / rec.file}: {g.name} (rank {rec.rank}) does not match its group record"
-                                + (f" (source {bad})" if bad else "") + "; the manifest is damaged: convert again")
             per = math.prod(shape[1:]) * ITEMSIZE[g.dtype]
             step = max(1, STREAM_BYTES // max(1, per))
             steps += [(b0, rec, g, min(shape[0], b0 + step)) for b0 in range(0, shape[0], step)]
@@ -227,6 +237,62 @@ class ConvertedCheckpoint:
                 yield
 
         yield from tiles.hand_out(names, keep, place())
+
+    def _check_bf16(self, rec: GroupRecord, g: Bf16Group) -> None:
+        """A BF16 group record agrees with its stored tensor and the source table (a damaged
+        manifest would otherwise cut the wrong windows)."""
+        g.check()  # its windows tile the stored tensor
+        info = self.file(rec.file).tensors.get(g.name)
+        bad = next((p.source for p in g.placements if p.source not in self.source_tensors
+                    or tuple(self.source_tensors[p.source].shape) != p.shape), None)
+        if info is None or tuple(info.shape) != g.shape or bad:
+            raise PrepError(f"{self.root / rec.file}: {g.name} (rank {rec.rank}) does not match its group record"
+                            + (f" (source {bad})" if bad else "") + "; the manifest is damaged: convert again")
+
+    def iter_source_blocks(self, unit: str) -> Iterator[tuple[str, slice | None, torch.Tensor]]:
+        """(name, rows, bytes) of every source tensor of ``unit`` in blocks of rows of at most
+        :data:`STREAM_BYTES`, in :meth:`units` order and in row order: what ``verify --source``
+        compares and ``revert`` writes, so neither holds a tensor whole. A pass-through tensor
+        is read a block at a time, a split BF16 tensor (an embedding cut by vocabulary, ``o_proj``
+        by columns) is put together a block of source rows at a time from its ranks' windows;
+        other groups' tensors come from :meth:`iter_source_tensors` (experts a block at a time; a
+        dense linear, a few hundred MiB at most, whole)."""
+        t = self._passthrough.get(unit)
+        if t is not None:
+            info = self.file(t.file).tensors.get(unit)
+            if info is None:
+                raise PrepError(f"{self.root / t.file}: tensor {unit} is missing from the file; convert again")
+            for rows in row_blocks(tuple(info.shape), ITEMSIZE[info.dtype]):
+                yield unit, rows, self.read_rows(t.file, unit, rows)
+            return
+        recs = self._groups.get(unit, [])
+        groups = [_group(r) for r in recs]
+        if groups and all(isinstance(g, Bf16Group) and not g.stacked for g in groups):
+            yield from self._bf16_row_blocks(unit, recs, groups)
+            return
+        for name, whole in self.iter_source_tensors(unit):
+            for rows in row_blocks(tuple(whole.shape), whole.element_size()):
+                yield name, rows, whole if rows is None else whole[rows]
+
+    def _bf16_row_blocks(self, unit: str, recs: list[GroupRecord], groups: list[Bf16Group]
+                         ) -> Iterator[tuple[str, slice, torch.Tensor]]:
+        """Each source tensor of a split, unstacked BF16 unit a block of rows at a time, each
+        block filled from the rows of every rank's stored tensor that hold it (windows are
+        whole row ranges of the source or whole column ranges). Every element must come from
+        some rank, and a window several ranks hold (replicated) must be the same on each."""
+        for rec, g in zip(recs, groups):
+            self._check_bf16(rec, g)
+        for name in self._sources[unit]:
+            meta = self.source_tensors[name]
+            for rows in row_blocks(tuple(meta.shape), ITEMSIZE[meta.dtype]):
+                tiles = _Tiles({name: SourceTensor(meta.dtype, (rows.stop - rows.start, *meta.shape[1:]), meta.file)})
+                for rec, g in zip(recs, groups):
+                    for p, src_rows, stored_rows in g.window_rows(name, rows):
+                        piece = self.read_rows(rec.file, g.name, stored_rows)
+                        local = slice(src_rows.start - rows.start, src_rows.stop - rows.start)
+                        tiles.place(name, local, p.cols, piece, rec.rank)
+                tiles.check_complete(name)
+                yield name, rows, tiles.pop(name)
 
     def _expert_rows(self, fname: str, name: str, rows_per_expert: int, e0: int, n: int) -> torch.Tensor:
         """The stored bytes of experts [e0, e0 + n) of the stacked output ``name``: experts lead

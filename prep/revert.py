@@ -44,7 +44,7 @@ def revert(out: str, dest: str | pathlib.Path, force: bool = False, verify: bool
         folder.check()  # after recovery: what is at DEST now
         folder.begin({"kind": "revert", "tool": f"prep {__version__}", "options": {}}, resume=False)
         with folder.discarded_on_error(keep_on_interrupt=False):
-            weight_map = _write(ck, folder.staging, shards, meta, size, progress)
+            weight_map = _write(ck, folder.staging, shards, meta, progress)
             total = sum(size(n) for n in weight_map)
             (folder.staging / INDEX_NAME).write_text(
                 json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
@@ -63,15 +63,24 @@ def revert(out: str, dest: str | pathlib.Path, force: bool = False, verify: bool
     return {"dest": str(dest), "tensors": len(weight_map), "files": len(shards), "bytes": total}
 
 
-def _write(ck: ConvertedCheckpoint, staging: pathlib.Path, shards, meta, size, progress) -> dict[str, str]:
+def _write(ck: ConvertedCheckpoint, staging: pathlib.Path, shards, meta, progress) -> dict[str, str]:
     weight_map = {}
     for fname, chunk in shards:
         entries = [(n, meta[n].dtype, meta[n].shape) for _, names in chunk for n in names]
         with StreamingSafetensorsWriter(staging / fname, entries) as w:
             for unit, names in chunk:
-                for n, t in ck.iter_source_tensors(unit):  # in ``names`` order, experts a block at a time
-                    w.add(n, t.view(TORCH_DTYPES[meta[n].dtype]))
+                # In ``names`` order, each tensor in blocks of rows (experts inverted a block at a
+                # time): memory holds a block, whatever the tensor's size.
+                for n, rows, t in ck.iter_source_blocks(unit):
+                    t = t.view(TORCH_DTYPES[meta[n].dtype])
+                    shape = meta[n].shape
+                    want = tuple(shape) if rows is None else (rows.stop - rows.start, *shape[1:])
+                    if tuple(t.shape) != want:
+                        raise PrepError(f"{n}: rebuilt rows {rows} are {list(t.shape)}, the manifest says "
+                                        f"{list(want)}; manifest and files disagree")
+                    w.write(n, t)
                     weight_map[n] = fname
                     if progress:
-                        progress(size(n))
+                        progress(t.numel() * t.element_size())
     return weight_map
+

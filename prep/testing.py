@@ -32,7 +32,7 @@ from layouts.sizes import ceil_div
 
 __all__ = [
     "PRESETS", "VARIANTS", "Param", "SynthSpec", "build_config", "exclude_patterns", "is_excluded",
-    "plan_groups", "tensor_specs", "write_checkpoint",
+    "plan_groups", "run_measured", "tensor_specs", "write_checkpoint",
 ]
 
 VARIANTS = ("r1-0528", "v2")
@@ -119,6 +119,18 @@ PRESETS["bench-large"] = replace(PRESETS["bench"], num_hidden_layers=40, num_sha
 PRESETS["bench-r1"] = replace(
     PRESETS["bench"], hidden_size=256, q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=128, qk_rope_head_dim=64,
     v_head_dim=128, num_attention_heads=128, intermediate_size=2048, moe_intermediate_size=2048, vocab_size=32768,
+)
+
+# real-dims: DeepSeek-V3/R1's real widths (hidden 7168, 128 heads, q/kv LoRA 1536/512, dense
+# intermediate 18432, 256 experts of 2048, vocab 129,280) with one dense layer and the MTP layer
+# (MoE) only, v2 (the MTP layer quantized but its embedding and head): 13.0 GiB in 16 shards of
+# ~0.8 GiB, so that what a command holds at once is measured on the tensors the real one has
+# (the embedding is 1.8 GiB, a MoE layer 6 GB). scripts/bench_memory.py runs every command on it.
+PRESETS["real-dims"] = replace(
+    PRESETS["bench"], hidden_size=7168, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+    qk_rope_head_dim=64, v_head_dim=128, num_attention_heads=128, intermediate_size=18432,
+    moe_intermediate_size=2048, vocab_size=129280, num_hidden_layers=1, first_k_dense_replace=1,
+    variant="v2", num_shards=16,
 )
 
 
@@ -431,3 +443,35 @@ def write_checkpoint(spec: SynthSpec, out_dir: str | Path,
     for name, obj in _tokenizer_files().items():
         _write_json(out / name, obj)
     return out
+
+
+# Started by run_measured: runs the command and writes its ru_maxrss (KiB) to $PREP_MAXRSS_FILE.
+# A child's ru_maxrss is at least its parent's resident size when it was forked (exec records the
+# old address space's high-water mark), so the command is forked from this small interpreter,
+# not from the caller (a test process holding torch and a checkpoint).
+_LAUNCHER = """import os, subprocess, sys
+p = subprocess.Popen(sys.argv[1:])
+_, status, usage = os.wait4(p.pid, 0)
+with open(os.environ["PREP_MAXRSS_FILE"], "w") as f:
+    f.write(str(usage.ru_maxrss))
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+def run_measured(cmd: list[str], env: dict[str, str] | None = None, cwd: str | None = None) -> tuple[int, int, str]:
+    """Run ``cmd`` as a process of its own, in ``cwd``: (exit code, its peak resident memory in
+    bytes, its output). The peak is the kernel's high-water mark (``ru_maxrss``): anonymous
+    memory and the mapped file pages it touched, as ``top`` and the OOM killer count them.
+    (``python -m`` puts ``cwd`` first on the path, ahead of PYTHONPATH.)"""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        where = os.path.join(tmp, "maxrss")
+        proc = subprocess.run([sys.executable, "-c", _LAUNCHER, *cmd], cwd=cwd, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, env={**os.environ, **(env or {}), "PREP_MAXRSS_FILE": where})
+        with open(where) as f:
+            peak = int(f.read()) * 1024
+    return proc.returncode, peak, proc.stdout.decode(errors="replace")

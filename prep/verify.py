@@ -48,17 +48,24 @@ def verify(out: str, source: str | None = None, deep: bool = False,
     if inverting:
         src = SourceCheckpoint.open(source) if source else None
         for unit, _ in ck.units():
-            for name, got in ck.iter_source_tensors(unit):  # experts a block at a time
+            # Row blocks of bounded bytes, each compared with the same rows of the source: memory
+            # holds a block, not a tensor (experts are inverted a block at a time).
+            for name, rows, got in ck.iter_source_blocks(unit):
                 if progress:
                     progress(got.numel() * got.element_size())
                 if src is None:
                     continue
-                want = src.read(name)
+                if rows is None or rows.start == 0:  # a tensor's first block: its shape and dtype
+                    meta, info = ck.source_tensors[name], src.info(name)
+                    if (info.dtype, tuple(info.shape)) != (meta.dtype, tuple(meta.shape)):
+                        raise PrepError(f"{name}: the source's is {info.dtype} {list(info.shape)}, the manifest's "
+                                        f"{meta.dtype} {list(meta.shape)}; inverted bytes differ from the source")
+                    compared += 1
+                want = src.read(name, rows)
                 if want.dtype != got.dtype:
                     got = got.view(want.dtype)
                 if want.shape != got.shape or not torch.equal(want, got):
                     raise PrepError(f"{name}: inverted bytes differ from the source")
-                compared += 1
     return {"files": len(m.files), "tensors_hashed": checked, "scale_pads_checked": pads,
             "source_tensors_compared": compared}
 

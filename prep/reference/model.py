@@ -92,7 +92,7 @@ class DeepseekV3:
     # -------------------------------------------------------------- GEMMs
     def _gemm(self, xf: torch.Tensor, prefix: str) -> torch.Tensor:
         """float32 ``xf @ W.T``, rounded to BF16."""
-        return (xf @ self.w.linear(prefix).to(xf.device).T).to(BF16)
+        return self.w.matmul(xf, prefix).to(BF16)
 
     @staticmethod
     def _dequantized(quantized, flags) -> torch.Tensor:
@@ -201,14 +201,14 @@ class DeepseekV3:
     def __call__(self, ids: torch.Tensor, device: str | torch.device = "cpu") -> torch.Tensor:
         """float32 logits ``[T, vocab]`` for one sequence of token ids."""
         ids = ids.to(device)
-        h = self.w.tensor("model.embed_tokens.weight").to(device)[ids].to(BF16)
+        h = self.w.embedding("model.embed_tokens.weight", ids).to(device).to(BF16)
         rope = rope_tables(self.cfg, torch.arange(ids.numel(), device=device))
         residual = None
         for i in range(self.num_layers):
             h, residual = self.decoder_layer(i, h, residual, rope)
         final = (h.float() + residual.float()).to(BF16)
         x = self.rms(final, "model.norm.weight")
-        return x.float() @ self.w.linear("lm_head").to(device).T
+        return self.w.matmul(x.float(), "lm_head")
 
     def decoder_layer(self, i: int, h: torch.Tensor, residual: torch.Tensor | None, rope) -> tuple[torch.Tensor, torch.Tensor]:
         """One decoder layer, vLLM style: returns (block output, residual); the layer's output

@@ -15,7 +15,7 @@ import layouts
 from ..errors import PrepError
 from .model import DeepseekV3, ForwardOptions
 from ..verify import verify_tensors_read
-from .weights import load_weights
+from .weights import MAX_MEMORY, load_weights
 
 def engine_for(manifest: layouts.Manifest | None, gemm_path: str | None = None) -> tuple[str, layouts.EngineConfig | None]:
     """The GEMM path to emulate, and (converted checkpoints, given by their ``manifest``) the
@@ -34,7 +34,7 @@ GEMMS = ("torch", "aiter-triton")  # who computes the dense MXFP4 GEMMs (prep/re
 
 def run(model_dir: str | pathlib.Path, prompt_ids: list[int], *, layers: int | None = None, device: str = "cpu",
         act_quant: bool = True, gemm_path: str | None = None, assume_layout: str | None = None,
-        gemm: str = "torch", aiter_dir: str | None = None, verify: bool = True,
+        gemm: str = "torch", aiter_dir: str | None = None, verify: bool = True, max_memory: int = MAX_MEMORY,
         progress: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Logits ``[T, vocab]`` (float32) of ``prompt_ids``, and how long loading and the forward took.
 
@@ -47,7 +47,8 @@ def run(model_dir: str | pathlib.Path, prompt_ids: list[int], *, layers: int | N
     against the engine configuration that reads it, as an engine would. ``verify`` checks the hash
     of every tensor of a converted checkpoint the forward reads first. ``progress``: bars (a
     ``total(n)`` method, called with each step's count) for ``"check"`` (bytes hashed) and
-    ``"forward"`` (layers run)."""
+    ``"forward"`` (layers run). ``max_memory``: the bound on this process's resident memory that
+    the weights' cache keeps to (:mod:`prep.reference.weights`)."""
     root = pathlib.Path(model_dir)
     if not root.is_dir():
         raise PrepError(f"{root}: no such directory")
@@ -84,7 +85,7 @@ def run(model_dir: str | pathlib.Path, prompt_ids: list[int], *, layers: int | N
         hashed = verify_tensors_read(manifest, n_layers if layers is None else min(layers, n_layers), bars.get("check"))
         getattr(bars.get("check"), "close", lambda: None)()  # done before the forward's bar starts below it
     t0 = time.perf_counter()
-    weights = load_weights(root, assume_layout, manifest)
+    weights = load_weights(root, assume_layout, manifest, max_memory=max_memory)
     if device != "cpu":
         weights.to(device)
     vocab = weights.config.get("vocab_size", 0)
@@ -102,13 +103,16 @@ def run(model_dir: str | pathlib.Path, prompt_ids: list[int], *, layers: int | N
     model = DeepseekV3(weights, ForwardOptions(act_quant=act_quant, gemm_path=path), layers=layers, dense_gemm=dense)
     if bars.get("forward") is not None:
         _count_layers(model, bars["forward"])
-    logits = model(ids, device)
-    if device != "cpu":
-        torch.cuda.synchronize()
+    try:
+        logits = model(ids, device)
+        if device != "cpu":
+            torch.cuda.synchronize()
+    finally:
+        weights.release()  # compare's second run must not share the budget with the first's matrices
     t2 = time.perf_counter()
     return {"logits": logits.cpu(), "load_s": t1 - t0, "forward_s": t2 - t1, "weights": weights.description,
             "gemm_path": path, "act_quant": act_quant, "layers": model.num_layers, "gemm": gemm,
-            "converted": manifest is not None, "hashes_checked": hashed}
+            "converted": manifest is not None, "hashes_checked": hashed, "evictions": weights.evictions}
 
 
 def _count_layers(model: DeepseekV3, bar: Any) -> None:
@@ -144,4 +148,5 @@ def compare(a: str | pathlib.Path, b: str | pathlib.Path, prompt_ids: list[int],
             "converted": {"a": ra["converted"], "b": rb["converted"]},
             "hashes_checked": {"a": ra["hashes_checked"], "b": rb["hashes_checked"]},
             "identical": all(finite.values()) and bool(torch.equal(la, lb)),
+            "evictions": {"a": ra["evictions"], "b": rb["evictions"]},
             "argmax_agree": float((la.argmax(-1) == lb.argmax(-1)).float().mean()), "tokens": len(prompt_ids)}

@@ -9,10 +9,19 @@ as the logical float32 matrix it computes with, read from any checkpoint prep un
   from (the group records say where). Merged tensors (``[q_a ; kv_a]``, ``[gate ; up]``,
   stacked experts) are split back into their modules.
 
-Matrices are made on first use and kept while they fit a byte budget, so a forward over the
-first layers of a 350 GB checkpoint touches only those layers' bytes (DeepSeek-R1 in float32
-would be 2.8 TB). MXFP4 values are exact in float32, so every layout and TP size of one source
-gives the same matrices bit for bit, and the forward the same logits.
+Matrices are made on first use and kept while the process stays within ``max_memory``, so a
+forward over the first layers of a 350 GB checkpoint touches only those layers' bytes
+(DeepSeek-R1 in float32 would be 2.8 TB). The bound is the process's resident memory, not a
+count of what the cache holds: before a matrix is made, the least recently used ones are
+dropped until what the process holds (``/proc/self/statm``: activations, torch, the
+dequantizer's index maps, mapped file pages) plus what the making needs fits. What keeps that
+true for any checkpoint size: a matrix larger than :data:`ROW_BLOCK_BYTES` in float32 (an
+lm_head is 3.7 GB) is made and multiplied in blocks of rows; an embedding is read only at the
+prompt's rows; and the pages of a converted checkpoint's mapped files that a matrix was read
+from are dropped from the process once it is made (they stay in the page cache). The blocking
+depends on the shape only, so every budget gives the same logits. MXFP4 values are exact in
+float32, so every layout and TP size of one source gives the same matrices bit for bit, and the
+forward the same logits.
 
 ``assume_layout`` reads a converted checkpoint's MXFP4 tensors as if they were in another
 layout of the same kind, past every check: it exists to show that the checks are not vacuous.
@@ -20,7 +29,10 @@ layout of the same kind, past every check: it exists to show that the checks are
 
 from __future__ import annotations
 
+import ctypes
 import json
+import math
+import os
 import pathlib
 from collections import OrderedDict
 from typing import Any, Callable
@@ -36,22 +48,78 @@ from ..errors import PrepError
 from ..groups import LinearGroup, MoEGroup, group_from_record
 from ..source import SourceCheckpoint
 
-CACHE_BYTES = 8 << 30  # dequantized matrices kept between uses (an R1 MoE layer is 45 GB in float32)
+MAX_MEMORY = 8 << 30  # the process's default bound (an R1 MoE layer is 45 GB in float32)
+# float32 matrices larger than this are made and multiplied a block of rows at a time (an
+# expert's 58.7 MB is one block); a shape decides it, never the budget, so logits do not depend on it.
+ROW_BLOCK_BYTES = 64 << 20
+NEED_FACTOR = 3  # what making a matrix holds at its peak, in matrices (the result, its bytes, the gather)
+
+
+def process_rss() -> int | None:
+    """Resident bytes of this process now (anonymous and mapped file pages), or None off Linux."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def drop_mapped_pages(buffers: list[torch.Tensor]) -> None:
+    """Drop the pages of read-only file mappings from this process (``MADV_DONTNEED``): they
+    stay in the page cache and come back on the next touch, but stop counting in its memory.
+    Only for buffers that are mappings of files (never anonymous memory: its bytes would go)."""
+    libc = _libc()
+    if libc is None:
+        return
+    page = os.sysconf("SC_PAGE_SIZE")
+    for buf in buffers:
+        if buf.device.type != "cpu" or not buf.numel():
+            continue
+        start = -(-buf.data_ptr() // page) * page  # whole pages inside the buffer
+        stop = (buf.data_ptr() + buf.numel() * buf.element_size()) // page * page
+        if stop > start:
+            libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(stop - start), 4)  # MADV_DONTNEED
+
+
+def _libc():
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc if hasattr(libc, "madvise") else None
+    except OSError:
+        return None
 
 
 class ModelWeights:
-    """``linear(prefix)``: float32 ``[N, K]`` (MXFP4 dequantized, or BF16 upcast); ``tensor(name)``:
-    any other tensor (norms, router, embeddings) as stored. ``mxfp4(prefix)`` says which is which."""
+    """``matmul(x, prefix)``: float32 ``x @ W.T`` for the module's float32 ``[N, K]`` (MXFP4
+    dequantized, or BF16 upcast), made whole or a block of rows at a time; ``linear(prefix)``:
+    that matrix whole; ``tensor(name)``: any other tensor (norms, router) as stored;
+    ``embedding(name, ids)``: the rows of ``ids``. ``mxfp4(prefix)`` says which is which.
+
+    ``shapes``: name -> stored shape of every tensor, and prefix -> ``(N, K)`` of every MXFP4
+    module; ``rows``: name -> reads a block of rows of a tensor; ``linear_rows``: prefix ->
+    makes a block of rows of a module's matrix (else it is cut from the whole); ``mapped``:
+    file mappings whose pages are dropped once a matrix is made."""
 
     def __init__(self, config: dict[str, Any], linears: dict[str, Callable[[], torch.Tensor]],
-                 tensors: dict[str, Callable[[], torch.Tensor]], description: str, cache_bytes: int = CACHE_BYTES):
+                 tensors: dict[str, Callable[[], torch.Tensor]], description: str, max_memory: int = MAX_MEMORY, *,
+                 shapes: dict[str, tuple[int, ...]] | None = None,
+                 rows: dict[str, Callable[[slice], torch.Tensor]] | None = None,
+                 linear_rows: dict[str, Callable[[slice], torch.Tensor]] | None = None,
+                 mapped: list[torch.Tensor] | None = None, memo: dict | None = None):
         self.config = config
         self._linears = linears  # MXFP4 module prefix -> makes its float32 matrix
         self._tensors = tensors  # tensor name -> reads it
+        self._shapes = shapes or {}
+        self._rows = rows or {}
+        self._linear_rows = linear_rows or {}
+        self._mapped = mapped or []
+        self._memo = memo if memo is not None else {}  # what the makers remember between calls
         self.description = description
         self.device: torch.device | None = None
         self._cache: OrderedDict[str, torch.Tensor] = OrderedDict()
-        self._cache_bytes, self._held = cache_bytes, 0
+        self.max_memory, self._held = max_memory, 0
+        self._whole: tuple[str, torch.Tensor] | None = None  # the module its row blocks are being cut from
+        self.evictions = 0
 
     def to(self, device: str | torch.device) -> "ModelWeights":
         """Hand out every tensor on ``device`` from now on."""
@@ -60,28 +128,89 @@ class ModelWeights:
         self._held = 0
         return self
 
-    def _get(self, key: str, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+    def release(self) -> None:
+        """Drop every matrix held (a run is over: the next one, e.g. compare's B, starts empty
+        even while something still refers to this object)."""
+        self._cache.clear()
+        self._held = 0
+        self._whole = None
+        self._memo.clear()
+
+    def _make_room(self, need: int, keep: str | None = None) -> None:
+        """Drop least recently used matrices until the process, plus ``need`` bytes, fits."""
+        while len(self._cache) > (keep is not None):
+            rss = process_rss()
+            if self._held + need <= self.max_memory and (rss is None or rss + need <= self.max_memory):
+                return
+            old = self._cache.popitem(last=False)[1]
+            self._held -= old.numel() * old.element_size()
+            self.evictions += 1
+            del old
+
+    def _get(self, key: str, make: Callable[[], torch.Tensor], need: int = 0) -> torch.Tensor:
         t = self._cache.get(key)
         if t is not None:
             self._cache.move_to_end(key)
             return t
+        self._make_room(need)
         t = make()
+        drop_mapped_pages(self._mapped)
         if self.device is not None:
             t = t.to(self.device)
         n = t.numel() * t.element_size()
-        if n <= self._cache_bytes:
-            while self._held + n > self._cache_bytes and self._cache:
-                old = self._cache.popitem(last=False)[1]
-                self._held -= old.numel() * old.element_size()
+        if n <= self.max_memory:
             self._cache[key] = t
             self._held += n
+            self._make_room(0, keep=key)
         return t
 
+    def shape(self, prefix: str) -> tuple[int, int]:
+        """``(N, K)`` of a module's matrix."""
+        shape = self._shapes.get(prefix) or self._shapes.get(f"{prefix}.weight")
+        if shape is None:
+            raise PrepError(f"{prefix}.weight: not in the checkpoint")
+        return tuple(shape)
+
+    def matmul(self, x: torch.Tensor, prefix: str) -> torch.Tensor:
+        """float32 ``x @ W.T``; a matrix over :data:`ROW_BLOCK_BYTES` a block of rows at a time."""
+        n, k = self.shape(prefix)
+        step = max(1, ROW_BLOCK_BYTES // (4 * k))
+        if n <= step:
+            return x @ self.linear(prefix).to(x.device).T
+        out = []
+        for r0 in range(0, n, step):
+            rows = slice(r0, min(n, r0 + step))
+            block = self._get(f"{prefix}:rows{r0}", lambda rows=rows: self._make_rows(prefix, rows),
+                              NEED_FACTOR * 4 * (rows.stop - r0) * k)
+            out.append(x @ block.to(x.device).T)
+            del block
+        self._whole = None
+        return torch.cat(out, dim=-1)
+
+    def _make_rows(self, prefix: str, rows: slice) -> torch.Tensor:
+        make = self._linear_rows.get(prefix)
+        if make is not None:
+            return make(rows)
+        if prefix in self._linears:  # assembled from rank pieces: whole once, then cut
+            if self._whole is None or self._whole[0] != prefix:
+                self._whole = None
+                self._whole = (prefix, self._linears[prefix]())
+            return self._whole[1][rows].clone()
+        return self._read_rows(f"{prefix}.weight", rows).float()
+
+    def _read_rows(self, name: str, rows: slice) -> torch.Tensor:
+        read = self._rows.get(name)
+        if read is not None:
+            return read(rows)
+        return self.tensor(name)[rows]
+
     def linear(self, prefix: str) -> torch.Tensor:
+        n, k = self.shape(prefix)
+        need = NEED_FACTOR * 4 * n * k
         make = self._linears.get(prefix)
         if make is not None:
-            return self._get(prefix, make)
-        return self._get(f"{prefix}.weight:float32", lambda: self.tensor(f"{prefix}.weight").float())
+            return self._get(prefix, make, need)
+        return self._get(f"{prefix}.weight:float32", lambda: self.tensor(f"{prefix}.weight").float(), need)
 
     def mxfp4(self, prefix: str) -> bool:
         return prefix in self._linears
@@ -90,43 +219,62 @@ class ModelWeights:
         read = self._tensors.get(name)
         if read is None:
             raise PrepError(f"{name}: not in the checkpoint")
-        return self._get(name, read)
+        shape = self._shapes.get(name)
+        return self._get(name, read, 2 * 4 * math.prod(shape) if shape else 0)
+
+    def embedding(self, name: str, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of tensor ``name``, read one row at a time (an embedding is 1.8 GiB)."""
+        if name not in self._tensors:
+            raise PrepError(f"{name}: not in the checkpoint")
+        uniq, where = torch.unique(ids.cpu(), return_inverse=True)
+        rows = torch.cat([self._read_rows(name, slice(i, i + 1)) for i in uniq.tolist()])
+        drop_mapped_pages(self._mapped)
+        return rows[where]
 
     def has(self, name: str) -> bool:
         return name in self._tensors or name.removesuffix(".weight") in self._linears
 
 
 def load_weights(model_dir: str | pathlib.Path, assume_layout: str | None = None,
-                 manifest: layouts.Manifest | None = None) -> ModelWeights:
+                 manifest: layouts.Manifest | None = None, max_memory: int = MAX_MEMORY) -> ModelWeights:
     """The model's weights from a Quark source folder or a converted checkpoint (whose
-    ``manifest`` the caller may have loaded already)."""
+    ``manifest`` the caller may have loaded already), made within ``max_memory`` bytes."""
     root = pathlib.Path(model_dir)
     if manifest is not None or (root / layouts.manifest.MANIFEST_NAME).is_file():
-        return _from_converted(root, assume_layout, manifest or layouts.load_manifest(root))
+        return _from_converted(root, assume_layout, manifest or layouts.load_manifest(root), max_memory)
     if assume_layout is not None:
         raise PrepError(f"{root}: assume_layout applies to converted checkpoints only")
-    return _from_source(root)
+    return _from_source(root, max_memory)
 
 
-def _from_source(root: pathlib.Path) -> ModelWeights:
+def _from_source(root: pathlib.Path, max_memory: int) -> ModelWeights:
     src = SourceCheckpoint(root)
     linears: dict[str, Callable[[], torch.Tensor]] = {}
+    linear_rows: dict[str, Callable[[slice], torch.Tensor]] = {}
     tensors: dict[str, Callable[[], torch.Tensor]] = {}
+    rows: dict[str, Callable[[slice], torch.Tensor]] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
     for name, info in src.tensors.items():
         if name.endswith(".weight_scale"):
             continue
         prefix = name.removesuffix(".weight")
         if info.dtype == "U8" and f"{prefix}.weight_scale" in src.tensors:
-            def make(name=name, prefix=prefix):
-                w = src.read(name)
-                return layouts.dequantize(w, src.read(f"{prefix}.weight_scale"), k=2 * w.shape[-1])
+            def make(name=name, prefix=prefix, rows=None):
+                w = src.read(name, rows)
+                return layouts.dequantize(w, src.read(f"{prefix}.weight_scale", rows), k=2 * w.shape[-1])
             linears[prefix] = make
+            linear_rows[prefix] = lambda r, make=make: make(rows=r)
+            shapes[prefix] = (info.shape[0], 2 * info.shape[-1])
         else:
             tensors[name] = lambda name=name: src.read(name)
-    return ModelWeights(src.config, linears, tensors, f"Quark source {root}")
+            rows[name] = lambda r, name=name: src.read(name, r)
+            shapes[name] = tuple(info.shape)
+    return ModelWeights(src.config, linears, tensors, f"Quark source {root}", max_memory, shapes=shapes, rows=rows,
+                        linear_rows=linear_rows)
 
 
-def _from_converted(root: pathlib.Path, assume_layout: str | None, manifest: layouts.Manifest) -> ModelWeights:
+def _from_converted(root: pathlib.Path, assume_layout: str | None, manifest: layouts.Manifest,
+                    max_memory: int) -> ModelWeights:
     ranks = [layouts.load_rank(root, r, manifest=manifest) for r in range(manifest.tp)]  # mapped, not read
     config = json.loads((root / "config.json").read_text())
     if manifest.source is None:
@@ -142,27 +290,41 @@ def _from_converted(root: pathlib.Path, assume_layout: str | None, manifest: lay
         return lay
 
     split: dict[str, list[Bf16Group]] = {}  # rank-exact: BF16 source tensor -> the groups holding a window
+    memo: dict = {}  # the last dequantized stored output, shared by every group
     for rec in manifest.groups:
         g = group_from_record(rec.to_json())  # prep's groups read the record's JSON
         if isinstance(g, Bf16Group):
             for name in dict.fromkeys(g.sources()):
                 split.setdefault(name, []).append(g)
             continue
-        _weight_pieces(g, ranks[g.rank], layout_of(g), pieces)
+        _weight_pieces(g, ranks[g.rank], layout_of(g), pieces, memo)
 
-    def assemble_bf16(name: str) -> torch.Tensor:
-        """A split BF16 source tensor put back together from its ranks' windows."""
+    def assemble_bf16(name: str, rs: slice | None = None) -> torch.Tensor:
+        """A split BF16 source tensor, or its rows ``rs`` (unstacked groups only), put back
+        together from its ranks' windows. Coverage is counted by windows, not by a mask of the
+        tensor's size (an embedding is 1.8 GiB); a replicated window is taken once."""
         meta = src_meta[name]
-        full = torch.empty(meta.shape, dtype=TORCH_DTYPES[meta.dtype])
-        covered = torch.zeros(meta.shape, dtype=torch.bool)
+        rows = rs or slice(0, meta.shape[0])
+        out = torch.empty((rows.stop - rows.start, *meta.shape[1:]), dtype=TORCH_DTYPES[meta.dtype])
+        placed: set[tuple[int, int, int, int]] = set()
         for g in split[name]:
-            for source, (rows, cols), piece in g.invert([ranks[g.rank][g.name]]):
-                if source == name:
-                    full[rows, cols] = piece
-                    covered[rows, cols] = True
-        if not covered.all():
+            stored = ranks[g.rank][g.name]
+            if g.stacked:  # an expert's tensor: only its own slot is taken out of the layout
+                windows = []
+                for p in (p for p in g.placements if p.source == name):
+                    expert = g.from_layout(stored[p.slot:p.slot + 1])[0]
+                    windows.append((p, p.rows, expert[p.dest_row:p.dest_row + p.out_shape[0]]))
+            else:
+                windows = [(p, src_rows, stored[stored_rows]) for p, src_rows, stored_rows in g.window_rows(name, rows)]
+            for p, src_rows, piece in windows:
+                local = slice(src_rows.start - rows.start, src_rows.stop - rows.start)
+                rect = (local.start, local.stop, p.cols.start, p.cols.stop)
+                if rect not in placed:
+                    out[local, p.cols] = piece
+                    placed.add(rect)
+        if sum((r1 - r0) * (c1 - c0) for r0, r1, c0, c1 in placed) != out[:, 0].numel() * meta.shape[1]:
             raise PrepError(f"{name}: no rank holds all of it; the converted checkpoint is incomplete")
-        return full
+        return out
 
     def assemble(prefix: str) -> torch.Tensor:
         n, kb = src_meta[f"{prefix}.weight"].shape
@@ -175,29 +337,42 @@ def _from_converted(root: pathlib.Path, assume_layout: str | None, manifest: lay
         return full
 
     linears = {prefix: (lambda prefix=prefix: assemble(prefix)) for prefix in pieces}
-    tensors = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for prefix in pieces:
+        n, kb = src_meta[f"{prefix}.weight"].shape
+        shapes[prefix] = (n, 2 * kb)
+    tensors, rows = {}, {}
     for r in ranks:
         for name, t in r.items():
             if r.records[name].role == "passthrough":
-                tensors[name] = lambda t=t: t
+                # Copied out of the mapping, whose pages are then dropped (see drop_mapped_pages).
+                tensors[name] = lambda t=t: t.clone()
+                rows[name] = lambda rs, t=t: t[rs].clone()
+                shapes[name] = tuple(t.shape)
     for name in split:
         tensors[name] = lambda name=name: assemble_bf16(name)
+        if not any(g.stacked for g in split[name]):  # e.g. the embedding: a prompt's rows, not 1.8 GiB
+            rows[name] = lambda rs, name=name: assemble_bf16(name, rs)
+        shapes[name] = tuple(src_meta[name].shape)
     what = f"converted {root} ({manifest.layout}+{manifest.moe_layout}, tp {manifest.tp}, ep {manifest.ep})"
     if assume_layout:
         what += f" read as {assume_layout}"
-    return ModelWeights(config, linears, tensors, what)
+    mapped = [b for r in ranks for b in r.buffers]
+    return ModelWeights(config, linears, tensors, what, max_memory, shapes=shapes, rows=rows, mapped=mapped,
+                        memo=memo)
 
 
-def _last(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+def _last(fn: Callable[..., torch.Tensor], memo: dict) -> Callable[..., torch.Tensor]:
     """Remember the last result: the modules of one merged tensor ([q_a ; kv_a], [gate ; up])
-    are asked for one after the other, and should not dequantize it twice."""
-    memo: dict[tuple, torch.Tensor] = {}
+    are asked for one after the other, and should not dequantize it twice. ``memo`` is shared
+    by every group: one result is held in all (a dense MLP's is 1 GB), not one per group."""
 
     def call(*args):
-        if args not in memo:
+        key = (id(call), args)
+        if key not in memo:
             memo.clear()
-            memo[args] = fn(*args)
-        return memo[args]
+            memo[key] = fn(*args)
+        return memo[key]
 
     return call
 
@@ -212,7 +387,7 @@ def _values(cols: slice) -> slice:
     return slice(2 * cols.start, 2 * cols.stop)
 
 
-def _weight_pieces(g: LinearGroup | MoEGroup, held, lay: layouts.Layout, pieces) -> None:
+def _weight_pieces(g: LinearGroup | MoEGroup, held, lay: layouts.Layout, pieces, memo: dict) -> None:
     """One step per weight placement of ``g`` (the group's own geometry, as its build and its
     inverse use it): the placement's destination in the rank's output, read in its layout
     (one expert's bytes at a time for stacked experts), put at its window of the source module."""
@@ -224,7 +399,7 @@ def _weight_pieces(g: LinearGroup | MoEGroup, held, lay: layouts.Layout, pieces)
             return dequantize_stored(w, s, lay, shapes[o], shapes[o + 1])
         return dequantize_expert(w, s, lay, expert, shapes[o], shapes[o + 1])
 
-    values = {o: _last(lambda e, o=o: dequantized(o, e)) for o, (_, role, _) in enumerate(outputs)
+    values = {o: _last(lambda e, o=o: dequantized(o, e), memo) for o, (_, role, _) in enumerate(outputs)
               if role == "mxfp4_weight"}
     for p in g.placements():
         if p.output in values:

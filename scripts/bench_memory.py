@@ -1,0 +1,119 @@
+#!/usr/bin/env python
+"""Peak memory (RSS) of every prep command, each run as a process of its own, on one generated
+checkpoint: this tree against a baseline tree (another git revision), in the same run.
+
+    .venv/bin/python scripts/bench_memory.py WORK [--preset real-dims] [--baseline main]
+        [--layers 1] [--prompt-ids 0,1,2,3] [--max-memory GIB] [--keep]
+
+WORK holds the generated source (``WORK/src``, reused when present: generating 13 GiB takes
+minutes), its conversion (``WORK/out``) and each revert's output (deleted after it is measured).
+The baseline is the revision's files unpacked with ``git archive`` into ``WORK/baseline``; both
+trees run with the same interpreter, their own folder first on ``PYTHONPATH``.
+
+Peak RSS is the kernel's high-water mark of the process (``ru_maxrss`` from ``wait4``): anonymous
+memory and the file pages it has mapped and touched, as a user's ``top`` or an OOM killer sees
+it. ``convert`` runs with this tree only (its memory is not what changed). The table goes to
+stdout, one JSON object per run to ``WORK/bench_memory.jsonl``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import time
+
+HERE = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(HERE))
+from prep import testing as synth  # noqa: E402  (this tree's, whatever is installed)
+GiB = 1 << 30
+
+
+def measure(cmd: list[str], tree: pathlib.Path) -> dict:
+    """Run ``cmd`` with ``tree`` first on the path; its peak RSS (bytes), wall time, exit code."""
+    t0 = time.perf_counter()
+    rc, peak, out = synth.run_measured(cmd, {"PYTHONPATH": str(tree)}, cwd=str(tree))  # -m: cwd comes first
+    return {"peak_rss": peak, "wall_s": time.perf_counter() - t0, "rc": rc, "tail": out.strip().splitlines()[-1:]}
+
+
+def unpack(rev: str, dest: pathlib.Path) -> pathlib.Path:
+    """The files of git revision ``rev`` of this repository, unpacked into ``dest`` (once)."""
+    if not (dest / "prep").is_dir():
+        dest.mkdir(parents=True, exist_ok=True)
+        archive = subprocess.run(["git", "-C", str(HERE), "archive", rev], check=True, capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+    return dest
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("work", type=pathlib.Path)
+    ap.add_argument("--preset", default="real-dims")
+    ap.add_argument("--baseline", default="main", help="git revision to compare against ('' for none)")
+    ap.add_argument("--layers", type=int, default=1, help="compare's --layers")
+    ap.add_argument("--prompt-ids", default="0,1,2,3")
+    ap.add_argument("--max-memory", type=float, help="compare's --max-memory in GiB (this tree only; default its own)")
+    ap.add_argument("--only", help="comma-separated commands to run (convert,verify,revert,compare)")
+    ap.add_argument("--keep", action="store_true", help="keep WORK/src and WORK/out afterwards")
+    args = ap.parse_args(argv)
+    work = args.work.resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    py = sys.executable
+    src, out = work / "src", work / "out"
+    if not (src / "model.safetensors.index.json").is_file():
+        shutil.rmtree(src, ignore_errors=True)
+        subprocess.run([py, str(HERE / "scripts/make_tiny_deepseek.py"), str(src), "--preset", args.preset, "-q"],
+                       check=True, env={**os.environ, "PYTHONPATH": str(HERE)})
+    size = sum(p.stat().st_size for p in src.glob("*.safetensors"))
+    largest = max(p.stat().st_size for p in src.glob("*.safetensors"))
+    trees = [("this", HERE)]
+    if args.baseline:
+        trees.insert(0, (f"baseline {args.baseline}", unpack(args.baseline, work / "baseline")))
+    only = set(args.only.split(",")) if args.only else {"convert", "verify", "revert", "compare"}
+    prep = [py, "-m", "prep"]
+    rows = []
+
+    def record(command: str, tree_name: str, result: dict) -> None:
+        rows.append((command, tree_name, result))
+        with open(work / "bench_memory.jsonl", "a") as f:
+            f.write(json.dumps({"command": command, "tree": tree_name, "checkpoint_bytes": size, **result}) + "\n")
+        print(f"{command:<34} {tree_name:<16} {result['peak_rss'] / GiB:7.2f} GiB {result['wall_s']:8.1f} s"
+              f"  rc {result['rc']}", flush=True)
+
+    print(f"checkpoint {src}: {size / GiB:.2f} GiB, largest shard {largest / GiB:.2f} GiB")
+    print(f"{'command':<34} {'tree':<16} {'peak RSS':>11} {'wall':>10}")
+    if "convert" in only or not (out / "prep-complete.json").is_file():
+        shutil.rmtree(out, ignore_errors=True)
+        record("convert", "this", measure([*prep, "convert", str(src), "-o", str(out), "-q"], HERE))
+    for name, tree in trees:
+        if "verify" in only:
+            record("verify --source", name, measure([*prep, "verify", str(out), "--source", str(src), "-q"], tree))
+        if "revert" in only:
+            dest = work / "reverted"
+            shutil.rmtree(dest, ignore_errors=True)
+            record("revert", name, measure([*prep, "revert", str(out), "-o", str(dest), "-q"], tree))
+            shutil.rmtree(dest, ignore_errors=True)
+        if "compare" in only:
+            cmd = [*prep, "compare", str(src), str(out), "--prompt-ids", args.prompt_ids, "--layers", str(args.layers),
+                   "-q"]
+            label = f"compare --layers {args.layers}"
+            if args.max_memory and name == "this":
+                cmd += ["--max-memory", f"{args.max_memory}"]
+                label += f" --max-memory {args.max_memory:g}"
+            record(label, name, measure(cmd, tree))
+    if not args.keep:
+        shutil.rmtree(out, ignore_errors=True)
+        shutil.rmtree(src, ignore_errors=True)
+    base = {c: r for c, t, r in rows if t != "this"}
+    for c, t, r in rows:
+        if t == "this" and c in base and r["peak_rss"]:
+            print(f"{c}: peak RSS {base[c]['peak_rss'] / r['peak_rss']:.1f}x lower than the baseline's")
+    return 1 if any(r["rc"] for _, _, r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
