@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import layouts as L
 from layouts import engines
 from layouts.compat import CompatibilityError, EngineConfig, check_compatibility
-from layouts.engines import EngineProfile, GemmPathRule, GpuArch
+from test_engine_profiles import ToyProfile
 from layouts.manifest import Manifest
 from layouts.registry import BF16_MOE, Identity, recorded_layout
 
@@ -209,15 +209,8 @@ def test_an_engine_without_a_bf16_moe_layout_refuses_one_and_an_unregistered_one
     engines.get_engine()
     monkeypatch.setattr(engines, "_PROFILES", dict(engines._PROFILES))
 
-    class Toy(EngineProfile):
+    class Toy(ToyProfile):  # test_engine_profiles' toy engine, which names no BF16 MoE layout
         name = "toy-bf16"
-        gemm_paths = {"toy-raw": GemmPathRule(L.registry.source_order_layout("dense").name, 16, None)}
-        moe_layouts = {("toy-moe", "gfx95"): L.registry.MOE_CK.name}
-        gpu_archs = (GpuArch("gfx95", "gfx950", "gfx95x (MI355)"),)
-        default_gpu_arch = "gfx950"
-        expert_parallel_backends = ()
-        expert_parallel_switch = "--toy-ep"
-        checks = L.compat.SHARED_CHECKS
 
     L.register_engine(Toy())
     toy = EngineConfig(tp_size=2, engine="toy-bf16")
