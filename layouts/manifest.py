@@ -504,7 +504,8 @@ class WindowRecord:
         proj, shape, dim, start, stop, row = (w.get(k) for k in ("proj", "shape", "dim", "start", "stop", "dest_row"))
         if proj not in STACK_PROJECTIONS or _window_problem(shape, dim, start, stop, row):
             raise ManifestError(f"window of {proj!r} needs a proj {', '.join(STACK_PROJECTIONS)}, a [rows, cols] "
-                                "shape, dim null, 0 or 1, a window [start, stop) inside that dim and an integer dest_row")
+                                "shape, dim null, 0 or 1, a window [start, stop) inside that dim and an integer "
+                                "dest_row")
         return cls(proj, tuple(shape), dim, start, stop, row)
 
     @property

@@ -530,12 +530,15 @@ def _stack(m) -> dict:
 # A stacked BF16 group's template (its expert ranges are expanded into placements by every reader).
 STACK_CASES = {
     "experts-not-ranges": (lambda m: _stack(m).__setitem__("experts", [3]), "not a non-empty list of [start, stop)"),
-    "experts-empty-range": (lambda m: _stack(m).__setitem__("experts", [[2, 2]]), "not a non-empty list of [start, stop)"),
-    "experts-overlap": (lambda m: _stack(m).__setitem__("experts", [[0, 4], [3, 8]]), "overlap, touch or are out of order"),
+    "experts-empty-range": (lambda m: _stack(m).__setitem__("experts", [[2, 2]]),
+                            "not a non-empty list of [start, stop)"),
+    "experts-overlap": (lambda m: _stack(m).__setitem__("experts", [[0, 4], [3, 8]]),
+                        "overlap, touch or are out of order"),
     "experts-huge": (lambda m: _stack(m).__setitem__("experts", [[0, 10**9]]), "fills a [1000000001, "),
     "experts-one-fewer": (lambda m: _stack(m)["experts"][0].__setitem__(1, 7), "fills a [8, "),
     "shared-not-bool": (lambda m: _stack(m).__setitem__("shared", 1), "shared is 1, not true or false"),
-    "window-proj-unknown": (lambda m: _stack(m)["windows"][0].__setitem__("proj", "../x"), "window of '../x' needs a proj"),
+    "window-proj-unknown": (lambda m: _stack(m)["windows"][0].__setitem__("proj", "../x"),
+                            "window of '../x' needs a proj"),
     "window-outside": (lambda m: _stack(m)["windows"][0].__setitem__("stop", 10**9), "a window [start, stop) inside"),
     "windows-twice": (lambda m: _stack(m)["windows"].append(_stack(m)["windows"][0]), "name a projection twice"),
     "stack-and-placements": (lambda m: next(g for g in m["groups"] if "stack" in g).__setitem__("placements", []),
