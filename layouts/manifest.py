@@ -444,6 +444,15 @@ class PartRecord:
         return {"src": self.src, "n": self.n, "k": self.k, "split": self.split}
 
 
+def _window_problem(shape: Any, dim: Any, start: Any, stop: Any, row: Any) -> bool:
+    """Whether a source window is malformed: ``shape`` [rows, cols], ``dim`` null, 0 or 1, and
+    ``[start, stop)`` inside that dim, landing at an integer ``dest_row`` (a placement's and a
+    stack window's fields)."""
+    ok = (type(shape) is list and len(shape) == 2 and all(_is_count(d) for d in shape) and dim in (None, 0, 1)
+          and type(dim) is not bool and _is_count(start) and _is_count(stop) and _is_count(row))
+    return not ok or start > stop or stop > shape[0 if dim is None else dim]
+
+
 @dataclasses.dataclass(frozen=True)
 class PlacementRecord:
     """One window of a source tensor in a BF16 group's stored tensor (a ``placements`` entry):
@@ -463,10 +472,8 @@ class PlacementRecord:
         p = _object(p, "placement")
         source, shape, dim, start, stop, row, slot = (p.get(k) for k in ("source", "shape", "dim", "start", "stop",
                                                                           "dest_row", "slot"))
-        ok = (type(source) is str and type(shape) is list and len(shape) == 2 and all(_is_count(d) for d in shape)
-              and dim in (None, 0, 1) and type(dim) is not bool and _is_count(start) and _is_count(stop)
-              and _is_count(row) and (slot is None or _is_count(slot)))
-        if not ok or start > stop or stop > shape[0 if dim is None else dim]:
+        if type(source) is not str or _window_problem(shape, dim, start, stop, row) or not (slot is None
+                                                                                              or _is_count(slot)):
             raise ManifestError(f"placement of {source!r} needs a string source, a [rows, cols] shape, dim null, 0 "
                                 "or 1, a window [start, stop) inside that dim, an integer dest_row and slot")
         return cls(source, tuple(shape), dim, start, stop, row, slot)
@@ -474,6 +481,87 @@ class PlacementRecord:
     def to_json(self) -> dict[str, Any]:
         return {"source": self.source, "shape": list(self.shape), "dim": self.dim, "start": self.start,
                 "stop": self.stop, "dest_row": self.dest_row, "slot": self.slot}
+
+
+STACK_PROJECTIONS = ("gate", "up", "down")  # an expert's source tensors: ``...{proj}_proj.weight``
+
+
+@dataclasses.dataclass(frozen=True)
+class WindowRecord:
+    """The window every expert of a stacked BF16 group takes of one projection (a ``windows``
+    entry): a :class:`PlacementRecord` without its source and slot, which the expert gives."""
+
+    proj: str  # "gate", "up" or "down"
+    shape: tuple[int, int]
+    dim: int | None
+    start: int
+    stop: int
+    dest_row: int = 0
+
+    @classmethod
+    def from_json(cls, w: Any) -> "WindowRecord":
+        w = _object(w, "window")
+        proj, shape, dim, start, stop, row = (w.get(k) for k in ("proj", "shape", "dim", "start", "stop", "dest_row"))
+        if proj not in STACK_PROJECTIONS or _window_problem(shape, dim, start, stop, row):
+            raise ManifestError(f"window of {proj!r} needs a proj {', '.join(STACK_PROJECTIONS)}, a [rows, cols] "
+                                "shape, dim null, 0 or 1, a window [start, stop) inside that dim and an integer "
+                                "dest_row")
+        return cls(proj, tuple(shape), dim, start, stop, row)
+
+    @property
+    def out_shape(self) -> tuple[int, int]:
+        rows, cols = self.shape
+        return (self.stop - self.start if self.dim == 0 else rows), (self.stop - self.start if self.dim == 1 else cols)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"proj": self.proj, "shape": list(self.shape), "dim": self.dim, "start": self.start,
+                "stop": self.stop, "dest_row": self.dest_row}
+
+
+@dataclasses.dataclass(frozen=True)
+class StackRecord:
+    """A stacked BF16 expert group (the R1-0528 MTP layer's ``w13``/``w2``) by its template (a
+    ``stack`` entry): the routed expert ids it holds, as ascending ``[start, stop)`` ranges, in
+    slot order, the fused shared expert in the slot after them, and the window each expert takes
+    of each projection. prep's ``bf16.group_from_record`` expands it into one placement per
+    expert and window, the ones the conversion built (a few hundred bytes instead of 257 x 3
+    placements per rank)."""
+
+    experts: tuple[tuple[int, int], ...]
+    shared: bool
+    windows: tuple[WindowRecord, ...]
+
+    @classmethod
+    def from_json(cls, s: Any) -> "StackRecord":
+        s = _object(s, "stack")
+        experts, shared, windows = s.get("experts"), s.get("shared"), s.get("windows")
+        ranges = experts if type(experts) is list and experts else [None]
+        if not all(type(r) is list and len(r) == 2 and _is_count(r[0]) and _is_count(r[1], r[0] + 1) for r in ranges):
+            raise ManifestError(f"stack: experts is {experts!r}, not a non-empty list of [start, stop) ranges")
+        if any(a[1] >= b[0] for a, b in zip(ranges, ranges[1:])):
+            raise ManifestError(f"stack: expert ranges {experts!r} overlap, touch or are out of order")
+        if type(shared) is not bool:
+            raise ManifestError(f"stack: shared is {shared!r}, not true or false")
+        if type(windows) is not list or not windows:
+            raise ManifestError("stack: windows is not a non-empty list")
+        wins = tuple(WindowRecord.from_json(w) for w in windows)
+        if len({w.proj for w in wins}) != len(wins):
+            raise ManifestError(f"stack: windows name a projection twice: {[w.proj for w in wins]}")
+        return cls(tuple(tuple(r) for r in ranges), shared, wins)
+
+    @property
+    def slots(self) -> int:
+        return sum(b - a for a, b in self.experts) + self.shared
+
+    @property
+    def stored_shape(self) -> tuple[int, int, int]:
+        """[slots, rows, cols] of the stored tensor its windows fill."""
+        return (self.slots, max(w.dest_row + w.out_shape[0] for w in self.windows),
+                max(w.out_shape[1] for w in self.windows))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"experts": [list(r) for r in self.experts], "shared": self.shared,
+                "windows": [w.to_json() for w in self.windows]}
 
 
 _GROUP_KINDS = ("linear", "moe", "bf16")
@@ -504,6 +592,7 @@ class GroupRecord:
     routed: tuple[int, int] | None = None  # moe with ep > 1: global routed expert ids [start, stop)
     dtype: str = ""  # bf16: the stored (and source) safetensors dtype
     placements: tuple[PlacementRecord, ...] = ()  # bf16: source windows, in order
+    stack: StackRecord | None = None  # bf16 stacked experts: their template, instead of placements
 
     @classmethod
     def from_json(cls, g: Any) -> "GroupRecord":
@@ -517,9 +606,16 @@ class GroupRecord:
         if not _is_count(rank) or not _is_count(tp, 1):
             raise ManifestError(f"group {name}: rank {rank!r} and tp {tp!r} must be integers (tp >= 1)")
         if kind == "bf16":
-            dtype, placements = g.get("dtype"), g.get("placements")
-            if type(dtype) is not str or type(placements) is not list or not placements:
-                raise ManifestError(f"group {name}: a bf16 group needs a string dtype and a non-empty placements list")
+            dtype, placements, stack = g.get("dtype"), g.get("placements"), g.get("stack")
+            if type(dtype) is not str:
+                raise ManifestError(f"group {name}: dtype is {dtype!r}, not a string")
+            if stack is not None and placements is None:
+                try:
+                    return cls(kind, name, rank, tp, layout, file, dtype=dtype, stack=StackRecord.from_json(stack))
+                except ManifestError as e:
+                    raise ManifestError(f"group {name}: {e}") from None
+            if stack is not None or type(placements) is not list or not placements:
+                raise ManifestError(f"group {name}: a bf16 group needs either a non-empty placements list or a stack")
             return cls(kind, name, rank, tp, layout, file, dtype=dtype,
                        placements=tuple(PlacementRecord.from_json(p) for p in placements))
         if kind == "linear":
@@ -543,6 +639,8 @@ class GroupRecord:
         head = {"kind": self.kind, "name": self.name, "rank": self.rank, "tp": self.tp, "layout": self.layout}
         if self.kind == "linear":
             return {**head, "parts": [p.to_json() for p in self.parts], "file": self.file}
+        if self.kind == "bf16" and self.stack is not None:
+            return {**head, "dtype": self.dtype, "stack": self.stack.to_json(), "file": self.file}
         if self.kind == "bf16":
             return {**head, "dtype": self.dtype, "placements": [p.to_json() for p in self.placements],
                     "file": self.file}
@@ -617,6 +715,22 @@ class TensorRecord:
     def source_names(self) -> list[str]:
         """Every source tensor this tensor's bytes come from, runs expanded."""
         return expand_names(self.sources)
+
+
+def _check_stacks(groups: list[GroupRecord], tensors: list[TensorRecord], files: dict[str, FileRecord]) -> None:
+    """A stacked BF16 group's template must fill exactly the tensor recorded for it, and that
+    tensor fit its file: the expert ranges are what a reader expands into placements, so their
+    count is bounded by bytes really written, not by whatever a damaged record says."""
+    stored = {(t.name, t.rank): t for t in tensors if t.role == "bf16_shard"}
+    for i, g in enumerate(groups):
+        if g.stack is None:
+            continue
+        shape, t = g.stack.stored_shape, stored.get((g.name, g.rank))
+        size = files[t.file].size if t is not None and t.file in files else 0
+        if t is None or t.shape != shape or shape[0] * shape[1] * shape[2] > size:
+            have = "no bf16_shard tensor" if t is None else f"its tensor is {list(t.shape)} in a {size}-byte file"
+            raise ManifestError(f"groups[{i}]: the stack of {g.name} (rank {g.rank}) fills a {list(shape)} tensor but "
+                                f"{have}; the manifest is damaged: convert again")
 
 
 def _rank_label(rank: int | None) -> str:
@@ -722,6 +836,7 @@ class Manifest:
             if rec.rank is not None and rec.rank >= target.tp:
                 raise ManifestError(f"tensors[{i}]: tensor {rec.name} is for rank {rec.rank} of tp={target.tp}")
             records.append(rec)
+        _check_stacks(group_records, records, files)
         layouts_ = {}
         for name, d in _object(raw.get("layouts", {}), "layouts").items():
             try:

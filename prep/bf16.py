@@ -101,6 +101,10 @@ class Bf16Group:
         return [p.source for p in self.placements]
 
     def output_sources(self) -> list[list[str]]:
+        """Stacked experts: by projection, then expert (as the MXFP4 MoE stacks list theirs), so
+        the manifest writes each projection's run of experts once (``compress_names``)."""
+        if self.stacked:  # each window of an expert starts at its own row: gate 0, up after it
+            return [[p.source for p in sorted(self.placements, key=lambda p: (p.dest_row, p.slot))]]
         return [self.sources()]
 
     def outputs(self) -> list[tuple[str, str, tuple[int, ...]]]:
@@ -213,20 +217,66 @@ class Bf16Group:
         return chain
 
     def record(self) -> dict[str, Any]:
-        return {"kind": self.kind, "name": self.name, "rank": self.rank, "tp": self.tp, "dtype": self.dtype,
-                "layout": self.layout,
-                "placements": [{**dataclasses.asdict(p), "shape": list(p.shape)} for p in self.placements]}
+        head = {"kind": self.kind, "name": self.name, "rank": self.rank, "tp": self.tp, "dtype": self.dtype,
+                "layout": self.layout}
+        if self.stacked:  # by its template: 257 experts x 3 placements would be most of the manifest
+            return {**head, "stack": self._stack()}
+        return {**head, "placements": [{**dataclasses.asdict(p), "shape": list(p.shape)} for p in self.placements]}
+
+    def _stack(self) -> dict[str, Any]:
+        """The stacked experts' template (``layouts.manifest.StackRecord``): routed ids as ranges
+        in slot order, whether the shared expert follows them, and slot 0's windows, which every
+        expert takes alike. Checked by expanding it again, so a group the template cannot say
+        (experts of different shapes) stops here instead of being recorded wrong."""
+        ids, windows = [], []
+        for p in self.placements:
+            m = _EXPERT.match(p.source)
+            if m is None or not self.name.startswith(m.group(1)):
+                raise PrepError(f"{self.name}: {p.source} is not an expert of {self.name.rsplit('experts.', 1)[0]}")
+            if p.slot == len(ids):
+                ids.append(None if m.group(2) is None else int(m.group(2)))
+            if p.slot == 0:
+                windows.append({"proj": m.group(3), "shape": list(p.shape), "dim": p.dim, "start": p.start,
+                                "stop": p.stop, "dest_row": p.dest_row})
+        shared = ids[-1] is None
+        if None in ids[:len(ids) - shared]:
+            raise PrepError(f"{self.name} (rank {self.rank}): the shared expert is not in the last slot")
+        ranges: list[list[int]] = []
+        for e in ids[:len(ids) - shared]:
+            if ranges and ranges[-1][1] == e:
+                ranges[-1][1] += 1
+            else:
+                ranges.append([e, e + 1])
+        stack = {"experts": ranges, "shared": shared, "windows": windows}
+        if _expand_stack(self.name, stack) != self.placements:
+            raise PrepError(f"{self.name} (rank {self.rank}): its experts do not all take the same windows; "
+                            "re-download the checkpoint (its BF16 experts differ in shape)")
+        return stack
 
 
 _ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4}
 _TORCH = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 
 
+def _expand_stack(name: str, stack: dict[str, Any]) -> tuple[Placement, ...]:
+    """The placements a stacked group's template stands for (the one home of that expansion):
+    slot by slot, routed experts in range order then the shared one, each taking every window
+    of its own ``{mlp}experts.{e}.{proj}_proj.weight`` (``shared_experts`` for the shared)."""
+    mlp = name.rsplit("experts.", 1)[0]
+    ids: list[int | None] = [e for a, b in stack["experts"] for e in range(a, b)]
+    experts = [f"{mlp}experts.{e}." for e in ids] + ([f"{mlp}shared_experts."] if stack["shared"] else [])
+    return tuple(Placement(f"{expert}{w['proj']}_proj.weight", tuple(w["shape"]), w["dim"], w["start"], w["stop"],
+                           w["dest_row"], slot) for slot, expert in enumerate(experts) for w in stack["windows"])
+
+
 def group_from_record(rec: dict[str, Any]) -> Bf16Group:
     if rec.get("kind") != "bf16":
         raise PrepError(f"manifest: group {rec.get('name')!r} is not a bf16 group")
-    ps = tuple(Placement(p["source"], tuple(p["shape"]), p["dim"], p["start"], p["stop"], p["dest_row"],
-                         p.get("slot")) for p in rec["placements"])
+    if rec.get("stack") is not None:
+        ps = _expand_stack(rec["name"], rec["stack"])
+    else:
+        ps = tuple(Placement(p["source"], tuple(p["shape"]), p["dim"], p["start"], p["stop"], p["dest_row"],
+                             p.get("slot")) for p in rec["placements"])
     return Bf16Group(rec["name"], rec["rank"], rec["tp"], rec["dtype"], ps, rec.get("layout"))
 
 

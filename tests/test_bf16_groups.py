@@ -7,11 +7,15 @@ source tensor, and the tensors left whole are the ones ATOM replicates."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import pytest
 import torch
 
 from atom_sharding import held
-from prep.bf16 import Bf16Group, group_from_record, plan_bf16_groups
+from layouts import manifest as schema
+from prep.bf16 import Bf16Group, Placement, group_from_record, plan_bf16_groups
 from prep.errors import PrepError
 from prep.source import SourceCheckpoint
 from prep.testing import SynthSpec, write_checkpoint
@@ -89,6 +93,42 @@ def test_inverse_rebuilds_every_split_tensor_bit_for_bit(source, tp, expert_para
         assert torch.equal(t, source.read(name)), name
     assert set(rebuilt) | set(whole) == set(bf16)
     assert not set(rebuilt) & set(whole)
+
+
+@pytest.mark.parametrize("tp", (1, 2, 4, 8))
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_a_record_through_the_manifest_schema_gives_the_same_placements(source, tp, expert_parallel):
+    """Every group's record, as JSON through ``layouts.manifest.GroupRecord`` (what convert writes
+    and a reader parses), expands back into the very placements the plan made, in order; a
+    stacked group is written as its template, a few windows and its expert ranges, not one
+    placement per expert."""
+    per_rank, _ = plan_bf16_groups(_bf16(source), source.config, tp, tp if expert_parallel else 1)
+    stacks = 0
+    for groups in per_rank:
+        for g in groups:
+            rec = schema.GroupRecord.from_json(json.loads(json.dumps({**g.record(), "file": "f"})))
+            back = group_from_record(rec.to_json())
+            assert back == g, g.name
+            written = rec.to_json()
+            assert ("stack" in written) == g.stacked and ("placements" in written) != g.stacked
+            if g.stacked:
+                stacks += 1
+                stack = written["stack"]
+                assert len(stack["experts"]) == 1 and len(stack["windows"]) in (1, 2)
+                assert stack["shared"] == (g.placements[-1].source.split(".mlp.")[1].startswith("shared_experts"))
+    assert stacks == (2 * tp if source.config["quantization_config"]["exclude"][0] == "*self_attn*" else 0)
+
+
+def test_a_stack_whose_experts_differ_in_shape_is_refused_when_recorded():
+    """The template says one window for every expert: a group where one expert's window differs
+    (a damaged source) stops when recorded, naming the tensor, rather than writing a wrong record."""
+    mlp = "model.layers.3.mlp."
+    ps = [Placement(f"{mlp}experts.{e}.down_proj.weight", (64, 32), 1, 0, 16, 0, e) for e in range(3)]
+    g = Bf16Group(f"{mlp}experts.w2_weight", 0, 2, "BF16", tuple(ps))
+    assert group_from_record(g.record()) == g and g.record()["stack"]["experts"] == [[0, 3]]
+    odd = dataclasses.replace(g, placements=(*ps[:2], dataclasses.replace(ps[2], start=16, stop=32)))
+    with pytest.raises(PrepError, match=rf"{mlp}experts.w2_weight \(rank 0\): its experts do not all take the same"):
+        odd.record()
 
 
 def test_r1_attention_and_vocab_are_split_and_v2_keeps_its_attention_mxfp4(source):

@@ -514,6 +514,53 @@ def test_a_bf16_group_that_does_not_match_its_file_is_refused_in_one_line(made, 
     assert_one_line_error(run_cli("revert", out, "-o", tmp_path / "back"), "does not match its group record")
 
 
+@pytest.fixture(scope="module")
+def made_r1(tmp_path_factory):
+    """A tiny R1-0528 source (BF16 experts in its MTP layer: stacked groups) and its tp=2 conversion."""
+    root = tmp_path_factory.mktemp("hostile-r1")
+    src = write_checkpoint(SynthSpec(variant="r1-0528"), root / "src")
+    convert(str(src), root / "tp2", Target(tp=2))
+    return {"src": src, "out": root / "tp2"}
+
+
+def _stack(m) -> dict:
+    return next(g for g in m["groups"] if g["kind"] == "bf16" and "stack" in g)["stack"]
+
+
+# A stacked BF16 group's template (its expert ranges are expanded into placements by every reader).
+STACK_CASES = {
+    "experts-not-ranges": (lambda m: _stack(m).__setitem__("experts", [3]), "not a non-empty list of [start, stop)"),
+    "experts-empty-range": (lambda m: _stack(m).__setitem__("experts", [[2, 2]]),
+                            "not a non-empty list of [start, stop)"),
+    "experts-overlap": (lambda m: _stack(m).__setitem__("experts", [[0, 4], [3, 8]]),
+                        "overlap, touch or are out of order"),
+    "experts-huge": (lambda m: _stack(m).__setitem__("experts", [[0, 10**9]]), "fills a [1000000001, "),
+    "experts-one-fewer": (lambda m: _stack(m)["experts"][0].__setitem__(1, 7), "fills a [8, "),
+    "shared-not-bool": (lambda m: _stack(m).__setitem__("shared", 1), "shared is 1, not true or false"),
+    "window-proj-unknown": (lambda m: _stack(m)["windows"][0].__setitem__("proj", "../x"),
+                            "window of '../x' needs a proj"),
+    "window-outside": (lambda m: _stack(m)["windows"][0].__setitem__("stop", 10**9), "a window [start, stop) inside"),
+    "windows-twice": (lambda m: _stack(m)["windows"].append(_stack(m)["windows"][0]), "name a projection twice"),
+    "stack-and-placements": (lambda m: next(g for g in m["groups"] if "stack" in g).__setitem__("placements", []),
+                             "either a non-empty placements list or a stack"),
+}
+
+
+@pytest.mark.parametrize("case", list(STACK_CASES))
+def test_every_malformed_stack_record_raises_manifest_error_in_one_line(made_r1, tmp_path, case):
+    out = copy(made_r1["out"], tmp_path / "out")
+    edit, message = STACK_CASES[case]
+    edit_manifest(out, edit)
+    for load in (load_manifest, lambda p: L.load_rank(p, 0)):
+        with pytest.raises(ManifestError) as e:
+            load(out)
+        msg = str(e.value)
+        assert type(e.value) is ManifestError and "\n" not in msg, msg
+        assert message in msg and "prep-manifest.json" in msg and "convert again" in msg, msg
+    if case == "experts-huge":  # prep's readers turn it into one error line, before expanding anything
+        assert_one_line_error(run_cli("revert", out, "-o", tmp_path / "back"), "prep-manifest.json", message)
+
+
 @pytest.mark.parametrize("case", list(MANIFEST_CASES))
 def test_every_malformed_manifest_raises_manifest_error_in_one_line(made, tmp_path, case):
     out = copy(made["out"], tmp_path / "out")

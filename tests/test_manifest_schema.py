@@ -98,7 +98,9 @@ def written(out: pathlib.Path) -> dict[str, list[dict]]:
         "files": list(raw["files"].values()),
         "groups": raw["groups"],
         "parts": [p for g in raw["groups"] if g["kind"] == "linear" for p in g["parts"]],
-        "placements": [p for g in raw["groups"] if g["kind"] == "bf16" for p in g["placements"]],
+        "placements": [p for g in raw["groups"] if g["kind"] == "bf16" for p in g.get("placements", [])],
+        "stack": [g["stack"] for g in raw["groups"] if "stack" in g],
+        "windows": [w for g in raw["groups"] if "stack" in g for w in g["stack"]["windows"]],
         "tensors": raw["tensors"],
         "runtime_attrs": [t["runtime_attrs"] for t in grouped],
         "transforms": [{x["op"]: x} for t in raw["tensors"] for x in t["transforms"]],  # keyed by op

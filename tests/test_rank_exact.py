@@ -16,6 +16,7 @@ import layouts
 from atom_sharding import held
 from layouts.engines.atom import atom_mtp_param_name
 from prep.convert import convert
+from prep.bf16 import group_from_record
 from prep.deepseek import Target
 from prep.revert import revert
 from prep.source import SourceCheckpoint
@@ -89,6 +90,16 @@ def test_every_rank_holds_what_atoms_loader_keeps_and_reverts_exactly(source, tm
     m = layouts.load_manifest(out)
     assert m.format_version == 2 and m.target.rank_exact
     src = SourceCheckpoint(src_dir)
+    # The stacked BF16 experts (R1-0528's MTP layer) are recorded as templates, not one placement
+    # per expert, and expand into windows of exactly the sources their tensor names.
+    stacked = [g for g in m.groups if g.kind == "bf16" and g.stack is not None]
+    assert len(stacked) == (2 * tp if any(".experts." in n and i.dtype == "BF16" for n, i in src.tensors.items())
+                            else 0)
+    for g in stacked:
+        (t,) = [t for t in m.tensors if t.group == g.name and t.rank == g.rank]
+        assert not g.placements and len(t.sources) <= 4, g.name  # runs of experts compressed
+        assert [p.source for p in group_from_record(g.to_json()).placements if p.dest_row == 0] == \
+            [n for n in t.source_names() if not n.endswith("up_proj.weight")], g.name
     for rank in range(tp):
         # A rank reads its own files and nothing else (the common file holds what no rank reads).
         assert m.rank_files(rank) == [n for n, f in m.files.items() if f.rank == rank]
