@@ -30,7 +30,7 @@ from .activation import ActivationQuantPlan
 from .compat import CompatibilityError, EngineConfig, check_compatibility
 from .errors import LayoutsError
 from .engines import EngineProfile, engine_names, get_engine, register_engine
-from .dequant import dequantize_activation, dequantize_expert, dequantize_stored
+from .dequant import dequantize_activation, dequantize_expert, dequantize_stored, dequantize_stored_rows
 from .fused_quant import fused_rms_mxfp4_quant, fused_rms_mxfp4_quant_reference
 from .loader import RankTensors, load_rank
 from .manifest import Manifest, ManifestError, TensorRecord, load_manifest
@@ -59,7 +59,7 @@ __all__ = [
     "GEMM_PATH_RULES", "ActivationQuantFlags", "select_activation_quant",
     "ActivationQuantPlan", "CompatibilityError", "LayoutsError", "EngineConfig", "check_compatibility",
     "EngineProfile", "engine_names", "get_engine", "register_engine",
-    "dequantize_activation", "dequantize_expert", "dequantize_stored",
+    "dequantize_activation", "dequantize_expert", "dequantize_stored", "dequantize_stored_rows",
     "fused_rms_mxfp4_quant", "fused_rms_mxfp4_quant_reference", "RankTensors", "load_rank",
     "Manifest", "ManifestError", "TensorRecord", "load_manifest",
     "LayoutConstraintError", "preshuffle_scale", "preshuffle_scale_per_expert", "preshuffle_weight",

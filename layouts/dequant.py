@@ -110,6 +110,34 @@ def dequantize_stored(weight: torch.Tensor, scale: torch.Tensor, layout: Layout,
     return dequantize(w, s, k=2 * weight_shape[-1])
 
 
+def dequantize_stored_rows(weight: torch.Tensor, scale: torch.Tensor, layout: Layout, weight_shape: Shape,
+                           scale_shape: Shape, rows: slice) -> torch.Tensor:
+    """float32 logical rows ``rows`` of a 2-D MXFP4 weight stored in ``layout`` (shapes as for
+    :func:`dequantize_stored`), reading only the bands of rows that hold them where the
+    transforms allow, so a block of a module's rows never needs its whole matrix."""
+    w = _read_logical_rows(weight, layout.weight, tuple(weight_shape), rows)
+    s = _read_logical_rows(scale, layout.scale, tuple(scale_shape), rows)
+    return dequantize(w, s, k=2 * weight_shape[-1])
+
+
+def _read_logical_rows(stored: torch.Tensor, transform: Transform, shape: Shape, rows: slice) -> torch.Tensor:
+    """Logical rows ``rows`` of a 2-D ``shape``: the bands that cover them (each band's map is
+    the whole map's part, see :func:`read_logical`), else the whole tensor read and cut."""
+    band = _band_rows(transform, shape)
+    if band is None:
+        return read_logical(stored, transform, shape)[rows]
+    flat = stored.reshape(-1)
+    if flat.dtype != torch.uint8:
+        flat = flat.view(torch.uint8)
+    c = shape[-1]
+    b0, b1 = rows.start // band * band, ceil_div(rows.stop, band) * band
+    where = stored_positions(transform, (band, c), flat.device)
+    out = torch.empty((b1 - b0) * c, dtype=torch.uint8, device=flat.device)
+    for r in range(b0, b1, band):
+        torch.take(flat[r * c:(r + band) * c], where, out=out[(r - b0) * c:(r - b0 + band) * c])
+    return out.view(b1 - b0, c)[rows.start - b0:rows.stop - b0]
+
+
 def dequantize_activation(q: torch.Tensor, scale: torch.Tensor, shuffle: bool, padded: bool) -> torch.Tensor:
     """float32 ``[M, K]`` of an activation quantized by the fused op with these flags: the scale
     is ``[M, ceil(K/32)]``, or padded to ``[pad256(M), pad8(..)]`` and then S32x8-shuffled."""

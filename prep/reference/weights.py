@@ -40,7 +40,7 @@ from typing import Any, Callable
 import torch
 
 import layouts
-from layouts.dequant import dequantize_expert, dequantize_stored
+from layouts.dequant import dequantize_expert, dequantize_stored_rows
 from layouts.safetensors_file import TORCH_DTYPES
 
 from ..bf16 import Bf16Group
@@ -322,21 +322,26 @@ def _from_converted(root: pathlib.Path, assume_layout: str | None, manifest: lay
                 if rect not in placed:
                     out[local, p.cols] = piece
                     placed.add(rect)
-        if sum((r1 - r0) * (c1 - c0) for r0, r1, c0, c1 in placed) != out[:, 0].numel() * meta.shape[1]:
+        if not _covers(placed, out[:, 0].numel() * meta.shape[1]):
             raise PrepError(f"{name}: no rank holds all of it; the converted checkpoint is incomplete")
         return out
 
-    def assemble(prefix: str) -> torch.Tensor:
+    def assemble(prefix: str, rs: slice | None = None) -> torch.Tensor:
+        """An MXFP4 module's float32 matrix, or its rows ``rs``, from the rows of its ranks'
+        stored outputs that hold them (a block of a 1 GB dense MLP never makes it whole).
+        Coverage is counted by windows, as for BF16 tensors; a replicated window is taken once."""
         n, kb = src_meta[f"{prefix}.weight"].shape
-        full = torch.empty((n, 2 * kb))
-        covered = torch.zeros((n, 2 * kb), dtype=torch.bool)  # which values some rank provided
+        rows = rs or slice(0, n)
+        out = torch.empty((rows.stop - rows.start, 2 * kb))
+        placed: set[tuple[int, int, int, int]] = set()
         for place in pieces[prefix]:
-            place(full, covered)
-        if not covered.all():
+            place(out, rows, placed)
+        if not _covers(placed, (rows.stop - rows.start) * kb):
             raise PrepError(f"{prefix}.weight: no rank holds all of it; the converted checkpoint is incomplete")
-        return full
+        return out
 
     linears = {prefix: (lambda prefix=prefix: assemble(prefix)) for prefix in pieces}
+    linear_rows = {prefix: (lambda rs, prefix=prefix: assemble(prefix, rs)) for prefix in pieces}
     shapes: dict[str, tuple[int, ...]] = {}
     for prefix in pieces:
         n, kb = src_meta[f"{prefix}.weight"].shape
@@ -359,7 +364,7 @@ def _from_converted(root: pathlib.Path, assume_layout: str | None, manifest: lay
         what += f" read as {assume_layout}"
     mapped = [b for r in ranks for b in r.buffers]
     return ModelWeights(config, linears, tensors, what, max_memory, shapes=shapes, rows=rows, mapped=mapped,
-                        memo=memo)
+                        memo=memo, linear_rows=linear_rows)
 
 
 def _last(fn: Callable[..., torch.Tensor], memo: dict) -> Callable[..., torch.Tensor]:
@@ -377,9 +382,9 @@ def _last(fn: Callable[..., torch.Tensor], memo: dict) -> Callable[..., torch.Te
     return call
 
 
-def _put(full: torch.Tensor, covered: torch.Tensor, where: tuple[slice, slice], values: torch.Tensor) -> None:
-    full[where] = values
-    covered[where] = True
+def _covers(placed: set[tuple[int, int, int, int]], total: int) -> bool:
+    """Whether distinct windows ``(row0, row1, col0, col1)`` add up to ``total`` entries."""
+    return sum((r1 - r0) * (c1 - c0) for r0, r1, c0, c1 in placed) == total
 
 
 def _values(cols: slice) -> slice:
@@ -389,22 +394,34 @@ def _values(cols: slice) -> slice:
 
 def _weight_pieces(g: LinearGroup | MoEGroup, held, lay: layouts.Layout, pieces, memo: dict) -> None:
     """One step per weight placement of ``g`` (the group's own geometry, as its build and its
-    inverse use it): the placement's destination in the rank's output, read in its layout
-    (one expert's bytes at a time for stacked experts), put at its window of the source module."""
+    inverse use it): for the module rows asked, the placement's destination rows in the rank's
+    output, read in its layout (only the bands of rows holding them for a dense output; one
+    expert's bytes at a time for stacked experts), put at its window of the source module."""
     shapes, outputs = g.local_shapes(), g.outputs()
 
-    def dequantized(o: int, expert: int | None) -> torch.Tensor:
+    def dequantized(o: int, expert: int) -> torch.Tensor:
         w, s = held[outputs[o][0]], held[outputs[o + 1][0]]
-        if expert is None:
-            return dequantize_stored(w, s, lay, shapes[o], shapes[o + 1])
         return dequantize_expert(w, s, lay, expert, shapes[o], shapes[o + 1])
+
+    def dense_rows(o: int, rows: slice) -> torch.Tensor:
+        w, s = held[outputs[o][0]], held[outputs[o + 1][0]]
+        return dequantize_stored_rows(w, s, lay, shapes[o], shapes[o + 1], rows)
 
     values = {o: _last(lambda e, o=o: dequantized(o, e), memo) for o, (_, role, _) in enumerate(outputs)
               if role == "mxfp4_weight"}
     for p in g.placements():
         if p.output in values:
-            def place(full, covered, p=p):
-                got = values[p.output](p.expert)[p.dest[0], _values(p.dest[1])]
-                _put(full, covered, (p.window[0], _values(p.window[1])), got)
+            def place(out, rows, placed, p=p):
+                win = p.window[0]
+                r0, r1 = max(rows.start, win.start), min(rows.stop, win.stop)
+                if r0 >= r1:
+                    return
+                dest = slice(p.dest[0].start + r0 - win.start, p.dest[0].start + r1 - win.start)
+                if p.expert is None:
+                    got = dense_rows(p.output, dest)[:, _values(p.dest[1])]
+                else:
+                    got = values[p.output](p.expert)[dest, _values(p.dest[1])]
+                out[r0 - rows.start:r1 - rows.start, _values(p.window[1])] = got
+                placed.add((r0, r1, p.window[1].start, p.window[1].stop))
 
             pieces.setdefault(p.source.removesuffix(".weight"), []).append(place)
