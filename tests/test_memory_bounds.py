@@ -95,3 +95,34 @@ def test_stored_bytes_read_a_band_of_rows_at_a_time_are_the_one_gather_read(monk
     assert (dequant._band_rows(lay.weight, shape) is not None) == (shape[-2] % 256 == 0)
     monkeypatch.setattr(dequant, "BAND_BYTES", 1 << 40)
     assert torch.equal(banded, dequant.read_logical(stored, lay.weight, shape)) and torch.equal(banded, w)
+
+
+def test_a_converted_dense_module_is_made_a_block_of_rows_at_a_time(tmp_path, monkeypatch):
+    # At TP 1 a dense MLP's [gate ; up] is one stored output; its float32 was dequantized whole
+    # (1.06 GB on the real dims) and each module assembled whole before being cut into row
+    # blocks, which set the floor of --max-memory. Now each block reads only the bands of rows
+    # that hold it: with 64-row blocks and 256-row bands, no float32 matrix made is as large as
+    # the 512-row module, and the blocks are the source's values bit for bit.
+    from layouts import dequant
+    from prep.reference import weights as ref_weights
+
+    src = write_checkpoint(SynthSpec(variant="v2", vocab_size=1 << 10, num_hidden_layers=2), tmp_path / "src")
+    convert(str(src), tmp_path / "out", Target("preshuffle", "ck", 1))
+    made: list[int] = []
+    real = dequant.dequantize
+
+    def recording(*args, **kwargs):
+        out = real(*args, **kwargs)
+        made.append(out.numel())
+        return out
+
+    prefix = "model.layers.0.mlp.gate_proj"
+    monkeypatch.setattr(dequant, "dequantize", recording)
+    monkeypatch.setattr(dequant, "BAND_BYTES", 1 << 12)
+    monkeypatch.setattr(ref_weights, "ROW_BLOCK_BYTES", 4 * 256 * 64)
+    w = ref_weights.load_weights(tmp_path / "out")
+    n, k = w.shape(prefix)
+    assert (n, k) == (512, 256)
+    got = w.matmul(torch.eye(k), prefix).T  # x = I: exactly W, one 64-row block at a time
+    assert made and max(made) <= 256 * k < n * k, f"largest float32 made: {max(made)} values, module {n * k}"
+    assert torch.equal(got, ref_weights.load_weights(src).linear(prefix))
