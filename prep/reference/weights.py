@@ -97,7 +97,8 @@ class ModelWeights:
 
     ``shapes``: name -> stored shape of every tensor, and prefix -> ``(N, K)`` of every MXFP4
     module; ``rows``: name -> reads a block of rows of a tensor; ``linear_rows``: prefix ->
-    makes a block of rows of a module's matrix (else it is cut from the whole); ``mapped``:
+    makes a block of rows of an MXFP4 module's matrix (both loaders give one for every module,
+    so none is made whole to be cut); ``mapped``:
     file mappings whose pages are dropped once a matrix is made."""
 
     def __init__(self, config: dict[str, Any], linears: dict[str, Callable[[], torch.Tensor]],
@@ -118,7 +119,6 @@ class ModelWeights:
         self.device: torch.device | None = None
         self._cache: OrderedDict[str, torch.Tensor] = OrderedDict()
         self.max_memory, self._held = max_memory, 0
-        self._whole: tuple[str, torch.Tensor] | None = None  # the module its row blocks are being cut from
         self.evictions = 0
 
     def to(self, device: str | torch.device) -> "ModelWeights":
@@ -133,7 +133,6 @@ class ModelWeights:
         even while something still refers to this object)."""
         self._cache.clear()
         self._held = 0
-        self._whole = None
         self._memo.clear()
 
     def _make_room(self, need: int, keep: str | None = None) -> None:
@@ -184,18 +183,12 @@ class ModelWeights:
                               NEED_FACTOR * 4 * (rows.stop - r0) * k)
             out.append(x @ block.to(x.device).T)
             del block
-        self._whole = None
         return torch.cat(out, dim=-1)
 
     def _make_rows(self, prefix: str, rows: slice) -> torch.Tensor:
         make = self._linear_rows.get(prefix)
         if make is not None:
             return make(rows)
-        if prefix in self._linears:  # assembled from rank pieces: whole once, then cut
-            if self._whole is None or self._whole[0] != prefix:
-                self._whole = None
-                self._whole = (prefix, self._linears[prefix]())
-            return self._whole[1][rows].clone()
         return self._read_rows(f"{prefix}.weight", rows).float()
 
     def _read_rows(self, name: str, rows: slice) -> torch.Tensor:
