@@ -16,7 +16,8 @@ count of what the cache holds: before a matrix is made, the least recently used 
 dropped until what the process holds (``/proc/self/statm``: activations, torch, the
 dequantizer's index maps, mapped file pages) plus what the making needs fits. What keeps that
 true for any checkpoint size: a matrix larger than :data:`ROW_BLOCK_BYTES` in float32 (an
-lm_head is 3.7 GB) is made and multiplied in blocks of rows; an embedding is read only at the
+lm_head is 3.7 GB) is made and multiplied in blocks of rows (a converted module's block from
+only the bands of rows of its ranks' stored outputs that hold it); an embedding is read only at the
 prompt's rows; and the pages of a converted checkpoint's mapped files that a matrix was read
 from are dropped from the process once it is made (they stay in the page cache). The blocking
 depends on the shape only, so every budget gives the same logits. MXFP4 values are exact in
