@@ -191,17 +191,18 @@ class Bf16Group:
             slot = t if p.slot is None else t[p.slot]
             yield p.source, (p.rows, p.cols), slot[p.dest_row:p.dest_row + p.out_shape[0]]
 
-    def window_rows(self, source: str, rows: slice) -> Iterator[tuple[Placement, slice, slice]]:
-        """For rows ``rows`` of source tensor ``source``: each placement holding some of them,
-        those source rows, and the stored rows they sit in (an unstacked group: a placement is
-        a whole range of the source's rows or columns, stored from ``dest_row`` on)."""
+    def window_rows(self, source: str, rows: slice) -> Iterator[tuple[slice, slice, slice]]:
+        """For a block ``rows`` of source tensor ``source``: each part of it this group holds, as
+        (its rows within the block, its source columns, the stored rows it sits in). An unstacked
+        group: a placement is a whole range of the source's rows or columns, stored from
+        ``dest_row`` on."""
         if self.stacked:
             raise PrepError(f"{self.name}: stacked experts are read a block of experts at a time, not by rows")
         for p in self.placements:
             lo, hi = max(rows.start, p.rows.start), min(rows.stop, p.rows.stop)
             if p.source == source and lo < hi:
                 off = p.dest_row - p.rows.start
-                yield p, slice(lo, hi), slice(lo + off, hi + off)
+                yield slice(lo - rows.start, hi - rows.start), p.cols, slice(lo + off, hi + off)
 
     def transforms(self) -> list[dict[str, Any]]:
         if self.stacked:  # one entry for the layer's experts, as the MXFP4 stacks have

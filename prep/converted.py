@@ -4,6 +4,7 @@ turning every group back into the source tensors it came from (the exact inverse
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import os
 import pathlib
@@ -170,7 +171,11 @@ class ConvertedCheckpoint:
         recs = self._groups[unit]
         groups = [_group(r) for r in recs]
         if all(isinstance(g, Bf16Group) for g in groups):
-            yield from self._iter_bf16(unit, recs, groups)
+            if groups[0].stacked:
+                yield from self._iter_bf16_experts(unit, recs, groups)
+            else:  # a split tensor: its blocks of rows, joined
+                for name, blocks in itertools.groupby(self._bf16_row_blocks(unit, recs, groups), key=lambda b: b[0]):
+                    yield name, torch.cat([t for _, _, t in blocks])
             return
         if not all(isinstance(g, MoEGroup) and g.blocks_exact(0) and g.blocks_exact(2) for g in groups):
             whole = self.invert_group(unit)
@@ -197,12 +202,12 @@ class ConvertedCheckpoint:
 
         yield from tiles.hand_out(names, keep, place())
 
-    def _iter_bf16(self, unit: str, recs: list[GroupRecord], groups: list[Bf16Group]
-                   ) -> Iterator[tuple[str, torch.Tensor]]:
-        """The source tensors of a split BF16 tensor, its ranks' stored tensors read in blocks of
-        about STREAM_BYTES (whole experts, or rows: an embedding at TP 1 is 1.8 GiB), each
-        handed out once whole. A window several ranks hold (a replicated ``fused_qkv_a_proj``,
-        the shared expert under EP) is kept to compare the later copies with."""
+    def _iter_bf16_experts(self, unit: str, recs: list[GroupRecord], groups: list[Bf16Group]
+                           ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The source tensors of stacked BF16 experts, each rank's stored tensor read and taken
+        out of its layout a block of whole experts (about STREAM_BYTES) at a time, each expert's
+        tensor handed out once whole. A window several ranks hold (the shared expert under EP)
+        is kept to compare the later copies with."""
         names = list(self._sources[unit])
         held = Counter((p.source, p.dim, p.start) for g in groups for p in g.placements)
         keep = {key[0] for key, n in held.items() if n > 1}
@@ -210,8 +215,7 @@ class ConvertedCheckpoint:
         for rec, g in zip(recs, groups):
             self._check_bf16(rec, g)
             shape = g.shape
-            per = math.prod(shape[1:]) * ITEMSIZE[g.dtype]
-            step = max(1, STREAM_BYTES // max(1, per))
+            step = max(1, STREAM_BYTES // max(1, math.prod(shape[1:]) * ITEMSIZE[g.dtype]))
             steps += [(b0, rec, g, min(shape[0], b0 + step)) for b0 in range(0, shape[0], step)]
         if any(p.dim is not None for g in groups for p in g.placements):  # split: block by block across ranks
             steps.sort(key=lambda s: s[0])
@@ -219,21 +223,11 @@ class ConvertedCheckpoint:
 
         def place() -> Iterator[None]:
             for b0, rec, g, b1 in steps:
-                block = self.read_rows(rec.file, g.name, slice(b0, b1))
-                if g.stacked:  # whole experts: undo the layout a block at a time
-                    block = g.from_layout(block)
+                block = g.from_layout(self.read_rows(rec.file, g.name, slice(b0, b1)))
                 for p in g.placements:
-                    if g.stacked:
-                        if not b0 <= p.slot < b1:
-                            continue
-                        rows, piece = p.rows, block[p.slot - b0, p.dest_row:p.dest_row + p.out_shape[0]]
-                    else:
-                        lo, hi = max(b0, p.dest_row), min(b1, p.dest_row + p.out_shape[0])
-                        if lo >= hi:
-                            continue
-                        first = p.rows.start + lo - p.dest_row
-                        rows, piece = slice(first, first + hi - lo), block[lo - b0:hi - b0]
-                    tiles.place(p.source, rows, p.cols, piece, rec.rank)
+                    if b0 <= p.slot < b1:
+                        tiles.place(p.source, p.rows, p.cols, block[p.slot - b0, p.dest_row:p.dest_row + p.out_shape[0]],
+                                    rec.rank)
                 yield
 
         yield from tiles.hand_out(names, keep, place())
@@ -287,10 +281,8 @@ class ConvertedCheckpoint:
             for rows in row_blocks(tuple(meta.shape), ITEMSIZE[meta.dtype]):
                 tiles = _Tiles({name: SourceTensor(meta.dtype, (rows.stop - rows.start, *meta.shape[1:]), meta.file)})
                 for rec, g in zip(recs, groups):
-                    for p, src_rows, stored_rows in g.window_rows(name, rows):
-                        piece = self.read_rows(rec.file, g.name, stored_rows)
-                        local = slice(src_rows.start - rows.start, src_rows.stop - rows.start)
-                        tiles.place(name, local, p.cols, piece, rec.rank)
+                    for local, cols, stored_rows in g.window_rows(name, rows):
+                        tiles.place(name, local, cols, self.read_rows(rec.file, g.name, stored_rows), rec.rank)
                 tiles.check_complete(name)
                 yield name, rows, tiles.pop(name)
 

@@ -303,18 +303,17 @@ def _from_converted(root: pathlib.Path, assume_layout: str | None, manifest: lay
         placed: set[tuple[int, int, int, int]] = set()
         for g in split[name]:
             stored = ranks[g.rank][g.name]
-            if g.stacked:  # an expert's tensor: only its own slot is taken out of the layout
+            if g.stacked:  # an expert's tensor, whole: only its own slot is taken out of the layout
                 windows = []
                 for p in (p for p in g.placements if p.source == name):
                     expert = g.from_layout(stored[p.slot:p.slot + 1])[0]
-                    windows.append((p, p.rows, expert[p.dest_row:p.dest_row + p.out_shape[0]]))
+                    windows.append((p.rows, p.cols, expert[p.dest_row:p.dest_row + p.out_shape[0]]))
             else:
-                windows = [(p, src_rows, stored[stored_rows]) for p, src_rows, stored_rows in g.window_rows(name, rows)]
-            for p, src_rows, piece in windows:
-                local = slice(src_rows.start - rows.start, src_rows.stop - rows.start)
-                rect = (local.start, local.stop, p.cols.start, p.cols.stop)
+                windows = [(local, cols, stored[at]) for local, cols, at in g.window_rows(name, rows)]
+            for local, cols, piece in windows:
+                rect = (local.start, local.stop, cols.start, cols.stop)
                 if rect not in placed:
-                    out[local, p.cols] = piece
+                    out[local, cols] = piece
                     placed.add(rect)
         if not _covers(placed, out[:, 0].numel() * meta.shape[1]):
             raise PrepError(f"{name}: no rank holds all of it; the converted checkpoint is incomplete")
