@@ -58,6 +58,17 @@ def assert_one_line_error(r, *needles):
     return lines[0]
 
 
+def assert_manifest_refused(out, message):
+    """Both readers of a manifest (``load_manifest``, ``load_rank``) refuse it with one line of
+    ManifestError naming the file, ``message`` and the fix."""
+    for load in (load_manifest, lambda p: L.load_rank(p, 0)):
+        with pytest.raises(ManifestError) as e:
+            load(out)
+        msg = str(e.value)
+        assert type(e.value) is ManifestError and "\n" not in msg, msg
+        assert message in msg and "prep-manifest.json" in msg and "convert again" in msg, msg
+
+
 def nothing_left(out: pathlib.Path) -> bool:
     return not out.exists() and not any(out.parent.glob(f".{out.name}*"))
 
@@ -237,11 +248,7 @@ def test_manifest_file_names_that_are_not_plain_names_in_the_folder_are_refused_
                 t["file"] = name
     edit_manifest(out, retarget)
     before = listing(out)
-    for load in (load_manifest, lambda p: L.load_rank(p, 0)):
-        with pytest.raises(ManifestError) as e:
-            load(out)
-        msg = str(e.value)
-        assert "\n" not in msg and "prep-manifest.json" in msg and "not a plain file name" in msg and "convert again" in msg
+    assert_manifest_refused(out, "not a plain file name")
     assert listing(out) == before
 
 
@@ -551,12 +558,7 @@ def test_every_malformed_stack_record_raises_manifest_error_in_one_line(made_r1,
     out = copy(made_r1["out"], tmp_path / "out")
     edit, message = STACK_CASES[case]
     edit_manifest(out, edit)
-    for load in (load_manifest, lambda p: L.load_rank(p, 0)):
-        with pytest.raises(ManifestError) as e:
-            load(out)
-        msg = str(e.value)
-        assert type(e.value) is ManifestError and "\n" not in msg, msg
-        assert message in msg and "prep-manifest.json" in msg and "convert again" in msg, msg
+    assert_manifest_refused(out, message)
     if case == "experts-huge":  # prep's readers turn it into one error line, before expanding anything
         assert_one_line_error(run_cli("revert", out, "-o", tmp_path / "back"), "prep-manifest.json", message)
 
@@ -572,12 +574,7 @@ def test_every_malformed_manifest_raises_manifest_error_in_one_line(made, tmp_pa
     else:
         edit_manifest(out, edit)
     before = listing(out)
-    for load in (load_manifest, lambda p: L.load_rank(p, 0)):
-        with pytest.raises(ManifestError) as e:
-            load(out)
-        msg = str(e.value)
-        assert type(e.value) is ManifestError and "\n" not in msg, msg
-        assert message in msg and "prep-manifest.json" in msg and "convert again" in msg, msg
+    assert_manifest_refused(out, message)
     assert listing(out) == before
     if case in ("not-json", "rank-a-string"):  # prep's readers turn it into one error line
         assert_one_line_error(run_cli("verify", out), "prep-manifest.json", message)
