@@ -73,18 +73,26 @@ def read_logical(stored: torch.Tensor, transform: Transform, shape: Shape) -> to
     derive, so a dense MLP's 132 MB merged weight would need ~8 GB at once. Banded only where
     the transform pads nothing and works inside blocks of that many rows (as it does inside
     each stacked expert), so each band's map is the whole map's part for that band."""
-    flat = stored.reshape(-1)
-    if flat.dtype != torch.uint8:
-        flat = flat.view(torch.uint8)
+    flat = _flat_bytes(stored)
     rows = _band_rows(transform, tuple(shape))
     if rows is None:
         return flat[stored_positions(transform, tuple(shape), flat.device)].view(shape)
-    band = rows * shape[-1]
-    where = stored_positions(transform, (rows, shape[-1]), flat.device)
-    out = torch.empty(flat.numel(), dtype=torch.uint8, device=flat.device)
-    for b0 in range(0, flat.numel(), band):
-        torch.take(flat[b0:b0 + band], where, out=out[b0:b0 + band])
-    return out.view(shape)
+    return _gather_bands(flat, transform, rows, shape[-1], 0, flat.numel() // shape[-1]).view(shape)
+
+
+def _flat_bytes(stored: torch.Tensor) -> torch.Tensor:
+    flat = stored.reshape(-1)
+    return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
+
+
+def _gather_bands(flat: torch.Tensor, transform: Transform, rows: int, cols: int, r0: int, r1: int) -> torch.Tensor:
+    """Logical rows ``[r0, r1)`` (whole bands; rows of every leading index in turn) of stored
+    bytes ``flat``, gathered a band of ``rows`` rows at a time through one band's position map."""
+    where = stored_positions(transform, (rows, cols), flat.device)
+    out = torch.empty((r1 - r0) * cols, dtype=torch.uint8, device=flat.device)
+    for r in range(r0, r1, rows):
+        torch.take(flat[r * cols:(r + rows) * cols], where, out=out[(r - r0) * cols:(r - r0 + rows) * cols])
+    return out
 
 
 def _band_rows(transform: Transform, shape: Shape) -> int | None:
@@ -126,16 +134,9 @@ def _read_logical_rows(stored: torch.Tensor, transform: Transform, shape: Shape,
     band = _band_rows(transform, shape)
     if band is None:
         return read_logical(stored, transform, shape)[rows]
-    flat = stored.reshape(-1)
-    if flat.dtype != torch.uint8:
-        flat = flat.view(torch.uint8)
-    c = shape[-1]
     b0, b1 = rows.start // band * band, ceil_div(rows.stop, band) * band
-    where = stored_positions(transform, (band, c), flat.device)
-    out = torch.empty((b1 - b0) * c, dtype=torch.uint8, device=flat.device)
-    for r in range(b0, b1, band):
-        torch.take(flat[r * c:(r + band) * c], where, out=out[(r - b0) * c:(r - b0 + band) * c])
-    return out.view(b1 - b0, c)[rows.start - b0:rows.stop - b0]
+    out = _gather_bands(_flat_bytes(stored), transform, band, shape[-1], b0, b1)
+    return out.view(b1 - b0, shape[-1])[rows.start - b0:rows.stop - b0]
 
 
 def dequantize_activation(q: torch.Tensor, scale: torch.Tensor, shuffle: bool, padded: bool) -> torch.Tensor:
