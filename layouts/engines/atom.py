@@ -56,10 +56,10 @@ skip that, and ``is_shuffled`` is only ever written. So:
 2. a rank-exact checkpoint (manifest format 2, ``docs/rank-exact.md``) holds the rank's BF16
    tensors already split and merged as ATOM's layer classes hold them: each is installed into its
    parameter too (the F32 router bias cast to ATOM's BF16), so nothing is left for ATOM's loader
-   and ``AtomInstallReport.not_installed`` lists any parameter still unfilled. Their modules keep
-   ATOM's own processing: BF16 linears need none, and BF16 experts (the R1-0528 MTP layer) are
-   stored split but unshuffled (their group's layout is None) so ATOM's ``shuffle_weights`` still
-   runs on them; a BF16 MoE layout in the registry would let that be skipped too. Of a format-1
+   and ``AtomInstallReport.not_installed`` lists any parameter still unfilled. BF16 linears need
+   no processing; BF16 experts (the R1-0528 MTP layer) are stored in ``bf16-preshuffle``, the
+   layout ATOM's ``shuffle_weights`` would give them, so their module's processing is made a no-op
+   as for MXFP4 (experts stored without a layout keep ATOM's own processing). Of a format-1
    checkpoint the pass-through (BF16) tensors are whole and come back in
    ``AtomInstallReport.passthrough`` for ATOM's own loader to slice;
 3. the MTP layer (``model.layers.{num_hidden_layers + i}``, ``i < num_nextn_predict_layers``) is
