@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 from layouts.compat import EngineConfig
 from layouts.engines import get_engine
@@ -358,8 +358,13 @@ def _layer_groups(layer, mods, rank, target, part, experts: _LayerExperts | None
     return out
 
 
-# The MTP layer's own embedding (its layer index is past num_hidden_layers): the engine replaces it.
-MTP_EMBED = re.compile(r"^model\.layers\.(\d+)\.embed_tokens\.weight$")
+_LAYER_EMBED = re.compile(r"^model\.layers\.(\d+)\.embed_tokens\.weight$")
+
+
+def mtp_embeddings(names: Iterable[str], num_hidden_layers: int) -> list[str]:
+    """The MTP layers' own embeddings among ``names`` (a layer at or past ``num_hidden_layers``):
+    ATOM's drafter replaces each by the target model's after loading, so no rank reads them."""
+    return [n for n in names if (m := _LAYER_EMBED.match(n)) and int(m.group(1)) >= num_hidden_layers]
 
 
 def plan_bf16(src: SourceCheckpoint, cls: Classified, target: Target
@@ -370,9 +375,8 @@ def plan_bf16(src: SourceCheckpoint, cls: Classified, target: Target
     parts are a group); and the tensors no rank reads: the MTP layer's ``embed_tokens``, which
     ATOM's drafter replaces by the target model's after loading (``docs/rank-exact.md``), kept
     whole only so that ``revert`` is exact."""
-    mtp = set(cls.mtp_layers)
-    unread = [n for n in cls.passthrough if (m := MTP_EMBED.match(n)) and int(m.group(1)) in mtp]
-    rest = {n: src.tensors[n] for n in cls.passthrough if n not in set(unread)}
+    unread = mtp_embeddings(cls.passthrough, cls.num_layers)
+    rest = {n: src.tensors[n] for n in cls.passthrough if n not in unread}  # one per MTP layer
     per_rank, replicated = plan_bf16_groups(rest, src.config, target.tp, target.ep, target.fuse_shared_expert)
     if target.bf16_moe_layout:
         per_rank = [[g.with_layout(target.bf16_moe_layout) if g.stacked else g for g in groups] for groups in per_rank]

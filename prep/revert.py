@@ -83,4 +83,3 @@ def _write(ck: ConvertedCheckpoint, staging: pathlib.Path, shards, meta, progres
                     if progress:
                         progress(t.numel() * t.element_size())
     return weight_map
-
