@@ -461,10 +461,9 @@ _RUN_OPTIONS = [
                  help="Bound on this process's memory (resident set, GiB): dequantized matrices are kept while the "
                       "process, activations and torch included, stays under it, least recently used dropped first; a "
                       "matrix over 64 MiB in float32 is made and multiplied in row blocks, an embedding read at the "
-                      "prompt's rows only. It holds above a floor: torch itself (~0.4 GiB) plus the largest "
-                      "matrix being made, for a converted checkpoint a dense MXFP4 module assembled whole (DeepSeek's "
-                      "dense MLP at TP 1: the process peaked at 3.4 GiB with --max-memory 2, at 6.8 GiB with 8; "
-                      "docs/BENCHMARKS.md). The logits do not depend on it."),
+                      "prompt's rows only. It holds above a small floor, torch itself (~0.4 GiB) plus the block being "
+                      "made: on DeepSeek's real widths at TP 1 the process peaked at 2.05 GiB with --max-memory 2, "
+                      "at 7.5 GiB with 8 (docs/BENCHMARKS.md). The logits do not depend on it."),
     click.option("--json", "as_json", is_flag=True, help="Print one JSON summary."),
     _quiet_option,
 ]
