@@ -52,16 +52,63 @@ def _positions(transform: Transform, shape: Shape) -> torch.Tensor:
     n = math.prod(shape)
     if n >= (1 << 31) - 1:
         raise ValueError(f"tensor of {n} bytes is too large for a position map; dequantize it in expert blocks")
-    pos = torch.arange(1, n + 1, dtype=torch.int64)  # 0 and out-of-range values mark pad bytes
-    planes = [transform.forward(((pos >> (8 * i)) & 0xFF).to(torch.uint8).view(shape)) for i in range(4)]
-    stored = sum(p.reshape(-1).to(torch.int64) << (8 * i) for i, p in enumerate(planes))
-    valid = (stored >= 1) & (stored <= n)
-    # Every logical byte must land in exactly one stored position (anything else is not a layout).
-    if int(valid.sum()) != n or not bool((torch.bincount(stored[valid] - 1, minlength=n) == 1).all()):
-        raise ValueError(f"{transform.name} on {shape} is not a permutation plus padding")
+    # One byte plane of arange(1, n + 1) at a time, accumulated in int32 (n < 2^31): every array
+    # but the result is 4 bytes a byte or less. Holding the four planes and int64 sums, as this
+    # once did, took 48-61 bytes a byte at its peak (400 MB for a dense MLP's 8 MB scale).
+    stored = None
+    for i in range(4):
+        plane = torch.arange(1, n + 1, dtype=torch.int32).bitwise_right_shift_(8 * i).bitwise_and_(0xFF)
+        moved = transform.forward(plane.to(torch.uint8).view(shape)).reshape(-1)
+        del plane
+        if stored is None:
+            stored = moved.to(torch.int32)
+        else:
+            stored.add_(moved.to(torch.int32).bitwise_left_shift_(8 * i))
+        del moved
+    # Invert it a chunk of stored bytes at a time (no int64 array of all positions but the
+    # result). Every logical byte must land in exactly one stored position (anything else is
+    # not a layout): n landings on n distinct bytes is that, checked with a bool per byte.
     where = torch.empty(n, dtype=torch.int64)
-    where[stored[valid] - 1] = torch.nonzero(valid).reshape(-1)
+    seen = torch.zeros(n, dtype=torch.bool)
+    landed = 0
+    for c0 in range(0, stored.numel(), _CHUNK):
+        chunk = stored[c0:c0 + _CHUNK]
+        valid = (chunk >= 1) & (chunk <= n)  # 0 and out-of-range values mark pad bytes
+        index = chunk[valid].long().sub_(1)
+        where[index] = torch.arange(c0, c0 + chunk.numel())[valid]
+        seen[index] = True
+        landed += index.numel()
+    if landed != n or not bool(seen.all()):
+        raise ValueError(f"{transform.name} on {shape} is not a permutation plus padding")
     return where
+
+
+_CHUNK = 1 << 20  # stored bytes inverted at a time
+
+
+# What reading through a map not yet cached holds at its peak beyond the output: per logical
+# byte (the map kept, 8, and the arrays that derive it) and the chunk's fixed part. Measured in
+# fresh processes for W16 and S32x8 maps of 3.7-8.3 MB: 19-33 bytes a byte, chunk included (the
+# derivation before this one: 48-61); pinned by a test. A caller with a budget reserves it.
+MAP_DERIVE_BYTES_PER_BYTE = 40
+MAP_DERIVE_FIXED = 32 << 20
+
+
+def clear_position_maps() -> None:
+    """Forget every cached position map (they count in the process's memory; a caller under a
+    budget drops them when nothing else is left to drop)."""
+    global _positions_held
+    _POSITIONS.clear()
+    _positions_held = 0
+
+
+def read_overhead(transform: Transform, shape: Shape) -> int:
+    """Bytes beyond its output that reading a logical ``shape`` tensor stored by ``transform``
+    may hold at once (one band, or the whole tensor where it cannot be banded): deriving the
+    position map, which is then kept (8 bytes a byte) while the cache has room."""
+    band = _band_rows(transform, tuple(shape))
+    numel = band * shape[-1] if band is not None else math.prod(shape)
+    return MAP_DERIVE_BYTES_PER_BYTE * numel + MAP_DERIVE_FIXED
 
 
 BAND_BYTES = 4 << 20  # a larger tensor is gathered a band of rows at a time, where its transform allows

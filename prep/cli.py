@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import pathlib
 import sys
@@ -461,9 +462,10 @@ _RUN_OPTIONS = [
                  help="Bound on this process's memory (resident set, GiB): dequantized matrices are kept while the "
                       "process, activations and torch included, stays under it, least recently used dropped first; a "
                       "matrix over 64 MiB in float32 is made and multiplied in row blocks, an embedding read at the "
-                      "prompt's rows only. It holds above a small floor, torch itself (~0.4 GiB) plus the block being "
-                      "made: on DeepSeek's real widths at TP 1 the process peaked at 2.05 GiB with --max-memory 2, "
-                      "at 7.5 GiB with 8 (docs/BENCHMARKS.md). The logits do not depend on it."),
+                      "prompt's rows only; room is kept for the block being made and the position map it may derive. "
+                      "On DeepSeek's real widths at TP 1 the process peaked at 0.94 GiB with --max-memory 1, 1.93 with "
+                      "2, 7.49 with 8 (docs/BENCHMARKS.md). Below a floor (torch, the block being made: ~0.8 GiB "
+                      "there) it cannot hold; the run prints its peak and says so. The logits do not depend on it."),
     click.option("--json", "as_json", is_flag=True, help="Print one JSON summary."),
     _quiet_option,
 ]
@@ -544,8 +546,21 @@ def run_cmd(model_dir, prompt_ids, layers, device, act_quant, gemm_path, gemm, a
     _emit(r, as_json, [f"{r['weights']}: {r['layers']} layers, gemm path {r['gemm_path']}, act quant {r['act_quant']}"
                        f"{', dense GEMMs on aiter-triton' if gemm == 'aiter-triton' else ''}",
                        _hashes_line(r["hashes_checked"], r["converted"]),
-                       f"load {r['load_s']:.2f} s, forward {r['forward_s']:.2f} s; argmax per position: {r['argmax']}"]
+                       f"load {r['load_s']:.2f} s, forward {r['forward_s']:.2f} s; argmax per position: {r['argmax']}",
+                       *_memory_line(r)]
           + ([f"logits written to {save_logits}"] if save_logits else []))
+
+
+def _memory_line(r: dict) -> list[str]:
+    """The process's peak memory against --max-memory; over it, what the floor is made of."""
+    if r.get("peak_rss") is None:
+        return []
+    peak, bound = r["peak_rss"] / 2**30, r["max_memory"] / 2**30
+    if peak <= bound:
+        return [f"peak memory {peak:.2f} GiB (--max-memory {bound:g})"]
+    return [f"peak memory {peak:.2f} GiB: over --max-memory {bound:g}, below what this checkpoint needs at least "
+            "(torch, the prompt's activations, the block of rows being made and its position map); "
+            f"give --max-memory {math.ceil(peak * 4) / 4:g} or more"]
 
 
 @main.command()
@@ -589,7 +604,7 @@ def compare(a, b, prompt_ids, layers, device, act_quant, gemm_path, gemm, aiter_
                        f"max |logit difference| {r['max_abs_diff']:.6g} (max |logit| {r['max_abs_logit']:.4g}) "
                        f"over {r['tokens']} positions"
                        f"{' (identical bit for bit)' if r['identical'] else ''}; argmax agrees on "
-                       f"{100 * r['argmax_agree']:.1f}%"])
+                       f"{100 * r['argmax_agree']:.1f}%", *_memory_line(r)])
     bad = [k.upper() for k, ok in r["finite"].items() if not ok]
     if bad:
         raise PrepError(f"logits of {' and '.join(bad)} are not finite (NaN or inf): that checkpoint computes garbage")

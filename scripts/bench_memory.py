@@ -3,7 +3,7 @@
 checkpoint: this tree against a baseline tree (another git revision), in the same run.
 
     .venv/bin/python scripts/bench_memory.py WORK [--preset real-dims] [--baseline main]
-        [--layers 1] [--prompt-ids 0,1,2,3] [--max-memory GIB] [--keep]
+        [--layers 1] [--prompt-ids 0,1,2,3] [--max-memory GIB ...] [--keep]
 
 WORK holds the generated source (``WORK/src``, reused when present: generating 13 GiB takes
 minutes), its conversion (``WORK/out``) and each revert's output (deleted after it is measured).
@@ -56,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--baseline", default="main", help="git revision to compare against ('' for none)")
     ap.add_argument("--layers", type=int, default=1, help="compare's --layers")
     ap.add_argument("--prompt-ids", default="0,1,2,3")
-    ap.add_argument("--max-memory", type=float, help="compare's --max-memory in GiB (this tree only; default its own)")
+    ap.add_argument("--max-memory", type=float, nargs="+",
+                    help="compare's --max-memory in GiB, one run per value, for both trees (default: their own)")
     ap.add_argument("--only", help="comma-separated commands to run (convert,verify,revert,compare)")
     ap.add_argument("--keep", action="store_true", help="keep WORK/src and WORK/out afterwards")
     args = ap.parse_args(argv)
@@ -98,13 +99,14 @@ def main(argv: list[str] | None = None) -> int:
             record("revert", name, measure([*prep, "revert", str(out), "-o", str(dest), "-q"], tree))
             shutil.rmtree(dest, ignore_errors=True)
         if "compare" in only:
-            cmd = [*prep, "compare", str(src), str(out), "--prompt-ids", args.prompt_ids, "--layers", str(args.layers),
-                   "-q"]
-            label = f"compare --layers {args.layers}"
-            if args.max_memory and name == "this":
-                cmd += ["--max-memory", f"{args.max_memory}"]
-                label += f" --max-memory {args.max_memory:g}"
-            record(label, name, measure(cmd, tree))
+            for budget in args.max_memory or [None]:
+                cmd = [*prep, "compare", str(src), str(out), "--prompt-ids", args.prompt_ids,
+                       "--layers", str(args.layers), "-q"]
+                label = f"compare --layers {args.layers}"
+                if budget:
+                    cmd += ["--max-memory", f"{budget}"]
+                    label += f" --max-memory {budget:g}"
+                record(label, name, measure(cmd, tree))
     if not args.keep:
         shutil.rmtree(out, ignore_errors=True)
         shutil.rmtree(src, ignore_errors=True)

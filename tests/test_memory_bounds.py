@@ -9,6 +9,7 @@ with a budget below what the process already holds it drops every matrix after u
 computes the same logits bit for bit, and it never makes the 256 MiB float32 lm_head whole."""
 
 import os
+import subprocess
 import sys
 
 import pytest
@@ -126,3 +127,44 @@ def test_a_converted_dense_module_is_made_a_block_of_rows_at_a_time(tmp_path, mo
     got = w.matmul(torch.eye(k), prefix).T  # x = I: exactly W, one 64-row block at a time
     assert made and max(made) <= 256 * k < n * k, f"largest float32 made: {max(made)} values, module {n * k}"
     assert torch.equal(got, ref_weights.load_weights(src).linear(prefix))
+
+
+_DERIVE = """
+import sys, torch
+from layouts import dequant, registry
+def status(key):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
+lay, part, shape = registry.get_layout(sys.argv[1]), sys.argv[2], tuple(map(int, sys.argv[3].split("x")))
+transform = getattr(lay, part)
+torch.zeros(1)
+before = status("VmRSS")
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # the high-water mark starts again from here
+dequant.stored_positions(transform, shape)
+print(status("VmHWM") - before, dequant.read_overhead(transform, shape))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self (the bound holds elsewhere too)")
+@pytest.mark.parametrize("layout, part, shape", [("preshuffle", "scale", "36864x224"),  # R1's [gate ; up] at TP 1
+                                                 ("preshuffle", "weight", "7168x576"),
+                                                 ("ck", "scale", "1x4096x224")])
+def test_deriving_a_position_map_holds_no_more_than_read_overhead_says(layout, part, shape):
+    # The reference forward reserves read_overhead for every make (its --max-memory is the
+    # process's peak): a map derived with more than that would let the process pass it. Each in
+    # a fresh process, so that no freed heap of an earlier one hides the peak.
+    # (Measured: 19-33 bytes a byte with the fixed part, against 40 + 32 MiB reserved; the
+    # derivation before took 48-61.)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", _DERIVE, layout, part, shape], capture_output=True, text=True,
+                         env=env, check=True).stdout.split()
+    peak, reserved = int(out[0]), int(out[1])
+    assert 0 < peak <= reserved, f"{layout} {part} {shape}: derived with {peak / MiB:.0f} MiB, {reserved / MiB:.0f} reserved"
+
+
+def test_run_reports_its_peak_against_max_memory(big_vocab):
+    src, out, _ = big_vocab
+    r = run(out, IDS, layers=1, max_memory=4 << 30)
+    assert r["max_memory"] == 4 << 30 and 0 < r["peak_rss"] <= 4 << 30

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import sys
 import time
 from typing import Any, Mapping
 
@@ -112,7 +113,19 @@ def run(model_dir: str | pathlib.Path, prompt_ids: list[int], *, layers: int | N
     t2 = time.perf_counter()
     return {"logits": logits.cpu(), "load_s": t1 - t0, "forward_s": t2 - t1, "weights": weights.description,
             "gemm_path": path, "act_quant": act_quant, "layers": model.num_layers, "gemm": gemm,
-            "converted": manifest is not None, "hashes_checked": hashed, "evictions": weights.evictions}
+            "converted": manifest is not None, "hashes_checked": hashed, "evictions": weights.evictions,
+            "peak_rss": peak_rss(), "max_memory": max_memory}
+
+
+def peak_rss() -> int | None:
+    """This process's peak resident memory so far, in bytes (what --max-memory bounds), or None
+    where the platform does not say."""
+    try:
+        import resource
+    except ImportError:
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
 
 
 def _count_layers(model: DeepseekV3, bar: Any) -> None:
@@ -149,4 +162,5 @@ def compare(a: str | pathlib.Path, b: str | pathlib.Path, prompt_ids: list[int],
             "hashes_checked": {"a": ra["hashes_checked"], "b": rb["hashes_checked"]},
             "identical": all(finite.values()) and bool(torch.equal(la, lb)),
             "evictions": {"a": ra["evictions"], "b": rb["evictions"]},
-            "argmax_agree": float((la.argmax(-1) == lb.argmax(-1)).float().mean()), "tokens": len(prompt_ids)}
+            "argmax_agree": float((la.argmax(-1) == lb.argmax(-1)).float().mean()), "tokens": len(prompt_ids),
+            "peak_rss": rb["peak_rss"], "max_memory": rb["max_memory"]}

@@ -41,7 +41,7 @@ from typing import Any, Callable
 import torch
 
 import layouts
-from layouts.dequant import dequantize_expert, dequantize_stored_rows
+from layouts.dequant import clear_position_maps, dequantize_expert, dequantize_stored_rows, read_overhead
 from layouts.safetensors_file import TORCH_DTYPES
 
 from ..bf16 import Bf16Group
@@ -107,7 +107,7 @@ class ModelWeights:
                  shapes: dict[str, tuple[int, ...]] | None = None,
                  rows: dict[str, Callable[[slice], torch.Tensor]] | None = None,
                  linear_rows: dict[str, Callable[[slice], torch.Tensor]] | None = None,
-                 mapped: list[torch.Tensor] | None = None, memo: dict | None = None):
+                 mapped: list[torch.Tensor] | None = None, memo: dict | None = None, read_headroom: int = 0):
         self.config = config
         self._linears = linears  # MXFP4 module prefix -> makes its float32 matrix
         self._tensors = tensors  # tensor name -> reads it
@@ -120,6 +120,9 @@ class ModelWeights:
         self.device: torch.device | None = None
         self._cache: OrderedDict[str, torch.Tensor] = OrderedDict()
         self.max_memory, self._held = max_memory, 0
+        # What a make may hold beyond its own estimate: a stored tensor's position map being
+        # derived (``layouts.dequant.read_overhead``; 0 for a source, which has none).
+        self._read_headroom = read_headroom
         self.evictions = 0
 
     def to(self, device: str | torch.device) -> "ModelWeights":
@@ -137,15 +140,21 @@ class ModelWeights:
         self._memo.clear()
 
     def _make_room(self, need: int, keep: str | None = None) -> None:
-        """Drop least recently used matrices until the process, plus ``need`` bytes, fits."""
-        while len(self._cache) > (keep is not None):
+        """Drop least recently used matrices until the process, plus ``need`` bytes and what
+        reading stored bytes may add, fits; then the dequantizer's position maps."""
+        need += self._read_headroom
+        while True:
             rss = process_rss()
             if self._held + need <= self.max_memory and (rss is None or rss + need <= self.max_memory):
                 return
+            if len(self._cache) <= (keep is not None):
+                break
             old = self._cache.popitem(last=False)[1]
             self._held -= old.numel() * old.element_size()
             self.evictions += 1
             del old
+        if keep is None:
+            clear_position_maps()  # resident too, and rebuilt on the next read that needs one
 
     def _get(self, key: str, make: Callable[[], torch.Tensor], need: int = 0) -> torch.Tensor:
         t = self._cache.get(key)
@@ -285,6 +294,7 @@ def _from_converted(root: pathlib.Path, assume_layout: str | None, manifest: lay
 
     split: dict[str, list[Bf16Group]] = {}  # rank-exact: BF16 source tensor -> the groups holding a window
     memo: dict = {}  # the last dequantized stored output, shared by every group
+    headroom = 0  # the most any one read of a stored output holds beyond its rows
     for rec in manifest.groups:
         g = group_from_record(rec.to_json())  # prep's groups read the record's JSON
         if isinstance(g, Bf16Group):
@@ -292,6 +302,7 @@ def _from_converted(root: pathlib.Path, assume_layout: str | None, manifest: lay
                 split.setdefault(name, []).append(g)
             continue
         _weight_pieces(g, ranks[g.rank], layout_of(g), pieces, memo)
+        headroom = max(headroom, _read_headroom(g, layout_of(g)))
 
     def assemble_bf16(name: str, rs: slice | None = None) -> torch.Tensor:
         """A split BF16 source tensor, or its rows ``rs`` (unstacked groups only), put back
@@ -357,7 +368,20 @@ def _from_converted(root: pathlib.Path, assume_layout: str | None, manifest: lay
         what += f" read as {assume_layout}"
     mapped = [b for r in ranks for b in r.buffers]
     return ModelWeights(config, linears, tensors, what, max_memory, shapes=shapes, rows=rows, mapped=mapped,
-                        memo=memo, linear_rows=linear_rows)
+                        memo=memo, linear_rows=linear_rows, read_headroom=headroom)
+
+
+def _read_headroom(g: LinearGroup | MoEGroup, lay: layouts.Layout) -> int:
+    """The most that reading one of ``g``'s stored MXFP4 outputs holds beyond the rows read:
+    its position map derived, for a band of rows or the whole tensor (an expert at a time)."""
+    shapes, outputs = g.local_shapes(), g.outputs()
+    worst = 0
+    for o, (_, role, _) in enumerate(outputs):
+        if role == "mxfp4_weight":
+            for transform, shape in ((lay.weight, shapes[o]), (lay.scale, shapes[o + 1])):
+                shape = (1, *shape[1:]) if len(shape) == 3 else shape  # experts: one at a time
+                worst = max(worst, read_overhead(transform, tuple(shape)))
+    return worst
 
 
 def _last(fn: Callable[..., torch.Tensor], memo: dict) -> Callable[..., torch.Tensor]:
