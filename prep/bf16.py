@@ -308,8 +308,10 @@ def plan_bf16_groups(tensors: dict[str, Any], config: dict[str, Any], tp: int, e
         if size % tp:
             raise PrepError(f"{name}: dim {dim} of {size} does not split over tp={tp} (the engine splits it and pads "
                             "nothing); choose a tp that divides it")
+        if tp == 1:  # whole: a window of no dim spans the rows (R1's o_proj is 7168 x 16384)
+            return Placement(name, tuple(info.shape), None, 0, info.shape[0])
         n = size // tp
-        return Placement(name, tuple(info.shape), dim if tp > 1 else None, rank * n, (rank + 1) * n)
+        return Placement(name, tuple(info.shape), dim, rank * n, (rank + 1) * n)
 
     q_lora = config.get("q_lora_rank")
     for name, info in tensors.items():
@@ -391,8 +393,8 @@ def _plan_experts(mlp: str, layer: dict, tp: int, ep: int, fuse_shared: bool, pe
                 w13.append(Placement(name, tuple(info.shape), dim, moe_rank * n, (moe_rank + 1) * n, i * n, slot))
             name, info = parts["down"]
             k = _moe_split(name, info.shape[1], moe_tp)
-            w2.append(Placement(name, tuple(info.shape), 1 if moe_tp > 1 else None, moe_rank * k, (moe_rank + 1) * k,
-                                0, slot))
+            window = (1, moe_rank * k, (moe_rank + 1) * k) if moe_tp > 1 else (None, 0, info.shape[0])
+            w2.append(Placement(name, tuple(info.shape), *window, 0, slot))
         per_rank[r].append(Bf16Group(f"{mlp}experts.w13_weight", r, tp, dtype, tuple(w13)))
         per_rank[r].append(Bf16Group(f"{mlp}experts.w2_weight", r, tp, dtype, tuple(w2)))
 

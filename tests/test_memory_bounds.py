@@ -168,3 +168,39 @@ def test_run_reports_its_peak_against_max_memory(big_vocab):
     src, out, _ = big_vocab
     r = run(out, IDS, layers=1, max_memory=4 << 30)
     assert r["max_memory"] == 4 << 30 and 0 < r["peak_rss"] <= 4 << 30
+
+
+@pytest.mark.parametrize("variant", ["v2", "r1-0528"])  # MXFP4 experts, BF16 ones
+def test_experts_are_inverted_in_blocks_of_the_same_bytes_at_every_tp(tmp_path, monkeypatch, variant):
+    # Under TP a block of experts is whole only once every rank's slice of it is read, so the
+    # block is sized by whole experts, not by one rank's slice: sized by the slice it held TP
+    # times the budget (revert of the real dims at tp 8 peaked at 1.03 GiB, 0.63 at tp 1).
+    from prep import converted
+
+    # moe_intermediate 2048 as R1's: at tp 8 a rank's slice is 256 rows, no padding to hide it.
+    spec = SynthSpec(variant=variant, n_routed_experts=8, num_hidden_layers=1, num_attention_heads=16,
+                     moe_intermediate_size=2048)  # the MoE layer is the MTP layer: BF16 in r1-0528
+    src = write_checkpoint(spec, tmp_path / "src")
+    budget = 1 << 20  # two MXFP4 experts' [gate ; up] (2 x 2048 x 256 values each), scales aside
+    monkeypatch.setattr(converted, "STREAM_BYTES", budget)
+    held_most: dict[int, int] = {}
+    place = converted._Tiles.place
+
+    def counting(self, *args, **kwargs):
+        place(self, *args, **kwargs)
+        held = sum(t.numel() * t.element_size() for t in self.out.values())
+        held_most[tp] = max(held_most.get(tp, 0), held)
+
+    monkeypatch.setattr(converted._Tiles, "place", counting)
+    for tp in (1, 4, 8):
+        convert(str(src), tmp_path / f"tp{tp}", Target("preshuffle", "ck", tp))
+        ck = converted.ConvertedCheckpoint(tmp_path / f"tp{tp}")
+        moe = [u for u, names in ck.units() if any(".experts." in n for n in names)]
+        assert moe
+        for unit in moe:
+            for _ in ck.iter_source_tensors(unit):
+                pass
+    # Every tp holds about the same: a block of whole experts and what is handed out after it
+    # (each expert's three tensors, gate/up/down, with scales for MXFP4).
+    assert max(held_most.values()) <= 1.5 * min(held_most.values()), held_most
+    assert max(held_most.values()) <= 4 * budget, held_most
