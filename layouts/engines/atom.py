@@ -393,8 +393,12 @@ def _install(model: torch.nn.Module, items: list[tuple[str, str, torch.Tensor, T
             installed.append(name)
             continue
         param.data = _as_param_dtype(t, param)
+        # is_shuffled goes on weights only, as ATOM sets it (ROCm/ATOM ffdf3bb5 atom/model_ops/utils.py:168
+        # shuffle_weights; moe.py:1297-1298 w13_weight/w2_weight) and as its readers look for it (aiter
+        # e4048607 aiter/ops/moe_op.py:626 reads w1; ATOM's attention_mla.py:876 kv_b_proj.weight).
         for k, v in rec.runtime_attrs.items():
-            setattr(param, k, v)
+            if k != "is_shuffled" or rec.role != "e8m0_scale":
+                setattr(param, k, v)
         installed.append(name)
         groups.setdefault(module_name, {}).update(
             {k: v for k, v in rec.runtime_attrs.items() if k in ("hidden_pad", "intermediate_pad")})
