@@ -166,9 +166,10 @@ def load_converted(src: pathlib.Path, out: pathlib.Path, case: Case, rank: int):
         for model, installed, hf, spec_decode in ((target, report.installed, cfg.hf_config, False),
                                                   (draft, report.mtp_installed,
                                                    cfg.speculative_config.draft_model_hf_config, True)):
-            def read_nothing(*, model, prefix, is_rank0, _done=frozenset(installed), **_):
+            def read_nothing(*, model, prefix, _done=frozenset(installed), **_):
+                # ATOM warns from TP rank 0 only (its is_rank0); asked here on every rank
                 _report_coverage(loaded_weights_record=set(_done), params_dict=dict(model.named_parameters()),
-                                 dropped_ckpt_keys=[], prefix=prefix, is_rank0=is_rank0)
+                                 dropped_ckpt_keys=[], prefix=prefix, is_rank0=lambda: True)
                 return set(_done)
 
             with mock.patch.object(loader, "load_weights_into_model", read_nothing):
@@ -266,10 +267,11 @@ def check_rank(case: Case, src: pathlib.Path, out: pathlib.Path, rank: int) -> d
     finally:
         log.removeHandler(caught)
     n, equal, undefined, bad = compare(tensors(*ref[0]), tensors(*ref[1]), tensors(target, draft))
+    params = sum(1 for m in ref[0] for _ in m.named_parameters())
     flags_ref, flags_got = shuffled_flags(*ref[0]), shuffled_flags(target, draft)
     bad += [f"{k}: is_shuffled {flags_ref[k]} in ATOM's load, {flags_got.get(k)} after the adapter"
             for k in flags_ref if flags_ref[k] != flags_got.get(k)]
-    return {"config": case.name, "rank": rank, "tensors": n, "bytes_equal": equal, "uninit": undefined,
+    return {"config": case.name, "rank": rank, "params": params, "others": n - params, "bytes_equal": equal, "uninit": undefined,
             "not_installed": len(report.not_installed), "warned": any(NOT_LOADED in m for m in caught.messages),
             "ref_warned": ref_warned, "other_warnings": [m for m in caught.messages if NOT_LOADED not in m],
             "stand_ins": sorted(set(atom_on_cpu.CALLS)), "mismatches": bad + [f"not installed: {x}" for x in
@@ -277,13 +279,34 @@ def check_rank(case: Case, src: pathlib.Path, out: pathlib.Path, rank: int) -> d
 
 
 # ---------------------------------------------------------------------------- main
-HEADER = f"{'config':<28} {'rank':>4} {'tensors':>7} {'bytes equal':>12} {'uninit':>7} {'not_inst':>8} {'warned':>6}"
+HEADER = (f"{'config':<28} {'rank':>4} {'params':>6} {'others':>6} {'bytes equal':>11} {'uninit':>6} "
+          f"{'not_installed':>13} {'warned':>6}")
 
 
 def row(r: dict) -> str:
     ok = not (r["mismatches"] or r["warned"] or r["stand_ins"])
-    return (f"{r['config']:<28} {r['rank']:>4} {r['tensors']:>7} {r['bytes_equal']:>12} {r['uninit']:>7} "
-            f"{r['not_installed']:>8} {'yes' if r['warned'] else 'no':>6}  {'ok' if ok else 'FAIL'}")
+    return (f"{r['config']:<28} {r['rank']:>4} {r['params']:>6} {r['others']:>6} {r['bytes_equal']:>11} "
+            f"{r['uninit']:>6} {r['not_installed']:>13} {'yes' if r['warned'] else 'no':>6}  {'ok' if ok else 'FAIL'}")
+
+
+def write_sources(work: pathlib.Path) -> dict[str, pathlib.Path]:
+    """The tiny checkpoint of each variant (written once per work folder)."""
+    sources = {v: work / f"src-{v}" for v in VARIANTS}
+    for v, path in sources.items():
+        if not (path / "config.json").is_file():
+            write_checkpoint(SynthSpec(variant=v), path)
+    return sources
+
+
+def print_rank(r: dict) -> bool:
+    """Print the rank's row and what went wrong; True when it failed."""
+    print(row(r), flush=True)
+    notes = r["mismatches"][:10] + [f"stand-in called while loading: {s}" for s in r["stand_ins"]]
+    notes += [f"warning: {m[:200]}" for m in r["other_warnings"]]
+    notes += ["ATOM's own load of the source warned too"] if r["ref_warned"] else []
+    for line in notes:
+        print(f"    {line}")
+    return bool(r["mismatches"] or r["warned"] or r["stand_ins"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -296,11 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     work = pathlib.Path(args.work or tempfile.mkdtemp(prefix="atom-check-"))
     atom_dir = source_tree(args.atom_dir, "PREP_ATOM_GIT", "atom", work)
     aiter_dir = source_tree(args.aiter_dir, "PREP_AITER_GIT", "aiter", work)
-    sources = {}
-    for v in VARIANTS:
-        sources[v] = work / f"src-{v}"
-        if not (sources[v] / "config.json").is_file():
-            write_checkpoint(SynthSpec(variant=v), sources[v])
+    sources = write_sources(work)
     # Convert first: prep runs before ATOM's stand-ins exist (scripts/atom_on_cpu.py).
     cases = [(c, converted(c, sources, work)) for c in default_cases() if not args.only or args.only in c.name]
     atom_on_cpu.install(atom_dir, aiter_dir)
@@ -312,12 +331,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{case.name:<28} refused by prep: {out}")
             continue
         for rank in range(case.tp):
-            r = check_rank(case, sources[case.variant], out, rank)
-            print(row(r), flush=True)
-            for line in r["mismatches"][:10] + [f"stand-in called: {s}" for s in r["stand_ins"]] + \
-                    [f"warning: {m[:200]}" for m in r["other_warnings"]]:
-                print(f"    {line}")
-            failed |= bool(r["mismatches"] or r["warned"] or r["stand_ins"])
+            failed |= print_rank(check_rank(case, sources[case.variant], out, rank))
     return 1 if failed else 0
 
 
