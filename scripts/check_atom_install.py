@@ -49,15 +49,20 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import atom_on_cpu  # noqa: E402
-from layouts.engines.atom import PROFILE, install_converted_weights  # noqa: E402
+from layouts.engines.atom import (ASM, ENV_NON_SHUFFLE, ENV_TRITON_GEMM, ENV_TRITON_MOE, PROFILE,  # noqa: E402
+                                  TRITON_NON_SHUFFLE, TRITON_PRESHUFFLE, install_converted_weights)
 from prep.convert import convert  # noqa: E402
-from prep.deepseek import Target  # noqa: E402
 from layouts.errors import LayoutsError  # noqa: E402
+from prep.deepseek import Target  # noqa: E402
 from prep.errors import PrepError  # noqa: E402
 from prep.testing import SynthSpec, write_checkpoint  # noqa: E402
 
 VARIANTS = ("r1-0528", "v2")
-LAYOUTS = {"preshuffle": {}, "non-shuffle": {"ATOM_USE_FP4_NON_SHUFFLE_TRITON_GEMM": "1"}}  # ATOM's switches
+# ATOM's dense GEMM paths and the switches that select them (layouts/engines/atom.py); the MoE is
+# aiter's CK fused_moe throughout (ATOM's choice on gfx950 unless ATOM_USE_TRITON_GEMM=1, which
+# would pick the Triton MoE: its triton_kernels scale wrapping is not run here, so CK is asked for).
+PATHS = {ASM: {}, TRITON_NON_SHUFFLE: {ENV_NON_SHUFFLE: "1"},
+         TRITON_PRESHUFFLE: {ENV_TRITON_GEMM: "1", ENV_TRITON_MOE: "0"}}
 GPU_ARCH = "gfx950"  # what atom_on_cpu answers for the arch
 NOT_LOADED = "were NOT loaded from checkpoint"  # ATOM's loading_core._report_coverage
 
@@ -65,18 +70,25 @@ NOT_LOADED = "were NOT loaded from checkpoint"  # ATOM's loading_core._report_co
 @dataclasses.dataclass(frozen=True)
 class Case:
     variant: str
-    layout: str
+    path: str  # ATOM's dense GEMM path
     tp: int
     ep: int = 1
 
     @property
+    def layout(self) -> str:
+        return PROFILE.dense_layout(self.path)
+
+    @property
     def name(self) -> str:
-        return f"{self.variant} {self.layout} tp{self.tp}" + (f" ep{self.ep}" if self.ep > 1 else "")
+        return f"{self.variant} {self.path} tp{self.tp}" + (f" ep{self.ep}" if self.ep > 1 else "")
 
 
 def default_cases() -> list[Case]:
-    cases = [Case(v, lay, tp) for v in VARIANTS for lay in LAYOUTS for tp in (1, 2, 4, 8)]
-    return cases + [Case(v, "preshuffle", 2, 2) for v in VARIANTS] + [Case("r1-0528", "non-shuffle", 4, 4)]
+    """Both variants on the default (asm) and non-shuffle paths at TP 1-8, R1-0528 on the
+    triton-preshuffle path (ATOM refuses MXFP4 attention there), and expert parallel."""
+    cases = [Case(v, p, tp) for v in VARIANTS for p in (ASM, TRITON_NON_SHUFFLE) for tp in (1, 2, 4, 8)]
+    cases += [Case("r1-0528", TRITON_PRESHUFFLE, tp) for tp in (1, 2, 4, 8)]
+    return cases + [Case(v, ASM, 2, 2) for v in VARIANTS] + [Case("r1-0528", TRITON_NON_SHUFFLE, 4, 4)]
 
 
 # ---------------------------------------------------------------------------- inputs
@@ -258,7 +270,7 @@ def check_rank(case: Case, src: pathlib.Path, out: pathlib.Path, rank: int) -> d
     log.addHandler(caught)
     try:
         # ATOM reads its switches when it uses them
-        with mock.patch.dict(os.environ, LAYOUTS[case.layout]), mla_from_mxfp4_not_run():
+        with mock.patch.dict(os.environ, PATHS[case.path]), mla_from_mxfp4_not_run():
             atom_on_cpu.CALLS.clear()
             ref = [load_reference(src, case, fill) for fill in (0x00, 0xFF)]
             ref_warned = any(NOT_LOADED in m for m in caught.messages)
@@ -271,7 +283,8 @@ def check_rank(case: Case, src: pathlib.Path, out: pathlib.Path, rank: int) -> d
     flags_ref, flags_got = shuffled_flags(*ref[0]), shuffled_flags(target, draft)
     bad += [f"{k}: is_shuffled {flags_ref[k]} in ATOM's load, {flags_got.get(k)} after the adapter"
             for k in flags_ref if flags_ref[k] != flags_got.get(k)]
-    return {"config": case.name, "rank": rank, "params": params, "others": n - params, "bytes_equal": equal, "uninit": undefined,
+    return {"config": case.name, "rank": rank, "params": params, "others": n - params, "bytes_equal": equal,
+            "uninit": undefined,
             "not_installed": len(report.not_installed), "warned": any(NOT_LOADED in m for m in caught.messages),
             "ref_warned": ref_warned, "other_warnings": [m for m in caught.messages if NOT_LOADED not in m],
             "stand_ins": sorted(set(atom_on_cpu.CALLS)), "mismatches": bad + [f"not installed: {x}" for x in
@@ -279,13 +292,13 @@ def check_rank(case: Case, src: pathlib.Path, out: pathlib.Path, rank: int) -> d
 
 
 # ---------------------------------------------------------------------------- main
-HEADER = (f"{'config':<28} {'rank':>4} {'params':>6} {'others':>6} {'bytes equal':>11} {'uninit':>6} "
+HEADER = (f"{'config':<34} {'rank':>4} {'params':>6} {'others':>6} {'bytes equal':>11} {'uninit':>6} "
           f"{'not_installed':>13} {'warned':>6}")
 
 
 def row(r: dict) -> str:
     ok = not (r["mismatches"] or r["warned"] or r["stand_ins"])
-    return (f"{r['config']:<28} {r['rank']:>4} {r['params']:>6} {r['others']:>6} {r['bytes_equal']:>11} "
+    return (f"{r['config']:<34} {r['rank']:>4} {r['params']:>6} {r['others']:>6} {r['bytes_equal']:>11} "
             f"{r['uninit']:>6} {r['not_installed']:>13} {'yes' if r['warned'] else 'no':>6}  {'ok' if ok else 'FAIL'}")
 
 
@@ -328,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     failed = False
     for case, out in cases:
         if isinstance(out, str):
-            print(f"{case.name:<28} refused by prep: {out}")
+            print(f"{case.name:<34} refused by prep: {out}")
             continue
         for rank in range(case.tp):
             failed |= print_rank(check_rank(case, sources[case.variant], out, rank))
