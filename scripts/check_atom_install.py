@@ -92,15 +92,16 @@ def default_cases() -> list[Case]:
 
 
 # ---------------------------------------------------------------------------- inputs
-def source_tree(given: str | None, env: str, what: str, work: pathlib.Path) -> pathlib.Path:
+def source_tree(given: str | None, env: str, repo: str, work: pathlib.Path) -> pathlib.Path:
     """``given``, else the HEAD of the bare git directory in ``$env`` extracted under ``work``."""
     if given:
         return pathlib.Path(given)
     git_dir = os.environ.get(env)
+    flag = repo.split("/")[1].lower()
     if not git_dir:
-        raise SystemExit(f"no {what} tree: pass --{what}-dir (an extracted {what} source tree) or set {env} to a "
-                         f"{what} git directory")
-    out = work / f"{what}-src"
+        raise SystemExit(f"no {repo} source: pass --{flag}-dir (an extracted {repo} tree) or set {env} to a bare "
+                         f"git directory of {repo}")
+    out = work / f"{flag}-src"
     if not out.is_dir():
         out.mkdir(parents=True)
         archive = subprocess.run(["git", f"--git-dir={git_dir}", "archive", "HEAD"], check=True, capture_output=True)
@@ -330,8 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", help="run only the configurations whose name contains this")
     args = ap.parse_args(argv)
     work = pathlib.Path(args.work or tempfile.mkdtemp(prefix="atom-check-"))
-    atom_dir = source_tree(args.atom_dir, "PREP_ATOM_GIT", "atom", work)
-    aiter_dir = source_tree(args.aiter_dir, "PREP_AITER_GIT", "aiter", work)
+    atom_dir = source_tree(args.atom_dir, "PREP_ATOM_GIT", "ROCm/ATOM", work)
+    aiter_dir = source_tree(args.aiter_dir, "PREP_AITER_GIT", "ROCm/aiter", work)
     sources = write_sources(work)
     # Convert first: prep runs before ATOM's stand-ins exist (scripts/atom_on_cpu.py).
     cases = [(c, converted(c, sources, work)) for c in default_cases() if not args.only or args.only in c.name]

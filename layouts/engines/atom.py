@@ -68,13 +68,16 @@ skip that, and ``is_shuffled`` is only ever written. So:
    (``mtp_model=``), under the draft's parameter names (:func:`atom_mtp_param_name`), else
    returned in ``AtomInstallReport.mtp``.
 
-Call it after the model (and draft model) is built and before (instead of) ATOM's ``load_model``
-for the MXFP4 tensors. What is exercised here, without ROCm: the name and shape contract against
-models built as ATOM's ``create_weights`` builds them (tests/test_atom_adapter.py). What is not:
-ATOM itself, aiter's kernels on the installed bytes, and the Triton MoE path, whose
-``_swizzle_mxfp4`` wraps the scales in triton_kernels layout objects that ATOM must still
-construct from the ``CDNA4_SCALE`` tensors handed over (reported in
-``AtomInstallReport.needs_engine_wrapping``).
+Call it after the model (and draft model) is built and instead of the reading step of ATOM's
+``load_model``; ATOM's post-loading loop (``process_weights_after_loading`` of every module)
+still runs, and does nothing to the modules made no-ops here. What is exercised without ROCm:
+the name and shape contract against models built as ATOM's ``create_weights`` builds them
+(tests/test_atom_adapter.py), and ATOM's real DeepSeek and MTP models, built and post-processed
+by ATOM's own code on the CPU, compared byte for byte with ATOM's own load of the source, every
+rank of 22 conversions (scripts/check_atom_install.py; docs/engines.md). What is not: aiter's
+kernels on the installed bytes, and the Triton MoE path, whose ``_swizzle_mxfp4`` wraps the
+scales in triton_kernels layout objects that ATOM must still construct from the
+``CDNA4_SCALE`` tensors handed over (reported in ``AtomInstallReport.needs_engine_wrapping``).
 """
 
 from __future__ import annotations
