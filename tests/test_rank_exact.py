@@ -155,3 +155,24 @@ def test_a_format_1_conversion_still_loads_verifies_and_reverts(source, tmp_path
     revert(str(out), tmp_path / "back")
     src, back = SourceCheckpoint(src_dir), SourceCheckpoint(tmp_path / "back")
     assert all(torch.equal(back.read(n).view(torch.uint8), src.read(n).view(torch.uint8)) for n in src.tensors)
+
+
+@pytest.mark.parametrize("tp,ep", [(1, 1), (2, 2)])
+def test_bf16_tensors_wider_than_tall_convert_uncut(tmp_path, tp, ep, aiter_shuffle):
+    """An uncut BF16 window (TP 1; the BF16 experts under EP) is recorded as the manifest reads
+    an uncut window, rows [0, rows). R1's o_proj is wider than tall ([7168, 16384]), and so is a
+    down_proj whose moe_intermediate exceeds hidden: both used to be refused at TP 1 (and the
+    experts under EP) once every file was written, their window recorded as [0, cols)."""
+    spec = SynthSpec(variant="r1-0528", num_attention_heads=16, moe_intermediate_size=320)  # o_proj [256, 512]
+    src_dir = write_checkpoint(spec, tmp_path / "src")
+    out = tmp_path / "out"
+    convert(str(src_dir), out, Target(tp=tp, ep=ep))
+    src = SourceCheckpoint(src_dir)
+    for rank in range(tp):
+        loaded = layouts.load_rank(out, rank)
+        for stored, want in _expected(src, tp, rank, ep, loaded, aiter_shuffle).items():
+            assert torch.equal(loaded[stored].view(torch.uint8), want.view(torch.uint8)), stored
+    verify(str(out), str(src_dir))
+    revert(str(out), tmp_path / "back")
+    back = SourceCheckpoint(tmp_path / "back")
+    assert all(torch.equal(back.read(n).view(torch.uint8), src.read(n).view(torch.uint8)) for n in src.tensors)
