@@ -57,6 +57,11 @@ from prep.deepseek import Target  # noqa: E402
 from prep.errors import PrepError  # noqa: E402
 from prep.testing import SynthSpec, write_checkpoint  # noqa: E402
 
+# The checkpoints: prep.testing's tiny one of each variant, and R1-0528 "wide": 16 heads (o_proj
+# [256, 512], wider than tall as R1's [7168, 16384]) and moe_intermediate 320 (ATOM and prep pad
+# the experts' intermediate to 512 at TP 1, to 256 at TP 2).
+SOURCES = {"r1-0528": SynthSpec(variant="r1-0528"), "v2": SynthSpec(variant="v2"),
+           "r1-wide": SynthSpec(variant="r1-0528", num_attention_heads=16, moe_intermediate_size=320)}
 VARIANTS = ("r1-0528", "v2")
 # ATOM's dense GEMM paths and the switches that select them (layouts/engines/atom.py); the MoE is
 # aiter's CK fused_moe throughout (ATOM's choice on gfx950 unless ATOM_USE_TRITON_GEMM=1, which
@@ -88,7 +93,9 @@ def default_cases() -> list[Case]:
     triton-preshuffle path (ATOM refuses MXFP4 attention there), and expert parallel."""
     cases = [Case(v, p, tp) for v in VARIANTS for p in (ASM, TRITON_NON_SHUFFLE) for tp in (1, 2, 4, 8)]
     cases += [Case("r1-0528", TRITON_PRESHUFFLE, tp) for tp in (1, 2, 4, 8)]
-    return cases + [Case(v, ASM, 2, 2) for v in VARIANTS] + [Case("r1-0528", TRITON_NON_SHUFFLE, 4, 4)]
+    cases += [Case(v, ASM, 2, 2) for v in VARIANTS] + [Case("r1-0528", TRITON_NON_SHUFFLE, 4, 4)]
+    return cases + [Case("r1-wide", p, tp) for p in (ASM, TRITON_NON_SHUFFLE) for tp in (1, 2)] + \
+        [Case("r1-wide", ASM, 2, 2)]
 
 
 # ---------------------------------------------------------------------------- inputs
@@ -304,11 +311,11 @@ def row(r: dict) -> str:
 
 
 def write_sources(work: pathlib.Path) -> dict[str, pathlib.Path]:
-    """The tiny checkpoint of each variant (written once per work folder)."""
-    sources = {v: work / f"src-{v}" for v in VARIANTS}
+    """The checkpoints of SOURCES (written once per work folder)."""
+    sources = {v: work / f"src-{v}" for v in SOURCES}
     for v, path in sources.items():
         if not (path / "config.json").is_file():
-            write_checkpoint(SynthSpec(variant=v), path)
+            write_checkpoint(SOURCES[v], path)
     return sources
 
 

@@ -74,7 +74,7 @@ still runs, and does nothing to the modules made no-ops here. What is exercised 
 the name and shape contract against models built as ATOM's ``create_weights`` builds them
 (tests/test_atom_adapter.py), and ATOM's real DeepSeek and MTP models, built and post-processed
 by ATOM's own code on the CPU, compared byte for byte with ATOM's own load of the source, every
-rank of 22 conversions (scripts/check_atom_install.py; docs/engines.md). What is not: aiter's
+rank of each conversion it makes (scripts/check_atom_install.py; docs/engines.md). What is not: aiter's
 kernels on the installed bytes, and the Triton MoE path, whose ``_swizzle_mxfp4`` wraps the
 scales in triton_kernels layout objects that ATOM must still construct from the
 ``CDNA4_SCALE`` tensors handed over (reported in ``AtomInstallReport.needs_engine_wrapping``).
