@@ -173,27 +173,31 @@ def load_reference(src: pathlib.Path, case: Case, fill: int):
     return target, draft
 
 
-def load_converted(src: pathlib.Path, out: pathlib.Path, case: Case, rank: int):
-    """Our adapter's install, then ATOM's load_model with its reading step replaced by it."""
+def atom_post_load(model: torch.nn.Module, cfg, hf_config, installed: list[str], spec_decode: bool) -> None:
+    """ATOM's ``load_model`` with its checkpoint-reading step replaced by ``installed`` (what the
+    adapter filled): ATOM's coverage report judges it, ATOM's post-processing loop follows."""
     from atom.model_loader import loader
     from atom.model_loader.loading_core import _report_coverage
 
+    def read_nothing(*, model, prefix, **_):
+        # ATOM warns from TP rank 0 only (its is_rank0); asked here on every rank
+        _report_coverage(loaded_weights_record=set(installed), params_dict=dict(model.named_parameters()),
+                         dropped_ckpt_keys=[], prefix=prefix, is_rank0=lambda: True)
+        return set(installed)
+
+    with mock.patch.object(loader, "load_weights_into_model", read_nothing):
+        loader.load_model(model, cfg.model, hf_config, None, spec_decode)
+
+
+def load_converted(src: pathlib.Path, out: pathlib.Path, case: Case, rank: int):
+    """Our adapter's install into fresh models, then ATOM's post-loading on each."""
     engine = PROFILE.config_from_env(os.environ, tp_size=case.tp, rank=rank, ep_size=case.ep, gpu_arch=GPU_ARCH)
     with atom_on_cpu.on_cpu(0):
         cfg = atom_config(src, case)
         target, draft = build(cfg)
         report = install_converted_weights(target, out, engine, device="cpu", mtp_model=draft)
-        for model, installed, hf, spec_decode in ((target, report.installed, cfg.hf_config, False),
-                                                  (draft, report.mtp_installed,
-                                                   cfg.speculative_config.draft_model_hf_config, True)):
-            def read_nothing(*, model, prefix, _done=frozenset(installed), **_):
-                # ATOM warns from TP rank 0 only (its is_rank0); asked here on every rank
-                _report_coverage(loaded_weights_record=set(_done), params_dict=dict(model.named_parameters()),
-                                 dropped_ckpt_keys=[], prefix=prefix, is_rank0=lambda: True)
-                return set(_done)
-
-            with mock.patch.object(loader, "load_weights_into_model", read_nothing):
-                loader.load_model(model, cfg.model, hf, None, spec_decode)
+        atom_post_load(target, cfg, cfg.hf_config, report.installed, False)
+        atom_post_load(draft, cfg, cfg.speculative_config.draft_model_hf_config, report.mtp_installed, True)
     return target, draft, report
 
 
