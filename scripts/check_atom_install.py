@@ -6,6 +6,7 @@ as ATOM's own loader leaves them from the source checkpoint, and ATOM's "NOT loa
 must not fire.
 
     .venv/bin/python scripts/check_atom_install.py --atom-dir ATOM_TREE --aiter-dir AITER_TREE [--work DIR]
+        [--only TEXT] [--preset NAME [--layers N]]
 
 ATOM_TREE / AITER_TREE: extracted source trees of ROCm/ATOM and ROCm/aiter (default: extracted
 from the bare git directories in $PREP_ATOM_GIT / $PREP_AITER_GIT). scripts/atom_on_cpu.py says
@@ -55,13 +56,12 @@ from prep.convert import convert  # noqa: E402
 from layouts.errors import LayoutsError  # noqa: E402
 from prep.deepseek import Target  # noqa: E402
 from prep.errors import PrepError  # noqa: E402
-from prep.testing import SynthSpec, write_checkpoint  # noqa: E402
+from prep.testing import PRESETS, SynthSpec, write_checkpoint  # noqa: E402
 
-# The checkpoints: prep.testing's tiny one of each variant, and R1-0528 "wide": 16 heads (o_proj
-# [256, 512], wider than tall as R1's [7168, 16384]) and moe_intermediate 320 (ATOM and prep pad
-# the experts' intermediate to 512 at TP 1, to 256 at TP 2).
-SOURCES = {"r1-0528": SynthSpec(variant="r1-0528"), "v2": SynthSpec(variant="v2"),
-           "r1-wide": SynthSpec(variant="r1-0528", num_attention_heads=16, moe_intermediate_size=320)}
+# The checkpoints: prep.testing's tiny one of each variant (or another preset's: --preset), and
+# with the tiny one R1-0528 "wide": 16 heads (o_proj [256, 512], wider than tall as R1's [7168,
+# 16384]) and moe_intermediate 320 (ATOM and prep pad the experts' intermediate to 512 at TP 1).
+WIDE = SynthSpec(variant="r1-0528", num_attention_heads=16, moe_intermediate_size=320)
 VARIANTS = ("r1-0528", "v2")
 # ATOM's dense GEMM paths and the switches that select them (layouts/engines/atom.py); the MoE is
 # aiter's CK fused_moe throughout (ATOM's choice on gfx950 unless ATOM_USE_TRITON_GEMM=1, which
@@ -94,6 +94,7 @@ def default_cases() -> list[Case]:
     cases = [Case(v, p, tp) for v in VARIANTS for p in (ASM, TRITON_NON_SHUFFLE) for tp in (1, 2, 4, 8)]
     cases += [Case("r1-0528", TRITON_PRESHUFFLE, tp) for tp in (1, 2, 4, 8)]
     cases += [Case(v, ASM, 2, 2) for v in VARIANTS] + [Case("r1-0528", TRITON_NON_SHUFFLE, 4, 4)]
+    cases += [Case("r1-0528", ASM, 8, 8), Case("v2", TRITON_NON_SHUFFLE, 8, 8)]
     return cases + [Case("r1-wide", p, tp) for p in (ASM, TRITON_NON_SHUFFLE) for tp in (1, 2)] + \
         [Case("r1-wide", ASM, 2, 2)]
 
@@ -314,12 +315,23 @@ def row(r: dict) -> str:
             f"{r['uninit']:>6} {r['not_installed']:>13} {'yes' if r['warned'] else 'no':>6}  {'ok' if ok else 'FAIL'}")
 
 
-def write_sources(work: pathlib.Path) -> dict[str, pathlib.Path]:
-    """The checkpoints of SOURCES (written once per work folder)."""
-    sources = {v: work / f"src-{v}" for v in SOURCES}
+def source_specs(preset: str, layers: int | None) -> dict[str, SynthSpec]:
+    """The checkpoints to check: each variant at the preset's dims (``layers`` decoder layers),
+    and the wide R1-0528 with the tiny preset."""
+    base = PRESETS[preset]
+    if layers:
+        base = dataclasses.replace(base, num_hidden_layers=layers,
+                                   first_k_dense_replace=min(base.first_k_dense_replace, layers))
+    specs = {v: dataclasses.replace(base, variant=v) for v in VARIANTS}
+    return specs | ({"r1-wide": WIDE} if base == PRESETS["tiny"] else {})
+
+
+def write_sources(work: pathlib.Path, specs: dict[str, SynthSpec]) -> dict[str, pathlib.Path]:
+    """The checkpoints, written once per work folder."""
+    sources = {v: work / f"src-{v}" for v in specs}
     for v, path in sources.items():
         if not (path / "config.json").is_file():
-            write_checkpoint(SOURCES[v], path)
+            write_checkpoint(specs[v], path)
     return sources
 
 
@@ -340,13 +352,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--aiter-dir", help="extracted ROCm/aiter tree (default: HEAD of $PREP_AITER_GIT)")
     ap.add_argument("--work", help="folder for checkpoints and conversions (default: a temporary one)")
     ap.add_argument("--only", help="run only the configurations whose name contains this")
+    ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS),
+                    help="prep.testing preset of the checkpoints (default tiny; a larger one wants --only)")
+    ap.add_argument("--layers", type=int, help="decoder layers of the checkpoints (default: the preset's)")
     args = ap.parse_args(argv)
     work = pathlib.Path(args.work or tempfile.mkdtemp(prefix="atom-check-"))
     atom_dir = source_tree(args.atom_dir, "PREP_ATOM_GIT", "ROCm/ATOM", work)
     aiter_dir = source_tree(args.aiter_dir, "PREP_AITER_GIT", "ROCm/aiter", work)
-    sources = write_sources(work)
+    specs = source_specs(args.preset, args.layers)
+    data = work / f"{args.preset}-{args.layers or 'all'}"
+    sources = write_sources(data, specs)
     # Convert first: prep runs before ATOM's stand-ins exist (scripts/atom_on_cpu.py).
-    cases = [(c, converted(c, sources, work)) for c in default_cases() if not args.only or args.only in c.name]
+    cases = [(c, converted(c, sources, data)) for c in default_cases()
+             if c.variant in specs and (not args.only or args.only in c.name)]
     atom_on_cpu.install(atom_dir, aiter_dir)
     logging.getLogger("atom").setLevel(logging.WARNING)  # its warnings are what we look for
     print(HEADER)
