@@ -10,8 +10,9 @@ ATOM (``ROCm/ATOM``) imports ``aiter`` everywhere, and ``import aiter`` needs RO
   ``aiter/utility/fp4_utils.py`` (``e8m0_shuffle``), ``dtypes``, ``mx_types``, ``aiter_types``.
 * ``aiter.ops.enum``: ``QuantType`` / ``ActivationType`` are C++ enums in aiter's compiled core;
   ours are Python enums with the same names and values (aiter ``csrc/include/aiter_enum.h``).
-* ``aiter.jit.utils.chip_info``: the arch is asked of the GPU driver; we answer gfx950 (MI355,
-  the arch with MXFP4 GEMMs), so ATOM picks the gfx95x paths.
+* ``aiter.jit.utils.chip_info``: the arch is asked of the GPU driver; we answer
+  :data:`GPU_ARCH["name"]` (:func:`install`'s ``gpu_arch``, default gfx950: MI355, the arch with
+  MXFP4 GEMMs), so ATOM picks that arch's paths.
 * ``aiter.dist.parallel_state``: the process groups. A single process plays any rank:
   :func:`set_tp` sets the TP rank and size every ``get_tp_group()`` / ``..._world_size()``
   answers; every other group (DP, PP, EP, PCP, DCP) is size 1 (ATOM derives EP from TP).
@@ -53,6 +54,7 @@ ATOM_MODULES = ("atom.models.deepseek_v2", "atom.models.deepseek_mtp", "atom.mod
                 "atom.spec_decode.drafter")
 CALLS: list[str] = []  # every call of a stand-in, by name, in order
 _TP = {"rank": 0, "size": 1}
+GPU_ARCH = {"name": "gfx950"}
 
 
 class _StandInBase:
@@ -172,15 +174,16 @@ class _AiterFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         elif m.__name__ == "aiter.ops.enum":
             _fill_enums(m)
         elif m.__name__ == "aiter.jit.utils.chip_info":
-            m.get_gfx = m.get_gfx_runtime = lambda: "gfx950"
+            m.get_gfx = m.get_gfx_runtime = lambda: GPU_ARCH["name"]
 
 
-def install(atom_dir: pathlib.Path, aiter_dir: pathlib.Path) -> None:
+def install(atom_dir: pathlib.Path, aiter_dir: pathlib.Path, gpu_arch: str = "gfx950") -> None:
     """Make ``import atom`` work here: ATOM's tree first on the path, aiter as described above.
     ATOM's custom-op registration (for torch.compile of the forward, which never runs here) is
     a no-op: torch refuses the stand-in default arguments of some op signatures."""
     if not (aiter_dir / "aiter" / "ops" / "shuffle.py").is_file():
         raise SystemExit(f"{aiter_dir}: no aiter/ops/shuffle.py; pass --aiter-dir an aiter source tree")
+    GPU_ARCH["name"] = gpu_arch
     sys.path.insert(0, str(atom_dir))
     sys.meta_path.insert(0, _AiterFinder(aiter_dir))
     import atom.utils.custom_register as custom_register

@@ -6,7 +6,7 @@ as ATOM's own loader leaves them from the source checkpoint, and ATOM's "NOT loa
 must not fire.
 
     .venv/bin/python scripts/check_atom_install.py --atom-dir ATOM_TREE --aiter-dir AITER_TREE [--work DIR]
-        [--only TEXT] [--preset NAME [--layers N]]
+        [--only TEXT] [--preset NAME [--layers N]] [--gpu-arch gfx950|gfx942]
 
 ATOM_TREE / AITER_TREE: extracted source trees of ROCm/ATOM and ROCm/aiter (default: extracted
 from the bare git directories in $PREP_ATOM_GIT / $PREP_AITER_GIT). scripts/atom_on_cpu.py says
@@ -50,7 +50,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import atom_on_cpu  # noqa: E402
-from layouts.engines.atom import (ASM, ENV_NON_SHUFFLE, ENV_TRITON_GEMM, ENV_TRITON_MOE, PROFILE,  # noqa: E402
+from layouts.engines.atom import (ASM, ENV_NON_SHUFFLE, ENV_TRITON_GEMM, ENV_TRITON_MOE, GFX95, PROFILE,  # noqa: E402
                                   TRITON_NON_SHUFFLE, TRITON_PRESHUFFLE, install_converted_weights)
 from prep.convert import convert  # noqa: E402
 from layouts.errors import LayoutsError  # noqa: E402
@@ -63,12 +63,12 @@ from prep.testing import PRESETS, SynthSpec, write_checkpoint  # noqa: E402
 # 16384]) and moe_intermediate 320 (ATOM and prep pad the experts' intermediate to 512 at TP 1).
 WIDE = SynthSpec(variant="r1-0528", num_attention_heads=16, moe_intermediate_size=320)
 VARIANTS = ("r1-0528", "v2")
-# ATOM's dense GEMM paths and the switches that select them (layouts/engines/atom.py); the MoE is
-# aiter's CK fused_moe throughout (ATOM's choice on gfx950 unless ATOM_USE_TRITON_GEMM=1, which
-# would pick the Triton MoE: its triton_kernels scale wrapping is not run here, so CK is asked for).
-PATHS = {ASM: {}, TRITON_NON_SHUFFLE: {ENV_NON_SHUFFLE: "1"},
+# ATOM's dense GEMM paths and the switches that select them (layouts/engines/atom.py). The MoE is
+# aiter's CK fused_moe throughout, asked for with ATOM_USE_TRITON_MOE=0: ATOM's Triton MoE (its
+# default on gfx94x, and on gfx95x with ATOM_USE_TRITON_GEMM=1) wraps the scales with
+# triton_kernels, which is not run here.
+PATHS = {ASM: {ENV_TRITON_MOE: "0"}, TRITON_NON_SHUFFLE: {ENV_NON_SHUFFLE: "1", ENV_TRITON_MOE: "0"},
          TRITON_PRESHUFFLE: {ENV_TRITON_GEMM: "1", ENV_TRITON_MOE: "0"}}
-GPU_ARCH = "gfx950"  # what atom_on_cpu answers for the arch
 NOT_LOADED = "were NOT loaded from checkpoint"  # ATOM's loading_core._report_coverage
 
 
@@ -192,7 +192,8 @@ def atom_post_load(model: torch.nn.Module, cfg, hf_config, installed: list[str],
 
 def load_converted(src: pathlib.Path, out: pathlib.Path, case: Case, rank: int):
     """Our adapter's install into fresh models, then ATOM's post-loading on each."""
-    engine = PROFILE.config_from_env(os.environ, tp_size=case.tp, rank=rank, ep_size=case.ep, gpu_arch=GPU_ARCH)
+    engine = PROFILE.config_from_env(os.environ, tp_size=case.tp, rank=rank, ep_size=case.ep,
+                                     gpu_arch=atom_on_cpu.GPU_ARCH["name"])
     with atom_on_cpu.on_cpu(0):
         cfg = atom_config(src, case)
         target, draft = build(cfg)
@@ -355,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS),
                     help="prep.testing preset of the checkpoints (default tiny; a larger one wants --only)")
     ap.add_argument("--layers", type=int, help="decoder layers of the checkpoints (default: the preset's)")
+    ap.add_argument("--gpu-arch", default=GFX95.example, choices=[a.example for a in PROFILE.gpu_archs],
+                    help="the GPU ATOM is told it runs on (default %(default)s)")
     args = ap.parse_args(argv)
     work = pathlib.Path(args.work or tempfile.mkdtemp(prefix="atom-check-"))
     atom_dir = source_tree(args.atom_dir, "PREP_ATOM_GIT", "ROCm/ATOM", work)
@@ -365,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     # Convert first: prep runs before ATOM's stand-ins exist (scripts/atom_on_cpu.py).
     cases = [(c, converted(c, sources, data)) for c in default_cases()
              if c.variant in specs and (not args.only or args.only in c.name)]
-    atom_on_cpu.install(atom_dir, aiter_dir)
+    atom_on_cpu.install(atom_dir, aiter_dir, args.gpu_arch)
     logging.getLogger("atom").setLevel(logging.WARNING)  # its warnings are what we look for
     print(HEADER)
     failed = False
