@@ -12,8 +12,8 @@ ATOM_TREE / AITER_TREE: extracted source trees of ROCm/ATOM and ROCm/aiter (defa
 from the bare git directories in $PREP_ATOM_GIT / $PREP_AITER_GIT). scripts/atom_on_cpu.py says
 what of aiter is ATOM's real dependency here and what is a stand-in.
 
-For each configuration (variant, dense layout, TP, EP) it writes a tiny DeepSeek checkpoint
-(``prep.testing``), converts it with prep, and for each rank:
+For each configuration (checkpoint, ATOM's dense GEMM path, TP, EP) it writes the checkpoint
+(``prep.testing``: tiny, or ``--preset``), converts it with prep, and for each rank:
 
 1. reference: ATOM builds the models for that rank (``set_tp``), ``load_model`` reads the source
    checkpoint (ATOM's loader and its ``process_weights_after_loading``), and the drafter shares
@@ -25,6 +25,8 @@ For each configuration (variant, dense layout, TP, EP) it writes a tiny DeepSeek
    of what it installed: so ATOM's own post-processing loop and its own ``_report_coverage``
    (the "NOT loaded" warning) run on exactly what the adapter did;
 3. compares every parameter, buffer and tensor attribute of both models (and ``is_shuffled``).
+
+The one step of ATOM's processing not run (in both loads alike): :func:`mla_from_mxfp4_not_run`.
 
 Prints one row per rank and exits 1 on any mismatch, any warning, or any stand-in called while
 loading (work a stand-in would have skipped).
@@ -52,8 +54,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import atom_on_cpu  # noqa: E402
 from layouts.engines.atom import (ASM, ENV_NON_SHUFFLE, ENV_TRITON_GEMM, ENV_TRITON_MOE, GFX95, PROFILE,  # noqa: E402
                                   TRITON_NON_SHUFFLE, TRITON_PRESHUFFLE, install_converted_weights)
-from prep.convert import convert  # noqa: E402
 from layouts.errors import LayoutsError  # noqa: E402
+from prep.convert import convert  # noqa: E402
 from prep.deepseek import Target  # noqa: E402
 from prep.errors import PrepError  # noqa: E402
 from prep.testing import PRESETS, SynthSpec, write_checkpoint  # noqa: E402
@@ -90,7 +92,8 @@ class Case:
 
 def default_cases() -> list[Case]:
     """Both variants on the default (asm) and non-shuffle paths at TP 1-8, R1-0528 on the
-    triton-preshuffle path (ATOM refuses MXFP4 attention there), and expert parallel."""
+    triton-preshuffle path (ATOM cannot load MXFP4 attention there: the profile refuses it),
+    expert parallel, and the wide R1-0528."""
     cases = [Case(v, p, tp) for v in VARIANTS for p in (ASM, TRITON_NON_SHUFFLE) for tp in (1, 2, 4, 8)]
     cases += [Case("r1-0528", TRITON_PRESHUFFLE, tp) for tp in (1, 2, 4, 8)]
     cases += [Case(v, ASM, 2, 2) for v in VARIANTS] + [Case("r1-0528", TRITON_NON_SHUFFLE, 4, 4)]
