@@ -64,6 +64,12 @@ class Placement:
     def out_shape(self) -> tuple[int, int]:
         return self.rows.stop - self.rows.start, self.cols.stop - self.cols.start
 
+    @classmethod
+    def whole(cls, source: str, shape: tuple[int, ...], dest_row: int = 0, slot: int | None = None) -> "Placement":
+        """The whole tensor, as the manifest records an uncut window: rows [0, shape[0]) (its
+        columns are the tensor's too: a [0, cols) range would not fit a tensor wider than tall)."""
+        return cls(source, tuple(shape), None, 0, shape[0], dest_row, slot)
+
 
 @dataclasses.dataclass(frozen=True)
 class Bf16Group:
@@ -304,12 +310,12 @@ def plan_bf16_groups(tensors: dict[str, Any], config: dict[str, Any], tp: int, e
     experts: dict[str, dict[int | None, dict[str, tuple[str, Any]]]] = {}  # "...mlp." -> expert (None: shared)
 
     def part(name, info, dim, rank):
+        if tp == 1:
+            return Placement.whole(name, info.shape)
         size = info.shape[dim]
         if size % tp:
             raise PrepError(f"{name}: dim {dim} of {size} does not split over tp={tp} (the engine splits it and pads "
                             "nothing); choose a tp that divides it")
-        if tp == 1:  # whole: a window of no dim spans the rows (R1's o_proj is 7168 x 16384)
-            return Placement(name, tuple(info.shape), None, 0, info.shape[0])
         n = size // tp
         return Placement(name, tuple(info.shape), dim, rank * n, (rank + 1) * n)
 
@@ -341,7 +347,7 @@ def plan_bf16_groups(tensors: dict[str, Any], config: dict[str, Any], tp: int, e
             row, ps = 0, []
             for key in order:
                 name, info = parts[key]
-                p = part(name, info, 0, r) if column else Placement(name, tuple(info.shape), None, 0, info.shape[0])
+                p = part(name, info, 0, r) if column else Placement.whole(name, info.shape)
                 ps.append(dataclasses.replace(p, dest_row=row))
                 row += p.out_shape[0]
             per_rank[r].append(Bf16Group(target, r, tp, parts[order[0]][1].dtype, tuple(ps)))
@@ -389,12 +395,12 @@ def _plan_experts(mlp: str, layer: dict, tp: int, ep: int, fuse_shared: bool, pe
             for i, proj in enumerate(("gate", "up")):
                 name, info = parts[proj]
                 n = _moe_split(name, info.shape[0], moe_tp)
-                dim = 0 if moe_tp > 1 else None
-                w13.append(Placement(name, tuple(info.shape), dim, moe_rank * n, (moe_rank + 1) * n, i * n, slot))
+                w13.append(Placement(name, tuple(info.shape), 0, moe_rank * n, (moe_rank + 1) * n, i * n, slot)
+                           if moe_tp > 1 else Placement.whole(name, info.shape, i * n, slot))
             name, info = parts["down"]
             k = _moe_split(name, info.shape[1], moe_tp)
-            window = (1, moe_rank * k, (moe_rank + 1) * k) if moe_tp > 1 else (None, 0, info.shape[0])
-            w2.append(Placement(name, tuple(info.shape), *window, 0, slot))
+            w2.append(Placement(name, tuple(info.shape), 1, moe_rank * k, (moe_rank + 1) * k, 0, slot)
+                      if moe_tp > 1 else Placement.whole(name, info.shape, 0, slot))
         per_rank[r].append(Bf16Group(f"{mlp}experts.w13_weight", r, tp, dtype, tuple(w13)))
         per_rank[r].append(Bf16Group(f"{mlp}experts.w2_weight", r, tp, dtype, tuple(w2)))
 

@@ -198,6 +198,8 @@ def test_every_converted_tensor_lands_in_its_atom_parameter_and_processing_is_sk
         assert torch.equal(p.data.view(torch.uint8), loaded[name]), name
         if name.endswith("weight"):
             assert p.is_shuffled is True
+        else:  # ATOM marks the shuffled weight, never its scale (ROCm/ATOM ffdf3bb5 atom/model_ops/utils.py:168,
+            assert not hasattr(p, "is_shuffled"), name  # moe.py:1297-1298): the scale has no such attribute
     moe = model.model.layers[1].mlp.experts
     assert moe.w13_weight_scale.dim() == 2  # CK MoE scales become 2-D, as ATOM's moe_shuffle_scale leaves them
     assert moe.quant_method.intermediate_pad == (0 if ep > 1 else 128) and moe.quant_method.hidden_pad == 0

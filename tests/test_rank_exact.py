@@ -30,9 +30,10 @@ SHAPES = [(tp, ep) for tp in (1, 2, 4, 8) for ep in ((1, tp) if tp > 1 else (1,)
 @pytest.fixture(scope="module", params=VARIANTS)
 def source(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(request.param)
-    # Not square, as R1's o_proj (7168 x 16384) and experts (2048 x 7168) are not: on the tiny
-    # preset's square ones a whole window (tp 1) recorded over the wrong dim went unseen, and a
-    # TP 1 conversion of R1-0528 failed on its own manifest.
+    # Wider than tall, as R1's o_proj (7168 x 16384) is, and a down_proj with moe_intermediate
+    # above hidden: on the tiny preset's square ones an uncut window (tp 1, the BF16 experts
+    # under EP) recorded over columns went unseen, and such conversions failed on their own
+    # manifest once every file was written.
     spec = SynthSpec(variant=request.param, num_attention_heads=16, moe_intermediate_size=512)
     return root, write_checkpoint(spec, root / "src")
 

@@ -68,13 +68,16 @@ skip that, and ``is_shuffled`` is only ever written. So:
    (``mtp_model=``), under the draft's parameter names (:func:`atom_mtp_param_name`), else
    returned in ``AtomInstallReport.mtp``.
 
-Call it after the model (and draft model) is built and before (instead of) ATOM's ``load_model``
-for the MXFP4 tensors. What is exercised here, without ROCm: the name and shape contract against
-models built as ATOM's ``create_weights`` builds them (tests/test_atom_adapter.py). What is not:
-ATOM itself, aiter's kernels on the installed bytes, and the Triton MoE path, whose
-``_swizzle_mxfp4`` wraps the scales in triton_kernels layout objects that ATOM must still
-construct from the ``CDNA4_SCALE`` tensors handed over (reported in
-``AtomInstallReport.needs_engine_wrapping``).
+Call it after the model (and draft model) is built and instead of the reading step of ATOM's
+``load_model``; ATOM's post-loading loop (``process_weights_after_loading`` of every module)
+still runs, and does nothing to the modules made no-ops here. What is exercised without ROCm:
+the name and shape contract against models built as ATOM's ``create_weights`` builds them
+(tests/test_atom_adapter.py), and ATOM's real DeepSeek and MTP models, built and post-processed
+by ATOM's own code on the CPU, compared byte for byte with ATOM's own load of the source, every
+rank of each conversion it makes (scripts/check_atom_install.py; docs/engines.md). What is not: aiter's
+kernels on the installed bytes, and the Triton MoE path, whose ``_swizzle_mxfp4`` wraps the
+scales in triton_kernels layout objects that ATOM must still construct from the
+``CDNA4_SCALE`` tensors handed over (reported in ``AtomInstallReport.needs_engine_wrapping``).
 """
 
 from __future__ import annotations
@@ -393,8 +396,12 @@ def _install(model: torch.nn.Module, items: list[tuple[str, str, torch.Tensor, T
             installed.append(name)
             continue
         param.data = _as_param_dtype(t, param)
+        # is_shuffled goes on weights only, as ATOM sets it (ROCm/ATOM ffdf3bb5 atom/model_ops/utils.py:168
+        # shuffle_weights; moe.py:1297-1298 w13_weight/w2_weight) and as its readers look for it (aiter
+        # e4048607 aiter/ops/moe_op.py:626 reads w1; ATOM's attention_mla.py:876 kv_b_proj.weight).
         for k, v in rec.runtime_attrs.items():
-            setattr(param, k, v)
+            if k != "is_shuffled" or rec.role != "e8m0_scale":
+                setattr(param, k, v)
         installed.append(name)
         groups.setdefault(module_name, {}).update(
             {k: v for k, v in rec.runtime_attrs.items() if k in ("hidden_pad", "intermediate_pad")})

@@ -1,0 +1,245 @@
+"""ATOM's real DeepSeek model code, imported and built on a CPU without ROCm (for
+scripts/check_atom_install.py; not imported by the tests: ATOM is not installed there).
+
+ATOM (``ROCm/ATOM``) imports ``aiter`` everywhere, and ``import aiter`` needs ROCm (its package
+``__init__`` builds and loads HIP modules). What we give it instead, and why each is enough:
+
+* aiter's own pure-Python files, loaded from an aiter source tree (``--aiter-dir``): the ones
+  ATOM's weight processing runs on the CPU, where a stand-in would make the check circular:
+  ``aiter/ops/shuffle.py`` (``shuffle_weight``, ``shuffle_scale``, ``moe_shuffle_*``),
+  ``aiter/utility/fp4_utils.py`` (``e8m0_shuffle``), ``dtypes``, ``mx_types``, ``aiter_types``.
+* ``aiter.ops.enum``: ``QuantType`` / ``ActivationType`` are C++ enums in aiter's compiled core;
+  ours are Python enums with the same names and values (aiter ``csrc/include/aiter_enum.h``).
+* ``aiter.jit.utils.chip_info``: the arch is asked of the GPU driver; we answer
+  :data:`GPU_ARCH["name"]` (:func:`install`'s ``gpu_arch``, default gfx950: MI355, the arch with
+  MXFP4 GEMMs), so ATOM picks that arch's paths.
+* ``aiter.dist.parallel_state``: the process groups. A single process plays any rank:
+  :func:`set_tp` sets the TP rank and size every ``get_tp_group()`` / ``..._world_size()``
+  answers; every other group (DP, PP, EP, PCP, DCP) is size 1 (ATOM derives EP from TP).
+* every other ``aiter`` module, and the server-side packages ATOM imports at module level but
+  never calls while building or loading a model (zmq, msgspec, ...): permissive stand-ins whose
+  attributes are callables returning stand-ins. Each call of one is recorded in :data:`CALLS`,
+  so a caller can show that loading a model never ran a stand-in (that would be silently
+  skipped work).
+
+:func:`on_cpu` is the context to build and load models in: ``device="cuda"`` becomes the CPU
+(ATOM allocates routing scratch buffers there), ``torch.cuda.Stream``/``Event`` are stand-ins,
+and every ``torch.empty*`` is filled with one byte, so that memory ATOM leaves uninitialised can
+be told from memory it writes (two runs with different bytes differ exactly there).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import pathlib
+import sys
+import types
+from typing import Iterator
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+# aiter modules loaded from its own files (everything else under aiter is a stand-in).
+REAL_AITER = ("aiter.ops.shuffle", "aiter.utility.dtypes", "aiter.utility.fp4_utils", "aiter.utility.mx_types",
+              "aiter.utility.aiter_types")
+# Packages ATOM imports at module level for its server, none of them used to build or load a model.
+# Only those not installed get a stand-in (prep itself uses xxhash where it is installed).
+SERVER_PACKAGES = ("zmq", "msgspec", "xxhash", "prometheus_client", "fastapi", "uvicorn")
+ATOM_MODULES = ("atom.models.deepseek_v2", "atom.models.deepseek_mtp", "atom.model_loader.loader",
+                "atom.spec_decode.drafter")
+CALLS: list[str] = []  # every call of a stand-in, by name, in order
+_TP = {"rank": 0, "size": 1}
+GPU_ARCH = {"name": "gfx950"}
+
+
+class _StandInBase:
+    """What a class deriving from a stand-in derives from (msgspec.Struct takes class keywords)."""
+
+    def __init_subclass__(cls, **kw):
+        pass
+
+    def __init__(self, *a, **k):
+        pass
+
+
+class StandIn:
+    """Any attribute of a stand-in module: callable (recorded; as a decorator it returns the
+    function), subscriptable, usable as a base class, false."""
+
+    def __init__(self, name: str):
+        self._name = name
+
+    def __call__(self, *args, **kwargs):
+        if len(args) == 1 and not kwargs and callable(args[0]) and not isinstance(args[0], StandIn):
+            return args[0]  # a decorator: keep the function
+        CALLS.append(self._name)
+        return StandIn(self._name + "()")
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return StandIn(f"{self._name}.{name}")
+
+    def __mro_entries__(self, bases):
+        return (_StandInBase,)
+
+    def __getitem__(self, key):
+        return StandIn(self._name + "[]")
+
+    def __iter__(self):
+        return iter(())
+
+    def __bool__(self):
+        return False
+
+    def __repr__(self):
+        return f"<stand-in {self._name}>"
+
+
+class _StandInModule(types.ModuleType):
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return StandIn(f"{self.__name__}.{name}")
+
+
+class _Group:
+    is_first_rank = is_last_rank = True
+
+    def __init__(self, rank: int, size: int):
+        self.rank = self.rank_in_group = rank
+        self.world_size = size
+
+
+class _ParallelState(types.ModuleType):
+    """aiter.dist.parallel_state for one process playing TP rank ``_TP['rank']`` of ``_TP['size']``."""
+
+    _TP_NAMES = ("get_tp_group", "get_tensor_model_parallel_world_size", "get_tensor_model_parallel_rank")
+
+    def __getattr__(self, name: str):
+        tp = name in self._TP_NAMES  # read at each call: ATOM imports these functions once
+
+        def rank():
+            return _TP["rank"] if tp else 0
+
+        def size():
+            return _TP["size"] if tp else 1
+
+        if name.endswith("_group"):
+            return lambda: _Group(rank(), size())
+        if name.endswith("_world_size"):
+            return size
+        if name.endswith("_rank"):
+            return rank
+        raise AttributeError(name)
+
+
+def _fill_enums(m: types.ModuleType) -> None:
+    """aiter's compiled enums (csrc/include/aiter_enum.h), as Python enums."""
+    quant = "No per_Tensor per_Token per_1x32 per_1x128 per_128x128 per_256x128 per_1024x128".split()
+    m.QuantType = enum.IntEnum("QuantType", [(n, i) for i, n in enumerate(quant)])
+    m.ActivationType = enum.IntEnum("ActivationType", {"No": -1, "Silu": 0, "Gelu": 1, "Swiglu": 2, "Situv2": 3})
+    m.MlaVersion = enum.IntEnum("MlaVersion", {"V32": 0})
+
+
+class _AiterFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def __init__(self, aiter_root: pathlib.Path):
+        self.root = aiter_root
+        self.absent = {p for p in SERVER_PACKAGES if importlib.util.find_spec(p) is None}
+
+    def find_spec(self, name, path, target=None):
+        top = name.partition(".")[0]
+        if top not in self.absent and top != "aiter":
+            return None
+        if name in REAL_AITER:
+            return importlib.util.spec_from_file_location(name, self.root / (name.replace(".", "/") + ".py"))
+        return importlib.machinery.ModuleSpec(name, self, is_package=True)
+
+    def create_module(self, spec):
+        cls = _ParallelState if spec.name == "aiter.dist.parallel_state" else _StandInModule
+        m = cls(spec.name)
+        m.__path__ = []
+        return m
+
+    def exec_module(self, m):
+        if m.__name__ == "aiter":  # what ATOM takes from aiter's top level, besides stand-ins
+            # import_module, not "from aiter.ops import enum": a stand-in package answers every name
+            aiter_enum, dtypes = (importlib.import_module(n) for n in ("aiter.ops.enum", "aiter.utility.dtypes"))
+            m.dtypes, m.QuantType, m.ActivationType = dtypes, aiter_enum.QuantType, aiter_enum.ActivationType
+        elif m.__name__ == "aiter.ops.enum":
+            _fill_enums(m)
+        elif m.__name__ == "aiter.jit.utils.chip_info":
+            m.get_gfx = m.get_gfx_runtime = lambda: GPU_ARCH["name"]
+
+
+def install(atom_dir: pathlib.Path, aiter_dir: pathlib.Path, gpu_arch: str = "gfx950") -> None:
+    """Make ``import atom`` work here: ATOM's tree first on the path, aiter as described above.
+    ATOM's custom-op registration (for torch.compile of the forward, which never runs here) is
+    a no-op: torch refuses the stand-in default arguments of some op signatures."""
+    if not (aiter_dir / "aiter" / "ops" / "shuffle.py").is_file():
+        raise SystemExit(f"{aiter_dir}: no aiter/ops/shuffle.py; pass --aiter-dir an aiter source tree")
+    GPU_ARCH["name"] = gpu_arch
+    sys.path.insert(0, str(atom_dir))
+    sys.meta_path.insert(0, _AiterFinder(aiter_dir))
+    import atom.utils.custom_register as custom_register
+
+    custom_register.direct_register_custom_op = lambda *a, **k: None
+    for name in ATOM_MODULES:  # imported outside on_cpu: class bodies read the real torch.cuda.Stream
+        importlib.import_module(name)
+
+
+def set_tp(rank: int, size: int) -> None:
+    _TP.update(rank=rank, size=size)
+
+
+def _on_cpu(d):
+    if isinstance(d, torch.device) and d.type == "cuda" or isinstance(d, str) and d.startswith("cuda"):
+        return "cpu"
+    return "cpu" if isinstance(d, int) and not isinstance(d, bool) else d
+
+
+_EMPTY = {torch.empty, torch.empty_like, torch.empty_strided, torch.Tensor.new_empty}
+
+
+class _CpuMode(TorchFunctionMode):
+    def __init__(self, fill: int):
+        super().__init__()
+        self.fill = fill
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if "device" in kwargs:
+            kwargs["device"] = _on_cpu(kwargs["device"])
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.to:
+            args = tuple(_on_cpu(a) for a in args)
+        out = func(*args, **kwargs)
+        if func in _EMPTY and out.dim() and out.is_contiguous():
+            out.view(torch.uint8).fill_(self.fill)
+        return out
+
+
+class _NoStream:
+    """torch.cuda.Stream / Event while building: ATOM makes side streams it only uses in forward."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+
+@contextlib.contextmanager
+def on_cpu(fill: int = 0) -> Iterator[None]:
+    """Build and load ATOM models on the CPU; ``torch.empty*`` memory holds byte ``fill``."""
+    saved = torch.cuda.Stream, torch.cuda.Event, torch.cuda.current_device
+    torch.cuda.Stream = torch.cuda.Event = _NoStream
+    torch.cuda.current_device = lambda: "cpu"
+    try:
+        with _CpuMode(fill):
+            yield
+    finally:
+        torch.cuda.Stream, torch.cuda.Event, torch.cuda.current_device = saved

@@ -1,0 +1,388 @@
+#!/usr/bin/env python
+"""Check the ATOM adapter against ATOM's real model code, on the CPU: every rank of a converted
+(rank-exact) checkpoint, installed with ``layouts.engines.atom.install_converted_weights``,
+must leave ATOM's ``DeepseekV3ForCausalLM`` and its ``DeepSeekMTP`` draft model byte for byte
+as ATOM's own loader leaves them from the source checkpoint, and ATOM's "NOT loaded" warning
+must not fire.
+
+    .venv/bin/python scripts/check_atom_install.py --atom-dir ATOM_TREE --aiter-dir AITER_TREE [--work DIR]
+        [--only TEXT] [--preset NAME [--layers N]] [--gpu-arch gfx950|gfx942]
+
+ATOM_TREE / AITER_TREE: extracted source trees of ROCm/ATOM and ROCm/aiter (default: extracted
+from the bare git directories in $PREP_ATOM_GIT / $PREP_AITER_GIT). scripts/atom_on_cpu.py says
+what of aiter is ATOM's real dependency here and what is a stand-in.
+
+For each configuration (checkpoint, ATOM's dense GEMM path, TP, EP) it writes the checkpoint
+(``prep.testing``: tiny, or ``--preset``), converts it with prep, and for each rank:
+
+1. reference: ATOM builds the models for that rank (``set_tp``), ``load_model`` reads the source
+   checkpoint (ATOM's loader and its ``process_weights_after_loading``), and the drafter shares
+   the target's embedding (``Drafter.load_model``), as ATOM's ModelRunner does. Run twice, with
+   ``torch.empty`` memory filled with 0x00 and with 0xFF: the bytes that differ are memory ATOM
+   never writes (aiter's ``shuffle_scale`` pads scales into ``torch.empty``), compared nowhere;
+2. converted: ATOM builds fresh models, our adapter installs the converted rank into both, and
+   ATOM's ``load_model`` runs with its checkpoint-reading step replaced by the adapter's record
+   of what it installed: so ATOM's own post-processing loop and its own ``_report_coverage``
+   (the "NOT loaded" warning) run on exactly what the adapter did;
+3. compares every parameter, buffer and tensor attribute of both models (and ``is_shuffled``).
+
+The one step of ATOM's processing not run (in both loads alike): :func:`mla_from_mxfp4_not_run`.
+
+Prints one row per rank and exits 1 on any mismatch, any warning, or any stand-in called while
+loading (work a stand-in would have skipped).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import logging
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import types
+from unittest import mock
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+import atom_on_cpu  # noqa: E402
+from layouts.engines.atom import (ASM, ENV_NON_SHUFFLE, ENV_TRITON_GEMM, ENV_TRITON_MOE, GFX95, PROFILE,  # noqa: E402
+                                  TRITON_NON_SHUFFLE, TRITON_PRESHUFFLE, install_converted_weights)
+from layouts.errors import LayoutsError  # noqa: E402
+from prep.convert import convert  # noqa: E402
+from prep.deepseek import Target  # noqa: E402
+from prep.errors import PrepError  # noqa: E402
+from prep.testing import PRESETS, SynthSpec, write_checkpoint  # noqa: E402
+
+# The checkpoints: prep.testing's tiny one of each variant (or another preset's: --preset), and
+# with the tiny one R1-0528 "wide": 16 heads (o_proj [256, 512], wider than tall as R1's [7168,
+# 16384]) and moe_intermediate 320 (ATOM and prep pad the experts' intermediate to 512 at TP 1).
+WIDE = SynthSpec(variant="r1-0528", num_attention_heads=16, moe_intermediate_size=320)
+VARIANTS = ("r1-0528", "v2")
+# ATOM's dense GEMM paths and the switches that select them (layouts/engines/atom.py). The MoE is
+# aiter's CK fused_moe throughout, asked for with ATOM_USE_TRITON_MOE=0: ATOM's Triton MoE (its
+# default on gfx94x, and on gfx95x with ATOM_USE_TRITON_GEMM=1) wraps the scales with
+# triton_kernels, which is not run here.
+PATHS = {ASM: {ENV_TRITON_MOE: "0"}, TRITON_NON_SHUFFLE: {ENV_NON_SHUFFLE: "1", ENV_TRITON_MOE: "0"},
+         TRITON_PRESHUFFLE: {ENV_TRITON_GEMM: "1", ENV_TRITON_MOE: "0"}}
+NOT_LOADED = "were NOT loaded from checkpoint"  # ATOM's loading_core._report_coverage
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    variant: str
+    path: str  # ATOM's dense GEMM path
+    tp: int
+    ep: int = 1
+
+    @property
+    def layout(self) -> str:
+        return PROFILE.dense_layout(self.path)
+
+    @property
+    def name(self) -> str:
+        return f"{self.variant} {self.path} tp{self.tp}" + (f" ep{self.ep}" if self.ep > 1 else "")
+
+
+def default_cases() -> list[Case]:
+    """Both variants on the default (asm) and non-shuffle paths at TP 1-8, R1-0528 on the
+    triton-preshuffle path (ATOM cannot load MXFP4 attention there: the profile refuses it),
+    expert parallel, and the wide R1-0528."""
+    cases = [Case(v, p, tp) for v in VARIANTS for p in (ASM, TRITON_NON_SHUFFLE) for tp in (1, 2, 4, 8)]
+    cases += [Case("r1-0528", TRITON_PRESHUFFLE, tp) for tp in (1, 2, 4, 8)]
+    cases += [Case(v, ASM, 2, 2) for v in VARIANTS] + [Case("r1-0528", TRITON_NON_SHUFFLE, 4, 4)]
+    cases += [Case("r1-0528", ASM, 8, 8), Case("v2", TRITON_NON_SHUFFLE, 8, 8)]
+    return cases + [Case("r1-wide", p, tp) for p in (ASM, TRITON_NON_SHUFFLE) for tp in (1, 2)] + \
+        [Case("r1-wide", ASM, 2, 2)]
+
+
+# ---------------------------------------------------------------------------- inputs
+def source_tree(given: str | None, env: str, repo: str, work: pathlib.Path) -> pathlib.Path:
+    """``given``, else the HEAD of the bare git directory in ``$env`` extracted under ``work``."""
+    if given:
+        return pathlib.Path(given)
+    git_dir = os.environ.get(env)
+    flag = repo.split("/")[1].lower()
+    if not git_dir:
+        raise SystemExit(f"no {repo} source: pass --{flag}-dir (an extracted {repo} tree) or set {env} to a bare "
+                         f"git directory of {repo}")
+    out = work / f"{flag}-src"
+    if not out.is_dir():
+        out.mkdir(parents=True)
+        archive = subprocess.run(["git", f"--git-dir={git_dir}", "archive", "HEAD"], check=True, capture_output=True)
+        subprocess.run(["tar", "-x", "-C", str(out)], input=archive.stdout, check=True)
+    return out
+
+
+def converted(case: Case, sources: dict[str, pathlib.Path], work: pathlib.Path) -> pathlib.Path | str:
+    """The case's conversion (made once), or prep's one-line refusal."""
+    out = work / case.name.replace(" ", "-")
+    if not (out / "config.json").is_file():
+        try:
+            convert(str(sources[case.variant]), out, Target(layout=case.layout, tp=case.tp, ep=case.ep))
+        except (PrepError, LayoutsError) as e:  # a layout the tiny dims cannot take at this TP
+            return str(e).splitlines()[0]
+    return out
+
+
+# ---------------------------------------------------------------------------- ATOM's models
+def atom_config(src: pathlib.Path, case: Case):
+    """ATOM's Config for the source, prepared as ModelRunner prepares it before building."""
+    from atom.config import Config, SpeculativeConfig, set_current_atom_config
+    from atom.models.deepseek_v2 import DeepseekV3ForCausalLM
+
+    spec = SpeculativeConfig(method="mtp", model=str(src), num_speculative_tokens=1)
+    cfg = Config(model=str(src), tensor_parallel_size=case.tp, enable_expert_parallel=case.ep > 1,
+                 enforce_eager=True, speculative_config=spec)
+    model_class = DeepseekV3ForCausalLM
+    cfg.quant_config.remap_layer_name(
+        cfg.hf_config, packed_modules_mapping=getattr(model_class, "packed_modules_mapping", {}),
+        quant_exclude_name_mapping=getattr(model_class, "quant_exclude_name_mapping", {}))
+    set_current_atom_config(cfg)
+    torch.set_default_dtype(cfg.torch_dtype)
+    return cfg
+
+
+def build(cfg) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """The target model, then the MTP draft model from the same Config (ATOM's order). Stand-ins
+    called while building (rotary embedding, activation-quant function: forward-only objects)
+    are not recorded: only those called while loading count."""
+    from atom.models.deepseek_mtp import DeepSeekMTP
+    from atom.models.deepseek_v2 import DeepseekV3ForCausalLM
+
+    before = len(atom_on_cpu.CALLS)
+    models = DeepseekV3ForCausalLM(cfg), DeepSeekMTP(cfg)
+    del atom_on_cpu.CALLS[before:]
+    return models
+
+
+def load_reference(src: pathlib.Path, case: Case, fill: int):
+    """ATOM's own load of the source checkpoint."""
+    from atom.model_loader.loader import load_model
+    from atom.spec_decode.drafter import Drafter
+
+    with atom_on_cpu.on_cpu(fill):
+        cfg = atom_config(src, case)
+        target, draft = build(cfg)
+        load_model(target, cfg.model, cfg.hf_config)
+        drafter = types.SimpleNamespace(model=draft, speculative_config=cfg.speculative_config, config=cfg,
+                                        is_block_drafter=False, _share_if_not_loaded=Drafter._share_if_not_loaded)
+        Drafter.load_model(drafter, target)  # loads the MTP layer, then shares the target's embedding
+    return target, draft
+
+
+def atom_post_load(model: torch.nn.Module, cfg, hf_config, installed: list[str], spec_decode: bool) -> None:
+    """ATOM's ``load_model`` with its checkpoint-reading step replaced by ``installed`` (what the
+    adapter filled): ATOM's coverage report judges it, ATOM's post-processing loop follows."""
+    from atom.model_loader import loader
+    from atom.model_loader.loading_core import _report_coverage
+
+    def read_nothing(*, model, prefix, **_):
+        # ATOM warns from TP rank 0 only (its is_rank0); asked here on every rank
+        _report_coverage(loaded_weights_record=set(installed), params_dict=dict(model.named_parameters()),
+                         dropped_ckpt_keys=[], prefix=prefix, is_rank0=lambda: True)
+        return set(installed)
+
+    with mock.patch.object(loader, "load_weights_into_model", read_nothing):
+        loader.load_model(model, cfg.model, hf_config, None, spec_decode)
+
+
+def load_converted(src: pathlib.Path, out: pathlib.Path, case: Case, rank: int):
+    """Our adapter's install into fresh models, then ATOM's post-loading on each."""
+    engine = PROFILE.config_from_env(os.environ, tp_size=case.tp, rank=rank, ep_size=case.ep,
+                                     gpu_arch=atom_on_cpu.GPU_ARCH["name"])
+    with atom_on_cpu.on_cpu(0):
+        cfg = atom_config(src, case)
+        target, draft = build(cfg)
+        report = install_converted_weights(target, out, engine, device="cpu", mtp_model=draft)
+        atom_post_load(target, cfg, cfg.hf_config, report.installed, False)
+        atom_post_load(draft, cfg, cfg.speculative_config.draft_model_hf_config, report.mtp_installed, True)
+    return target, draft, report
+
+
+@contextlib.contextmanager
+def mla_from_mxfp4_not_run():
+    """The one step of ATOM's processing that cannot run here: from an MXFP4 ``kv_b_proj`` (v2),
+    ``MLAAttention.process_weights_after_loading`` derives ``W_K``/``W_V`` by running the layer's
+    GEMM (aiter's ``gemm_a4w4``, a GPU binary) on an identity matrix. It is skipped, in both
+    loads alike; its only input, ``kv_b_proj``'s bytes, is compared. From a BF16 ``kv_b_proj``
+    (R1-0528) it runs, and ``W_K``/``W_V`` are compared too."""
+    from aiter import dtypes
+    from atom.model_ops.attention_mla import MLAAttention
+
+    run = MLAAttention.process_weights_after_loading
+
+    def unless_mxfp4(self):
+        if self.kv_b_proj.weight.dtype != dtypes.fp4x2:
+            run(self)
+
+    with mock.patch.object(MLAAttention, "process_weights_after_loading", unless_mxfp4):
+        yield
+
+
+# ---------------------------------------------------------------------------- comparing
+def tensors(target: torch.nn.Module, draft: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter, buffer and tensor attribute of both models, by "main:"/"draft:" name."""
+    out = {}
+    for which, model in (("main", target), ("draft", draft)):
+        for n, t in [*model.named_parameters(), *model.named_buffers()]:
+            out[f"{which}:{n}"] = t.data
+        for mname, module in model.named_modules():
+            for k, v in vars(module).items():
+                if isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter):
+                    out.setdefault(f"{which}:{mname}.{k}", v)
+    return out
+
+
+def shuffled_flags(target: torch.nn.Module, draft: torch.nn.Module) -> dict[str, bool]:
+    """``is_shuffled`` of every parameter, absent read as False (as aiter and ATOM read it)."""
+    return {f"{w}:{n}": bool(getattr(p, "is_shuffled", False)) for w, m in (("main", target), ("draft", draft))
+            for n, p in m.named_parameters()}
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+
+
+def compare(ref0: dict, ref1: dict, got: dict) -> tuple[int, int, int, list[str]]:
+    """(tensors, bytes equal, bytes never written by ATOM, mismatches): ``got`` against the
+    reference on every byte both reference runs agree on."""
+    bad = [f"{n}: only in ATOM's load" for n in ref0.keys() - got.keys()]
+    bad += [f"{n}: only after the adapter" for n in got.keys() - ref0.keys()]
+    equal = undefined = 0
+    for n in sorted(ref0.keys() & got.keys()):
+        a, b, g = ref0[n], ref1[n], got[n]
+        if (a.shape, a.dtype) != (g.shape, g.dtype):
+            bad.append(f"{n}: ATOM {list(a.shape)} {a.dtype}, adapter {list(g.shape)} {g.dtype}")
+            continue
+        a, b, g = _bytes(a), _bytes(b), _bytes(g)
+        defined = a == b
+        differ = int((defined & (a != g)).sum())
+        undefined += int((~defined).sum())
+        equal += int((defined & (a == g)).sum())
+        if differ:
+            bad.append(f"{n}: {differ} of {a.numel()} bytes differ")
+    return len(ref0), equal, undefined, bad
+
+
+# ---------------------------------------------------------------------------- one rank
+class _Warnings(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def check_rank(case: Case, src: pathlib.Path, out: pathlib.Path, rank: int) -> dict:
+    atom_on_cpu.set_tp(rank, case.tp)
+    log, caught = logging.getLogger("atom"), _Warnings()
+    log.addHandler(caught)
+    try:
+        # ATOM reads its switches when it uses them
+        with mock.patch.dict(os.environ, PATHS[case.path]), mla_from_mxfp4_not_run():
+            atom_on_cpu.CALLS.clear()
+            ref = [load_reference(src, case, fill) for fill in (0x00, 0xFF)]
+            ref_warned = any(NOT_LOADED in m for m in caught.messages)
+            caught.messages.clear()
+            target, draft, report = load_converted(src, out, case, rank)
+    finally:
+        log.removeHandler(caught)
+    n, equal, undefined, bad = compare(tensors(*ref[0]), tensors(*ref[1]), tensors(target, draft))
+    params = sum(1 for m in ref[0] for _ in m.named_parameters())
+    flags_ref, flags_got = shuffled_flags(*ref[0]), shuffled_flags(target, draft)
+    bad += [f"{k}: is_shuffled {flags_ref[k]} in ATOM's load, {flags_got.get(k)} after the adapter"
+            for k in flags_ref if flags_ref[k] != flags_got.get(k)]
+    return {"config": case.name, "rank": rank, "params": params, "others": n - params, "bytes_equal": equal,
+            "uninit": undefined,
+            "not_installed": len(report.not_installed), "warned": any(NOT_LOADED in m for m in caught.messages),
+            "ref_warned": ref_warned, "other_warnings": [m for m in caught.messages if NOT_LOADED not in m],
+            "stand_ins": sorted(set(atom_on_cpu.CALLS)), "mismatches": bad + [f"not installed: {x}" for x in
+                                                                               report.not_installed]}
+
+
+# ---------------------------------------------------------------------------- main
+HEADER = (f"{'config':<34} {'rank':>4} {'params':>6} {'others':>6} {'bytes equal':>11} {'uninit':>6} "
+          f"{'not_installed':>13} {'warned':>6}")
+
+
+def row(r: dict) -> str:
+    ok = not (r["mismatches"] or r["warned"] or r["stand_ins"])
+    return (f"{r['config']:<34} {r['rank']:>4} {r['params']:>6} {r['others']:>6} {r['bytes_equal']:>11} "
+            f"{r['uninit']:>6} {r['not_installed']:>13} {'yes' if r['warned'] else 'no':>6}  {'ok' if ok else 'FAIL'}")
+
+
+def source_specs(preset: str, layers: int | None) -> dict[str, SynthSpec]:
+    """The checkpoints to check: each variant at the preset's dims (``layers`` decoder layers),
+    and the wide R1-0528 with the tiny preset."""
+    base = PRESETS[preset]
+    if layers:
+        base = dataclasses.replace(base, num_hidden_layers=layers,
+                                   first_k_dense_replace=min(base.first_k_dense_replace, layers))
+    specs = {v: dataclasses.replace(base, variant=v) for v in VARIANTS}
+    return specs | ({"r1-wide": WIDE} if base == PRESETS["tiny"] else {})
+
+
+def write_sources(work: pathlib.Path, specs: dict[str, SynthSpec]) -> dict[str, pathlib.Path]:
+    """The checkpoints, written once per work folder."""
+    sources = {v: work / f"src-{v}" for v in specs}
+    for v, path in sources.items():
+        if not (path / "config.json").is_file():
+            write_checkpoint(specs[v], path)
+    return sources
+
+
+def print_rank(r: dict) -> bool:
+    """Print the rank's row and what went wrong; True when it failed."""
+    print(row(r), flush=True)
+    notes = r["mismatches"][:10] + [f"stand-in called while loading: {s}" for s in r["stand_ins"]]
+    notes += [f"warning: {m[:200]}" for m in r["other_warnings"]]
+    notes += ["ATOM's own load of the source warned too"] if r["ref_warned"] else []
+    for line in notes:
+        print(f"    {line}")
+    return bool(r["mismatches"] or r["warned"] or r["stand_ins"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--atom-dir", help="extracted ROCm/ATOM tree (default: HEAD of $PREP_ATOM_GIT)")
+    ap.add_argument("--aiter-dir", help="extracted ROCm/aiter tree (default: HEAD of $PREP_AITER_GIT)")
+    ap.add_argument("--work", help="folder for checkpoints and conversions (default: a temporary one)")
+    ap.add_argument("--only", help="run only the configurations whose name contains this")
+    ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS),
+                    help="prep.testing preset of the checkpoints (default tiny; a larger one wants --only)")
+    ap.add_argument("--layers", type=int, help="decoder layers of the checkpoints (default: the preset's)")
+    ap.add_argument("--gpu-arch", default=GFX95.example, choices=[a.example for a in PROFILE.gpu_archs],
+                    help="the GPU ATOM is told it runs on (default %(default)s)")
+    args = ap.parse_args(argv)
+    work = pathlib.Path(args.work or tempfile.mkdtemp(prefix="atom-check-"))
+    atom_dir = source_tree(args.atom_dir, "PREP_ATOM_GIT", "ROCm/ATOM", work)
+    aiter_dir = source_tree(args.aiter_dir, "PREP_AITER_GIT", "ROCm/aiter", work)
+    specs = source_specs(args.preset, args.layers)
+    data = work / f"{args.preset}-{args.layers or 'all'}"
+    sources = write_sources(data, specs)
+    # Convert first: prep runs before ATOM's stand-ins exist (scripts/atom_on_cpu.py).
+    cases = [(c, converted(c, sources, data)) for c in default_cases()
+             if c.variant in specs and (not args.only or args.only in c.name)]
+    atom_on_cpu.install(atom_dir, aiter_dir, args.gpu_arch)
+    logging.getLogger("atom").setLevel(logging.WARNING)  # its warnings are what we look for
+    print(HEADER)
+    failed = False
+    for case, out in cases:
+        if isinstance(out, str):
+            print(f"{case.name:<34} refused by prep: {out}")
+            continue
+        for rank in range(case.tp):
+            failed |= print_rank(check_rank(case, sources[case.variant], out, rank))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
