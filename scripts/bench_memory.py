@@ -2,7 +2,7 @@
 """Peak memory (RSS) of every prep command, each run as a process of its own, on one generated
 checkpoint: this tree against a baseline tree (another git revision), in the same run.
 
-    .venv/bin/python scripts/bench_memory.py WORK [--preset real-dims] [--baseline main]
+    .venv/bin/python scripts/bench_memory.py WORK [--preset real-dims] [--source-layers N] [--tp N] [--baseline main]
         [--layers 1] [--prompt-ids 0,1,2,3] [--max-memory GIB ...] [--keep]
 
 WORK holds the generated source (``WORK/src``, reused when present: generating 13 GiB takes
@@ -53,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("work", type=pathlib.Path)
     ap.add_argument("--preset", default="real-dims")
+    ap.add_argument("--source-layers", type=int, help="the generator's --layers (real-dims has 1; 2 is 18.8 GiB)")
+    ap.add_argument("--tp", type=int, default=1, help="convert's --tp")
     ap.add_argument("--baseline", default="main", help="git revision to compare against ('' for none)")
     ap.add_argument("--layers", type=int, default=1, help="compare's --layers")
     ap.add_argument("--prompt-ids", default="0,1,2,3")
@@ -67,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     src, out = work / "src", work / "out"
     if not (src / "model.safetensors.index.json").is_file():
         shutil.rmtree(src, ignore_errors=True)
-        subprocess.run([py, str(HERE / "scripts/make_tiny_deepseek.py"), str(src), "--preset", args.preset, "-q"],
+        layers = ["--layers", str(args.source_layers)] if args.source_layers else []
+        subprocess.run([py, str(HERE / "scripts/make_tiny_deepseek.py"), str(src), "--preset", args.preset, *layers, "-q"],
                        check=True, env={**os.environ, "PYTHONPATH": str(HERE)})
     size = sum(p.stat().st_size for p in src.glob("*.safetensors"))
     largest = max(p.stat().st_size for p in src.glob("*.safetensors"))
@@ -89,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'command':<34} {'tree':<16} {'peak RSS':>11} {'wall':>10}")
     if "convert" in only or not (out / "prep-complete.json").is_file():
         shutil.rmtree(out, ignore_errors=True)
-        record("convert", "this", measure([*prep, "convert", str(src), "-o", str(out), "-q"], HERE))
+        record("convert", "this", measure([*prep, "convert", str(src), "-o", str(out), "--tp", str(args.tp), "-q"], HERE))
     for name, tree in trees:
         if "verify" in only:
             record("verify --source", name, measure([*prep, "verify", str(out), "--source", str(src), "-q"], tree))
