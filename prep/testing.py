@@ -134,11 +134,13 @@ PRESETS["real-dims"] = replace(
 )
 
 # r1-count: DeepSeek-R1-0528's tensor count (61 layers, the first 3 dense, 256 experts, the BF16
-# MTP layer: ~90k source tensors in 76 shards, as the real checkpoint) at small widths, 1.8 GB:
-# what grows with the number of tensors (manifests, placements, indexes) is measured on it.
+# MTP layer: 90,910 source tensors in 76 shards, as the real checkpoint) at small widths but R1's
+# moe_intermediate (2048: a TP 8 rank's 256 rows need no padding, as in R1; hidden 256 needs none
+# either), 12.5 GB: what grows with the number of tensors (manifests, placements, indexes) and a
+# rank's load at R1's count are measured on it.
 PRESETS["r1-count"] = replace(
     PRESETS["bench"], hidden_size=256, q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=32, qk_rope_head_dim=16,
-    v_head_dim=32, num_attention_heads=16, intermediate_size=512, moe_intermediate_size=256, num_hidden_layers=61,
+    v_head_dim=32, num_attention_heads=16, intermediate_size=512, moe_intermediate_size=2048, num_hidden_layers=61,
     first_k_dense_replace=3, vocab_size=8192, num_shards=76,
 )
 
