@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import pathlib
 import shutil
 import sys
@@ -51,6 +50,9 @@ from prep.convert import convert  # noqa: E402
 from prep.deepseek import Target, classify, plan_groups  # noqa: E402
 from prep.safetensors_writer import nbytes  # noqa: E402
 from prep.source import SourceCheckpoint  # noqa: E402
+
+sys.path.insert(0, str(REPO / "scripts"))
+from bench_replicated import evict  # noqa: E402  (one definition of "cold")
 
 
 def load_source_like_an_engine(src_dir: pathlib.Path, tp: int, rank: int, device: str) -> tuple[int, int]:
@@ -82,16 +84,6 @@ def load_source_like_an_engine(src_dir: pathlib.Path, tp: int, rank: int, device
         read(name).to(device)
         held += 1
     return reads, held
-
-
-def evict(paths) -> None:
-    """Drop these files' pages from the page cache, so the next read comes from the disk."""
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def atom_keeps(src: SourceCheckpoint, manifest, rank: int) -> tuple[int, int]:

@@ -45,7 +45,9 @@ def write_file(path: pathlib.Path, size: int) -> None:
         os.fsync(f.fileno())
 
 
-def drop_cache(paths: list[pathlib.Path]) -> None:
+def evict(paths) -> None:
+    """Drop these files' pages from the page cache, so the next read comes from the disk (no
+    root needed; scripts/bench_load.py uses it too)."""
     for p in paths:
         fd = os.open(p, os.O_RDONLY)
         try:
@@ -113,7 +115,7 @@ def main() -> None:
     warm: dict[str, list[float]] = {k: [] for k in layouts}
     for _ in range(args.repeat):
         for name, files in layouts.items():
-            drop_cache(every)
+            evict(every)
             cold[name].append(host_ready(files))
             warm[name].append(host_ready(files))
     base = "per-rank copies"
