@@ -9,11 +9,11 @@ import math
 import os
 import pathlib
 from collections import Counter, defaultdict
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 import torch
 
-from layouts.manifest import GroupRecord, SourceTensor, TensorRecord, load_manifest
+from layouts.manifest import GroupRecord, ManifestError, SourceTensor, TensorRecord, load_manifest
 from layouts.safetensors_file import ITEMSIZE, TORCH_DTYPES
 
 from .bf16 import Bf16Group
@@ -72,7 +72,7 @@ class ConvertedCheckpoint:
             self._sources[rec.name].update(dict.fromkeys(_group(rec).sources()))
 
     @property
-    def source_tensors(self) -> dict[str, SourceTensor]:
+    def source_tensors(self) -> Mapping[str, SourceTensor]:
         """The source checkpoint's tensors as the manifest states them (what inverting rebuilds)."""
         return self.manifest.source.tensors
 
@@ -91,6 +91,8 @@ class ConvertedCheckpoint:
                     raise PrepError(f"{self.root}: the manifest's source tensor {name} ({meta.dtype} "
                                     f"{list(meta.shape)}) is larger than all the files together; the manifest "
                                     "is damaged: convert again")
+        except ManifestError:  # an entry the table's first reading refuses: it names the entry
+            raise
         except (KeyError, ValueError):  # a dtype nbytes does not know
             raise PrepError(f"{self.root}: the manifest's source tensor table is malformed; convert again") from None
 

@@ -457,7 +457,8 @@ def test_inverting_checks_that_rank_pieces_tile_each_source_tensor(sources, tmp_
     out = tmp_path / "out"
     convert(str(sources["v2"]), out, Target(tp=1))
     ck = pcv.ConvertedCheckpoint(out)
-    ck.source_tensors["fake.weight"] = L.manifest.SourceTensor("U8", (8, 8), "fake.safetensors")
+    table = {**ck.source_tensors, "fake.weight": L.manifest.SourceTensor("U8", (8, 8), "fake.safetensors")}
+    monkeypatch.setattr(pcv.ConvertedCheckpoint, "source_tensors", property(lambda self: table))
 
     class Piece:  # one rank's piece of "fake.weight", bytes = 10 * rank + 1
         def __init__(self, rec):
