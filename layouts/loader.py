@@ -67,7 +67,7 @@ def load_rank(model_dir: str | pathlib.Path, rank: int, device: str | torch.devi
             raise ManifestError(f"{path}: listed in the manifest but missing; convert again") from None
         except SafetensorsFileError as e:
             raise ManifestError(f"{e}; convert again") from None
-        except (OSError, RuntimeError) as e:  # mapping or reading failed (torch.from_file raises RuntimeError)
+        except (OSError, RuntimeError) as e:  # mapping or reading failed (mmap raises OSError, torch RuntimeError)
             raise ManifestError(f"{path}: could not be read ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
                                 "check the file and convert again") from None
         for r in recs:

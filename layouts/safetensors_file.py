@@ -11,6 +11,7 @@ memory pressure. Shared by the loader and by prep's converter, verifier and reve
 
 from __future__ import annotations
 
+import mmap
 import operator
 import os
 import pathlib
@@ -293,9 +294,18 @@ def map_all(sf: "SafetensorsFile") -> tuple[torch.Tensor, dict[str, torch.Tensor
     """Like :meth:`SafetensorsFile.read_all`, but the file is memory-mapped (copy-on-write), not
     read: no copy and no anonymous memory, pages come from the page cache on first touch and can
     be dropped again under pressure (what ``safe_open`` does). The fast path for loading to a
-    GPU (each file staged from the mapping through pinned blocks) and for CPU engines."""
-    size = sf.path.stat().st_size
-    whole = torch.from_file(str(sf.path), shared=False, size=size, dtype=torch.uint8)
+    GPU (each file staged from the mapping through pinned blocks) and for CPU engines.
+
+    It maps the descriptor the header was checked through, never the path again: a file renamed
+    over that path in between (another conversion's swap, a hostile one) cannot put unchecked
+    bytes behind the checked header."""
+    size = os.fstat(sf.fd).st_size
+    if size != sf.data_offset + sf.data_size:
+        raise SafetensorsFileError(f"{sf.path}: file is {size} bytes, {sf.data_offset + sf.data_size} when its header "
+                                   "was read; it changed while being loaded: load it again")
+    # ACCESS_COPY: a private mapping (pages shared with the page cache until written, writes
+    # never reach the file), writable so torch takes it without a copy or a warning.
+    whole = torch.frombuffer(mmap.mmap(sf.fd, size, access=mmap.ACCESS_COPY), dtype=torch.uint8)
     buf = whole[sf.data_offset:sf.data_offset + sf.data_size]
     return buf, sf.views(buf)
 

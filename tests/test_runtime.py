@@ -3,6 +3,7 @@ engine configuration that would misread it is refused with the fix, and a rank l
 the tensors the manifest states, with their runtime attributes."""
 
 import json
+import os
 import shutil
 
 import pytest
@@ -341,3 +342,23 @@ def test_one_pass_hashing_equals_hashing_each_tensor(tmp_path, monkeypatch, bloc
     assert f.hash_tensors(["t4", "bf", "t5"]) == {n: want[n] for n in ("t4", "bf", "t5")}
     with pytest.raises(KeyError):
         f.hash_tensors(["nope"])
+
+
+def test_a_file_renamed_over_the_checked_one_is_not_what_gets_mapped(tmp_path):
+    # load_rank checks a file's header through its descriptor, then maps it: the mapping must be
+    # of that descriptor, not of whatever the path names by then (torch.from_file re-opened it).
+    from layouts.safetensors_file import SafetensorsFile, map_all
+
+    def write(path, values):
+        raw = json.dumps({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}).encode()
+        path.write_bytes(len(raw).to_bytes(8, "little") + raw + torch.tensor(values).numpy().tobytes())
+
+    checked, other = tmp_path / "x.safetensors", tmp_path / "y.safetensors"
+    write(checked, [1.0, 2.0])
+    write(other, [7.0, 8.0])
+    sf = SafetensorsFile(checked)
+    os.replace(other, checked)  # swapped between the header check and the mapping
+    _, views = map_all(sf)
+    assert views["w"].tolist() == [1.0, 2.0]
+    views["w"][0] = 5.0  # copy-on-write: the file is never written through the mapping
+    assert SafetensorsFile(checked).read_all()[1]["w"].tolist() == [7.0, 8.0]
