@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from layouts.manifest import DuplicateKeyError, member_problem, read_regular, strict_json
+from layouts.manifest import (MAX_JSON_BYTES, DuplicateKeyError, FileTooLargeError, member_problem, read_regular,
+                              strict_json)
 from layouts.safetensors_file import SafetensorsFile, SafetensorsFileError, TensorInfo
 
 from .errors import PrepError
@@ -107,9 +108,11 @@ class SourceCheckpoint:
     def _json(self, fname: str, what: str = "") -> Any:
         p = self.member(fname, what)
         try:
-            return strict_json(read_regular(p))
+            return strict_json(read_regular(p, MAX_JSON_BYTES))
         except FileNotFoundError:
             raise
+        except FileTooLargeError as e:
+            raise PrepError(f"{p}: {e}; not the file it is named after: re-download it") from None
         except DuplicateKeyError as e:
             raise PrepError(f"{p}: names {e.key!r} twice; the file is damaged: re-download it") from None
         except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors

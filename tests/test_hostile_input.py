@@ -644,6 +644,26 @@ def test_a_malformed_source_table_is_refused_by_what_reads_it_and_costs_a_rank_l
     assert nothing_left(dest)
 
 
+@pytest.mark.parametrize("name", ["prep-manifest.json", "prep-complete.json", INDEX])
+def test_a_json_file_larger_than_any_prep_reads_is_refused_before_it_is_read(made, tmp_path, name):
+    # A manifest, marker or index is read whole and parsed (several times its size in objects):
+    # one of terabytes (here a sparse file of 1 TiB: no disk used) is refused by its size first.
+    from layouts.manifest import MAX_JSON_BYTES
+
+    folder = copy(made["src" if name == INDEX else "out"], tmp_path / "f")
+    with open(folder / name, "r+b") as f:
+        f.truncate(1 << 40)
+    assert (folder / name).stat().st_size > MAX_JSON_BYTES
+    if name == INDEX:
+        r = run_cli("convert", folder, "-o", tmp_path / "o", "--tp", "2")
+        assert_one_line_error(r, name, "more than the", "re-download it")
+        assert nothing_left(tmp_path / "o")
+    else:
+        with pytest.raises(ManifestError, match=f"{name}: 1099511627776 bytes, more than the"):
+            L.load_manifest(folder)
+        assert_one_line_error(run_cli("verify", folder), name, "more than the")
+
+
 # ------------------------------------------------------------------------------ one error base per package
 def test_errors_keep_their_type_under_one_base_per_package(made, tmp_path):
     from layouts.shuffle import LayoutConstraintError
