@@ -16,7 +16,6 @@ import concurrent.futures as cf
 import dataclasses
 import json
 import pathlib
-import shutil
 import threading
 from typing import Any, Callable
 
@@ -33,7 +32,7 @@ from .deepseek import Target, classify, plan_bf16, plan_groups
 from .errors import PrepError
 from .groups import LinearGroup, MoEGroup
 from .identity import changed_files, file_identity
-from .outdir import OutputFolder, kill_point, output_id, write_json
+from .outdir import OutputFolder, copy_regular, kill_point, output_id, write_json
 from .source import ShardFile, SourceCheckpoint
 from .safetensors_writer import StreamingSafetensorsWriter, nbytes
 
@@ -270,7 +269,7 @@ def convert(
         with folder.discarded_on_error(keep_on_interrupt=True, needed=f" ({total / 2**30:.2f} GiB needed in all)"):
             records = _write_all(src, jobs, folder, resume, workers, progress, on_total, total, notify)
             for p in src.side_files():
-                shutil.copyfile(p, folder.staging / p.name)
+                copy_regular(p, folder.staging / p.name)
             manifest = build_manifest(src, target, jobs, records, info)
             # Compact JSON: the C encoder (indent= falls back to pure Python, 10x slower at ~90k tensors).
             raw = json.dumps(manifest.to_json(), separators=(",", ":")).encode()

@@ -38,12 +38,20 @@ import shutil
 import signal
 from typing import Any, Iterator
 
-from layouts.manifest import COMPLETE_NAME, MANIFEST_NAME
+from layouts.manifest import COMPLETE_NAME, MANIFEST_NAME, open_regular
 
 from .errors import PrepError
 
 REVERT_MARKER = "prep-revert.json"  # written last into a reverted checkpoint: the files prep wrote there
 WORK_SUFFIX = ".prep"
+
+
+def copy_regular(src: pathlib.Path, dst: pathlib.Path) -> int:
+    """Copy regular file ``src`` to ``dst`` a MiB at a time (never whole in memory), through the
+    descriptor that was checked to be a regular file (a FIFO would block forever); its size."""
+    with os.fdopen(open_regular(src), "rb") as fin, open(dst, "wb") as fout:
+        shutil.copyfileobj(fin, fout, 1 << 20)
+        return fout.tell()
 
 
 def _side_files() -> tuple[str, ...]:

@@ -12,13 +12,13 @@ import json
 import pathlib
 from typing import Callable
 
-from layouts.manifest import member_problem, read_regular
+from layouts.manifest import member_problem
 
 from . import __version__
 from .convert import shard_names
 from .converted import ConvertedCheckpoint
 from .errors import PrepError
-from .outdir import REVERT_MARKER, OutputFolder, write_json
+from .outdir import REVERT_MARKER, OutputFolder, copy_regular, write_json
 from .source import INDEX_NAME, SIDE_FILES
 from .safetensors_writer import TORCH_DTYPES, StreamingSafetensorsWriter, nbytes
 
@@ -50,11 +50,15 @@ def revert(out: str, dest: str | pathlib.Path, force: bool = False, verify: bool
                 json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
             written = [fname for fname, _ in shards] + [INDEX_NAME]
             for f in SIDE_FILES:
-                if (ck.root / f).is_file():
+                recorded = ck.manifest.source.files.get(f)  # convert copied the source's side files as they were
+                if recorded is not None and (ck.root / f).is_file():
                     problem = member_problem(ck.root, f)
                     if problem:  # e.g. a symlink out of the folder: never copy what it points at
                         raise PrepError(f"{ck.root}: {problem}; replace it with the file itself")
-                    (folder.staging / f).write_bytes(read_regular(ck.root / f))
+                    if (ck.root / f).stat().st_size != recorded.size:
+                        raise PrepError(f"{ck.root / f}: {(ck.root / f).stat().st_size} bytes, the source's was "
+                                        f"{recorded.size}: changed since the conversion; put the source's {f} back")
+                    copy_regular(ck.root / f, folder.staging / f)
                     written.append(f)
             # Written last: says which files are prep's (what a later --force may replace).
             write_json(folder.staging / REVERT_MARKER, {

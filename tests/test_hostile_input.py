@@ -664,6 +664,26 @@ def test_a_json_file_larger_than_any_prep_reads_is_refused_before_it_is_read(mad
         assert_one_line_error(run_cli("verify", folder), name, "more than the")
 
 
+def test_revert_refuses_a_side_file_changed_since_the_conversion(made, tmp_path):
+    # revert rebuilds the source: a side file of another size than the source's was changed
+    # (or is a hostile sparse terabyte, which revert once read whole) and is named, not copied;
+    # the others are copied as they are (a MiB at a time).
+    out = copy(made["out"], tmp_path / "out")
+    with open(out / "tokenizer.json", "r+b") as f:
+        f.truncate(1 << 40)
+    dest = tmp_path / "rt"
+    assert_one_line_error(run_cli("revert", out, "-o", dest), "tokenizer.json", "1099511627776 bytes",
+                          "put the source's tokenizer.json back")
+    assert nothing_left(dest)
+    (out / "tokenizer.json").unlink()
+    shutil.copyfile(made["src"] / "tokenizer.json", out / "tokenizer.json")
+    from prep.revert import revert
+
+    revert(str(out), dest)
+    for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        assert (dest / f).read_bytes() == (made["src"] / f).read_bytes(), f
+
+
 # ------------------------------------------------------------------------------ one error base per package
 def test_errors_keep_their_type_under_one_base_per_package(made, tmp_path):
     from layouts.shuffle import LayoutConstraintError
