@@ -379,9 +379,10 @@ def verify(out, source, deep, as_json, quiet):
     Exit status 1 names the first file or tensor that does not match.
 
     Memory stays flat whatever the checkpoint's size: files are hashed in 64 MiB reads, and with
-    --source every tensor is inverted and compared a block of rows (or of experts) of at most
-    32 MiB per rank at a time (PREP_STREAM_BYTES sets it), a dense linear whole (DeepSeek's
-    largest is 0.13 GiB per rank): about 0.5 GiB at TP 1.
+    --source every tensor is inverted and compared a block of rows, or of whole experts from all
+    ranks, of about 32 MiB at a time (PREP_STREAM_BYTES sets it), a dense linear whole (DeepSeek's
+    largest is 0.13 GiB per rank): 0.6 GiB measured at TP 1 and TP 8 on DeepSeek's real widths,
+    0.5 GiB at R1's 90,910 tensors (docs/BENCHMARKS.md).
 
     \b
     Examples:
@@ -414,8 +415,11 @@ def revert(out, dest, force, verify, as_json, quiet):
     shapes and bytes (shard boundaries may differ).
 
     Memory stays flat whatever the checkpoint's size: every tensor is rebuilt and written a
-    block of rows (or of experts) of at most 32 MiB per rank at a time (PREP_STREAM_BYTES sets
-    it), a dense linear whole, through three 40 MiB write buffers: about 0.5 GiB at TP 1.
+    block of rows, or of whole experts from all ranks, of about 32 MiB at a time
+    (PREP_STREAM_BYTES sets it), a dense linear whole, through three 40 MiB write buffers:
+    0.6-0.7 GiB measured at TP 1 and TP 8 on DeepSeek's real widths (docs/BENCHMARKS.md). The
+    source's config and tokenizer files are copied as it had them (one changed since the
+    conversion is refused, naming it).
 
     \b
     Example:
