@@ -55,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--preset", default="real-dims")
     ap.add_argument("--source-layers", type=int, help="the generator's --layers (real-dims has 1; 2 is 18.8 GiB)")
     ap.add_argument("--tp", type=int, default=1, help="convert's --tp")
+    ap.add_argument("--src-dir", type=pathlib.Path, help="the source's folder (default WORK/src): e.g. in RAM "
+                    "(/dev/shm) when the disk cannot hold the source, its conversion and a revert at once")
+    ap.add_argument("--revert-dir", type=pathlib.Path, help="revert's output (default WORK/reverted), as --src-dir")
     ap.add_argument("--baseline", default="main", help="git revision to compare against ('' for none)")
     ap.add_argument("--layers", type=int, default=1, help="compare's --layers")
     ap.add_argument("--prompt-ids", default="0,1,2,3")
@@ -66,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     work = args.work.resolve()
     work.mkdir(parents=True, exist_ok=True)
     py = sys.executable
-    src, out = work / "src", work / "out"
+    src, out = (args.src_dir or work / "src").resolve(), work / "out"
     if not (src / "model.safetensors.index.json").is_file():
         shutil.rmtree(src, ignore_errors=True)
         layers = ["--layers", str(args.source_layers)] if args.source_layers else []
@@ -97,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         if "verify" in only:
             record("verify --source", name, measure([*prep, "verify", str(out), "--source", str(src), "-q"], tree))
         if "revert" in only:
-            dest = work / "reverted"
+            dest = (args.revert_dir or work / "reverted").resolve()
             shutil.rmtree(dest, ignore_errors=True)
             record("revert", name, measure([*prep, "revert", str(out), "-o", str(dest), "-q"], tree))
             shutil.rmtree(dest, ignore_errors=True)
