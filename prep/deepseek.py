@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Mapping
 
 from layouts.compat import EngineConfig
 from layouts.engines import get_engine
@@ -367,17 +367,27 @@ def mtp_embeddings(names: Iterable[str], num_hidden_layers: int) -> list[str]:
     return [n for n in names if (m := _LAYER_EMBED.match(n)) and int(m.group(1)) >= num_hidden_layers]
 
 
+def split_bf16(tensors: Mapping[str, Any], config: dict[str, Any], num_layers: int, tp: int, ep: int,
+               fuse_shared_expert: bool) -> tuple[list[list[Bf16Group]], list[str], list[str]]:
+    """Where each non-MXFP4 tensor of ``tensors`` (name -> its dtype and shape) goes in a
+    rank-exact conversion: per rank, the BF16 groups it holds (split as ATOM holds them,
+    :mod:`prep.bf16`); the tensors every rank holds whole (replicated: norms, router, its bias,
+    ``eh_proj``; a replicated ``fused_qkv_a_proj``'s parts are a group); and the tensors no rank
+    reads: the MTP layer's ``embed_tokens``, which ATOM's drafter replaces by the target model's
+    after loading (``docs/rank-exact.md``), kept whole only so that ``revert`` is exact. What
+    ``convert`` writes and what ``inspect`` says a format-1 rank keeps."""
+    unread = mtp_embeddings(tensors, num_layers)
+    rest = {n: info for n, info in tensors.items() if n not in unread}  # one per MTP layer
+    per_rank, replicated = plan_bf16_groups(rest, config, tp, ep, fuse_shared_expert)
+    return per_rank, replicated, unread
+
+
 def plan_bf16(src: SourceCheckpoint, cls: Classified, target: Target
               ) -> tuple[list[list[Bf16Group]], list[str], list[str]]:
-    """The non-MXFP4 tensors of a rank-exact conversion: per rank, the BF16 groups it holds
-    (split as ATOM holds them, :mod:`prep.bf16`); the tensors every rank holds whole
-    (replicated: norms, router, its bias, ``eh_proj``, a replicated ``fused_qkv_a_proj``'s
-    parts are a group); and the tensors no rank reads: the MTP layer's ``embed_tokens``, which
-    ATOM's drafter replaces by the target model's after loading (``docs/rank-exact.md``), kept
-    whole only so that ``revert`` is exact."""
-    unread = mtp_embeddings(cls.passthrough, cls.num_layers)
-    rest = {n: src.tensors[n] for n in cls.passthrough if n not in unread}  # one per MTP layer
-    per_rank, replicated = plan_bf16_groups(rest, src.config, target.tp, target.ep, target.fuse_shared_expert)
+    """:func:`split_bf16` of a source's non-MXFP4 tensors for ``target``, the stacked BF16
+    experts in the target's BF16 MoE layout, every group checked."""
+    per_rank, replicated, unread = split_bf16({n: src.tensors[n] for n in cls.passthrough}, src.config,
+                                              cls.num_layers, target.tp, target.ep, target.fuse_shared_expert)
     if target.bf16_moe_layout:
         per_rank = [[g.with_layout(target.bf16_moe_layout) if g.stacked else g for g in groups] for groups in per_rank]
     for groups in per_rank:

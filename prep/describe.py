@@ -11,9 +11,8 @@ from layouts.engines import get_engine
 from layouts.errors import LayoutsError
 from layouts.manifest import MANIFEST_NAME
 
-from .bf16 import plan_bf16_groups
 from .converted import ConvertedCheckpoint
-from .deepseek import Target, classify, mtp_embeddings, plan_groups
+from .deepseek import Target, classify, plan_groups, split_bf16
 from .errors import PrepError
 from .safetensors_writer import nbytes
 from .source import SourceCheckpoint
@@ -118,9 +117,8 @@ def _kept_bytes(ck: ConvertedCheckpoint) -> list[int] | None:
     try:
         config = json.loads((ck.root / "config.json").read_text())
         common = {t.name: m.source.tensors[t.name] for t in m.tensors if t.rank is None and t.role == "passthrough"}
-        unread = set(mtp_embeddings(common, config["num_hidden_layers"]))
-        common = {n: i for n, i in common.items() if n not in unread}
-        split, whole = plan_bf16_groups(common, config, m.tp, m.ep, m.target.fuse_shared_expert)
+        split, whole, _ = split_bf16(common, config, config["num_hidden_layers"], m.tp, m.ep,
+                                     m.target.fuse_shared_expert)
     except (OSError, ValueError, KeyError, TypeError, PrepError):
         return None
     replicated = sum(nbytes(common[n].dtype, common[n].shape) for n in whole)
