@@ -55,9 +55,10 @@ def revert(out: str, dest: str | pathlib.Path, force: bool = False, verify: bool
                     problem = member_problem(ck.root, f)
                     if problem:  # e.g. a symlink out of the folder: never copy what it points at
                         raise PrepError(f"{ck.root}: {problem}; replace it with the file itself")
-                    if (ck.root / f).stat().st_size != recorded.size:
-                        raise PrepError(f"{ck.root / f}: {(ck.root / f).stat().st_size} bytes, the source's was "
-                                        f"{recorded.size}: changed since the conversion; put the source's {f} back")
+                    size = (ck.root / f).stat().st_size
+                    if size != recorded.size:
+                        raise PrepError(f"{ck.root / f}: {size} bytes, the source's was {recorded.size}: changed "
+                                        f"since the conversion; put the source's {f} back")
                     copy_regular(ck.root / f, folder.staging / f)
                     written.append(f)
             # Written last: says which files are prep's (what a later --force may replace).

@@ -301,8 +301,9 @@ def _from_converted(root: pathlib.Path, assume_layout: str | None, manifest: lay
             for name in dict.fromkeys(g.sources()):
                 split.setdefault(name, []).append(g)
             continue
-        _weight_pieces(g, ranks[g.rank], layout_of(g), pieces, memo)
-        headroom = max(headroom, _read_headroom(g, layout_of(g)))
+        lay = layout_of(g)
+        _weight_pieces(g, ranks[g.rank], lay, pieces, memo)
+        headroom = max(headroom, _read_headroom(g, lay))
 
     def assemble_bf16(name: str, rs: slice | None = None) -> torch.Tensor:
         """A split BF16 source tensor, or its rows ``rs`` (unstacked groups only), put back
