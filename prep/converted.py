@@ -313,9 +313,9 @@ def _group(rec: GroupRecord) -> LinearGroup | MoEGroup | Bf16Group:
 
 
 def _step(g: MoEGroup) -> int:
-    """Experts per block when inverting: about STREAM_BYTES of whole experts' w13. A block is
-    read on every rank before its experts are whole, so under TP it is the rank's slice times
-    the ranks that split an expert (counting the rank's slice alone held 8x the budget at tp 8:
+    """Experts per block when inverting: about STREAM_BYTES of whole experts' ``[gate ; up]``
+    (source bytes, pads aside). A block is read on every rank before its experts are whole, so
+    it is counted in whole experts, not in one rank's slice (which held 8x the budget at tp 8:
     revert peaked at 1.03 GiB on the real dims, 0.63 at tp 1)."""
     return max(1, STREAM_BYTES // max(1, 2 * g.inter * g.hidden // 2))  # [gate ; up] of a whole expert
 
