@@ -10,6 +10,9 @@ ATOM (``ROCm/ATOM``) imports ``aiter`` everywhere, and ``import aiter`` needs RO
   ``aiter/utility/fp4_utils.py`` (``e8m0_shuffle``), ``dtypes``, ``mx_types``, ``aiter_types``.
 * ``aiter.ops.enum``: ``QuantType`` / ``ActivationType`` are C++ enums in aiter's compiled core;
   ours are Python enums with the same names and values (aiter ``csrc/include/aiter_enum.h``).
+* ``aiter.utility.aiter_types`` parses that C header for the dtype ids aiter passes to its C++
+  kernels; a Python-only tree (the oracles' subset) has no header, and then the ids are ours
+  (numbered in the order aiter's docstring lists them): nothing on the CPU passes them anywhere.
 * ``aiter.jit.utils.chip_info``: the arch is asked of the GPU driver; we answer
   :data:`GPU_ARCH["name"]` (:func:`install`'s ``gpu_arch``, default gfx950: MI355, the arch with
   MXFP4 GEMMs), so ATOM picks that arch's paths.
@@ -156,6 +159,8 @@ class _AiterFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         top = name.partition(".")[0]
         if top not in self.absent and top != "aiter":
             return None
+        if name == "aiter.utility.aiter_types" and not (self.root / "csrc/include/aiter_enum.h").is_file():
+            return importlib.machinery.ModuleSpec(name, self)  # no C header: ids of our own (docstring)
         if name in REAL_AITER:
             return importlib.util.spec_from_file_location(name, self.root / (name.replace(".", "/") + ".py"))
         return importlib.machinery.ModuleSpec(name, self, is_package=True)
@@ -173,6 +178,10 @@ class _AiterFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             m.dtypes, m.QuantType, m.ActivationType = dtypes, aiter_enum.QuantType, aiter_enum.ActivationType
         elif m.__name__ == "aiter.ops.enum":
             _fill_enums(m)
+        elif m.__name__ == "aiter.utility.aiter_types":
+            names = "fp8 fp8_e8m0 fp16 bf16 fp32 i4x2 fp4x2 u32 i32 i16 i8".split()
+            m.aiter_dtypes = {n: i for i, n in enumerate(names)}
+            m.aiter_tensor_t = type("aiter_tensor_t", (), {})
         elif m.__name__ == "aiter.jit.utils.chip_info":
             m.get_gfx = m.get_gfx_runtime = lambda: GPU_ARCH["name"]
 
