@@ -8,7 +8,7 @@ This module is the engine-neutral half: the configuration, the rules every engin
 EP, "the dense / MoE layout the engine reads is the checkpoint's"), and :func:`check_compatibility`,
 which runs the engine profile's rules in the profile's order. What an engine's switches mean,
 which layout each of its paths reads, its own refusals and the fixes they name: its profile in
-``layouts/engines/`` (ATOM's switches, with the sources: ``layouts/engines/atom.py``).
+``layouts/engines/`` (ATOM's switches, with the sources: ``layouts/engines/atom/``).
 """
 
 from __future__ import annotations

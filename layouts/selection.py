@@ -3,7 +3,7 @@
 The fused RMSNorm + MXFP4 quant writes the activation scale either row-major ``[M, K/32]`` or
 S32x8-shuffled, and either exactly ``M`` rows or padded to ``[pad256(M), pad8(K/32)]``; the GEMM
 path decides which, from the token count. The rules are the engines' (each profile's
-``gemm_paths``, ATOM's table in ``layouts/engines/atom.py``); this module applies them.
+``gemm_paths``, ATOM's table in ``layouts/engines/atom/``); this module applies them.
 """
 
 from __future__ import annotations

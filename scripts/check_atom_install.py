@@ -65,7 +65,7 @@ from prep.testing import PRESETS, SynthSpec, write_checkpoint  # noqa: E402
 # 16384]) and moe_intermediate 320 (ATOM and prep pad the experts' intermediate to 512 at TP 1).
 WIDE = SynthSpec(variant="r1-0528", num_attention_heads=16, moe_intermediate_size=320)
 VARIANTS = ("r1-0528", "v2")
-# ATOM's dense GEMM paths and the switches that select them (layouts/engines/atom.py). The MoE is
+# ATOM's dense GEMM paths and the switches that select them (layouts/engines/atom/). The MoE is
 # aiter's CK fused_moe throughout, asked for with ATOM_USE_TRITON_MOE=0: ATOM's Triton MoE (its
 # default on gfx94x, and on gfx95x with ATOM_USE_TRITON_GEMM=1) wraps the scales with
 # triton_kernels, which is not run here.

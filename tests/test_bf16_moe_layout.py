@@ -181,7 +181,7 @@ def _manifest(engine: EngineConfig, bf16_layouts) -> Manifest:
                                  {"ATOM_USE_TRITON_GEMM": "1"}, {"ATOM_USE_FP4_NON_SHUFFLE_TRITON_GEMM": "1"}])
 @pytest.mark.parametrize("arch", ["gfx942", "gfx950"])
 def test_atom_reads_bf16_experts_shuffled_in_every_configuration(env, arch):
-    # UnquantizedFusedMoEMethod shuffles whatever the switches (layouts/engines/atom.py cites it).
+    # UnquantizedFusedMoEMethod shuffles whatever the switches (layouts/engines/atom/ cites it).
     engine = EngineConfig.from_env(tp_size=2, env=env, gpu_arch=arch)
     assert engine.expected_bf16_moe_layout() == LAYOUT.name
     check_compatibility(_manifest(engine, {LAYOUT.name: LAYOUT}), engine)

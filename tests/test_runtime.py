@@ -29,7 +29,7 @@ def converted(tmp_path_factory):
                          "raw-gfx942-tp2": Target("non-shuffle", "triton-gfx942", 2)}.items():
         convert(str(src), root / name, target)
         out[name] = root / name
-    # R1-0528 style (attention BF16): what ATOM_USE_TRITON_GEMM=1 can load (layouts/engines/atom.py docstring).
+    # R1-0528 style (attention BF16): what ATOM_USE_TRITON_GEMM=1 can load (layouts/engines/atom/ docstring).
     r1 = write_checkpoint(SynthSpec(variant="r1-0528"), root / "src-r1")
     convert(str(r1), root / "r1-pre-ck-tp2", Target("preshuffle", "ck", 2))
     out["r1-pre-ck-tp2"] = root / "r1-pre-ck-tp2"

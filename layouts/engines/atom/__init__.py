@@ -1,0 +1,249 @@
+"""ROCm ATOM's profile: its switches, which layout each of its paths reads, the activation-quant
+flags each GEMM path needs, the configurations it would misread (refused with the fix), and the
+adapter that installs a converted checkpoint into its DeepSeek model.
+
+Switches (``atom/utils/envs.py``; on only when the value is ``"1"``, as ATOM reads them):
+
+=========================================== ======= ==============================================
+switch                                      default effect
+=========================================== ======= ==============================================
+``ATOM_USE_FP4_NON_SHUFFLE_TRITON_GEMM``    0       dense GEMM: Triton on raw weights (wins first)
+``ATOM_USE_TRITON_GEMM``                    0       dense GEMM: Triton on preshuffled weights;
+                                                    attention must be BF16 on disk (see below)
+(neither)                                           dense GEMM: ASM/CK ``gemm_a4w4`` (preshuffled)
+``ATOM_USE_TRITON_MOE``                     unset   MoE: Triton if "1", CK if set otherwise; unset:
+                                                    Triton on gfx94x, and on gfx95x only with
+                                                    ``ATOM_USE_TRITON_GEMM=1``
+``ATOM_ENABLE_DS_INPUT_RMSNORM_QUANT_FUSION`` 1     fused RMSNorm+quant before ``fused_qkv_a_proj``
+``ATOM_ENABLE_DS_QKNORM_QUANT_FUSION``      1       fused q_a/kv_a RMSNorm+quant before ``q_b_proj``
+=========================================== ======= ==============================================
+
+Which flags the fused RMSNorm + MXFP4 quant needs for each dense GEMM path (ATOM's
+``_mxfp4_activation_quant_layout``): the scale is written row-major ``[M, K/32]`` or
+S32x8-shuffled, exactly ``M`` rows or padded to ``[pad256(M), pad8(K/32)]``:
+
+===================== ============== ======================== ==================
+GEMM path             weight layout  shuffle                  scale_shuffle_padding
+===================== ============== ======================== ==================
+asm                   preshuffle     always                   always
+triton-preshuffle     preshuffle     M >= 32                  M >= 32 (the GEMM takes ``scale[:M]`` below)
+triton-non-shuffle    non-shuffle    never                    never
+===================== ============== ======================== ==================
+
+With ``ATOM_USE_TRITON_GEMM=1`` ATOM's DeepSeek attention takes a BF16 source only (ROCm/ATOM
+``atom/models/deepseek_v2.py``, ``DeepseekV2MLAAttention.__init__``, at commit ffdf3bb5): when the
+q_a projection's quant dtype is fp4x2 it builds ``fused_qkv_a_proj`` / ``q_b_proj`` with
+``source_quant_dtype=torch.bfloat16`` (a BF16 ``[out, in]`` weight it quantizes itself in
+``process_weights_after_loading``, no ``weight_scale``) and ``kv_b_proj`` / ``o_proj`` plain BF16.
+MXFP4 attention (Quark's v2 checkpoints) then cannot load: the packed ``[out, in/2]`` weight
+fails ``LinearBase.weight_loader_process``'s copy into the ``[out, in]`` BF16 slot and the scales
+have no parameter to go to. Without the switch, ATOM keeps the quant config for exactly this
+static-Quark MXFP4 attention and runs it on the ASM/CK ``gemm_a4w4``.
+
+The adapter that installs a converted checkpoint into ATOM's models is :mod:`.adapter`; the
+door that serves a converted folder with ATOM's own server is :mod:`.serve`.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+from ...compat import (CompatibilityError, EngineConfig, bf16_moe_layout_matches, dense_layout_matches, ep_matches,
+                       moe_layout_matches, rank_in_range, tp_matches)
+from ...manifest import Manifest
+from ...errors import LayoutsError
+from ...registry import MOE_BF16, MOE_CK, MOE_TRITON, MOE_TRITON_GFX942, NON_SHUFFLE, PRESHUFFLE, recorded_layout
+from ...shuffle import S8_COLS, pad_to
+from .. import NEVER, EngineProfile, GemmPathRule, GpuArch, current_gpu_arch
+
+ENV_NON_SHUFFLE = "ATOM_USE_FP4_NON_SHUFFLE_TRITON_GEMM"
+ENV_TRITON_GEMM = "ATOM_USE_TRITON_GEMM"
+ENV_TRITON_MOE = "ATOM_USE_TRITON_MOE"
+ENV_INPUT_FUSION = "ATOM_ENABLE_DS_INPUT_RMSNORM_QUANT_FUSION"
+ENV_QKNORM_FUSION = "ATOM_ENABLE_DS_QKNORM_QUANT_FUSION"
+
+# ---------------------------------------------------------------------------- paths and layouts
+ASM, TRITON_PRESHUFFLE, TRITON_NON_SHUFFLE = "asm", "triton-preshuffle", "triton-non-shuffle"
+CK, TRITON = "ck", "triton"  # MoE back ends: aiter's CK fused_moe, triton_kernels' MoE
+
+GEMM_PATHS: dict[str, GemmPathRule] = {  # the default (no switch) first
+    ASM: GemmPathRule(PRESHUFFLE.name, 0, 0),
+    TRITON_PRESHUFFLE: GemmPathRule(PRESHUFFLE.name, 32, 32),
+    TRITON_NON_SHUFFLE: GemmPathRule(NON_SHUFFLE.name, NEVER, NEVER),
+}
+GFX94, GFX95 = GpuArch("gfx94", "gfx942", "gfx94x (MI300)"), GpuArch("gfx95", "gfx950", "gfx95x (MI355)")
+MOE_LAYOUTS: dict[tuple[str, str], str] = {  # CK first: it is ATOM's MoE unless the switch (or the arch) says Triton
+    (CK, GFX94.prefix): MOE_CK.name,
+    (CK, GFX95.prefix): MOE_CK.name,
+    (TRITON, GFX94.prefix): MOE_TRITON_GFX942.name,  # triton_kernels on gfx942 reads raw scales
+    (TRITON, GFX95.prefix): MOE_TRITON.name,  # and CDNA4_SCALE-swizzled ones on gfx950
+}
+# BF16 experts (R1-0528's MTP layer) go to UnquantizedFusedMoEMethod whatever the switches say
+# (ROCm/ATOM ffdf3bb5 atom/model_ops/moe.py:2888-2891; ATOM_USE_TRITON_MOE is read only by the
+# MXFP4 method, 1046-1052). Its process_weights_after_loading (moe.py:830-836) pads nothing
+# (_maybe_pad_weight, 827-828, is the identity) and calls shuffle_weights(w13, w2), which shuffles
+# each expert [N, K] with aiter's shuffle_weight(layout=(16, 16)), no gate/up interleave, and
+# sets is_shuffled (atom/model_ops/utils.py:134-168); aiter's fused_moe reads that attribute
+# (aiter e4048607 aiter/fused_moe.py:747). On every arch, CK or Triton MXFP4 MoE alike.
+BF16_MOE_LAYOUT = MOE_BF16.name
+
+# ---------------------------------------------------------------------------- refusals
+_DENSE_FIX = {
+    (PRESHUFFLE.name, TRITON_NON_SHUFFLE): (
+        "checkpoint is preshuffled; the non-shuffle Triton GEMM would read garbage: "
+        f"unset {ENV_NON_SHUFFLE} or convert with --layout {NON_SHUFFLE.name}"),
+    (NON_SHUFFLE.name, ASM): (
+        "checkpoint is non-shuffled (raw); the ASM/CK gemm_a4w4 reads preshuffled (W16/S32x8) weights and would "
+        f"read garbage: set {ENV_NON_SHUFFLE}=1 or convert with --layout {PRESHUFFLE.name}"),
+    (NON_SHUFFLE.name, TRITON_PRESHUFFLE): (
+        "checkpoint is non-shuffled (raw); the Triton preshuffle GEMM reads W16/S32x8 weights and would read "
+        f"garbage: set {ENV_NON_SHUFFLE}=1 instead of {ENV_TRITON_GEMM}=1, or convert with --layout {PRESHUFFLE.name}"),
+}
+
+# DeepSeek's attention projections (MLA; q_proj where q_lora_rank is None), as manifest groups end.
+ATTENTION_MODULES = ("q_proj", "q_a_proj", "kv_a_proj_with_mqa", "fused_qkv_a_proj", "q_b_proj", "kv_b_proj", "o_proj")
+
+
+def mxfp4_attention_group(manifest: Manifest) -> str | None:
+    """The first attention module the checkpoint holds in MXFP4, or None (attention is BF16)."""
+    for t in manifest.tensors:
+        if t.role == "mxfp4_weight" and t.group and t.group.rpartition(".")[2] in ATTENTION_MODULES:
+            return t.group
+    return None
+
+
+def triton_gemm_needs_bf16_attention(manifest: Manifest, engine: EngineConfig) -> str | None:
+    """The triton-preshuffle path is ATOM_USE_TRITON_GEMM=1; the dense layout fits it, but ATOM's
+    attention under that switch expects a BF16 source (module docstring)."""
+    if engine.gemm_path == TRITON_PRESHUFFLE and (attn := mxfp4_attention_group(manifest)) is not None:
+        return (f"attention is MXFP4 ({attn}) but with {ENV_TRITON_GEMM}=1 ATOM builds DeepSeek's attention for a "
+                "BF16 source (fused_qkv_a_proj/q_b_proj quantized at load, source_quant_dtype=bfloat16; kv_b_proj/o_proj "
+                "BF16; no weight_scale), so the packed weights fail its weight loader's copy and the scales are dropped: "
+                f"unset {ENV_TRITON_GEMM} (ATOM then runs MXFP4 attention on the ASM/CK gemm_a4w4, same layout), or use "
+                "a checkpoint whose attention is BF16 (as R1-0528)")
+    return None
+
+
+# Which bytes each GEMM path can take in the K-pad columns of an S32x8 weight scale (the columns
+# past K/32 when K/32 is not a multiple of 8: DeepSeek's down_proj at TP 16, K = 1152). Every ATOM
+# path passes the real K, taken from the activation [M, K/2] (ROCm/ATOM atom/model_ops/linear.py,
+# gemm_a4w4_quant, at commit ffdf3bb5; aiter at e4048607: gemm_afp4wfp4_preshuffle takes
+# K_elems = 2 * x_fp4.shape[1] in aiter/ops/triton/gemm/basic/gemm_afp4wfp4.py, gemm_a4w4 takes
+# k = A.shape[-1] * 2 in aiter/ops/gemm_op_a4w4.py before calling the ASM or CK kernel).
+# * triton-preshuffle: aiter's Triton kernels, told the real K, read the pad columns but multiply
+#   them by data masked to zero, so any finite byte is exact and 0xFF (E8M0 NaN) makes the output
+#   NaN (tests/test_consumer_kernels.py, test_s32x8_k_pad_byte; docs/consumer-kernels.md).
+# * asm: aiter's ASM/CK gemm_a4w4 is a binary that cannot run here; AMD-AGI/Primus-Turbo#383
+#   reports that it reads the K-pad scale columns against the data past K, which only 0x00
+#   (2^-127) cancels; a 0x7F pad (layout version 1) lets that data into the sum.
+# * triton-non-shuffle reads raw scales: there is no pad to read.
+# The MoE back ends get no rule: prep pads stacked experts to multiples of 256, so their S32x8
+# scales never pad K (and no evidence says how the CK MoE reads a pad).
+_K_PAD_USABLE = {ASM: (lambda b: b == 0x00, "only 0x00"), TRITON_PRESHUFFLE: (lambda b: b != 0xFF, "any byte but 0xFF")}
+
+
+def _k_padded_linear(manifest: Manifest) -> tuple[str, int] | None:
+    """The first dense linear whose S32x8 scale pads K, with its K per rank, or None."""
+    for g in manifest.groups:
+        if g.kind == "linear" and g.layout == PRESHUFFLE.name and g.parts:
+            p = g.parts[0]
+            k = p.k // g.tp if p.split == "cols" else p.k
+            if -(-k // 32) % S8_COLS:
+                return g.name, k
+    return None
+
+
+def s32x8_k_pad_usable(manifest: Manifest, engine: EngineConfig) -> str | None:
+    """The GEMM path reads the K-pad columns of the checkpoint's S32x8 scales: their byte must be
+    one it can use (the table above)."""
+    usable = _K_PAD_USABLE.get(engine.gemm_path)
+    padded = _k_padded_linear(manifest) if usable and manifest.layout == PRESHUFFLE.name else None
+    if padded is None:
+        return None
+    record = manifest.layouts.get(PRESHUFFLE.name)
+    if record is None:
+        return f"the manifest does not record the {PRESHUFFLE.name!r} layout it used (its pad byte): convert again"
+    try:
+        layout = recorded_layout(record.to_json())
+    except LayoutsError as e:
+        return str(e.args[0])
+    byte, (ok, which) = layout.scale.pad_value, usable
+    if ok(byte):
+        return None
+    name, k = padded
+    return (f"{name}: K = {k} pads its S32x8 scale from {-(-k // 32)} to {pad_to(-(-k // 32), S8_COLS)} columns with "
+            f"0x{byte:02X} (layout '{PRESHUFFLE.name}' version {layout.version}), and the {engine.gemm_path} GEMM "
+            f"reads those columns ({which} keeps it right): re-convert with this prep version "
+            f"(layout version {PRESHUFFLE.version} pads with 0x{PRESHUFFLE.scale.pad_value:02X})")
+
+
+def expert_parallel_needs_ck_moe(manifest: Manifest, engine: EngineConfig) -> str | None:
+    if engine.ep_size > 1 and engine.moe_backend not in AtomProfile.expert_parallel_backends:
+        return ("expert parallel with the Triton MoE: ATOM's triton_kernel_fused_experts ignores the expert map "
+                f"and would apply other ranks' expert ids to this rank's experts; set {ENV_TRITON_MOE}=0 (CK MoE) for EP")
+    return None
+
+
+# ---------------------------------------------------------------------------- the profile
+class AtomProfile(EngineProfile):
+    """ROCm ATOM (``ROCm/ATOM`` at commit ffdf3bb5) serving DeepSeek V2/V3/R1 on MI300 / MI355."""
+
+    name = "atom"
+    gemm_paths = GEMM_PATHS
+    moe_layouts = MOE_LAYOUTS
+    gpu_archs = (GFX94, GFX95)
+    default_gpu_arch = GFX95.example
+    expert_parallel_backends = (CK,)  # ATOM's Triton MoE ignores the expert map
+    expert_parallel_switch = "--enable-expert-parallel"  # sets ep_size = tp_size
+    bf16_moe_layout = BF16_MOE_LAYOUT
+    checks = (tp_matches, rank_in_range, ep_matches, dense_layout_matches, triton_gemm_needs_bf16_attention,
+              s32x8_k_pad_usable, moe_layout_matches, bf16_moe_layout_matches, expert_parallel_needs_ck_moe)
+
+    def config_from_env(self, env: Mapping[str, str], *, tp_size: int, rank: int, ep_size: int,
+                        gpu_arch: str | None) -> EngineConfig:
+        def on(name: str, default: str = "0") -> bool:
+            return env.get(name, default) == "1"
+
+        non_shuffle, triton_gemm = on(ENV_NON_SHUFFLE), on(ENV_TRITON_GEMM)
+        if non_shuffle and triton_gemm:
+            raise CompatibilityError(
+                f"{ENV_TRITON_GEMM}=1 together with {ENV_NON_SHUFFLE}=1: ATOM keeps the weights raw but its fused "
+                "qkv_a + RMSNorm + quant path (_fuse_qkv_a_proj_reduce_rmsnorm_quant_fp4) still runs the preshuffle "
+                f"GEMM on them and reads garbage; unset one of the two")
+        gemm_path = TRITON_NON_SHUFFLE if non_shuffle else TRITON_PRESHUFFLE if triton_gemm else ASM
+        arch = gpu_arch or current_gpu_arch() or self.default_gpu_arch
+        if ENV_TRITON_MOE in env:
+            moe = TRITON if on(ENV_TRITON_MOE) else CK
+        else:  # ATOM's own choice when the switch is unset
+            moe = TRITON if arch.startswith(GFX94.prefix) or (arch.startswith(GFX95.prefix) and triton_gemm) else CK
+        return EngineConfig(gemm_path, moe, tp_size, rank, ep_size, arch,
+                            on(ENV_INPUT_FUSION, "1"), on(ENV_QKNORM_FUSION, "1"), engine=self.name)
+
+    def dense_fix(self, layout: str, gemm_path: str) -> str | None:
+        return _DENSE_FIX.get((layout, gemm_path))
+
+    def moe_fix(self, moe_layout: str, engine: EngineConfig) -> str | None:
+        readers = {backend for (backend, _), layout in self.moe_layouts.items() if layout == moe_layout}
+        if engine.moe_backend in readers:  # the right back end on another GPU: only the GPU fixes it
+            return "run on the GPU the checkpoint was made for (the Triton MoE scale layout differs by arch)"
+        if not readers:
+            return None
+        return f"set {ENV_TRITON_MOE}={1 if TRITON in readers else 0}"
+
+    def target_refusal(self, tp: int, ep: int, moe_layout: str) -> str | None:
+        if ep not in (1, tp):
+            return (f"--ep {ep} with --tp {tp}: expert parallel runs with ep_size = tp_size (ATOM's "
+                    f"{self.expert_parallel_switch}); pass --ep 1 or --ep equal to --tp")
+        if ep > 1 and moe_layout not in (ep_layouts := self.expert_parallel_moe_layouts()):
+            return (f"--ep {ep} with --moe-layout {moe_layout}: ATOM's Triton MoE ignores the expert map, so no "
+                    f"engine could run this; use --moe-layout {' or '.join(ep_layouts)} for expert parallel")
+        return None
+
+
+PROFILE = AtomProfile()
+
+
+# The adapter's names, where engine code has imported them from since it was written.
+from .adapter import AtomInstallReport, atom_mtp_param_name, install_converted_weights  # noqa: E402
+
+__all__ = ["PROFILE", "AtomProfile", "AtomInstallReport", "atom_mtp_param_name", "install_converted_weights"]

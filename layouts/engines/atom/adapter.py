@@ -1,0 +1,252 @@
+"""ATOM's adapter: installs one rank of a converted checkpoint into ATOM's DeepSeek model and its
+MTP draft model, in place of the reading step of ATOM's ``load_model``.
+
+The adapter (:func:`install_converted_weights`). ATOM's loader (``atom/model_loader/loader.py``)
+copies every checkpoint tensor into the parameters its layers created, then calls each module's
+``process_weights_after_loading`` (and its ``quant_method``'s): for MXFP4 that is
+``shuffle_weights`` + ``e8m0_shuffle`` on every dense linear, ``moe_shuffle_weight`` /
+``moe_shuffle_scale`` (2-D scales) or ``_swizzle_mxfp4`` on every MoE layer. ATOM has no hook to
+skip that, and ``is_shuffled`` is only ever written. So:
+
+1. :func:`install_converted_weights` checks the checkpoint against the engine configuration
+   (:func:`layouts.check_compatibility`), loads this rank (:func:`layouts.load_rank`), and for
+   every MXFP4 tensor replaces the data of the parameter of the same name (shapes differ where
+   the layout pads: S32x8 scales, 2-D CK MoE scales), sets the attributes the manifest states
+   (``is_shuffled`` on the weight, ``hidden_pad`` / ``intermediate_pad`` on the MoE method,
+   which ATOM passes to ``fused_moe``), and makes that module's processing a no-op;
+2. a rank-exact checkpoint (manifest format 2, ``docs/rank-exact.md``) holds the rank's BF16
+   tensors already split and merged as ATOM's layer classes hold them: each is installed into its
+   parameter too (the F32 router bias cast to ATOM's BF16), so nothing is left for ATOM's loader
+   and ``AtomInstallReport.not_installed`` lists any parameter still unfilled. BF16 linears need
+   no processing; BF16 experts (the R1-0528 MTP layer) are stored in ``bf16-preshuffle``, the
+   layout ATOM's ``shuffle_weights`` would give them, so their module's processing is made a no-op
+   as for MXFP4 (experts stored without a layout keep ATOM's own processing). Of a format-1
+   checkpoint the pass-through (BF16) tensors are whole and come back in
+   ``AtomInstallReport.passthrough`` for ATOM's own loader to slice;
+3. the MTP layer (``model.layers.{num_hidden_layers + i}``, ``i < num_nextn_predict_layers``) is
+   not in ATOM's ``DeepseekV2ForCausalLM``: ATOM builds it only in its separate draft model
+   (``DeepSeekMTP``). Its tensors are installed into that draft model when one is passed
+   (``mtp_model=``), under the draft's parameter names (:func:`atom_mtp_param_name`), else
+   returned in ``AtomInstallReport.mtp``.
+
+Call it after the model (and draft model) is built and instead of the reading step of ATOM's
+``load_model``; ATOM's post-loading loop (``process_weights_after_loading`` of every module)
+still runs, and does nothing to the modules made no-ops here. What is exercised without ROCm:
+the name and shape contract against models built as ATOM's ``create_weights`` builds them
+(tests/test_atom_adapter.py), and ATOM's real DeepSeek and MTP models, built and post-processed
+by ATOM's own code on the CPU, compared byte for byte with ATOM's own load of the source, every
+rank of each conversion it makes (scripts/check_atom_install.py; docs/engines.md). What is not: aiter's
+kernels on the installed bytes, and the Triton MoE path, whose ``_swizzle_mxfp4`` wraps the
+scales in triton_kernels layout objects that ATOM must still construct from the
+``CDNA4_SCALE`` tensors handed over (reported in ``AtomInstallReport.needs_engine_wrapping``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import re
+from typing import Any
+
+import torch
+
+from ...compat import EngineConfig, check_compatibility
+from ...loader import RankTensors, load_rank
+from ...manifest import ManifestError, TensorRecord, load_manifest
+
+
+# ---------------------------------------------------------------------------- the adapter
+@dataclasses.dataclass
+class AtomInstallReport:
+    """What :func:`install_converted_weights` did, for the engine's log.
+
+    Names in ``skipped_processing`` and ``needs_engine_wrapping`` are those of the model the
+    tensor went into; the draft model's carry ``.mtp_block.`` (or are its layer's own), so the
+    two never collide."""
+
+    installed: list[str]  # main-model parameter names whose data now holds the converted tensor
+    skipped_processing: list[str]  # modules whose process_weights_after_loading is now a no-op
+    passthrough: dict[str, torch.Tensor]  # BF16 tensors for ATOM's own weight loader (main model)
+    needs_engine_wrapping: list[str]  # Triton MoE scales ATOM still wraps in its layout objects
+    rank_tensors: RankTensors | None = None
+    # The MTP layer's tensors not installed, by checkpoint name (``model.layers.{N}.…``), for the
+    # draft model: all of them without ``mtp_model``, only the BF16 ones with it. ATOM's draft
+    # loader takes these names as they are (its ``remap_mtp_weight_name`` renames them).
+    mtp: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    mtp_installed: list[str] = dataclasses.field(default_factory=list)  # draft-model parameter names filled
+    # Rank-exact: parameters of the models ("main:…", "draft:…") the checkpoint did not fill; ATOM's
+    # loader would warn that they were NOT loaded. Empty when the model is the converted one.
+    not_installed: list[str] = dataclasses.field(default_factory=list)
+
+
+def _processing_done(layer: torch.nn.Module) -> None:
+    """Stands in for ``process_weights_after_loading``: the converted bytes are final."""
+    return None
+
+
+def _as_param_dtype(t: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """Our uint8 bytes seen as the parameter's dtype (ATOM allocates fp4x2 / e8m0 / uint8)."""
+    if param.dtype == t.dtype:
+        return t
+    if param.dtype.itemsize != 1:
+        raise ManifestError(f"parameter dtype {param.dtype} cannot hold MXFP4 bytes")
+    return t.view(param.dtype)
+
+
+# ---------------------------------------------------------------------------- the MTP layer
+# ATOM's draft model, from ROCm/ATOM atom/models/deepseek_mtp.py at commit ffdf3bb5:
+# DeepSeekMTP.model is a DeepSeekMultiTokenPredictor whose ``layers`` is a ModuleDict keyed by the
+# checkpoint's own layer index (``range(num_hidden_layers, num_hidden_layers + num_nextn_predict_layers)``),
+# so the draft keeps ``model.layers.{N}.``. Each layer (DeepSeekMultiTokenPredictorLayer) holds
+# enorm, hnorm, eh_proj and shared_head itself and its decoder layer as ``mtp_block``; ATOM's loader
+# (spec_decode) renames checkpoint names with remap_mtp_weight_name -> rewrite_spec_layer_name:
+# decoder-layer tensors gain ``.mtp_block.``, the layer's own keep their name, and embed_tokens,
+# shared with the target, moves to the top (``model.embed_tokens``). The main model
+# (DeepseekV2Model, atom/models/deepseek_v2.py) makes only num_hidden_layers layers and its loader
+# drops names past them (CheckpointNameRewriter._is_past_last_layer, atom/model_loader/weight_names.py).
+_MTP_LAYER_OWN = ("embed_tokens", "enorm", "hnorm", "eh_proj", "shared_head")  # ATOM's spec_layer_weight_names
+_MTP_SHARED = ("embed_tokens",)  # ATOM's shared_weight_names
+_TARGET_EMBED = "model.embed_tokens.weight"
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def atom_mtp_param_name(name: str, layer: int) -> str:
+    """The parameter of ATOM's ``DeepSeekMTP`` that checkpoint tensor ``name`` of MTP layer
+    ``layer`` fills: ATOM's ``rewrite_spec_layer_name``, substring tests included."""
+    prefix = f"model.layers.{layer}."
+    own = next((w for w in _MTP_LAYER_OWN if w in name), None)
+    if own is None:
+        return name.replace(prefix, f"{prefix}mtp_block.")
+    return name.replace(prefix, "model.") if own in _MTP_SHARED else name
+
+
+def _mtp_layers(root: pathlib.Path) -> range:
+    """The MTP layers' indices, from the config.json the conversion copied next to its files
+    (the manifest does not hold the model's shape). ATOM builds its models from that file too."""
+    path = root / "config.json"
+    try:
+        cfg = json.loads(path.read_text())
+        start = int(cfg["num_hidden_layers"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ManifestError(f"{path}: cannot read num_hidden_layers ({e!r}); it tells the main model's layers "
+                            "from the MTP layer: copy the source's config.json there or convert again") from None
+    return range(start, start + int(cfg.get("num_nextn_predict_layers") or 0))
+
+
+def _layer_index(name: str) -> int | None:
+    m = _LAYER.match(name)
+    return int(m.group(1)) if m else None
+
+
+# ---------------------------------------------------------------------------- installing
+def _install(model: torch.nn.Module, items: list[tuple[str, str, torch.Tensor, TensorRecord]],
+             report: AtomInstallReport, which: str) -> list[str]:
+    """Put each ``(checkpoint name, parameter name, tensor, record)`` into ``model``'s parameter,
+    set its attributes and make its module's processing a no-op; returns the parameter names."""
+    params = dict(model.named_parameters())
+    modules = dict(model.named_modules())
+    what = "model" if which == "main" else f"{which} model"
+    installed: list[str] = []
+    groups: dict[str, dict[str, Any]] = {}
+    for ckpt_name, name, t, rec in items:
+        param = params.get(name)
+        shown = ckpt_name if name == ckpt_name else f"{ckpt_name} (ATOM's {which} parameter {name})"
+        if param is None:
+            raise ManifestError(f"{shown}: the checkpoint has it but the {what} has no such parameter; "
+                                f"is this ATOM's {'DeepSeekMTP' if which == 'draft' else 'DeepSeek model'} "
+                                "with the same --tp/--ep?")
+        module_name = name.rpartition(".")[0]
+        # Scales may be padded past ATOM's allocation; every other tensor is exactly the parameter.
+        if rec.role != "e8m0_scale" and tuple(param.shape) != tuple(t.shape):
+            raise ManifestError(f"{shown}: the {what} allocates {list(param.shape)} but the checkpoint holds "
+                                f"{list(t.shape)}; the model config differs from the converted one")
+        if rec.layout is None:  # source bytes, already split: ATOM's own processing still runs on them
+            param.data = t if param.dtype == t.dtype else t.to(param.dtype)  # the F32 router bias: ATOM keeps BF16
+            installed.append(name)
+            continue
+        param.data = _as_param_dtype(t, param)
+        # is_shuffled goes on weights only, as ATOM sets it (ROCm/ATOM ffdf3bb5 atom/model_ops/utils.py:168
+        # shuffle_weights; moe.py:1297-1298 w13_weight/w2_weight) and as its readers look for it (aiter
+        # e4048607 aiter/ops/moe_op.py:626 reads w1; ATOM's attention_mla.py:876 kv_b_proj.weight).
+        for k, v in rec.runtime_attrs.items():
+            if k != "is_shuffled" or rec.role != "e8m0_scale":
+                setattr(param, k, v)
+        installed.append(name)
+        groups.setdefault(module_name, {}).update(
+            {k: v for k, v in rec.runtime_attrs.items() if k in ("hidden_pad", "intermediate_pad")})
+        if rec.runtime_attrs.get("scale_swizzle"):
+            report.needs_engine_wrapping.append(name)
+    for module_name, method_attrs in groups.items():
+        _skip_processing(modules[module_name], module_name, method_attrs)
+        report.skipped_processing.append(module_name)
+    return installed
+
+
+def _skip_processing(module: torch.nn.Module, module_name: str, method_attrs: dict[str, Any]) -> None:
+    method = getattr(module, "quant_method", None)
+    if method is not None and hasattr(method, "process_weights_after_loading"):
+        for k, v in method_attrs.items():  # ATOM computes these from the config: they must agree
+            have = getattr(method, k, v)
+            if have != v:
+                raise ManifestError(f"{module_name}: ATOM's MoE method has {k}={have} but the checkpoint was padded "
+                                    f"with {k}={v}; convert with the same hidden/intermediate padding")
+        # Patch this instance (ATOM makes one quant method per layer) rather than wrap it:
+        # ATOM dispatches on isinstance(layer.quant_method, ...), which a proxy would break.
+        method.process_weights_after_loading = _processing_done
+    if hasattr(module, "process_weights_after_loading"):
+        module.process_weights_after_loading = lambda: None  # this instance only
+
+
+def install_converted_weights(model: torch.nn.Module, model_dir: str | pathlib.Path, engine: EngineConfig,
+                              device: str | torch.device | None = None,
+                              mtp_model: torch.nn.Module | None = None) -> AtomInstallReport:
+    """Install rank ``engine.rank``'s converted tensors into ``model`` (ATOM's DeepSeek), and the
+    MTP layer's into ``mtp_model`` (ATOM's ``DeepSeekMTP`` draft) when given; without it the MTP
+    layer's tensors come back in the report's ``mtp``, not installed.
+
+    A rank-exact checkpoint (manifest format 2) holds every tensor of the rank already split as
+    ATOM holds it: all of them are installed, BF16 included, and nothing is left for ATOM's
+    loader (``report.not_installed`` names any parameter of the model still unfilled). The
+    draft's ``model.embed_tokens`` gets the rank's target embedding, which is what ATOM's drafter
+    puts there after loading. Of a format-1 checkpoint the MXFP4 tensors are installed and the
+    pass-through ones (whole, for every rank) come back in ``report.passthrough`` for ATOM's
+    loader to slice.
+
+    Raises :class:`~layouts.CompatibilityError` when the engine would misread the checkpoint,
+    and :class:`~layouts.ManifestError` naming the tensor when the model has no parameter for
+    it or its shape is not the one ATOM allocates before processing."""
+    manifest = load_manifest(model_dir)
+    check_compatibility(manifest, engine)
+    mtp_layers = _mtp_layers(manifest.root)
+    if device is None:
+        first = next(iter(model.parameters()), None)
+        device = first.device if first is not None else "cpu"
+    tensors = load_rank(model_dir, engine.rank, device, manifest=manifest)
+    exact = manifest.target.rank_exact
+    report = AtomInstallReport([], [], {}, [], tensors)
+    main, draft = [], []
+    for name, t in tensors.items():
+        rec = tensors.records[name]
+        layer = _layer_index(name)
+        whole = rec.role == "passthrough" and not exact  # format 1: ATOM's loader slices it
+        if layer is not None and layer in mtp_layers:
+            if mtp_model is not None and not whole:
+                draft.append((name, atom_mtp_param_name(name, layer), t, rec))
+            else:
+                report.mtp[name] = t  # ATOM's main model has no MTP layer: the draft model takes these
+        elif whole:
+            report.passthrough[name] = t
+        else:
+            main.append((name, name, t, rec))
+            if exact and mtp_model is not None and name == _TARGET_EMBED:
+                draft.append((name, _TARGET_EMBED, t, rec))  # ATOM's drafter shares the target's embedding
+    report.installed = _install(model, main, report, "main")
+    if mtp_model is not None:
+        report.mtp_installed = _install(mtp_model, draft, report, "draft")
+    if exact:
+        for which, m, done in (("main", model, report.installed), ("draft", mtp_model, report.mtp_installed)):
+            if m is not None:
+                filled = set(done)
+                report.not_installed += [f"{which}:{n}" for n, _ in m.named_parameters() if n not in filled]
+    return report
