@@ -203,7 +203,8 @@ def install_converted_weights(model: torch.nn.Module, model_dir: str | pathlib.P
                               mtp_model: torch.nn.Module | None = None) -> AtomInstallReport:
     """Install rank ``engine.rank``'s converted tensors into ``model`` (ATOM's DeepSeek), and the
     MTP layer's into ``mtp_model`` (ATOM's ``DeepSeekMTP`` draft) when given; without it the MTP
-    layer's tensors come back in the report's ``mtp``, not installed.
+    layer's tensors come back in the report's ``mtp``, not installed, for
+    :func:`install_draft_weights` (ATOM builds and loads its draft model after the target).
 
     A rank-exact checkpoint (manifest format 2) holds every tensor of the rank already split as
     ATOM holds it: all of them are installed, BF16 included, and nothing is left for ATOM's
@@ -225,28 +226,47 @@ def install_converted_weights(model: torch.nn.Module, model_dir: str | pathlib.P
     tensors = load_rank(model_dir, engine.rank, device, manifest=manifest)
     exact = manifest.target.rank_exact
     report = AtomInstallReport([], [], {}, [], tensors)
-    main, draft = [], []
+    main = []
     for name, t in tensors.items():
         rec = tensors.records[name]
         layer = _layer_index(name)
-        whole = rec.role == "passthrough" and not exact  # format 1: ATOM's loader slices it
         if layer is not None and layer in mtp_layers:
-            if mtp_model is not None and not whole:
-                draft.append((name, atom_mtp_param_name(name, layer), t, rec))
-            else:
-                report.mtp[name] = t  # ATOM's main model has no MTP layer: the draft model takes these
-        elif whole:
+            report.mtp[name] = t  # ATOM's main model has no MTP layer: the draft model takes these
+        elif rec.role == "passthrough" and not exact:  # format 1: ATOM's loader slices it
             report.passthrough[name] = t
         else:
             main.append((name, name, t, rec))
-            if exact and mtp_model is not None and name == _TARGET_EMBED:
-                draft.append((name, _TARGET_EMBED, t, rec))  # ATOM's drafter shares the target's embedding
     report.installed = _install(model, main, report, "main")
-    if mtp_model is not None:
-        report.mtp_installed = _install(mtp_model, draft, report, "draft")
     if exact:
-        for which, m, done in (("main", model, report.installed), ("draft", mtp_model, report.mtp_installed)):
-            if m is not None:
-                filled = set(done)
-                report.not_installed += [f"{which}:{n}" for n, _ in m.named_parameters() if n not in filled]
+        filled = set(report.installed)
+        report.not_installed += [f"main:{n}" for n, _ in model.named_parameters() if n not in filled]
+    if mtp_model is not None:
+        install_draft_weights(mtp_model, report)
     return report
+
+
+def install_draft_weights(mtp_model: torch.nn.Module, report: AtomInstallReport) -> list[str]:
+    """Install the MTP layer's tensors that :func:`install_converted_weights` set aside in
+    ``report.mtp`` into ATOM's draft model (``DeepSeekMTP``), under the draft's parameter names
+    (:func:`atom_mtp_param_name`), and, of a rank-exact checkpoint, the rank's target embedding
+    into the draft's ``model.embed_tokens`` (what ATOM's drafter shares after loading). Of a
+    format-1 checkpoint the MTP layer's whole BF16 tensors stay in ``report.mtp`` for ATOM's
+    loader. Returns the draft parameter names filled (also in ``report.mtp_installed``)."""
+    tensors = report.rank_tensors
+    if tensors is None:
+        raise ValueError("install_draft_weights needs the report of install_converted_weights on the same rank")
+    exact = tensors.manifest.target.rank_exact
+    draft = []
+    for name, t in list(report.mtp.items()):
+        rec = tensors.records[name]
+        if rec.role == "passthrough" and not exact:
+            continue  # whole, for every rank: ATOM's draft loader slices it
+        draft.append((name, atom_mtp_param_name(name, _layer_index(name)), t, rec))
+        del report.mtp[name]
+    if exact and _TARGET_EMBED in tensors.records:
+        draft.append((_TARGET_EMBED, _TARGET_EMBED, tensors[_TARGET_EMBED], tensors.records[_TARGET_EMBED]))
+    report.mtp_installed = _install(mtp_model, draft, report, "draft")
+    if exact:
+        filled = set(report.mtp_installed)
+        report.not_installed += [f"draft:{n}" for n, _ in mtp_model.named_parameters() if n not in filled]
+    return report.mtp_installed
