@@ -26,7 +26,8 @@ ATOM (``ROCm/ATOM``) imports ``aiter`` everywhere, and ``import aiter`` needs RO
   skipped work).
 
 :func:`on_cpu` is the context to build and load models in: ``device="cuda"`` becomes the CPU
-(ATOM allocates routing scratch buffers there), ``torch.cuda.Stream``/``Event`` are stand-ins,
+(ATOM allocates routing scratch buffers there), pinned memory is plain memory,
+``torch.cuda.Stream``/``Event`` are stand-ins,
 and every ``torch.empty*`` is filled with one byte, so that memory ATOM leaves uninitialised can
 be told from memory it writes (two runs with different bytes differ exactly there).
 """
@@ -145,9 +146,11 @@ class _ParallelState(types.ModuleType):
 def _fill_enums(m: types.ModuleType) -> None:
     """aiter's compiled enums (csrc/include/aiter_enum.h), as Python enums."""
     quant = "No per_Tensor per_Token per_1x32 per_1x128 per_128x128 per_256x128 per_1024x128".split()
-    m.QuantType = enum.IntEnum("QuantType", [(n, i) for i, n in enumerate(quant)])
-    m.ActivationType = enum.IntEnum("ActivationType", {"No": -1, "Silu": 0, "Gelu": 1, "Swiglu": 2, "Situv2": 3})
-    m.MlaVersion = enum.IntEnum("MlaVersion", {"V32": 0})
+    # module=: pickled by reference to aiter.ops.enum (a worker unpickles ATOM's Config holding them)
+    m.QuantType = enum.IntEnum("QuantType", [(n, i) for i, n in enumerate(quant)], module=m.__name__)
+    m.ActivationType = enum.IntEnum("ActivationType", {"No": -1, "Silu": 0, "Gelu": 1, "Swiglu": 2, "Situv2": 3},
+                                    module=m.__name__)
+    m.MlaVersion = enum.IntEnum("MlaVersion", {"V32": 0}, module=m.__name__)
 
 
 class _AiterFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -224,7 +227,9 @@ class _CpuMode(TorchFunctionMode):
         kwargs = dict(kwargs or {})
         if "device" in kwargs:
             kwargs["device"] = _on_cpu(kwargs["device"])
-        if func is torch.Tensor.cuda:
+        if kwargs.get("pin_memory"):  # page-locked staging for GPU copies: plain memory here
+            kwargs["pin_memory"] = False
+        if func in (torch.Tensor.cuda, torch.Tensor.pin_memory):
             return args[0]
         if func is torch.Tensor.to:
             args = tuple(_on_cpu(a) for a in args)

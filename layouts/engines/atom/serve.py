@@ -1,0 +1,414 @@
+"""Serve a converted checkpoint with ATOM's own OpenAI server: the door.
+
+    prep-atom-serve --model r1-tp8 --tensor-parallel-size 8 [any option of ATOM's server]
+    python -m layouts.engines.atom.serve --model r1-tp8 --tensor-parallel-size 8 [...]
+
+runs ``python -m atom.entrypoints.openai_server`` with the same arguments, unchanged, after
+checking the folder, and makes each worker process ATOM starts install its own rank of the
+converted folder (target model and MTP draft model) through the adapter instead of reading a
+checkpoint. ATOM's post-processing, its record of loaded names, its coverage report ("N/M model
+parameters were NOT loaded") and its drafter's head sharing all run as they do on ATOM's own
+load, on what the adapter installed.
+
+The seams, as ROCm/ATOM has them at commit ffdf3bb5 (:data:`CHECKED_ATOM`), and what is done at each:
+
+1. ``EngineArgs._get_engine_kwargs`` (``atom/model_engine/arg_utils.py``), in the server process:
+   wrapped to add ``runner_qualname`` (a ``Config`` field, ATOM's own way to run a subclass of its
+   ``ModelRunner`` in every worker: its ``AsyncLLMEngine`` injects ``RLHFModelRunner`` so) naming
+   :class:`ConvertedModelRunner`, when ``--model`` is a converted folder. Nothing else changes.
+2. ``ConvertedModelRunner`` (``ModelRunner``'s subclass, imported by qualname in each worker):
+   before ``ModelRunner.__init__`` allocates anything, checks the worker's seams and the manifest
+   against the switches as this worker reads them (TP size and rank, expert parallel, the GPU
+   arch aiter reports, the GEMM/MoE switches), then lets ATOM build its models as usual.
+3. ``atom.model_loader.loader.load_weights_into_model`` (the checkpoint-reading step that ATOM's
+   ``load_model`` calls for the target model and, with ``spec_decode``, for the MTP draft model),
+   in each worker: for the converted folder it installs the rank (target) or the MTP layer set
+   aside (draft), hands the installed names to ATOM's ``_report_coverage`` and returns them as
+   ATOM's loaded-names record (so the drafter keeps its installed ``shared_head.head``); for any
+   other path it is ATOM's own function.
+
+Before ATOM starts, the door refuses in one line (exit status 2): a ``--model`` that is not a
+complete prep conversion, a folder missing a side file the source had (tokenizer, config,
+generation config, chat template), a manifest the configuration would misread (another TP or EP
+size, a layout the GEMM path or MoE back end does not read), ATOM options that change which
+weights a rank holds in ways not checked (pipeline, data or context parallel, DP attention, EPLB,
+dummy weights, online quantization, another MoE back end), and an ATOM whose seams are not the
+ones above (naming the version seen and what differs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import logging
+import os
+import pathlib
+import runpy
+import sys
+from typing import Any, Callable, Mapping
+
+from ...compat import CompatibilityError, EngineConfig, check_compatibility
+from ...errors import LayoutsError
+from ...manifest import MANIFEST_NAME, Manifest, load_manifest
+from . import PROFILE
+from .adapter import AtomInstallReport, install_converted_weights, install_draft_weights
+
+CHECKED_ATOM = "ffdf3bb5"  # ROCm/ATOM commit whose seams this module was checked against
+ATOM_SERVER = "atom.entrypoints.openai_server"
+ATOM_RUNNER = "atom.model_engine.model_runner.ModelRunner"
+RUNNER = "layouts.engines.atom.serve.ConvertedModelRunner"  # by qualname: this module may run as __main__
+PROG = "prep-atom-serve"
+log = logging.getLogger("atom")  # ATOM's logger: the worker's lines land where ATOM's do
+
+
+class ServeError(LayoutsError):
+    """A refusal of the door: one line, naming what to do."""
+
+
+# ---------------------------------------------------------------------------- the folder
+def converted_root(model: str | os.PathLike | None) -> pathlib.Path | None:
+    """``model`` as a folder prep converted (it holds a manifest), or None."""
+    if not model:
+        return None
+    root = pathlib.Path(model)
+    return root if (root / MANIFEST_NAME).is_file() else None
+
+
+# What ATOM's server reads from --model besides weights: AutoConfig (config.json and its
+# quantization_config), GenerationConfig, AutoTokenizer (tokenizer files, the chat template).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
+
+
+def check_folder(root: pathlib.Path) -> Manifest:
+    """The converted folder as a complete ``--model``: a sealed rank-exact conversion, and every
+    side file the source had, here with the size (and hash, where recorded) it had."""
+    manifest = load_manifest(root)  # format, completion marker, every file named
+    if not manifest.target.rank_exact:
+        raise ServeError(f"{root}: converted by an older prep (manifest format 1, BF16 tensors whole for ATOM's "
+                         "loader to slice); convert it again with this prep to serve it")
+    shards = {r.file for r in manifest.tensors}
+    for name, f in sorted(manifest.source.files.items()):
+        if name.endswith(".safetensors") or name.endswith(".index.json") or name in shards:
+            continue  # weights: replaced by the rank files
+        path = root / name
+        if not path.is_file():
+            raise ServeError(f"{path}: missing; the source had it ({f.size} bytes) and ATOM's server reads it from "
+                             f"--model: copy it from the source or convert again")
+        if path.stat().st_size != f.size:
+            raise ServeError(f"{path}: {path.stat().st_size} bytes, the source's had {f.size}; copy it from the "
+                             "source or convert again")
+    if not (root / "config.json").is_file():
+        raise ServeError(f"{root}: no config.json; ATOM builds its models from it: copy the source's there")
+    if not any((root / t).is_file() for t in TOKENIZER_FILES):
+        raise ServeError(f"{root}: no tokenizer ({' or '.join(TOKENIZER_FILES)}); ATOM's server loads it from --model: "
+                         "copy the source's tokenizer files there")
+    return manifest
+
+
+# ---------------------------------------------------------------------------- ATOM's options
+# EngineArgs fields that change which weights a rank holds, or how they are processed, in ways the
+# door has not been checked against: (field, the value that is checked, why).
+UNCHECKED_OPTIONS: tuple[tuple[str, Any, str], ...] = (
+    ("pipeline_parallel_size", 1, "pipeline parallel (each stage holds some layers)"),
+    ("data_parallel_size", 1, "data parallel"),
+    ("enable_dp_attention", False, "DP attention (ATOM then runs TP 1 per DP rank)"),
+    ("prefill_context_parallel_size", 1, "prefill context parallel (more workers than TP ranks)"),
+    ("decode_context_parallel_size", 1, "decode context parallel"),
+    ("enable_rapidserve", False, "RapidServe (its own model runners)"),
+    ("load_dummy", None, "dummy weights (nothing is loaded: use ATOM's own server)"),
+    ("online_quant_config", None, "online quantization (ATOM quantizes BF16 weights at load)"),
+    ("eplb_enable", False, "expert load balancing (moves experts between ranks)"),
+    ("fake_eplb", False, "fake EPLB"),
+    ("moe_backend", "standard", "a MoE back end other than ATOM's standard one"),
+    ("all2all_backend", None, "an all-to-all MoE dispatch back end"),
+)
+
+
+def check_options(args: Any) -> None:
+    """Refuse ATOM options the door was not checked with (``args``: ATOM's ``EngineArgs``)."""
+    for field, checked, what in UNCHECKED_OPTIONS:
+        if hasattr(args, field) and getattr(args, field) != checked:
+            raise ServeError(f"{field} = {getattr(args, field)!r}: {what} is not checked with converted checkpoints; "
+                             f"serve with --{field.replace('_', '-')} left at its default ({checked!r})")
+
+
+def engine_config(manifest: Manifest, env: Mapping[str, str], *, tp: int, rank: int, expert_parallel: bool,
+                  gpu_arch: str | None) -> EngineConfig:
+    """The configuration one worker runs (ATOM: ``--enable-expert-parallel`` sets ep_size =
+    tp_size), checked against the manifest; a mismatch raises the profile's one-line fix."""
+    engine = PROFILE.config_from_env(env, tp_size=tp, rank=rank, ep_size=tp if expert_parallel else 1,
+                                     gpu_arch=gpu_arch)
+    check_compatibility(manifest, engine)
+    return engine
+
+
+def atom_gpu_arch() -> str | None:
+    """The GPU arch as ATOM asks it (aiter's ``get_gfx``), or None where aiter cannot say."""
+    try:
+        from aiter.jit.utils.chip_info import get_gfx
+
+        arch = get_gfx()
+        return arch if isinstance(arch, str) else None
+    except Exception:  # noqa: BLE001 - no aiter, no GPU: the profile's default arch stands
+        return None
+
+
+# ---------------------------------------------------------------------------- ATOM's seams
+def atom_version() -> str:
+    """ATOM's installed version, or where its source tree was imported from."""
+    try:
+        from importlib.metadata import version
+
+        return f"ATOM {version('atom')}"
+    except Exception:  # noqa: BLE001 - a source tree on sys.path has no metadata
+        atom = sys.modules.get("atom") or importlib.import_module("atom")
+        return f"ATOM from {pathlib.Path(atom.__file__).parent.parent}"
+
+
+def _calls(fn: Callable, name: str) -> bool:
+    """Whether ``fn``'s code refers to ``name`` (a global it calls, or an attribute it reads)."""
+    code = getattr(fn, "__code__", None)
+    return code is not None and name in code.co_names
+
+
+def _params(fn: Callable) -> list[str]:
+    return list(inspect.signature(fn).parameters)
+
+
+def _seams_differ(checks: list[tuple[bool, str]]) -> None:
+    differ = [what for ok, what in checks if not ok]
+    if differ:
+        raise ServeError(f"{atom_version()}: {'; '.join(differ)}; {PROG} was checked against ROCm/ATOM {CHECKED_ATOM}: "
+                         f"use that ATOM, or a prep checked against yours")
+
+
+def check_server_seams() -> None:
+    """The seams the server process uses: ``EngineArgs._get_engine_kwargs`` builds the engine's
+    keyword arguments, ``Config.runner_qualname`` names the workers' runner, and the worker
+    resolves it (``AsyncIOProc``)."""
+    from atom.config import Config
+    from atom.model_engine.arg_utils import EngineArgs
+
+    runner = {f.name: f.default for f in dataclasses.fields(Config)}.get("runner_qualname")
+    checks = [(callable(getattr(EngineArgs, "_get_engine_kwargs", None)), "EngineArgs has no _get_engine_kwargs"),
+              (_calls(getattr(EngineArgs, "create_engine", None), "_get_engine_kwargs"),
+               "EngineArgs.create_engine does not call _get_engine_kwargs"),
+              (runner == ATOM_RUNNER, f"Config.runner_qualname defaults to {runner!r}, not {ATOM_RUNNER!r}")]
+    _seams_differ(checks)
+
+
+LOADER_PARAMS = ["model", "model_name_or_path", "hf_config", "load_dummy", "spec_decode", "prefix",
+                 "weights_mapper", "load_fused_expert_weights_fn", "default_weight_loader", "fuse_shared_expert",
+                 "is_rank0", "weights_iterator", "online_quant_streamer"]
+COVERAGE_PARAMS = ["loaded_weights_record", "params_dict", "dropped_ckpt_keys", "prefix", "is_rank0"]
+
+
+def check_worker_seams() -> None:
+    """The seams a worker uses: ``ModelRunner._build_and_load_model``, the reading step
+    ``load_weights_into_model`` that ``load_model`` calls (with the parameters it has at the
+    checked commit), ``_report_coverage``, and the drafter loading through ``load_model``."""
+    from atom.model_engine.model_runner import ModelRunner
+    from atom.model_loader import loader, loading_core
+    from atom.spec_decode.drafter import Drafter
+
+    reading = getattr(loader, "load_weights_into_model", None)
+    reading = getattr(reading, "__wrapped__", reading)  # our own wrapper, where installed already
+    checks = [(callable(getattr(ModelRunner, "_build_and_load_model", None)),
+               "ModelRunner has no _build_and_load_model"),
+              (_calls(ModelRunner._build_and_load_model, "load_model"),
+               "ModelRunner._build_and_load_model does not call load_model"),
+              (callable(reading) and _params(reading) == LOADER_PARAMS,
+               f"load_weights_into_model's parameters are not {LOADER_PARAMS}"),
+              (_calls(loader.load_model, "load_weights_into_model"), "load_model does not call load_weights_into_model"),
+              (callable(getattr(loading_core, "_report_coverage", None))
+               and _params(loading_core._report_coverage) == COVERAGE_PARAMS,
+               f"loading_core._report_coverage's parameters are not {COVERAGE_PARAMS}"),
+              (_calls(Drafter.load_model, "load_model"), "Drafter.load_model does not call load_model")]
+    _seams_differ(checks)
+
+
+# ---------------------------------------------------------------------------- the worker
+@dataclasses.dataclass
+class ConvertedRank:
+    """One worker's rank of the converted folder: what it installed into the target, kept until
+    the draft model takes the MTP layer."""
+
+    root: pathlib.Path
+    engine: EngineConfig
+    report: AtomInstallReport | None = None
+
+    def install_target(self, model: Any) -> list[str]:
+        self.report = install_converted_weights(model, self.root, self.engine)
+        self._refuse_unfilled("ATOM's model")
+        return self.report.installed
+
+    def install_draft(self, model: Any) -> list[str]:
+        if self.report is None:
+            raise ServeError(f"{self.root}: ATOM loads the MTP draft model before the target; {PROG} installs the "
+                             "draft from the target's rank and cannot: this is not the ATOM it was checked against")
+        installed = install_draft_weights(model, self.report)
+        self._refuse_unfilled("ATOM's MTP draft model")
+        return installed
+
+    def _refuse_unfilled(self, what: str) -> None:
+        if self.report.not_installed:
+            n = self.report.not_installed
+            raise ServeError(f"{self.root}: rank {self.engine.rank} leaves {len(n)} parameters of {what} unfilled "
+                             f"(first: {n[0]}); the folder was converted from another config than ATOM builds from")
+
+
+_RANK: dict[str, ConvertedRank] = {}  # this worker's, by folder
+
+
+def _reading_step(original: Callable) -> Callable:
+    """ATOM's ``load_weights_into_model``, installing the rank instead for a converted folder."""
+
+    def read(model, model_name_or_path, hf_config, load_dummy=None, spec_decode=False, prefix="",
+             weights_mapper=None, load_fused_expert_weights_fn=None, *, is_rank0, **host):
+        root = converted_root(model_name_or_path)
+        if root is None or load_dummy:
+            return original(model, model_name_or_path, hf_config, load_dummy, spec_decode, prefix, weights_mapper,
+                            load_fused_expert_weights_fn, is_rank0=is_rank0, **host)
+        rank = _RANK.get(str(root))
+        if rank is None:
+            raise ServeError(f"{root}: a converted folder reached ATOM's loader outside {PROG}'s model runner; "
+                             f"serve it with {PROG}")
+        installed = rank.install_draft(model) if spec_decode else rank.install_target(model)
+        from atom.model_loader.loading_core import _report_coverage
+
+        record = {prefix + n for n in installed}
+        _report_coverage(loaded_weights_record=record, params_dict=dict(model.named_parameters()),
+                         dropped_ckpt_keys=[], prefix=prefix, is_rank0=is_rank0)
+        log.info("[%s] installed rank %d of %s: %d parameters of the %s", PROG, rank.engine.rank, root,
+                 len(installed), "MTP draft model" if spec_decode else "model")
+        return record
+
+    read.__wrapped__ = original
+    return read
+
+
+def install_reading_step() -> None:
+    """Put :func:`_reading_step` in ATOM's loader (once per process)."""
+    from atom.model_loader import loader
+
+    if not hasattr(loader.load_weights_into_model, "__wrapped__"):
+        loader.load_weights_into_model = _reading_step(loader.load_weights_into_model)
+
+
+def _converted_model_runner() -> type:
+    """:class:`ConvertedModelRunner`, made on first use: its base, ATOM's ``ModelRunner``, imports
+    aiter's kernels, which only a worker should import (not the server process, nor the checks)."""
+    from atom.model_engine.model_runner import ModelRunner
+
+    class ConvertedModelRunner(ModelRunner):
+        """ATOM's ``ModelRunner`` for a converted folder: checks before allocating, installs at load."""
+
+        def __init__(self, rank: int, config: Any, *args: Any, **kwargs: Any):
+            root = converted_root(config.model)
+            if root is not None:
+                prepare_worker(root, config, rank)
+            super().__init__(rank, config, *args, **kwargs)
+
+    ConvertedModelRunner.__module__, ConvertedModelRunner.__qualname__ = RUNNER.rsplit(".", 1)
+    return ConvertedModelRunner
+
+
+def prepare_worker(root: pathlib.Path, config: Any, rank: int) -> ConvertedRank:
+    """What a worker does before ATOM's ``ModelRunner.__init__`` allocates anything: checks its
+    seams, the folder and the manifest against this worker's configuration, and puts the reading
+    step in ATOM's loader."""
+    check_worker_seams()
+    manifest = check_folder(root)
+    engine = engine_config(manifest, os.environ, tp=config.tensor_parallel_size, rank=rank,
+                           expert_parallel=config.enable_expert_parallel, gpu_arch=atom_gpu_arch())
+    _RANK[str(root)] = converted = ConvertedRank(root, engine)
+    install_reading_step()
+    log.info("[%s] rank %d/%d: %s checked (GEMM path %s, MoE %s on %s)", PROG, rank, engine.tp_size, root,
+             engine.gemm_path, engine.moe_backend, engine.gpu_arch)
+    return converted
+
+
+def __getattr__(name: str) -> Any:  # ATOM's worker resolves RUNNER by name (resolve_obj_by_qualname)
+    if name == "ConvertedModelRunner":
+        cls = globals()["ConvertedModelRunner"] = _converted_model_runner()
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# ---------------------------------------------------------------------------- the server process
+def inject_runner() -> None:
+    """Seam 1: every engine built from a converted folder runs :class:`ConvertedModelRunner`."""
+    from atom.model_engine.arg_utils import EngineArgs
+
+    original = EngineArgs._get_engine_kwargs
+    if hasattr(original, "__wrapped__"):
+        return
+
+    def engine_kwargs(self):
+        kwargs = original(self)
+        if converted_root(self.model) is not None:
+            kwargs["runner_qualname"] = RUNNER
+        return kwargs
+
+    engine_kwargs.__wrapped__ = original
+    EngineArgs._get_engine_kwargs = engine_kwargs
+
+
+def parse_engine_args(argv: list[str]) -> Any:
+    """ATOM's ``EngineArgs`` from the command line, parsed by ATOM's own parser (the server's
+    own options, such as ``--server-port``, are left for the server)."""
+    from atom.model_engine.arg_utils import EngineArgs
+    from atom.utils.arg_parser import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser(prog=PROG, add_help=False)
+    EngineArgs.add_cli_args(parser)
+    known, _ = parser.parse_known_args(argv)
+    return EngineArgs.from_cli_args(known)
+
+
+def check_start(argv: list[str], env: Mapping[str, str] | None = None,
+                gpu_arch: str | None = None) -> tuple[pathlib.Path, Manifest, list[EngineConfig]]:
+    """Everything the door checks before ATOM starts: its seams, the folder, the options, and
+    the manifest against each rank's configuration. Raises :class:`ServeError` or
+    :class:`~layouts.CompatibilityError` (one line)."""
+    check_server_seams()
+    args = parse_engine_args(argv)
+    root = converted_root(args.model)
+    if root is None:
+        raise ServeError(f"--model {args.model}: not a folder prep converted (no {MANIFEST_NAME}); convert it with "
+                         f"`prep convert {args.model} -o OUT --tp N`, or serve a source with "
+                         f"`python -m {ATOM_SERVER}`")
+    manifest = check_folder(root)
+    check_options(args)
+    env = os.environ if env is None else env
+    arch = gpu_arch or atom_gpu_arch()
+    engines = [engine_config(manifest, env, tp=args.tensor_parallel_size, rank=r,
+                             expert_parallel=args.enable_expert_parallel, gpu_arch=arch)
+               for r in range(args.tensor_parallel_size)]
+    return root, manifest, engines
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Check, then run ATOM's server on the same arguments, as ``python -m`` runs it."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] in (["-h"], ["--help"]):
+        print(__doc__.split("\n\nThe seams")[0])
+        print(f"\nATOM's own options follow (python -m {ATOM_SERVER} --help).")
+    else:
+        try:
+            root, manifest, engines = check_start(argv)
+        except (LayoutsError, CompatibilityError) as e:
+            print(f"{PROG}: {str(e).splitlines()[0]}", file=sys.stderr)
+            return 2
+        e = engines[0]
+        print(f"{PROG}: {root}: TP {e.tp_size}, EP {e.ep_size}, layout {manifest.target.layout}, MoE layout {manifest.target.moe_layout}, GEMM path {e.gemm_path}, "
+              f"MoE {e.moe_backend} on {e.gpu_arch}: checked; starting ATOM's server", file=sys.stderr)
+        inject_runner()
+    sys.argv = [ATOM_SERVER, *argv]
+    runpy.run_module(ATOM_SERVER, run_name="__main__", alter_sys=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,375 @@
+#!/usr/bin/env python
+"""Check prep's ATOM door (``prep-atom-serve``) on ATOM's real start-up path, on the CPU: every rank
+of a converted folder, started as ATOM's OpenAI server starts it, must leave ATOM's target and MTP
+draft models byte for byte as ATOM's own server start-up on the source leaves them, with no "NOT
+loaded" warning.
+
+    .venv/bin/python scripts/check_atom_serve.py --source SRC --converted OUT [--oracles DIR]
+        [--work DIR] [--gpu-arch gfx950|gfx942] [--no-mtp] [-- ATOM server options]
+
+DIR is the folder holding ATOM's and aiter's pinned source tarballs (default ``../shared/oracles``;
+they are unpacked under ``--work``). TP and EP come from OUT's manifest, ATOM's switches from the
+manifest's layout (``asm`` for ``preshuffle``, ``ATOM_USE_FP4_NON_SHUFFLE_TRITON_GEMM=1`` for
+``non-shuffle``; the CK MoE, ``ATOM_USE_TRITON_MOE=0``) unless the environment sets them. The
+server options are those of ATOM's test plan for this feature (``--kv_cache_dtype fp8
+--gpu-memory-utilization 0.8 --no-enable_prefix_caching``) with the MTP draft model on
+(``--method mtp --num-speculative-tokens 1``); options after ``--`` are added.
+
+Each side (ATOM on SRC with ``python -m atom.entrypoints.openai_server``; the door on OUT) runs
+as a server process of its own, and its workers as processes of their own:
+
+* real: ATOM's argument parsing and ``api_server.main`` (tokenizer, ``EngineArgs``, ``LLMEngine``,
+  ``Config``), the door's checks and its patch of ``EngineArgs``, the worker's runner class
+  resolved by ``Config.runner_qualname`` from the pickled config, ``ModelRunner.__init__`` up to
+  both models loaded: building them, ``load_model`` (ATOM's reader on SRC, the door's reading step
+  on OUT), every ``process_weights_after_loading``, ``_report_coverage``, the drafter's build and
+  ``Drafter.load_model`` with its embedding and head sharing;
+* stand-ins (``scripts/atom_on_cpu.py``): aiter's GPU kernels and collectives; the GPU and the
+  NCCL group (``ModelRunner._setup_device_and_distributed``: the CPU, and the TP rank answered by
+  the stand-in process group; ``ModelRunner.exit``, which releases them); ATOM's ``CoreManager``/``EngineCore`` between the server and its
+  workers (they talk through aiter's shared-memory broadcast queue, a GPU-side part of aiter, and
+  the workers join an NCCL group: neither exists here), replaced by starting the TP workers
+  straight from the server process, each a separate process given ATOM's pickled ``Config``, as
+  ``AsyncIOProc`` gives it; ``uvicorn.run`` (the server would listen: recorded, not run). Each
+  worker stops at ``allocate_forward_vars``, the first step after both models are loaded.
+
+ATOM's load of SRC runs twice per rank (``torch.empty`` memory filled with 0x00 and 0xFF): bytes
+that differ between the two are memory ATOM never writes (aiter's scale padding), compared nowhere.
+From an MXFP4 ``kv_b_proj`` (v2), ATOM derives ``W_K``/``W_V`` with aiter's GEMM, a GPU binary:
+skipped in both loads alike (``check_atom_install.mla_from_mxfp4_not_run``).
+
+Prints one line per rank; exit status 0 only when every rank of both models matches, nothing
+warned "NOT loaded" and no stand-in ran while loading.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import pathlib
+import pickle
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from unittest import mock
+
+HERE = pathlib.Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path[:0] = [str(REPO), str(HERE)]
+
+NOT_LOADED = "were NOT loaded from checkpoint"  # ATOM's loading_core._report_coverage
+SERVER = "atom.entrypoints.openai_server"
+TEST_PLAN = ["--kv_cache_dtype", "fp8", "--gpu-memory-utilization", "0.8", "--no-enable_prefix_caching"]
+MTP = ["--method", "mtp", "--num-speculative-tokens", "1"]
+
+
+# ---------------------------------------------------------------------------- the oracles
+def oracle_trees(oracles: pathlib.Path, work: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
+    """ATOM's and aiter's source trees, unpacked once from the tarballs in ``oracles``."""
+    trees = []
+    for prefix in ("atom-", "aiter-"):
+        found = sorted(oracles.glob(f"{prefix}*.tar.gz"))
+        if not found:
+            raise SystemExit(f"{oracles}: no {prefix}*.tar.gz; pass --oracles the folder with ATOM's and aiter's "
+                             "source tarballs (../shared/oracles)")
+        tar = found[-1]
+        dest = work / "oracles" / tar.name.removesuffix(".tar.gz")
+        if not dest.is_dir():
+            tmp = pathlib.Path(tempfile.mkdtemp(dir=work))
+            with tarfile.open(tar) as t:
+                t.extractall(tmp, filter="data")
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(next(tmp.iterdir()), dest)
+            tmp.rmdir()
+        trees.append(dest)
+    return trees[0], trees[1]
+
+
+def switches(layout: str) -> dict[str, str]:
+    """ATOM's switches that read ``layout``, as the check runs it (the CK MoE throughout)."""
+    from layouts.engines.atom import ENV_NON_SHUFFLE, ENV_TRITON_MOE
+    from layouts.registry import NON_SHUFFLE
+
+    env = {ENV_TRITON_MOE: "0"}
+    if layout == NON_SHUFFLE.name:
+        env[ENV_NON_SHUFFLE] = "1"
+    return env
+
+
+# ---------------------------------------------------------------------------- a worker process
+class ModelsLoaded(Exception):
+    """Raised where the worker stops: both models are loaded."""
+
+    def __init__(self, runner):
+        super().__init__("models loaded")
+        self.runner = runner
+
+
+class _Warnings(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def worker(setup: dict) -> int:
+    """One TP worker: ATOM's runner class (by ``Config.runner_qualname``) built from the pickled
+    Config for ``setup['rank']``, once per fill byte, stopped once both models are loaded; writes
+    their tensors and what happened to ``setup['out']``."""
+    import torch
+
+    import atom_on_cpu
+    import check_atom_install
+
+    rank, out = setup["rank"], pathlib.Path(setup["out"])
+    atom_on_cpu.install(pathlib.Path(setup["atom_dir"]), pathlib.Path(setup["aiter_dir"]), setup["gpu_arch"])
+    from atom.model_engine.model_runner import ModelRunner
+    from atom.utils import resolve_obj_by_qualname
+
+    config_bytes = pathlib.Path(setup["config"]).read_bytes()
+    tp = pickle.loads(config_bytes).tensor_parallel_size
+    atom_on_cpu.set_tp(rank, tp)
+
+    def device_and_group(self, rank, config):  # stand-in: the GPU is the CPU, the TP group answers set_tp
+        self.device = torch.device("cpu")
+
+    def stop(self):
+        raise ModelsLoaded(self)
+
+    params = {"created": 0}
+    new_param = torch.nn.Parameter.__new__
+
+    def counted(cls, data=None, requires_grad=True):
+        params["created"] += 1
+        return new_param(cls, data, requires_grad)
+
+    caught = _Warnings()
+    logging.getLogger("atom").addHandler(caught)
+    result = {"rank": rank, "refused": None, "params_created": 0, "fills": []}
+    with mock.patch.object(ModelRunner, "_setup_device_and_distributed", device_and_group), \
+            mock.patch.object(ModelRunner, "allocate_forward_vars", stop), \
+            mock.patch.object(ModelRunner, "exit", lambda self: None), \
+            mock.patch.object(torch.nn.Parameter, "__new__", counted), \
+            check_atom_install.mla_from_mxfp4_not_run():
+        for fill in setup["fills"]:
+            config = pickle.loads(config_bytes)  # a fresh Config per start, as each worker unpickles its own
+            caught.messages.clear()
+            atom_on_cpu.CALLS.clear()
+            loaded_calls: list[str] = []
+            try:
+                with atom_on_cpu.on_cpu(fill):
+                    runner_class = resolve_obj_by_qualname(config.runner_qualname)
+                    runner_class(rank, config)
+                raise RuntimeError("ModelRunner.__init__ returned without reaching allocate_forward_vars")
+            except ModelsLoaded as done:
+                loaded_calls = [c for c in atom_on_cpu.CALLS if not _building_call(c)]
+                runner = done.runner
+            except Exception as e:  # noqa: BLE001 - a refusal (the door's one line) or ATOM failing
+                result["refused"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                result["params_created"] = params["created"]
+                break
+            drafter = getattr(runner, "drafter", None)
+            draft = drafter.model if drafter is not None else torch.nn.Module()
+            # each its own copy: the adapter's tensors are views of one file buffer under several dtypes
+            tensors = {k: v.detach().clone() for k, v in check_atom_install.tensors(runner.model, draft).items()}
+            flags = check_atom_install.shuffled_flags(runner.model, draft)
+            torch.save({"tensors": tensors, "flags": flags}, out / f"rank{rank}-fill{fill}.pt")
+            result["fills"].append({
+                "fill": fill, "runner": type(runner).__qualname__, "runner_module": type(runner).__module__,
+                "draft": drafter is not None, "draft_head_shared": _head_shared(runner),
+                "not_loaded": [m[:300] for m in caught.messages if NOT_LOADED in m],
+                "stand_ins_while_loading": sorted(set(loaded_calls))})
+            del runner, drafter, draft, tensors
+        result["params_created"] = params["created"]
+    (out / f"rank{rank}.json").write_text(json.dumps(result, indent=1))
+    return 0 if result["refused"] is None else 1
+
+
+# Stand-ins ATOM calls while building a model or a runner (rotary embedding, the activation-quant
+# function, kernel handles the runner keeps): objects for the forward, nothing a checkpoint fills.
+# Loading itself calls none (check_atom_install.py shows it on the same models).
+_BUILD_CALL_PREFIXES = ("aiter.rotary_embedding", "aiter.get_hip_quant", "aiter.ops", "aiter.jit")
+
+
+def _building_call(name: str) -> bool:
+    return name.startswith(_BUILD_CALL_PREFIXES)
+
+
+def _head_shared(runner) -> bool | None:
+    """Whether the draft's MTP head is the target's lm_head (ATOM's drafter shares it when the
+    checkpoint did not fill it)."""
+    drafter = getattr(runner, "drafter", None)
+    if drafter is None:
+        return None
+    heads = [getattr(layer, "shared_head", None) for layer in drafter.model.model.layers.values()]
+    return any(h is not None and getattr(h, "head", None) is runner.model.lm_head for h in heads)
+
+
+# ---------------------------------------------------------------------------- the server process
+def server(setup: dict, argv: list[str]) -> int:
+    """ATOM's server process: the door's main (``kind`` door) or ``python -m
+    atom.entrypoints.openai_server`` (``kind`` atom) on ``argv``, with ATOM's engine-core
+    processes replaced by TP worker processes (:func:`worker`) and uvicorn recorded."""
+    import atom_on_cpu
+
+    out = pathlib.Path(setup["out"])
+    atom_on_cpu.install(pathlib.Path(setup["atom_dir"]), pathlib.Path(setup["aiter_dir"]), setup["gpu_arch"])
+    import runpy
+
+    import uvicorn
+    from atom.model_engine import llm_engine
+
+    state = {"workers": [], "listening": False}
+
+    class WorkerProcesses:
+        """Stands in for ATOM's CoreManager: starts the engine's TP workers as processes of their
+        own, each given the engine's pickled Config (after CoreManager's per-engine settings)."""
+
+        def __init__(self, config):
+            config.parallel_config.data_parallel_rank = config.parallel_config.data_parallel_rank_local = 0
+            path = out / "config.pkl"
+            path.write_bytes(pickle.dumps(config))
+            procs = []
+            for rank in range(config.tp_world_size):
+                w = dict(setup, rank=rank, config=str(path))
+                procs.append(subprocess.Popen([sys.executable, __file__, "_worker", json.dumps(w)]))
+            codes = [p.wait() for p in procs]
+            state["workers"] = codes
+            if any(codes):
+                raise RuntimeError("Failed to start all EngineCore processes")  # as ATOM's CoreManager says
+
+        def close(self):
+            pass
+
+    def listen(app, **kw):
+        state["listening"] = True
+
+    rc = 0
+    with mock.patch.object(llm_engine, "CoreManager", WorkerProcesses), mock.patch.object(uvicorn, "run", listen):
+        try:
+            if setup["kind"] == "door":
+                from layouts.engines.atom.serve import main
+
+                rc = main(argv)
+            else:
+                sys.argv = [SERVER, *argv]
+                runpy.run_module(SERVER, run_name="__main__", alter_sys=True)
+        except Exception as e:  # noqa: BLE001
+            print(f"server: {type(e).__name__}: {e}", file=sys.stderr)
+            rc = 1
+    (out / "server.json").write_text(json.dumps(dict(state, rc=rc)))
+    return rc
+
+
+# ---------------------------------------------------------------------------- the check
+def start(kind: str, model: pathlib.Path, argv: list[str], env: dict[str, str], fills: list[int],
+          out: pathlib.Path, trees: tuple[pathlib.Path, pathlib.Path], gpu_arch: str) -> dict:
+    """One server start-up; returns its record (server.json and each rank's)."""
+    out.mkdir(parents=True, exist_ok=True)
+    setup = {"kind": kind, "out": str(out), "fills": fills, "atom_dir": str(trees[0]), "aiter_dir": str(trees[1]),
+             "gpu_arch": gpu_arch}
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, __file__, "_server", json.dumps(setup), "--model", str(model), *argv],
+                       env={**os.environ, **env}, capture_output=True, text=True)
+    (out / "server.log").write_text(p.stdout + p.stderr)
+    record = json.loads((out / "server.json").read_text()) if (out / "server.json").is_file() else {"rc": p.returncode}
+    record["returncode"], record["seconds"], record["stderr"] = p.returncode, time.monotonic() - t0, p.stderr
+    record["ranks"] = [json.loads(f.read_text()) for f in sorted(out.glob("rank*.json"))]
+    return record
+
+
+def check(source: pathlib.Path, converted: pathlib.Path, oracles: pathlib.Path, work: pathlib.Path,
+          gpu_arch: str = "gfx950", mtp: bool = True, extra: list[str] = (), reference: dict | None = None) -> dict:
+    """Both start-ups and the comparison: ``{"ok", "lines", "reference", "door"}``."""
+    import torch
+
+    import check_atom_install
+    from layouts import load_manifest
+
+    trees = oracle_trees(oracles, work)
+    target = load_manifest(converted).target
+    argv = ["--tensor-parallel-size", str(target.tp), *(["--enable-expert-parallel"] if target.ep > 1 else []),
+            *TEST_PLAN, *(MTP if mtp else []), *extra]
+    env = {k: v for k, v in switches(target.layout).items() if k not in os.environ}
+    ref_dir, door_dir = work / "atom-on-source", work / "door-on-converted"
+    ref = reference or start("atom", source, argv, env, [0x00, 0xFF], ref_dir, trees, gpu_arch)
+    door = start("door", converted, argv, env, [0x00], door_dir, trees, gpu_arch)
+    lines, ok = [], True
+    if ref.get("rc") or ref["returncode"]:
+        return {"ok": False, "lines": [f"ATOM's own start-up on {source} failed: {_tail(ref)}"], "reference": ref,
+                "door": door}
+    if door.get("rc") or door["returncode"]:
+        refused = [r["refused"] for r in door["ranks"] if r["refused"]]
+        why = refused[0] if refused else _tail(door)
+        return {"ok": False, "lines": [f"the door's start-up on {converted} failed: {why}"], "reference": ref,
+                "door": door}
+    for rank in range(target.tp):
+        got_rec = next(r for r in door["ranks"] if r["rank"] == rank)
+        refs = [torch.load(ref_dir / f"rank{rank}-fill{f}.pt") for f in (0x00, 0xFF)]
+        got = torch.load(door_dir / f"rank{rank}-fill0.pt")
+        n, equal, uninit, bad = check_atom_install.compare(refs[0]["tensors"], refs[1]["tensors"], got["tensors"])
+        bad += [f"{k}: is_shuffled {v} in ATOM's load, {got['flags'].get(k)} through the door"
+                for k, v in refs[0]["flags"].items() if v != got["flags"].get(k)]
+        fill = got_rec["fills"][0]
+        ref_fill = next(r for r in ref["ranks"] if r["rank"] == rank)["fills"][0]
+        if fill["draft_head_shared"] != ref_fill["draft_head_shared"]:
+            bad.append(f"draft head shared with lm_head: {fill['draft_head_shared']} through the door, "
+                       f"{ref_fill['draft_head_shared']} in ATOM's load")
+        if fill["runner"] != "ConvertedModelRunner":
+            bad.append(f"the worker ran {fill['runner_module']}.{fill['runner']}, not the door's runner")
+        bad += [f"stand-in called while loading: {c}" for c in fill["stand_ins_while_loading"]]
+        warned = len(fill["not_loaded"])
+        rank_ok = not bad and not warned
+        ok &= rank_ok
+        lines.append(f"rank {rank}/{target.tp}: {n} tensors (target and draft), {equal} bytes equal, {uninit} never "
+                     f"written by ATOM, {warned} NOT-loaded warnings, draft head "
+                     f"{'shared' if fill['draft_head_shared'] else 'its own'}: {'ok' if rank_ok else 'FAIL'}")
+        lines += [f"    {b}" for b in bad[:10]] + [f"    warning: {m[:200]}" for m in fill["not_loaded"][:3]]
+    if not door.get("listening"):
+        ok = False
+        lines.append("the door's start-up did not reach the server's uvicorn.run")
+    return {"ok": ok, "lines": lines, "reference": ref, "door": door}
+
+
+def _tail(record: dict) -> str:
+    lines = [ln for ln in record.get("stderr", "").splitlines() if ln.strip()]
+    return lines[-1] if lines else f"exit status {record.get('returncode')}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["_worker"]:
+        return worker(json.loads(argv[1]))
+    if argv[:1] == ["_server"]:
+        return server(json.loads(argv[1]), argv[2:])
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[:argv.index("--")] if "--" in argv else argv
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--source", required=True, type=pathlib.Path, help="the source checkpoint (a folder)")
+    ap.add_argument("--converted", required=True, type=pathlib.Path, help="prep's conversion of it")
+    ap.add_argument("--oracles", type=pathlib.Path, default=REPO.parent / "shared" / "oracles",
+                    help="folder with ATOM's and aiter's source tarballs (default %(default)s)")
+    ap.add_argument("--work", type=pathlib.Path, help="folder for the unpacked trees and the records (default: temporary)")
+    ap.add_argument("--gpu-arch", default="gfx950", choices=["gfx950", "gfx942"], help="the GPU ATOM is told it runs on")
+    ap.add_argument("--no-mtp", action="store_true", help="serve without the MTP draft model")
+    args = ap.parse_args(argv)
+    work = args.work or pathlib.Path(tempfile.mkdtemp(prefix="atom-serve-check-"))
+    work.mkdir(parents=True, exist_ok=True)
+    result = check(args.source, args.converted, args.oracles, work, args.gpu_arch, not args.no_mtp, extra)
+    print("\n".join(result["lines"]))
+    door = result["door"]
+    print(f"ATOM on the source: {result['reference']['seconds']:.1f} s; the door: {door['seconds']:.1f} s "
+          f"(records under {work})")
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(BrokenPipeError):
+        sys.exit(main())
