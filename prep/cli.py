@@ -350,8 +350,20 @@ def convert(src, out, layout, moe_layout, tp, ep, fuse_shared_expert, common_bf1
         raise
     finally:
         bar.close()
-    _emit(s, as_json, [f"wrote {s['out']}: {s['tensors']} tensors from {s['source_tensors']} source tensors, "
-                       f"{s['files']} files ({s['reused_files']} reused), {s['bytes'] / 2**30:.3f} GiB"])
+    from layouts import get_engine
+
+    serve = get_engine().serve_command(s["out"], tp, ep, layout, moe_layout)
+    s = {**s, "tp": tp, "ep": ep, "layout": layout, "moe_layout": moe_layout, "serve": serve}
+    lines = [f"wrote {s['out']}: TP {tp}, EP {ep}, layout {layout}, MoE layout {moe_layout}: {s['tensors']} tensors "
+             f"from {s['source_tensors']} source tensors, {s['files']} files ({s['reused_files']} reused), "
+             f"{s['bytes'] / 2**30:.3f} GiB"]
+    if serve:
+        lines.append(f"serve it with ATOM: {serve}")
+    _emit(s, as_json, lines)
+    if click.get_current_context().get_parameter_source("tp") == click.core.ParameterSource.DEFAULT and not as_json:
+        # Per-rank files are cut for one TP size: say so now, not when an engine at TP 8 refuses them.
+        click.echo("note: no --tp given, so these files are for TP 1 (one GPU); an engine at another TP size "
+                   "refuses them: convert with --tp N to serve on N GPUs", err=True)
 
 
 def default_out(src: str, layout: str, moe_layout: str, tp: int, ep: int) -> str:

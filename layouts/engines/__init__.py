@@ -177,6 +177,11 @@ class EngineProfile:
         MoE layout (``prep convert`` refuses it before writing), or None."""
         return None
 
+    def serve_command(self, folder: str, tp: int, ep: int, layout: str, moe_layout: str) -> str | None:
+        """The shell command that serves a conversion (switches included) with this engine, or
+        None where the engine has no door for converted folders."""
+        return None
+
     def __repr__(self) -> str:
         return f"<engine profile {self.name}: GEMM paths {', '.join(self.gemm_paths)}; MoE {', '.join(self.moe_backends)}>"
 

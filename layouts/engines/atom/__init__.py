@@ -46,6 +46,7 @@ door that serves a converted folder with ATOM's own server is :mod:`.serve`.
 
 from __future__ import annotations
 
+import shlex
 from typing import Mapping
 
 from ...compat import (CompatibilityError, EngineConfig, bf16_moe_layout_matches, dense_layout_matches, ep_matches,
@@ -239,6 +240,23 @@ class AtomProfile(EngineProfile):
                     f"engine could run this; use --moe-layout {' or '.join(ep_layouts)} for expert parallel")
         return None
 
+
+    def serve_command(self, folder: str, tp: int, ep: int, layout: str, moe_layout: str) -> str | None:
+        """``prep-atom-serve`` (layouts.engines.atom.serve) with the switches of the first GEMM path
+        reading ``layout`` and of the MoE back end reading ``moe_layout`` (set explicitly: ATOM's
+        unset MoE switch means another back end per arch), and the TP/EP flags."""
+        path = next((p for p, rule in self.gemm_paths.items() if rule.weight_layout == layout), None)
+        backend = next((b for (b, _), m in self.moe_layouts.items() if m == moe_layout), None)
+        if path is None or backend is None:
+            return None
+        env = {**_PATH_SWITCHES[path], ENV_TRITON_MOE: "1" if backend == TRITON else "0"}
+        flags = f"--tensor-parallel-size {tp}" + (f" {self.expert_parallel_switch}" if ep > 1 else "")
+        switches = " ".join(f"{k}={v}" for k, v in env.items())
+        return f"{switches} prep-atom-serve --model {shlex.quote(folder)} {flags}"
+
+
+# The switches that select each GEMM path (config_from_env read the other way).
+_PATH_SWITCHES = {ASM: {}, TRITON_PRESHUFFLE: {ENV_TRITON_GEMM: "1"}, TRITON_NON_SHUFFLE: {ENV_NON_SHUFFLE: "1"}}
 
 PROFILE = AtomProfile()
 

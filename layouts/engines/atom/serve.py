@@ -183,10 +183,25 @@ def _seams_differ(checks: list[tuple[bool, str]]) -> None:
                          f"use that ATOM, or a prep checked against yours")
 
 
+def import_atom(*modules: str) -> None:
+    """Import ATOM's ``modules``, or refuse in one line saying why they cannot be."""
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError as e:
+            if (e.name or "").partition(".")[0] == "atom":
+                raise ServeError(f"ATOM is not installed in this Python ({sys.executable}): {PROG} runs ATOM's own "
+                                 "server; install ROCm/ATOM here (pip install from its source tree)") from None
+            raise ServeError(f"importing ATOM's {name} failed: {e} (ATOM's dependencies: its pyproject.toml)") from None
+        except Exception as e:  # noqa: BLE001 - e.g. aiter refusing to import without ROCm
+            raise ServeError(f"importing ATOM's {name} failed: {type(e).__name__}: {str(e).splitlines()[0]}") from None
+
+
 def check_server_seams() -> None:
     """The seams the server process uses: ``EngineArgs._get_engine_kwargs`` builds the engine's
     keyword arguments, ``Config.runner_qualname`` names the workers' runner, and the worker
     resolves it (``AsyncIOProc``)."""
+    import_atom("atom.config", "atom.model_engine.arg_utils")
     from atom.config import Config
     from atom.model_engine.arg_utils import EngineArgs
 
@@ -208,6 +223,7 @@ def check_worker_seams() -> None:
     """The seams a worker uses: ``ModelRunner._build_and_load_model``, the reading step
     ``load_weights_into_model`` that ``load_model`` calls (with the parameters it has at the
     checked commit), ``_report_coverage``, and the drafter loading through ``load_model``."""
+    import_atom("atom.model_engine.model_runner", "atom.model_loader.loader", "atom.spec_decode.drafter")
     from atom.model_engine.model_runner import ModelRunner
     from atom.model_loader import loader, loading_core
     from atom.spec_decode.drafter import Drafter
