@@ -51,6 +51,7 @@ import logging
 import os
 import pathlib
 import pickle
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -72,6 +73,7 @@ MTP = ["--method", "mtp", "--num-speculative-tokens", "1"]
 def oracle_trees(oracles: pathlib.Path, work: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
     """ATOM's and aiter's source trees, unpacked once from the tarballs in ``oracles``."""
     trees = []
+    work.mkdir(parents=True, exist_ok=True)
     for prefix in ("atom-", "aiter-"):
         found = sorted(oracles.glob(f"{prefix}*.tar.gz"))
         if not found:
@@ -239,7 +241,8 @@ def server(setup: dict, argv: list[str]) -> int:
             procs = []
             for rank in range(config.tp_world_size):
                 w = dict(setup, rank=rank, config=str(path))
-                procs.append(subprocess.Popen([sys.executable, __file__, "_worker", json.dumps(w)]))
+                procs.append(subprocess.Popen([sys.executable, __file__, "_worker", json.dumps(w)],
+                                              env={**os.environ, **setup.get("worker_env", {})}))
             codes = [p.wait() for p in procs]
             state["workers"] = codes
             if any(codes):
@@ -270,11 +273,16 @@ def server(setup: dict, argv: list[str]) -> int:
 
 # ---------------------------------------------------------------------------- the check
 def start(kind: str, model: pathlib.Path, argv: list[str], env: dict[str, str], fills: list[int],
-          out: pathlib.Path, trees: tuple[pathlib.Path, pathlib.Path], gpu_arch: str) -> dict:
-    """One server start-up; returns its record (server.json and each rank's)."""
-    out.mkdir(parents=True, exist_ok=True)
+          out: pathlib.Path, trees: tuple[pathlib.Path, pathlib.Path], gpu_arch: str = "gfx950",
+          worker_env: dict[str, str] | None = None) -> dict:
+    """One server start-up (``kind`` "atom" or "door") in a fresh ``out``; returns its record
+    (server.json and each rank's). ``worker_env`` is added to the workers' environment only (to
+    show what a worker's own check does with what it reads)."""
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
     setup = {"kind": kind, "out": str(out), "fills": fills, "atom_dir": str(trees[0]), "aiter_dir": str(trees[1]),
-             "gpu_arch": gpu_arch}
+             "gpu_arch": gpu_arch, "worker_env": worker_env or {}}
     t0 = time.monotonic()
     p = subprocess.run([sys.executable, __file__, "_server", json.dumps(setup), "--model", str(model), *argv],
                        env={**os.environ, **env}, capture_output=True, text=True)
@@ -285,21 +293,41 @@ def start(kind: str, model: pathlib.Path, argv: list[str], env: dict[str, str], 
     return record
 
 
+def server_argv(converted: pathlib.Path, mtp: bool = True, extra: list[str] = ()) -> list[str]:
+    """ATOM's server options for the check (``--model`` aside): TP/EP from the manifest."""
+    from layouts import load_manifest
+
+    target = load_manifest(converted).target
+    return ["--tensor-parallel-size", str(target.tp), *(["--enable-expert-parallel"] if target.ep > 1 else []),
+            *TEST_PLAN, *(MTP if mtp else []), *extra]
+
+
 def check(source: pathlib.Path, converted: pathlib.Path, oracles: pathlib.Path, work: pathlib.Path,
-          gpu_arch: str = "gfx950", mtp: bool = True, extra: list[str] = (), reference: dict | None = None) -> dict:
-    """Both start-ups and the comparison: ``{"ok", "lines", "reference", "door"}``."""
+          gpu_arch: str = "gfx950", mtp: bool = True, extra: list[str] = (), env: dict[str, str] | None = None,
+          reuse_reference: bool = False, door_name: str = "door-on-converted",
+          trees: tuple[pathlib.Path, pathlib.Path] | None = None) -> dict:
+    """Both start-ups and the comparison: ``{"ok", "lines", "reference", "door"}``. ``env``: ATOM's
+    switches (default: those reading the manifest's layout, where the environment does not set
+    them); ``reuse_reference``: compare with the records of an earlier check in ``work`` (same
+    source and options) instead of starting ATOM on the source again; ``trees``: ATOM's and
+    aiter's unpacked source trees (default: unpacked from ``oracles`` under ``work``)."""
     import torch
 
     import check_atom_install
     from layouts import load_manifest
 
-    trees = oracle_trees(oracles, work)
+    trees = trees or oracle_trees(oracles, work)
     target = load_manifest(converted).target
-    argv = ["--tensor-parallel-size", str(target.tp), *(["--enable-expert-parallel"] if target.ep > 1 else []),
-            *TEST_PLAN, *(MTP if mtp else []), *extra]
-    env = {k: v for k, v in switches(target.layout).items() if k not in os.environ}
-    ref_dir, door_dir = work / "atom-on-source", work / "door-on-converted"
-    ref = reference or start("atom", source, argv, env, [0x00, 0xFF], ref_dir, trees, gpu_arch)
+    argv = server_argv(converted, mtp, extra)
+    if env is None:
+        env = {k: v for k, v in switches(target.layout).items() if k not in os.environ}
+    ref_dir, door_dir = work / "atom-on-source", work / door_name
+    if reuse_reference and (ref_dir / "server.json").is_file():
+        ref = json.loads((ref_dir / "server.json").read_text())
+        ref.update(returncode=0, seconds=0.0, stderr="",
+                   ranks=[json.loads(f.read_text()) for f in sorted(ref_dir.glob("rank*.json"))])
+    else:
+        ref = start("atom", source, argv, env, [0x00, 0xFF], ref_dir, trees, gpu_arch)
     door = start("door", converted, argv, env, [0x00], door_dir, trees, gpu_arch)
     lines, ok = [], True
     if ref.get("rc") or ref["returncode"]:

@@ -53,7 +53,7 @@ def quark_mxfp4():
     import quark_oracle
 
     _need(quark_oracle.available(), "amd-quark")
-    return quark_oracle.quark_mxfp4
+    return quark_oracle.quark_mxfp4_in_subprocess
 
 
 @pytest.fixture(scope="session")

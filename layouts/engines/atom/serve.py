@@ -85,8 +85,9 @@ def check_folder(root: pathlib.Path) -> Manifest:
     side file the source had, here with the size (and hash, where recorded) it had."""
     manifest = load_manifest(root)  # format, completion marker, every file named
     if not manifest.target.rank_exact:
-        raise ServeError(f"{root}: converted by an older prep (manifest format 1, BF16 tensors whole for ATOM's "
-                         "loader to slice); convert it again with this prep to serve it")
+        raise ServeError(f"{root}: converted with --common-bf16 (manifest format 1: BF16 tensors whole, for an "
+                         f"engine that slices them itself); {PROG} serves rank-exact conversions: convert again "
+                         "without --common-bf16")
     shards = {r.file for r in manifest.tensors}
     for name, f in sorted(manifest.source.files.items()):
         if name.endswith(".safetensors") or name.endswith(".index.json") or name in shards:

@@ -1,0 +1,179 @@
+"""prep's ATOM door (prep-atom-serve) on ATOM's real server start-up, on the CPU
+(scripts/check_atom_serve.py: ATOM at the pinned commit from ../shared/oracles, aiter's GPU
+kernels, the GPU, NCCL and ATOM's engine-core processes as stand-ins), and the door's checks."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import shlex
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import layouts
+from conftest import _need
+from layouts.engines.atom import ENV_NON_SHUFFLE, ENV_TRITON_MOE
+from layouts.engines.atom import serve
+from prep.testing import PRESETS, write_checkpoint
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+ORACLES = pathlib.Path(os.environ.get("PREP_ORACLES", REPO.parent / "shared" / "oracles"))
+sys.path.insert(0, str(REPO / "scripts"))
+import check_atom_serve  # noqa: E402
+
+
+def _atom_ready() -> bool:
+    import importlib.util
+
+    if any(importlib.util.find_spec(m) is None for m in ("fastapi", "msgspec", "psutil", "setproctitle", "uvicorn",
+                                                          "zmq", "PIL", "transformers", "triton")):
+        return False
+    return any(ORACLES.glob("atom-*.tar.gz")) and any(ORACLES.glob("aiter-*.tar.gz"))
+
+
+@pytest.fixture
+def oracle_trees(tmp_path_factory):
+    _need(_atom_ready(), f"ATOM's source ({ORACLES}) and its CPU dependencies (setup_env.sh --atom)")
+    work = tmp_path_factory.getbasetemp() / "atom-oracles"
+    work.mkdir(exist_ok=True)
+    return check_atom_serve.oracle_trees(ORACLES, work)
+
+
+def _convert_with_cli(src: pathlib.Path, out: pathlib.Path, *args: str) -> dict:
+    r = subprocess.run([sys.executable, "-m", "prep", "convert", str(src), "-o", str(out), "--json", *args],
+                       capture_output=True, text=True, check=True)
+    return json.loads(r.stdout)
+
+
+def _switches(command: str) -> dict[str, str]:
+    """The VAR=value words in front of the command prep convert printed."""
+    env = {}
+    for word in shlex.split(command):
+        if "=" not in word or word.startswith("-"):
+            break
+        k, v = word.split("=", 1)
+        env[k] = v
+    return env
+
+
+def _refusal(stderr: str) -> str:
+    """The door's refusal: exactly one line of its own, the last (ATOM logs a line as it is imported)."""
+    ours = [line for line in stderr.splitlines() if line.startswith("prep-atom-serve: ")]
+    assert len(ours) == 1 and stderr.strip().splitlines()[-1] == ours[0], stderr
+    return ours[0]
+
+
+def _flip_last_byte(path: pathlib.Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("variant", ["r1-0528", "v2"])
+def test_the_door_leaves_atoms_models_as_atoms_own_start_up_on_the_source_at_tp2(variant, tmp_path, oracle_trees):
+    src = write_checkpoint(dataclasses.replace(PRESETS["tiny"], variant=variant), tmp_path / "src")
+    out = tmp_path / "out"
+    summary = _convert_with_cli(src, out, "--tp", "2")
+    env = _switches(summary["serve"])  # the command prep convert printed: its switches and its flags
+    assert summary["serve"].endswith(f"prep-atom-serve --model {out} --tensor-parallel-size 2")
+    result = check_atom_serve.check(src, out, ORACLES, tmp_path / "work", env=env, trees=oracle_trees)
+    assert result["ok"], "\n".join(result["lines"])
+    assert [line.endswith(": ok") for line in result["lines"]] == [True, True]
+    assert all("0 NOT-loaded warnings, draft head its own" in line for line in result["lines"])
+    door = result["door"]
+    assert door["listening"] and door["workers"] == [0, 0]  # ATOM's server got to uvicorn; both workers loaded
+    assert {f["runner"] for r in door["ranks"] for f in r["fills"]} == {"ConvertedModelRunner"}
+
+    if variant == "v2":  # a flipped byte in one rank's file: the door installs it, the check sees it
+        _flip_last_byte(sorted(out.glob("*rank1*.safetensors"))[-1])
+        flipped = check_atom_serve.check(src, out, ORACLES, tmp_path / "work", env=env, reuse_reference=True,
+                                         door_name="door-flipped", trees=oracle_trees)
+        assert not flipped["ok"]
+        assert flipped["lines"][0].endswith(": ok") and "FAIL" in flipped["lines"][1], "\n".join(flipped["lines"])
+        assert "1 of" in flipped["lines"][2] and "bytes differ" in flipped["lines"][2]
+
+
+def test_a_switch_that_does_not_read_the_layout_is_refused_before_any_weight_is_allocated(tmp_path, oracle_trees):
+    src = write_checkpoint(PRESETS["tiny"], tmp_path / "src")
+    out = tmp_path / "out"
+    _convert_with_cli(src, out, "--tp", "2")  # preshuffle: ATOM's non-shuffle Triton GEMM would read garbage
+    argv = check_atom_serve.server_argv(out)
+    bad = {ENV_NON_SHUFFLE: "1", ENV_TRITON_MOE: "0"}
+    # The server process refuses before ATOM starts: one line, exit status 2, no worker started.
+    refused = check_atom_serve.start("door", out, argv, bad, [0], tmp_path / "server", oracle_trees)
+    assert refused["returncode"] == 2 and refused["workers"] == [] and refused["ranks"] == []
+    line = _refusal(refused["stderr"])
+    assert f"unset {ENV_NON_SHUFFLE}" in line
+    # Each worker checks again what it reads itself, before ATOM's ModelRunner allocates anything.
+    ok_env = {ENV_TRITON_MOE: "0"}
+    worker_refused = check_atom_serve.start("door", out, argv, ok_env, [0], tmp_path / "workers", oracle_trees,
+                                            worker_env={ENV_NON_SHUFFLE: "1"})
+    assert worker_refused["workers"] == [1, 1] and len(worker_refused["ranks"]) == 2
+    for rank in worker_refused["ranks"]:
+        assert rank["refused"].startswith("CompatibilityError: ") and f"unset {ENV_NON_SHUFFLE}" in rank["refused"]
+        assert rank["params_created"] == 0 and rank["fills"] == []  # not one parameter of ATOM's models made
+
+
+def test_a_folder_missing_its_tokenizer_is_refused_in_one_line(tmp_path, oracle_trees):
+    src = write_checkpoint(PRESETS["tiny"], tmp_path / "src")
+    out = tmp_path / "out"
+    _convert_with_cli(src, out, "--tp", "2")
+    (out / "tokenizer.json").unlink()
+    r = check_atom_serve.start("door", out, check_atom_serve.server_argv(out), {ENV_TRITON_MOE: "0"}, [0],
+                               tmp_path / "server", oracle_trees)
+    assert r["returncode"] == 2 and r["workers"] == []
+    assert _refusal(r["stderr"]) == (f"prep-atom-serve: {out / 'tokenizer.json'}: missing; the source had it "
+                                   f"({(src / 'tokenizer.json').stat().st_size} bytes) and ATOM's server reads it "
+                                   "from --model: copy it from the source or convert again")
+
+
+# ---------------------------------------------------------------------------- without ATOM
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve")
+    src = write_checkpoint(PRESETS["tiny"], root / "src")
+    return src, _convert_with_cli(src, root / "out", "--tp", "2")
+
+
+def test_every_serve_command_selects_a_configuration_that_reads_its_layouts():
+    profile = layouts.get_engine("atom")
+    for path, rule in profile.gemm_paths.items():
+        for (backend, arch), moe_layout in profile.moe_layouts.items():
+            for ep in (1, 2):
+                cmd = profile.serve_command("x", 2, ep, rule.weight_layout, moe_layout)
+                engine = profile.config_from_env(_switches(cmd), tp_size=2, rank=0, ep_size=ep,
+                                                 gpu_arch={"gfx94": "gfx942", "gfx95": "gfx950"}[arch])
+                assert engine.expected_dense_layout() == rule.weight_layout or path != engine.gemm_path
+                assert engine.expected_moe_layout() == moe_layout and engine.moe_backend == backend
+                assert ("--enable-expert-parallel" in cmd) == (ep > 1)
+
+
+def test_the_folder_check_refuses_a_changed_side_file_and_a_common_bf16_conversion(converted, tmp_path):
+    src, summary = converted
+    out = tmp_path / "out"
+    shutil.copytree(summary["out"], out)
+    assert serve.check_folder(out).target.tp == 2
+    (out / "generation_config.json").write_text("{}")
+    with pytest.raises(serve.ServeError, match=r"generation_config.json: 2 bytes, the source's had \d+; copy it"):
+        serve.check_folder(out)
+    shutil.copy(src / "generation_config.json", out / "generation_config.json")
+    common = tmp_path / "common"
+    _convert_with_cli(src, common, "--tp", "2", "--common-bf16")
+    with pytest.raises(serve.ServeError, match="converted with --common-bf16 .* convert again without --common-bf16"):
+        serve.check_folder(common)
+    assert serve.converted_root(src) is None and serve.converted_root(out) == out
+
+
+def test_options_that_change_what_a_rank_holds_are_refused_naming_the_default():
+    class Args:  # what ATOM's EngineArgs holds, defaults but one
+        pipeline_parallel_size = 2
+
+    with pytest.raises(serve.ServeError, match=r"pipeline_parallel_size = 2: pipeline parallel .* not checked .* "
+                                               r"--pipeline-parallel-size left at its default \(1\)"):
+        serve.check_options(Args())
+    serve.check_options(object())  # fields absent (another ATOM): nothing to refuse here
