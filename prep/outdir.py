@@ -103,13 +103,22 @@ def prep_files_in(folder: pathlib.Path) -> set[str] | None:
     folder holds neither (it is not an output of prep)."""
     manifest, marker = folder / MANIFEST_NAME, folder / REVERT_MARKER
     if manifest.is_file() or (folder / COMPLETE_NAME).is_file():
+        # Only a manifest its completion marker seals says what prep wrote (prep swaps in complete
+        # outputs only), and of its names only what prep writes: its safetensors files, and the side
+        # files the source had (copied only then), never a name a manifest merely lists.
+        if output_id(folder) is None:
+            raise PrepError(f"{folder}: holds a prep manifest that its completion marker ({COMPLETE_NAME}) does not "
+                            "seal, so prep cannot tell which files are its own; remove the folder yourself or choose "
+                            "another -o")
         try:
-            files = json.loads(manifest.read_bytes())["files"]
-            names = set(files)
+            raw = json.loads(manifest.read_bytes())
+            names = {n for n in raw["files"] if isinstance(n, str) and n.endswith(".safetensors")}
+            had = raw["source"]["files"]
+            side = {n for n in _side_files() if n in had}
         except (OSError, ValueError, KeyError, TypeError):
             raise PrepError(f"{folder}: holds a prep manifest that cannot be read, so prep cannot tell which files "
                             "are its own; remove the folder yourself or choose another -o") from None
-        return names | set(_side_files()) | {MANIFEST_NAME, COMPLETE_NAME}
+        return names | side | {MANIFEST_NAME, COMPLETE_NAME}
     if marker.is_file():
         try:
             names = set(json.loads(marker.read_bytes())["files"])

@@ -177,3 +177,39 @@ def test_options_that_change_what_a_rank_holds_are_refused_naming_the_default():
                                                r"--pipeline-parallel-size left at its default \(1\)"):
         serve.check_options(Args())
     serve.check_options(object())  # fields absent (another ATOM): nothing to refuse here
+
+
+def test_an_atom_whose_seams_differ_is_refused_naming_the_version_and_the_seam(tmp_path, oracle_trees):
+    src = write_checkpoint(PRESETS["tiny"], tmp_path / "src")
+    out = tmp_path / "out"
+    _convert_with_cli(src, out, "--tp", "2")
+    argv, env = check_atom_serve.server_argv(out), {ENV_TRITON_MOE: "0"}
+
+    def atom_with(path: str, old: str, new: str) -> pathlib.Path:
+        tree = tmp_path / f"atom-{len(list(tmp_path.glob('atom-*')))}"
+        shutil.copytree(oracle_trees[0], tree)
+        f = tree / path
+        text = f.read_text()
+        assert text.count(old) == 1
+        f.write_text(text.replace(old, new))
+        return tree
+
+    # The server's seam: an ATOM whose Config names another default runner.
+    tree = atom_with("atom/config.py", 'runner_qualname: str = "atom.model_engine.model_runner.ModelRunner"',
+                     'runner_qualname: str = "atom.model_engine.model_runner.OtherRunner"')
+    r = check_atom_serve.start("door", out, argv, env, [0], tmp_path / "server", (tree, oracle_trees[1]))
+    assert r["returncode"] == 2 and r["workers"] == []
+    assert _refusal(r["stderr"]) == (
+        f"prep-atom-serve: ATOM from {tree}: Config.runner_qualname defaults to "
+        "'atom.model_engine.model_runner.OtherRunner', not 'atom.model_engine.model_runner.ModelRunner'; "
+        "prep-atom-serve was checked against ROCm/ATOM ffdf3bb5: use that ATOM, or a prep checked against yours")
+    # A worker's seam: an ATOM whose load_model reads the checkpoint through another function.
+    tree = atom_with("atom/model_loader/loader.py", "    loaded_weights_record = load_weights_into_model(",
+                     "    loaded_weights_record = (lambda **kw: load_weights_into_model(**kw))(")
+    r = check_atom_serve.start("door", out, argv, env, [0], tmp_path / "workers", (tree, oracle_trees[1]))
+    assert r["workers"] == [1, 1]
+    for rank in r["ranks"]:
+        assert rank["refused"] == (f"ServeError: ATOM from {tree}: load_model does not call load_weights_into_model; "
+                                   "prep-atom-serve was checked against ROCm/ATOM ffdf3bb5: use that ATOM, or a prep "
+                                   "checked against yours")
+        assert rank["params_created"] == 0

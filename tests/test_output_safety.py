@@ -129,6 +129,37 @@ def test_force_never_replaces_a_folder_with_files_prep_did_not_write(workspace, 
     assert snapshot(workspace) == before and no_work_left(workspace / "out")
 
 
+@pytest.mark.parametrize("name", ["tokenizer.model", "modeling_deepseek.py", "special_tokens_map.json"])
+def test_force_never_deletes_a_file_named_like_a_side_file_the_source_did_not_have(workspace, name):
+    # prep copies a side file only where the source has one: the same name put there by the user
+    # is the user's (the source here has tokenizer.json, not tokenizer.model).
+    out = workspace / "out"
+    (out / name).write_text("mine")
+    before = snapshot(workspace)
+    one_line_error(prep("convert", workspace / "src", "-o", out, "--force"), repr(name), "prep did not write it")
+    assert snapshot(workspace) == before and no_work_left(out)
+
+
+def test_force_trusts_only_a_sealed_manifest_and_of_it_only_the_files_prep_writes(workspace):
+    from layouts.manifest import manifest_hash
+
+    out = workspace / "out"
+    (out / "precious.txt").write_text("keep me")
+    m = json.loads((out / "prep-manifest.json").read_text())
+    m["files"]["precious.txt"] = next(iter(m["files"].values()))
+    raw = json.dumps(m).encode()
+    (out / "prep-manifest.json").write_bytes(raw)  # its completion marker no longer seals it
+    before = snapshot(workspace)
+    one_line_error(prep("convert", workspace / "src", "-o", out, "--force"), "does not seal")
+    assert snapshot(workspace) == before
+    marker = json.loads((out / "prep-complete.json").read_text())
+    marker["manifest_sha256"] = manifest_hash(raw)  # sealed again: a manifest naming a file prep never writes
+    (out / "prep-complete.json").write_text(json.dumps(marker))
+    before = snapshot(workspace)
+    one_line_error(prep("convert", workspace / "src", "-o", out, "--force"), "'precious.txt'", "prep did not write it")
+    assert snapshot(workspace) == before and (out / "precious.txt").read_text() == "keep me"
+
+
 def test_non_empty_output_needs_force_and_force_replaces_only_prep_files(workspace):
     out = workspace / "out"
     one_line_error(prep("convert", workspace / "src", "-o", out, "--tp", "2"), "previous output of prep", "--force")
