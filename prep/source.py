@@ -21,9 +21,12 @@ from .errors import PrepError
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
-# Files copied next to the converted weights (the engine's tokenizer and generation settings).
+# Files copied next to the converted weights, where the source has them: what an engine's server
+# reads from its --model besides weights (config, generation settings, tokenizer, chat template:
+# transformers keeps it in tokenizer_config.json or, since 4.43, in chat_template.jinja / .json).
 SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-              "special_tokens_map.json", "tokenizer.model", "configuration_deepseek.py", "modeling_deepseek.py")
+              "special_tokens_map.json", "tokenizer.model", "chat_template.jinja", "chat_template.json",
+              "configuration_deepseek.py", "modeling_deepseek.py")
 
 
 def _show(name: str) -> str:
@@ -64,7 +67,7 @@ def resolve(src: str, revision: str | None = None) -> tuple[pathlib.Path, dict[s
         raise PrepError(f"{src}: huggingface_hub is needed to resolve repo ids ({e})") from None
     try:
         local = snapshot_download(src, revision=revision,
-                                  allow_patterns=["*.safetensors", "*.json", "tokenizer.*", "*.py"])
+                                  allow_patterns=["*.safetensors", "*.json", "tokenizer.*", "*.jinja", "*.py"])
     except Exception as e:  # hub errors come in many classes; the message is what helps
         raise PrepError(f"{src}: could not resolve through huggingface_hub: {e}".splitlines()[0]) from None
     return pathlib.Path(local), {"kind": "hf", "repo_id": src, "revision": revision or "main",

@@ -137,6 +137,7 @@ def test_a_folder_missing_its_tokenizer_is_refused_in_one_line(tmp_path, oracle_
 def converted(tmp_path_factory):
     root = tmp_path_factory.mktemp("serve")
     src = write_checkpoint(PRESETS["tiny"], root / "src")
+    (src / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
     return src, _convert_with_cli(src, root / "out", "--tp", "2")
 
 
@@ -158,6 +159,11 @@ def test_the_folder_check_refuses_a_changed_side_file_and_a_common_bf16_conversi
     out = tmp_path / "out"
     shutil.copytree(summary["out"], out)
     assert serve.check_folder(out).target.tp == 2
+    assert (out / "chat_template.jinja").read_bytes() == (src / "chat_template.jinja").read_bytes()
+    (out / "chat_template.jinja").unlink()
+    with pytest.raises(serve.ServeError, match=r"chat_template.jinja: missing; the source had it \(\d+ bytes\)"):
+        serve.check_folder(out)
+    shutil.copy(src / "chat_template.jinja", out)
     (out / "generation_config.json").write_text("{}")
     with pytest.raises(serve.ServeError, match=r"generation_config.json: 2 bytes, the source's had \d+; copy it"):
         serve.check_folder(out)
