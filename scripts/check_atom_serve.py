@@ -357,8 +357,9 @@ def check(source: pathlib.Path, converted: pathlib.Path, oracles: pathlib.Path, 
         rank_ok = not bad and not warned
         ok &= rank_ok
         lines.append(f"rank {rank}/{target.tp}: {n} tensors (target and draft), {equal} bytes equal, {uninit} never "
-                     f"written by ATOM, {warned} NOT-loaded warnings, draft head "
-                     f"{'shared' if fill['draft_head_shared'] else 'its own'}: {'ok' if rank_ok else 'FAIL'}")
+                     f"written by ATOM, {warned} NOT-loaded warnings, " + (
+                         f"draft head {'shared' if fill['draft_head_shared'] else 'its own'}" if fill["draft"]
+                         else "no MTP draft model") + f": {'ok' if rank_ok else 'FAIL'}")
         lines += [f"    {b}" for b in bad[:10]] + [f"    warning: {m[:200]}" for m in fill["not_loaded"][:3]]
     if not door.get("listening"):
         ok = False
