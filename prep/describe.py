@@ -99,6 +99,10 @@ def _inspect_converted(path: str) -> tuple[dict[str, Any], list[str]]:
         keeps = "" if x["bytes_kept"] is None else f", keeps {x['bytes_kept'] / 2**30:.3f} GiB"
         lines.append(f"  rank {x['rank']}: reads {x['bytes'] / 2**30:.3f} GiB ({x['files']} own files{common}){keeps}, "
                      f"{x['tensors']} own tensors{experts}")
+    serve = get_engine().serve_command(path, t.tp, t.ep, t.layout, t.moe_layout) if t.rank_exact else None
+    result["serve"] = serve
+    if serve:
+        lines.append(f"  serve it with ATOM: {serve}")
     return result, lines
 
 
