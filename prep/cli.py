@@ -357,8 +357,8 @@ def convert(src, out, layout, moe_layout, tp, ep, fuse_shared_expert, common_bf1
     lines = [f"wrote {s['out']}: TP {tp}, EP {ep}, layout {layout}, MoE layout {moe_layout}: {s['tensors']} tensors "
              f"from {s['source_tensors']} source tensors, {s['files']} files ({s['reused_files']} reused), "
              f"{s['bytes'] / 2**30:.3f} GiB"]
-    if serve:
-        lines.append(f"serve it with ATOM: {serve}")
+    lines.append(f"serve it with ATOM: {serve}" if serve else
+                 f"serve it with ATOM: prep-atom-serve does not serve MoE layout {moe_layout} yet (docs/engines.md)")
     _emit(s, as_json, lines)
     if click.get_current_context().get_parameter_source("tp") == click.core.ParameterSource.DEFAULT and not as_json:
         # Per-rank files are cut for one TP size: say so now, not when an engine at TP 8 refuses them.

@@ -51,7 +51,7 @@ from typing import Any, Callable, Mapping
 from ...compat import CompatibilityError, EngineConfig, check_compatibility
 from ...errors import LayoutsError
 from ...manifest import MANIFEST_NAME, Manifest, load_manifest
-from . import PROFILE
+from . import PROFILE, SERVED_MOE_BACKENDS, TRITON_MOE_NOT_SERVED
 from .adapter import AtomInstallReport, install_converted_weights, install_draft_weights
 
 CHECKED_ATOM = "ffdf3bb5"  # ROCm/ATOM commit whose seams this module was checked against
@@ -141,6 +141,8 @@ def engine_config(manifest: Manifest, env: Mapping[str, str], *, tp: int, rank: 
     engine = PROFILE.config_from_env(env, tp_size=tp, rank=rank, ep_size=tp if expert_parallel else 1,
                                      gpu_arch=gpu_arch)
     check_compatibility(manifest, engine)
+    if engine.moe_backend not in SERVED_MOE_BACKENDS:
+        raise CompatibilityError(TRITON_MOE_NOT_SERVED)
     return engine
 
 
@@ -399,10 +401,23 @@ def check_start(argv: list[str], env: Mapping[str, str] | None = None,
     manifest = check_folder(root)
     check_options(args)
     env = os.environ if env is None else env
-    arch = gpu_arch or atom_gpu_arch()
-    engines = [engine_config(manifest, env, tp=args.tensor_parallel_size, rank=r,
-                             expert_parallel=args.enable_expert_parallel, gpu_arch=arch)
-               for r in range(args.tensor_parallel_size)]
+    # The server process asks no GPU (ATOM's does not import aiter, whose import builds its HIP
+    # modules): without ``gpu_arch`` a rank passes here if some arch ATOM runs on reads the folder,
+    # and each worker checks its own arch, as aiter reports it, before it allocates anything.
+    archs = [gpu_arch] if gpu_arch else [PROFILE.default_gpu_arch] + [
+        a.example for a in PROFILE.gpu_archs if a.example != PROFILE.default_gpu_arch]
+    engines = []
+    for rank in range(args.tensor_parallel_size):
+        refusals = []
+        for arch in archs:
+            try:
+                engines.append(engine_config(manifest, env, tp=args.tensor_parallel_size, rank=rank,
+                                             expert_parallel=args.enable_expert_parallel, gpu_arch=arch))
+                break
+            except CompatibilityError as e:
+                refusals.append(e)
+        else:
+            raise refusals[0]
     return root, manifest, engines
 
 
@@ -418,9 +433,10 @@ def main(argv: list[str] | None = None) -> int:
         except (LayoutsError, CompatibilityError) as e:
             print(f"{PROG}: {str(e).splitlines()[0]}", file=sys.stderr)
             return 2
-        e = engines[0]
-        print(f"{PROG}: {root}: TP {e.tp_size}, EP {e.ep_size}, layout {manifest.target.layout}, MoE layout {manifest.target.moe_layout}, GEMM path {e.gemm_path}, "
-              f"MoE {e.moe_backend} on {e.gpu_arch}: checked; starting ATOM's server", file=sys.stderr)
+        e, t = engines[0], manifest.target
+        print(f"{PROG}: {root}: TP {t.tp}, EP {t.ep}, layout {t.layout} (GEMM path {e.gemm_path}), MoE layout "
+              f"{t.moe_layout} (MoE {e.moe_backend}): checked; each worker checks its rank and GPU arch again before "
+              "loading; starting ATOM's server", file=sys.stderr)
         inject_runner()
     sys.argv = [ATOM_SERVER, *argv]
     runpy.run_module(ATOM_SERVER, run_name="__main__", alter_sys=True)
