@@ -232,3 +232,15 @@ def test_atoms_triton_moe_is_refused_until_the_door_builds_what_atom_builds_at_l
     with pytest.raises(layouts.CompatibilityError, match="ATOM's Triton MoE .* not served from a converted folder"):
         serve.engine_config(manifest, {ENV_TRITON_MOE: "1"}, tp=2, rank=0, expert_parallel=False, gpu_arch="gfx950")
 
+
+def test_help_says_what_the_door_does_and_where_atom_is_missing_says_how_to_get_it():
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # this Python has no ATOM installed
+    r = subprocess.run([sys.executable, "-m", "layouts.engines.atom.serve", "--help"], capture_output=True, text=True,
+                       env=env, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    assert "prep-atom-serve --model r1-tp8 --tensor-parallel-size 8" in r.stdout and "exit status 2" in r.stdout
+    assert r.stdout.strip().splitlines()[-1].startswith("ATOM is not installed in this Python")
+    r = subprocess.run([sys.executable, "-m", "layouts.engines.atom.serve", "--model", "x"], capture_output=True,
+                       text=True, env=env, cwd=REPO)
+    assert r.returncode == 2 and r.stderr.startswith("prep-atom-serve: ATOM is not installed") and not r.stdout
+

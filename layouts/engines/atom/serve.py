@@ -10,6 +10,20 @@ checkpoint. ATOM's post-processing, its record of loaded names, its coverage rep
 parameters were NOT loaded") and its drafter's head sharing all run as they do on ATOM's own
 load, on what the adapter installed.
 
+Before ATOM starts, the door refuses in one line (exit status 2): a ``--model`` that is not a
+complete prep conversion, a folder missing a side file the source had (tokenizer, config,
+generation config, chat template), a manifest the configuration would misread (another TP or EP
+size, a layout the GEMM path or MoE back end does not read), ATOM options that change which
+weights a rank holds in ways not checked (pipeline, data or context parallel, DP attention, EPLB,
+dummy weights, online quantization, another MoE back end), and an ATOM whose seams differ from
+the ATOM it was checked against (naming the version seen and what differs).
+
+ATOM's Triton MoE is refused too (``ATOM_USE_TRITON_MOE=1``, ATOM's default on gfx94x): serve a
+``--moe-layout ck`` conversion with ``ATOM_USE_TRITON_MOE=0``. ``prep convert`` and ``prep
+inspect`` print the command for a folder, switches included, e.g.
+
+    ATOM_USE_TRITON_MOE=0 prep-atom-serve --model r1-tp8 --tensor-parallel-size 8 --method mtp
+
 The seams, as ROCm/ATOM has them at commit ffdf3bb5 (:data:`CHECKED_ATOM`), and what is done at each:
 
 1. ``EngineArgs._get_engine_kwargs`` (``atom/model_engine/arg_utils.py``), in the server process:
@@ -26,14 +40,6 @@ The seams, as ROCm/ATOM has them at commit ffdf3bb5 (:data:`CHECKED_ATOM`), and 
    aside (draft), hands the installed names to ATOM's ``_report_coverage`` and returns them as
    ATOM's loaded-names record (so the drafter keeps its installed ``shared_head.head``); for any
    other path it is ATOM's own function.
-
-Before ATOM starts, the door refuses in one line (exit status 2): a ``--model`` that is not a
-complete prep conversion, a folder missing a side file the source had (tokenizer, config,
-generation config, chat template), a manifest the configuration would misread (another TP or EP
-size, a layout the GEMM path or MoE back end does not read), ATOM options that change which
-weights a rank holds in ways not checked (pipeline, data or context parallel, DP attention, EPLB,
-dummy weights, online quantization, another MoE back end), and an ATOM whose seams are not the
-ones above (naming the version seen and what differs).
 """
 
 from __future__ import annotations
@@ -424,9 +430,14 @@ def check_start(argv: list[str], env: Mapping[str, str] | None = None,
 def main(argv: list[str] | None = None) -> int:
     """Check, then run ATOM's server on the same arguments, as ``python -m`` runs it."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] in (["-h"], ["--help"]):
+    if "-h" in argv or "--help" in argv:
         print(__doc__.split("\n\nThe seams")[0])
-        print(f"\nATOM's own options follow (python -m {ATOM_SERVER} --help).")
+        try:
+            import_atom("atom.entrypoints.openai.api_server")
+        except ServeError as e:
+            print(f"\n{e}")
+            return 0
+        print(f"\nATOM's own options follow (python -m {ATOM_SERVER} --help).\n", flush=True)
     else:
         try:
             root, manifest, engines = check_start(argv)
