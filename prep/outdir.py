@@ -121,7 +121,10 @@ def prep_files_in(folder: pathlib.Path) -> set[str] | None:
         return names | side | {MANIFEST_NAME, COMPLETE_NAME}
     if marker.is_file():
         try:
-            names = set(json.loads(marker.read_bytes())["files"])
+            listed = json.loads(marker.read_bytes())["files"]
+            # what revert writes: the source's shards, its index and the side files; no other name counts
+            names = {n for n in listed if isinstance(n, str) and (
+                n.endswith(".safetensors") or n.endswith(".safetensors.index.json") or n in _side_files())}
         except (OSError, ValueError, KeyError, TypeError):
             raise PrepError(f"{marker}: unreadable, so prep cannot tell which files are its own; remove the folder "
                             "yourself or choose another -o") from None

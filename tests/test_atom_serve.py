@@ -187,6 +187,35 @@ def test_options_that_change_what_a_rank_holds_are_refused_naming_the_default():
         serve.check_options(Args())
     serve.check_options(object())  # fields absent (another ATOM): nothing to refuse here
 
+    class Args:  # noqa: F811 - ATOM lower-cases and strips the MoE back end; a draft model of its own is ATOM's
+        moe_backend, method, draft_model = " Standard", "eagle3", "/models/eagle3-draft"
+
+    serve.check_options(Args())
+    Args.draft_model = None
+    with pytest.raises(serve.ServeError, match="--method eagle3 without --draft-model: .* serve with --method mtp"):
+        serve.check_options(Args())
+    Args.method, Args.hf_overrides = "mtp", {"num_hidden_layers": 2}
+    with pytest.raises(serve.ServeError, match="hf_overrides = .* not checked"):
+        serve.check_options(Args())
+
+
+def test_the_mtp_draft_is_refused_for_a_folder_without_an_mtp_layer(converted, tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(converted[1]["out"], out)
+    manifest = serve.check_folder(out)
+
+    class Args:
+        method = "mtp"
+
+    serve.check_draft(Args(), manifest)  # the tiny checkpoints have DeepSeek's one MTP layer
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps(dict(config, num_nextn_predict_layers=0)))  # as V3-style configs say
+
+    with pytest.raises(serve.ServeError, match="--method mtp: .* holds no MTP layer .* serve it without --method mtp"):
+        serve.check_draft(Args(), manifest)
+    Args.method = None
+    serve.check_draft(Args(), manifest)
+
 
 def test_an_atom_whose_seams_differ_is_refused_naming_the_version_and_the_seam(tmp_path, oracle_trees):
     src = write_checkpoint(PRESETS["tiny"], tmp_path / "src")

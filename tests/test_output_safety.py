@@ -180,6 +180,13 @@ def test_force_replaces_a_previous_revert_output_and_an_empty_folder(workspace):
     (workspace / "empty").mkdir()
     assert prep("convert", workspace / "src", "-o", workspace / "empty").returncode == 0
     complete(workspace / "empty")
+    # A revert marker naming a file revert never writes does not make that file prep's.
+    (rt / "precious.txt").write_text("keep me")
+    marker = json.loads((rt / "prep-revert.json").read_text())
+    (rt / "prep-revert.json").write_text(json.dumps(dict(marker, files=marker["files"] + ["precious.txt"])))
+    before = snapshot(workspace)
+    one_line_error(prep("revert", workspace / "out", "-o", rt, "--force"), "'precious.txt'", "prep did not write it")
+    assert snapshot(workspace) == before
 
 
 # ----------------------------------------------------------- kill -9 at every step of a write

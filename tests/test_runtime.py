@@ -123,6 +123,8 @@ def test_expert_parallel_with_the_triton_moe_is_refused():
     ({"ATOM_USE_TRITON_GEMM": "1", "ATOM_USE_TRITON_MOE": "0"}, "gfx950", ("triton-preshuffle", "ck")),
     ({"ATOM_USE_FP4_NON_SHUFFLE_TRITON_GEMM": "1", "ATOM_USE_TRITON_MOE": "1"}, "gfx950", ("triton-non-shuffle", "triton")),
     ({"ATOM_USE_TRITON_GEMM": "true"}, "gfx950", ("asm", "ck")),  # ATOM reads only "1" as on
+    ({"ATOM_USE_TRITON_MOE": ""}, "gfx942", ("asm", "triton")),  # empty is unset (ATOM's envs.is_set)
+    ({"ATOM_USE_TRITON_MOE": "", "ATOM_USE_TRITON_GEMM": "1"}, "gfx950", ("triton-preshuffle", "triton")),
 ])
 def test_engine_config_reads_atom_switches_as_atom_does(env, arch, want):
     e = EngineConfig.from_env(tp_size=8, rank=3, gpu_arch=arch, env=env)
@@ -134,6 +136,14 @@ def test_engine_config_reads_the_two_fusion_switches():
     e = EngineConfig.from_env(env={"ATOM_ENABLE_DS_INPUT_RMSNORM_QUANT_FUSION": "0",
                                    "ATOM_ENABLE_DS_QKNORM_QUANT_FUSION": "1"}, gpu_arch="gfx950")
     assert (e.input_norm_quant_fusion, e.qknorm_quant_fusion) == (False, True)
+
+
+@pytest.mark.parametrize("switch, says", [("ATOM_MOE_GU_ITLV", "gate and up rows interleaved"),
+                                          ("ATOM_USE_TRITON_MOE_DECODE", "decode MoE's own copies")])
+def test_moe_switches_that_change_the_expert_bytes_are_refused(switch, says):
+    with pytest.raises(CompatibilityError, match=f"{switch}=1: .*{says}.*unset {switch}"):
+        EngineConfig.from_env(env={switch: "1"}, gpu_arch="gfx950")
+    assert EngineConfig.from_env(env={switch: "0"}, gpu_arch="gfx950").moe_backend == "ck"
 
 
 def test_triton_gemm_with_non_shuffle_gemm_is_refused():

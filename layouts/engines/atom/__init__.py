@@ -62,6 +62,8 @@ ENV_TRITON_GEMM = "ATOM_USE_TRITON_GEMM"
 ENV_TRITON_MOE = "ATOM_USE_TRITON_MOE"
 ENV_INPUT_FUSION = "ATOM_ENABLE_DS_INPUT_RMSNORM_QUANT_FUSION"
 ENV_QKNORM_FUSION = "ATOM_ENABLE_DS_QKNORM_QUANT_FUSION"
+ENV_GU_INTERLEAVE = "ATOM_MOE_GU_ITLV"
+ENV_TRITON_MOE_DECODE = "ATOM_USE_TRITON_MOE_DECODE"
 
 # ---------------------------------------------------------------------------- paths and layouts
 ASM, TRITON_PRESHUFFLE, TRITON_NON_SHUFFLE = "asm", "triton-preshuffle", "triton-non-shuffle"
@@ -211,9 +213,22 @@ class AtomProfile(EngineProfile):
                 f"{ENV_TRITON_GEMM}=1 together with {ENV_NON_SHUFFLE}=1: ATOM keeps the weights raw but its fused "
                 "qkv_a + RMSNorm + quant path (_fuse_qkv_a_proj_reduce_rmsnorm_quant_fp4) still runs the preshuffle "
                 f"GEMM on them and reads garbage; unset one of the two")
+        # MoE switches that change the bytes the MXFP4 MoE holds (ROCm/ATOM ffdf3bb5 atom/model_ops/moe.py
+        # Mxfp4MoEMethod): GU_ITLV shuffles w13 gate/up-interleaved (1285-1320) and tells the CK kernel
+        # GateMode.INTERLEAVE (1566-1571): no prep layout holds that order; TRITON_MOE_DECODE (read
+        # only without GU_ITLV, 1053-1054) builds preshuffled decode copies at load (1325, 1396).
+        if on(ENV_GU_INTERLEAVE):
+            raise CompatibilityError(
+                f"{ENV_GU_INTERLEAVE}=1: ATOM's MoE then reads w13 with gate and up rows interleaved, an order no prep "
+                f"MoE layout holds, and would read them swapped; unset {ENV_GU_INTERLEAVE}")
+        if on(ENV_TRITON_MOE_DECODE):
+            raise CompatibilityError(
+                f"{ENV_TRITON_MOE_DECODE}=1: ATOM builds the Triton decode MoE's own copies of the experts while "
+                f"processing them at load, which a converted checkpoint's stacked experts skip; unset "
+                f"{ENV_TRITON_MOE_DECODE}")
         gemm_path = TRITON_NON_SHUFFLE if non_shuffle else TRITON_PRESHUFFLE if triton_gemm else ASM
         arch = gpu_arch or current_gpu_arch() or self.default_gpu_arch
-        if ENV_TRITON_MOE in env:
+        if env.get(ENV_TRITON_MOE, ""):  # set and not empty, as ATOM's envs.is_set reads it
             moe = TRITON if on(ENV_TRITON_MOE) else CK
         else:  # ATOM's own choice when the switch is unset
             moe = TRITON if arch.startswith(GFX94.prefix) or (arch.startswith(GFX95.prefix) and triton_gemm) else CK

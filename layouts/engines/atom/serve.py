@@ -129,15 +129,36 @@ UNCHECKED_OPTIONS: tuple[tuple[str, Any, str], ...] = (
     ("fake_eplb", False, "fake EPLB"),
     ("moe_backend", "standard", "a MoE back end other than ATOM's standard one"),
     ("all2all_backend", None, "an all-to-all MoE dispatch back end"),
+    ("hf_overrides", None, "config overrides (ATOM would build other models than the folder's config.json says)"),
 )
 
 
 def check_options(args: Any) -> None:
     """Refuse ATOM options the door was not checked with (``args``: ATOM's ``EngineArgs``)."""
     for field, checked, what in UNCHECKED_OPTIONS:
-        if hasattr(args, field) and getattr(args, field) != checked:
+        value = getattr(args, field, checked)
+        if field == "moe_backend" and isinstance(value, str):
+            value = value.strip().lower()  # as ATOM's Config reads it
+        if value != checked:
             raise ServeError(f"{field} = {getattr(args, field)!r}: {what} is not checked with converted checkpoints; "
                              f"serve with --{field.replace('_', '-')} left at its default ({checked!r})")
+    method = getattr(args, "method", None)
+    if method not in (None, "mtp") and not getattr(args, "draft_model", None):
+        raise ServeError(f"--method {method} without --draft-model: its draft model would be read from the converted "
+                         "folder, which holds the MTP layer only for ATOM's MTP draft model; serve with --method mtp, "
+                         "or give the draft its own checkpoint with --draft-model")
+
+
+def check_draft(args: Any, manifest: Manifest) -> None:
+    """``--method mtp`` needs the MTP layer in the folder (ATOM's draft model loads it from there)."""
+    if getattr(args, "method", None) != "mtp":
+        return
+    from .adapter import _layer_index, _mtp_layers
+
+    layers = _mtp_layers(manifest.root)
+    if not any(_layer_index(t.name) in layers for t in manifest.tensors):
+        raise ServeError(f"--method mtp: {manifest.root} holds no MTP layer (config.json: num_nextn_predict_layers "
+                         f"{len(layers)}); serve it without --method mtp")
 
 
 def engine_config(manifest: Manifest, env: Mapping[str, str], *, tp: int, rank: int, expert_parallel: bool,
@@ -406,6 +427,7 @@ def check_start(argv: list[str], env: Mapping[str, str] | None = None,
                          f"`python -m {ATOM_SERVER}`")
     manifest = check_folder(root)
     check_options(args)
+    check_draft(args, manifest)
     env = os.environ if env is None else env
     # The server process asks no GPU (ATOM's does not import aiter, whose import builds its HIP
     # modules): without ``gpu_arch`` a rank passes here if some arch ATOM runs on reads the folder,
