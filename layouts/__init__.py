@@ -32,7 +32,7 @@ from .errors import LayoutsError
 from .engines import EngineProfile, engine_names, get_engine, register_engine
 from .dequant import dequantize_activation, dequantize_expert, dequantize_stored, dequantize_stored_rows
 from .fused_quant import fused_rms_mxfp4_quant, fused_rms_mxfp4_quant_reference
-from .loader import RankTensors, load_rank
+from .loader import RankTensors, iter_rank_files, load_rank
 from .manifest import Manifest, ManifestError, TensorRecord, load_manifest
 from .registry import Layout, Transform, get_layout, layout_names, register_layout
 from .selection import GEMM_PATH_RULES, ActivationQuantFlags, select_activation_quant
@@ -60,7 +60,7 @@ __all__ = [
     "ActivationQuantPlan", "CompatibilityError", "LayoutsError", "EngineConfig", "check_compatibility",
     "EngineProfile", "engine_names", "get_engine", "register_engine",
     "dequantize_activation", "dequantize_expert", "dequantize_stored", "dequantize_stored_rows",
-    "fused_rms_mxfp4_quant", "fused_rms_mxfp4_quant_reference", "RankTensors", "load_rank",
+    "fused_rms_mxfp4_quant", "fused_rms_mxfp4_quant_reference", "RankTensors", "iter_rank_files", "load_rank",
     "Manifest", "ManifestError", "TensorRecord", "load_manifest",
     "LayoutConstraintError", "preshuffle_scale", "preshuffle_scale_per_expert", "preshuffle_weight",
     "shuffled_scale_shape", "unshuffle_scale", "unshuffle_scale_per_expert", "unshuffle_weight",

@@ -12,6 +12,7 @@ states (``is_shuffled``, ``scale_swizzle``, ``hidden_pad``, ...), as Python attr
 from __future__ import annotations
 
 import pathlib
+from typing import Iterator
 
 import torch
 
@@ -52,53 +53,75 @@ def load_rank(model_dir: str | pathlib.Path, rank: int, device: str | torch.devi
         if engine.rank != rank:
             raise ValueError(f"load_rank(rank={rank}) with an engine config for rank {engine.rank}")
         check_compatibility(manifest, engine)
-    records = manifest.rank_tensors(rank)
-    by_file: dict[str, list[TensorRecord]] = {}
-    for r in records:
-        by_file.setdefault(r.file, []).append(r)
-    device = torch.device(device)
     out = RankTensors(manifest, rank)
-    for fname, recs in by_file.items():
-        path = manifest.root / fname
-        try:
-            f = SafetensorsFile(path)
-            buf, views = map_all(f) if mmap else f.read_all()
-        except FileNotFoundError:
-            raise ManifestError(f"{path}: listed in the manifest but missing; convert again") from None
-        except SafetensorsFileError as e:
-            raise ManifestError(f"{e}; convert again") from None
-        except (OSError, RuntimeError) as e:  # mapping or reading failed (mmap raises OSError, torch RuntimeError)
-            raise ManifestError(f"{path}: could not be read ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
-                                "check the file and convert again") from None
-        for r in recs:
-            t = views.get(r.name)
-            if t is None:
-                raise ManifestError(f"{path}: tensor {r.name} (rank {r.rank}) is missing from the file; convert again")
-            if r.dtype not in TORCH_DTYPES:
-                raise ManifestError(f"{manifest.root / MANIFEST_NAME}: tensor {r.name} has dtype {r.dtype!r}, which "
-                                    "this reader does not know; convert again (or upgrade layouts)")
-            if t.dtype != TORCH_DTYPES[r.dtype] or tuple(t.shape) != r.shape:
-                raise ManifestError(f"{path}: tensor {r.name} is {t.dtype} {list(t.shape)} but the manifest says "
-                                    f"{r.dtype} {list(r.shape)}; convert again")
-            if verify_hashes and tensor_hash(t) != r.xxh3_128:
-                raise ManifestError(f"{path}: tensor {r.name} does not match its manifest hash; convert again")
-        if device.type != "cpu":  # one transfer per file, then the same views on the device
-            buf = to_device(buf, device)
-            views = f.views(buf)
-        out.buffers.append(buf)
-        for r in recs:
-            t = views[r.name]
-            for k, v in r.runtime_attrs.items():
-                # An attribute torch.Tensor has (``view``, ``data``, ``__class__``) would be replaced on
-                # this tensor, or the assignment would fail deep in here: only new names are set.
-                if not k.isidentifier() or k.startswith("_") or hasattr(torch.Tensor, k):
-                    raise ManifestError(f"{manifest.root / MANIFEST_NAME}: tensor {r.name} has runtime attribute "
-                                        f"{k!r}, which is not a name an engine reads; convert again")
-                setattr(t, k, v)
-            t.prep_layout, t.prep_role = r.layout, r.role
-            out[r.name] = t
-            out.records[r.name] = r
+    for part in iter_rank_files(model_dir, rank, device, manifest=manifest, verify_hashes=verify_hashes, mmap=mmap):
+        out.update(part)
+        out.records.update(part.records)
+        out.buffers += part.buffers
     return out
+
+
+def iter_rank_files(model_dir: str | pathlib.Path, rank: int, device: str | torch.device = "cpu", *,
+                    manifest: Manifest | None = None, names: set[str] | None = None, verify_hashes: bool = False,
+                    mmap: bool = True) -> Iterator[RankTensors]:
+    """:func:`load_rank` one file at a time: a :class:`RankTensors` per file of the rank (only the
+    files holding one of ``names``, and only those tensors, when given), each file's buffer its
+    own. A caller that copies the tensors elsewhere and drops each part holds one file at a time
+    (an engine filling parameters it allocated itself: ``layouts.engines.atom.adapter``)."""
+    manifest = manifest or load_manifest(model_dir)
+    by_file: dict[str, list[TensorRecord]] = {}
+    for r in manifest.rank_tensors(rank):
+        if names is None or r.name in names:
+            by_file.setdefault(r.file, []).append(r)
+    device = torch.device(device)
+    for fname, recs in by_file.items():
+        part = RankTensors(manifest, rank)
+        _load_file(manifest, fname, recs, device, part, verify_hashes, mmap)
+        yield part
+
+
+def _load_file(manifest: Manifest, fname: str, recs: list[TensorRecord], device: torch.device, out: RankTensors,
+               verify_hashes: bool, mmap: bool) -> None:
+    """File ``fname``'s tensors ``recs`` into ``out``, checked against the manifest."""
+    path = manifest.root / fname
+    try:
+        f = SafetensorsFile(path)
+        buf, views = map_all(f) if mmap else f.read_all()
+    except FileNotFoundError:
+        raise ManifestError(f"{path}: listed in the manifest but missing; convert again") from None
+    except SafetensorsFileError as e:
+        raise ManifestError(f"{e}; convert again") from None
+    except (OSError, RuntimeError) as e:  # mapping or reading failed (mmap raises OSError, torch RuntimeError)
+        raise ManifestError(f"{path}: could not be read ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
+                            "check the file and convert again") from None
+    for r in recs:
+        t = views.get(r.name)
+        if t is None:
+            raise ManifestError(f"{path}: tensor {r.name} (rank {r.rank}) is missing from the file; convert again")
+        if r.dtype not in TORCH_DTYPES:
+            raise ManifestError(f"{manifest.root / MANIFEST_NAME}: tensor {r.name} has dtype {r.dtype!r}, which "
+                                "this reader does not know; convert again (or upgrade layouts)")
+        if t.dtype != TORCH_DTYPES[r.dtype] or tuple(t.shape) != r.shape:
+            raise ManifestError(f"{path}: tensor {r.name} is {t.dtype} {list(t.shape)} but the manifest says "
+                                f"{r.dtype} {list(r.shape)}; convert again")
+        if verify_hashes and tensor_hash(t) != r.xxh3_128:
+            raise ManifestError(f"{path}: tensor {r.name} does not match its manifest hash; convert again")
+    if device.type != "cpu":  # one transfer per file, then the same views on the device
+        buf = to_device(buf, device)
+        views = f.views(buf)
+    out.buffers.append(buf)
+    for r in recs:
+        t = views[r.name]
+        for k, v in r.runtime_attrs.items():
+            # An attribute torch.Tensor has (``view``, ``data``, ``__class__``) would be replaced on
+            # this tensor, or the assignment would fail deep in here: only new names are set.
+            if not k.isidentifier() or k.startswith("_") or hasattr(torch.Tensor, k):
+                raise ManifestError(f"{manifest.root / MANIFEST_NAME}: tensor {r.name} has runtime attribute "
+                                    f"{k!r}, which is not a name an engine reads; convert again")
+            setattr(t, k, v)
+        t.prep_layout, t.prep_role = r.layout, r.role
+        out[r.name] = t
+        out.records[r.name] = r
 
 
 STAGE_BYTES = 64 << 20

@@ -288,6 +288,8 @@ PROFILE = AtomProfile()
 
 
 # The adapter's names, where engine code has imported them from since it was written.
-from .adapter import AtomInstallReport, atom_mtp_param_name, install_converted_weights  # noqa: E402
+from .adapter import (AtomInstallReport, atom_mtp_param_name, install_converted_weights,  # noqa: E402
+                      install_draft_weights)
 
-__all__ = ["PROFILE", "AtomProfile", "AtomInstallReport", "atom_mtp_param_name", "install_converted_weights"]
+__all__ = ["PROFILE", "AtomProfile", "AtomInstallReport", "atom_mtp_param_name", "install_converted_weights",
+           "install_draft_weights"]

@@ -52,8 +52,8 @@ from typing import Any
 import torch
 
 from ...compat import EngineConfig, check_compatibility
-from ...loader import RankTensors, load_rank
-from ...manifest import ManifestError, TensorRecord, load_manifest
+from ...loader import iter_rank_files
+from ...manifest import Manifest, ManifestError, TensorRecord, load_manifest
 
 
 # ---------------------------------------------------------------------------- the adapter
@@ -67,13 +67,17 @@ class AtomInstallReport:
 
     installed: list[str]  # main-model parameter names whose data now holds the converted tensor
     skipped_processing: list[str]  # modules whose process_weights_after_loading is now a no-op
-    passthrough: dict[str, torch.Tensor]  # BF16 tensors for ATOM's own weight loader (main model)
+    passthrough: dict[str, torch.Tensor]  # format 1: whole BF16 tensors for ATOM's own weight loader (main model)
     needs_engine_wrapping: list[str]  # Triton MoE scales ATOM still wraps in its layout objects
-    rank_tensors: RankTensors | None = None
-    # The MTP layer's tensors not installed, by checkpoint name (``model.layers.{N}.…``), for the
-    # draft model: all of them without ``mtp_model``, only the BF16 ones with it. ATOM's draft
-    # loader takes these names as they are (its ``remap_mtp_weight_name`` renames them).
+    manifest: Manifest | None = None  # the checkpoint's, and the rank installed (install_draft_weights reads them)
+    rank: int = 0
+    records: dict[str, TensorRecord] = dataclasses.field(default_factory=dict)  # the rank's tensors read, by name
+    # Format 1: the MTP layer's whole BF16 tensors, by checkpoint name (``model.layers.{N}.…``), for
+    # ATOM's draft loader, which takes these names as they are (its ``remap_mtp_weight_name``).
     mtp: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    # The MTP layer's tensors set aside without ``mtp_model``, by checkpoint name, for
+    # install_draft_weights (read again from the files then: nothing is held meanwhile).
+    mtp_pending: list[str] = dataclasses.field(default_factory=list)
     mtp_installed: list[str] = dataclasses.field(default_factory=list)  # draft-model parameter names filled
     # Rank-exact: parameters of the models ("main:…", "draft:…") the checkpoint did not fill; ATOM's
     # loader would warn that they were NOT loaded. Empty when the model is the converted one.
@@ -121,7 +125,7 @@ def atom_mtp_param_name(name: str, layer: int) -> str:
     return name.replace(prefix, "model.") if own in _MTP_SHARED else name
 
 
-def _mtp_layers(root: pathlib.Path) -> range:
+def mtp_layers(root: pathlib.Path) -> range:
     """The MTP layers' indices, from the config.json the conversion copied next to its files
     (the manifest does not hold the model's shape). ATOM builds its models from that file too."""
     path = root / "config.json"
@@ -134,53 +138,75 @@ def _mtp_layers(root: pathlib.Path) -> range:
     return range(start, start + int(cfg.get("num_nextn_predict_layers") or 0))
 
 
-def _layer_index(name: str) -> int | None:
+def layer_index(name: str) -> int | None:
     m = _LAYER.match(name)
     return int(m.group(1)) if m else None
 
 
 # ---------------------------------------------------------------------------- installing
-def _install(model: torch.nn.Module, items: list[tuple[str, str, torch.Tensor, TensorRecord]],
-             report: AtomInstallReport, which: str) -> list[str]:
-    """Put each ``(checkpoint name, parameter name, tensor, record)`` into ``model``'s parameter,
-    set its attributes and make its module's processing a no-op; returns the parameter names."""
-    params = dict(model.named_parameters())
-    modules = dict(model.named_modules())
-    what = "model" if which == "main" else f"{which} model"
-    installed: list[str] = []
-    groups: dict[str, dict[str, Any]] = {}
-    for ckpt_name, name, t, rec in items:
-        param = params.get(name)
-        shown = ckpt_name if name == ckpt_name else f"{ckpt_name} (ATOM's {which} parameter {name})"
+def _put(param: torch.nn.Parameter, t: torch.Tensor) -> None:
+    """``t`` into ``param``: copied into ATOM's own allocation where the shapes agree, so the
+    weights are never on the device twice (the file's buffer goes once its tensors are copied);
+    else (a scale padded past ATOM's allocation, a CK MoE scale made 2-D) as a copy of its own."""
+    if tuple(param.shape) == tuple(t.shape):
+        if param.dtype.itemsize == 1 and t.dtype.itemsize == 1:  # MXFP4 / E8M0 bytes: ATOM's fp4x2, e8m0, uint8
+            param.data.view(torch.uint8).copy_(t.view(torch.uint8))
+        else:  # BF16 as stored; the F32 router bias into ATOM's BF16 parameter
+            param.data.copy_(t)
+    else:
+        param.data = _as_param_dtype(t, param).to(param.device, copy=True)
+
+
+class _Installer:
+    """Puts checkpoint tensors into one model's parameters (:func:`_put`), sets the attributes the
+    manifest states, and at :meth:`finish` makes the processing of the modules it filled a no-op."""
+
+    def __init__(self, model: torch.nn.Module, report: AtomInstallReport, which: str):
+        self.params = dict(model.named_parameters())
+        self.modules = dict(model.named_modules())
+        self.report, self.which = report, which
+        self.what = "model" if which == "main" else f"{which} model"
+        self.installed: list[str] = []
+        self.groups: dict[str, dict[str, Any]] = {}
+
+    def put(self, ckpt_name: str, name: str, t: torch.Tensor, rec: TensorRecord) -> None:
+        param = self.params.get(name)
+        shown = ckpt_name if name == ckpt_name else f"{ckpt_name} (ATOM's {self.which} parameter {name})"
         if param is None:
-            raise ManifestError(f"{shown}: the checkpoint has it but the {what} has no such parameter; "
-                                f"is this ATOM's {'DeepSeekMTP' if which == 'draft' else 'DeepSeek model'} "
+            raise ManifestError(f"{shown}: the checkpoint has it but the {self.what} has no such parameter; "
+                                f"is this ATOM's {'DeepSeekMTP' if self.which == 'draft' else 'DeepSeek model'} "
                                 "with the same --tp/--ep?")
-        module_name = name.rpartition(".")[0]
         # Scales may be padded past ATOM's allocation; every other tensor is exactly the parameter.
         if rec.role != "e8m0_scale" and tuple(param.shape) != tuple(t.shape):
-            raise ManifestError(f"{shown}: the {what} allocates {list(param.shape)} but the checkpoint holds "
+            raise ManifestError(f"{shown}: the {self.what} allocates {list(param.shape)} but the checkpoint holds "
                                 f"{list(t.shape)}; the model config differs from the converted one")
+        if param.dtype.itemsize != t.dtype.itemsize and not (param.dtype.is_floating_point and t.dtype.is_floating_point):
+            raise ManifestError(f"{shown}: the {self.what} allocates {param.dtype}, which cannot hold the "
+                                f"checkpoint's {t.dtype}")
+        _put(param, t)
+        self.installed.append(name)
         if rec.layout is None:  # source bytes, already split: ATOM's own processing still runs on them
-            param.data = t if param.dtype == t.dtype else t.to(param.dtype)  # the F32 router bias: ATOM keeps BF16
-            installed.append(name)
-            continue
-        param.data = _as_param_dtype(t, param)
+            return
         # is_shuffled goes on weights only, as ATOM sets it (ROCm/ATOM ffdf3bb5 atom/model_ops/utils.py:168
         # shuffle_weights; moe.py:1297-1298 w13_weight/w2_weight) and as its readers look for it (aiter
         # e4048607 aiter/ops/moe_op.py:626 reads w1; ATOM's attention_mla.py:876 kv_b_proj.weight).
         for k, v in rec.runtime_attrs.items():
             if k != "is_shuffled" or rec.role != "e8m0_scale":
                 setattr(param, k, v)
-        installed.append(name)
-        groups.setdefault(module_name, {}).update(
+        self.groups.setdefault(name.rpartition(".")[0], {}).update(
             {k: v for k, v in rec.runtime_attrs.items() if k in ("hidden_pad", "intermediate_pad")})
         if rec.runtime_attrs.get("scale_swizzle"):
-            report.needs_engine_wrapping.append(name)
-    for module_name, method_attrs in groups.items():
-        _skip_processing(modules[module_name], module_name, method_attrs)
-        report.skipped_processing.append(module_name)
-    return installed
+            self.report.needs_engine_wrapping.append(name)
+
+    def finish(self, exact: bool) -> list[str]:
+        """Skip the filled modules' processing; on a rank-exact checkpoint, report what is unfilled."""
+        for module_name, method_attrs in self.groups.items():
+            _skip_processing(self.modules[module_name], module_name, method_attrs)
+            self.report.skipped_processing.append(module_name)
+        if exact:
+            filled = set(self.installed)
+            self.report.not_installed += [f"{self.which}:{n}" for n in self.params if n not in filled]
+        return self.installed
 
 
 def _skip_processing(module: torch.nn.Module, module_name: str, method_attrs: dict[str, Any]) -> None:
@@ -198,75 +224,83 @@ def _skip_processing(module: torch.nn.Module, module_name: str, method_attrs: di
         module.process_weights_after_loading = lambda: None  # this instance only
 
 
+def _device_of(model: torch.nn.Module) -> torch.device:
+    first = next(iter(model.parameters()), None)
+    return first.device if first is not None else torch.device("cpu")
+
+
 def install_converted_weights(model: torch.nn.Module, model_dir: str | pathlib.Path, engine: EngineConfig,
                               device: str | torch.device | None = None,
                               mtp_model: torch.nn.Module | None = None) -> AtomInstallReport:
     """Install rank ``engine.rank``'s converted tensors into ``model`` (ATOM's DeepSeek), and the
     MTP layer's into ``mtp_model`` (ATOM's ``DeepSeekMTP`` draft) when given; without it the MTP
-    layer's tensors come back in the report's ``mtp``, not installed, for
-    :func:`install_draft_weights` (ATOM builds and loads its draft model after the target).
+    layer's tensors are named in the report's ``mtp_pending`` for :func:`install_draft_weights`
+    (ATOM builds and loads its draft model after the target).
 
-    A rank-exact checkpoint (manifest format 2) holds every tensor of the rank already split as
-    ATOM holds it: all of them are installed, BF16 included, and nothing is left for ATOM's
-    loader (``report.not_installed`` names any parameter of the model still unfilled). The
+    The rank's files are read one at a time (to ``device``, default the model's) and each tensor
+    copied into the parameter ATOM allocated for it, so a rank's weights are on the device once
+    plus one file (about 4 GiB), not twice; a scale padded past ATOM's allocation gets a copy of
+    its own. A rank-exact checkpoint (manifest format 2) holds every tensor of the rank already
+    split as ATOM holds it: all of them are installed, BF16 included, and nothing is left for
+    ATOM's loader (``report.not_installed`` names any parameter of the model still unfilled). The
     draft's ``model.embed_tokens`` gets the rank's target embedding, which is what ATOM's drafter
     puts there after loading. Of a format-1 checkpoint the MXFP4 tensors are installed and the
-    pass-through ones (whole, for every rank) come back in ``report.passthrough`` for ATOM's
-    loader to slice.
+    pass-through ones (whole, for every rank) come back in ``report.passthrough`` (and, of the
+    MTP layer, ``report.mtp``) for ATOM's loaders to slice.
 
     Raises :class:`~layouts.CompatibilityError` when the engine would misread the checkpoint,
     and :class:`~layouts.ManifestError` naming the tensor when the model has no parameter for
     it or its shape is not the one ATOM allocates before processing."""
     manifest = load_manifest(model_dir)
     check_compatibility(manifest, engine)
-    mtp_layers = _mtp_layers(manifest.root)
-    if device is None:
-        first = next(iter(model.parameters()), None)
-        device = first.device if first is not None else "cpu"
-    tensors = load_rank(model_dir, engine.rank, device, manifest=manifest)
+    layers = mtp_layers(manifest.root)
+    device = torch.device(device) if device is not None else _device_of(model)
     exact = manifest.target.rank_exact
-    report = AtomInstallReport([], [], {}, [], tensors)
-    main = []
-    for name, t in tensors.items():
-        rec = tensors.records[name]
-        layer = _layer_index(name)
-        if layer is not None and layer in mtp_layers:
-            report.mtp[name] = t  # ATOM's main model has no MTP layer: the draft model takes these
-        elif rec.role == "passthrough" and not exact:  # format 1: ATOM's loader slices it
-            report.passthrough[name] = t
-        else:
-            main.append((name, name, t, rec))
-    report.installed = _install(model, main, report, "main")
-    if exact:
-        filled = set(report.installed)
-        report.not_installed += [f"main:{n}" for n, _ in model.named_parameters() if n not in filled]
-    if mtp_model is not None:
-        install_draft_weights(mtp_model, report)
+    report = AtomInstallReport([], [], {}, [], manifest=manifest, rank=engine.rank)
+    main = _Installer(model, report, "main")
+    draft = _Installer(mtp_model, report, "draft") if mtp_model is not None else None
+    for part in iter_rank_files(manifest.root, engine.rank, device, manifest=manifest):
+        for name, t in part.items():
+            rec = report.records[name] = part.records[name]
+            layer = layer_index(name)
+            whole = rec.role == "passthrough" and not exact  # format 1: ATOM's loader slices it
+            if layer is not None and layer in layers:  # ATOM's main model has no MTP layer: the draft takes it
+                if whole:
+                    report.mtp[name] = t
+                elif draft is not None:
+                    draft.put(name, atom_mtp_param_name(name, layer), t, rec)
+                else:
+                    report.mtp_pending.append(name)
+            elif whole:
+                report.passthrough[name] = t
+            else:
+                main.put(name, name, t, rec)
+                if exact and draft is not None and name == _TARGET_EMBED:
+                    draft.put(name, _TARGET_EMBED, t, rec)  # ATOM's drafter shares the target's embedding
+        del part  # its file's buffer goes here, unless a format-1 pass-through tensor still views it
+    report.installed = main.finish(exact)
+    if draft is not None:
+        report.mtp_installed = draft.finish(exact)
     return report
 
 
 def install_draft_weights(mtp_model: torch.nn.Module, report: AtomInstallReport) -> list[str]:
-    """Install the MTP layer's tensors that :func:`install_converted_weights` set aside in
-    ``report.mtp`` into ATOM's draft model (``DeepSeekMTP``), under the draft's parameter names
-    (:func:`atom_mtp_param_name`), and, of a rank-exact checkpoint, the rank's target embedding
-    into the draft's ``model.embed_tokens`` (what ATOM's drafter shares after loading). Of a
-    format-1 checkpoint the MTP layer's whole BF16 tensors stay in ``report.mtp`` for ATOM's
-    loader. Returns the draft parameter names filled (also in ``report.mtp_installed``)."""
-    tensors = report.rank_tensors
-    if tensors is None:
+    """Install the MTP layer's tensors that :func:`install_converted_weights` set aside
+    (``report.mtp_pending``) into ATOM's draft model (``DeepSeekMTP``), under the draft's
+    parameter names (:func:`atom_mtp_param_name`), and, of a rank-exact checkpoint, the rank's
+    target embedding into the draft's ``model.embed_tokens`` (what ATOM's drafter shares after
+    loading). They are read again from the rank's files, mapped on the host and copied tensor by
+    tensor to the draft's parameters: one layer's bytes, from files that hold mostly others.
+    Returns the draft parameter names filled (also in ``report.mtp_installed``)."""
+    if report.manifest is None:
         raise ValueError("install_draft_weights needs the report of install_converted_weights on the same rank")
-    exact = tensors.manifest.target.rank_exact
-    draft = []
-    for name, t in list(report.mtp.items()):
-        rec = tensors.records[name]
-        if rec.role == "passthrough" and not exact:
-            continue  # whole, for every rank: ATOM's draft loader slices it
-        draft.append((name, atom_mtp_param_name(name, _layer_index(name)), t, rec))
-        del report.mtp[name]
-    if exact and _TARGET_EMBED in tensors.records:
-        draft.append((_TARGET_EMBED, _TARGET_EMBED, tensors[_TARGET_EMBED], tensors.records[_TARGET_EMBED]))
-    report.mtp_installed = _install(mtp_model, draft, report, "draft")
-    if exact:
-        filled = set(report.mtp_installed)
-        report.not_installed += [f"draft:{n}" for n, _ in mtp_model.named_parameters() if n not in filled]
+    exact = report.manifest.target.rank_exact
+    names = set(report.mtp_pending) | ({_TARGET_EMBED} if exact and _TARGET_EMBED in report.records else set())
+    draft = _Installer(mtp_model, report, "draft")
+    for part in iter_rank_files(report.manifest.root, report.rank, "cpu", manifest=report.manifest, names=names):
+        for name, t in part.items():
+            target = _TARGET_EMBED if name == _TARGET_EMBED else atom_mtp_param_name(name, layer_index(name))
+            draft.put(name, target, t, part.records[name])
+    report.mtp_pending = []
+    report.mtp_installed = draft.finish(exact)
     return report.mtp_installed

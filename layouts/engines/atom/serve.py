@@ -153,10 +153,10 @@ def check_draft(args: Any, manifest: Manifest) -> None:
     """``--method mtp`` needs the MTP layer in the folder (ATOM's draft model loads it from there)."""
     if getattr(args, "method", None) != "mtp":
         return
-    from .adapter import _layer_index, _mtp_layers
+    from .adapter import layer_index, mtp_layers
 
-    layers = _mtp_layers(manifest.root)
-    if not any(_layer_index(t.name) in layers for t in manifest.tensors):
+    layers = mtp_layers(manifest.root)
+    if not any(layer_index(t.name) in layers for t in manifest.tensors):
         raise ServeError(f"--method mtp: {manifest.root} holds no MTP layer (config.json: num_nextn_predict_layers "
                          f"{len(layers)}); serve it without --method mtp")
 
