@@ -153,6 +153,24 @@ def worker(setup: dict) -> int:
         params["created"] += 1
         return new_param(cls, data, requires_grad)
 
+    # Stand-ins called inside ATOM's load_model (the target's, from the runner, and the draft's, from
+    # the drafter; each module holds its own reference): there a stand-in would be skipped work.
+    from atom.model_engine import model_runner
+    from atom.spec_decode import drafter as drafter_module
+
+    during_load: list[str] = []
+    loads: list[int] = []  # load_model calls (the check fails unless both models went through one)
+
+    def recorded(load_model):
+        def load(*args, **kwargs):
+            loads.append(1)
+            start = len(atom_on_cpu.CALLS)
+            try:
+                return load_model(*args, **kwargs)
+            finally:
+                during_load.extend(atom_on_cpu.CALLS[start:])
+        return load
+
     caught = _Warnings()
     logging.getLogger("atom").addHandler(caught)
     result = {"rank": rank, "refused": None, "params_created": 0, "fills": []}
@@ -160,19 +178,21 @@ def worker(setup: dict) -> int:
             mock.patch.object(ModelRunner, "allocate_forward_vars", stop), \
             mock.patch.object(ModelRunner, "exit", lambda self: None), \
             mock.patch.object(torch.nn.Parameter, "__new__", counted), \
+            mock.patch.object(model_runner, "load_model", recorded(model_runner.load_model)), \
+            mock.patch.object(drafter_module, "load_model", recorded(drafter_module.load_model)), \
             check_atom_install.mla_from_mxfp4_not_run():
         for fill in setup["fills"]:
             config = pickle.loads(config_bytes)  # a fresh Config per start, as each worker unpickles its own
             caught.messages.clear()
             atom_on_cpu.CALLS.clear()
-            loaded_calls: list[str] = []
+            during_load.clear()
+            loads.clear()
             try:
                 with atom_on_cpu.on_cpu(fill):
                     runner_class = resolve_obj_by_qualname(config.runner_qualname)
                     runner_class(rank, config)
                 raise RuntimeError("ModelRunner.__init__ returned without reaching allocate_forward_vars")
             except ModelsLoaded as done:
-                loaded_calls = [c for c in atom_on_cpu.CALLS if not _building_call(c)]
                 runner = done.runner
             except Exception as e:  # noqa: BLE001 - a refusal (the door's one line) or ATOM failing
                 result["refused"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
@@ -188,21 +208,11 @@ def worker(setup: dict) -> int:
                 "fill": fill, "runner": type(runner).__qualname__, "runner_module": type(runner).__module__,
                 "draft": drafter is not None, "draft_head_shared": _head_shared(runner),
                 "not_loaded": [m[:300] for m in caught.messages if NOT_LOADED in m],
-                "stand_ins_while_loading": sorted(set(loaded_calls))})
+                "load_model_calls": len(loads), "stand_ins_while_loading": sorted(set(during_load))})
             del runner, drafter, draft, tensors
         result["params_created"] = params["created"]
     (out / f"rank{rank}.json").write_text(json.dumps(result, indent=1))
     return 0 if result["refused"] is None else 1
-
-
-# Stand-ins ATOM calls while building a model or a runner (rotary embedding, the activation-quant
-# function, kernel handles the runner keeps): objects for the forward, nothing a checkpoint fills.
-# Loading itself calls none (check_atom_install.py shows it on the same models).
-_BUILD_CALL_PREFIXES = ("aiter.rotary_embedding", "aiter.get_hip_quant", "aiter.ops", "aiter.jit")
-
-
-def _building_call(name: str) -> bool:
-    return name.startswith(_BUILD_CALL_PREFIXES)
 
 
 def _head_shared(runner) -> bool | None:
@@ -359,6 +369,8 @@ def check(source: pathlib.Path, converted: pathlib.Path, oracles: pathlib.Path, 
         if fill["runner"] != "ConvertedModelRunner":
             bad.append(f"the worker ran {fill['runner_module']}.{fill['runner']}, not the door's runner")
         bad += [f"stand-in called while loading: {c}" for c in fill["stand_ins_while_loading"]]
+        if fill["load_model_calls"] != 1 + fill["draft"]:
+            bad.append(f"ATOM's load_model ran {fill['load_model_calls']} times, not once per model")
         warned = len(fill["not_loaded"])
         rank_ok = not bad and not warned
         ok &= rank_ok
