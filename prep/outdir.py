@@ -107,9 +107,9 @@ def prep_files_in(folder: pathlib.Path) -> set[str] | None:
         # outputs only), and of its names only what prep writes: its safetensors files, and the side
         # files the source had (copied only then), never a name a manifest merely lists.
         if output_id(folder) is None:
-            raise PrepError(f"{folder}: holds a prep manifest that its completion marker ({COMPLETE_NAME}) does not "
-                            "seal, so prep cannot tell which files are its own; remove the folder yourself or choose "
-                            "another -o")
+            raise PrepError(f"{folder}: holds a prep manifest or completion marker ({COMPLETE_NAME}), but the marker "
+                            "does not seal that manifest, so prep cannot tell which files are its own; remove the folder "
+                            "yourself or choose another -o")
         try:
             raw = json.loads(manifest.read_bytes())
             names = {n for n in raw["files"] if isinstance(n, str) and n.endswith(".safetensors")}
