@@ -11,13 +11,16 @@ states (``is_shuffled``, ``scale_swizzle``, ``hidden_pad``, ...), as Python attr
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
 import pathlib
 from typing import Iterator
 
 import torch
 
 from .compat import EngineConfig, check_compatibility
-from .manifest import MANIFEST_NAME, Manifest, ManifestError, TensorRecord, load_manifest
+from .manifest import COMPLETE_NAME, MANIFEST_NAME, Manifest, ManifestError, TensorRecord, load_manifest, read_regular
 from .safetensors_file import TORCH_DTYPES, SafetensorsFile, SafetensorsFileError, map_all, tensor_hash
 
 
@@ -48,16 +51,17 @@ def load_rank(model_dir: str | pathlib.Path, rank: int, device: str | torch.devi
     mapping is slow, e.g. some network mounts).
     Raises :class:`ManifestError` naming the file and tensor when the files disagree with it.
     """
-    manifest = manifest or load_manifest(model_dir)
-    if engine is not None:
-        if engine.rank != rank:
-            raise ValueError(f"load_rank(rank={rank}) with an engine config for rank {engine.rank}")
-        check_compatibility(manifest, engine)
-    out = RankTensors(manifest, rank)
-    for part in iter_rank_files(model_dir, rank, device, manifest=manifest, verify_hashes=verify_hashes, mmap=mmap):
-        out.update(part)
-        out.records.update(part.records)
-        out.buffers += part.buffers
+    with pinned_folder(model_dir) as folder:
+        manifest = folder.manifest(manifest)
+        if engine is not None:
+            if engine.rank != rank:
+                raise ValueError(f"load_rank(rank={rank}) with an engine config for rank {engine.rank}")
+            check_compatibility(manifest, engine)
+        out = RankTensors(manifest, rank)
+        for part in folder.files(rank, device, names=None, verify_hashes=verify_hashes, mmap=mmap):
+            out.update(part)
+            out.records.update(part.records)
+            out.buffers += part.buffers
     return out
 
 
@@ -68,24 +72,97 @@ def iter_rank_files(model_dir: str | pathlib.Path, rank: int, device: str | torc
     files holding one of ``names``, and only those tensors, when given), each file's buffer its
     own. A caller that copies the tensors elsewhere and drops each part holds one file at a time
     (an engine filling parameters it allocated itself: ``layouts.engines.atom.adapter``)."""
-    manifest = manifest or load_manifest(model_dir)
-    by_file: dict[str, list[TensorRecord]] = {}
-    for r in manifest.rank_tensors(rank):
-        if names is None or r.name in names:
-            by_file.setdefault(r.file, []).append(r)
-    device = torch.device(device)
-    for fname, recs in by_file.items():
-        part = RankTensors(manifest, rank)
-        _load_file(manifest, fname, recs, device, part, verify_hashes, mmap)
-        yield part
+    with pinned_folder(model_dir) as folder:
+        yield from folder.files(rank, device, names=names, verify_hashes=verify_hashes, mmap=mmap,
+                                manifest=folder.manifest(manifest))
+
+
+class PinnedFolder:
+    """A converted folder as it was opened: every file is read through the folder's open
+    descriptor (``/proc/self/fd/N/NAME``), so all of them come from that folder even if another is
+    renamed into its place meanwhile (``prep convert --force`` swaps whole folders in). A swap is
+    then an error (:meth:`check`), never a mix of two checkpoints' files or one checkpoint's bytes
+    under the other's manifest. Where ``/proc`` cannot do it, files are read by path and the
+    folder's identity is compared after the load instead."""
+
+    def __init__(self, path: str | pathlib.Path, fd: int, via: pathlib.Path):
+        self.path, self.fd, self.via = pathlib.Path(path), fd, via
+
+    def manifest(self, given: Manifest | None = None) -> Manifest:
+        """The manifest read through the pinned folder, or ``given`` (read earlier by path) once the
+        pinned folder's completion marker shows it is that folder's."""
+        if given is None:
+            try:
+                m = load_manifest(self.via)
+            except ManifestError as e:
+                raise ManifestError(self.shown(str(e))) from None
+            m.root = self.path  # what callers and messages name; reads go through ``via``
+            return m
+        try:
+            sealed = json.loads(read_regular(self.via / COMPLETE_NAME, 1 << 20)).get("manifest_sha256")
+        except (OSError, ValueError, AttributeError):
+            sealed = None
+        if given.sha256 is not None and sealed != given.sha256:
+            raise ManifestError(f"{self.path}: its completion marker no longer seals the manifest read before (the "
+                                "folder was converted again meanwhile); load it again")
+        return given
+
+    def files(self, rank: int, device: str | torch.device, *, names: set[str] | None, verify_hashes: bool,
+              mmap: bool, manifest: Manifest | None = None) -> Iterator["RankTensors"]:
+        manifest = manifest or self.manifest()
+        by_file: dict[str, list[TensorRecord]] = {}
+        for r in manifest.rank_tensors(rank):
+            if names is None or r.name in names:
+                by_file.setdefault(r.file, []).append(r)
+        device = torch.device(device)
+        for fname, recs in by_file.items():
+            part = RankTensors(manifest, rank)
+            try:
+                _load_file(manifest, fname, recs, device, part, verify_hashes, mmap, self.via)
+            except ManifestError as e:
+                self.check()  # a folder swapped or removed meanwhile is the cause to name
+                raise ManifestError(self.shown(str(e))) from None
+            yield part
+        self.check()
+
+    def check(self) -> None:
+        """Refuse a folder that is no longer at its path (replaced or removed since it was opened)."""
+        try:
+            now = os.stat(self.path)
+        except OSError:
+            now = None
+        then = os.fstat(self.fd)
+        if now is None or (now.st_dev, now.st_ino) != (then.st_dev, then.st_ino):
+            raise ManifestError(f"{self.path}: replaced or removed while it was being loaded (a prep convert --force "
+                                "into it?); what was read is discarded: load it again")
+
+    def shown(self, message: str) -> str:
+        return message.replace(str(self.via), str(self.path))
+
+
+@contextlib.contextmanager
+def pinned_folder(path: str | pathlib.Path) -> Iterator[PinnedFolder]:
+    """Open converted folder ``path`` for one load (:class:`PinnedFolder`)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise ManifestError(f"{path}: no such folder") from None
+    except OSError as e:
+        raise ManifestError(f"{path}: cannot be opened as a folder ({e.strerror})") from None
+    try:
+        via = pathlib.Path(f"/proc/self/fd/{fd}")
+        yield PinnedFolder(path, fd, via if via.is_dir() else pathlib.Path(path))
+    finally:
+        os.close(fd)
 
 
 def _load_file(manifest: Manifest, fname: str, recs: list[TensorRecord], device: torch.device, out: RankTensors,
-               verify_hashes: bool, mmap: bool) -> None:
-    """File ``fname``'s tensors ``recs`` into ``out``, checked against the manifest."""
+               verify_hashes: bool, mmap: bool, via: pathlib.Path) -> None:
+    """File ``fname``'s tensors ``recs`` into ``out``, checked against the manifest; read through
+    ``via`` (the pinned folder), named by its path in messages."""
     path = manifest.root / fname
     try:
-        f = SafetensorsFile(path)
+        f = SafetensorsFile(via / fname)
         buf, views = map_all(f) if mmap else f.read_all()
     except FileNotFoundError:
         raise ManifestError(f"{path}: listed in the manifest but missing; convert again") from None
