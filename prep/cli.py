@@ -536,6 +536,8 @@ def run_cmd(model_dir, prompt_ids, layers, device, act_quant, gemm_path, gemm, a
       prep run ./tiny --prompt-ids 1,2,3 --layers 2 --no-act-quant
       prep run r1-tp2 --prompt-ids 1,2,3 --gemm aiter-triton
     """
+    import torch
+
     from .reference.run import run
 
     model_dir = _checkpoint_dir(model_dir)
@@ -552,6 +554,11 @@ def run_cmd(model_dir, prompt_ids, layers, device, act_quant, gemm_path, gemm, a
                    "layout mismatch does; never serve or compare them)", err=True)
         r["warning"] = f"--assume-layout {assume_layout}: logits are garbage by design"
     logits = r.pop("logits")
+    bad = (~torch.isfinite(logits)).nonzero()
+    if bad.numel() and not assume_layout:  # an argmax of NaN is no answer (--assume-layout says so itself)
+        raise PrepError(f"{model_dir}: the forward gave non-finite logits (NaN or inf) from position "
+                        f"{int(bad[0, 0])} of {logits.shape[0]}: the weights or config.json hold values it cannot "
+                        "compute with; nothing reported or written")
     if save_logits:
         from safetensors.torch import save_file
 

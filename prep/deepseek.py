@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import pathlib
 import re
 from typing import Any, Iterable, Iterator, Mapping
 
@@ -124,29 +125,36 @@ def config_ints(src: SourceCheckpoint, bounded: bool = True) -> dict[str, int | 
     key): counts in [lowest, number of tensors present] (``bounded=False``: no upper bound, for
     :func:`check_complete`'s walk, which stops at the first tensor missing anyway), sizes in
     [1, 2**24] or null/absent."""
-    cfg, limit = src.config, len(src.tensors) if bounded else float("inf")
+    return check_config_ints(src.config, src.root, len(src.tensors) if bounded else None)
+
+
+def check_config_ints(cfg: dict[str, Any], root: pathlib.Path, tensors: int | None) -> dict[str, int | None]:
+    """:func:`config_ints` of a config.json in folder ``root`` whose checkpoint holds ``tensors``
+    tensors (None: counts unbounded)."""
+    bounded = tensors is not None
+    limit = tensors if bounded else float("inf")
     out: dict[str, int | None] = {}
     for key, (default, lo, nullable) in _COUNTS.items():
         if key not in cfg and default is None and not nullable:
-            raise PrepError(f"{src.root / 'config.json'}: no {key}; not a DeepSeek config (re-download config.json)")
+            raise PrepError(f"{root / 'config.json'}: no {key}; not a DeepSeek config (re-download config.json)")
         v = cfg.get(key, default)
         if v is None and nullable:
             out[key] = 0 if key == "num_nextn_predict_layers" else None
             continue
         if type(v) is not int or not lo <= v <= max(lo, limit):
-            raise PrepError(f"{src.root / 'config.json'}: {key} is {v!r}, not an integer in [{lo}, "
+            raise PrepError(f"{root / 'config.json'}: {key} is {v!r}, not an integer in [{lo}, "
                             f"{max(lo, limit) if bounded else 'inf'}]"
                             + (f" (the checkpoint holds {limit} tensors)" if bounded else "")
                             + "; config.json is damaged or not this checkpoint's")
         out[key] = v
     layers = out["num_hidden_layers"] + out["num_nextn_predict_layers"]
     if layers > limit:
-        raise PrepError(f"{src.root / 'config.json'}: num_hidden_layers + num_nextn_predict_layers = {layers}, more "
+        raise PrepError(f"{root / 'config.json'}: num_hidden_layers + num_nextn_predict_layers = {layers}, more "
                         f"layers than the checkpoint's {limit} tensors; config.json is damaged or not this checkpoint's")
     for key in _SIZES:
         v = cfg.get(key)
         if v is not None and (type(v) is not int or not 1 <= v <= MAX_SIZE):
-            raise PrepError(f"{src.root / 'config.json'}: {key} is {v!r}, not an integer in [1, {MAX_SIZE}]; "
+            raise PrepError(f"{root / 'config.json'}: {key} is {v!r}, not an integer in [1, {MAX_SIZE}]; "
                             "config.json is damaged or not this checkpoint's")
         out[key] = v
     return out

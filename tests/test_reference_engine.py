@@ -4,6 +4,7 @@ forward itself agrees with transformers' DeepseekV3 (an independent implementati
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -266,3 +267,36 @@ def test_yarn_rope_scaling_agrees_with_transformers(sources):
     h, r = engine.decoder_layer(0, ins[0].to(torch.bfloat16), None, rope)
     ours, theirs = h.float() + r.float(), outs[0]
     assert (ours - theirs).abs().max() <= 0.02 * theirs.abs().max()
+
+
+# ---------------------------------------------------------------------------- config values by range
+@pytest.mark.parametrize("change, says", [
+    ({"rms_norm_eps": float("nan")}, "rms_norm_eps is nan, not a finite number > 0"),
+    ({"rms_norm_eps": -1e-6}, "rms_norm_eps is -1e-06, not a finite number > 0"),
+    ({"rope_theta": 0}, "rope_theta is 0, not a finite number > 1"),
+    ({"routed_scaling_factor": float("inf")}, "routed_scaling_factor is inf"),
+    ({"num_experts_per_tok": 99}, "num_experts_per_tok is 99, not an integer in [1, n_routed_experts"),
+    ({"n_group": 3}, "cannot route"),
+    ({"qk_rope_head_dim": 15}, "qk_rope_head_dim is 15, odd"),
+    ({"num_attention_heads": 0}, "num_attention_heads is 0, not an integer in [1,"),
+    ({"num_hidden_layers": 100_000_000}, "num_hidden_layers is 100000000, not an integer in [1, "),
+    ({"rope_scaling": {"type": "yarn", "factor": 0, "original_max_position_embeddings": 4096}},
+     "rope_scaling.factor is 0, not a finite number >= 1"),
+])
+def test_config_values_the_forward_cannot_compute_with_are_refused_naming_the_key(sources, tmp_path, change, says):
+    src = tmp_path / "src"
+    shutil.copytree(sources["v2"], src)
+    cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**cfg, **change}))
+    r = CliRunner().invoke(main, ["run", str(src), "--prompt-ids", "1,5,9", "--layers", "2"])
+    assert r.exit_code == 1, r.output
+    line = r.output.strip()
+    assert "\n" not in line and line.startswith(f"error: {src / 'config.json'}: ") and says in line, line
+
+
+def test_prep_run_refuses_non_finite_logits_instead_of_reporting_their_argmax(sources, tmp_path):
+    bad = _nan_scale_copy(sources["v2"], tmp_path / "nan")
+    saved = tmp_path / "logits.safetensors"
+    r = CliRunner().invoke(main, ["run", str(bad), "--prompt-ids", "1,5,9", "--save-logits", str(saved)])
+    assert r.exit_code == 1 and "non-finite logits (NaN or inf) from position 0 of 3" in r.output, r.output
+    assert "argmax" not in r.output and not saved.exists()

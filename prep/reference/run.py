@@ -14,6 +14,7 @@ import torch
 import layouts
 
 from ..errors import PrepError
+from .config import check_model_config
 from .model import DeepseekV3, ForwardOptions
 from ..verify import verify_tensors_read
 from .weights import MAX_MEMORY, load_weights
@@ -87,6 +88,7 @@ def run(model_dir: str | pathlib.Path, prompt_ids: list[int], *, layers: int | N
         getattr(bars.get("check"), "close", lambda: None)()  # done before the forward's bar starts below it
     t0 = time.perf_counter()
     weights = load_weights(root, assume_layout, manifest, max_memory=max_memory)
+    check_model_config(weights.config, root, len(weights))  # before the model is built
     if device != "cpu":
         weights.to(device)
     vocab = weights.config.get("vocab_size", 0)

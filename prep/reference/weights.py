@@ -125,6 +125,10 @@ class ModelWeights:
         self._read_headroom = read_headroom
         self.evictions = 0
 
+    def __len__(self) -> int:
+        """Modules and tensors held (what bounds config.json's counts)."""
+        return len(self._linears) + len(self._tensors)
+
     def to(self, device: str | torch.device) -> "ModelWeights":
         """Hand out every tensor on ``device`` from now on."""
         self.device = torch.device(device)
