@@ -1096,6 +1096,10 @@ def _load_raw(root: pathlib.Path) -> tuple[dict[str, Any], str]:
     its bytes and its format and version are ours."""
     mpath, cpath = root / MANIFEST_NAME, root / COMPLETE_NAME
     damaged = "the folder was modified or is not a conversion by prep: convert again"
+    for name in (MANIFEST_NAME, COMPLETE_NAME):  # prep writes both as regular files inside the folder
+        problem = member_problem(root, name)
+        if problem:
+            raise ManifestError(f"{root}: {problem}; {damaged}")
     raw, manifest = _read_json(mpath, f"{root}: no {MANIFEST_NAME}; not a checkpoint converted by prep", damaged)
     _, marker = _read_json(cpath, f"{root}: no {COMPLETE_NAME}; the conversion did not finish: convert again (--resume)",
                            damaged)

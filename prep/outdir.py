@@ -36,9 +36,11 @@ import os
 import pathlib
 import shutil
 import signal
+import stat
 from typing import Any, Iterator
 
-from layouts.manifest import COMPLETE_NAME, MANIFEST_NAME, open_regular
+from layouts.manifest import (COMPLETE_NAME, MANIFEST_NAME, MAX_JSON_BYTES, FileTooLargeError, open_regular,
+                              read_regular)
 
 from .errors import PrepError
 
@@ -98,6 +100,24 @@ def _inside(a: pathlib.Path, b: pathlib.Path) -> bool:
     return a == b or b in a.parents
 
 
+def _read_own(folder: pathlib.Path, name: str) -> bytes:
+    """A file prep writes into its outputs (manifest, completion or revert marker): a regular file,
+    not a link, read whole under the JSON size bound; anything else is refused (a FIFO would block
+    forever, a link to /dev/zero never end, a link out of the folder is not this output's)."""
+    path = folder / name
+    try:
+        st = os.lstat(path)
+    except OSError as e:
+        raise PrepError(f"{path}: unreadable ({e.strerror}); remove the folder yourself or choose another -o") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise PrepError(f"{path}: not a regular file (prep writes {name} as one), so the folder is not an output of "
+                        "prep as it wrote it; remove it yourself or choose another -o")
+    try:
+        return read_regular(path, MAX_JSON_BYTES)
+    except (OSError, FileTooLargeError) as e:
+        raise PrepError(f"{path}: unreadable ({e}); remove the folder yourself or choose another -o") from None
+
+
 def prep_files_in(folder: pathlib.Path) -> set[str] | None:
     """The names prep wrote into ``folder``, from its manifest or revert marker; None when the
     folder holds neither (it is not an output of prep)."""
@@ -111,7 +131,7 @@ def prep_files_in(folder: pathlib.Path) -> set[str] | None:
                             "does not seal that manifest, so prep cannot tell which files are its own; remove the folder "
                             "yourself or choose another -o")
         try:
-            raw = json.loads(manifest.read_bytes())
+            raw = json.loads(_read_own(folder, MANIFEST_NAME))
             names = {n for n in raw["files"] if isinstance(n, str) and n.endswith(".safetensors")}
             had = raw["source"]["files"]
             side = {n for n in _side_files() if n in had}
@@ -121,7 +141,7 @@ def prep_files_in(folder: pathlib.Path) -> set[str] | None:
         return names | side | {MANIFEST_NAME, COMPLETE_NAME}
     if marker.is_file():
         try:
-            listed = json.loads(marker.read_bytes())["files"]
+            listed = json.loads(_read_own(folder, REVERT_MARKER))["files"]
             # what revert writes: the source's shards, its index and the side files; no other name counts
             names = {n for n in listed if isinstance(n, str) and (
                 n.endswith(".safetensors") or n.endswith(".safetensors.index.json") or n in _side_files())}
@@ -139,12 +159,12 @@ def output_id(folder: pathlib.Path) -> str | None:
     from layouts.manifest import manifest_hash
 
     try:
-        if (folder / COMPLETE_NAME).is_file():
-            sha = json.loads((folder / COMPLETE_NAME).read_bytes()).get("manifest_sha256")
-            return sha if sha == manifest_hash((folder / MANIFEST_NAME).read_bytes()) else None
-        if (folder / REVERT_MARKER).is_file():
-            return json.loads((folder / REVERT_MARKER).read_bytes()).get("id")
-    except (OSError, ValueError, AttributeError):
+        if os.path.lexists(folder / COMPLETE_NAME):
+            sha = json.loads(_read_own(folder, COMPLETE_NAME)).get("manifest_sha256")
+            return sha if sha == manifest_hash(_read_own(folder, MANIFEST_NAME)) else None
+        if os.path.lexists(folder / REVERT_MARKER):
+            return json.loads(_read_own(folder, REVERT_MARKER)).get("id")
+    except (ValueError, AttributeError):
         pass
     return None
 

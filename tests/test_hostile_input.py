@@ -699,3 +699,46 @@ def test_errors_keep_their_type_under_one_base_per_package(made, tmp_path):
         convert(str(made["src"]), tmp_path / "tp8", Target(tp=8))
     assert nothing_left(tmp_path / "tp8")
     assert_one_line_error(run_cli("convert", made["src"], "-o", tmp_path / "tp8", "--tp", "8"), "K % 64 == 0")
+
+
+def test_an_output_whose_manifest_or_marker_is_not_a_regular_file_in_it_is_refused_at_once(made, tmp_path):
+    # convert into it (--force: it would be replaced) and load it: neither blocks on a FIFO, reads
+    # /dev/zero until memory runs out, nor takes a file out of the folder as the folder's.
+    cases = {}
+    for name in ("prep-manifest.json", "prep-complete.json"):
+        for kind in ("fifo", "dev-zero", "outside"):
+            out = copy(made["out"], tmp_path / f"{kind}-{name}")
+            (out / name).unlink()
+            if kind == "fifo":
+                os.mkfifo(out / name)
+            elif kind == "dev-zero":
+                os.symlink("/dev/zero", out / name)
+            else:
+                os.symlink(shutil.copy(made["out"] / name, tmp_path / f"elsewhere-{name}"), out / name)
+            cases[out] = (name, kind)
+    code = """
+import contextlib, io, sys
+import layouts
+from prep.cli import main
+for out in sys.argv[2:]:
+    try:
+        layouts.load_rank(out, 0)
+        print("loaded")
+    except layouts.ManifestError as e:
+        print("refused", e)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            main(["convert", sys.argv[1], "-o", out, "--force"], standalone_mode=True)
+        except SystemExit as e:
+            print("exit", e.code, err.getvalue().strip().replace("\\n", " | "))
+"""
+    r = in_subprocess(code, made["src"], *cases, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = r.stdout.strip().splitlines()
+    assert len(lines) == 2 * len(cases), r.stdout
+    for (out, (name, kind)), loaded, converted in zip(cases.items(), lines[::2], lines[1::2]):
+        assert loaded.startswith("refused") and name in loaded, loaded
+        assert ("FIFO" in loaded) if kind == "fifo" else ("character device" in loaded or "symlink" in loaded), loaded
+        assert converted.startswith(f"exit 1 error: ") and name in converted and " | " not in converted, converted
+        assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in made["out"].iterdir())  # untouched
