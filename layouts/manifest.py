@@ -885,6 +885,7 @@ class Manifest:
                 raise ManifestError(f"tensors[{i}]: tensor {rec.name} is for rank {rec.rank} of tp={target.tp}")
             records.append(rec)
         _check_stacks(group_records, records, files)
+        _check_whole(target, group_records, records, files)
         layouts_ = {}
         for name, d in _object(raw.get("layouts", {}), "layouts").items():
             try:
@@ -1069,6 +1070,53 @@ def gc_paused() -> Iterator[None]:
     finally:
         if paused:
             gc.enable()
+
+
+def _check_whole(target: "Target", groups: list["GroupRecord"], records: list["TensorRecord"],
+                 files: dict[str, "FileRecord"]) -> None:
+    """The manifest's records checked against each other, not only each by itself (an edited and
+    resealed manifest passed every check one record at a time): each tensor in a file of its own
+    rank (a common file for a common tensor), no tensor twice on a rank, each group's layout one
+    the target holds (dense, MoE, BF16 experts), each tensor in its group's layout, and the runtime
+    attributes a registered layout states (``is_shuffled``, the scale swizzle) as it states them:
+    an engine sets them on its parameters and its kernels read the bytes by them."""
+    from .registry import get_layout  # the registry imports nothing of the manifest
+
+    allowed = {"linear": {target.layout}, "moe": {target.moe_layout}, "bf16": {None, target.bf16_moe_layout}}
+    group_layout: dict[tuple[str, int], str | None] = {}
+    for g in groups:
+        if g.kind in allowed and g.layout not in allowed[g.kind]:
+            raise ManifestError(f"group {g.name} (rank {g.rank}) is in layout {g.layout!r}, which a "
+                                f"{target.layout}/{target.moe_layout} target does not hold for a {g.kind} group")
+        group_layout[(g.name, g.rank)] = g.layout
+    seen: set[tuple[str, int | None]] = set()
+    for rec in records:
+        key = (rec.name, rec.rank)
+        if key in seen:
+            raise ManifestError(f"tensor {rec.name} is recorded twice for rank {rec.rank}")
+        seen.add(key)
+        f = files.get(rec.file)
+        if files and f is None:
+            problem = plain_name_problem(rec.file)  # an escaping name is the thing to name, listed or not
+            raise ManifestError(f"tensor {rec.name}: {problem}" if problem else
+                                f"tensor {rec.name} is in {rec.file}, which the manifest's files do not list")
+        if f is not None and f.rank != rec.rank:
+            raise ManifestError(f"tensor {rec.name} is for rank {rec.rank} but its file {rec.file} is "
+                                f"{'common' if f.rank is None else f'rank {f.rank}'}'s")
+        if rec.group is not None and (rec.group, rec.rank) in group_layout \
+                and group_layout[(rec.group, rec.rank)] != rec.layout:
+            raise ManifestError(f"tensor {rec.name} is in layout {rec.layout!r} but its group {rec.group} in "
+                                f"{group_layout[(rec.group, rec.rank)]!r}")
+        if rec.layout is not None:
+            try:
+                layout = get_layout(rec.layout)
+            except (KeyError, LayoutsError):
+                continue  # an unknown layout is refused where a reader needs it, with its own fix
+            for k, v in layout.runtime_attrs.items():
+                if rec.runtime_attrs.get(k, v) != v:
+                    raise ManifestError(f"tensor {rec.name}: runtime attribute {k} is {rec.runtime_attrs[k]!r}, but "
+                                        f"its layout {rec.layout!r} states {v!r}; an engine would read its bytes "
+                                        "as another layout")
 
 
 def _read_json(path: pathlib.Path, missing: str, what: str) -> tuple[bytes, Any]:

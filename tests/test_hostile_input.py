@@ -742,3 +742,44 @@ for out in sys.argv[2:]:
         assert ("FIFO" in loaded) if kind == "fifo" else ("character device" in loaded or "symlink" in loaded), loaded
         assert converted.startswith(f"exit 1 error: ") and name in converted and " | " not in converted, converted
         assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in made["out"].iterdir())  # untouched
+
+
+# ------------------------------------------------------------------------------ 4: a manifest checked as a whole
+def _first(m, role, rank=0, layout=None):
+    return next(t for t in m["tensors"] if t["role"] == role and t["rank"] == rank
+                and (layout is None or t.get("layout") == layout))
+
+
+def _rank0_to_rank1_file(m):
+    t = _first(m, "mxfp4_weight")
+    t["file"] = next(n for n, f in m["files"].items() if f["rank"] == 1)
+
+
+def _duplicate(m):
+    m["tensors"].append(dict(_first(m, "mxfp4_weight")))
+
+
+def _unshuffled(m):
+    _first(m, "mxfp4_weight", layout="preshuffle")["runtime_attrs"]["is_shuffled"] = False
+
+
+def _group_layout(m):
+    next(g for g in m["groups"] if g["kind"] == "linear")["layout"] = "non-shuffle"
+
+
+@pytest.mark.parametrize("edit, says", [
+    (_rank0_to_rank1_file, "is for rank 0 but its file model-tp2-rank1-"),
+    (_duplicate, "is recorded twice for rank 0"),
+    (_unshuffled, "runtime attribute is_shuffled is False, but its layout 'preshuffle' states True"),
+    (_group_layout, "is in layout 'non-shuffle', which a preshuffle/ck target does not hold for a linear group"),
+], ids=["rank0-record-in-rank1-file", "duplicate-record", "is_shuffled-false-on-preshuffle", "group-layout-edited"])
+def test_a_manifest_edited_and_resealed_is_refused_as_a_whole_by_every_reader(made, tmp_path, edit, says):
+    # load_manifest and load_rank (the engine), verify (deep and against the source) and revert:
+    # each passed or wrote a wrong source before, one record at a time looking fine.
+    out = copy(made["out"], tmp_path / "out")
+    edit_manifest(out, edit)
+    assert_manifest_refused(out, says)
+    for args in (["verify", out, "--deep"], ["verify", out, "--source", made["src"]],
+                 ["revert", out, "-o", tmp_path / "rt"]):
+        assert_one_line_error(run_cli(*args), says)
+    assert not (tmp_path / "rt").exists()
