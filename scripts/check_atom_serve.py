@@ -113,15 +113,6 @@ class ModelsLoaded(Exception):
         self.runner = runner
 
 
-class _Warnings(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
-
-
 def worker(setup: dict) -> int:
     """One TP worker: ATOM's runner class (by ``Config.runner_qualname``) built from the pickled
     Config for ``setup['rank']``, once per fill byte, stopped once both models are loaded; writes
@@ -171,7 +162,7 @@ def worker(setup: dict) -> int:
                 during_load.extend(atom_on_cpu.CALLS[start:])
         return load
 
-    caught = _Warnings()
+    caught = check_atom_install._Warnings()  # ATOM's warnings, as the install check catches them
     logging.getLogger("atom").addHandler(caught)
     result = {"rank": rank, "refused": None, "params_created": 0, "fills": []}
     with mock.patch.object(ModelRunner, "_setup_device_and_distributed", device_and_group), \
