@@ -335,10 +335,14 @@ class OutputFolder:
         with the previous output deleted (a ``--resume`` finds the output already complete)."""
         st = self.state()
         if st is None:
-            if self.work.is_dir() and {e.name for e in os.scandir(self.work)} - {"lock"}:
-                raise PrepError(f"{self.work}: holds files but no state.json, so prep cannot tell what they are; "
-                                "remove that folder yourself and run again")
-            return None
+            left = {e.name for e in os.scandir(self.work)} - {"lock"} if self.work.is_dir() else set()
+            if left <= {"staging", "records", "state.json.tmp"}:
+                # What a run killed before its state was written leaves (or an earlier prep, which made
+                # staging first): only prep's own partial work, which nothing can resume. Discarded.
+                self.discard()
+                return None
+            raise PrepError(f"{self.work}: holds {sorted(left)} but no state.json, so prep cannot tell what they are; "
+                            "remove that folder yourself and run again")
         if st.get("phase") == "swapping":
             want = st.get("output_id")
             if want is not None and output_id(self.path) == want:
@@ -381,9 +385,12 @@ class OutputFolder:
             note = (f"discarded the unfinished run in {self.work}" +
                     (" (pass --resume to reuse its finished files)" if not resume else ""))
         self.discard()
+        # The state first: a kill between these steps leaves a state with no (or empty) staging,
+        # which the next run discards; staging before its state was a folder no run could read.
+        write_json(self.state_path, {**state, "phase": "building"})
+        kill_point("state-written")
         self.staging.mkdir(parents=True)
         self.records.mkdir()
-        write_json(self.state_path, {**state, "phase": "building"})
         return None, note
 
     def _check_same_options(self, old: dict[str, Any], state: dict[str, Any]) -> None:

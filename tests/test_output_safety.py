@@ -218,6 +218,35 @@ def test_kill_at_any_step_of_a_forced_replace_leaves_old_or_new_complete_and_the
     assert {k: v for k, v in snapshot(workspace).items() if not k.startswith("out/")} == others
 
 
+@pytest.mark.parametrize("leftover", ["kill-after-state", "staging-without-state"])
+def test_a_run_killed_as_it_starts_never_blocks_the_next_one(workspace, leftover):
+    # Before: staging was made before its state; a kill between them left .OUT.prep holding
+    # files but no state.json, and every later run refused until it was removed by hand.
+    out = workspace / "out"
+    old = complete(out)
+    if leftover == "kill-after-state":
+        r = prep("convert", workspace / "src", "-o", out, "--tp", "2", "--force", kill_at="state-written")
+        assert r.returncode == -signal.SIGKILL, r.stderr
+    else:  # what that window (or an earlier prep) left: prep's own folders, no state
+        work = workspace / ".out.prep"
+        (work / "staging").mkdir(parents=True)
+        (work / "records").mkdir()
+        (work / "staging" / "model-tp2-rank0-00001-of-00001.safetensors").write_bytes(b"partial")
+    assert complete(out) == old
+    r = prep("convert", workspace / "src", "-o", out, "--tp", "2", "--force")
+    assert r.returncode == 0, r.stderr
+    assert complete(out) != old and no_work_left(out)
+
+
+def test_a_work_folder_with_files_prep_does_not_make_there_is_still_refused(workspace):
+    work = workspace / ".out.prep"
+    work.mkdir()
+    (work / "notes.txt").write_text("someone's")
+    r = prep("convert", workspace / "src", "-o", workspace / "out", "--tp", "2", "--force")
+    one_line_error(r, "['notes.txt'] but no state.json", "remove that folder yourself")
+    assert (work / "notes.txt").read_text() == "someone's"
+
+
 def test_a_kill_after_the_swap_leaves_the_new_output_complete(workspace):
     out = workspace / "out"
     old = complete(out)
