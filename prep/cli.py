@@ -345,8 +345,8 @@ def convert(src, out, layout, moe_layout, tp, ep, fuse_shared_expert, common_bf1
         from .outdir import OutputFolder
 
         work = OutputFolder(out, inputs=[], force=False).work
-        e.hint = (f"finished files are kept in {work}; rerun the same command with --resume to continue "
-                  "(without it, they are discarded)")
+        e.hint = getattr(e, "hint", None) or (f"finished files are kept in {work}; rerun the same command with "
+                                              "--resume to continue (without it, they are discarded)")
         raise
     finally:
         bar.close()

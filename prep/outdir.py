@@ -411,16 +411,34 @@ class OutputFolder:
         one line saying so (``needed``: how much the whole output takes)."""
         try:
             yield
-        except KeyboardInterrupt:
-            if not keep_on_interrupt:
+        except KeyboardInterrupt as e:
+            if self.swapped_in():  # stopped while the previous output's files were being deleted
+                e.hint = self._swapped_note()
+            elif not keep_on_interrupt:
                 self.discard()
             raise
         except BaseException as e:
-            self.discard()
+            swapped = self.swapped_in()
+            if not swapped:
+                self.discard()
             if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+                if swapped:
+                    raise PrepError(f"{self.flag} {self.given}: disk full after the swap; {self._swapped_note()}") \
+                        from None
                 raise PrepError(f"{self.flag} {self.given}: disk full while writing{needed}; free space or choose "
                                 "another output folder; partial output removed") from None
             raise
+
+    def swapped_in(self) -> bool:
+        """Whether OUT already holds this run's new output (its swap is done; what is left is
+        deleting the previous output's files)."""
+        st = self.state() or {}
+        return st.get("phase") in ("swapping", "swapped") and st.get("output_id") is not None \
+            and output_id(self.path) == st["output_id"]
+
+    def _swapped_note(self) -> str:
+        return (f"{self.given} already holds the new output, complete; the previous output's remaining files in "
+                f"{self.old} are removed by the next prep run on it")
 
     def discard(self) -> None:
         """Remove everything this run or an earlier one staged (the work folder is prep's own:

@@ -451,3 +451,26 @@ def test_ctrl_c_names_the_work_folder_and_resume_continues(workspace, sources):
     assert r.returncode == 130 and err["code"] == 130 and err["interrupted"] is True
     r = prep("convert", workspace / "src", "-o", out, "--tp", "2", "--resume", "--json")
     assert r.returncode == 0 and json.loads(r.stdout)["reused_files"] >= 1 and no_work_left(out)
+
+
+@pytest.mark.parametrize("verb", ["convert", "revert"])
+def test_ctrl_c_after_the_swap_says_the_new_output_is_in_place(workspace, verb):
+    # Stopped while the previous output's files are deleted (a 350 GiB one takes a while): the new
+    # output is at OUT, complete; the message said "finished files are kept ... --resume" or
+    # "nothing was written to DEST" before.
+    if verb == "convert":
+        out, args = workspace / "out", ["convert", workspace / "src", "-o", workspace / "out", "--tp", "2", "--force"]
+        old = complete(out)
+    else:
+        out, args = workspace / "rt", ["revert", workspace / "out", "-o", workspace / "rt"]
+        assert prep(*args).returncode == 0
+        args.append("--force")
+        old = json.loads((out / "prep-revert.json").read_text())["id"]
+    r = prep(*args, interrupt_at="old-half-deleted")
+    assert r.returncode == 130, r.stderr
+    line = r.stderr.strip().splitlines()[-1]
+    assert line.startswith("interrupted: ") and "already holds the new output, complete" in line, r.stderr
+    assert "--resume" not in line and "nothing was written" not in line
+    if verb == "convert":
+        assert complete(out) != old
+    assert prep(*args).returncode == 0 and no_work_left(out)  # the next run removes the remains
