@@ -1081,6 +1081,7 @@ def _check_whole(target: "Target", groups: list["GroupRecord"], records: list["T
     attributes a registered layout states (``is_shuffled``, the scale swizzle) as it states them:
     an engine sets them on its parameters and its kernels read the bytes by them."""
     from .registry import get_layout  # the registry imports nothing of the manifest
+    from .safetensors_file import TORCH_DTYPES  # imports this module: imported here, at call time
 
     allowed = {"linear": {target.layout}, "moe": {target.moe_layout}, "bf16": {None, target.bf16_moe_layout}}
     group_layout: dict[tuple[str, int], str | None] = {}
@@ -1095,6 +1096,9 @@ def _check_whole(target: "Target", groups: list["GroupRecord"], records: list["T
         if key in seen:
             raise ManifestError(f"tensor {rec.name} is recorded twice for rank {rec.rank}")
         seen.add(key)
+        if rec.dtype not in TORCH_DTYPES:
+            raise ManifestError(f"tensor {rec.name}: dtype {rec.dtype!r} is not a safetensors dtype prep writes "
+                                f"({', '.join(TORCH_DTYPES)})")
         f = files.get(rec.file)
         if files and f is None:
             problem = plain_name_problem(rec.file)  # an escaping name is the thing to name, listed or not

@@ -374,6 +374,8 @@ def default_out(src: str, layout: str, moe_layout: str, tp: int, ep: int) -> str
 
     path = pathlib.Path(src).expanduser()
     base = path.resolve() if path.is_dir() else pathlib.Path.cwd() / src.rstrip("/").split("/")[-1]
+    if not base.name or base.parent == base:
+        raise PrepError(f"{src}: has no folder name to name an output folder after; pass -o OUT")
     name = f"{base.name}-{layout}" + (f"-{moe_layout}" if moe_layout != Target.moe_layout else "") + f"-tp{tp}"
     return str(base.with_name(name + (f"-ep{ep}" if ep > 1 else "")))
 

@@ -591,7 +591,7 @@ def test_a_malformed_completion_marker_raises_manifest_error(made, tmp_path, mar
 
 
 @pytest.mark.parametrize("field, value, message", [
-    ("dtype", "U16", "has dtype 'U16', which this reader does not know"),
+    ("dtype", "U16", "dtype 'U16' is not a safetensors dtype prep writes"),
     ("runtime_attrs", {"view": 1}, "has runtime attribute 'view', which is not a name an engine reads"),
     ("runtime_attrs", {"__class__": 1}, "has runtime attribute '__class__'"),
 ])
@@ -767,12 +767,18 @@ def _group_layout(m):
     next(g for g in m["groups"] if g["kind"] == "linear")["layout"] = "non-shuffle"
 
 
+def _dtype(m):
+    _first(m, "mxfp4_weight")["dtype"] = "XX"
+
+
 @pytest.mark.parametrize("edit, says", [
     (_rank0_to_rank1_file, "is for rank 0 but its file model-tp2-rank1-"),
     (_duplicate, "is recorded twice for rank 0"),
     (_unshuffled, "runtime attribute is_shuffled is False, but its layout 'preshuffle' states True"),
     (_group_layout, "is in layout 'non-shuffle', which a preshuffle/ck target does not hold for a linear group"),
-], ids=["rank0-record-in-rank1-file", "duplicate-record", "is_shuffled-false-on-preshuffle", "group-layout-edited"])
+    (_dtype, "dtype 'XX' is not a safetensors dtype prep writes"),
+], ids=["rank0-record-in-rank1-file", "duplicate-record", "is_shuffled-false-on-preshuffle", "group-layout-edited",
+        "dtype-XX"])
 def test_a_manifest_edited_and_resealed_is_refused_as_a_whole_by_every_reader(made, tmp_path, edit, says):
     # load_manifest and load_rank (the engine), verify (deep and against the source) and revert:
     # each passed or wrote a wrong source before, one record at a time looking fine.
@@ -783,3 +789,9 @@ def test_a_manifest_edited_and_resealed_is_refused_as_a_whole_by_every_reader(ma
                  ["revert", out, "-o", tmp_path / "rt"]):
         assert_one_line_error(run_cli(*args), says)
     assert not (tmp_path / "rt").exists()
+
+
+def test_convert_of_the_filesystem_root_is_one_line_not_an_internal_error(tmp_path):
+    r = run_cli("convert", "/")
+    assert_one_line_error(r, "/: has no folder name", "pass -o OUT")
+
