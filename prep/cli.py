@@ -368,12 +368,17 @@ def convert(src, out, layout, moe_layout, tp, ep, fuse_shared_expert, common_bf1
 
 def default_out(src: str, layout: str, moe_layout: str, tp: int, ep: int) -> str:
     """``SRC-LAYOUT[-MOE_LAYOUT]-tpN[-epN]``: beside a source folder, or in the current folder
-    for a Hugging Face repo id (named after the repo). The MoE layout is named when it is not
-    the default one."""
+    for a Hugging Face repo id or a snapshot folder of the hub's cache (named after the repo). The
+    MoE layout is named when it is not the default one."""
     from .deepseek import Target
 
     path = pathlib.Path(src).expanduser()
     base = path.resolve() if path.is_dir() else pathlib.Path.cwd() / src.rstrip("/").split("/")[-1]
+    repo = base.parent.parent.name
+    if base.parent.name == "snapshots" and repo.startswith("models--"):
+        # A Hugging Face cache snapshot (models--ORG--NAME/snapshots/REVISION): beside it is inside the
+        # cache, which the hub's tools prune; name it after the repo, in the current folder.
+        base = pathlib.Path.cwd() / repo.split("--")[-1]
     if not base.name or base.parent == base:
         raise PrepError(f"{src}: has no folder name to name an output folder after; pass -o OUT")
     name = f"{base.name}-{layout}" + (f"-{moe_layout}" if moe_layout != Target.moe_layout else "") + f"-tp{tp}"

@@ -795,3 +795,17 @@ def test_convert_of_the_filesystem_root_is_one_line_not_an_internal_error(tmp_pa
     r = run_cli("convert", "/")
     assert_one_line_error(r, "/: has no folder name", "pass -o OUT")
 
+
+
+def test_a_hub_cache_snapshot_as_source_gets_its_default_output_outside_the_cache(tmp_path, monkeypatch):
+    from prep.cli import default_out
+
+    snap = tmp_path / "hub" / "models--amd--DeepSeek-R1-0528-MXFP4" / "snapshots" / "0123abcd"
+    snap.mkdir(parents=True)
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    assert default_out(str(snap), "preshuffle", "ck", 8, 1) == str(work / "DeepSeek-R1-0528-MXFP4-preshuffle-tp8")
+    plain = tmp_path / "models" / "r1"
+    plain.mkdir(parents=True)
+    assert default_out(str(plain), "preshuffle", "ck", 8, 1) == str(tmp_path / "models" / "r1-preshuffle-tp8")
