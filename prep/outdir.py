@@ -46,6 +46,7 @@ from .errors import PrepError
 
 REVERT_MARKER = "prep-revert.json"  # written last into a reverted checkpoint: the files prep wrote there
 WORK_SUFFIX = ".prep"
+PROBE_PREFIX = ".prep-write-check-"  # the file --force makes and removes in OUT to see that it can delete there
 
 
 def copy_regular(src: pathlib.Path, dst: pathlib.Path) -> int:
@@ -173,6 +174,8 @@ def _foreign_entry(folder: pathlib.Path) -> str | None:
     """The first entry of a non-empty ``folder`` that prep did not write (None: all are prep's)."""
     own = prep_files_in(folder)
     for entry in sorted(os.scandir(folder), key=lambda e: e.name):
+        if entry.name.startswith(PROBE_PREFIX) and entry.is_file(follow_symlinks=False):
+            continue  # a write check of an earlier prep, killed between making and removing it
         if own is None or entry.name not in own or not entry.is_file(follow_symlinks=False):
             return entry.name
     return None
@@ -264,6 +267,20 @@ class OutputFolder:
                    "the folder is not an output of prep (no prep-manifest.json or prep-revert.json)")
             raise PrepError(f"{self.flag} {self.given}: --force replaces only a folder prep wrote, but it holds "
                             f"{foreign!r} and {why}; move it away or choose another output folder")
+        self._check_deletable(p)
+
+    def _check_deletable(self, p: pathlib.Path) -> None:
+        """--force deletes the previous output's files once the new one is in place: refuse now,
+        not after converting, a folder where that cannot happen (no write permission, immutable,
+        read-only filesystem). A probe file is made and removed: the folder holds only prep's files."""
+        probe = p / f"{PROBE_PREFIX}{os.getpid()}"
+        try:
+            os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600))
+            os.unlink(probe)
+        except OSError as e:
+            raise PrepError(f"{self.flag} {self.given}: --force must delete the previous output's files there, but "
+                            f"the folder is not writable ({e.strerror}); fix its permissions or choose another "
+                            "output folder") from None
 
     # ------------------------------------------------------------------ lock
     @contextlib.contextmanager

@@ -474,3 +474,18 @@ def test_ctrl_c_after_the_swap_says_the_new_output_is_in_place(workspace, verb):
     if verb == "convert":
         assert complete(out) != old
     assert prep(*args).returncode == 0 and no_work_left(out)  # the next run removes the remains
+
+
+def test_force_into_a_folder_it_cannot_delete_from_is_refused_before_converting(workspace):
+    # Before: everything was converted, then the swap failed. Made unwritable with the immutable
+    # attribute, which binds root too (the suite runs as root, whom permissions do not stop).
+    out = workspace / "out"
+    if subprocess.run(["chattr", "+i", str(out)], capture_output=True).returncode != 0:
+        pytest.skip("chattr +i is not available on this filesystem")
+    try:
+        before = snapshot(workspace)
+        r = prep("convert", workspace / "src", "-o", out, "--tp", "2", "--force")
+        one_line_error(r, "--force must delete the previous output's files there", "not writable")
+        assert snapshot(workspace) == before and not (workspace / ".out.prep").exists()
+    finally:
+        subprocess.run(["chattr", "-i", str(out)], check=True)
