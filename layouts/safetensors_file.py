@@ -99,6 +99,10 @@ class SafetensorsFileError(LayoutsError):
     """The file is not a whole, readable safetensors file (truncated, corrupt, or changed)."""
 
 
+class FileAccessError(SafetensorsFileError):
+    """A file this process may not read (permissions): its fix is access, not a new copy."""
+
+
 class TensorInfo(NamedTuple):
     """Where one tensor lies in its file. A named tuple: a checkpoint has ~90k of them, and
     building them is most of the time a header takes to parse."""
@@ -149,6 +153,8 @@ class SafetensorsFile:
             header = strict_json(raw)  # timing: see strict_json
         except FileNotFoundError:
             raise
+        except PermissionError as e:  # the file may be fine: the fix is not a new copy of it
+            raise FileAccessError(f"{path}: cannot be read ({e.strerror}); check its permissions") from None
         except DuplicateKeyError as e:
             raise SafetensorsFileError(f"{path}: the header names {e.key!r} twice; the file is corrupt") from None
         except (OSError, ValueError) as e:

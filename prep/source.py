@@ -15,7 +15,7 @@ import torch
 
 from layouts.manifest import (MAX_JSON_BYTES, DuplicateKeyError, FileTooLargeError, member_problem, read_regular,
                               strict_json)
-from layouts.safetensors_file import SafetensorsFile, SafetensorsFileError, TensorInfo
+from layouts.safetensors_file import FileAccessError, SafetensorsFile, SafetensorsFileError, TensorInfo
 
 from .errors import PrepError
 
@@ -41,6 +41,8 @@ class ShardFile(SafetensorsFile):
     def __init__(self, path: pathlib.Path):
         try:
             super().__init__(path)
+        except FileAccessError:
+            raise  # says its own fix: permissions, not a download
         except SafetensorsFileError as e:
             raise SafetensorsFileError(f"{e}: re-download it") from None  # same type, with the fix
 
@@ -118,6 +120,8 @@ class SourceCheckpoint:
             raise PrepError(f"{p}: {e}; not the file it is named after: re-download it") from None
         except DuplicateKeyError as e:
             raise PrepError(f"{p}: names {e.key!r} twice; the file is damaged: re-download it") from None
+        except PermissionError as e:
+            raise PrepError(f"{p}: cannot be read ({e.strerror}); check its permissions") from None
         except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
             raise PrepError(f"{p}: not valid UTF-8 JSON ({str(e).splitlines()[0]}); re-download it") from None
 

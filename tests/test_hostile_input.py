@@ -809,3 +809,23 @@ def test_a_hub_cache_snapshot_as_source_gets_its_default_output_outside_the_cach
     plain = tmp_path / "models" / "r1"
     plain.mkdir(parents=True)
     assert default_out(str(plain), "preshuffle", "ck", 8, 1) == str(tmp_path / "models" / "r1-preshuffle-tp8")
+
+
+@pytest.mark.parametrize("which", ["shard", "config"])
+def test_a_file_the_process_may_not_read_is_told_to_check_permissions_not_to_re_download(made, tmp_path, monkeypatch,
+                                                                                         which):
+    # The OS's refusal is simulated (the suite runs as root, whom permissions do not stop): opening
+    # that one file raises PermissionError, as it does for another user on a chmod 000 file.
+    src = copy(made["src"], tmp_path / "src")
+    target = next(src.glob("model-0000*.safetensors")) if which == "shard" else src / "config.json"
+    real_open = os.open
+
+    def denying(path, *args, **kwargs):
+        if os.fspath(path) == str(target):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", denying)
+    line = assert_one_line_error(run_cli("inspect", src), target.name, "cannot be read (Permission denied)",
+                                 "check its permissions")
+    assert "re-download" not in line
