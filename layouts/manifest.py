@@ -1090,6 +1090,10 @@ def _check_whole(target: "Target", groups: list["GroupRecord"], records: list["T
             raise ManifestError(f"group {g.name} (rank {g.rank}) is in layout {g.layout!r}, which a "
                                 f"{target.layout}/{target.moe_layout} target does not hold for a {g.kind} group")
         group_layout[(g.name, g.rank)] = g.layout
+    by_key = {(r.name, r.rank): r for r in records}
+    for g in groups:
+        if g.kind == "moe":
+            _check_moe_shapes(g, by_key.get((f"{g.name}.w13_weight", g.rank)), by_key.get((f"{g.name}.w2_weight", g.rank)))
     seen: set[tuple[str, int | None]] = set()
     for rec in records:
         key = (rec.name, rec.rank)
@@ -1121,6 +1125,25 @@ def _check_whole(target: "Target", groups: list["GroupRecord"], records: list["T
                     raise ManifestError(f"tensor {rec.name}: runtime attribute {k} is {rec.runtime_attrs[k]!r}, but "
                                         f"its layout {rec.layout!r} states {v!r}; an engine would read its bytes "
                                         "as another layout")
+
+
+def _check_moe_shapes(g: "GroupRecord", w13: "TensorRecord | None", w2: "TensorRecord | None") -> None:
+    """A MoE group's sizes against its stacked weights' shapes: every reader sizes its reads by the
+    group's numbers (an ``inter`` of 1e12 made verify, revert and run fail deep inside as internal
+    errors). ``w13`` [slots, 2 * I, H / 2] and ``w2`` [slots, H, I / 2] (bytes of MXFP4), I the rank's
+    intermediate padded, H the hidden padded."""
+    if w13 is None or w2 is None or len(w13.shape) != 3 or len(w2.shape) != 3:
+        raise ManifestError(f"group {g.name} (rank {g.rank}): its stacked w13_weight and w2_weight are not both "
+                            "3-D tensors of the same rank")
+    inter = -(-g.inter // (g.tp if g.ep == 1 else 1))  # the TP split of the intermediate, without expert parallel
+    i_pad, h_pad = -(-inter // g.inter_pad_to) * g.inter_pad_to, -(-g.hidden // g.hidden_pad_to) * g.hidden_pad_to
+    packed = 2 if w13.dtype == "U8" else 1  # MXFP4: two values a byte
+    want13, want2 = (len(g.experts), 2 * i_pad, h_pad // packed), (len(g.experts), h_pad, i_pad // packed)
+    if tuple(w13.shape) != want13 or tuple(w2.shape) != want2:
+        raise ManifestError(f"group {g.name} (rank {g.rank}): {len(g.experts)} experts, inter {g.inter}, hidden "
+                            f"{g.hidden} (padded to {g.inter_pad_to}/{g.hidden_pad_to}, tp {g.tp}, ep {g.ep}) make "
+                            f"w13 {list(want13)} and w2 {list(want2)}, but they are {list(w13.shape)} and "
+                            f"{list(w2.shape)}")
 
 
 def _read_json(path: pathlib.Path, missing: str, what: str) -> tuple[bytes, Any]:

@@ -829,3 +829,16 @@ def test_a_file_the_process_may_not_read_is_told_to_check_permissions_not_to_re_
     line = assert_one_line_error(run_cli("inspect", src), target.name, "cannot be read (Permission denied)",
                                  "check its permissions")
     assert "re-download" not in line
+
+
+@pytest.mark.parametrize("edit, says", [
+    (lambda g: g.update(inter=10 ** 12), "inter 1000000000000"),
+    (lambda g: g.update(experts=g["experts"][:3]), "3 experts"),
+], ids=["inter-1e12", "experts-cut"])
+def test_a_moe_group_whose_sizes_do_not_fit_its_tensors_is_refused_by_every_reader(made, tmp_path, edit, says):
+    out = copy(made["out"], tmp_path / "out")
+    edit_manifest(out, lambda m: edit(next(g for g in m["groups"] if g["kind"] == "moe")))
+    assert_manifest_refused(out, says)
+    for args in (["verify", out, "--deep"], ["revert", out, "-o", tmp_path / "rt"],
+                 ["run", out, "--prompt-ids", "1,2", "--layers", "2"]):
+        assert_one_line_error(run_cli(*args), says, "make w13")
