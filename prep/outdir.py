@@ -76,11 +76,15 @@ def kill_point(name: str) -> None:
 def write_json(path: pathlib.Path, obj: Any) -> None:
     """Write ``obj`` as JSON under a temporary name, fsync, and rename: never half a file."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            json.dump(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise OSError(e.errno, e.strerror, str(path)) from None  # named: a full disk says which file
 
 
 def fsync_dir(path: pathlib.Path) -> None:
@@ -316,8 +320,14 @@ class OutputFolder:
             if same:
                 break
             os.close(fd)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except OSError as e:  # a full disk before the first byte: leave nothing behind
+            self._lock_fd = fd
+            self._release()
+            raise PrepError(f"{self.flag} {self.given}: cannot start writing beside it in {self.work.parent} "
+                            f"({e.strerror}); free space or choose another output folder") from None
         self._lock_fd = fd
 
     def _release(self) -> None:
@@ -325,6 +335,7 @@ class OutputFolder:
         if fd < 0:
             return
         try:
+            self.state_path.with_name("state.json.tmp").unlink(missing_ok=True)  # a state never written (disk full)
             if self.work.is_dir() and {e.name for e in os.scandir(self.work)} <= {"lock"}:
                 # Nothing left to resume or recover: remove the work folder, the lock last (while held).
                 os.unlink(self.work / "lock")

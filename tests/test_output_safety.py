@@ -489,3 +489,28 @@ def test_force_into_a_folder_it_cannot_delete_from_is_refused_before_converting(
         assert snapshot(workspace) == before and not (workspace / ".out.prep").exists()
     finally:
         subprocess.run(["chattr", "-i", str(out)], check=True)
+
+
+def test_a_disk_full_before_the_first_byte_is_one_line_naming_where_and_leaves_nothing(workspace, tmp_path):
+    # A filesystem already full (a 256 KiB tmpfs, filled): the lock's pid, the state, the first file
+    # cannot be written. Before: "a file: disk full" and an empty lock left in .OUT.prep.
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        fd = os.open(disk / "filler", os.O_WRONLY | os.O_CREAT)
+        try:
+            while True:
+                os.write(fd, b"\0" * 4096)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+        before = sorted(p.name for p in disk.iterdir())
+        r = prep("convert", workspace / "src", "-o", disk / "out", "--tp", "2")
+        one_line_error(r, str(disk), "free space")
+        assert "a file" not in r.stderr
+        assert sorted(p.name for p in disk.iterdir()) == before  # no .out.prep, no out
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
