@@ -1132,9 +1132,11 @@ def _check_moe_shapes(g: "GroupRecord", w13: "TensorRecord | None", w2: "TensorR
     group's numbers (an ``inter`` of 1e12 made verify, revert and run fail deep inside as internal
     errors). ``w13`` [slots, 2 * I, H / 2] and ``w2`` [slots, H, I / 2] (bytes of MXFP4), I the rank's
     intermediate padded, H the hidden padded."""
-    if w13 is None or w2 is None or len(w13.shape) != 3 or len(w2.shape) != 3:
-        raise ManifestError(f"group {g.name} (rank {g.rank}): its stacked w13_weight and w2_weight are not both "
-                            "3-D tensors of the same rank")
+    if w13 is None or w2 is None:
+        return  # a group whose tensors are not listed: every reader refuses it where it looks for them
+    if len(w13.shape) != 3 or len(w2.shape) != 3:
+        raise ManifestError(f"group {g.name} (rank {g.rank}): its stacked w13_weight {list(w13.shape)} and w2_weight "
+                            f"{list(w2.shape)} are not both 3-D")
     inter = -(-g.inter // (g.tp if g.ep == 1 else 1))  # the TP split of the intermediate, without expert parallel
     i_pad, h_pad = -(-inter // g.inter_pad_to) * g.inter_pad_to, -(-g.hidden // g.hidden_pad_to) * g.hidden_pad_to
     packed = 2 if w13.dtype == "U8" else 1  # MXFP4: two values a byte
