@@ -123,6 +123,13 @@ def _read_own(folder: pathlib.Path, name: str) -> bytes:
         raise PrepError(f"{path}: unreadable ({e}); remove the folder yourself or choose another -o") from None
 
 
+def _size(path: pathlib.Path) -> int | None:
+    try:
+        return os.lstat(path).st_size
+    except OSError:
+        return None
+
+
 def prep_files_in(folder: pathlib.Path) -> set[str] | None:
     """The names prep wrote into ``folder``, from its manifest or revert marker; None when the
     folder holds neither (it is not an output of prep)."""
@@ -139,7 +146,9 @@ def prep_files_in(folder: pathlib.Path) -> set[str] | None:
             raw = json.loads(_read_own(folder, MANIFEST_NAME))
             names = {n for n in raw["files"] if isinstance(n, str) and n.endswith(".safetensors")}
             had = raw["source"]["files"]
-            side = {n for n in _side_files() if n in had}
+            # copied only where the source had them, and still the size the source's was: one edited in
+            # OUT since (a tuned generation_config.json) is the user's work now
+            side = {n for n in _side_files() if n in had and _size(folder / n) == had[n].get("size")}
         except (OSError, ValueError, KeyError, TypeError):
             raise PrepError(f"{folder}: holds a prep manifest that cannot be read, so prep cannot tell which files "
                             "are its own; remove the folder yourself or choose another -o") from None
@@ -269,6 +278,8 @@ class OutputFolder:
         if foreign is not None:
             why = ("prep did not write it" if own is not None else
                    "the folder is not an output of prep (no prep-manifest.json or prep-revert.json)")
+            if own is not None and foreign in _side_files() and (p / MANIFEST_NAME).is_file():
+                why = "prep did not write it, or it was edited since prep copied it (its size is not the source's)"
             raise PrepError(f"{self.flag} {self.given}: --force replaces only a folder prep wrote, but it holds "
                             f"{foreign!r} and {why}; move it away or choose another output folder")
         self._check_deletable(p)

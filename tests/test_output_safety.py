@@ -140,6 +140,15 @@ def test_force_never_deletes_a_file_named_like_a_side_file_the_source_did_not_ha
     assert snapshot(workspace) == before and no_work_left(out)
 
 
+def test_force_never_deletes_a_side_file_edited_since_prep_copied_it(workspace):
+    out = workspace / "out"
+    (out / "generation_config.json").write_text((out / "generation_config.json").read_text() + "\n")  # tuned
+    before = snapshot(workspace)
+    one_line_error(prep("convert", workspace / "src", "-o", out, "--force"), "'generation_config.json'",
+                   "edited since prep copied it")
+    assert snapshot(workspace) == before and no_work_left(out)
+
+
 def test_force_trusts_only_a_sealed_manifest_and_of_it_only_the_files_prep_writes(workspace):
     from layouts.manifest import manifest_hash
 
