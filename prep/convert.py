@@ -277,7 +277,9 @@ def convert(
             write_json(folder.staging / COMPLETE_NAME,
                        schema.Completion(manifest_hash(raw), f"prep {__version__}").to_json())
             kill_point("marker-written")
-            folder.commit()
+            # What a --resume after a kill in the clean-up checks OUT against (the records go first).
+            folder.commit(kept={"jobs": {n: {"plan_key": r.get("plan_key"), "sources": r.get("sources")}
+                                         for n, r in records.items()}})
     return _summary(folder.given, jobs, src, sum(1 for r in records.values() if r.get("reused")), total)
 
 
@@ -297,7 +299,9 @@ def _begin(folder: OutputFolder, state: dict[str, Any], resume: bool, src: Sourc
         return [note]
     idents = {f: file_identity(src.root / f) for f in src.files}
     try:
-        records = [json.loads((folder.records / (j.name + ".json")).read_text()) for j in jobs]
+        kept_jobs = (folder.state() or {}).get("jobs")  # kept in the state at the swap (records may be gone)
+        records = ([kept_jobs.get(j.name) or {} for j in jobs] if isinstance(kept_jobs, dict) else
+                   [json.loads((folder.records / (j.name + ".json")).read_text()) for j in jobs])
         same = all(r.get("plan_key") == j.plan_key() and not changed_files(r.get("sources") or {"?": None}, idents)
                    for r, j in zip(records, jobs))
         same = same and output_id(folder.path) == (folder.state() or {}).get("output_id")

@@ -479,23 +479,29 @@ class OutputFolder:
         return (f"{self.given} already holds the new output, complete; the previous output's remaining files in "
                 f"{self.old} are removed by the next prep run on it")
 
-    def discard(self) -> None:
+    def discard(self, final: bool = False) -> None:
         """Remove everything this run or an earlier one staged (the work folder is prep's own:
-        created by :meth:`_acquire` under a name of prep's), keeping the lock."""
+        created by :meth:`_acquire` under a name of prep's), keeping the lock; the state last,
+        so that a kill in between leaves a state that says what is left (``final``: the clean-up
+        after a swap, whose state a ``--resume`` reads)."""
         for p in (self.staging, self.records, self.old):
             shutil.rmtree(p, ignore_errors=True)
+            if final and p is self.records:
+                kill_point("final-records-removed")
         self.state_path.unlink(missing_ok=True)
         self.state_path.with_name("state.json.tmp").unlink(missing_ok=True)
 
     # ------------------------------------------------------------------ swap
-    def commit(self) -> None:
+    def commit(self, kept: dict[str, Any] | None = None) -> None:
         """Put the finished ``staging`` (its manifest and marker written) in place of OUT,
-        atomically, and delete the previous OUT."""
+        atomically, and delete the previous OUT. ``kept`` goes into the state with the output's
+        id: what a ``--resume`` after a kill in the clean-up needs to accept OUT as it is (the
+        records the clean-up deletes first)."""
         self.check_replaceable()  # again: a file may have been put into OUT while we converted
         new_id = output_id(self.staging)
         if new_id is None:
             raise RuntimeError(f"{self.staging}: committed before its completion marker was written")
-        write_json(self.state_path, {**(self.state() or {}), "phase": "swapping", "output_id": new_id})
+        write_json(self.state_path, {**(self.state() or {}), **(kept or {}), "phase": "swapping", "output_id": new_id})
         kill_point("swap-state-written")
         self._swap_in()
         self._finish()
@@ -523,7 +529,7 @@ class OutputFolder:
         st = self.state() or {}
         self._set_phase(st, "swapped")
         self._delete_old()
-        self.discard()
+        self.discard(final=True)
 
     def _delete_old(self) -> None:
         if self.staging.exists():  # an exchange that was interrupted before the move to old/
