@@ -88,15 +88,14 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 
 def check_folder(root: pathlib.Path) -> Manifest:
     """The converted folder as a complete ``--model``: a sealed rank-exact conversion, and every
-    side file the source had, here with the size (and hash, where recorded) it had."""
+    side file the source had, here with the size it had."""
     manifest = load_manifest(root)  # format, completion marker, every file named
     if not manifest.target.rank_exact:
         raise ServeError(f"{root}: converted with --common-bf16 (manifest format 1: BF16 tensors whole, for an "
                          f"engine that slices them itself); {PROG} serves rank-exact conversions: convert again "
                          "without --common-bf16")
-    shards = {r.file for r in manifest.tensors}
-    for name, f in sorted(manifest.source.files.items()):
-        if name.endswith(".safetensors") or name.endswith(".index.json") or name in shards:
+    for name, f in sorted((manifest.source.files if manifest.source else {}).items()):
+        if name.endswith(".safetensors") or name.endswith(".index.json"):
             continue  # weights: replaced by the rank files
         path = root / name
         if not path.is_file():
