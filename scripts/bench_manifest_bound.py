@@ -1,0 +1,87 @@
+#!/usr/bin/env python
+"""What a manifest near the size bound costs to read: time and peak memory of ``load_manifest`` and
+of ``load_rank`` (the engine's first step) on copies of one conversion whose manifest is padded to
+each size, each in a fresh process, as ratios against the first size.
+
+    .venv/bin/python scripts/bench_manifest_bound.py CONVERTED [--mib 20 96 256]
+
+The padding is entries of the source tensor table (what a real manifest holds most of: R1-0528's
+at TP 8 is 20 MB, 12 MB of it the 90,910 source tensors), small objects as a real table's are;
+the copy is resealed (completion marker) so that it loads. The manifest's size bound is
+``layouts.manifest.MAX_JSON_BYTES``; a real checkpoint's manifest must stay well under it, and
+what a hostile one just under it costs is what this prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import pathlib
+import shutil
+import subprocess
+import sys
+import tempfile
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+CHILD = """
+import resource, sys, time
+sys.path.insert(0, sys.argv[2])
+import layouts
+t0 = time.perf_counter()
+m = layouts.load_manifest(sys.argv[1])
+t1 = time.perf_counter()
+layouts.load_rank(sys.argv[1], 0, manifest=m)
+t2 = time.perf_counter()
+print(t1 - t0, t2 - t0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+"""
+
+
+def padded_copy(src: pathlib.Path, dst: pathlib.Path, mib: int) -> int:
+    shutil.copytree(src, dst)
+    m = json.loads((dst / "prep-manifest.json").read_text())
+    table = m["source"]["tensors"]
+    entry = next(iter(table.values()))
+    raw = json.dumps(m, separators=(",", ":")).encode()
+    one = len(json.dumps({"model.layers.0.mlp.experts.0.up_proj.weight_scale_pad_000000": entry},
+                         separators=(",", ":"))) - 1
+    for i in range(max(0, (mib << 20) - len(raw)) // one):
+        table[f"model.layers.0.mlp.experts.0.up_proj.weight_scale_pad_{i:06d}"] = entry
+    raw = json.dumps(m, separators=(",", ":")).encode()
+    (dst / "prep-manifest.json").write_bytes(raw)
+    marker = json.loads((dst / "prep-complete.json").read_text())
+    marker["manifest_sha256"] = hashlib.sha256(raw).hexdigest()
+    (dst / "prep-complete.json").write_text(json.dumps(marker))
+    return len(raw)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("converted", type=pathlib.Path)
+    ap.add_argument("--mib", type=int, nargs="+", default=[20, 96, 256])
+    args = ap.parse_args()
+    work = pathlib.Path(tempfile.mkdtemp(prefix="manifest-bound-"))
+    rows = []
+    try:
+        for mib in args.mib:
+            folder = work / f"m{mib}"
+            size = padded_copy(args.converted, folder, mib)
+            r = subprocess.run([sys.executable, "-c", CHILD, str(folder), str(REPO)], capture_output=True, text=True)
+            if r.returncode:
+                print(f"{mib} MiB: {r.stderr.strip().splitlines()[-1]}")
+                continue
+            t_manifest, t_rank, rss = map(float, r.stdout.split())
+            rows.append((size, t_manifest, t_rank, rss))
+            shutil.rmtree(folder)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    base = rows[0]
+    for size, t_manifest, t_rank, rss in rows:
+        print(f"manifest {size / 2**20:7.1f} MiB: load_manifest {t_manifest:6.2f} s, load_rank(0) {t_rank:6.2f} s "
+              f"({t_rank / base[2]:.1f}x), peak RSS {rss / 2**30:.2f} GiB ({rss / base[3]:.1f}x)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
