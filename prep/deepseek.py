@@ -212,7 +212,55 @@ def check_complete(src: SourceCheckpoint) -> dict[str, int | None]:
         if f"{module}.weight" not in tensors:
             raise PrepError(f"{src.root}: tensor {module}.weight is missing ({why}); the checkpoint is incomplete "
                             "or config.json is not its own: re-download it")
-    return config_ints(src)
+    ints = config_ints(src)
+    _check_sizes(src, ints)
+    return ints
+
+
+def _check_sizes(src: SourceCheckpoint, ints: dict[str, int | None]) -> None:
+    """config.json's sizes against the tensors of the first layers that hold them: the copy of
+    config.json goes out with the conversion, and an engine builds its models from it (a
+    hidden_size or n_routed_experts that is not the checkpoint's fails there, after allocating)."""
+    t = src.tensors
+
+    def logical(module: str) -> tuple[int, int] | None:  # (out, in) of a linear, MXFP4 unpacked
+        info = t.get(f"{module}.weight")
+        if info is None or len(info.shape) != 2:
+            return None
+        packed = f"{module}.weight_scale" in t and info.dtype == "U8"
+        return info.shape[0], info.shape[1] * (2 if packed else 1)
+
+    c = ints
+    checks: list[tuple[str, tuple[int, int] | None, tuple[Any, Any]]] = []
+    embed = t.get("model.embed_tokens.weight")
+    if embed is not None and len(embed.shape) == 2:
+        checks.append(("model.embed_tokens", tuple(embed.shape), (c["vocab_size"], c["hidden_size"])))
+    a = "model.layers.0.self_attn"
+    heads, nope, rope, v = c["num_attention_heads"], c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"]
+    if None not in (heads, nope, rope, v):
+        if c["q_lora_rank"] is not None:
+            checks += [(f"{a}.q_a_proj", logical(f"{a}.q_a_proj"), (c["q_lora_rank"], c["hidden_size"])),
+                       (f"{a}.q_b_proj", logical(f"{a}.q_b_proj"), (heads * (nope + rope), c["q_lora_rank"]))]
+        if c["kv_lora_rank"] is not None:
+            checks += [(f"{a}.kv_a_proj_with_mqa", logical(f"{a}.kv_a_proj_with_mqa"),
+                        (c["kv_lora_rank"] + rope, c["hidden_size"])),
+                       (f"{a}.kv_b_proj", logical(f"{a}.kv_b_proj"), (heads * (nope + v), c["kv_lora_rank"]))]
+        checks.append((f"{a}.o_proj", logical(f"{a}.o_proj"), (c["hidden_size"], heads * v)))
+    if c["first_k_dense_replace"]:
+        checks.append(("model.layers.0.mlp.gate_proj", logical("model.layers.0.mlp.gate_proj"),
+                       (c["intermediate_size"], c["hidden_size"])))
+    moe = f"model.layers.{c['first_k_dense_replace']}.mlp.experts"
+    if c["n_routed_experts"] and f"{moe}.0.gate_proj.weight" in t:
+        checks.append((f"{moe}.0.gate_proj", logical(f"{moe}.0.gate_proj"), (c["moe_intermediate_size"], c["hidden_size"])))
+        present = sum(1 for i in range(c["n_routed_experts"] + 1) if f"{moe}.{i}.gate_proj.weight" in t)
+        if present != c["n_routed_experts"]:
+            raise PrepError(f"{src.root / 'config.json'}: n_routed_experts is {c['n_routed_experts']} but "
+                            f"{moe} holds {present if present <= c['n_routed_experts'] else 'more'}; config.json is "
+                            "not this checkpoint's: re-download it")
+    for module, have, want in checks:
+        if have is not None and None not in want and tuple(have) != tuple(want):
+            raise PrepError(f"{src.root / 'config.json'}: its sizes make {module} {list(want)}, but the checkpoint's "
+                            f"is {list(have)}; config.json is not this checkpoint's: re-download it")
 
 
 def classify(src: SourceCheckpoint) -> Classified:

@@ -842,3 +842,22 @@ def test_a_moe_group_whose_sizes_do_not_fit_its_tensors_is_refused_by_every_read
     for args in (["verify", out, "--deep"], ["revert", out, "-o", tmp_path / "rt"],
                  ["run", out, "--prompt-ids", "1,2", "--layers", "2"]):
         assert_one_line_error(run_cli(*args), says, "make w13")
+
+
+@pytest.mark.parametrize("change, module", [
+    ({"hidden_size": 255}, "model.embed_tokens"),
+    ({"vocab_size": 5}, "model.embed_tokens"),
+    ({"num_attention_heads": 2}, "q_b_proj"),
+    ({"kv_lora_rank": 3}, "kv_a_proj_with_mqa"),
+    ({"moe_intermediate_size": 100}, "experts.0.gate_proj"),
+    ({"n_routed_experts": 3}, "n_routed_experts is 3"),
+], ids=["hidden", "vocab", "heads", "kv_lora", "moe_intermediate", "experts"])
+def test_a_config_whose_sizes_are_not_its_tensors_is_refused_before_converting(made, tmp_path, change, module):
+    # The config.json goes out with the conversion and an engine builds its models from it: one that
+    # is not the checkpoint's converted silently and failed in the engine, after it had allocated.
+    src = copy(made["src"], tmp_path / "src")
+    edit_json(src / "config.json", lambda c: c.update(change))
+    out = tmp_path / "out"
+    assert_one_line_error(run_cli("convert", src, "-o", out, "--tp", "2"), f"{src / 'config.json'}: ", module,
+                          "config.json is not this checkpoint's")
+    assert nothing_left(out)
