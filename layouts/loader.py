@@ -58,7 +58,7 @@ def load_rank(model_dir: str | pathlib.Path, rank: int, device: str | torch.devi
                 raise ValueError(f"load_rank(rank={rank}) with an engine config for rank {engine.rank}")
             check_compatibility(manifest, engine)
         out = RankTensors(manifest, rank)
-        for part in folder.files(rank, device, names=None, verify_hashes=verify_hashes, mmap=mmap):
+        for part in folder.files(manifest, rank, device, names=None, verify_hashes=verify_hashes, mmap=mmap):
             out.update(part)
             out.records.update(part.records)
             out.buffers += part.buffers
@@ -73,8 +73,8 @@ def iter_rank_files(model_dir: str | pathlib.Path, rank: int, device: str | torc
     own. A caller that copies the tensors elsewhere and drops each part holds one file at a time
     (an engine filling parameters it allocated itself: ``layouts.engines.atom.adapter``)."""
     with pinned_folder(model_dir) as folder:
-        yield from folder.files(rank, device, names=names, verify_hashes=verify_hashes, mmap=mmap,
-                                manifest=folder.manifest(manifest))
+        yield from folder.files(folder.manifest(manifest), rank, device, names=names, verify_hashes=verify_hashes,
+                                mmap=mmap)
 
 
 class PinnedFolder:
@@ -107,9 +107,9 @@ class PinnedFolder:
                                 "folder was converted again meanwhile); load it again")
         return given
 
-    def files(self, rank: int, device: str | torch.device, *, names: set[str] | None, verify_hashes: bool,
-              mmap: bool, manifest: Manifest | None = None) -> Iterator["RankTensors"]:
-        manifest = manifest or self.manifest()
+    def files(self, manifest: Manifest, rank: int, device: str | torch.device, *, names: set[str] | None,
+              verify_hashes: bool, mmap: bool) -> Iterator["RankTensors"]:
+        """Rank ``rank``'s tensors of ``manifest`` (this folder's: :meth:`manifest`), a file at a time."""
         by_file: dict[str, list[TensorRecord]] = {}
         for r in manifest.rank_tensors(rank):
             if names is None or r.name in names:
@@ -175,9 +175,6 @@ def _load_file(manifest: Manifest, fname: str, recs: list[TensorRecord], device:
         t = views.get(r.name)
         if t is None:
             raise ManifestError(f"{path}: tensor {r.name} (rank {r.rank}) is missing from the file; convert again")
-        if r.dtype not in TORCH_DTYPES:
-            raise ManifestError(f"{manifest.root / MANIFEST_NAME}: tensor {r.name} has dtype {r.dtype!r}, which "
-                                "this reader does not know; convert again (or upgrade layouts)")
         if t.dtype != TORCH_DTYPES[r.dtype] or tuple(t.shape) != r.shape:
             raise ManifestError(f"{path}: tensor {r.name} is {t.dtype} {list(t.shape)} but the manifest says "
                                 f"{r.dtype} {list(r.shape)}; convert again")

@@ -1092,16 +1092,12 @@ def _check_whole(target: "Target", groups: list["GroupRecord"], records: list["T
             raise ManifestError(f"group {g.name} (rank {g.rank}) is in layout {g.layout!r}, which a "
                                 f"{target.layout}/{target.moe_layout} target does not hold for a {g.kind} group")
         group_layout[(g.name, g.rank)] = g.layout
-    by_key = {(r.name, r.rank): r for r in records}
-    for g in groups:
-        if g.kind == "moe":
-            _check_moe_shapes(g, by_key.get((f"{g.name}.w13_weight", g.rank)), by_key.get((f"{g.name}.w2_weight", g.rank)))
-    seen: set[tuple[str, int | None]] = set()
+    by_key: dict[tuple[str, int | None], TensorRecord] = {}
     for rec in records:
         key = (rec.name, rec.rank)
-        if key in seen:
+        if key in by_key:
             raise ManifestError(f"tensor {rec.name} is recorded twice for rank {rec.rank}")
-        seen.add(key)
+        by_key[key] = rec
         if rec.dtype not in TORCH_DTYPES:
             raise ManifestError(f"tensor {rec.name}: dtype {rec.dtype!r} is not a safetensors dtype prep writes "
                                 f"({', '.join(TORCH_DTYPES)})")
@@ -1127,6 +1123,9 @@ def _check_whole(target: "Target", groups: list["GroupRecord"], records: list["T
                     raise ManifestError(f"tensor {rec.name}: runtime attribute {k} is {rec.runtime_attrs[k]!r}, but "
                                         f"its layout {rec.layout!r} states {v!r}; an engine would read its bytes "
                                         "as another layout")
+    for g in groups:
+        if g.kind == "moe":
+            _check_moe_shapes(g, by_key.get((f"{g.name}.w13_weight", g.rank)), by_key.get((f"{g.name}.w2_weight", g.rank)))
 
 
 def _check_moe_shapes(g: "GroupRecord", w13: "TensorRecord | None", w2: "TensorRecord | None") -> None:

@@ -123,6 +123,21 @@ def _read_own(folder: pathlib.Path, name: str) -> bytes:
         raise PrepError(f"{path}: unreadable ({e}); remove the folder yourself or choose another -o") from None
 
 
+def _sealed_manifest(folder: pathlib.Path) -> tuple[str, bytes] | None:
+    """(sha256, bytes) of ``folder``'s manifest when its completion marker seals those bytes, else
+    None; each file read once."""
+    from layouts.manifest import manifest_hash
+
+    if not os.path.lexists(folder / COMPLETE_NAME):
+        return None
+    try:
+        sha = json.loads(_read_own(folder, COMPLETE_NAME)).get("manifest_sha256")
+    except (ValueError, AttributeError):
+        return None
+    raw = _read_own(folder, MANIFEST_NAME)
+    return (sha, raw) if sha == manifest_hash(raw) else None
+
+
 def _size(path: pathlib.Path) -> int | None:
     try:
         return os.lstat(path).st_size
@@ -138,12 +153,13 @@ def prep_files_in(folder: pathlib.Path) -> set[str] | None:
         # Only a manifest its completion marker seals says what prep wrote (prep swaps in complete
         # outputs only), and of its names only what prep writes: its safetensors files, and the side
         # files the source had (copied only then), never a name a manifest merely lists.
-        if output_id(folder) is None:
+        sealed = _sealed_manifest(folder)
+        if sealed is None:
             raise PrepError(f"{folder}: holds a prep manifest or completion marker ({COMPLETE_NAME}), but the marker "
                             "does not seal that manifest, so prep cannot tell which files are its own; remove the folder "
                             "yourself or choose another -o")
         try:
-            raw = json.loads(_read_own(folder, MANIFEST_NAME))
+            raw = json.loads(sealed[1])
             names = {n for n in raw["files"] if isinstance(n, str) and n.endswith(".safetensors")}
             had = raw["source"]["files"]
             # copied only where the source had them, and still the size the source's was: one edited in
@@ -170,12 +186,10 @@ def output_id(folder: pathlib.Path) -> str | None:
     """What identifies a finished output of prep in ``folder``: the sha256 of its manifest (as
     its completion marker states it, and checked), or the id in its revert marker; None when
     the folder holds no finished output."""
-    from layouts.manifest import manifest_hash
-
     try:
         if os.path.lexists(folder / COMPLETE_NAME):
-            sha = json.loads(_read_own(folder, COMPLETE_NAME)).get("manifest_sha256")
-            return sha if sha == manifest_hash(_read_own(folder, MANIFEST_NAME)) else None
+            sealed = _sealed_manifest(folder)
+            return sealed[0] if sealed is not None else None
         if os.path.lexists(folder / REVERT_MARKER):
             return json.loads(_read_own(folder, REVERT_MARKER)).get("id")
     except (ValueError, AttributeError):

@@ -9,9 +9,10 @@ copies every checkpoint tensor into the parameters its layers created, then call
 skip that, and ``is_shuffled`` is only ever written. So:
 
 1. :func:`install_converted_weights` checks the checkpoint against the engine configuration
-   (:func:`layouts.check_compatibility`), loads this rank (:func:`layouts.load_rank`), and for
-   every MXFP4 tensor replaces the data of the parameter of the same name (shapes differ where
-   the layout pads: S32x8 scales, 2-D CK MoE scales), sets the attributes the manifest states
+   (:func:`layouts.check_compatibility`), reads this rank a file at a time
+   (:func:`layouts.iter_rank_files`), and copies every MXFP4 tensor into the parameter of the same
+   name (a scale the layout pads past ATOM's allocation, S32x8 or a 2-D CK MoE scale, becomes the
+   parameter's data instead), sets the attributes the manifest states
    (``is_shuffled`` on the weight, ``hidden_pad`` / ``intermediate_pad`` on the MoE method,
    which ATOM passes to ``fused_moe``), and makes that module's processing a no-op;
 2. a rank-exact checkpoint (manifest format 2, ``docs/rank-exact.md``) holds the rank's BF16
@@ -26,8 +27,9 @@ skip that, and ``is_shuffled`` is only ever written. So:
 3. the MTP layer (``model.layers.{num_hidden_layers + i}``, ``i < num_nextn_predict_layers``) is
    not in ATOM's ``DeepseekV2ForCausalLM``: ATOM builds it only in its separate draft model
    (``DeepSeekMTP``). Its tensors are installed into that draft model when one is passed
-   (``mtp_model=``), under the draft's parameter names (:func:`atom_mtp_param_name`), else
-   returned in ``AtomInstallReport.mtp``.
+   (``mtp_model=``), under the draft's parameter names (:func:`atom_mtp_param_name`), else named
+   in ``AtomInstallReport.mtp_pending`` for :func:`install_draft_weights`, which reads them again
+   once ATOM has built its draft model.
 
 Call it after the model (and draft model) is built and instead of the reading step of ATOM's
 ``load_model``; ATOM's post-loading loop (``process_weights_after_loading`` of every module)
@@ -231,7 +233,8 @@ def _device_of(model: torch.nn.Module) -> torch.device:
 
 def install_converted_weights(model: torch.nn.Module, model_dir: str | pathlib.Path, engine: EngineConfig,
                               device: str | torch.device | None = None,
-                              mtp_model: torch.nn.Module | None = None) -> AtomInstallReport:
+                              mtp_model: torch.nn.Module | None = None, *,
+                              manifest: Manifest | None = None) -> AtomInstallReport:
     """Install rank ``engine.rank``'s converted tensors into ``model`` (ATOM's DeepSeek), and the
     MTP layer's into ``mtp_model`` (ATOM's ``DeepSeekMTP`` draft) when given; without it the MTP
     layer's tensors are named in the report's ``mtp_pending`` for :func:`install_draft_weights`
@@ -248,10 +251,12 @@ def install_converted_weights(model: torch.nn.Module, model_dir: str | pathlib.P
     pass-through ones (whole, for every rank) come back in ``report.passthrough`` (and, of the
     MTP layer, ``report.mtp``) for ATOM's loaders to slice.
 
+    ``manifest``: the folder's, where the caller read it already (the loads check that it is).
+
     Raises :class:`~layouts.CompatibilityError` when the engine would misread the checkpoint,
     and :class:`~layouts.ManifestError` naming the tensor when the model has no parameter for
     it or its shape is not the one ATOM allocates before processing."""
-    manifest = load_manifest(model_dir)
+    manifest = manifest or load_manifest(model_dir)
     check_compatibility(manifest, engine)
     layers = mtp_layers(manifest.root)
     device = torch.device(device) if device is not None else _device_of(model)

@@ -281,10 +281,11 @@ class ConvertedRank:
 
     root: pathlib.Path
     engine: EngineConfig
+    manifest: Manifest | None = None  # as the worker's check read it (read once)
     report: AtomInstallReport | None = None
 
     def install_target(self, model: Any) -> list[str]:
-        self.report = install_converted_weights(model, self.root, self.engine)
+        self.report = install_converted_weights(model, self.root, self.engine, manifest=self.manifest)
         self._refuse_unfilled("ATOM's model")
         return self.report.installed
 
@@ -367,7 +368,7 @@ def prepare_worker(root: pathlib.Path, config: Any, rank: int) -> ConvertedRank:
     manifest = check_folder(root)
     engine = engine_config(manifest, os.environ, tp=config.tensor_parallel_size, rank=rank,
                            expert_parallel=config.enable_expert_parallel, gpu_arch=atom_gpu_arch())
-    _RANK[str(root)] = converted = ConvertedRank(root, engine)
+    _RANK[str(root)] = converted = ConvertedRank(root, engine, manifest)
     install_reading_step()
     log.info("[%s] rank %d/%d: %s checked (GEMM path %s, MoE %s on %s)", PROG, rank, engine.tp_size, root,
              engine.gemm_path, engine.moe_backend, engine.gpu_arch)
