@@ -7,7 +7,8 @@ loaded" warning.
     .venv/bin/python scripts/check_atom_serve.py --source SRC --converted OUT [--oracles DIR]
         [--work DIR] [--gpu-arch gfx950|gfx942] [--no-mtp] [-- ATOM server options]
 
-DIR is the folder holding ATOM's and aiter's pinned source tarballs (default ``../shared/oracles``;
+DIR is the folder holding ATOM's and aiter's pinned source tarballs (default ``$PREP_ORACLES``, else
+``../shared/oracles`` beside the checkout or a folder above it;
 they are unpacked under ``--work``). TP and EP come from OUT's manifest, ATOM's switches from the
 manifest's layout (``asm`` for ``preshuffle``, ``ATOM_USE_FP4_NON_SHUFFLE_TRITON_GEMM=1`` for
 ``non-shuffle``; the CK MoE, ``ATOM_USE_TRITON_MOE=0``) unless the environment sets them. The
@@ -71,6 +72,17 @@ MTP = ["--method", "mtp", "--num-speculative-tokens", "1"]
 
 
 # ---------------------------------------------------------------------------- the oracles
+def default_oracles() -> pathlib.Path:
+    """``$PREP_ORACLES``, else the first ``shared/oracles`` beside the checkout or beside a folder
+    above it (a clone made elsewhere in the same tree still finds the workplace's)."""
+    if os.environ.get("PREP_ORACLES"):
+        return pathlib.Path(os.environ["PREP_ORACLES"])
+    for folder in REPO.parents:
+        if (folder / "shared" / "oracles").is_dir():
+            return folder / "shared" / "oracles"
+    return REPO.parent / "shared" / "oracles"
+
+
 def oracle_trees(oracles: pathlib.Path, work: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
     """ATOM's and aiter's source trees, unpacked once from the tarballs in ``oracles``."""
     trees = []
@@ -392,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--source", required=True, type=pathlib.Path, help="the source checkpoint (a folder)")
     ap.add_argument("--converted", required=True, type=pathlib.Path, help="prep's conversion of it")
-    ap.add_argument("--oracles", type=pathlib.Path, default=REPO.parent / "shared" / "oracles",
+    ap.add_argument("--oracles", type=pathlib.Path, default=default_oracles(),
                     help="folder with ATOM's and aiter's source tarballs (default %(default)s)")
     ap.add_argument("--work", type=pathlib.Path, help="folder for the unpacked trees and the records (default: temporary)")
     ap.add_argument("--gpu-arch", default="gfx950", choices=["gfx950", "gfx942"], help="the GPU ATOM is told it runs on")

@@ -22,9 +22,10 @@ from layouts.engines.atom import serve
 from prep.testing import PRESETS, write_checkpoint
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-ORACLES = pathlib.Path(os.environ.get("PREP_ORACLES", REPO.parent / "shared" / "oracles"))
 sys.path.insert(0, str(REPO / "scripts"))
 import check_atom_serve  # noqa: E402
+
+ORACLES = check_atom_serve.default_oracles()
 
 
 def _atom_ready() -> bool:
