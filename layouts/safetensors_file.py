@@ -121,7 +121,11 @@ def _printable(v) -> str:
 
 
 _BY_SPAN = operator.itemgetter(4, 5)  # a TensorInfo's (offset, nbytes): empty tensors first at an offset
-MAX_HEADER_BYTES = 100_000_000  # what the safetensors library itself accepts (its MAX_HEADER_SIZE)
+# What a header may take, well above what a real checkpoint needs: the largest in R1-0528's 76
+# shards is 154 KB, the largest prep writes for it 101 KB (TP 8, measured on the r1-count preset),
+# and a header costs ~28x its size in memory to parse (a 94 MB one: 3.8 s, 0.9 GiB over the
+# interpreter's; 16 MiB: 0.5 s, 0.15 GiB). The safetensors library itself accepts 100 MB.
+MAX_HEADER_BYTES = 16 << 20
 
 
 class SafetensorsFile:
@@ -146,12 +150,14 @@ class SafetensorsFile:
             if n <= 0 or 8 + n > size:
                 raise ValueError("header length beyond the end of the file")
             if n > MAX_HEADER_BYTES:
-                raise ValueError(f"header of {n} bytes, over the format's {MAX_HEADER_BYTES}")
+                raise SafetensorsFileError(f"{path}: a header of {n} bytes, over prep's bound of {MAX_HEADER_BYTES >> 20} "
+                                           "MiB (real DeepSeek shards hold under 0.2 MB); this is not a checkpoint "
+                                           "prep can read")
             raw = os.pread(self.fd, n, 8)
             if len(raw) != n:
                 raise ValueError("short read of the header")
             header = strict_json(raw)  # timing: see strict_json
-        except FileNotFoundError:
+        except (FileNotFoundError, SafetensorsFileError):
             raise
         except PermissionError as e:  # the file may be fine: the fix is not a new copy of it
             raise FileAccessError(f"{path}: cannot be read ({e.strerror}); check its permissions") from None

@@ -664,6 +664,25 @@ def test_a_json_file_larger_than_any_prep_reads_is_refused_before_it_is_read(mad
         assert_one_line_error(run_cli("verify", folder), name, "more than the")
 
 
+def test_a_safetensors_header_larger_than_any_real_checkpoint_needs_is_refused_before_it_is_read(made, tmp_path):
+    # A header is parsed whole at ~28x its size in memory; the format allows 100 MB (2.75 GB to
+    # parse, measured); prep's bound is 16 MiB, ~100x the largest R1-0528 header. The file is
+    # sparse: the header length says 17 MiB and nothing of it is read.
+    from layouts.safetensors_file import MAX_HEADER_BYTES
+
+    bad = copy(made["src"], tmp_path / "bad")
+    shard = bad / "model-00002-of-00004.safetensors"
+    n = MAX_HEADER_BYTES + (1 << 20)
+    with open(shard, "r+b") as f:
+        f.write(n.to_bytes(8, "little"))
+        f.truncate(8 + n + 4096)
+    with pytest.raises(SafetensorsFileError, match=f"a header of {n} bytes, over prep's bound of 16 MiB"):
+        SafetensorsFile(shard)
+    r = run_cli("convert", bad, "-o", tmp_path / "o", "--tp", "2")
+    assert_one_line_error(r, shard.name, "over prep's bound")
+    assert nothing_left(tmp_path / "o")
+
+
 def test_revert_refuses_a_side_file_changed_since_the_conversion(made, tmp_path):
     # revert rebuilds the source: a side file of another size than the source's was changed
     # (or is a hostile sparse terabyte, which revert once read whole) and is named, not copied;
