@@ -997,9 +997,13 @@ class Completion:
 
     manifest_sha256: str  # sha256 of prep-manifest.json's bytes
     tool: str  # "prep <version>"
+    # What the output was made from and how (a hash of options, plan and source identities): a
+    # ``--resume`` finding a finished output with its own key has nothing to do.
+    run: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"manifest_sha256": self.manifest_sha256, "tool": self.tool}
+        return {"manifest_sha256": self.manifest_sha256, "tool": self.tool,
+                **({"run": self.run} if self.run is not None else {})}
 
 
 def load_manifest(model_dir: str | pathlib.Path, verify_hashes: bool = False) -> Manifest:

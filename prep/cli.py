@@ -303,7 +303,8 @@ def inspect(src: str, revision: str | None, as_json: bool, quiet: bool) -> None:
                    "write is never replaced.")
 @click.option("--resume", is_flag=True,
               help="Reuse the files an interrupted run with the same options finished, after re-checking their "
-                   "hashes; files whose source files changed since are written again.")
+                   "hashes; files whose source files changed since are written again. On an OUT the same run already "
+                   "finished, it checks the hashes and writes nothing.")
 @click.option("--revision", help="Hub revision when SRC is a repo id.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary.")
 @_quiet_option

@@ -32,7 +32,7 @@ from .deepseek import Target, classify, plan_bf16, plan_groups
 from .errors import PrepError
 from .groups import LinearGroup, MoEGroup
 from .identity import changed_files, file_identity
-from .outdir import OutputFolder, copy_regular, kill_point, output_id, write_json
+from .outdir import OutputFolder, copy_regular, kill_point, sealed_run, write_json
 from .source import ShardFile, SourceCheckpoint
 from .safetensors_writer import StreamingSafetensorsWriter, nbytes
 
@@ -251,23 +251,31 @@ def convert(
     one-line notes (a discarded or recovered earlier run, files redone on resume)."""
     src = SourceCheckpoint.open(src_spec, revision)
     folder = OutputFolder(out, inputs=[src.root], force=force)
-    folder.check()
+    folder.check(resuming=resume)
     jobs, info = plan_files(src, target)
     total = sum(j.nbytes for j in jobs)
     state = {"kind": "convert", "tool": f"prep {__version__}",
              "options": {**dataclasses.asdict(target), "revision": revision}}
+    idents = {f: file_identity(src.root / f) for f in src.files}
+    key = run_key(state, jobs, src, idents)
     with folder.locked():
-        notes = [folder.recover()]
-        if not (resume and (folder.state() or {}).get("phase") == "swapped"):
-            folder.check()  # after recovery: what is at OUT now (unless it may be the resumed run's own)
-        notes += _begin(folder, state, resume, src, jobs)
-        for note in notes:
-            if note and notify:
-                notify(note)
-        if folder.state() is None:  # a resumed run had already finished: OUT is complete and checked
+        note = folder.recover()
+        if note and notify:
+            notify(note)
+        if resume and _already_made(folder, key):
+            folder.discard()  # whatever an interrupted run left: OUT is what it would have made
+            if notify:
+                notify(f"{folder.given} is already complete (made from this source with these options; its hashes "
+                       "checked): nothing to do")
             return _summary(folder.given, jobs, src, reused=len(jobs), total=total)
+        folder.check()  # after recovery: what is at OUT now
+        kept, note = folder.begin(state, resume)
+        if kept == "swapped":  # the interrupted run had put an output at OUT, and not this one's
+            _, note = folder.begin(state, resume=False)
+        if note and notify:
+            notify(note)
         with folder.discarded_on_error(keep_on_interrupt=True, needed=f" ({total / 2**30:.2f} GiB needed in all)"):
-            records = _write_all(src, jobs, folder, resume, workers, progress, on_total, total, notify)
+            records = _write_all(src, jobs, folder, resume, workers, progress, on_total, total, notify, idents)
             for p in src.side_files():
                 copy_regular(p, folder.staging / p.name)
             manifest = build_manifest(src, target, jobs, records, info)
@@ -275,11 +283,9 @@ def convert(
             raw = json.dumps(manifest.to_json(), separators=(",", ":")).encode()
             (folder.staging / MANIFEST_NAME).write_bytes(raw)
             write_json(folder.staging / COMPLETE_NAME,
-                       schema.Completion(manifest_hash(raw), f"prep {__version__}").to_json())
+                       schema.Completion(manifest_hash(raw), f"prep {__version__}", run=key).to_json())
             kill_point("marker-written")
-            # What a --resume after a kill in the clean-up checks OUT against (the records go first).
-            folder.commit(kept={"jobs": {n: {"plan_key": r.get("plan_key"), "sources": r.get("sources")}
-                                         for n, r in records.items()}})
+            folder.commit()
     return _summary(folder.given, jobs, src, sum(1 for r in records.values() if r.get("reused")), total)
 
 
@@ -288,40 +294,32 @@ def _summary(out: str, jobs: list[FileJob], src: SourceCheckpoint, reused: int, 
             "tensors": sum(len(j.entries) for j in jobs), "source_tensors": len(src.tensors)}
 
 
-def _begin(folder: OutputFolder, state: dict[str, Any], resume: bool, src: SourceCheckpoint,
-           jobs: list[FileJob]) -> list[str | None]:
-    """Start the run in ``folder``'s staging; returns notes for the user. A resumed run whose
-    output had already been swapped into OUT before the kill is accepted as it is when every
-    file's record still matches the plan and the source, and OUT's bytes verify; the work
-    folder is then cleared (``folder.state()`` is None) and nothing is written."""
-    kept, note = folder.begin(state, resume)
-    if kept != "swapped":
-        return [note]
-    idents = {f: file_identity(src.root / f) for f in src.files}
+def run_key(state: dict[str, Any], jobs: list[FileJob], src: SourceCheckpoint,
+            idents: dict[str, dict[str, Any]]) -> str:
+    """What one output is made from and how: the run's options and tool, every file's plan and
+    the identity of every source file and side file. The completion marker keeps it, so that a
+    ``--resume`` finding OUT finished (the run completed, or was killed in its last clean-up,
+    after which nothing else is left to say so) accepts OUT instead of converting again."""
+    desc = {"state": state, "jobs": [[j.name, j.plan_key()] for j in jobs], "sources": idents,
+            "side": {p.name: file_identity(p) for p in src.side_files()}}
+    return manifest_hash(json.dumps(desc, sort_keys=True).encode())
+
+
+def _already_made(folder: OutputFolder, key: str) -> bool:
+    """Whether OUT is a finished output made by a run of key ``key`` whose bytes still verify."""
+    if sealed_run(folder.path) != key:
+        return False
     try:
-        kept_jobs = (folder.state() or {}).get("jobs")  # kept in the state at the swap (records may be gone)
-        records = ([kept_jobs.get(j.name) or {} for j in jobs] if isinstance(kept_jobs, dict) else
-                   [json.loads((folder.records / (j.name + ".json")).read_text()) for j in jobs])
-        same = all(r.get("plan_key") == j.plan_key() and not changed_files(r.get("sources") or {"?": None}, idents)
-                   for r, j in zip(records, jobs))
-        same = same and output_id(folder.path) == (folder.state() or {}).get("output_id")
-        if same:
-            layouts.manifest.load_manifest(folder.path).verify_hashes()
-    except (OSError, ValueError, layouts.ManifestError):
-        same = False
-    if same:
-        folder.discard()
-        return [f"{folder.given} was already complete (the interrupted run had finished it); checked its hashes"]
-    folder.check()  # OUT holds an output this run will not keep: the usual rules apply
-    _, note = folder.begin(state, resume=False)
-    return [note]
+        layouts.manifest.load_manifest(folder.path).verify_hashes()
+    except (OSError, layouts.ManifestError):
+        return False
+    return True
 
 
 def _write_all(src: SourceCheckpoint, jobs: list[FileJob], folder: OutputFolder, resume: bool, workers: int,
                progress: Callable[[int], None] | None, on_total: Callable[[int], None] | None, total: int,
-               notify: Callable[[str], None] | None) -> dict[str, dict[str, Any]]:
+               notify: Callable[[str], None] | None, idents: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Write every file not reusable from an interrupted run; returns each file's record."""
-    idents = {f: file_identity(src.root / f) for f in src.files}
     if on_total:
         on_total(total)
     records: dict[str, dict[str, Any]] = {}

@@ -138,6 +138,18 @@ def _sealed_manifest(folder: pathlib.Path) -> tuple[str, bytes] | None:
     return (sha, raw) if sha == manifest_hash(raw) else None
 
 
+def sealed_run(folder: pathlib.Path) -> str | None:
+    """The run key in ``folder``'s completion marker (what the conversion was made from and
+    how, see ``prep.convert.run_key``) when that marker seals the manifest there, else None."""
+    try:
+        if not os.path.lexists(folder / COMPLETE_NAME) or _sealed_manifest(folder) is None:
+            return None
+        run = json.loads(_read_own(folder, COMPLETE_NAME)).get("run")
+    except (PrepError, ValueError, AttributeError):
+        return None
+    return run if isinstance(run, str) else None
+
+
 def _size(path: pathlib.Path) -> int | None:
     try:
         return os.lstat(path).st_size
@@ -260,9 +272,11 @@ class OutputFolder:
         self._lock_fd = -1
 
     # ------------------------------------------------------------------ checks
-    def check(self) -> None:
+    def check(self, resuming: bool = False) -> None:
         """Refuse, before anything is written, an OUT that would overwrite or delete what prep
-        did not write. Checked again under the lock, just before the swap."""
+        did not write. Checked again under the lock, just before the swap. ``resuming``: a
+        previous output of prep is let through without --force (a ``--resume`` may find it to be
+        its own run's, finished; the caller checks again under the lock)."""
         for src in self.inputs:
             if self.path == src:
                 raise PrepError(f"{self.flag} {self.given}: is the input {src} itself; choose another output folder")
@@ -275,15 +289,17 @@ class OutputFolder:
             if _inside(src, self.work):
                 raise PrepError(f"{self.flag} {self.given}: its work folder {self.work} holds the input {src}; "
                                 "choose another output folder")
-        self.check_replaceable()
+        self.check_replaceable(resuming)
 
-    def check_replaceable(self) -> None:
+    def check_replaceable(self, resuming: bool = False) -> None:
         p = self.path
         if p.is_symlink() or (p.exists() and not p.is_dir()):
             raise PrepError(f"{self.flag} {self.given}: exists and is not a folder; choose another output folder")
         if not p.exists() or not any(os.scandir(p)):
             return
         own = prep_files_in(p)
+        if resuming and own is not None:
+            return
         if not self.force:
             what = "a previous output of prep" if own is not None else "not empty"
             raise PrepError(f"{self.flag} {self.given}: exists and is {what}; choose another output folder"
@@ -503,19 +519,19 @@ class OutputFolder:
             if final and p is self.records:
                 kill_point("final-records-removed")
         self.state_path.unlink(missing_ok=True)
+        if final:
+            kill_point("final-state-removed")
         self.state_path.with_name("state.json.tmp").unlink(missing_ok=True)
 
     # ------------------------------------------------------------------ swap
-    def commit(self, kept: dict[str, Any] | None = None) -> None:
+    def commit(self) -> None:
         """Put the finished ``staging`` (its manifest and marker written) in place of OUT,
-        atomically, and delete the previous OUT. ``kept`` goes into the state with the output's
-        id: what a ``--resume`` after a kill in the clean-up needs to accept OUT as it is (the
-        records the clean-up deletes first)."""
+        atomically, and delete the previous OUT."""
         self.check_replaceable()  # again: a file may have been put into OUT while we converted
         new_id = output_id(self.staging)
         if new_id is None:
             raise RuntimeError(f"{self.staging}: committed before its completion marker was written")
-        write_json(self.state_path, {**(self.state() or {}), **(kept or {}), "phase": "swapping", "output_id": new_id})
+        write_json(self.state_path, {**(self.state() or {}), "phase": "swapping", "output_id": new_id})
         kill_point("swap-state-written")
         self._swap_in()
         self._finish()

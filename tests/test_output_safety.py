@@ -200,7 +200,7 @@ def test_force_replaces_a_previous_revert_output_and_an_empty_folder(workspace):
 
 # ----------------------------------------------------------- kill -9 at every step of a write
 KILL_POINTS = ["file-written", "marker-written", "swap-state-written", "exchanged", "old-moved", "old-half-deleted",
-               "final-records-removed"]
+               "final-records-removed", "final-state-removed"]
 
 
 @pytest.mark.parametrize("point", KILL_POINTS + ["moved-aside"])
@@ -215,7 +215,8 @@ def test_kill_at_any_step_of_a_forced_replace_leaves_old_or_new_complete_and_the
     if point == "moved-aside":  # the one instant with no OUT at its path: two renames, no exchange
         assert not out.exists()
     else:
-        assert complete(out) == old or point in ("exchanged", "old-moved", "old-half-deleted", "final-records-removed")
+        assert complete(out) == old or point in ("exchanged", "old-moved", "old-half-deleted", "final-records-removed",
+                                                 "final-state-removed")
     r = prep("convert", workspace / "src", "-o", out, "--tp", "2", "--force", "--resume", "--json")
     assert r.returncode == 0, r.stderr
     summary = json.loads(r.stdout)
@@ -226,6 +227,41 @@ def test_kill_at_any_step_of_a_forced_replace_leaves_old_or_new_complete_and_the
     else:
         assert 0 < summary["reused_files"] < summary["files"]
     assert {k: v for k, v in snapshot(workspace).items() if not k.startswith("out/")} == others
+
+
+def test_resume_on_an_output_this_run_already_made_has_nothing_to_do(workspace):
+    # The completion marker keeps the run's key (options, plan, source identities): a --resume
+    # that finds OUT finished by the same run (completed, or killed after its work folder's
+    # state was gone) checks OUT's hashes and writes nothing; any other run is refused or redone.
+    out = workspace / "out2"
+    assert prep("convert", workspace / "src", "-o", out, "--tp", "2").returncode == 0
+    made = complete(out)
+    inodes = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in out.iterdir()}
+    r = prep("convert", workspace / "src", "-o", out, "--tp", "2", "--resume", "--json")
+    assert r.returncode == 0, r.stderr
+    assert "already complete" in r.stderr and "nothing to do" in r.stderr
+    summary = json.loads(r.stdout)
+    assert summary["reused_files"] == summary["files"]
+    assert {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in out.iterdir()} == inodes and no_work_left(out)
+    # Other options: OUT is a previous output like any other (refused without --force).
+    one_line_error(prep("convert", workspace / "src", "-o", out, "--tp", "1", "--resume"),
+                   "is a previous output of prep", "--force")
+    # OUT's bytes damaged since: converted again, not accepted.
+    victim = next(out.glob("model-tp2-rank1-*.safetensors"))
+    with open(victim, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 0xFF]))
+    r = prep("convert", workspace / "src", "-o", out, "--tp", "2", "--resume", "--force", "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["reused_files"] == 0, r.stderr
+    assert complete(out) == made
+    # A source file changed since (its identity, not its bytes here: a copy or touch): converted again.
+    shard = next((workspace / "src").glob("model-*.safetensors"))
+    os.utime(shard, ns=(shard.stat().st_atime_ns, shard.stat().st_mtime_ns + 10**9))
+    r = prep("convert", workspace / "src", "-o", out, "--tp", "2", "--resume", "--force", "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["reused_files"] == 0, r.stderr
+    assert "already complete" not in r.stderr
 
 
 @pytest.mark.parametrize("leftover", ["kill-after-state", "staging-without-state"])
