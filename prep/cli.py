@@ -18,6 +18,7 @@ import click
 
 from . import __version__
 from .errors import PrepError
+from .progress import Progress
 
 
 _DEBUG = {"on": bool(os.environ.get("PREP_DEBUG"))}
@@ -82,36 +83,6 @@ def _fail_cleanly(fn: Callable) -> Callable:
             sys.exit(1)
 
     return wrapper
-
-
-class _Bar:
-    """A tqdm bar (bytes, or ``unit``) on stderr, silent unless stderr is a terminal, and never
-    with --json or --quiet: a pipe, a log file and a JSON reader get no carriage returns."""
-
-    def __init__(self, desc: str, enabled: bool, unit: str = "B"):
-        self.desc, self.enabled, self.unit, self.bar = desc, enabled, unit, None
-
-    @classmethod
-    def shown(cls, desc: str, as_json: bool, quiet: bool, unit: str = "B") -> "_Bar":
-        return cls(desc, not (as_json or quiet) and sys.stderr.isatty(), unit)
-
-    def total(self, n: int) -> None:
-        if self.enabled:
-            from tqdm import tqdm
-
-            self.close()
-            scaled = self.unit == "B"
-            self.bar = tqdm(total=n, desc=self.desc, unit=self.unit, unit_scale=scaled,
-                            unit_divisor=1024 if scaled else 1000, file=sys.stderr)
-
-    def __call__(self, n: int) -> None:
-        if self.bar is not None:
-            self.bar.update(n)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-            self.bar = None
 
 
 def _emit(result: dict[str, Any], as_json: bool, lines: list[str]) -> None:
@@ -230,7 +201,8 @@ def _checkpoint_dir(src: str) -> str:
 
 def _quiet_option(fn: Callable) -> Callable:
     return click.option("-q", "--quiet", is_flag=True,
-                        help="No progress bar (it shows only when stderr is a terminal, never with --json).")(fn)
+                        help="No progress on stderr: neither the bar (on a terminal, not with --json) nor the "
+                             "line every 10 s (PREP_PROGRESS_SECONDS) where stderr is a file or pipe.")(fn)
 
 
 @click.group(cls=_PrepGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -267,7 +239,7 @@ def inspect(src: str, revision: str | None, as_json: bool, quiet: bool) -> None:
     """
     from .describe import inspect_path
 
-    bar = _Bar.shown("inspect", as_json, quiet, unit="check")
+    bar = Progress.shown("inspect", as_json, quiet, unit="check")
     try:
         result, lines = inspect_path(src, revision, progress=bar, on_total=bar.total)
     finally:
@@ -337,7 +309,7 @@ def convert(src, out, layout, moe_layout, tp, ep, fuse_shared_expert, common_bf1
         out = default_out(src, layout, moe_layout, tp, ep)
         if not as_json:
             click.echo(f"note: writing to {out} (choose another folder with -o)", err=True)
-    bar = _Bar.shown("convert", as_json, quiet)
+    bar = Progress.shown("convert", as_json, quiet)
     try:
         target = Target(layout, moe_layout, tp, ep, fuse_shared_expert, rank_exact=not common_bf16)
         s = run(src, out, target, force=force, resume=resume, workers=workers, revision=revision, progress=bar,
@@ -411,7 +383,7 @@ def verify(out, source, deep, as_json, quiet):
     """
     from .verify import verify as run
 
-    bar = _Bar.shown("verify", as_json, quiet)
+    bar = Progress.shown("verify", as_json, quiet)
     try:
         r = run(_existing_dir(out, _CONVERTED), source=source, deep=deep, progress=bar, on_total=bar.total)
     finally:
@@ -447,7 +419,7 @@ def revert(out, dest, force, verify, as_json, quiet):
     """
     from .revert import revert as run
 
-    bar = _Bar.shown("revert", as_json, quiet)
+    bar = Progress.shown("revert", as_json, quiet)
     try:
         r = run(_existing_dir(out, _CONVERTED), dest, force=force, verify=verify, progress=bar, on_total=bar.total)
     finally:
@@ -503,7 +475,7 @@ def _run_options(fn: Callable) -> Callable:
 
 def _with_run_bars(fn: Callable, as_json: bool, quiet: bool, *args, **kwargs) -> dict[str, Any]:
     """``fn`` (run or compare) with a bar over the bytes it hashes and one over the layers it runs."""
-    check, layers = _Bar.shown("check", as_json, quiet), _Bar.shown("forward", as_json, quiet, unit="layer")
+    check, layers = Progress.shown("check", as_json, quiet), Progress.shown("forward", as_json, quiet, unit="layer")
     try:
         return fn(*args, **kwargs, progress={"check": check, "forward": layers})
     finally:

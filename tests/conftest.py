@@ -4,6 +4,11 @@ import os
 # kernel is defined, so it must be set before any kernel module is imported.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Where stderr is not a terminal, long verbs print a progress line every 10 s: a test that checks
+# stderr is one line must not see one because a loaded CI machine made a run slow. The tests of
+# those lines set their own interval.
+os.environ.setdefault("PREP_PROGRESS_SECONDS", "3600")
+
 # Under pytest-xdist (scripts/test.sh runs `-n auto`) every worker is a process of its own, and
 # torch would give each one thread per core: N workers x N threads on N cores, whose OpenMP threads
 # spin waiting on each other. Each worker (and the prep processes it starts) gets its share of the

@@ -9,6 +9,7 @@ import json
 import os
 import pathlib
 import pty
+import re
 import select
 import struct
 import termios
@@ -199,6 +200,51 @@ def test_progress_bars_show_on_a_terminal_only_and_never_with_json_or_quiet(src,
     assert "%|" not in err and json.loads(out)["ok"] is True
     out, err = _on_a_terminal(zygote, ["run", str(converted), "--prompt-ids", "1", "-q"])
     assert "%|" not in err and "argmax" in out
-    # Not a terminal (a pipe, a log): no bar at all.
+    # Not a terminal (a pipe, a log): no bar at all (and a run shorter than the interval, no line).
     r = zygote.run(["verify", str(converted)], dict(os.environ))
     assert r.returncode == 0 and r.stderr == "", r.stderr
+
+
+def test_where_stderr_is_not_a_terminal_long_verbs_print_a_progress_line_per_interval(src, converted, tmp_path,
+                                                                                      zygote):
+    # nohup, a log file, CI: plain lines (no carriage returns) with done/total, rate and time left,
+    # and one when the verb ends; stdout keeps its one result; --quiet prints none.
+    env = dict(os.environ, PREP_PROGRESS_SECONDS="0")
+    r = zygote.run(["convert", str(src), "-o", str(tmp_path / "o"), "--tp", "2", "--json"], env)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["files"] > 0 and "\r" not in r.stderr
+    lines = [x for x in r.stderr.splitlines() if x.startswith("convert: ")]
+    assert len(lines) >= 2, r.stderr
+    for line in lines[:-1]:
+        assert re.fullmatch(r"convert: \d+\.\d of \d+\.\d GiB \(\d+%\), \d+\.\d\d GiB/s(, about \d+ s left)?", line), line
+    assert re.fullmatch(r"convert: \d+\.\d GiB in \d+ s", lines[-1]), lines[-1]
+    r = zygote.run(["verify", str(converted), "--source", str(src)], env)
+    assert r.returncode == 0 and "verify: " in r.stderr and r.stdout.startswith("ok: "), r.stderr
+    r = zygote.run(["run", str(converted), "--prompt-ids", "1", "--layers", "2"], env)
+    assert r.returncode == 0 and "forward: " in r.stderr and " layer/s" in r.stderr, r.stderr
+    r = zygote.run(["verify", str(converted), "--source", str(src), "-q"], env)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+
+
+def test_progress_time_left_follows_the_recent_rate_not_the_average(monkeypatch, capsys):
+    # verify --source hashes fast, then inverts slowly: an average from the start predicted 16 s
+    # for what took 2 min 25 s. Here 90 of 100 units go in ~11 s, then 1 unit per 10 s: half a
+    # minute into the slow part the time left is the slow rate's (70 s for 7 units), not ~1 s.
+    from prep import progress
+
+    clock = [0.0]
+    monkeypatch.setattr(progress.time, "monotonic", lambda: clock[0])
+    monkeypatch.setenv("PREP_PROGRESS_SECONDS", "10")
+    p = progress.Progress("verify", "log", unit="unit")
+    p.total(100)
+    for _ in range(9):
+        clock[0] += 1.25
+        p(10)
+    assert capsys.readouterr().err == "verify: 80 of 100 unit (80%), 8.00 unit/s, about 2 s left\n"
+    for _ in range(3):
+        clock[0] += 10
+        p(1)
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last == "verify: 93 of 100 unit (93%), 0.10 unit/s, about 1 min 10 s left", last
+    p.close()
+    assert capsys.readouterr().err.strip() == "verify: 93 unit in 41 s"
