@@ -13,6 +13,7 @@ completion marker are written last, and staging is swapped in for OUT atomically
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import dataclasses
 import json
 import pathlib
@@ -30,11 +31,13 @@ from . import __version__
 from .bf16 import Bf16Group
 from .deepseek import Target, classify, plan_bf16, plan_groups
 from .errors import PrepError
-from .groups import LinearGroup, MoEGroup
+from .directio import ALIGN
+from .groups import Alloc, LinearGroup, MoEGroup
 from .identity import changed_files, file_identity
 from .outdir import OutputFolder, copy_regular, kill_point, sealed_run, write_json
 from .source import ShardFile, SourceCheckpoint
 from .safetensors_writer import StreamingSafetensorsWriter, nbytes
+from .siblings import build_together
 
 SHARD_BYTES = 4 << 30  # split a rank's tensors into files of about this size
 # Tensors are built, transformed and written in blocks of about this size (whole experts, or
@@ -149,51 +152,98 @@ class _Cancelled(Exception):
     """Another worker failed (or the user interrupted): stop this file where it is."""
 
 
-def _write_file(src: SourceCheckpoint, job: FileJob, out: OutputFolder, idents: dict[str, dict[str, Any]],
-                cancel: threading.Event | None = None) -> dict[str, Any]:
-    """Write one output file into staging and its record; with ``cancel``, give up (leaving no
-    file) as soon as it is set."""
+def _file_sets(jobs: list[FileJob]) -> list[list[FileJob]]:
+    """The files written together: the TP ranks' files at the same place in each rank's
+    sequence (same groups, each the rank's part, and the same replicated tensors), whose source
+    bytes are then read once for all of them (:mod:`prep.siblings`); any other file alone."""
+    sets: dict[Any, list[FileJob]] = {}
+    nth: dict[int, int] = {}  # how many files of each rank came before
+    for job in jobs:
+        if job.rank is None:
+            key: tuple = (job.name,)
+        else:
+            nth[job.rank] = nth.get(job.rank, -1) + 1
+            key = (nth[job.rank], tuple(g.key for g in job.groups), tuple(job.passthrough))
+        sets.setdefault(key, []).append(job)
+    return list(sets.values())
+
+
+def _staging_bytes(n_files: int) -> int | None:
+    """Each file's staging memory when ``n_files`` are written at once: room for its share of a
+    chunk (plus a carried tail), at least 8 MiB (large O_DIRECT writes); one file: the default."""
+    if n_files <= 1:
+        return None
+    return max(8 << 20, -(-(CHUNK_BYTES // n_files + ALIGN) // ALIGN) * ALIGN)
+
+
+def _write_files(src: SourceCheckpoint, jobs: list[FileJob], out: OutputFolder, idents: dict[str, dict[str, Any]],
+                 progress: Callable[[int], None] | None = None,
+                 cancel: threading.Event | None = None) -> list[dict[str, Any]]:
+    """Write a set of output files (see :func:`_file_sets`) into staging, each with its record;
+    with ``cancel``, give up (leaving no file) as soon as it is set. Returns the records."""
     def check() -> None:
         if cancel is not None and cancel.is_set():
-            raise _Cancelled(job.name)
+            raise _Cancelled(jobs[0].name)
 
-    final = out.staging / job.name
-    tmp = final.with_name(final.name + ".tmp")
+    finals = [out.staging / job.name for job in jobs]
+    tmps = [final.with_name(final.name + ".tmp") for final in finals]
     try:
-        hashes = _write_into(src, job, tmp, check)
+        hashes = _write_into(src, jobs, tmps, check, progress)
     except BaseException:
-        tmp.unlink(missing_ok=True)  # what a resumed run can use is whole files only
+        for tmp in tmps:
+            tmp.unlink(missing_ok=True)  # what a resumed run can use is whole files only
         raise
-    tmp.rename(final)
-    record = {"file": job.name, "plan_key": job.plan_key(), "size": final.stat().st_size, "hashes": hashes,
-              "sources": {f: idents[f] for f in job.source_files(src)}}
-    write_json(out.records / (job.name + ".json"), record)
-    kill_point("file-written")
-    return record
+    records = []
+    for job, tmp, final, h in zip(jobs, tmps, finals, hashes):
+        tmp.rename(final)
+        record = {"file": job.name, "plan_key": job.plan_key(), "size": final.stat().st_size, "hashes": h,
+                  "sources": {f: idents[f] for f in job.source_files(src)}}
+        write_json(out.records / (job.name + ".json"), record)
+        kill_point("file-written")
+        records.append(record)
+    return records
 
 
-def _write_into(src: SourceCheckpoint, job: FileJob, tmp: pathlib.Path, check: Callable[[], None]) -> dict[str, str]:
-    """Stream the file's tensors into ``tmp``; returns their hashes."""
-    with StreamingSafetensorsWriter(tmp, job.entries) as w:
-        def room(name: str, shape: tuple[int, ...], dtype: str = "U8") -> torch.Tensor | None:
-            """Where to build the next chunk of ``name``: the writer's staging memory (written
-            with no further copy), or None to build it elsewhere."""
-            buf = w.reserve(name, nbytes(dtype, shape))
-            t = TORCH_DTYPES[dtype]
-            if buf is None or buf.data_ptr() % t.itemsize:
-                return None
-            return buf.view(t).view(shape)
+def _write_into(src: SourceCheckpoint, jobs: list[FileJob], tmps: list[pathlib.Path], check: Callable[[], None],
+                progress: Callable[[int], None] | None) -> list[dict[str, str]]:
+    """Stream the files' tensors into ``tmps``, group by group for all of them at once; returns
+    each file's hashes."""
+    staging = _staging_bytes(len(jobs))
+    with contextlib.ExitStack() as stack:
+        writers = [stack.enter_context(StreamingSafetensorsWriter(tmp, job.entries, staging_bytes=staging))
+                   for job, tmp in zip(jobs, tmps)]
 
-        for g in job.groups:
-            for name, chunk in g.build_chunks(src.read, CHUNK_BYTES, alloc=room):
-                w.write(name, chunk)
+        def room_in(w: StreamingSafetensorsWriter) -> Alloc:
+            def room(name: str, shape: tuple[int, ...], dtype: str = "U8") -> torch.Tensor | None:
+                """Where to build the next chunk of ``name``: the writer's staging memory (written
+                with no further copy), or None to build it elsewhere."""
+                buf = w.reserve(name, nbytes(dtype, shape))
+                t = TORCH_DTYPES[dtype]
+                if buf is None or buf.data_ptr() % t.itemsize:
+                    return None
+                return buf.view(t).view(shape)
+            return room
+
+        rooms = [room_in(w) for w in writers]
+        for i in range(len(jobs[0].groups)):
+            for f, name, chunk in build_together([job.groups[i] for job in jobs], src.read, src.width, CHUNK_BYTES, rooms):
+                writers[f].write(name, chunk)
+                if progress:
+                    progress(chunk.numel() * chunk.element_size())
                 check()
-        for name in job.passthrough:
+        for name in jobs[0].passthrough:  # replicated in every file of the set: read once
             info = src.info(name)
             for rows, shape in _row_blocks(info):
-                w.write(name, src.read(name, rows, out=room(name, shape, info.dtype)))
+                t = src.read(name, rows, out=rooms[0](name, shape, info.dtype))
+                # The other files first: once written, the first file's staging memory is reused.
+                for w, room in zip(writers[1:], rooms[1:]):
+                    buf = room(name, shape, info.dtype)
+                    w.write(name, t if buf is None else buf.copy_(t))
+                writers[0].write(name, t)
+                if progress:
+                    progress(t.numel() * t.element_size() * len(writers))
                 check()
-    return w.hashes
+    return [w.hashes for w in writers]
 
 
 def _row_blocks(info: TensorInfo) -> list[tuple[slice | None, tuple[int, ...]]]:
@@ -337,11 +387,11 @@ def _write_all(src: SourceCheckpoint, jobs: list[FileJob], folder: OutputFolder,
     if redone and notify:
         notify(f"--resume: writing {len(redone)} finished file(s) again: {redone[0]}"
                + (f" and {len(redone) - 1} more" if len(redone) > 1 else ""))
+    sets = _file_sets(todo)
     if workers <= 1:
-        for job in todo:
-            records[job.name] = _write_file(src, job, folder, idents)
-            if progress:
-                progress(job.nbytes)
+        for fs in sets:
+            for job, rec in zip(fs, _write_files(src, fs, folder, idents, progress)):
+                records[job.name] = rec
         return records
     # Threads, not processes: reading, shuffling, hashing and writing all run outside the GIL
     # (preadv, torch copies, xxhash, pwrite), and threads share the opened source, where each
@@ -350,14 +400,20 @@ def _write_all(src: SourceCheckpoint, jobs: list[FileJob], folder: OutputFolder,
     torch_threads = torch.get_num_threads()
     torch.set_num_threads(max(1, torch_threads // workers))
     cancel = threading.Event()
+    lock = threading.Lock()
+
+    def done(n: int) -> None:
+        with lock:
+            progress(n)
+
     try:
         with cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="convert") as pool:
-            futures = {pool.submit(_write_file, src, job, folder, idents, cancel): job for job in todo}
+            futures = {pool.submit(_write_files, src, fs, folder, idents, done if progress else None, cancel): fs
+                       for fs in sets}
             try:
                 for fut in cf.as_completed(futures):
-                    records[futures[fut].name] = fut.result()
-                    if progress:
-                        progress(futures[fut].nbytes)
+                    for job, rec in zip(futures[fut], fut.result()):
+                        records[job.name] = rec
             except BaseException:
                 cancel.set()  # files in progress stop at their next chunk, queued ones never start
                 for f in futures:

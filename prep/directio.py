@@ -51,8 +51,10 @@ class AlignedFileWriter:
     producer on its next call. One producer thread.
     """
 
-    def __init__(self, path: pathlib.Path, spans: list[Span] = (), direct: bool = True):
+    def __init__(self, path: pathlib.Path, spans: list[Span] = (), direct: bool = True,
+                 staging_bytes: int | None = None):
         self.path = path
+        self.staging_bytes = staging_bytes or STAGING_BYTES  # a multiple of ALIGN
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
         self.direct = bool(direct and O_DIRECT)
         fd = -1
@@ -75,7 +77,7 @@ class AlignedFileWriter:
         # Page-aligned, private anonymous memory (Python's default for -1 is shared, which the
         # kernel accounts as shmem).
         flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
-        self._blocks = [mmap.mmap(-1, STAGING_BYTES, flags=flags) if flags else mmap.mmap(-1, STAGING_BYTES)
+        self._blocks = [mmap.mmap(-1, self.staging_bytes, flags=flags) if flags else mmap.mmap(-1, self.staging_bytes)
                         for _ in range(STAGING_BLOCKS)]
         self._views = [torch.frombuffer(b, dtype=torch.uint8) for b in self._blocks]
         self._free: queue.Queue[int] = queue.Queue()
@@ -110,19 +112,19 @@ class AlignedFileWriter:
         self._raise_error()
         data = data.reshape(-1)
         view = self._views[self._cur]
-        if data.numel() and data.data_ptr() == view.data_ptr() + self._fill and self._fill + data.numel() <= STAGING_BYTES:
+        if data.numel() and data.data_ptr() == view.data_ptr() + self._fill and self._fill + data.numel() <= self.staging_bytes:
             self._fill += data.numel()  # built in place
             self.size += data.numel()
-            if self._fill == STAGING_BYTES:
+            if self._fill == self.staging_bytes:
                 self._submit_full()
             return
         done = 0
         while done < data.numel():
-            n = min(data.numel() - done, STAGING_BYTES - self._fill)
+            n = min(data.numel() - done, self.staging_bytes - self._fill)
             self._views[self._cur][self._fill:self._fill + n].copy_(data[done:done + n])  # releases the GIL
             self._fill += n
             done += n
-            if self._fill == STAGING_BYTES:
+            if self._fill == self.staging_bytes:
                 self._submit_full()
         self.size += data.numel()
 
@@ -135,9 +137,9 @@ class AlignedFileWriter:
         then passed to :meth:`write`; None when ``nbytes`` is too large to stage whole (write a
         tensor of your own then). Nothing is appended until that write."""
         self._raise_error()
-        if nbytes > STAGING_BYTES - ALIGN:
+        if nbytes > self.staging_bytes - ALIGN:
             return None
-        if self._fill + nbytes > STAGING_BYTES:
+        if self._fill + nbytes > self.staging_bytes:
             # Send the block's aligned part now and carry its unaligned tail (< ALIGN bytes) to
             # the front of the next block, so the reserved bytes are contiguous.
             keep = self._fill % ALIGN
@@ -178,8 +180,8 @@ class AlignedFileWriter:
             self._close_fd()
 
     def _submit_full(self) -> None:
-        self._send(self._cur, self._block_offset, STAGING_BYTES)
-        self._block_offset += STAGING_BYTES
+        self._send(self._cur, self._block_offset, self.staging_bytes)
+        self._block_offset += self.staging_bytes
         self._cur, self._fill = self._next_free(), 0
 
     def _send(self, block: int, offset: int, length: int) -> None:

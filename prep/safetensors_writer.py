@@ -39,8 +39,9 @@ class StreamingSafetensorsWriter:
     """
 
     def __init__(self, path: pathlib.Path, entries: list[tuple[str, str, tuple[int, ...]]],
-                 metadata: dict[str, str] | None = None):
+                 metadata: dict[str, str] | None = None, staging_bytes: int | None = None):
         self.path = path
+        self.staging_bytes = staging_bytes
         self.entries = entries
         header: dict = {"__metadata__": metadata or {"format": "pt"}}
         offset = 0
@@ -66,7 +67,7 @@ class StreamingSafetensorsWriter:
         return self._out.hashes if self._out is not None else {}
 
     def __enter__(self) -> "StreamingSafetensorsWriter":
-        self._out = AlignedFileWriter(self.path, self._spans)
+        self._out = AlignedFileWriter(self.path, self._spans, staging_bytes=self.staging_bytes)
         try:
             self._out.write_bytes(len(self._header).to_bytes(8, "little") + self._header)
         except BaseException:

@@ -209,6 +209,11 @@ class SourceCheckpoint:
         except KeyError:
             raise PrepError(f"{self.root}: tensor {name} is missing from the checkpoint") from None
 
+    def width(self, name: str) -> int:
+        """The columns of source tensor ``name`` (its last dimension; 1 for a scalar)."""
+        shape = self.info(name).shape
+        return shape[-1] if shape else 1
+
     def read(self, name: str, rows: slice | None = None, cols: slice | None = None,
              out: torch.Tensor | None = None) -> torch.Tensor:
         """The tensor, or a block of its rows / columns (columns are cut from the rows read).

@@ -217,17 +217,18 @@ def test_resume_reuses_verified_files_and_redoes_damaged_ones(sources, tmp_path,
     out = tmp_path / "out"
     monkeypatch.setattr(pc, "SHARD_BYTES", 1 << 20)  # several files per rank
     calls = []
-    real = pc._write_file
+    real = pc._write_files
 
-    def flaky(*a):
-        calls.append(a[1].name)
-        if len(calls) == 3:
+    def flaky(*a, **k):
+        calls.append([j.name for j in a[1]])  # a set: the TP ranks' files written together
+        if len(calls) == 2:
             raise KeyboardInterrupt
-        return real(*a)
+        return real(*a, **k)
 
-    monkeypatch.setattr(pc, "_write_file", flaky)
+    monkeypatch.setattr(pc, "_write_files", flaky)
     with pytest.raises(KeyboardInterrupt):
         convert(str(sources["v2"]), out, Target(tp=2))
+    assert len(calls[0]) == 2
     staging = tmp_path / ".out.prep" / "staging"
     done = sorted(p.name for p in staging.glob("*.safetensors"))
     assert len(done) == 2 and not out.exists()
@@ -236,7 +237,7 @@ def test_resume_reuses_verified_files_and_redoes_damaged_ones(sources, tmp_path,
     data = bytearray(damaged.read_bytes())
     data[-1] ^= 0xFF
     damaged.write_bytes(bytes(data))
-    monkeypatch.setattr(pc, "_write_file", real)
+    monkeypatch.setattr(pc, "_write_files", real)
     s = convert(str(sources["v2"]), out, Target(tp=2), resume=True)
     assert s["reused_files"] == 1
     verify(str(out), source=str(sources["v2"]))
@@ -421,15 +422,15 @@ def test_an_error_in_a_worker_reaches_the_caller_and_no_output_appears(sources, 
     import prep.convert as pc
 
     monkeypatch.setattr(pc, "SHARD_BYTES", 1 << 20)
-    real, calls = pc._write_file, []
+    real, calls = pc._write_files, []
 
-    def failing(src, job, folder, idents, cancel=None):
-        calls.append(job.name)
+    def failing(src, jobs, folder, idents, progress=None, cancel=None):
+        calls.append(jobs[0].name)
         if len(calls) == 2:
-            raise PrepError(f"{job.name}: injected failure")
-        return real(src, job, folder, idents, cancel)
+            raise PrepError(f"{jobs[0].name}: injected failure")
+        return real(src, jobs, folder, idents, progress, cancel)
 
-    monkeypatch.setattr(pc, "_write_file", failing)
+    monkeypatch.setattr(pc, "_write_files", failing)
     out = tmp_path / "out"
     with pytest.raises(PrepError, match="injected failure"):
         convert(str(sources["v2"]), out, Target("preshuffle", "ck", 2), workers=2)
