@@ -6,7 +6,7 @@
 Without --src, generates the multi-GB "bench" preset (scripts/make_tiny_deepseek.py --preset
 bench; --preset bench-large for 9 GiB, more than this machine's dirty-page limit) into a
 temporary folder first. Runs `cp -r SRC`, `cp -r SRC; sync` and `prep convert SRC`
-as child processes (source in the page cache for all), with a user-space copy (pread + write +
+as child processes (source in the page cache for all, or dropped before each with --cold), with a user-space copy (pread + write +
 fsync per file, in Python: the least any converter that touches the bytes does), in --repeat
 interleaved rounds because the disk here is noisy, and prints each round's ratios, the medians,
 and the converter's peak RSS over its fixed overhead. Target: convert >= 0.7x cp at --tp 1.
@@ -53,6 +53,19 @@ def _idle_rss() -> tuple[int, None]:
     return int(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout), None
 
 
+def _prep_in(tree: pathlib.Path) -> list[str]:
+    """The command that runs the prep CLI of checkout ``tree``, whatever the working folder and
+    whichever prep is installed (``python -m prep.cli`` with PYTHONPATH=tree ran the prep of the
+    working folder: ``-m`` puts it first on sys.path, so a baseline tree measured itself)."""
+    code = f"import sys; sys.path.insert(0, {str(tree)!r}); sys.argv[0] = 'prep'; from prep.cli import main; main()"
+    where = subprocess.run([sys.executable, "-c", code.replace("from prep.cli import main; main()",
+                                                               "import prep; print(prep.__file__)")],
+                           check=True, capture_output=True, text=True, cwd="/").stdout.strip()
+    if not where.startswith(str(tree)):
+        raise SystemExit(f"{tree}: its prep is not what runs (got {where})")
+    return [sys.executable, "-c", code]
+
+
 def user_copy(src: pathlib.Path, dst: pathlib.Path) -> None:
     """What any converter that transforms bytes must at least do: read each file into user
     memory and write it out (32 MiB blocks), fsync each file. `cp` copies inside the kernel
@@ -84,6 +97,12 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=4, help="interleaved rounds of cp, cp+sync, user copy, convert")
     ap.add_argument("--preset", default="bench", help="make_tiny_deepseek.py preset to generate without --src")
     ap.add_argument("--keep", action="store_true", help="keep the generated source and outputs")
+    ap.add_argument("--rest", type=float, default=2.0,
+                    help="seconds of rest after each clean-up and sync (the disk's discard of the GBs just deleted "
+                         "slowed whatever wrote next: cp+sync of 4.9 GiB took 2.3 to 8.1 s without it)")
+    ap.add_argument("--cold", action="store_true",
+                    help="drop the page cache before each command (root): the source read from the disk, as a "
+                         "350 GiB one always is")
     ap.add_argument("--baseline-tree", type=pathlib.Path,
                     help="also time the convert of another checkout of prep (e.g. `git worktree add /tmp/base <rev>`), "
                          "in the same rounds: the before/after of a change, on the same disk at the same time")
@@ -99,8 +118,9 @@ def main() -> None:
                            check=True, stdout=subprocess.DEVNULL)
             print(f"generated bench preset in {time.perf_counter() - t0:.1f} s")
         size = du(src)
-        subprocess.run(["cat", *map(str, src.glob("*.safetensors"))], check=True, stdout=subprocess.DEVNULL)  # warm cache
-        prep = [sys.executable, "-m", "prep.cli"]
+        if not args.cold:  # warm cache
+            subprocess.run(["cat", *map(str, src.glob("*.safetensors"))], check=True, stdout=subprocess.DEVNULL)
+        prep = _prep_in(REPO)
         base_rss, _ = _idle_rss()
         rounds = []
         peak = 0
@@ -115,8 +135,9 @@ def main() -> None:
         }
         envs = {}
         if args.baseline_tree:
-            cmds["base"] = cmds["convert"][:6] + [str(work / "converted-base")] + cmds["convert"][7:]
-            envs["base"] = {**os.environ, "PYTHONPATH": str(args.baseline_tree.resolve())}
+            base = _prep_in(args.baseline_tree.resolve())
+            cv = cmds["convert"][len(prep):]  # convert SRC -o OUT ...
+            cmds["base"] = base + cv[:3] + [str(work / "converted-base")] + cv[4:]
         order = list(cmds)
         for r in range(args.repeat):
             # Interleaved rounds (this machine's disk is noisy: compare within a round), and the
@@ -127,6 +148,9 @@ def main() -> None:
                 for d in ("copy", "copy2", "copy3", "converted", "converted-base"):
                     shutil.rmtree(work / d, ignore_errors=True)
                 subprocess.run(["sync"], check=True)
+                if args.cold:
+                    pathlib.Path("/proc/sys/vm/drop_caches").write_text("3\n")
+                time.sleep(args.rest)
                 before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
                 t[name], rss = timed(cmds[name], envs.get(name))
                 if name == "convert":
