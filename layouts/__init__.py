@@ -25,7 +25,7 @@ from .mxfp4 import (
     quantize,
     unpack_fp4,
 )
-from . import activation, dequant, engines, manifest
+from . import activation, dequant, engines, manifest, mla
 from .activation import ActivationQuantPlan
 from .compat import CompatibilityError, EngineConfig, check_compatibility
 from .errors import LayoutsError
@@ -34,6 +34,7 @@ from .dequant import dequantize_activation, dequantize_expert, dequantize_stored
 from .fused_quant import fused_rms_mxfp4_quant, fused_rms_mxfp4_quant_reference
 from .loader import RankTensors, iter_rank_files, load_rank
 from .manifest import Manifest, ManifestError, TensorRecord, load_manifest
+from .mla import MlaShape, absorbed_kv_b, absorbed_kv_b_of_rank
 from .registry import Layout, Transform, get_layout, layout_names, register_layout
 from .selection import GEMM_PATH_RULES, ActivationQuantFlags, select_activation_quant
 from .shuffle import (
@@ -62,6 +63,7 @@ __all__ = [
     "dequantize_activation", "dequantize_expert", "dequantize_stored", "dequantize_stored_rows",
     "fused_rms_mxfp4_quant", "fused_rms_mxfp4_quant_reference", "RankTensors", "iter_rank_files", "load_rank",
     "Manifest", "ManifestError", "TensorRecord", "load_manifest",
+    "MlaShape", "absorbed_kv_b", "absorbed_kv_b_of_rank",
     "LayoutConstraintError", "preshuffle_scale", "preshuffle_scale_per_expert", "preshuffle_weight",
     "shuffled_scale_shape", "unshuffle_scale", "unshuffle_scale_per_expert", "unshuffle_weight",
     "preshuffle_weight_16bit", "unshuffle_weight_16bit",
