@@ -462,6 +462,20 @@ _RUN_OPTIONS = [
                       "On DeepSeek's real widths at TP 1 the process peaked at 0.94 GiB with --max-memory 1, 1.93 with "
                       "2, 7.49 with 8 (docs/BENCHMARKS.md). Below a floor (torch, the block being made: ~0.8 GiB "
                       "there) it cannot hold; the run prints its peak and says so. The logits do not depend on it."),
+    click.option("--prefill", type=click.IntRange(min=1), metavar="K",
+                 help="Decode as an engine does: the first K prompt ids as one prefill, then each other id as one "
+                      "decode step (teacher-forced: the logits of every id, as without it), against the cache "
+                      "--kv-cache says."),
+    click.option("--kv-cache", type=click.Choice(["latent", "none"]), default="latent", show_default=True,
+                 help="With --prefill or --generate: latent keeps per token and layer only the compressed KV and the "
+                      "rope key (kv_lora_rank + qk_rope_head_dim values) and absorbs kv_b_proj into the query and "
+                      "the output, as engines decode MLA; none computes every step again from its whole prefix."),
+    click.option("--generate", type=click.IntRange(min=0), default=0, metavar="N",
+                 help="After the prompt, N greedy tokens (decode steps), printed with the argmax."),
+    click.option("--latent-kv", is_flag=True,
+                 help="Compute the full forward's keys and values as the latent decode does (BF16 normed KV, no "
+                      "MXFP4 quant, float32 keys): the two then agree to float32 precision, which checks the latent "
+                      "path; without it they differ by the prefill's own rounding."),
     click.option("--json", "as_json", is_flag=True, help="Print one JSON summary."),
     _quiet_option,
 ]
@@ -501,8 +515,8 @@ def _hashes_line(checked: int | None, converted: bool, short: bool = False) -> s
 @click.option("--assume-layout", help="Read MXFP4 tensors as this layout, skipping the compatibility check (to see "
                                       "a mismatch: the logits are garbage by design, and a warning says so).")
 @_fail_cleanly
-def run_cmd(model_dir, prompt_ids, layers, device, act_quant, gemm_path, gemm, aiter_dir, verify, max_memory, as_json,
-            quiet, save_logits, assume_layout):
+def run_cmd(model_dir, prompt_ids, layers, device, act_quant, gemm_path, gemm, aiter_dir, verify, max_memory, prefill,
+            kv_cache, generate, latent_kv, as_json, quiet, save_logits, assume_layout):
     """Run the reference DeepSeek-V3 forward on MODEL_DIR (a Quark source, as a folder or a
     Hugging Face repo id, or a converted checkpoint at any layout and TP; ranks are combined
     in-process) and print the logits' argmax.
@@ -525,7 +539,8 @@ def run_cmd(model_dir, prompt_ids, layers, device, act_quant, gemm_path, gemm, a
         raise PrepError(f"--save-logits {save_logits}: its folder does not exist")
     r = _with_run_bars(run, as_json, quiet, model_dir, _ids(prompt_ids), layers=layers, device=device,
                        act_quant=act_quant, gemm_path=gemm_path, assume_layout=assume_layout, verify=verify,
-                       gemm=gemm, aiter_dir=aiter_dir, max_memory=int(max_memory * 2**30))
+                       gemm=gemm, aiter_dir=aiter_dir, max_memory=int(max_memory * 2**30), prefill=prefill,
+                       kv_cache=kv_cache, generate=generate, latent_kv=latent_kv)
     if assume_layout:
         # On stderr even with --json (stdout stays one JSON object), just before the results: a
         # reader of the argmax must not mistake it for the model's output.
@@ -550,8 +565,20 @@ def run_cmd(model_dir, prompt_ids, layers, device, act_quant, gemm_path, gemm, a
                        f"{', dense GEMMs on aiter-triton' if gemm == 'aiter-triton' else ''}",
                        _hashes_line(r["hashes_checked"], r["converted"]),
                        f"load {r['load_s']:.2f} s, forward {r['forward_s']:.2f} s; argmax per position: {r['argmax']}",
-                       *_memory_line(r)]
+                       *_decode_lines(r), *_memory_line(r)]
           + ([f"logits written to {save_logits}"] if save_logits else []))
+
+
+def _decode_lines(r: dict) -> list[str]:
+    """What a --prefill / --generate run decoded, and the cache it held."""
+    if "kv_cache" not in r:
+        return []
+    steps, made = len(r["argmax"]) - r["prefill"], len(r["generated"])
+    cache = (f"a latent cache of {r['kv_cache_bytes_per_token']} bytes per token (per-head keys and values would be "
+             f"{r['per_head_kv_bytes_per_token']})" if r["kv_cache"] == "latent" else "no cache (each step recomputed)")
+    return [f"decode: prefill of {r['prefill']}, then {steps} steps" + (f" and {made} generated" if made else "")
+            + f", with {cache}"] + \
+        ([f"generated: {r['generated']}"] if r["generated"] else [])
 
 
 def _memory_line(r: dict) -> list[str]:
@@ -576,9 +603,12 @@ def _memory_line(r: dict) -> list[str]:
                    "one BF16 rounding step; docs/consumer-kernels.md derives it).")
 @click.option("--gemm-a", type=click.Choice(["torch", "aiter-triton"]), help="--gemm for A only.")
 @click.option("--gemm-b", type=click.Choice(["torch", "aiter-triton"]), help="--gemm for B only.")
+@click.option("--prefill-b", type=click.IntRange(min=1), metavar="K",
+              help="--prefill for B only: A's full forward against B decoded with --kv-cache (e.g. the same checkpoint "
+                   "twice, to see what decoding against a latent cache changes).")
 @_fail_cleanly
-def compare(a, b, prompt_ids, layers, device, act_quant, gemm_path, gemm, aiter_dir, verify, max_memory, as_json, quiet,
-            tolerance, rtol, gemm_a, gemm_b):
+def compare(a, b, prompt_ids, layers, device, act_quant, gemm_path, gemm, aiter_dir, verify, max_memory, prefill,
+            kv_cache, generate, latent_kv, as_json, quiet, tolerance, rtol, gemm_a, gemm_b, prefill_b):
     """Run checkpoints A and B on the same tokens and compare their logits (exit 1 above --tolerance).
 
     A converted checkpoint computes the same model as its source bit for bit: the layouts only
@@ -599,7 +629,8 @@ def compare(a, b, prompt_ids, layers, device, act_quant, gemm_path, gemm, aiter_
     a, b = _checkpoint_dir(a), _checkpoint_dir(b)
     r = _with_run_bars(run, as_json, quiet, a, b, _ids(prompt_ids), layers=layers, device=device, act_quant=act_quant,
                        gemm_path=gemm_path, verify=verify, gemm=gemm, gemm_a=gemm_a, gemm_b=gemm_b, aiter_dir=aiter_dir,
-                       max_memory=int(max_memory * 2**30))
+                       max_memory=int(max_memory * 2**30), prefill=prefill, kv_cache=kv_cache, generate=generate,
+                       latent_kv=latent_kv, prefill_b=prefill_b)
     _emit(r, as_json, [f"A: {r['a']}" + (f" (gemm {r['gemm_a']})" if r["gemm_a"] != r["gemm_b"] else ""),
                        f"B: {r['b']}" + (f" (gemm {r['gemm_b']})" if r["gemm_a"] != r["gemm_b"] else ""),
                        f"hashes: A {_hashes_line(r['hashes_checked']['a'], r['converted']['a'], short=True)}, "

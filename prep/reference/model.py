@@ -37,6 +37,11 @@ class ForwardOptions:
     act_quant: bool = True  # quantize activations of MXFP4 GEMMs (as the kernels do)
     gemm_path: str = "asm"  # whose activation-quant flags the fused call sites use
     backend: str = "auto"  # fused op back end ("torch" on CPU, "triton" on other GPUs)
+    # The full forward's keys and values computed as a latent-cache decode uses them: from the
+    # BF16 normed KV, not quantized to MXFP4, kept float32. The two forwards then differ only in
+    # the order of their sums (float32 precision), which is how the latent path is checked; off
+    # (the default), they are what a prefill kernel computes: MXFP4 activation, BF16 keys.
+    latent_kv: bool = False
 
 
 def rope_tables(cfg: dict[str, Any], positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
@@ -76,8 +81,34 @@ def _rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -
     return x * cos + half * sin
 
 
+class LatentCache:
+    """What MLA decode keeps per token and layer, as engines do (a latent cache): the compressed
+    KV after ``kv_a_layernorm`` (``kv_lora_rank`` values) and the rotated rope key
+    (``qk_rope_head_dim`` values), BF16, shared by every head. ``length``: tokens held."""
+
+    def __init__(self) -> None:
+        self.c_kv: dict[int, torch.Tensor] = {}
+        self.k_rope: dict[int, torch.Tensor] = {}
+        self.length = 0
+
+    def append(self, layer: int, c_kv: torch.Tensor, k_rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add this step's tokens of ``layer``; returns the layer's whole cache (the step's tokens last)."""
+        if layer in self.c_kv:
+            c_kv, k_rope = torch.cat([self.c_kv[layer], c_kv]), torch.cat([self.k_rope[layer], k_rope])
+        self.c_kv[layer], self.k_rope[layer] = c_kv, k_rope
+        return c_kv, k_rope
+
+    @staticmethod
+    def bytes_per_token(cfg: dict[str, Any], layers: int) -> int:
+        """BF16 bytes a latent cache holds per token, over ``layers`` layers."""
+        return 2 * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * layers
+
+
 class DeepseekV3:
-    """``logits = DeepseekV3(weights)(token_ids)``; ``layers`` runs only the first N decoder layers."""
+    """``logits = DeepseekV3(weights)(token_ids)``; ``layers`` runs only the first N decoder layers.
+    With a :class:`LatentCache`, ``model(ids, cache=cache)`` runs ``ids`` as the tokens after those
+    the cache holds (a prefill, or one decode step) and adds them to it: attention then reads the
+    cache with ``kv_b_proj`` absorbed, as engines decode."""
 
     def __init__(self, weights: ModelWeights, options: ForwardOptions = ForwardOptions(), layers: int | None = None,
                  dense_gemm: Any = None):
@@ -88,6 +119,7 @@ class DeepseekV3:
         self.num_layers = self.cfg["num_hidden_layers"] if layers is None else min(layers, self.cfg["num_hidden_layers"])
         self.plan = layouts.ActivationQuantPlan(options.gemm_path, backend=options.backend)
         self.eps = float(self.cfg.get("rms_norm_eps", 1e-6))
+        self._cache: LatentCache | None = None
 
     # -------------------------------------------------------------- GEMMs
     def _gemm(self, xf: torch.Tensor, prefix: str) -> torch.Tensor:
@@ -152,18 +184,60 @@ class DeepseekV3:
             kv_n = self.rms(k_pass, f"{p}.kv_a_layernorm.weight")
             q = self.linear(x_bf16, f"{p}.q_proj")
         q = q.view(t, nh, nope + rope)
-        kv = self.linear(kv_n, f"{p}.kv_b_proj").view(t, nh, nope + vd)
+        if self._cache is not None:
+            return self._latent_attention(i, q, kv_n, k_rot, cos, sin, mscale)
+        if not self.opt.latent_kv:
+            kv = self.linear(kv_n, f"{p}.kv_b_proj").view(t, nh, nope + vd)
+        else:
+            kv = self.w.matmul(kv_n.float(), f"{p}.kv_b_proj").view(t, nh, nope + vd)
         k_nope, v = kv[..., :nope], kv[..., nope:]
         q_rot = _rotate_interleaved(q[..., nope:].float(), cos[:, None], sin[:, None])
         k_rot = _rotate_interleaved(k_rot.float()[:, None, :], cos[:, None], sin[:, None]).expand(t, nh, rope)
         qf = torch.cat([q[..., :nope].float(), q_rot], dim=-1).to(BF16).float()
-        kf = torch.cat([k_nope.float(), k_rot], dim=-1).to(BF16).float()
+        kf = torch.cat([k_nope.float(), k_rot], dim=-1)
+        kf = kf.to(BF16).float() if not self.opt.latent_kv else torch.cat([kf[..., :nope], kf[..., nope:].to(BF16).float()], -1)
         scale = (nope + rope) ** -0.5 * mscale * mscale
         scores = torch.einsum("thd,shd->hts", qf, kf) * scale
         causal = torch.ones(t, t, dtype=torch.bool, device=scores.device).triu(1)
         probs = scores.masked_fill(causal, float("-inf")).softmax(dim=-1).to(BF16).float()
         out = torch.einsum("hts,shd->thd", probs, v.float()).reshape(t, nh * vd).to(BF16)
         return self.linear(out, f"{p}.o_proj")
+
+    def _latent_attention(self, i: int, q: torch.Tensor, kv_n: torch.Tensor, k_rot: torch.Tensor, cos, sin,
+                          mscale: float) -> torch.Tensor:
+        """MLA against the latent cache: the step's normed compressed KV and rotated rope key are
+        appended, ``q_nope`` is carried into the latent space by ``W_UK`` and scored against the
+        cached compressed KV (plus ``q_rope . k_rope``), and the attention-weighted compressed KV
+        is carried out by ``W_UV``. Mathematically the full forward's attention; the engines'
+        rounding: the cache and the queries BF16, no MXFP4 quant of the cached KV (their batched
+        GEMMs take BF16 activations against the weights)."""
+        c, p = self.cfg, f"model.layers.{i}.self_attn"
+        nh, nope, rope, vd = c["num_attention_heads"], c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"]
+        t = q.shape[0]
+        w_uk, w_uv = self.absorbed_kv_b(i)
+        k_new = _rotate_interleaved(k_rot.float()[:, None, :], cos[:, None], sin[:, None])[:, 0].to(BF16)
+        c_kv, k_rope = self._cache.append(i, kv_n.to(BF16), k_new)
+        s_len = c_kv.shape[0]
+        q_nope = q[..., :nope].float()
+        q_rot = _rotate_interleaved(q[..., nope:].float(), cos[:, None], sin[:, None]).to(BF16).float()
+        q_lat = torch.einsum("thn,hnl->thl", q_nope, w_uk.to(q.device))
+        scores = torch.einsum("thl,sl->hts", q_lat, c_kv.float()) + torch.einsum("thr,sr->hts", q_rot, k_rope.float())
+        scores = scores * ((nope + rope) ** -0.5 * mscale * mscale)
+        # Query j of this step sits at position s_len - t + j: it sees every cached token up to it.
+        causal = torch.ones(t, s_len, dtype=torch.bool, device=scores.device).triu(s_len - t + 1)
+        probs = scores.masked_fill(causal, float("-inf")).softmax(dim=-1).to(BF16).float()
+        o_lat = torch.einsum("hts,sl->thl", probs, c_kv.float())
+        out = torch.einsum("thl,hvl->thv", o_lat, w_uv.to(q.device)).reshape(t, nh * vd).to(BF16)
+        return self.linear(out, f"{p}.o_proj")
+
+    def absorbed_kv_b(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 ``W_UK [heads, qk_nope, kv_lora]`` and ``W_UV [heads, v, kv_lora]`` of layer
+        ``i``: its ``kv_b_proj`` matrix (MXFP4 dequantized from its stored layout, or BF16) cut
+        per head, the rows of each head being its key rows, then its value rows."""
+        c = self.cfg
+        nope, vd = c["qk_nope_head_dim"], c["v_head_dim"]
+        w = self.w.linear(f"model.layers.{i}.self_attn.kv_b_proj").view(c["num_attention_heads"], nope + vd, -1)
+        return w[:, :nope], w[:, nope:]
 
     def mlp(self, x: torch.Tensor, prefix: str) -> torch.Tensor:
         gate, up = self.linear(x, f"{prefix}.gate_proj"), self.linear(x, f"{prefix}.up_proj")
@@ -198,14 +272,23 @@ class DeepseekV3:
 
     # -------------------------------------------------------------- model
     @torch.no_grad()
-    def __call__(self, ids: torch.Tensor, device: str | torch.device = "cpu") -> torch.Tensor:
-        """float32 logits ``[T, vocab]`` for one sequence of token ids."""
+    def __call__(self, ids: torch.Tensor, device: str | torch.device = "cpu",
+                 cache: LatentCache | None = None) -> torch.Tensor:
+        """float32 logits ``[T, vocab]`` for one sequence of token ids (with ``cache``: the ids
+        that follow the tokens it holds, which it then holds too)."""
         ids = ids.to(device)
+        start = cache.length if cache is not None else 0
         h = self.w.embedding("model.embed_tokens.weight", ids).to(device).to(BF16)
-        rope = rope_tables(self.cfg, torch.arange(ids.numel(), device=device))
+        rope = rope_tables(self.cfg, torch.arange(start, start + ids.numel(), device=device))
         residual = None
-        for i in range(self.num_layers):
-            h, residual = self.decoder_layer(i, h, residual, rope)
+        self._cache = cache
+        try:
+            for i in range(self.num_layers):
+                h, residual = self.decoder_layer(i, h, residual, rope)
+        finally:
+            self._cache = None
+        if cache is not None:
+            cache.length += ids.numel()
         final = (h.float() + residual.float()).to(BF16)
         x = self.rms(final, "model.norm.weight")
         return self.w.matmul(x.float(), "lm_head")

@@ -15,7 +15,7 @@ import layouts
 
 from ..errors import PrepError
 from .config import check_model_config
-from .model import DeepseekV3, ForwardOptions
+from .model import DeepseekV3, ForwardOptions, LatentCache
 from ..verify import verify_tensors_read
 from .weights import MAX_MEMORY, load_weights
 
@@ -37,8 +37,15 @@ GEMMS = ("torch", "aiter-triton")  # who computes the dense MXFP4 GEMMs (prep/re
 def run(model_dir: str | pathlib.Path, prompt_ids: list[int], *, layers: int | None = None, device: str = "cpu",
         act_quant: bool = True, gemm_path: str | None = None, assume_layout: str | None = None,
         gemm: str = "torch", aiter_dir: str | None = None, verify: bool = True, max_memory: int = MAX_MEMORY,
-        progress: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        progress: Mapping[str, Any] | None = None, prefill: int | None = None, kv_cache: str = "latent",
+        generate: int = 0, latent_kv: bool = False) -> dict[str, Any]:
     """Logits ``[T, vocab]`` (float32) of ``prompt_ids``, and how long loading and the forward took.
+
+    ``prefill`` K: the first K ids run as one prefill, then each other id as one decode step
+    (teacher-forced), against a latent cache with ``kv_b_proj`` absorbed (``kv_cache="latent"``)
+    or recomputing every position from the whole prefix (``"none"``); one row of logits per id
+    either way. ``generate`` N: then N greedy tokens (``"generated"``). ``latent_kv``: the full
+    forward's keys and values as the latent decode computes them (see :class:`ForwardOptions`).
 
     ``gemm="aiter-triton"`` computes every dense MXFP4 GEMM with aiter's own Triton kernel for the
     checkpoint's dense layout (from ``aiter_dir``, see :mod:`prep.reference.aiter_gemm`), with that kernel's
@@ -80,6 +87,12 @@ def run(model_dir: str | pathlib.Path, prompt_ids: list[int], *, layers: int | N
     ids = torch.tensor(prompt_ids, dtype=torch.long)
     if ids.numel() == 0:
         raise PrepError("--prompt-ids: give at least one token id")
+    if kv_cache not in KV_CACHES:
+        raise PrepError(f"--kv-cache {kv_cache!r}: choose one of {', '.join(KV_CACHES)}")
+    if prefill is not None and not 1 <= prefill <= ids.numel():
+        raise PrepError(f"--prefill {prefill}: give 1 to {ids.numel()} (the number of prompt ids)")
+    if generate < 0:
+        raise PrepError(f"--generate {generate}: give 0 or more tokens")
     bars = progress or {}
     hashed = None
     if manifest is not None and verify:
@@ -103,11 +116,18 @@ def run(model_dir: str | pathlib.Path, prompt_ids: list[int], *, layers: int | N
         path = kernel_path  # the checkpoint is checked against its engine; the kernel reads its own path's flags
     elif gemm == "aiter-triton":
         raise PrepError("--gemm aiter-triton needs --act-quant: aiter's kernels multiply MXFP4 activations")
-    model = DeepseekV3(weights, ForwardOptions(act_quant=act_quant, gemm_path=path), layers=layers, dense_gemm=dense)
+    model = DeepseekV3(weights, ForwardOptions(act_quant=act_quant, gemm_path=path, latent_kv=latent_kv),
+                       layers=layers, dense_gemm=dense)
+    decoding = prefill is not None or generate > 0
+    k = ids.numel() if prefill is None else prefill
     if bars.get("forward") is not None:
-        _count_layers(model, bars["forward"])
+        _count_layers(model, bars["forward"], steps=1 + (ids.numel() - k) + generate if decoding else 1)
+    generated: list[int] = []
     try:
-        logits = model(ids, device)
+        if decoding:
+            logits, generated = decode(model, ids, k, kv_cache, generate, device)
+        else:
+            logits = model(ids, device)
         if device != "cpu":
             torch.cuda.synchronize()
     finally:
@@ -116,7 +136,48 @@ def run(model_dir: str | pathlib.Path, prompt_ids: list[int], *, layers: int | N
     return {"logits": logits.cpu(), "load_s": t1 - t0, "forward_s": t2 - t1, "weights": weights.description,
             "gemm_path": path, "act_quant": act_quant, "layers": model.num_layers, "gemm": gemm,
             "converted": manifest is not None, "hashes_checked": hashed, "evictions": weights.evictions,
-            "peak_rss": peak_rss(), "max_memory": max_memory}
+            "peak_rss": peak_rss(), "max_memory": max_memory,
+            **({"prefill": k, "kv_cache": kv_cache, "generated": generated,
+                "kv_cache_bytes_per_token": LatentCache.bytes_per_token(weights.config, model.num_layers)
+                if kv_cache == "latent" else 0,
+                "per_head_kv_bytes_per_token": per_head_kv_bytes(weights.config, model.num_layers)} if decoding else {})}
+
+
+KV_CACHES = ("latent", "none")
+
+
+def decode(model: DeepseekV3, ids: torch.Tensor, prefill: int, kv_cache: str, generate: int,
+           device: str) -> tuple[torch.Tensor, list[int]]:
+    """Logits of every id (a prefill of the first ``prefill``, then one decode step per id) and
+    ``generate`` greedy tokens after them; see :func:`run`."""
+    if kv_cache == "latent":
+        cache = LatentCache()
+
+        def step(new: torch.Tensor, _seen: torch.Tensor) -> torch.Tensor:
+            return model(new, device, cache=cache)
+    else:  # no cache: every position computed again from its whole prefix
+
+        def step(new: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+            return model(seen, device)[-new.numel():]
+
+    rows = [step(ids[:prefill], ids[:prefill])]
+    for t in range(prefill, ids.numel()):
+        rows.append(step(ids[t:t + 1], ids[:t + 1]))
+    generated: list[int] = []
+    seq, last = ids, rows[-1][-1]
+    for _ in range(generate):
+        token = torch.tensor([int(last.argmax())], dtype=torch.long)
+        generated.append(int(token))
+        seq = torch.cat([seq, token])
+        last = step(token, seq)[-1]
+    return torch.cat(rows), generated
+
+
+def per_head_kv_bytes(cfg: Mapping[str, Any], layers: int) -> int:
+    """BF16 bytes per token of the cache a decode without the latent trick would hold: every
+    head's key (nope + rope) and value, per layer."""
+    return 2 * cfg["num_attention_heads"] * (cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"] + cfg["v_head_dim"]) \
+        * layers
 
 
 def peak_rss() -> int | None:
@@ -130,10 +191,11 @@ def peak_rss() -> int | None:
     return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
 
 
-def _count_layers(model: DeepseekV3, bar: Any) -> None:
-    """Tick ``bar`` once per decoder layer the forward finishes (this instance only): the layers
-    are what takes the time, each dequantizing its weights on first use."""
-    bar.total(model.num_layers)
+def _count_layers(model: DeepseekV3, bar: Any, steps: int = 1) -> None:
+    """Tick ``bar`` once per decoder layer the forward finishes (this instance only), over
+    ``steps`` forwards (a prefill and its decode steps): the layers are what takes the time, each
+    dequantizing its weights on first use."""
+    bar.total(model.num_layers * steps)
     layer = model.decoder_layer
 
     def counted(*args, **kwargs):
@@ -145,12 +207,13 @@ def _count_layers(model: DeepseekV3, bar: Any) -> None:
 
 
 def compare(a: str | pathlib.Path, b: str | pathlib.Path, prompt_ids: list[int], *, gemm_a: str | None = None,
-            gemm_b: str | None = None, **kw) -> dict[str, Any]:
+            gemm_b: str | None = None, prefill_b: int | None = None, **kw) -> dict[str, Any]:
     """Run both checkpoints on the same tokens: max |difference| of logits, and whether equal bit for bit.
-    ``gemm_a`` / ``gemm_b`` pick each side's dense GEMM (default: ``kw``'s ``gemm``, else torch)."""
+    ``gemm_a`` / ``gemm_b`` pick each side's dense GEMM (default: ``kw``'s ``gemm``, else torch);
+    ``prefill_b``: B's ``prefill`` (default: ``kw``'s)."""
     gemm = kw.pop("gemm", "torch")
     ra = run(a, prompt_ids, gemm=gemm_a or gemm, **kw)
-    rb = run(b, prompt_ids, gemm=gemm_b or gemm, **kw)
+    rb = run(b, prompt_ids, gemm=gemm_b or gemm, **{**kw, **({"prefill": prefill_b} if prefill_b else {})})
     la, lb = ra["logits"], rb["logits"]
     if la.shape != lb.shape:
         raise PrepError(f"logits shapes differ: {list(la.shape)} vs {list(lb.shape)}; not the same model")
