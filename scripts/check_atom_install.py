@@ -24,7 +24,10 @@ For each configuration (checkpoint, ATOM's dense GEMM path, TP, EP) it writes th
    ATOM's ``load_model`` runs with its checkpoint-reading step replaced by the adapter's record
    of what it installed: so ATOM's own post-processing loop and its own ``_report_coverage``
    (the "NOT loaded" warning) run on exactly what the adapter did;
-3. compares every parameter, buffer and tensor attribute of both models (and ``is_shuffled``).
+3. compares every parameter, buffer and tensor attribute of both models (and ``is_shuffled``);
+4. compares the ``W_K``/``W_V`` ATOM derived from each BF16 ``kv_b_proj`` with
+   ``layouts.absorbed_kv_b`` of the rank's stored bytes through ATOM's own quantization
+   (column ``mla``: the layers checked; :func:`mla_derivation`).
 
 The one step of ATOM's processing not run (in both loads alike): :func:`mla_from_mxfp4_not_run`.
 
@@ -271,6 +274,43 @@ def compare(ref0: dict, ref1: dict, got: dict) -> tuple[int, int, int, list[str]
     return len(ref0), equal, undefined, bad
 
 
+def mla_derivation(target: torch.nn.Module, out: pathlib.Path, rank: int, tp: int) -> tuple[int, list[str]]:
+    """(layers checked, mismatches): the ``W_K``/``W_V`` (and scales) ATOM derived from each BF16
+    ``kv_b_proj`` in ``process_weights_after_loading``, against ``layouts.absorbed_kv_b`` of
+    the rank's stored bytes put through ATOM's own quantization (``W_K`` is ``W_UK`` with its
+    last two dims swapped, ``W_V`` is ``W_UV``). An MXFP4 ``kv_b_proj``'s derivation needs aiter's
+    GEMM (:func:`mla_from_mxfp4_not_run`): not checked here; tests/test_mla.py checks ours against
+    the source there."""
+    import json
+    import re
+
+    import layouts
+    from aiter import dtypes
+    from atom.model_ops.attention_mla import MLAAttention, dynamic_per_batched_tensor_quant
+
+    loaded = layouts.load_rank(out, rank)
+    shape = layouts.MlaShape.from_config(json.loads((out / "config.json").read_text()), tp)
+    checked, bad = 0, []
+    for name, module in target.named_modules():
+        if not isinstance(module, MLAAttention) or module.kv_b_proj.weight.dtype == dtypes.fp4x2:
+            continue
+        if not (isinstance(getattr(module, "W_K", None), torch.Tensor) and module.W_K.dtype == dtypes.fp8):
+            bad.append(f"{name}: ATOM kept no FP8 W_K (another derivation than this check knows)")
+            continue
+        layer = int(re.search(r"layers\.(\d+)\.", name).group(1))
+        w_uk, w_uv = layouts.absorbed_kv_b_of_rank(loaded, loaded.records, layer, shape)
+        ours = dict(zip(("W_K", "W_K_scale"), dynamic_per_batched_tensor_quant(
+            w_uk.transpose(1, 2).to(torch.bfloat16), dtype=dtypes.fp8)))
+        ours.update(zip(("W_V", "W_V_scale"), dynamic_per_batched_tensor_quant(w_uv.to(torch.bfloat16),
+                                                                               dtype=dtypes.fp8)))
+        for k, t in ours.items():
+            got = getattr(module, k)
+            if got.shape != t.shape or not torch.equal(_bytes(got), _bytes(t)):
+                bad.append(f"{name}.{k}: ATOM's derivation differs from layouts.absorbed_kv_b's")
+        checked += 1
+    return checked, bad
+
+
 # ---------------------------------------------------------------------------- one rank
 class _Warnings(logging.Handler):
     def __init__(self):
@@ -296,6 +336,8 @@ def check_rank(case: Case, src: pathlib.Path, out: pathlib.Path, rank: int) -> d
     finally:
         log.removeHandler(caught)
     n, equal, undefined, bad = compare(tensors(*ref[0]), tensors(*ref[1]), tensors(target, draft))
+    mla_checked, mla_bad = mla_derivation(target, out, rank, case.tp)
+    bad += mla_bad
     params = sum(1 for m in ref[0] for _ in m.named_parameters())
     flags_ref, flags_got = shuffled_flags(*ref[0]), shuffled_flags(target, draft)
     bad += [f"{k}: is_shuffled {flags_ref[k]} in ATOM's load, {flags_got.get(k)} after the adapter"
@@ -304,19 +346,21 @@ def check_rank(case: Case, src: pathlib.Path, out: pathlib.Path, rank: int) -> d
             "uninit": undefined,
             "not_installed": len(report.not_installed), "warned": any(NOT_LOADED in m for m in caught.messages),
             "ref_warned": ref_warned, "other_warnings": [m for m in caught.messages if NOT_LOADED not in m],
+            "mla_checked": mla_checked,
             "stand_ins": sorted(set(atom_on_cpu.CALLS)), "mismatches": bad + [f"not installed: {x}" for x in
                                                                                report.not_installed]}
 
 
 # ---------------------------------------------------------------------------- main
 HEADER = (f"{'config':<34} {'rank':>4} {'params':>6} {'others':>6} {'bytes equal':>11} {'uninit':>6} "
-          f"{'not_installed':>13} {'warned':>6}")
+          f"{'not_installed':>13} {'warned':>6} {'mla':>4}")
 
 
 def row(r: dict) -> str:
     ok = not (r["mismatches"] or r["warned"] or r["stand_ins"])
     return (f"{r['config']:<34} {r['rank']:>4} {r['params']:>6} {r['others']:>6} {r['bytes_equal']:>11} "
-            f"{r['uninit']:>6} {r['not_installed']:>13} {'yes' if r['warned'] else 'no':>6}  {'ok' if ok else 'FAIL'}")
+            f"{r['uninit']:>6} {r['not_installed']:>13} {'yes' if r['warned'] else 'no':>6} {r['mla_checked']:>4}  "
+            f"{'ok' if ok else 'FAIL'}")
 
 
 def source_specs(preset: str, layers: int | None) -> dict[str, SynthSpec]:

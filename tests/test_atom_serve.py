@@ -274,3 +274,16 @@ def test_help_says_what_the_door_does_and_where_atom_is_missing_says_how_to_get_
                        text=True, env=env, cwd=REPO)
     assert r.returncode == 2 and r.stderr.startswith("prep-atom-serve: ATOM is not installed") and not r.stdout
 
+
+
+def test_atoms_own_mla_derivation_equals_layouts_absorbed_kv_b(oracle_trees, tmp_path):
+    # ATOM's process_weights_after_loading derives W_K / W_V from each BF16 kv_b_proj (R1-0528);
+    # layouts.absorbed_kv_b of the rank's stored bytes, put through ATOM's own FP8 quant, must give
+    # the same bytes, every layer of every rank (scripts/check_atom_install.py, column "mla").
+    atom, aiter = oracle_trees
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / "check_atom_install.py"), "--atom-dir", str(atom),
+                        "--aiter-dir", str(aiter), "--work", str(tmp_path), "--only", "r1-0528 asm tp2"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = [line.split() for line in r.stdout.splitlines() if line.startswith("r1-0528 asm tp2")]
+    assert len(rows) == 4 and all(row[-2] == "3" and row[-1] == "ok" for row in rows), r.stdout
