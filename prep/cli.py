@@ -77,7 +77,7 @@ def _fail_cleanly(fn: Callable) -> Callable:
                 raise
             line = error_line(e)
             if as_json:
-                click.echo(json.dumps({"ok": False, "error": line, "code": 1}))
+                click.echo(json.dumps({**(getattr(e, "result", None) or {}), "ok": False, "error": line, "code": 1}))
             else:
                 click.echo(f"error: {line}", err=True)
             sys.exit(1)
@@ -86,8 +86,10 @@ def _fail_cleanly(fn: Callable) -> Callable:
 
 
 def _emit(result: dict[str, Any], as_json: bool, lines: list[str]) -> None:
+    """The verb's result: one JSON object with ``"ok": true`` (an error is one object with
+    ``"ok": false``, see :func:`_fail_cleanly`), or its lines."""
     if as_json:
-        click.echo(json.dumps(result, indent=1))
+        click.echo(json.dumps({"ok": True, **result}, indent=1))
     else:
         for line in lines:
             click.echo(line)
@@ -388,7 +390,7 @@ def verify(out, source, deep, as_json, quiet):
         r = run(_existing_dir(out, _CONVERTED), source=source, deep=deep, progress=bar, on_total=bar.total)
     finally:
         bar.close()
-    _emit({"ok": True, **r}, as_json, [
+    _emit(r, as_json, [
         f"ok: {r['files']} files, {r['tensors_hashed']} tensors match the manifest"
         + (f", {r['source_tensors_compared']} source tensors byte-identical after inversion" if source else "")])
 
@@ -631,6 +633,16 @@ def compare(a, b, prompt_ids, layers, device, act_quant, gemm_path, gemm, aiter_
                        gemm_path=gemm_path, verify=verify, gemm=gemm, gemm_a=gemm_a, gemm_b=gemm_b, aiter_dir=aiter_dir,
                        max_memory=int(max_memory * 2**30), prefill=prefill, kv_cache=kv_cache, generate=generate,
                        latent_kv=latent_kv, prefill_b=prefill_b)
+    bad = [k.upper() for k, ok in r["finite"].items() if not ok]
+    allowed = tolerance + rtol * r["max_abs_logit"]
+    failure = None
+    if bad:
+        failure = f"logits of {' and '.join(bad)} are not finite (NaN or inf): that checkpoint computes garbage"
+    elif r["max_abs_diff"] > allowed:
+        failure = (f"logits differ by {r['max_abs_diff']:.6g} > --tolerance {tolerance}"
+                   + (f" + --rtol {rtol} x max |logit| {r['max_abs_logit']:.6g}" if rtol else ""))
+    if failure and as_json:  # one JSON object, the measurements in it
+        raise PrepError(failure, result=r)
     _emit(r, as_json, [f"A: {r['a']}" + (f" (gemm {r['gemm_a']})" if r["gemm_a"] != r["gemm_b"] else ""),
                        f"B: {r['b']}" + (f" (gemm {r['gemm_b']})" if r["gemm_a"] != r["gemm_b"] else ""),
                        f"hashes: A {_hashes_line(r['hashes_checked']['a'], r['converted']['a'], short=True)}, "
@@ -639,13 +651,8 @@ def compare(a, b, prompt_ids, layers, device, act_quant, gemm_path, gemm, aiter_
                        f"over {r['tokens']} positions"
                        f"{' (identical bit for bit)' if r['identical'] else ''}; argmax agrees on "
                        f"{100 * r['argmax_agree']:.1f}%", *_memory_line(r)])
-    bad = [k.upper() for k, ok in r["finite"].items() if not ok]
-    if bad:
-        raise PrepError(f"logits of {' and '.join(bad)} are not finite (NaN or inf): that checkpoint computes garbage")
-    allowed = tolerance + rtol * r["max_abs_logit"]
-    if r["max_abs_diff"] > allowed:
-        raise PrepError(f"logits differ by {r['max_abs_diff']:.6g} > --tolerance {tolerance}"
-                        + (f" + --rtol {rtol} x max |logit| {r['max_abs_logit']:.6g}" if rtol else ""))
+    if failure:
+        raise PrepError(failure)
 
 
 if __name__ == "__main__":

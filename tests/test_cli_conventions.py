@@ -248,3 +248,27 @@ def test_progress_time_left_follows_the_recent_rate_not_the_average(monkeypatch,
     assert last == "verify: 93 of 100 unit (93%), 0.10 unit/s, about 1 min 10 s left", last
     p.close()
     assert capsys.readouterr().err.strip() == "verify: 93 unit in 41 s"
+
+
+def test_json_is_one_object_with_ok_for_every_verb_success_or_failure(src, converted, tmp_path, zygote):
+    # A machine reading --json parses stdout once: one object, "ok" true with the verb's fields,
+    # or false with error and code (compare over its tolerance keeps its measurements in it).
+    ids = ["--prompt-ids", "1,2,3", "--layers", "1"]
+    good = {"inspect": ["inspect", str(src)], "convert": ["convert", str(src), "-o", str(tmp_path / "c")],
+            "verify": ["verify", str(converted)], "revert": ["revert", str(converted), "-o", str(tmp_path / "r")],
+            "run": ["run", str(converted), *ids], "compare": ["compare", str(src), str(converted), *ids]}
+    bad = {"inspect": ["inspect", str(tmp_path / "none")],
+           "convert": ["convert", str(src), "-o", str(src)],
+           "verify": ["verify", str(src)], "revert": ["revert", str(src), "-o", str(tmp_path / "r2")],
+           "run": ["run", str(converted), "--prompt-ids", "1", "--prefill", "2"],
+           "compare": ["compare", str(src), str(converted), *ids, "--prefill-b", "1", "--no-act-quant"]}
+    for verb in good:
+        r = zygote.run([*good[verb], "--json"], dict(os.environ))
+        doc = json.loads(r.stdout)  # exactly one document: json.loads refuses extra data
+        assert r.returncode == 0 and doc["ok"] is True, (verb, r.stdout, r.stderr)
+        r = zygote.run([*bad[verb], "--json"], dict(os.environ))
+        doc = json.loads(r.stdout)
+        assert r.returncode == 1 and doc["ok"] is False and doc["code"] == 1 and doc["error"], (verb, r.stdout)
+    assert "max_abs_diff" in doc and doc["error"].startswith("logits differ by")  # compare's measurements kept
+    r = zygote.run(["verify", "--json", "--bogus"], dict(os.environ))
+    assert r.returncode == 2 and json.loads(r.stdout)["ok"] is False
