@@ -307,15 +307,17 @@ def convert(src, out, layout, moe_layout, tp, ep, fuse_shared_expert, common_bf1
     from .deepseek import Target
 
     keep_freed_memory()
+    note = None
     if out is None:
         out = default_out(src, layout, moe_layout, tp, ep)
-        if not as_json:
-            click.echo(f"note: writing to {out} (choose another folder with -o)", err=True)
+        note = None if as_json else f"note: writing to {out} (choose another folder with -o)"
+    # Once the source opened and OUT passed its checks: never before an error about them.
+    started = (lambda: click.echo(note, err=True)) if note else None
     bar = Progress.shown("convert", as_json, quiet)
     try:
         target = Target(layout, moe_layout, tp, ep, fuse_shared_expert, rank_exact=not common_bf16)
         s = run(src, out, target, force=force, resume=resume, workers=workers, revision=revision, progress=bar,
-                on_total=bar.total, notify=lambda line: click.echo(f"note: {line}", err=True))
+                on_total=bar.total, notify=lambda line: click.echo(f"note: {line}", err=True), on_start=started)
     except KeyboardInterrupt as e:
         from .outdir import OutputFolder
 

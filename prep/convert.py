@@ -292,16 +292,20 @@ def convert(
     progress: Callable[[int], None] | None = None,
     on_total: Callable[[int], None] | None = None,
     notify: Callable[[str], None] | None = None,
+    on_start: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
     """Convert ``src_spec`` into ``out``. Returns a summary (files, tensors, bytes, reused).
 
     ``out`` is refused, before anything is read or written, when it is or holds or lies in the
     source, or holds files prep did not write (see :mod:`prep.outdir`); ``force`` replaces a
     previous output of prep, atomically, once the new one is complete. ``notify`` receives
-    one-line notes (a discarded or recovered earlier run, files redone on resume)."""
+    one-line notes (a discarded or recovered earlier run, files redone on resume); ``on_start`` is
+    called once the source is open and OUT passed its checks."""
     src = SourceCheckpoint.open(src_spec, revision)
     folder = OutputFolder(out, inputs=[src.root], force=force)
     folder.check(resuming=resume)
+    if on_start:
+        on_start()
     jobs, info = plan_files(src, target)
     total = sum(j.nbytes for j in jobs)
     state = {"kind": "convert", "tool": f"prep {__version__}",

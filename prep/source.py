@@ -7,13 +7,14 @@ loaded whole, and nothing is memory-mapped (mapped pages that were read would st
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 from typing import Any
 
 import torch
 
-from layouts.manifest import (MAX_JSON_BYTES, DuplicateKeyError, FileTooLargeError, member_problem, read_regular,
+from layouts.manifest import (MANIFEST_NAME, MAX_JSON_BYTES, DuplicateKeyError, FileTooLargeError, member_problem, read_regular,
                               strict_json)
 from layouts.safetensors_file import FileAccessError, SafetensorsFile, SafetensorsFileError, TensorInfo
 
@@ -172,6 +173,9 @@ class SourceCheckpoint:
         elif os.path.lexists(self.root / SINGLE_NAME):
             files = [SINGLE_NAME]
             self.member(SINGLE_NAME)
+        elif os.path.lexists(self.root / MANIFEST_NAME):
+            raise PrepError(f"{self.root}: is prep's conversion{self._converted_from()}, not a Quark source; convert "
+                            "its source, or `prep revert` it to rebuild that source first")
         else:
             raise PrepError(f"{self.root}: no {INDEX_NAME} and no {SINGLE_NAME}")
         missing = [f for f in files if not (self.root / f).is_file()]
@@ -201,6 +205,14 @@ class SourceCheckpoint:
                 where = f"it is in {info.file}" if info is not None else "no shard holds it"
                 raise PrepError(f"{self.root / INDEX_NAME}: lists tensor {_show(name)} in {fname} but {where}; the index "
                                 "and the shards disagree: re-download the checkpoint")
+
+    def _converted_from(self) -> str:
+        """`` of PATH`` for a folder prep converted (its manifest's source path), else ``""``."""
+        try:
+            path = json.loads(read_regular(self.root / MANIFEST_NAME, MAX_JSON_BYTES))["source"]["path"]
+        except (OSError, ValueError, KeyError, TypeError, FileTooLargeError):
+            return ""
+        return f" of {path}" if isinstance(path, str) and path.isprintable() else ""
 
     # ------------------------------------------------------------------ reading
     def info(self, name: str) -> TensorInfo:

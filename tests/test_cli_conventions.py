@@ -272,3 +272,13 @@ def test_json_is_one_object_with_ok_for_every_verb_success_or_failure(src, conve
     assert "max_abs_diff" in doc and doc["error"].startswith("logits differ by")  # compare's measurements kept
     r = zygote.run(["verify", "--json", "--bogus"], dict(os.environ))
     assert r.returncode == 2 and json.loads(r.stdout)["ok"] is False
+
+
+def test_convert_says_what_a_wrong_source_is_and_nothing_before(converted, tmp_path):
+    # A converted folder given as the source is named as prep's output of its source (it said
+    # "no model.safetensors.index.json"); a missing source without -o is the error alone (the
+    # default OUT's note came first).
+    r = invoke("convert", converted, "-o", tmp_path / "o")
+    one_line(r, 1, f"{converted}: is prep's conversion of ", "not a Quark source", "prep revert")
+    r = invoke("convert", tmp_path / "missing")
+    one_line(r, 1, "no such directory")
