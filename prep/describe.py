@@ -56,7 +56,9 @@ def _inspect_source(spec: str, revision: str | None, progress: Callable[[int], N
         "mxfp4_modules_by_kind": dict(sorted(kinds.items())), "passthrough_by_dtype": dict(sorted(bf16.items())),
         "exclude": src.quant_config.get("exclude", []), "layouts_by_tp": support,
     }
-    lines = [f"{src.root}: Quark MXFP4, {cls.arch}, {cls.num_layers} layers + MTP {cls.mtp_layers}",
+    # As the user named it, as every other line of prep does (a repo id: and where its snapshot is).
+    label = spec if pathlib.Path(spec).expanduser().is_dir() else f"{spec} ({src.root})"
+    lines = [f"{label}: Quark MXFP4, {cls.arch}, {cls.num_layers} layers + MTP {cls.mtp_layers}",
              f"  {len(src.files)} shards, {len(src.tensors)} tensors, {src.nbytes() / 2**30:.3f} GiB",
              "  MXFP4 GEMM weights by module kind: " + ", ".join(f"{k} {v}" for k, v in sorted(kinds.items())),
              "  not MXFP4 (bytes unchanged, split per rank as the engine holds them): "
