@@ -480,6 +480,10 @@ _RUN_OPTIONS = [
                  help="Compute the full forward's keys and values as the latent decode does (BF16 normed KV, no "
                       "MXFP4 quant, float32 keys): the two then agree to float32 precision, which checks the latent "
                       "path; without it they differ by the prefill's own rounding."),
+    click.option("--mla-order", type=click.Choice(["reference", "sglang"]), default="reference", show_default=True,
+                 help="How a latent decode multiplies by kv_b_proj's halves: reference (float32 W_UK/W_UV, BF16 "
+                      "queries and cache) or sglang (SGLang's ROCm MXFP4 decode: the query and the attention output "
+                      "quantized to MXFP4, W_UK and W_UV re-quantized to MXFP4, W_UK along its nope dim)."),
     click.option("--json", "as_json", is_flag=True, help="Print one JSON summary."),
     _quiet_option,
 ]
@@ -520,7 +524,7 @@ def _hashes_line(checked: int | None, converted: bool, short: bool = False) -> s
                                       "a mismatch: the logits are garbage by design, and a warning says so).")
 @_fail_cleanly
 def run_cmd(model_dir, prompt_ids, layers, device, act_quant, gemm_path, gemm, aiter_dir, verify, max_memory, prefill,
-            kv_cache, generate, latent_kv, as_json, quiet, save_logits, assume_layout):
+            kv_cache, generate, latent_kv, mla_order, as_json, quiet, save_logits, assume_layout):
     """Run the reference DeepSeek-V3 forward on MODEL_DIR (a Quark source, as a folder or a
     Hugging Face repo id, or a converted checkpoint at any layout and TP; ranks are combined
     in-process) and print the logits' argmax.
@@ -544,7 +548,7 @@ def run_cmd(model_dir, prompt_ids, layers, device, act_quant, gemm_path, gemm, a
     r = _with_run_bars(run, as_json, quiet, model_dir, _ids(prompt_ids), layers=layers, device=device,
                        act_quant=act_quant, gemm_path=gemm_path, assume_layout=assume_layout, verify=verify,
                        gemm=gemm, aiter_dir=aiter_dir, max_memory=int(max_memory * 2**30), prefill=prefill,
-                       kv_cache=kv_cache, generate=generate, latent_kv=latent_kv)
+                       kv_cache=kv_cache, generate=generate, latent_kv=latent_kv, mla_order=mla_order)
     if assume_layout:
         # On stderr even with --json (stdout stays one JSON object), just before the results: a
         # reader of the argmax must not mistake it for the model's output.
@@ -612,7 +616,7 @@ def _memory_line(r: dict) -> list[str]:
                    "twice, to see what decoding against a latent cache changes).")
 @_fail_cleanly
 def compare(a, b, prompt_ids, layers, device, act_quant, gemm_path, gemm, aiter_dir, verify, max_memory, prefill,
-            kv_cache, generate, latent_kv, as_json, quiet, tolerance, rtol, gemm_a, gemm_b, prefill_b):
+            kv_cache, generate, latent_kv, mla_order, as_json, quiet, tolerance, rtol, gemm_a, gemm_b, prefill_b):
     """Run checkpoints A and B on the same tokens and compare their logits (exit 1 above --tolerance).
 
     A converted checkpoint computes the same model as its source bit for bit: the layouts only
@@ -634,7 +638,7 @@ def compare(a, b, prompt_ids, layers, device, act_quant, gemm_path, gemm, aiter_
     r = _with_run_bars(run, as_json, quiet, a, b, _ids(prompt_ids), layers=layers, device=device, act_quant=act_quant,
                        gemm_path=gemm_path, verify=verify, gemm=gemm, gemm_a=gemm_a, gemm_b=gemm_b, aiter_dir=aiter_dir,
                        max_memory=int(max_memory * 2**30), prefill=prefill, kv_cache=kv_cache, generate=generate,
-                       latent_kv=latent_kv, prefill_b=prefill_b)
+                       latent_kv=latent_kv, mla_order=mla_order, prefill_b=prefill_b)
     bad = [k.upper() for k, ok in r["finite"].items() if not ok]
     allowed = tolerance + rtol * r["max_abs_logit"]
     failure = None

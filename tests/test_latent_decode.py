@@ -79,3 +79,24 @@ def test_decode_options_on_the_command_line(sources):
     assert r.exit_code == 0, r.output
     r = CliRunner().invoke(main, ["run", src, "--prompt-ids", "1,5,9", "--prefill", "4"])
     assert r.exit_code == 1 and r.output.strip() == "error: --prefill 4: give 1 to 3 (the number of prompt ids)"
+
+
+def test_sglang_order_quantizes_the_absorbed_gemms_to_mxfp4_along_their_reduced_dims(sources):
+    # SGLang's ROCm MXFP4 decode: W_UK re-quantized in blocks along its nope dim (not the
+    # checkpoint's kv_lora blocks), W_UV along kv_lora; the query and the attention output
+    # quantized on the fly. Its logits are finite and not the reference order's.
+    from prep.reference.model import DeepseekV3, ForwardOptions, _mxfp4_roundtrip
+    from prep.reference.weights import load_weights
+
+    w = load_weights(sources["v2"], None, None)
+    model = DeepseekV3(w, ForwardOptions(mla_order="sglang"))
+    w_uk, w_uv = model._sglang_absorbed(0)
+    ref_uk, ref_uv = model.absorbed_kv_b(0)
+    along_nope = w_uk.transpose(1, 2)
+    assert torch.equal(_mxfp4_roundtrip(along_nope), along_nope)  # already MXFP4 in nope blocks
+    assert not torch.equal(w_uk, ref_uk)  # the regrouping lost something
+    assert torch.equal(_mxfp4_roundtrip(w_uv), w_uv)
+    ref = run(sources["v2"], IDS, prefill=3, latent_kv=True)
+    sgl = run(sources["v2"], IDS, prefill=3, latent_kv=True, mla_order="sglang")
+    assert sgl["mla_order"] == "sglang" and torch.isfinite(sgl["logits"]).all()
+    assert not torch.equal(ref["logits"], sgl["logits"])

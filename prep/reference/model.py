@@ -42,6 +42,11 @@ class ForwardOptions:
     # the order of their sums (float32 precision), which is how the latent path is checked; off
     # (the default), they are what a prefill kernel computes: MXFP4 activation, BF16 keys.
     latent_kv: bool = False
+    # How the latent decode multiplies by W_UK / W_UV: "reference" (float32 weights, BF16 queries
+    # and cache) or "sglang" (SGLang's ROCm MXFP4 decode: the query's nope part and the attention
+    # output quantized to MXFP4 on the fly, W_UK and W_UV dequantized and quantized again to MXFP4
+    # along their last dims: the nope dim for W_UK, kv_lora for W_UV; docs/engines.md).
+    mla_order: str = "reference"
 
 
 def rope_tables(cfg: dict[str, Any], positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
@@ -79,6 +84,12 @@ def _rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -
     x = x.view(*lead, d // 2, 2).transpose(-1, -2).reshape(*lead, d)
     half = torch.cat([-x[..., d // 2:], x[..., :d // 2]], dim=-1)
     return x * cos + half * sin
+
+
+def _mxfp4_roundtrip(x: torch.Tensor) -> torch.Tensor:
+    """float32 ``x`` quantized to MXFP4 along its last dim (aiter's dynamic quant) and back."""
+    q, scale = layouts.quantize(x.float().contiguous(), layouts.AITER_TRITON)
+    return layouts.dequantize(q, scale, k=x.shape[-1])
 
 
 class LatentCache:
@@ -220,15 +231,31 @@ class DeepseekV3:
         s_len = c_kv.shape[0]
         q_nope = q[..., :nope].float()
         q_rot = _rotate_interleaved(q[..., nope:].float(), cos[:, None], sin[:, None]).to(BF16).float()
+        sglang = self.opt.mla_order == "sglang"
+        if sglang:  # MXFP4 x MXFP4 batched GEMMs, each operand quantized along its reduced dim
+            q_nope = _mxfp4_roundtrip(q_nope)
+            w_uk, w_uv = self._sglang_absorbed(i)
         q_lat = torch.einsum("thn,hnl->thl", q_nope, w_uk.to(q.device))
+        if sglang:
+            q_lat = q_lat.to(BF16).float()  # the batched GEMM's BF16 output
         scores = torch.einsum("thl,sl->hts", q_lat, c_kv.float()) + torch.einsum("thr,sr->hts", q_rot, k_rope.float())
         scores = scores * ((nope + rope) ** -0.5 * mscale * mscale)
         # Query j of this step sits at position s_len - t + j: it sees every cached token up to it.
         causal = torch.ones(t, s_len, dtype=torch.bool, device=scores.device).triu(s_len - t + 1)
         probs = scores.masked_fill(causal, float("-inf")).softmax(dim=-1).to(BF16).float()
         o_lat = torch.einsum("hts,sl->thl", probs, c_kv.float())
+        if sglang:
+            o_lat = _mxfp4_roundtrip(o_lat.to(BF16).float())
         out = torch.einsum("thl,hvl->thv", o_lat, w_uv.to(q.device)).reshape(t, nh * vd).to(BF16)
         return self.linear(out, f"{p}.o_proj")
+
+    def _sglang_absorbed(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_UK and W_UV as SGLang keeps them for its MXFP4 decode (``quark_post_load_weights``):
+        the BF16 dequantized ``kv_b_proj`` cut per head, W_UK quantized to MXFP4 in blocks along
+        its nope dim (not the checkpoint's kv_lora blocks: a lossy regrouping), W_UV along kv_lora."""
+        w_uk, w_uv = self.absorbed_kv_b(i)
+        w_uk = _mxfp4_roundtrip(w_uk.to(BF16).float().transpose(1, 2)).transpose(1, 2)
+        return w_uk, _mxfp4_roundtrip(w_uv.to(BF16).float())
 
     def absorbed_kv_b(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 ``W_UK [heads, qk_nope, kv_lora]`` and ``W_UV [heads, v, kv_lora]`` of layer

@@ -38,7 +38,7 @@ def run(model_dir: str | pathlib.Path, prompt_ids: list[int], *, layers: int | N
         act_quant: bool = True, gemm_path: str | None = None, assume_layout: str | None = None,
         gemm: str = "torch", aiter_dir: str | None = None, verify: bool = True, max_memory: int = MAX_MEMORY,
         progress: Mapping[str, Any] | None = None, prefill: int | None = None, kv_cache: str = "latent",
-        generate: int = 0, latent_kv: bool = False) -> dict[str, Any]:
+        generate: int = 0, latent_kv: bool = False, mla_order: str = "reference") -> dict[str, Any]:
     """Logits ``[T, vocab]`` (float32) of ``prompt_ids``, and how long loading and the forward took.
 
     ``prefill`` K: the first K ids run as one prefill, then each other id as one decode step
@@ -93,6 +93,8 @@ def run(model_dir: str | pathlib.Path, prompt_ids: list[int], *, layers: int | N
         raise PrepError(f"--prefill {prefill}: give 1 to {ids.numel()} (the number of prompt ids)")
     if generate < 0:
         raise PrepError(f"--generate {generate}: give 0 or more tokens")
+    if mla_order not in MLA_ORDERS:
+        raise PrepError(f"--mla-order {mla_order!r}: choose one of {', '.join(MLA_ORDERS)}")
     bars = progress or {}
     hashed = None
     if manifest is not None and verify:
@@ -116,7 +118,8 @@ def run(model_dir: str | pathlib.Path, prompt_ids: list[int], *, layers: int | N
         path = kernel_path  # the checkpoint is checked against its engine; the kernel reads its own path's flags
     elif gemm == "aiter-triton":
         raise PrepError("--gemm aiter-triton needs --act-quant: aiter's kernels multiply MXFP4 activations")
-    model = DeepseekV3(weights, ForwardOptions(act_quant=act_quant, gemm_path=path, latent_kv=latent_kv),
+    model = DeepseekV3(weights, ForwardOptions(act_quant=act_quant, gemm_path=path, latent_kv=latent_kv,
+                                               mla_order=mla_order),
                        layers=layers, dense_gemm=dense)
     decoding = prefill is not None or generate > 0
     k = ids.numel() if prefill is None else prefill
@@ -137,13 +140,14 @@ def run(model_dir: str | pathlib.Path, prompt_ids: list[int], *, layers: int | N
             "gemm_path": path, "act_quant": act_quant, "layers": model.num_layers, "gemm": gemm,
             "converted": manifest is not None, "hashes_checked": hashed, "evictions": weights.evictions,
             "peak_rss": peak_rss(), "max_memory": max_memory,
-            **({"prefill": k, "kv_cache": kv_cache, "generated": generated,
+            **({"prefill": k, "kv_cache": kv_cache, "generated": generated, "mla_order": mla_order,
                 "kv_cache_bytes_per_token": LatentCache.bytes_per_token(weights.config, model.num_layers)
                 if kv_cache == "latent" else 0,
                 "per_head_kv_bytes_per_token": per_head_kv_bytes(weights.config, model.num_layers)} if decoding else {})}
 
 
 KV_CACHES = ("latent", "none")
+MLA_ORDERS = ("reference", "sglang")  # how a latent decode multiplies by W_UK / W_UV (ForwardOptions)
 
 
 def decode(model: DeepseekV3, ids: torch.Tensor, prefill: int, kv_cache: str, generate: int,
