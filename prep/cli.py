@@ -280,11 +280,14 @@ def inspect(src: str, revision: str | None, as_json: bool, quiet: bool) -> None:
                    "hashes; files whose source files changed since are written again. On an OUT the same run already "
                    "finished, it checks the hashes and writes nothing.")
 @click.option("--revision", help="Hub revision when SRC is a repo id.")
+@click.option("--no-space-check", is_flag=True,
+              help="Write even when OUT's filesystem reports less free space than the output needs (it is "
+                   "refused before a byte is written otherwise; e.g. a filesystem that under-reports).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary.")
 @_quiet_option
 @_fail_cleanly
 def convert(src, out, layout, moe_layout, tp, ep, fuse_shared_expert, common_bf16, workers, force, resume, revision,
-            as_json, quiet):
+            no_space_check, as_json, quiet):
     """Convert SRC (a folder or a Hugging Face repo id) into per-rank, kernel-layout files in OUT.
 
     Each rank's tensors are exactly what that rank's engine holds after its own load-time
@@ -317,7 +320,8 @@ def convert(src, out, layout, moe_layout, tp, ep, fuse_shared_expert, common_bf1
     try:
         target = Target(layout, moe_layout, tp, ep, fuse_shared_expert, rank_exact=not common_bf16)
         s = run(src, out, target, force=force, resume=resume, workers=workers, revision=revision, progress=bar,
-                on_total=bar.total, notify=lambda line: click.echo(f"note: {line}", err=True), on_start=started)
+                on_total=bar.total, notify=lambda line: click.echo(f"note: {line}", err=True), on_start=started,
+                space_check=not no_space_check)
     except KeyboardInterrupt as e:
         from .outdir import OutputFolder
 

@@ -293,6 +293,7 @@ def convert(
     on_total: Callable[[int], None] | None = None,
     notify: Callable[[str], None] | None = None,
     on_start: Callable[[], None] | None = None,
+    space_check: bool = True,
 ) -> dict[str, Any]:
     """Convert ``src_spec`` into ``out``. Returns a summary (files, tensors, bytes, reused).
 
@@ -300,12 +301,11 @@ def convert(
     source, or holds files prep did not write (see :mod:`prep.outdir`); ``force`` replaces a
     previous output of prep, atomically, once the new one is complete. ``notify`` receives
     one-line notes (a discarded or recovered earlier run, files redone on resume); ``on_start`` is
-    called once the source is open and OUT passed its checks."""
+    called once the source is open and OUT passed its checks, free space included (``space_check``:
+    refuse an output its filesystem cannot hold, before a byte is written)."""
     src = SourceCheckpoint.open(src_spec, revision)
     folder = OutputFolder(out, inputs=[src.root], force=force)
     folder.check(resuming=resume)
-    if on_start:
-        on_start()
     jobs, info = plan_files(src, target)
     total = sum(j.nbytes for j in jobs)
     state = {"kind": "convert", "tool": f"prep {__version__}",
@@ -323,6 +323,9 @@ def convert(
                        "checked): nothing to do")
             return _summary(folder.given, jobs, src, reused=len(jobs), total=total)
         folder.check()  # after recovery: what is at OUT now
+        folder.check_space(total + src.side_bytes(), skip=not space_check)
+        if on_start:
+            on_start()
         kept, note = folder.begin(state, resume)
         if kept == "swapped":  # the interrupted run had put an output at OUT, and not this one's
             _, note = folder.begin(state, resume=False)

@@ -150,6 +150,12 @@ def sealed_run(folder: pathlib.Path) -> str | None:
     return run if isinstance(run, str) else None
 
 
+def free_bytes(path: pathlib.Path) -> int:
+    """Bytes an unprivileged writer may still put on ``path``'s filesystem."""
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
 def _size(path: pathlib.Path) -> int | None:
     try:
         return os.lstat(path).st_size
@@ -326,6 +332,27 @@ class OutputFolder:
             raise PrepError(f"{self.flag} {self.given}: --force must delete the previous output's files there, but "
                             f"the folder is not writable ({e.strerror}); fix its permissions or choose another "
                             "output folder") from None
+
+    def check_space(self, needed: int, skip: bool = False) -> None:
+        """Refuse, before a byte is written, an output of ``needed`` bytes that OUT's filesystem
+        cannot hold: its free space plus what an interrupted run left in staging (reused by
+        ``--resume``, else discarded first). A previous output that ``--force`` replaces is
+        deleted only after the new one is complete, so it frees nothing. ``skip``: --no-space-check."""
+        if skip:
+            return
+        where = self.path
+        while not where.exists() and where != where.parent:
+            where = where.parent
+        try:
+            free = free_bytes(where)
+        except OSError:
+            return  # no answer from the filesystem: nothing to refuse on
+        staged = sum(e.stat(follow_symlinks=False).st_size for e in os.scandir(self.staging)
+                     if e.is_file(follow_symlinks=False)) if self.staging.is_dir() else 0
+        if needed > free + staged:
+            raise PrepError(f"{self.flag} {self.given}: the output needs {needed / 2**30:.2f} GiB and its filesystem "
+                            f"has {(free + staged) / 2**30:.2f} GiB free; free space, choose another output folder, or "
+                            "pass --no-space-check")
 
     # ------------------------------------------------------------------ lock
     @contextlib.contextmanager

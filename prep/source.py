@@ -267,5 +267,9 @@ class SourceCheckpoint:
         is refused, not copied or waited on)."""
         return [self.member(f, "side file") for f in SIDE_FILES if os.path.lexists(self.root / f)]
 
+    def side_bytes(self) -> int:
+        """Bytes of the side files (config, tokenizer, ...) that go out with a conversion."""
+        return sum(os.path.getsize(f) for f in self.side_files())
+
     def nbytes(self) -> int:
         return sum(os.path.getsize(self.root / f) for f in self.files)

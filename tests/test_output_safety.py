@@ -560,3 +560,25 @@ def test_a_disk_full_before_the_first_byte_is_one_line_naming_where_and_leaves_n
         assert sorted(p.name for p in disk.iterdir()) == before  # no .out.prep, no out
     finally:
         subprocess.run(["umount", str(disk)], check=True)
+
+
+def test_an_output_its_filesystem_cannot_hold_is_refused_before_a_byte_is_written(workspace, monkeypatch):
+    # statvfs's answer stands in for a small disk (the refusal reads it once, before anything is
+    # staged); --no-space-check writes anyway.
+    from click.testing import CliRunner
+
+    import prep.outdir as od
+    from prep.cli import main
+
+    monkeypatch.setattr(od, "free_bytes", lambda path: 1 << 20)
+    out = workspace / "small"
+    before = snapshot(workspace)
+    r = CliRunner().invoke(main, ["convert", str(workspace / "src"), "-o", str(out), "--tp", "2"])
+    assert r.exit_code == 1, r.output
+    line = r.output.strip()
+    assert line.startswith(f"error: -o {out}: the output needs ") and "its filesystem has 0.00 GiB free" in line
+    assert "--no-space-check" in line and "\n" not in line
+    assert snapshot(workspace) == before and not out.exists() and no_work_left(out)
+    r = CliRunner().invoke(main, ["convert", str(workspace / "src"), "-o", str(out), "--tp", "2", "--no-space-check"])
+    assert r.exit_code == 0, r.output
+    complete(out)
