@@ -71,10 +71,33 @@ def resolve(src: str, revision: str | None = None) -> tuple[pathlib.Path, dict[s
     try:
         local = snapshot_download(src, revision=revision,
                                   allow_patterns=["*.safetensors", "*.json", "tokenizer.*", "*.jinja", "*.py"])
-    except Exception as e:  # hub errors come in many classes; the message is what helps
-        raise PrepError(f"{src}: could not resolve through huggingface_hub: {e}".splitlines()[0]) from None
+    except Exception as e:  # hub errors come in many classes: say which case it is, and the way out
+        raise PrepError(f"{src}: {_hub_problem(e, revision)}; {HUB_HINT}") from None
     return pathlib.Path(local), {"kind": "hf", "repo_id": src, "revision": revision or "main",
                                  "snapshot": pathlib.Path(local).name}
+
+
+HUB_HINT = ("to work without the hub, give the checkpoint's local folder instead (e.g. made by `huggingface-cli "
+            "download ORG/NAME --local-dir DIR` where there is network), or put it in the hub cache ($HF_HUB_CACHE) and "
+            "set HF_HUB_OFFLINE=1")
+
+
+def _hub_problem(e: Exception, revision: str | None) -> str:
+    """What went wrong resolving a repo id, in words (huggingface_hub's classes, by name: the
+    classes moved between its versions)."""
+    name = type(e).__name__
+    first = (str(e).splitlines() or [name])[0]
+    if "RepositoryNotFound" in name:
+        return "no such repo on the hub (or a private one: log in with `huggingface-cli login`)"
+    if "GatedRepo" in name:
+        return "a gated repo: accept its terms on huggingface.co and log in with `huggingface-cli login`"
+    if "RevisionNotFound" in name:
+        return f"the repo has no revision {revision!r}"
+    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
+        return "not in the local hub cache, and HF_HUB_OFFLINE is set"
+    if "LocalEntryNotFound" in name:
+        return "the hub could not be reached and the repo is not in the local hub cache"
+    return f"could not be resolved through huggingface_hub ({first})"
 
 
 class SourceCheckpoint:

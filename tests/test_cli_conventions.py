@@ -282,3 +282,20 @@ def test_convert_says_what_a_wrong_source_is_and_nothing_before(converted, tmp_p
     one_line(r, 1, f"{converted}: is prep's conversion of ", "not a Quark source", "prep revert")
     r = invoke("convert", tmp_path / "missing")
     one_line(r, 1, "no such directory")
+
+
+@pytest.mark.parametrize("env, why", [
+    ({"HF_HUB_OFFLINE": "1"}, "not in the local hub cache, and HF_HUB_OFFLINE is set"),
+    ({"HF_ENDPOINT": "http://127.0.0.1:9"}, "the hub could not be reached and the repo is not in the local hub cache"),
+])
+def test_a_repo_id_that_cannot_be_resolved_says_how_to_work_without_the_hub(tmp_path, zygote, env, why):
+    # Offline, or no network: the error names the case and the ways out (a local folder, or the
+    # hub cache with HF_HUB_OFFLINE), for every verb that takes a source.
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), **env}
+    env.pop("HF_HUB_OFFLINE", None) if "HF_ENDPOINT" in env else None
+    for verb in (["inspect"], ["convert"], ["run", "--prompt-ids", "1"]):
+        r = zygote.run([verb[0], "someorg/some-model", *verb[1:]], env)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 1 and len(lines) == 1, (verb, r.stderr)
+        assert lines[0].startswith(f"error: someorg/some-model: {why}; ") and "local folder" in lines[0], lines[0]
+        assert "HF_HUB_OFFLINE=1" in lines[0] and "huggingface-cli download" in lines[0]
