@@ -189,10 +189,24 @@ class _AiterFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             m.get_gfx = m.get_gfx_runtime = lambda: GPU_ARCH["name"]
 
 
+# What ATOM's code imports on the CPU beyond torch (its server, tokenizer and config handling):
+# `bash scripts/setup_env.sh --atom` installs them.
+ATOM_CPU_DEPS = ("fastapi", "msgspec", "psutil", "setproctitle", "uvicorn", "zmq", "PIL", "transformers", "triton")
+
+
+def missing_deps() -> list[str]:
+    """The modules of :data:`ATOM_CPU_DEPS` this interpreter cannot import."""
+    return [m for m in ATOM_CPU_DEPS if importlib.util.find_spec(m) is None]
+
+
 def install(atom_dir: pathlib.Path, aiter_dir: pathlib.Path, gpu_arch: str = "gfx950") -> None:
     """Make ``import atom`` work here: ATOM's tree first on the path, aiter as described above.
     ATOM's custom-op registration (for torch.compile of the forward, which never runs here) is
     a no-op: torch refuses the stand-in default arguments of some op signatures."""
+    missing = missing_deps()
+    if missing:  # one line, not a traceback from deep inside ATOM's imports
+        raise SystemExit(f"error: ATOM's code needs {', '.join(missing)}, not installed in {sys.executable}: run "
+                         "`bash scripts/setup_env.sh --atom`")
     if not (aiter_dir / "aiter" / "ops" / "shuffle.py").is_file():
         raise SystemExit(f"{aiter_dir}: no aiter/ops/shuffle.py; pass --aiter-dir an aiter source tree")
     GPU_ARCH["name"] = gpu_arch

@@ -29,10 +29,9 @@ ORACLES = check_atom_serve.default_oracles()
 
 
 def _atom_ready() -> bool:
-    import importlib.util
+    import atom_on_cpu
 
-    if any(importlib.util.find_spec(m) is None for m in ("fastapi", "msgspec", "psutil", "setproctitle", "uvicorn",
-                                                          "zmq", "PIL", "transformers", "triton")):
+    if atom_on_cpu.missing_deps():
         return False
     return any(ORACLES.glob("atom-*.tar.gz")) and any(ORACLES.glob("aiter-*.tar.gz"))
 
@@ -287,3 +286,16 @@ def test_atoms_own_mla_derivation_equals_layouts_absorbed_kv_b(oracle_trees, tmp
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = [line.split() for line in r.stdout.splitlines() if line.startswith("r1-0528 asm tp2")]
     assert len(rows) == 4 and all(row[-2] == "3" and row[-1] == "ok" for row in rows), r.stdout
+
+
+def test_a_missing_atom_dependency_is_one_line_naming_the_set_up(tmp_path):
+    # ATOM's imports fail deep inside its tree without its CPU dependencies: the checks stop
+    # first, in one line naming what is missing and the set-up that installs it.
+    code = ("import sys; sys.path.insert(0, 'scripts'); import atom_on_cpu, pathlib; "
+            "atom_on_cpu.ATOM_CPU_DEPS += ('no_such_module_for_this_test',); "
+            f"atom_on_cpu.install(pathlib.Path({str(tmp_path)!r}), pathlib.Path({str(tmp_path)!r}))")
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines() == [
+        f"error: ATOM's code needs no_such_module_for_this_test, not installed in {sys.executable}: run "
+        "`bash scripts/setup_env.sh --atom`"]
