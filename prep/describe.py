@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
+import shutil
 import pathlib
+import tempfile
 from typing import Any, Callable
 
 from layouts.engines import get_engine
@@ -31,7 +34,37 @@ def inspect_path(src: str, revision: str | None = None, progress: Callable[[int]
 
 def _inspect_source(spec: str, revision: str | None, progress: Callable[[int], None] | None = None,
                     on_total: Callable[[int], None] | None = None) -> tuple[dict[str, Any], list[str]]:
-    src = SourceCheckpoint.open(spec, revision)
+    if not _remote_repo(spec):
+        return _describe_source(SourceCheckpoint.open(spec, revision), spec, progress, on_total)
+    from .hub_headers import cached_snapshot, mirror_headers
+
+    local = cached_snapshot(spec, revision)
+    if local is not None:  # all of it is in the hub cache already
+        return _describe_source(SourceCheckpoint.open(spec, revision), spec, progress, on_total)
+    with tempfile.TemporaryDirectory(prefix="prep-inspect-") as tmp:
+        fetched = mirror_headers(spec, revision, pathlib.Path(tmp))
+        src = SourceCheckpoint(pathlib.Path(tmp), {"kind": "hf-headers", "repo_id": spec,
+                                                   "revision": revision or "main"})
+        result, lines = _describe_source(src, f"{spec} (read from the hub: config, index and "
+                                              f"{fetched['shards']} shard headers, "
+                                              f"{fetched['header_bytes'] / 2**20:.1f} MiB; nothing downloaded)",
+                                         progress, on_total)
+    result["path"] = spec
+    result["read_from_hub"] = fetched
+    return result, lines
+
+
+def _remote_repo(spec: str) -> bool:
+    """Whether ``spec`` names a hub repo (not a local folder) that may be read over the network."""
+    import os
+
+    if pathlib.Path(spec).expanduser().exists() or spec.count("/") != 1 or spec.startswith((".", "/")):
+        return False
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() not in ("1", "true", "yes", "on")
+
+
+def _describe_source(src: SourceCheckpoint, label: str, progress: Callable[[int], None] | None,
+                     on_total: Callable[[int], None] | None) -> tuple[dict[str, Any], list[str]]:
     cls = classify(src)
     kinds = collections.Counter(cls.modules.values())
     bf16 = collections.Counter(src.tensors[n].dtype for n in cls.passthrough)
@@ -57,7 +90,8 @@ def _inspect_source(spec: str, revision: str | None, progress: Callable[[int], N
         "exclude": src.quant_config.get("exclude", []), "layouts_by_tp": support,
     }
     # As the user named it, as every other line of prep does (a repo id: and where its snapshot is).
-    label = spec if pathlib.Path(spec).expanduser().is_dir() else f"{spec} ({src.root})"
+    if src.origin.get("kind") == "hf":
+        label = f"{label} ({src.root})"
     lines = [f"{label}: Quark MXFP4, {cls.arch}, {cls.num_layers} layers + MTP {cls.mtp_layers}",
              f"  {len(src.files)} shards, {len(src.tensors)} tensors, {src.nbytes() / 2**30:.3f} GiB",
              "  MXFP4 GEMM weights by module kind: " + ", ".join(f"{k} {v}" for k, v in sorted(kinds.items())),
@@ -68,6 +102,21 @@ def _inspect_source(spec: str, revision: str | None, progress: Callable[[int], N
         bad = {tp: r for tp, r in row.items() if r != "ok"}
         lines.append(f"  {combo}: tp {', '.join(ok) or 'none'}"
                      + (f"; tp {min(bad, key=int)} refused: {bad[min(bad, key=int)]}" if bad else ""))
+    # What a conversion with the default layouts writes, against the free space where a default
+    # OUT goes (the current folder): planned from the headers alone, no byte of data read.
+    default = Target()
+    written = {}
+    for tp in (1, 2, 4, 8):
+        if support.get(f"{default.layout}+{default.moe_layout}", {}).get(str(tp)) == "ok":
+            from .convert import plan_files
+
+            written[str(tp)] = sum(j.nbytes for j in plan_files(src, dataclasses.replace(default, tp=tp))[0])
+    free = shutil.disk_usage(pathlib.Path.cwd()).free
+    result.update(output_bytes_by_tp=written, free_bytes_here=free)
+    if written:
+        lines.append(f"  a conversion with {default.layout}+{default.moe_layout} writes "
+                     + ", ".join(f"{n / 2**30:.2f} GiB at tp {tp}" for tp, n in written.items())
+                     + f"; {free / 2**30:.1f} GiB free here (where a default output folder goes)")
     return result, lines
 
 

@@ -299,3 +299,39 @@ def test_a_repo_id_that_cannot_be_resolved_says_how_to_work_without_the_hub(tmp_
         assert r.returncode == 1 and len(lines) == 1, (verb, r.stderr)
         assert lines[0].startswith(f"error: someorg/some-model: {why}; ") and "local folder" in lines[0], lines[0]
         assert "HF_HUB_OFFLINE=1" in lines[0] and "huggingface-cli download" in lines[0]
+
+
+def test_inspect_of_a_repo_id_reads_headers_from_the_hub_not_the_weights(src, tmp_path):
+    # Against a local stand-in of the hub's file API (tests/hub_server.py, real HTTP): inspect of
+    # a repo id not in the cache fetches config, index and each shard's header by ranged reads,
+    # says what a conversion writes, and describes the checkpoint as the local folder is described.
+    import subprocess
+    import sys
+
+    from hub_server import HubServer
+
+    repo = "someorg/tiny-mxfp4"
+    local = json.loads(invoke("inspect", src, "--json").stdout)
+    with HubServer(src, repo) as hub:
+        env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_HUB_CACHE": str(tmp_path / "cache"), "HF_HUB_DISABLE_XET": "1"}
+        env.pop("HF_HUB_OFFLINE", None)
+        r = subprocess.run([sys.executable, "-m", "prep", "inspect", repo, "--json"], env=env, capture_output=True,
+                           text=True, cwd=tmp_path)
+        text = subprocess.run([sys.executable, "-m", "prep", "inspect", repo], env=env, capture_output=True,
+                              text=True, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    got = json.loads(r.stdout)
+    shards = sorted(p.name for p in src.glob("*.safetensors"))
+    assert got["read_from_hub"]["shards"] == len(shards) and got["path"] == repo
+    for key in ("tensors", "bytes", "files", "layouts_by_tp", "mxfp4_modules_by_kind", "output_bytes_by_tp"):
+        assert got[key] == local[key], key
+    fetched = {}
+    for method, name, n in hub.requests:
+        fetched[name] = fetched.get(name, 0) + n
+    total = sum((src / s).stat().st_size for s in shards)
+    # Two inspects, each reading every shard's first 100 KB (huggingface_hub's header read): headers, not weights.
+    assert sum(fetched.get(s, 0) for s in shards) <= 2 * len(shards) * 100_001 < total / 2
+    assert not list((tmp_path / "cache").rglob("*.safetensors"))  # nothing of the weights cached
+    assert text.returncode == 0 and text.stdout.startswith(f"{repo} (read from the hub: config, index and "
+                                                           f"{len(shards)} shard headers, ")
+    assert "nothing downloaded)" in text.stdout.splitlines()[0] and text.stderr == ""
