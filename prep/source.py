@@ -95,7 +95,8 @@ def _hub_problem(e: Exception, revision: str | None) -> str:
         return f"the repo has no revision {revision!r}"
     if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
         return "not in the local hub cache, and HF_HUB_OFFLINE is set"
-    if "LocalEntryNotFound" in name:
+    if "LocalEntryNotFound" in name or isinstance(e, OSError) or any(k in name for k in ("Connect", "Timeout",
+                                                                                       "Network")):
         return "the hub could not be reached and the repo is not in the local hub cache"
     return f"could not be resolved through huggingface_hub ({first})"
 
