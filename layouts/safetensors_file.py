@@ -39,14 +39,14 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 
 
 def _xxh3_128():
-    """xxhash's xxh3-128 constructor. xxhash is optional for the runtime (prep-layouts installs
+    """xxhash's xxh3-128 constructor. xxhash is optional for the runtime (mxfp4-layouts installs
     with torch alone; its ``hashes`` extra adds xxhash): without it, loading works and checking
     a hash says what to install."""
     try:
         import xxhash
     except ImportError:
         raise LayoutsError("checking tensor hashes needs xxhash, which is not installed: pip install "
-                           "'prep-layouts[hashes]' (or xxhash), or load without verify_hashes") from None
+                           "'mxfp4-layouts[hashes]' (or xxhash), or load without verify_hashes") from None
     return xxhash.xxh3_128
 
 

@@ -1,6 +1,6 @@
 """The two distributions this repository builds, installed as a user and an engine would:
 
-* ``prep-layouts`` (runtime/): the runtime library alone, into a fresh virtual environment that
+* ``mxfp4-layouts`` (runtime/): the runtime library alone, into a fresh virtual environment that
   holds torch and numpy and nothing else of prep's: ``layouts`` imports, checks and loads a
   converted checkpoint there, click/tqdm/huggingface_hub/xxhash are absent, and a hash check says
   which extra to install;
@@ -31,7 +31,7 @@ from prep.deepseek import Target
 from prep.testing import SynthSpec, write_checkpoint
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-OURS = {"prep", "prep-layouts"}
+OURS = {"mxfp4-prep", "mxfp4-layouts"}
 PREP_ONLY = ("click", "tqdm", "huggingface_hub", "xxhash")
 
 
@@ -108,8 +108,8 @@ def _meta(wheel: pathlib.Path) -> tuple[list[str], str]:
 
 
 def test_the_runtime_wheel_needs_torch_alone_and_the_cli_wheel_the_rest(wheels):
-    runtime, = wheels.glob("prep_layouts-*.whl")
-    cli, = wheels.glob("prep-*.whl")
+    runtime, = wheels.glob("mxfp4_layouts-*.whl")
+    cli, = wheels.glob("mxfp4_prep-*.whl")
     requires, listing = _meta(runtime)
     assert sorted(r for r in requires if "extra ==" not in r) == ["numpy", "torch>=2.7"]
     assert [r for r in requires if "extra ==" in r] == ['xxhash>=3.0; extra == "hashes"']
@@ -125,7 +125,7 @@ def test_an_engine_environment_loads_a_checkpoint_with_the_runtime_alone(wheels,
     convert(str(src), out, Target("preshuffle", "ck", 2))
     py = _fresh_venv(tmp_path / "engine", ["torch", "numpy"])
     r = subprocess.run([str(py), "-m", "pip", "install", "--no-index", "--find-links", str(wheels), "-q",
-                        "--disable-pip-version-check", "prep-layouts"], capture_output=True, text=True, cwd=tmp_path,
+                        "--disable-pip-version-check", "mxfp4-layouts"], capture_output=True, text=True, cwd=tmp_path,
                        env=_clean_env())
     assert r.returncode == 0, r.stderr
     code = f"""
@@ -149,14 +149,14 @@ print(json.dumps({{"file": layouts.__file__, "present": absent, "shuffled": w13.
     got = json.loads(r.stdout)
     assert got["file"].startswith(str(tmp_path / "engine")) and got["present"] == []
     assert got["shuffled"] is True and len(got["shape"]) == 3
-    assert "needs xxhash" in got["hashes"] and "prep-layouts[hashes]" in got["hashes"]
+    assert "needs xxhash" in got["hashes"] and "mxfp4-layouts[hashes]" in got["hashes"]
 
 
 def test_pip_install_prep_gives_the_cli(wheels, tmp_path):
     py = _fresh_venv(tmp_path / "user", ["torch", "numpy", "safetensors", "click", "tqdm", "huggingface_hub",
                                          "xxhash"])
     r = subprocess.run([str(py), "-m", "pip", "install", "--no-index", "--find-links", str(wheels), "-q",
-                        "--disable-pip-version-check", "prep"], capture_output=True, text=True, cwd=tmp_path,
+                        "--disable-pip-version-check", "mxfp4-prep"], capture_output=True, text=True, cwd=tmp_path,
                        env=_clean_env())
     assert r.returncode == 0, r.stderr
     env = _clean_env()
