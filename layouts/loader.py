@@ -20,7 +20,8 @@ from typing import Iterator
 import torch
 
 from .compat import EngineConfig, check_compatibility
-from .manifest import COMPLETE_NAME, MANIFEST_NAME, Manifest, ManifestError, TensorRecord, load_manifest, read_regular
+from .manifest import COMPLETE_NAME, MANIFEST_NAME, Manifest, ManifestError, TensorRecord, load_manifest
+from .safe_files import read_regular
 from .safetensors_file import TORCH_DTYPES, SafetensorsFile, SafetensorsFileError, map_all, tensor_hash
 
 

@@ -20,7 +20,7 @@ from typing import NamedTuple
 import torch
 
 from .errors import LayoutsError
-from .manifest import DuplicateKeyError, open_regular, strict_json
+from .safe_files import DuplicateKeyError, open_regular, strict_json
 
 # safetensors dtype strings and the torch dtypes they are read into.
 TORCH_DTYPES = {"U8": torch.uint8, "I8": torch.int8, "BOOL": torch.bool, "BF16": torch.bfloat16,

@@ -39,8 +39,8 @@ import signal
 import stat
 from typing import Any, Iterator
 
-from layouts.manifest import (COMPLETE_NAME, MANIFEST_NAME, MAX_JSON_BYTES, FileTooLargeError, open_regular,
-                              read_regular)
+from layouts.manifest import COMPLETE_NAME, MANIFEST_NAME
+from layouts.safe_files import MAX_JSON_BYTES, FileTooLargeError, open_regular, read_regular
 
 from .errors import PrepError
 

@@ -12,7 +12,7 @@ import json
 import pathlib
 from typing import Callable
 
-from layouts.manifest import member_problem
+from layouts.safe_files import member_problem
 
 from . import __version__
 from .convert import shard_names

@@ -14,8 +14,9 @@ from typing import Any
 
 import torch
 
-from layouts.manifest import (MANIFEST_NAME, MAX_JSON_BYTES, DuplicateKeyError, FileTooLargeError, member_problem, read_regular,
-                              strict_json)
+from layouts.manifest import MANIFEST_NAME
+from layouts.safe_files import (MAX_JSON_BYTES, DuplicateKeyError, FileTooLargeError, member_problem, read_regular,
+                                strict_json)
 from layouts.safetensors_file import FileAccessError, SafetensorsFile, SafetensorsFileError, TensorInfo
 
 from .errors import PrepError

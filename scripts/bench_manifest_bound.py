@@ -8,7 +8,7 @@ each size, each in a fresh process, as ratios against the first size.
 The padding is entries of the source tensor table (what a real manifest holds most of: R1-0528's
 at TP 8 is 20 MB, 12 MB of it the 90,910 source tensors), small objects as a real table's are;
 the copy is resealed (completion marker) so that it loads. The manifest's size bound is
-``layouts.manifest.MAX_JSON_BYTES``; a real checkpoint's manifest must stay well under it, and
+``layouts.safe_files.MAX_JSON_BYTES``; a real checkpoint's manifest must stay well under it, and
 what a hostile one just under it costs is what this prints.
 """
 

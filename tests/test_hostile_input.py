@@ -648,7 +648,7 @@ def test_a_malformed_source_table_is_refused_by_what_reads_it_and_costs_a_rank_l
 def test_a_json_file_larger_than_any_prep_reads_is_refused_before_it_is_read(made, tmp_path, name):
     # A manifest, marker or index is read whole and parsed (several times its size in objects):
     # one of terabytes (here a sparse file of 1 TiB: no disk used) is refused by its size first.
-    from layouts.manifest import MAX_JSON_BYTES
+    from layouts.safe_files import MAX_JSON_BYTES
 
     folder = copy(made["src" if name == INDEX else "out"], tmp_path / "f")
     with open(folder / name, "r+b") as f:
