@@ -94,6 +94,8 @@ def main() -> int:
     args = ap.parse_args()
     global DEVICE
     DEVICE = args.device
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA device (or --device cpu for a smoke run)")
     work = pathlib.Path(args.work or tempfile.mkdtemp(prefix="bench-install-"))
     spec = dataclasses.replace(PRESETS[args.preset], variant=args.variant, num_hidden_layers=args.layers,
                                first_k_dense_replace=min(PRESETS[args.preset].first_k_dense_replace, args.layers))
