@@ -39,7 +39,7 @@ class RankTensors(dict):
 
 def load_rank(model_dir: str | pathlib.Path, rank: int, device: str | torch.device = "cpu", *,
               engine: EngineConfig | None = None, verify_hashes: bool = False,
-              manifest: Manifest | None = None, mmap: bool = True) -> RankTensors:
+              manifest: Manifest | None = None, mmap: bool = True, direct: bool = False) -> RankTensors:
     """This rank's tensors from a converted checkpoint, on ``device``, with runtime attributes set.
 
     With ``engine``, the checkpoint is first checked against it (:func:`check_compatibility`):
@@ -49,7 +49,8 @@ def load_rank(model_dir: str | pathlib.Path, rank: int, device: str | torch.devi
     the CPU the tensors are then backed by the page cache (no copy, nothing anonymous), and a
     GPU gets each file in one pass from the mapping through pinned staging blocks; ``mmap=False`` reads
     each file with large sequential ``pread`` calls into one buffer (for filesystems where
-    mapping is slow, e.g. some network mounts).
+    mapping is slow, e.g. some network mounts); with ``direct`` too, with ``O_DIRECT``: from the
+    disk past the page cache, at the disk's speed cold (buffered where the filesystem refuses it).
     Raises :class:`ManifestError` naming the file and tensor when the files disagree with it.
     """
     with pinned_folder(model_dir) as folder:
@@ -59,7 +60,8 @@ def load_rank(model_dir: str | pathlib.Path, rank: int, device: str | torch.devi
                 raise ValueError(f"load_rank(rank={rank}) with an engine config for rank {engine.rank}")
             check_compatibility(manifest, engine)
         out = RankTensors(manifest, rank)
-        for part in folder.files(manifest, rank, device, names=None, verify_hashes=verify_hashes, mmap=mmap):
+        for part in folder.files(manifest, rank, device, names=None, verify_hashes=verify_hashes, mmap=mmap,
+                                 direct=direct):
             out.update(part)
             out.records.update(part.records)
             out.buffers += part.buffers
@@ -68,14 +70,14 @@ def load_rank(model_dir: str | pathlib.Path, rank: int, device: str | torch.devi
 
 def iter_rank_files(model_dir: str | pathlib.Path, rank: int, device: str | torch.device = "cpu", *,
                     manifest: Manifest | None = None, names: set[str] | None = None, verify_hashes: bool = False,
-                    mmap: bool = True) -> Iterator[RankTensors]:
+                    mmap: bool = True, direct: bool = False) -> Iterator[RankTensors]:
     """:func:`load_rank` one file at a time: a :class:`RankTensors` per file of the rank (only the
     files holding one of ``names``, and only those tensors, when given), each file's buffer its
     own. A caller that copies the tensors elsewhere and drops each part holds one file at a time
     (an engine filling parameters it allocated itself: ``layouts.engines.atom.adapter``)."""
     with pinned_folder(model_dir) as folder:
         yield from folder.files(folder.manifest(manifest), rank, device, names=names, verify_hashes=verify_hashes,
-                                mmap=mmap)
+                                mmap=mmap, direct=direct)
 
 
 class PinnedFolder:
@@ -109,7 +111,7 @@ class PinnedFolder:
         return given
 
     def files(self, manifest: Manifest, rank: int, device: str | torch.device, *, names: set[str] | None,
-              verify_hashes: bool, mmap: bool) -> Iterator["RankTensors"]:
+              verify_hashes: bool, mmap: bool, direct: bool = False) -> Iterator["RankTensors"]:
         """Rank ``rank``'s tensors of ``manifest`` (this folder's: :meth:`manifest`), a file at a time."""
         by_file: dict[str, list[TensorRecord]] = {}
         for r in manifest.rank_tensors(rank):
@@ -119,7 +121,7 @@ class PinnedFolder:
         for fname, recs in by_file.items():
             part = RankTensors(manifest, rank)
             try:
-                _load_file(manifest, fname, recs, device, part, verify_hashes, mmap, self.via)
+                _load_file(manifest, fname, recs, device, part, verify_hashes, mmap, self.via, direct)
             except ManifestError as e:
                 self.check()  # a folder swapped or removed meanwhile is the cause to name
                 raise ManifestError(self.shown(str(e))) from None
@@ -158,13 +160,13 @@ def pinned_folder(path: str | pathlib.Path) -> Iterator[PinnedFolder]:
 
 
 def _load_file(manifest: Manifest, fname: str, recs: list[TensorRecord], device: torch.device, out: RankTensors,
-               verify_hashes: bool, mmap: bool, via: pathlib.Path) -> None:
+               verify_hashes: bool, mmap: bool, via: pathlib.Path, direct: bool = False) -> None:
     """File ``fname``'s tensors ``recs`` into ``out``, checked against the manifest; read through
     ``via`` (the pinned folder), named by its path in messages."""
     path = manifest.root / fname
     try:
         f = SafetensorsFile(via / fname)
-        buf, views = map_all(f) if mmap else f.read_all()
+        buf, views = map_all(f) if mmap else f.read_direct() if direct else f.read_all()
     except FileNotFoundError:
         raise ManifestError(f"{path}: listed in the manifest but missing; convert again") from None
     except SafetensorsFileError as e:

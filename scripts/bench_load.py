@@ -11,7 +11,7 @@ every MXFP4 weight and scale into the kernels' layout (prep's own shuffles, the 
 as aiter's); the BF16 tensors are read too.
 converted path: ``layouts.load_rank`` (each file mapped once, tensors are views of it, runtime
 attributes set from the manifest; on the CPU every page is then touched so the bytes are really
-in memory; ``--pread`` reads each file into new memory instead).
+in memory; ``--pread`` reads each file into new memory instead, ``--direct`` with O_DIRECT).
 
 Both run with the files in the page cache (each path runs once untimed first), alternating, and
 the best of ``--repeat`` is reported, with tensor counts and the ratio (target: >= 2x). Without
@@ -122,7 +122,7 @@ def bytes_table(src: SourceCheckpoint, conv: pathlib.Path) -> None:
               f"{(mx + bf) / 2**30:14.3f}  {read / (mx + bf):9.2f}")
 
 
-def time_rank(src_dir: pathlib.Path, conv: pathlib.Path, rank: int, repeat: int, device: str, pread: bool,
+def time_rank(src_dir: pathlib.Path, conv: pathlib.Path, rank: int, repeat: int, device: str, pread: bool | str,
               cold: bool) -> None:
     manifest = L.load_manifest(conv)
     tp = manifest.tp
@@ -141,7 +141,7 @@ def time_rank(src_dir: pathlib.Path, conv: pathlib.Path, rank: int, repeat: int,
         if cold:
             evict(files)
         t1 = time.perf_counter()
-        ranked = L.load_rank(conv, rank, device, mmap=not pread)
+        ranked = L.load_rank(conv, rank, device, mmap=not pread, direct=pread == "direct")
         if device == "cpu":  # touch every page, so a mapped file is really in memory
             for t in ranked.buffers:
                 int(t[::4096].sum())
@@ -222,6 +222,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--pread", action="store_true", help="load_rank(mmap=False): read files into new memory")
+    ap.add_argument("--direct", action="store_true",
+                    help="load_rank(mmap=False, direct=True): read files with O_DIRECT, past the page cache")
     ap.add_argument("--cold", action="store_true", help="also time with the files evicted from the page cache")
     ap.add_argument("--bytes-only", action="store_true", help="the per-rank bytes table only, no timing")
     ap.add_argument("--rank-exact", action="store_true",
@@ -249,9 +251,11 @@ def main() -> None:
                 print(f"converted rank-exact in {time.perf_counter() - t0:.1f} s")
                 compare_layouts(src, {"common-bf16": conv, "rank-exact": exact}, args.rank, args.repeat, args.cold)
             if not args.bytes_only and not args.no_source:
-                time_rank(args.src, conv, args.rank, args.repeat, args.device, args.pread, cold=False)
+                time_rank(args.src, conv, args.rank, args.repeat, args.device, "direct" if args.direct else args.pread,
+                          cold=False)
                 if args.cold:
-                    time_rank(args.src, conv, args.rank, args.repeat, args.device, args.pread, cold=True)
+                    time_rank(args.src, conv, args.rank, args.repeat, args.device, "direct" if args.direct else args.pread,
+                              cold=True)
         finally:
             if tmp is not None:
                 shutil.rmtree(tmp, ignore_errors=True)

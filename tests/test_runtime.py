@@ -159,12 +159,13 @@ def test_unknown_paths_and_archs_are_refused():
 
 
 # ------------------------------------------------------------------------------ rank loader
-@pytest.mark.parametrize("mmap", [True, False], ids=["mapped", "pread"])
+@pytest.mark.parametrize("mmap, direct", [(True, False), (False, False), (False, True)],
+                         ids=["mapped", "pread", "direct"])
 @pytest.mark.parametrize("ckpt, rank", [("pre-ck-tp2", 0), ("pre-ck-tp2", 1), ("raw-triton-tp2", 1), ("pre-ck-ep2", 1)])
-def test_load_rank_returns_exactly_the_manifest_tensors_with_attributes(converted, ckpt, rank, mmap):
+def test_load_rank_returns_exactly_the_manifest_tensors_with_attributes(converted, ckpt, rank, mmap, direct):
     root = converted[ckpt]
     m = load_manifest(root)
-    tensors = L.load_rank(root, rank, verify_hashes=True, mmap=mmap)  # every tensor re-hashed against the manifest
+    tensors = L.load_rank(root, rank, verify_hashes=True, mmap=mmap, direct=direct)  # every tensor re-hashed
     want = {t.name: t for t in m.rank_tensors(rank)}
     assert list(tensors) == list(want)
     on_disk = {}
