@@ -32,7 +32,7 @@ from .errors import LayoutsError
 from .engines import EngineProfile, engine_names, get_engine, register_engine
 from .dequant import dequantize_activation, dequantize_expert, dequantize_stored, dequantize_stored_rows
 from .fused_quant import fused_rms_mxfp4_quant, fused_rms_mxfp4_quant_reference
-from .loader import RankTensors, iter_rank_files, load_rank
+from .loader import OpenRank, RankTensors, iter_rank_files, load_rank, open_rank
 from .manifest import Manifest, ManifestError, TensorRecord, load_manifest
 from .mla import MlaShape, absorbed_kv_b, absorbed_kv_b_of_rank
 from .registry import Layout, Transform, get_layout, layout_names, register_layout
@@ -61,7 +61,7 @@ __all__ = [
     "ActivationQuantPlan", "CompatibilityError", "LayoutsError", "EngineConfig", "check_compatibility",
     "EngineProfile", "engine_names", "get_engine", "register_engine",
     "dequantize_activation", "dequantize_expert", "dequantize_stored", "dequantize_stored_rows",
-    "fused_rms_mxfp4_quant", "fused_rms_mxfp4_quant_reference", "RankTensors", "iter_rank_files", "load_rank",
+    "fused_rms_mxfp4_quant", "fused_rms_mxfp4_quant_reference", "RankTensors", "iter_rank_files", "load_rank", "OpenRank", "open_rank",
     "Manifest", "ManifestError", "TensorRecord", "load_manifest",
     "MlaShape", "absorbed_kv_b", "absorbed_kv_b_of_rank",
     "LayoutConstraintError", "preshuffle_scale", "preshuffle_scale_per_expert", "preshuffle_weight",

@@ -46,6 +46,12 @@ class ActivationQuantPlan:
     def for_checkpoint(cls, manifest: Manifest, engine: EngineConfig, backend: str = "auto") -> "ActivationQuantPlan":
         """The plan for ``engine`` reading ``manifest``'s checkpoint; refuses a mismatched pair."""
         check_compatibility(manifest, engine)
+        return cls.for_engine(engine, backend)
+
+    @classmethod
+    def for_engine(cls, engine: EngineConfig, backend: str = "auto") -> "ActivationQuantPlan":
+        """The plan of ``engine``'s GEMM path and fusion switches, for a checkpoint already checked
+        against it (:func:`layouts.open_rank` checks once for the load and the plan)."""
         return cls(engine.gemm_path, engine.input_norm_quant_fusion, engine.qknorm_quant_fusion, backend)
 
     def flags(self, num_tokens: int) -> ActivationQuantFlags:

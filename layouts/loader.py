@@ -12,10 +12,11 @@ states (``is_shuffled``, ``scale_swizzle``, ``hidden_pad``, ...), as Python attr
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import pathlib
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 
@@ -23,6 +24,9 @@ from .compat import EngineConfig, check_compatibility
 from .manifest import COMPLETE_NAME, MANIFEST_NAME, Manifest, ManifestError, TensorRecord, load_manifest
 from .safe_files import read_regular
 from .safetensors_file import TORCH_DTYPES, SafetensorsFile, SafetensorsFileError, map_all, tensor_hash
+
+if TYPE_CHECKING:  # activation imports the engine profiles, whose adapters import this module
+    from .activation import ActivationQuantPlan
 
 
 class RankTensors(dict):
@@ -66,6 +70,42 @@ def load_rank(model_dir: str | pathlib.Path, rank: int, device: str | torch.devi
             out.records.update(part.records)
             out.buffers += part.buffers
     return out
+
+
+@dataclasses.dataclass
+class OpenRank:
+    """One rank of a converted checkpoint, checked once against its engine: the manifest, the
+    engine's configuration, the rank's tensors (attributes set) and the activation-quant plan
+    of its GEMM path (:func:`open_rank`)."""
+
+    manifest: Manifest
+    engine: EngineConfig
+    tensors: RankTensors
+    plan: "ActivationQuantPlan"
+
+    @property
+    def rank(self) -> int:
+        return self.engine.rank
+
+
+def open_rank(model_dir: str | pathlib.Path, engine: EngineConfig, device: str | torch.device = "cpu", *,
+              verify_hashes: bool = False, mmap: bool = True, direct: bool = False,
+              backend: str = "auto") -> OpenRank:
+    """``engine.rank``'s part of a converted checkpoint, for ``engine``: the manifest read and
+    the compatibility check made once (a :class:`CompatibilityError` naming the fix before a
+    byte is loaded), then the rank's files loaded (:func:`load_rank`) and the activation plan
+    made (:class:`ActivationQuantPlan`), neither checking again. ``backend``: the fused quant's."""
+    from .activation import ActivationQuantPlan  # at call time: see the import above
+    with pinned_folder(model_dir) as folder:
+        manifest = folder.manifest(None)
+        check_compatibility(manifest, engine)
+        tensors = RankTensors(manifest, engine.rank)
+        for part in folder.files(manifest, engine.rank, device, names=None, verify_hashes=verify_hashes, mmap=mmap,
+                                 direct=direct):
+            tensors.update(part)
+            tensors.records.update(part.records)
+            tensors.buffers += part.buffers
+    return OpenRank(manifest, engine, tensors, ActivationQuantPlan.for_engine(engine, backend))
 
 
 def iter_rank_files(model_dir: str | pathlib.Path, rank: int, device: str | torch.device = "cpu", *,

@@ -373,3 +373,32 @@ def test_a_file_renamed_over_the_checked_one_is_not_what_gets_mapped(tmp_path):
     assert views["w"].tolist() == [1.0, 2.0]
     views["w"][0] = 5.0  # copy-on-write: the file is never written through the mapping
     assert SafetensorsFile(checked).read_all()[1]["w"].tolist() == [7.0, 8.0]
+
+
+def test_open_rank_checks_once_and_carries_the_tensors_and_the_plan(converted, monkeypatch):
+    # One call for what the README's sequence did in three (load_manifest, check_compatibility,
+    # load_rank with its own check, the plan with a third): the check runs once, before a byte.
+    import layouts.compat
+    import layouts.loader
+
+    root = converted["pre-ck-tp2"]
+    calls = []
+    real = layouts.compat.check_compatibility
+
+    def counted(m, e):
+        calls.append(e)
+        return real(m, e)
+
+    monkeypatch.setattr(layouts.loader, "check_compatibility", counted)
+    engine = EngineConfig("asm", "ck", 2, rank=1)
+    opened = L.open_rank(root, engine)
+    assert len(calls) == 1 and opened.rank == 1 and opened.engine is engine
+    plain = L.load_rank(root, 1)
+    assert list(opened.tensors) == list(plain) and all(torch.equal(opened.tensors[k], plain[k]) for k in plain)
+    assert opened.tensors["model.layers.1.mlp.experts.w13_weight"].is_shuffled is True
+    assert opened.plan == L.ActivationQuantPlan.for_checkpoint(load_manifest(root), engine)
+    assert opened.plan.flags(4) == (True, True)  # asm: shuffled, padded scales
+    calls.clear()
+    with pytest.raises(L.CompatibilityError, match="set ATOM_USE_FP4_NON_SHUFFLE_TRITON_GEMM=1|--layout"):
+        L.open_rank(root, EngineConfig("triton-non-shuffle", "ck", 2, rank=0))
+    assert len(calls) == 1
