@@ -226,7 +226,7 @@ def _write_into(src: SourceCheckpoint, jobs: list[FileJob], tmps: list[pathlib.P
 
         rooms = [room_in(w) for w in writers]
         for i in range(len(jobs[0].groups)):
-            for f, name, chunk in build_together([job.groups[i] for job in jobs], src.read, src.width, CHUNK_BYTES, rooms):
+            for f, name, chunk in build_together([job.groups[i] for job in jobs], src.read, src.cuts_columns, CHUNK_BYTES, rooms):
                 writers[f].write(name, chunk)
                 if progress:
                     progress(chunk.numel() * chunk.element_size())

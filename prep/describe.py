@@ -18,7 +18,7 @@ from .converted import ConvertedCheckpoint
 from .deepseek import Target, classify, plan_groups, split_bf16
 from .errors import PrepError
 from .safetensors_writer import nbytes
-from .source import SourceCheckpoint
+from .source import SourceCheckpoint, hub_offline, looks_like_repo_id
 
 TP_CANDIDATES = (1, 2, 4, 8, 16)
 
@@ -56,11 +56,7 @@ def _inspect_source(spec: str, revision: str | None, progress: Callable[[int], N
 
 def _remote_repo(spec: str) -> bool:
     """Whether ``spec`` names a hub repo (not a local folder) that may be read over the network."""
-    import os
-
-    if pathlib.Path(spec).expanduser().exists() or spec.count("/") != 1 or spec.startswith((".", "/")):
-        return False
-    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() not in ("1", "true", "yes", "on")
+    return not pathlib.Path(spec).expanduser().exists() and looks_like_repo_id(spec) and not hub_offline()
 
 
 def _describe_source(src: SourceCheckpoint, label: str, progress: Callable[[int], None] | None,

@@ -39,15 +39,15 @@ def _moe_tp_siblings(groups: list) -> bool:
     return same and len({g.rank for g in groups}) == len(groups) and g0.blocks_exact(0) and g0.blocks_exact(2)
 
 
-def build_together(groups: list, read: Reader, width: Callable[[str], int], chunk_bytes: int,
+def build_together(groups: list, read: Reader, cuts_columns: Callable[[str, slice | None], bool], chunk_bytes: int,
                    allocs: list[Alloc | None]) -> Iterator[tuple[int, str, torch.Tensor]]:
     """(index into ``groups``, output name, chunk) for every chunk of every group, each group's
     chunks in its file order (``build_chunks``'); ``allocs[i]`` gives group i's chunks room.
-    ``width(name)``: the stored columns of source tensor ``name``."""
+    ``cuts_columns(name, cols)``: whether ``cols`` is a proper column window of source tensor ``name``."""
     if len(groups) > 1 and _moe_tp_siblings(groups):
         yield from _moe_tp_chunks(groups, read, chunk_bytes, allocs)
         return
-    shared = SharedReads(read, width, budget=max(chunk_bytes, 1) * 2) if len(groups) > 1 else None
+    shared = SharedReads(read, cuts_columns, budget=max(chunk_bytes, 1) * 2) if len(groups) > 1 else None
     # Each rank's chunk a share of the whole, so that the rows read for all of them (a column
     # window's) stay about one chunk.
     per = max(1, chunk_bytes // len(groups)) if chunk_bytes else 0
@@ -67,16 +67,16 @@ class SharedReads:
     tensor ask for the same rows, one after the other. Keeps the rows most recently read, up
     to ``budget`` bytes; row windows (each rank's own rows) are read straight through."""
 
-    def __init__(self, read: Reader, width: Callable[[str], int], budget: int):
+    def __init__(self, read: Reader, cuts_columns: Callable[[str, slice | None], bool], budget: int):
         self._read = read
-        self._width = width
+        self._cuts_columns = cuts_columns
         self._budget = budget
         self._rows: collections.OrderedDict[tuple, torch.Tensor] = collections.OrderedDict()
         self._bytes = 0
 
     def __call__(self, name: str, rows: slice | None = None, cols: slice | None = None,
                  out: torch.Tensor | None = None) -> torch.Tensor:
-        if cols is None or (cols.start in (0, None) and cols.stop is not None and cols.stop >= self._width(name)):
+        if not self._cuts_columns(name, cols):
             return self._read(name, rows, None, out=out)  # the whole width: a plain row read
         key = (name, None if rows is None else (rows.start, rows.stop))
         whole = self._rows.get(key)

@@ -55,6 +55,16 @@ class ShardFile(SafetensorsFile):
             raise PrepError(f"{self.path}: no tensor {name}") from None
 
 
+def looks_like_repo_id(src: str) -> bool:
+    """Whether ``src`` (not an existing path) has a hub repo id's shape, ``org/name``."""
+    return src.count("/") == 1 and not src.startswith((".", "/"))
+
+
+def hub_offline() -> bool:
+    """Whether ``HF_HUB_OFFLINE`` asks for no network, as huggingface_hub reads it."""
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
 def resolve(src: str, revision: str | None = None) -> tuple[pathlib.Path, dict[str, Any]]:
     """A local folder, or a Hugging Face repo id fetched through huggingface_hub's cache
     (honours HF_HUB_OFFLINE; downloads only safetensors, JSON and tokenizer files)."""
@@ -63,7 +73,7 @@ def resolve(src: str, revision: str | None = None) -> tuple[pathlib.Path, dict[s
         return path.resolve(), {"kind": "directory", "path": str(path.resolve())}
     if path.exists():
         raise PrepError(f"{src}: not a directory; give a checkpoint folder or a Hugging Face repo id")
-    if src.count("/") != 1 or src.startswith((".", "/")):
+    if not looks_like_repo_id(src):
         raise PrepError(f"{src}: no such directory (and not a Hugging Face repo id like org/name)")
     try:
         from huggingface_hub import snapshot_download
@@ -94,7 +104,7 @@ def _hub_problem(e: Exception, revision: str | None) -> str:
         return "a gated repo: accept its terms on huggingface.co and log in with `huggingface-cli login`"
     if "RevisionNotFound" in name:
         return f"the repo has no revision {revision!r}"
-    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
+    if hub_offline():
         return "not in the local hub cache, and HF_HUB_OFFLINE is set"
     if "LocalEntryNotFound" in name or isinstance(e, OSError) or any(k in name for k in ("Connect", "Timeout",
                                                                                        "Network")):
@@ -246,10 +256,13 @@ class SourceCheckpoint:
         except KeyError:
             raise PrepError(f"{self.root}: tensor {name} is missing from the checkpoint") from None
 
-    def width(self, name: str) -> int:
-        """The columns of source tensor ``name`` (its last dimension; 1 for a scalar)."""
+    def cuts_columns(self, name: str, cols: slice | None) -> bool:
+        """Whether ``cols`` is a proper column window of source tensor ``name`` (not None, not
+        its whole width): a read of it reads whole rows and cuts them."""
+        if cols is None:
+            return False
         shape = self.info(name).shape
-        return shape[-1] if shape else 1
+        return not (cols.start in (0, None) and cols.stop is not None and cols.stop >= (shape[-1] if shape else 1))
 
     def read(self, name: str, rows: slice | None = None, cols: slice | None = None,
              out: torch.Tensor | None = None) -> torch.Tensor:
@@ -259,7 +272,7 @@ class SourceCheckpoint:
         the bytes land there: read straight in when ``out`` is contiguous and all columns are
         wanted, else copied in. Returns ``out``."""
         info = self.info(name)
-        if cols is not None and cols.start in (0, None) and cols.stop is not None and cols.stop >= info.shape[-1]:
+        if not self.cuts_columns(name, cols):
             cols = None  # the whole width: a plain row read
         if out is not None and cols is None and out.is_contiguous():
             return self._shards[info.file].read(info, rows, out)
