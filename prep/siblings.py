@@ -112,27 +112,28 @@ def _moe_tp_chunks(groups: list[MoEGroup], read: Reader, chunk_bytes: int, alloc
     shapes = g0.local_shapes()
     outs = [n for n, _, _ in g0.outputs()]
     # One expert's placements per rank, whose windows hold for every expert of a block.
-    first = [[p for p in dataclasses.replace(g, experts=g.experts[:1]).placements()] for g in groups]
+    first = [list(dataclasses.replace(g, experts=g.experts[:1]).placements()) for g in groups]
     prefix = len(g0.experts[0]) + 1
     src_shape = {"gate_proj": (g0.inter, g0.hidden), "up_proj": (g0.inter, g0.hidden),
                  "down_proj": (g0.hidden, g0.inter)}
 
     def stored(proj: str, kind: str) -> tuple[int, int]:
+        """Rows and stored columns of one expert's ``proj.kind`` (``weight`` or ``weight_scale``)."""
         rows, k = src_shape[proj]
         return (rows, k // 2) if kind == "weight" else (rows, -(-k // layouts.BLOCK_SIZE))
 
     for o in (0, 2):
         projs = ("gate_proj", "up_proj") if o == 0 else ("down_proj",)
         (wname, sname), wshape, sshape = outs[o:o + 2], shapes[o], shapes[o + 1]
-        for part, kind, dest_out in ((o, "weight", o), (o + 1, "weight_scale", o + 1)):
-            per_expert = sum(a * b for a, b in (stored(p, "weight" if kind == "weight" else "scale") for p in projs))
+        for kind, dest_out in (("weight", o), ("weight_scale", o + 1)):
+            per_expert = sum(a * b for a, b in (stored(p, kind) for p in projs))
             step = max(1, min(e_total, chunk_bytes // per_expert)) if chunk_bytes else e_total
             for e0 in range(0, e_total, step):
                 experts = g0.experts[e0:e0 + step]
                 n = len(experts)
                 stacks = {}
                 for proj in projs:
-                    t = _alloc((n, *stored(proj, "weight" if kind == "weight" else "scale")))
+                    t = _alloc((n, *stored(proj, kind)))
                     for j, e in enumerate(experts):
                         read(f"{e}.{proj}.{kind}", None, None, out=t[j])
                     stacks[f"{proj}.{kind}"] = t
