@@ -14,6 +14,7 @@ from layouts.engines import get_engine
 from layouts.errors import LayoutsError
 from layouts.manifest import MANIFEST_NAME
 
+from .convert import plan_files
 from .converted import ConvertedCheckpoint
 from .deepseek import Target, classify, plan_groups, split_bf16
 from .errors import PrepError
@@ -104,8 +105,6 @@ def _describe_source(src: SourceCheckpoint, label: str, progress: Callable[[int]
     written = {}
     for tp in (1, 2, 4, 8):
         if support.get(f"{default.layout}+{default.moe_layout}", {}).get(str(tp)) == "ok":
-            from .convert import plan_files
-
             written[str(tp)] = sum(j.nbytes for j in plan_files(src, dataclasses.replace(default, tp=tp))[0])
     free = shutil.disk_usage(pathlib.Path.cwd()).free
     result.update(output_bytes_by_tp=written, free_bytes_here=free)

@@ -16,8 +16,8 @@ import pathlib
 from typing import Any
 
 from .errors import PrepError
+from .source import HUB_HINT, INDEX_NAME, SINGLE_NAME, _hub_problem
 
-INDEX = "model.safetensors.index.json"
 SMALL = ("config.json", "generation_config.json", "tokenizer_config.json")  # fetched whole: a few KB
 
 
@@ -31,8 +31,8 @@ def cached_snapshot(repo: str, revision: str | None) -> pathlib.Path | None:
                                               allow_patterns=["*.safetensors", "*.json"]))
         # local_files_only answers with the snapshot folder as soon as it exists: an earlier
         # inspect leaves the config and index there, and no shard. Complete means every shard.
-        index = json.loads((snap / INDEX).read_text()) if (snap / INDEX).is_file() else None
-        shards = set(index["weight_map"].values()) if index else {"model.safetensors"}
+        index = json.loads((snap / INDEX_NAME).read_text()) if (snap / INDEX_NAME).is_file() else None
+        shards = set(index["weight_map"].values()) if index else {SINGLE_NAME}
         return snap if all((snap / f).is_file() for f in shards) else None
     except Exception:  # not cached (or partly): the caller reads the headers instead
         return None
@@ -50,11 +50,11 @@ def mirror_headers(repo: str, revision: str | None, dest: pathlib.Path) -> dict[
     disable_progress_bars()  # its bar over the headers would be the only one: inspect has its own
     try:
         meta = api.get_safetensors_metadata(repo, revision=revision)
-        for name in (*SMALL, *((INDEX,) if meta.sharded else ())):
+        for name in (*SMALL, *((INDEX_NAME,) if meta.sharded else ())):
             try:
                 path = hf_hub_download(repo, name, revision=revision)
             except Exception as e:
-                if name in ("config.json", INDEX):
+                if name in ("config.json", INDEX_NAME):
                     raise
                 if "EntryNotFound" not in type(e).__name__:
                     raise
@@ -63,8 +63,6 @@ def mirror_headers(repo: str, revision: str | None, dest: pathlib.Path) -> dict[
     except PrepError:
         raise
     except Exception as e:
-        from .source import HUB_HINT, _hub_problem
-
         raise PrepError(f"{repo}: {_hub_problem(e, revision)}; {HUB_HINT}") from None
     finally:
         if not quiet:
