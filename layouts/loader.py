@@ -22,6 +22,7 @@ import torch
 
 from .compat import EngineConfig, check_compatibility
 from .manifest import COMPLETE_NAME, MANIFEST_NAME, Manifest, ManifestError, TensorRecord, load_manifest
+from .device_load import read_to_device
 from .safe_files import read_regular
 from .safetensors_file import TORCH_DTYPES, SafetensorsFile, SafetensorsFileError, map_all, tensor_hash
 
@@ -49,12 +50,15 @@ def load_rank(model_dir: str | pathlib.Path, rank: int, device: str | torch.devi
     With ``engine``, the checkpoint is first checked against it (:func:`check_compatibility`):
     a checkpoint the engine would misread is refused before a byte is loaded. With
     ``verify_hashes`` every tensor's xxh3-128 is checked against the manifest (needs xxhash).
-    ``mmap`` (default) maps each file copy-on-write instead of reading it into new memory: on
-    the CPU the tensors are then backed by the page cache (no copy, nothing anonymous), and a
-    GPU gets each file in one pass from the mapping through pinned staging blocks; ``mmap=False`` reads
-    each file with large sequential ``pread`` calls into one buffer (for filesystems where
-    mapping is slow, e.g. some network mounts); with ``direct`` too, with ``O_DIRECT``: from the
-    disk past the page cache, at the disk's speed cold (buffered where the filesystem refuses it).
+    On the CPU, ``mmap`` (default) maps each file copy-on-write instead of reading it into new
+    memory: the tensors are then backed by the page cache (no copy, nothing anonymous);
+    ``mmap=False`` reads each file with large sequential ``pread`` calls into one buffer (for
+    filesystems where mapping is slow, e.g. some network mounts); with ``direct`` too, with
+    ``O_DIRECT``: from the disk past the page cache, at the disk's speed cold (buffered where the
+    filesystem refuses it). To a CUDA device each file is read by a few threads straight into
+    pinned staging blocks, each copied over while the next are read (:mod:`layouts.device_load`;
+    ``direct`` reads past the page cache there too); with ``verify_hashes`` it is read on the
+    host, checked, then copied.
     Raises :class:`ManifestError` naming the file and tensor when the files disagree with it.
     """
     with pinned_folder(model_dir) as folder:
@@ -204,9 +208,15 @@ def _load_file(manifest: Manifest, fname: str, recs: list[TensorRecord], device:
     """File ``fname``'s tensors ``recs`` into ``out``, checked against the manifest; read through
     ``via`` (the pinned folder), named by its path in messages."""
     path = manifest.root / fname
+    # To a GPU the file is read straight into pinned staging blocks and copied over as it is read
+    # (device_load); with hashes to check, it is read on the host first and checked there.
+    staged = device.type == "cuda" and not verify_hashes
     try:
         f = SafetensorsFile(via / fname)
-        buf, views = map_all(f) if mmap else f.read_direct() if direct else f.read_all()
+        if staged:
+            buf, views = read_to_device(f, device, direct=direct)
+        else:
+            buf, views = map_all(f) if mmap else f.read_direct() if direct else f.read_all()
     except FileNotFoundError:
         raise ManifestError(f"{path}: listed in the manifest but missing; convert again") from None
     except SafetensorsFileError as e:
@@ -223,7 +233,7 @@ def _load_file(manifest: Manifest, fname: str, recs: list[TensorRecord], device:
                                 f"{r.dtype} {list(r.shape)}; convert again")
         if verify_hashes and tensor_hash(t) != r.xxh3_128:
             raise ManifestError(f"{path}: tensor {r.name} does not match its manifest hash; convert again")
-    if device.type != "cpu":  # one transfer per file, then the same views on the device
+    if device.type != "cpu" and not staged:  # one transfer per file, then the same views on the device
         buf = to_device(buf, device)
         views = f.views(buf)
     out.buffers.append(buf)

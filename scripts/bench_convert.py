@@ -94,6 +94,8 @@ def main() -> None:
     ap.add_argument("--layout", default="preshuffle")
     ap.add_argument("--moe-layout", default="ck")
     ap.add_argument("--workers", type=int, default=1)
+    ap.add_argument("--also-workers", type=int, nargs="*", default=[],
+                    help="also time convert with each of these --workers in the same rounds (a sweep)")
     ap.add_argument("--repeat", type=int, default=4, help="interleaved rounds of cp, cp+sync, user copy, convert")
     ap.add_argument("--preset", default="bench", help="make_tiny_deepseek.py preset to generate without --src")
     ap.add_argument("--keep", action="store_true", help="keep the generated source and outputs")
@@ -138,6 +140,11 @@ def main() -> None:
             base = _prep_in(args.baseline_tree.resolve())
             cv = cmds["convert"][len(prep):]  # convert SRC -o OUT ...
             cmds["base"] = base + cv[:3] + [str(work / "converted-base")] + cv[4:]
+        for w in args.also_workers:
+            cv = cmds["convert"]
+            cmds[f"workers {w}"] = cv[:cv.index("-o") + 1] + [str(work / f"converted-w{w}")] + \
+                cv[cv.index("-o") + 2:cv.index("--workers")] + ["--workers", str(w)]
+        extra = {}
         order = list(cmds)
         for r in range(args.repeat):
             # Interleaved rounds (this machine's disk is noisy: compare within a round), and the
@@ -145,7 +152,8 @@ def main() -> None:
             # GBs on this disk (ext4, online discard) slows whatever writes next.
             t = {}
             for name in order[r % len(order):] + order[:r % len(order)]:
-                for d in ("copy", "copy2", "copy3", "converted", "converted-base"):
+                for d in ("copy", "copy2", "copy3", "converted", "converted-base",
+                          *(f"converted-w{w}" for w in args.also_workers)):
                     shutil.rmtree(work / d, ignore_errors=True)
                 subprocess.run(["sync"], check=True)
                 if args.cold:
@@ -157,11 +165,15 @@ def main() -> None:
                     peak = max(peak, rss if rss > before else 0)
                     manifest = json.loads((out / "prep-manifest.json").read_text())
             rounds.append((t["cp"], t["cp+sync"], t["convert"], t["user"], t.get("base", 0.0)))
+            for w in args.also_workers:
+                extra.setdefault(w, []).append((t[f"workers {w}"], t["cp+sync"]))
             t_cp, t_cps, t_cv, t_py, t_base = rounds[-1]
             print(f"round {r + 1}: cp {t_cp:6.2f} s, cp+sync {t_cps:6.2f} s, user-space copy+fsync {t_py:6.2f} s, "
                   f"convert {t_cv:6.2f} s -> {t_cp / t_cv:4.2f}x cp, {t_cps / t_cv:4.2f}x cp+sync, "
                   f"{t_py / t_cv:4.2f}x user-space copy"
-                  + (f"; baseline tree {t_base:6.2f} s -> {t_base / t_cv:4.2f}x baseline" if args.baseline_tree else ""),
+                  + (f"; baseline tree {t_base:6.2f} s -> {t_base / t_cv:4.2f}x baseline" if args.baseline_tree else "")
+                  + "".join(f"; workers {w} {t[f'workers {w}']:6.2f} s -> {t_cps / t[f'workers {w}']:4.2f}x cp+sync"
+                            for w in args.also_workers),
                   flush=True)
         largest = max((t for t in manifest["tensors"]), key=lambda t: _nbytes(t))
         med = lambda xs: statistics.median(xs)  # noqa: E731
@@ -178,6 +190,9 @@ def main() -> None:
         if args.baseline_tree:
             print(f"baseline    : {t_base:7.2f} s  ({args.baseline_tree}); ratio per round, median: "
                   f"{med([r[4] / r[2] for r in rounds]):4.2f}x baseline")
+        for w, xs in extra.items():
+            print(f"--workers {w:<3d}: {med([x[0] for x in xs]):7.2f} s  ratio per round, median: "
+                  f"{med([x[1] / x[0] for x in xs]):4.2f}x cp+sync")
         print(f"peak RSS of convert: {peak / 2**20:.0f} MiB = fixed overhead {base_rss / 2**20:.0f} MiB (python + torch + "
               f"prep imported) + {(peak - base_rss) / 2**20:.0f} MiB of blocks in flight (blocks of "
               f"{CHUNK_BYTES >> 20} MiB; largest output tensor {largest['name']}, {_nbytes(largest) / 2**20:.0f} MiB)")

@@ -1,0 +1,280 @@
+#!/usr/bin/env python3
+"""One rank of a converted checkpoint to the GPU, against the bandwidths that bound it, in one run.
+
+    python3 scripts/bench_gpu_load.py --converted CONV [--rank 0] [--repeat 3] [--shm /dev/shm]
+                                      [--eight CONV8] [--sweep] [--fastsafetensors]
+
+1. Pinned host-to-device copy bandwidth (1 GiB, best of --repeat): the ceiling of any loader.
+2. RAM-backed: the rank's files copied to ``--shm`` (tmpfs), so storage is out of the way; then,
+   alternating, best of --repeat: ``load_rank(..., "cuda")`` (layouts.device_load: reads into
+   pinned staging blocks overlapped with the copies), the same with ``direct=True``, the previous
+   way (each file mapped, copied through two pinned blocks: ``loader.to_device``), and
+   fastsafetensors (``fastsafe_open(..., nogds=True)``) on the same files. ``--sweep`` times the
+   staged reader's block size and reader count too.
+3. Disk, cold (files evicted with ``posix_fadvise(DONTNEED)`` before each load): ``dd
+   iflag=direct bs=16M`` of the same files, then ``load_rank`` with ``direct=True`` and without,
+   and fastsafetensors.
+4. ``--eight CONV8`` (a conversion at TP 8): eight processes each loading one rank at once, cold,
+   against eight ``dd iflag=direct`` at once over the same files.
+
+Each figure is GB/s of the rank's bytes (its files' sizes) and its ratio to the row it is
+compared with. Everything is checked: the loaded tensors' bytes equal a CPU load of the same rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+import layouts as L  # noqa: E402
+from layouts import device_load  # noqa: E402
+from layouts.loader import to_device  # noqa: E402
+from layouts.safetensors_file import SafetensorsFile, map_all  # noqa: E402
+
+sys.path.insert(0, str(REPO / "scripts"))
+from bench_replicated import evict as _evict  # noqa: E402
+
+
+def evict(files) -> None:
+    """The files out of the page cache: posix_fadvise, and as root the whole cache dropped too
+    (some sandboxed kernels ignore the advice)."""
+    _evict(files)
+    try:
+        os.sync()
+        pathlib.Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    except OSError:
+        pass
+
+
+def rank_files(conv: pathlib.Path, rank: int) -> list[pathlib.Path]:
+    m = L.load_manifest(conv)
+    return [conv / f for f in m.rank_files(rank)]
+
+
+def pinned_h2d(repeat: int) -> float:
+    n = 1 << 30
+    src = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    src.fill_(1)
+    dst = torch.empty(n, dtype=torch.uint8, device="cuda")
+    best = 1e9
+    for _ in range(repeat + 1):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return n / best / 1e9
+
+
+def load_staged(conv: pathlib.Path, rank: int, direct: bool) -> list[torch.Tensor]:
+    r = L.load_rank(conv, rank, "cuda", direct=direct)
+    torch.cuda.synchronize()
+    return r.buffers
+
+
+def load_mapped(files: list[pathlib.Path]) -> list[torch.Tensor]:
+    """The loader before device_load: each file mapped and copied through two pinned blocks."""
+    out = []
+    for p in files:
+        buf, _ = map_all(SafetensorsFile(p))
+        out.append(to_device(buf, torch.device("cuda")))
+    torch.cuda.synchronize()
+    return out
+
+
+def load_blocks(files: list[pathlib.Path], readers: int, block: int, direct: bool) -> list[torch.Tensor]:
+    out = []
+    for p in files:
+        buf, _ = device_load.read_to_device(SafetensorsFile(p), torch.device("cuda"), direct=direct, readers=readers,
+                                            block=block)
+        out.append(buf)
+    torch.cuda.synchronize()
+    return out
+
+
+def load_fst(files: list[pathlib.Path]) -> int:
+    from fastsafetensors import fastsafe_open
+
+    n = 0
+    with fastsafe_open([str(p) for p in files], framework="pt", device="cuda:0", nogds=True) as f:
+        for k in f.keys():
+            n += f.get_tensor(k).numel()
+    torch.cuda.synchronize()
+    return n
+
+
+def timed(fn, *a) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn(*a)
+    return time.perf_counter() - t0
+
+
+def check_bytes(conv: pathlib.Path, rank: int, gpu: list[torch.Tensor]) -> None:
+    cpu = L.load_rank(conv, rank, mmap=False)
+    assert len(cpu.buffers) == len(gpu)
+    for a, b in zip(cpu.buffers, gpu):
+        assert torch.equal(a, b.cpu()), "GPU load differs from the CPU load"
+
+
+def row(label: str, secs: list[float], nbytes: int, base: float | None, base_name: str = "") -> float:
+    gbs = nbytes / min(secs) / 1e9
+    extra = f"  {gbs / base:.2f}x {base_name}" if base else ""
+    print(f"  {label:44s} {min(secs):7.3f} s  {gbs:6.2f} GB/s{extra}", flush=True)
+    return gbs
+
+
+def dd(files: list[pathlib.Path]) -> None:
+    for p in files:
+        subprocess.run(["dd", f"if={p}", "of=/dev/null", "bs=16M", "iflag=direct"], check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def ram_backed(conv: pathlib.Path, rank: int, repeat: int, shm: pathlib.Path, sweep: bool, fst: bool, h2d: float):
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix="prep-gpu-load-", dir=shm))
+    try:
+        dst = tmp / "conv"
+        dst.mkdir()
+        m = L.load_manifest(conv)
+        names = set(m.rank_files(rank)) | {L.manifest.MANIFEST_NAME, L.manifest.COMPLETE_NAME}
+        for n in names:
+            shutil.copy(conv / n, dst / n)
+        files = rank_files(dst, rank)
+        nbytes = sum(p.stat().st_size for p in files)
+        print(f"RAM-backed ({shm}): rank {rank}, {len(files)} files, {nbytes / 2**30:.2f} GiB; best of {repeat}, "
+              "alternating", flush=True)
+        check_bytes(dst, rank, load_staged(dst, rank, False))
+        ways = {"load_rank (staged, page cache)": lambda: load_staged(dst, rank, False),
+                "load_rank direct=True": lambda: load_staged(dst, rank, True),
+                "before: mapped + 2 pinned blocks": lambda: load_mapped(files)}
+        if fst:
+            ways["fastsafetensors nogds"] = lambda: load_fst(files)
+        if sweep:
+            for readers in (1, 2, 4, 8, 16):
+                for block in (4 << 20, 16 << 20, 64 << 20):
+                    ways[f"staged readers {readers} block {block >> 20} MiB"] = (
+                        lambda r=readers, b=block: load_blocks(files, r, b, False))
+        times: dict[str, list[float]] = {k: [] for k in ways}
+        for i in range(repeat + 1):
+            for k, fn in ways.items():
+                try:
+                    t = timed(fn)
+                except Exception as e:  # noqa: BLE001 - a comparison that cannot run is reported, not fatal
+                    print(f"  {k}: failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+                    ways = {j: f for j, f in ways.items() if j != k}
+                    continue
+                if i:
+                    times[k].append(t)
+                torch.cuda.empty_cache()
+        print(f"  pinned host-to-device copy: {h2d:.2f} GB/s")
+        for k, v in times.items():
+            if v:
+                row(k, v, nbytes, h2d, "of pinned H2D")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def disk_cold(conv: pathlib.Path, rank: int, repeat: int, fst: bool) -> None:
+    files = rank_files(conv, rank)
+    nbytes = sum(p.stat().st_size for p in files)
+    print(f"disk, cold (evicted before each): rank {rank}, {nbytes / 2**30:.2f} GiB; best of {repeat}", flush=True)
+    ways = {"dd iflag=direct bs=16M": lambda: dd(files),
+            "load_rank direct=True": lambda: load_staged(conv, rank, True),
+            "load_rank (staged, page cache)": lambda: load_staged(conv, rank, False),
+            "before: mapped + 2 pinned blocks": lambda: load_mapped(files)}
+    if fst:
+        ways["fastsafetensors nogds"] = lambda: load_fst(files)
+    times: dict[str, list[float]] = {k: [] for k in ways}
+    for _ in range(repeat):
+        for k, fn in list(ways.items()):
+            evict(files)
+            try:
+                times[k].append(timed(fn))
+            except Exception as e:  # noqa: BLE001
+                print(f"  {k}: failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+                del ways[k]
+            torch.cuda.empty_cache()
+    base = nbytes / min(times["dd iflag=direct bs=16M"]) / 1e9
+    for k, v in times.items():
+        if v:
+            row(k, v, nbytes, base, "of dd")
+
+
+CHILD = """
+import sys, time, pathlib, torch
+sys.path.insert(0, {repo!r})
+import layouts as L
+torch.cuda.init(); torch.empty(1, device="cuda")
+conv, rank = pathlib.Path({conv!r}), int(sys.argv[1])
+print("ready", flush=True); sys.stdin.readline()
+t0 = time.perf_counter(); r = L.load_rank(conv, rank, "cuda", direct=True); torch.cuda.synchronize()
+print(time.perf_counter() - t0, flush=True)
+"""
+
+
+def eight(conv: pathlib.Path, repeat: int) -> None:
+    m = L.load_manifest(conv)
+    per_rank = [rank_files(conv, r) for r in range(m.tp)]
+    allfiles = sorted({p for fs in per_rank for p in fs})
+    nbytes = sum(sum(p.stat().st_size for p in fs) for fs in per_rank)
+    print(f"{m.tp} ranks at once, cold: {nbytes / 2**30:.2f} GiB read in all (common files once per rank); "
+          f"best of {repeat}", flush=True)
+    t_dd, t_load = [], []
+    for _ in range(repeat):
+        evict(allfiles)
+        t0 = time.perf_counter()
+        procs = [subprocess.Popen(["sh", "-c", " ; ".join(f"dd if={p} of=/dev/null bs=16M iflag=direct 2>/dev/null"
+                                                            for p in fs)]) for fs in per_rank]
+        for p in procs:
+            p.wait()
+        t_dd.append(time.perf_counter() - t0)
+        evict(allfiles)
+        code = CHILD.format(repo=str(REPO), conv=str(conv))
+        procs = [subprocess.Popen([sys.executable, "-c", code, str(r)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  text=True) for r in range(m.tp)]
+        for p in procs:
+            assert p.stdout.readline().strip() == "ready"
+        t0 = time.perf_counter()
+        for p in procs:
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        for p in procs:
+            p.stdout.readline()
+            p.wait()
+        t_load.append(time.perf_counter() - t0)
+    base = row(f"{m.tp} x dd iflag=direct", t_dd, nbytes, None)
+    row(f"{m.tp} x load_rank direct=True (one GPU)", t_load, nbytes, base, "of dd")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--converted", type=pathlib.Path, required=True)
+    ap.add_argument("--rank", type=int, default=0)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--shm", type=pathlib.Path, default=pathlib.Path("/dev/shm"))
+    ap.add_argument("--eight", type=pathlib.Path, help="a TP 8 conversion: its eight ranks loaded at once, cold")
+    ap.add_argument("--sweep", action="store_true", help="the staged reader's block size and reader count")
+    ap.add_argument("--fastsafetensors", action="store_true", help="fastsafetensors on the same files")
+    ap.add_argument("--no-disk", action="store_true")
+    args = ap.parse_args()
+    h2d = pinned_h2d(args.repeat)
+    ram_backed(args.converted, args.rank, args.repeat, args.shm, args.sweep, args.fastsafetensors, h2d)
+    if not args.no_disk:
+        disk_cold(args.converted, args.rank, args.repeat, args.fastsafetensors)
+    if args.eight:
+        eight(args.eight, args.repeat)
+
+
+if __name__ == "__main__":
+    main()
