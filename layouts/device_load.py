@@ -31,9 +31,17 @@ import torch
 
 from .safetensors_file import DIRECT_ALIGN, SafetensorsFile, SafetensorsFileError
 
-# Measured on the H200 host (docs/BENCHMARKS.md, "Rank files to the GPU"): the defaults below.
+# Measured on the H200 host (docs/BENCHMARKS.md, "Rank files to the GPU"): the defaults below;
+# PREP_LOAD_READERS and PREP_LOAD_BLOCK_MIB override them (storage with other needs).
 BLOCK_BYTES = 16 << 20
 READERS = 8
+
+
+def _setting(name: str, default: int, unit: int = 1) -> int:
+    try:
+        return max(1, min(64, int(os.environ[name]))) * unit
+    except (KeyError, ValueError):
+        return default
 
 
 class _Refused(Exception):
@@ -69,13 +77,15 @@ def _staging(n: int, nbytes: int, pinned: bool) -> list[torch.Tensor]:
     return blocks
 
 
-def read_section(sf: SafetensorsFile, out: torch.Tensor, *, direct: bool = True, readers: int = READERS,
-                 block: int = BLOCK_BYTES) -> str:
+def read_section(sf: SafetensorsFile, out: torch.Tensor, *, direct: bool = True, readers: int | None = None,
+                 block: int | None = None) -> str:
     """Read ``sf``'s data section into ``out`` (uint8, ``sf.data_size`` bytes, on a CUDA device or
     the CPU) through ``readers`` staging blocks of ``block`` bytes. Returns how it read:
     ``"direct"`` or ``"buffered"``."""
     if out.numel() != sf.data_size or out.dtype != torch.uint8:
         raise ValueError(f"read_section: out is {out.dtype} x {out.numel()}, wants uint8 x {sf.data_size}")
+    readers = readers or _setting("PREP_LOAD_READERS", READERS)
+    block = block or _setting("PREP_LOAD_BLOCK_MIB", BLOCK_BYTES, 1 << 20)
     block = max(DIRECT_ALIGN, block // DIRECT_ALIGN * DIRECT_ALIGN)
     fd = _direct_fd(sf) if direct else None
     try:
@@ -151,8 +161,8 @@ def _read(sf: SafetensorsFile, fd: int, out: torch.Tensor, readers: int, block: 
         stream.synchronize()  # the stages are reused by the next file
 
 
-def read_to_device(sf: SafetensorsFile, device: torch.device, *, direct: bool = True, readers: int = READERS,
-                   block: int = BLOCK_BYTES) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def read_to_device(sf: SafetensorsFile, device: torch.device, *, direct: bool = True, readers: int | None = None,
+                   block: int | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """``sf``'s data section on ``device`` (:func:`read_section`) and every tensor as a view of it."""
     out = torch.empty(sf.data_size, dtype=torch.uint8, device=device)
     if sf.data_size:

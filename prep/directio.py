@@ -33,7 +33,18 @@ from layouts.safetensors_file import SpanHasher
 
 ALIGN = 4096  # a multiple of every block size O_DIRECT asks for (512 or 4096)
 STAGING_BYTES = 40 << 20  # one staging block: room for a whole 32 MiB conversion chunk plus a carried tail
-STAGING_BLOCKS = 3  # one being filled, up to two being hashed and written
+# Writes in flight per file: a disk that only reaches its speed with several requests queued
+# (virtio disks, arrays) gets them from one file. PREP_WRITE_DEPTH overrides it.
+WRITE_DEPTH = 1
+STAGING_SPARE = 2  # blocks beyond the writes in flight: one being filled, one being hashed
+STAGING_BLOCKS = WRITE_DEPTH + STAGING_SPARE  # at the default depth
+
+
+def write_depth() -> int:
+    try:
+        return max(1, min(16, int(os.environ.get("PREP_WRITE_DEPTH", WRITE_DEPTH))))
+    except ValueError:
+        return WRITE_DEPTH
 WRITEBACK_BYTES = 256 << 20  # buffered fallback: hand dirty pages to the disk this often
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 
@@ -77,11 +88,13 @@ class AlignedFileWriter:
         # Page-aligned, private anonymous memory (Python's default for -1 is shared, which the
         # kernel accounts as shmem).
         flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+        depth = write_depth()
+        n_blocks = depth + STAGING_SPARE
         self._blocks = [mmap.mmap(-1, self.staging_bytes, flags=flags) if flags else mmap.mmap(-1, self.staging_bytes)
-                        for _ in range(STAGING_BLOCKS)]
+                        for _ in range(n_blocks)]
         self._views = [torch.frombuffer(b, dtype=torch.uint8) for b in self._blocks]
         self._free: queue.Queue[int] = queue.Queue()
-        for i in range(1, STAGING_BLOCKS):
+        for i in range(1, n_blocks):
             self._free.put(i)
         self._cur, self._fill = 0, 0  # the block being filled and its bytes so far
         self._block_offset = 0  # where that block goes in the file
@@ -96,12 +109,15 @@ class AlignedFileWriter:
         # (both only read it); it is free again when both are done with it.
         self._todo: queue.Queue = queue.Queue()
         self._hash_todo: queue.Queue = queue.Queue()
-        self._users = [0] * STAGING_BLOCKS
+        self._users = [0] * n_blocks
         self._users_lock = threading.Lock()
+        # ``depth`` writers share the write queue (each block has its own offset: order does not
+        # matter); one hasher takes the blocks in order.
         self._threads = [threading.Thread(target=self._run, args=(self._todo, self._write_block), name=f"write {self.path.name}",
-                                          daemon=True),
-                         threading.Thread(target=self._run, args=(self._hash_todo, self._hash), name=f"hash {self.path.name}",
-                                          daemon=True)]
+                                          daemon=True) for _ in range(depth)]
+        self._threads.append(threading.Thread(target=self._run, args=(self._hash_todo, self._hash),
+                                              name=f"hash {self.path.name}", daemon=True))
+        self._queues = [self._todo] * depth + [self._hash_todo]
         for t in self._threads:
             t.start()
 
@@ -203,18 +219,21 @@ class AlignedFileWriter:
 
     def _stop(self) -> None:
         """Let both threads finish what is queued, and wait for them."""
-        for q, t in zip((self._todo, self._hash_todo), self._threads):
+        for q, t in zip(self._queues, self._threads):
             if t.is_alive():
                 q.put(None)
-                t.join()
+        for t in self._threads:
+            t.join()
 
     def _cancel_threads(self) -> None:
         """Make both threads drop what is queued and end, and wait for them."""
         self._cancelled = True
-        for q, t in zip((getattr(self, "_todo", None), getattr(self, "_hash_todo", None)), getattr(self, "_threads", ())):
+        threads = getattr(self, "_threads", ())
+        for q, t in zip(getattr(self, "_queues", ()), threads):
             if t.is_alive():
                 q.put(None)
-                t.join()
+        for t in threads:
+            t.join()
 
     def _close_fd(self) -> None:
         if getattr(self, "_fd", -1) >= 0:

@@ -96,6 +96,8 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--also-workers", type=int, nargs="*", default=[],
                     help="also time convert with each of these --workers in the same rounds (a sweep)")
+    ap.add_argument("--also-env", nargs="*", default=[], metavar="VAR=VALUE",
+                    help="also time convert with this environment setting in the same rounds (e.g. PREP_WRITE_DEPTH=4)")
     ap.add_argument("--repeat", type=int, default=4, help="interleaved rounds of cp, cp+sync, user copy, convert")
     ap.add_argument("--preset", default="bench", help="make_tiny_deepseek.py preset to generate without --src")
     ap.add_argument("--keep", action="store_true", help="keep the generated source and outputs")
@@ -144,6 +146,11 @@ def main() -> None:
             cv = cmds["convert"]
             cmds[f"workers {w}"] = cv[:cv.index("-o") + 1] + [str(work / f"converted-w{w}")] + \
                 cv[cv.index("-o") + 2:cv.index("--workers")] + ["--workers", str(w)]
+        for setting in args.also_env:
+            var, _, value = setting.partition("=")
+            cv = cmds["convert"]
+            cmds[setting] = cv[:cv.index("-o") + 1] + [str(work / f"converted-{var}-{value}")] + cv[cv.index("-o") + 2:]
+            envs[setting] = dict(os.environ, **{var: value})
         extra = {}
         order = list(cmds)
         for r in range(args.repeat):
@@ -153,7 +160,8 @@ def main() -> None:
             t = {}
             for name in order[r % len(order):] + order[:r % len(order)]:
                 for d in ("copy", "copy2", "copy3", "converted", "converted-base",
-                          *(f"converted-w{w}" for w in args.also_workers)):
+                          *(f"converted-w{w}" for w in args.also_workers),
+                          *(f"converted-{e.replace('=', '-')}" for e in args.also_env)):
                     shutil.rmtree(work / d, ignore_errors=True)
                 subprocess.run(["sync"], check=True)
                 if args.cold:
@@ -166,14 +174,16 @@ def main() -> None:
                     manifest = json.loads((out / "prep-manifest.json").read_text())
             rounds.append((t["cp"], t["cp+sync"], t["convert"], t["user"], t.get("base", 0.0)))
             for w in args.also_workers:
-                extra.setdefault(w, []).append((t[f"workers {w}"], t["cp+sync"]))
+                extra.setdefault(f"--workers {w}", []).append((t[f"workers {w}"], t["cp+sync"]))
+            for e in args.also_env:
+                extra.setdefault(e, []).append((t[e], t["cp+sync"]))
             t_cp, t_cps, t_cv, t_py, t_base = rounds[-1]
             print(f"round {r + 1}: cp {t_cp:6.2f} s, cp+sync {t_cps:6.2f} s, user-space copy+fsync {t_py:6.2f} s, "
                   f"convert {t_cv:6.2f} s -> {t_cp / t_cv:4.2f}x cp, {t_cps / t_cv:4.2f}x cp+sync, "
                   f"{t_py / t_cv:4.2f}x user-space copy"
                   + (f"; baseline tree {t_base:6.2f} s -> {t_base / t_cv:4.2f}x baseline" if args.baseline_tree else "")
-                  + "".join(f"; workers {w} {t[f'workers {w}']:6.2f} s -> {t_cps / t[f'workers {w}']:4.2f}x cp+sync"
-                            for w in args.also_workers),
+                  + "".join(f"; {k} {t[k]:6.2f} s -> {t_cps / t[k]:4.2f}x cp+sync"
+                            for k in [*(f"workers {w}" for w in args.also_workers), *args.also_env]),
                   flush=True)
         largest = max((t for t in manifest["tensors"]), key=lambda t: _nbytes(t))
         med = lambda xs: statistics.median(xs)  # noqa: E731
@@ -190,8 +200,8 @@ def main() -> None:
         if args.baseline_tree:
             print(f"baseline    : {t_base:7.2f} s  ({args.baseline_tree}); ratio per round, median: "
                   f"{med([r[4] / r[2] for r in rounds]):4.2f}x baseline")
-        for w, xs in extra.items():
-            print(f"--workers {w:<3d}: {med([x[0] for x in xs]):7.2f} s  ratio per round, median: "
+        for k, xs in extra.items():
+            print(f"{k:12s}: {med([x[0] for x in xs]):7.2f} s  ratio per round, median: "
                   f"{med([x[1] / x[0] for x in xs]):4.2f}x cp+sync")
         print(f"peak RSS of convert: {peak / 2**20:.0f} MiB = fixed overhead {base_rss / 2**20:.0f} MiB (python + torch + "
               f"prep imported) + {(peak - base_rss) / 2**20:.0f} MiB of blocks in flight (blocks of "

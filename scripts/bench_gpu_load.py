@@ -93,6 +93,34 @@ def load_mapped(files: list[pathlib.Path]) -> list[torch.Tensor]:
     return out
 
 
+def load_registered(files: list[pathlib.Path]) -> list[torch.Tensor]:
+    """No CPU copy at all: each (page-cached) file mapped, the mapping registered with CUDA
+    (``cudaHostRegister``, read-only) and copied by the DMA engine straight from the page cache."""
+    import mmap
+    import warnings
+
+    cudart = torch.cuda.cudart()
+    out = []
+    for p in files:
+        sf = SafetensorsFile(p)
+        size = os.fstat(sf.fd).st_size
+        m = mmap.mmap(sf.fd, size, prot=mmap.PROT_READ, flags=mmap.MAP_SHARED)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a read-only buffer: only the DMA engine reads it
+            host = torch.frombuffer(m, dtype=torch.uint8)
+        err = cudart.cudaHostRegister(host.data_ptr(), size, 8)  # cudaHostRegisterReadOnly
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostRegister: {err}")
+        try:
+            dst = torch.empty(sf.data_size, dtype=torch.uint8, device="cuda")
+            dst.copy_(host[sf.data_offset:], non_blocking=True)
+            torch.cuda.synchronize()
+        finally:
+            cudart.cudaHostUnregister(host.data_ptr())
+        out.append(dst)
+    return out
+
+
 def load_blocks(files: list[pathlib.Path], readers: int, block: int, direct: bool) -> list[torch.Tensor]:
     out = []
     for p in files:
@@ -157,7 +185,8 @@ def ram_backed(conv: pathlib.Path, rank: int, repeat: int, shm: pathlib.Path, sw
         check_bytes(dst, rank, load_staged(dst, rank, False))
         ways = {"load_rank (staged, page cache)": lambda: load_staged(dst, rank, False),
                 "load_rank direct=True": lambda: load_staged(dst, rank, True),
-                "before: mapped + 2 pinned blocks": lambda: load_mapped(files)}
+                "before: mapped + 2 pinned blocks": lambda: load_mapped(files),
+                "mapped + cudaHostRegister (no CPU copy)": lambda: load_registered(files)}
         if fst:
             ways["fastsafetensors nogds"] = lambda: load_fst(files)
         if sweep:
@@ -185,7 +214,7 @@ def ram_backed(conv: pathlib.Path, rank: int, repeat: int, shm: pathlib.Path, sw
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def disk_cold(conv: pathlib.Path, rank: int, repeat: int, fst: bool) -> None:
+def disk_cold(conv: pathlib.Path, rank: int, repeat: int, fst: bool, readers_sweep=()) -> None:
     files = rank_files(conv, rank)
     nbytes = sum(p.stat().st_size for p in files)
     print(f"disk, cold (evicted before each): rank {rank}, {nbytes / 2**30:.2f} GiB; best of {repeat}", flush=True)
@@ -195,6 +224,8 @@ def disk_cold(conv: pathlib.Path, rank: int, repeat: int, fst: bool) -> None:
             "before: mapped + 2 pinned blocks": lambda: load_mapped(files)}
     if fst:
         ways["fastsafetensors nogds"] = lambda: load_fst(files)
+    for r in readers_sweep:
+        ways[f"staged direct, readers {r}"] = lambda r=r: load_blocks(files, r, 16 << 20, True)
     times: dict[str, list[float]] = {k: [] for k in ways}
     for _ in range(repeat):
         for k, fn in list(ways.items()):
@@ -223,14 +254,14 @@ print(time.perf_counter() - t0, flush=True)
 """
 
 
-def eight(conv: pathlib.Path, repeat: int) -> None:
+def eight(conv: pathlib.Path, repeat: int, readers=(None,)) -> None:
     m = L.load_manifest(conv)
     per_rank = [rank_files(conv, r) for r in range(m.tp)]
     allfiles = sorted({p for fs in per_rank for p in fs})
     nbytes = sum(sum(p.stat().st_size for p in fs) for fs in per_rank)
     print(f"{m.tp} ranks at once, cold: {nbytes / 2**30:.2f} GiB read in all (common files once per rank); "
           f"best of {repeat}", flush=True)
-    t_dd, t_load = [], []
+    t_dd, t_load = [], {r: [] for r in readers}
     for _ in range(repeat):
         evict(allfiles)
         t0 = time.perf_counter()
@@ -239,22 +270,25 @@ def eight(conv: pathlib.Path, repeat: int) -> None:
         for p in procs:
             p.wait()
         t_dd.append(time.perf_counter() - t0)
-        evict(allfiles)
-        code = CHILD.format(repo=str(REPO), conv=str(conv))
-        procs = [subprocess.Popen([sys.executable, "-c", code, str(r)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                  text=True) for r in range(m.tp)]
-        for p in procs:
-            assert p.stdout.readline().strip() == "ready"
-        t0 = time.perf_counter()
-        for p in procs:
-            p.stdin.write("go\n")
-            p.stdin.flush()
-        for p in procs:
-            p.stdout.readline()
-            p.wait()
-        t_load.append(time.perf_counter() - t0)
+        for readers_each in readers:
+            evict(allfiles)
+            code = CHILD.format(repo=str(REPO), conv=str(conv))
+            env = dict(os.environ, **({"PREP_LOAD_READERS": str(readers_each)} if readers_each else {}))
+            procs = [subprocess.Popen([sys.executable, "-c", code, str(r)], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, text=True, env=env) for r in range(m.tp)]
+            for p in procs:
+                assert p.stdout.readline().strip() == "ready"
+            t0 = time.perf_counter()
+            for p in procs:
+                p.stdin.write("go\n")
+                p.stdin.flush()
+            for p in procs:
+                p.stdout.readline()
+                p.wait()
+            t_load[readers_each].append(time.perf_counter() - t0)
     base = row(f"{m.tp} x dd iflag=direct", t_dd, nbytes, None)
-    row(f"{m.tp} x load_rank direct=True (one GPU)", t_load, nbytes, base, "of dd")
+    for readers_each, ts in t_load.items():
+        row(f"{m.tp} x load_rank direct=True, readers {readers_each or 'default'}", ts, nbytes, base, "of dd")
 
 
 def main() -> None:
@@ -267,13 +301,15 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="the staged reader's block size and reader count")
     ap.add_argument("--fastsafetensors", action="store_true", help="fastsafetensors on the same files")
     ap.add_argument("--no-disk", action="store_true")
+    ap.add_argument("--readers", type=int, nargs="*", default=[],
+                    help="also time these reader counts: cold, one rank, and eight ranks at once (PREP_LOAD_READERS)")
     args = ap.parse_args()
     h2d = pinned_h2d(args.repeat)
     ram_backed(args.converted, args.rank, args.repeat, args.shm, args.sweep, args.fastsafetensors, h2d)
     if not args.no_disk:
-        disk_cold(args.converted, args.rank, args.repeat, args.fastsafetensors)
+        disk_cold(args.converted, args.rank, args.repeat, args.fastsafetensors, args.readers)
     if args.eight:
-        eight(args.eight, args.repeat)
+        eight(args.eight, args.repeat, [None, *args.readers])
 
 
 if __name__ == "__main__":

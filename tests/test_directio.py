@@ -53,6 +53,23 @@ def test_file_holds_exactly_the_appended_bytes(tmp_path, sizes, direct):
     assert w.size == sum(sizes)
 
 
+@pytest.mark.parametrize("depth", ["2", "5"])
+def test_several_writes_in_flight_give_the_same_file_and_hashes(tmp_path, monkeypatch, depth):
+    pieces = _pieces([3, dio.STAGING_BYTES - 1, 2, dio.STAGING_BYTES * 3 + 5, 4097])
+    spans = [("a", 0, 3), ("b", 3, dio.STAGING_BYTES + 4), ("c", dio.STAGING_BYTES + 4, dio.STAGING_BYTES * 4 + 9)]
+    one = AlignedFileWriter(tmp_path / "one", spans)
+    for p in pieces:
+        one.write(p)
+    one.close()
+    monkeypatch.setenv("PREP_WRITE_DEPTH", depth)
+    w = AlignedFileWriter(tmp_path / "f", spans)
+    assert sum(t.name.startswith("write") for t in w._threads) == int(depth)
+    for p in pieces:
+        w.write(p)
+    w.close()
+    assert (tmp_path / "f").read_bytes() == _expected(pieces) and w.hashes == one.hashes
+
+
 def test_direct_io_is_used_where_the_filesystem_allows_it(tmp_path):
     if not _direct_supported(tmp_path):
         pytest.skip("this filesystem refuses O_DIRECT; the fallback tests cover it")  # tmpfs on old kernels
