@@ -84,10 +84,12 @@ class EngineConfig:
                                        ep_size=ep_size, gpu_arch=gpu_arch)
 
     @classmethod
-    def reading(cls, manifest: Manifest, gemm_path: str | None = None, engine: str = DEFAULT_ENGINE) -> "EngineConfig":
-        """Rank 0's configuration of ``engine`` that reads ``manifest``'s checkpoint: the first
-        GEMM path that reads its dense layout (or ``gemm_path``), the MoE back end and arch that
-        read its MoE layout (the default arch first), its TP and EP sizes."""
+    def reading(cls, manifest: Manifest, gemm_path: str | None = None, engine: str | None = None) -> "EngineConfig":
+        """Rank 0's configuration of ``engine`` (default: the one the checkpoint was converted
+        for) that reads ``manifest``'s checkpoint: the first GEMM path that reads its dense
+        layout (or ``gemm_path``), the MoE back end and arch that read its MoE layout (the
+        default arch first), its TP and EP sizes."""
+        engine = engine or manifest.target.engine
         try:
             profile = engines.get_engine(engine)
             path = gemm_path or profile.gemm_path_reading(manifest.layout)
@@ -112,6 +114,15 @@ class EngineConfig:
 # ---------------------------------------------------------------------------- shared rules
 # Each returns why the engine would misread the checkpoint (one line, naming the fix), or None.
 # A profile lists them, with its own, in its ``checks``.
+def engine_matches(manifest: Manifest, engine: EngineConfig) -> str | None:
+    """Each engine holds a rank's modules its own way (merged names, splits, expert map): a
+    checkpoint converted for another engine has the wrong tensors in each rank's files."""
+    if manifest.target.engine != engine.engine:
+        return (f"converted for {manifest.target.engine}, whose ranks hold other modules than {engine.engine}'s; "
+                f"convert again with --engine {engine.engine}")
+    return None
+
+
 def tp_matches(manifest: Manifest, engine: EngineConfig) -> str | None:
     if manifest.tp != engine.tp_size:
         return (f"converted for tp={manifest.tp} but the engine runs tp={engine.tp_size}; per-rank tensors "
@@ -167,7 +178,7 @@ def bf16_moe_layout_matches(manifest: Manifest, engine: EngineConfig) -> str | N
     return None
 
 
-SHARED_CHECKS = (tp_matches, rank_in_range, ep_matches, dense_layout_matches, moe_layout_matches,
+SHARED_CHECKS = (engine_matches, tp_matches, rank_in_range, ep_matches, dense_layout_matches, moe_layout_matches,
                  bf16_moe_layout_matches)
 """The rules every engine has, in the order a profile without rules of its own runs them."""
 

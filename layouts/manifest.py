@@ -140,6 +140,9 @@ class Target:
     # the engine's unquantized MoE reads; None: stored unshuffled (the engine shuffles at load).
     bf16_moe_layout: str | None = None
     arch: str = ""  # config.json model_type, e.g. "deepseek_v3"
+    # The engine whose per-rank holding the files follow (merged modules, splits, expert map:
+    # its profile's ``sharding``). Absent (manifests before it was recorded): "atom".
+    engine: str = "atom"
 
     @classmethod
     def from_options(cls, options: dict[str, Any], arch: str) -> "Target":
@@ -181,13 +184,17 @@ class Target:
         bf16_moe = t.get("bf16_moe_layout") if rank_exact else None  # format 1 stacks no BF16 experts
         if bf16_moe is not None and type(bf16_moe) is not str:
             raise ManifestError(f"target.bf16_moe_layout is {bf16_moe!r}, not a string")
-        return cls(layout, moe_layout, tp, ep, fuse, *pads, rank_exact, bf16_moe, arch)
+        engine = t.get("engine", "atom")
+        if type(engine) is not str or not engine.isidentifier():
+            raise ManifestError(f"target.engine is {engine!r}, not an engine name")
+        return cls(layout, moe_layout, tp, ep, fuse, *pads, rank_exact, bf16_moe, arch, engine)
 
     def to_json(self) -> dict[str, Any]:
         return {"layout": self.layout, "moe_layout": self.moe_layout, "tp": self.tp, "ep": self.ep,
                 "fuse_shared_expert": self.fuse_shared_expert, "inter_pad_to": self.inter_pad_to,
                 "hidden_pad_to": self.hidden_pad_to, **({"rank_exact": True} if self.rank_exact else {}),
-                **({"bf16_moe_layout": self.bf16_moe_layout} if self.bf16_moe_layout else {}), "arch": self.arch}
+                **({"bf16_moe_layout": self.bf16_moe_layout} if self.bf16_moe_layout else {}), "arch": self.arch,
+                "engine": self.engine}
 
 
 @dataclasses.dataclass(frozen=True)

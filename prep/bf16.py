@@ -28,6 +28,8 @@ import torch
 
 import layouts
 
+from layouts.engines._sharding import COLS as _COLS, ROWS as _ROWS, WHOLE as _WHOLE
+
 from .errors import PrepError
 
 Reader = Callable[..., torch.Tensor]  # read(name, rows=None, cols=None, out=None) -> tensor
@@ -288,22 +290,23 @@ def group_from_record(rec: dict[str, Any]) -> Bf16Group:
 
 
 # ---------------------------------------------------------------------------------- planning
-_VOCAB = re.compile(r"^(model\.embed_tokens|lm_head|model\.layers\.\d+\.(embed_tokens|shared_head\.head))\.weight$")
-_COLUMN = re.compile(r"\.self_attn\.(q_b_proj|q_proj|kv_b_proj)\.weight$")
-_ROW = re.compile(r"\.(self_attn\.o_proj|mlp\.down_proj)\.weight$")
 _QKV_A = re.compile(r"^(.*\.self_attn\.)(q_a_proj|kv_a_proj_with_mqa)\.weight$")
 _GATE_UP = re.compile(r"^(.*\.mlp\.)(gate_proj|up_proj)\.weight$")  # a dense MLP (not experts: no digit before)
 _EXPERT = re.compile(r"^(.*\.mlp\.)(?:experts\.(\d+)|shared_experts)\.(gate|up|down)_proj\.weight$")
 
 
 def plan_bf16_groups(tensors: dict[str, Any], config: dict[str, Any], tp: int, ep: int = 1,
-                     fuse_shared_expert: bool = True) -> tuple[list[list[Bf16Group]], list[str]]:
+                     fuse_shared_expert: bool = True, rules: "layouts.engines.ShardingRules | None" = None
+                     ) -> tuple[list[list[Bf16Group]], list[str]]:
     """For each rank, the BF16 groups it holds, and the names left whole (replicated: every rank
     holds all of them). ``tensors``: the source's non-MXFP4 tensors, name -> info with ``dtype``
     and ``shape``, in source order. Expert parallel (``ep`` = ``tp``) splits the BF16 experts
     only: whole experts in blocks, as for the MXFP4 ones; everything else is split by ``tp``.
+    ``rules``: the engine's (its profile's ``sharding``; default: the default engine's) splits,
+    merged modules and expert map.
 
     Refuses (naming the tensor and the fix) a split that does not divide: ATOM pads nothing."""
+    rules = rules or layouts.get_engine().sharding
     per_rank: list[list[Bf16Group]] = [[] for _ in range(tp)]
     whole: list[str] = []
     merged: dict[str, dict[str, Any]] = {}  # engine name -> {part: info}
@@ -322,8 +325,9 @@ def plan_bf16_groups(tensors: dict[str, Any], config: dict[str, Any], tp: int, e
     q_lora = config.get("q_lora_rank")
     for name, info in tensors.items():
         two_d = len(info.shape) == 2
-        if two_d and (_VOCAB.match(name) or _COLUMN.search(name) or _ROW.search(name)):
-            dim = 1 if _ROW.search(name) else 0
+        split = rules.split_of(name[:-len(".weight")]) if two_d and name.endswith(".weight") else _WHOLE
+        if split != _WHOLE and not _EXPERT.match(name) and not _GATE_UP.match(name):
+            dim = 1 if split == _COLS else 0
             for r in range(tp):
                 p = part(name, info, dim, r)
                 per_rank[r].append(Bf16Group(name, r, tp, info.dtype, (p,)))
@@ -337,12 +341,12 @@ def plan_bf16_groups(tensors: dict[str, Any], config: dict[str, Any], tp: int, e
         else:
             whole.append(name)
     for target, parts in merged.items():
-        order = ("q_a_proj", "kv_a_proj_with_mqa") if target.endswith("fused_qkv_a_proj.weight") else \
-            ("gate_proj", "up_proj")
+        merge = next(m for m in rules.merges if target.endswith(f".{m.module}.weight"))
+        order = tuple(p.rpartition(".")[2] for p in merge.parts)
         if set(parts) != set(order):
             raise PrepError(f"{parts[next(iter(parts))][0]}: its partner of {target} is missing or not BF16; "
                             "the engine merges the two, so both must be BF16 (re-download the checkpoint)")
-        column = order[0] == "gate_proj"  # MergedColumnParallelLinear; fused_qkv_a_proj is replicated
+        column = merge.split == _ROWS  # MergedColumnParallelLinear; a WHOLE merge is replicated
         for r in range(tp):
             row, ps = 0, []
             for key in order:
@@ -352,12 +356,12 @@ def plan_bf16_groups(tensors: dict[str, Any], config: dict[str, Any], tp: int, e
                 row += p.out_shape[0]
             per_rank[r].append(Bf16Group(target, r, tp, parts[order[0]][1].dtype, tuple(ps)))
     for mlp, layer in experts.items():
-        _plan_experts(mlp, layer, tp, ep, fuse_shared_expert, per_rank, whole)
+        _plan_experts(mlp, layer, tp, ep, fuse_shared_expert, per_rank, whole, rules)
     return per_rank, whole
 
 
 def _plan_experts(mlp: str, layer: dict, tp: int, ep: int, fuse_shared: bool, per_rank: list[list[Bf16Group]],
-                  whole: list[str]) -> None:
+                  whole: list[str], rules: "layouts.engines.ShardingRules") -> None:
     """One MoE layer's BF16 experts as the engine stacks them: ``w13 [E, 2 I/tp, H]`` (gate rows,
     then up rows) and ``w2 [E, H, I/tp]``; under expert parallel whole experts, rank r the
     routed block ATOM's ``determine_expert_map`` gives it (the remainder to the last rank); the
@@ -383,8 +387,8 @@ def _plan_experts(mlp: str, layer: dict, tp: int, ep: int, fuse_shared: bool, pe
     dtype = layer[0]["gate"][1].dtype
     for r in range(tp):
         if ep > 1:
-            per = len(routed) // ep
-            local = routed[r * per:len(routed) if r == ep - 1 else (r + 1) * per]
+            start, stop = rules.expert_block(len(routed), ep, r)
+            local = routed[start:stop]
             moe_tp, moe_rank = 1, 0
         else:
             local, moe_tp, moe_rank = routed, tp, r

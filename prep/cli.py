@@ -264,6 +264,10 @@ def inspect(src: str, revision: str | None, as_json: bool, quiet: bool) -> None:
 @click.option("--ep", type=int, default=1, show_default=True, help="Expert-parallel size: 1, or equal to --tp (each rank holds a block of whole experts plus the shared one).")
 @click.option("--fuse-shared-expert/--no-fuse-shared-expert", default=True, show_default=True,
               help="Put the shared expert into expert slot n_routed of the stacked tensors.")
+@click.option("--engine", default="atom", show_default=True,
+              help="The engine whose ranks the files are written for: its merged module names, TP splits and "
+                   "expert map (its profile's sharding rules). The manifest records it and another engine "
+                   "refuses the output.")
 @click.option("--common-bf16", is_flag=True,
               help="Write the BF16 tensors whole into common files every rank reads (manifest format 1), for "
                    "an engine that slices them itself. Default: each rank's files hold its BF16 slices, split "
@@ -286,8 +290,8 @@ def inspect(src: str, revision: str | None, as_json: bool, quiet: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary.")
 @_quiet_option
 @_fail_cleanly
-def convert(src, out, layout, moe_layout, tp, ep, fuse_shared_expert, common_bf16, workers, force, resume, revision,
-            no_space_check, as_json, quiet):
+def convert(src, out, layout, moe_layout, tp, ep, fuse_shared_expert, engine, common_bf16, workers, force, resume,
+            revision, no_space_check, as_json, quiet):
     """Convert SRC (a folder or a Hugging Face repo id) into per-rank, kernel-layout files in OUT.
 
     Each rank's tensors are exactly what that rank's engine holds after its own load-time
@@ -318,7 +322,7 @@ def convert(src, out, layout, moe_layout, tp, ep, fuse_shared_expert, common_bf1
     started = (lambda: click.echo(note, err=True)) if note else None
     bar = Progress.shown("convert", as_json, quiet)
     try:
-        target = Target(layout, moe_layout, tp, ep, fuse_shared_expert, rank_exact=not common_bf16)
+        target = Target(layout, moe_layout, tp, ep, fuse_shared_expert, rank_exact=not common_bf16, engine=engine)
         s = run(src, out, target, force=force, resume=resume, workers=workers, revision=revision, progress=bar,
                 on_total=bar.total, notify=lambda line: click.echo(f"note: {line}", err=True), on_start=started,
                 space_check=not no_space_check)
@@ -333,7 +337,7 @@ def convert(src, out, layout, moe_layout, tp, ep, fuse_shared_expert, common_bf1
         bar.close()
     from layouts import get_engine
 
-    serve = None if common_bf16 else get_engine().serve_command(s["out"], tp, ep, layout, moe_layout)
+    serve = None if common_bf16 else get_engine(engine).serve_command(s["out"], tp, ep, layout, moe_layout)
     s = {**s, "tp": tp, "ep": ep, "layout": layout, "moe_layout": moe_layout, "serve": serve}
     lines = [f"wrote {s['out']}: TP {tp}, EP {ep}, layout {layout}, MoE layout {moe_layout}: {s['tensors']} tensors "
              f"from {s['source_tensors']} source tensors, {s['files']} files ({s['reused_files']} reused), "

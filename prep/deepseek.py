@@ -15,7 +15,7 @@ import re
 from typing import Any, Iterable, Iterator, Mapping
 
 from layouts.compat import EngineConfig
-from layouts.engines import get_engine
+from layouts.engines import DEFAULT_ENGINE, ShardingRules, get_engine
 from layouts.mxfp4 import BLOCK_SIZE
 from layouts.sizes import ceil_div
 
@@ -48,6 +48,9 @@ class Target:
     # Stacked BF16 experts (R1-0528's MTP layer), rank-exact only: the layout the engine's
     # unquantized MoE reads, so that it need not shuffle them after loading; None: unshuffled.
     bf16_moe_layout: str | None = _DEFAULT_ENGINE.expected_bf16_moe_layout()
+    # The engine whose per-rank holding the files follow (its profile's ``sharding``: merged
+    # modules, TP splits, expert map); recorded in the manifest and checked at load.
+    engine: str = DEFAULT_ENGINE
 
 
 @dataclasses.dataclass
@@ -304,9 +307,11 @@ def plan_groups(src: SourceCheckpoint, cls: Classified, target: Target) -> list[
     tp = target.tp
     if tp < 1 or target.ep < 1:
         raise PrepError(f"--tp and --ep must be >= 1 (got tp={tp}, ep={target.ep})")
-    why = get_engine().target_refusal(tp, target.ep, target.moe_layout)  # EP sizes and MoE back ends the engine has
+    engine = engine_of(target)
+    why = engine.target_refusal(tp, target.ep, target.moe_layout)  # EP sizes and MoE back ends the engine has
     if why:
         raise PrepError(why)
+    rules = engine.sharding
     heads = config_ints(src)["num_attention_heads"] or 1
     if heads % tp:
         raise PrepError(f"config.json: num_attention_heads={heads} does not divide over tp={tp}; "
@@ -320,11 +325,27 @@ def plan_groups(src: SourceCheckpoint, cls: Classified, target: Target) -> list[
     for layer, mods in cls.by_layer.items():
         experts = _layer_experts(layer, mods, target, src)  # the same for every rank: checked once
         for rank in range(tp):
-            per_rank[rank] += _layer_groups(layer, mods, rank, target, part, experts)
+            per_rank[rank] += _layer_groups(layer, mods, rank, target, rules, part, experts)
     for groups in per_rank:
         for g in groups:
             g.check()
     return per_rank
+
+
+def engine_of(target: Target):
+    """The profile of the engine ``target`` converts for, refused (naming the engines prep can
+    convert for) when it has no sharding rules."""
+    from layouts.engines import engine_names
+
+    try:
+        engine = get_engine(target.engine)
+    except KeyError as e:
+        raise PrepError(str(e.args[0])) from None
+    if engine.sharding is None:
+        able = [n for n in engine_names() if get_engine(n).sharding is not None]
+        raise PrepError(f"engine {engine.name!r} states no sharding rules, so prep cannot write its ranks' files; "
+                        f"convert with --engine {' or '.join(able)}")
+    return engine
 
 
 def modules_in_order(cls: Classified) -> list[tuple[str, str]]:
@@ -371,7 +392,11 @@ def _layer_experts(layer: str, mods: dict[str, str], target: Target, src: Source
     return _LayerExperts(srcs, len(experts), fuse, inter, hidden)
 
 
-def _layer_groups(layer, mods, rank, target, part, experts: _LayerExperts | None) -> list[LinearGroup | MoEGroup]:
+def _layer_groups(layer, mods, rank, target, rules: ShardingRules, part,
+                  experts: _LayerExperts | None) -> list[LinearGroup | MoEGroup]:
+    """Rank ``rank``'s groups of one layer, as the engine's ``rules`` hold its modules: merged
+    modules (those after the experts only in a layer with stacked experts), the stacked experts
+    (the rank's block under expert parallel), then every other MXFP4 linear split by its rule."""
     tp, lay = target.tp, target.layout
     out: list[LinearGroup | MoEGroup] = []
     done: set[str] = set()
@@ -380,37 +405,30 @@ def _layer_groups(layer, mods, rank, target, part, experts: _LayerExperts | None
         out.append(LinearGroup(name, rank, tp, tuple(parts), lay))
         done.update(p.src for p in parts)
 
-    attn = f"{layer}self_attn."
-    if f"{attn}q_a_proj" in mods and f"{attn}kv_a_proj_with_mqa" in mods:
-        linear(f"{attn}fused_qkv_a_proj", [part(f"{attn}q_a_proj", "none"), part(f"{attn}kv_a_proj_with_mqa", "none")])
-    mlp = f"{layer}mlp."
-    if f"{mlp}gate_proj" in mods and f"{mlp}up_proj" in mods:
-        linear(f"{mlp}gate_up_proj", [part(f"{mlp}gate_proj", "rows"), part(f"{mlp}up_proj", "rows")])
+    def merges(after_experts: bool) -> None:
+        for m in rules.merges:
+            srcs = [f"{layer}{p}" for p in m.parts]
+            if m.after_experts == after_experts and all(s in mods and s not in done for s in srcs):
+                linear(f"{layer}{m.module}", [part(s, m.split) for s in srcs])
 
+    merges(after_experts=False)
     if experts is not None:
         srcs, n_routed = experts.srcs, experts.n_routed
-        shared = f"{mlp}shared_experts"
         local, ep_range = srcs, None
         if target.ep > 1:
-            # Expert parallel (ATOM's determine_expert_map): contiguous blocks of n_routed // ep
-            # experts, the remainder to the last rank; the fused shared expert is replicated on
-            # every rank after its block; the intermediate dimension is not split (MoE tp = 1).
-            per = n_routed // target.ep
-            start, stop = rank * per, n_routed if rank == target.ep - 1 else (rank + 1) * per
+            # Whole experts (MoE tp = 1), the rank's block of the engine's expert map; the fused
+            # shared expert is replicated on every rank after its block.
+            start, stop = rules.expert_block(n_routed, target.ep, rank)
             local, ep_range = srcs[start:stop] + srcs[n_routed:], (start, stop)
-        out.append(MoEGroup(f"{mlp}experts", rank, tp, tuple(local), experts.inter, experts.hidden, target.moe_layout,
-                            target.inter_pad_to, target.hidden_pad_to, ep=target.ep, routed=ep_range))
+        out.append(MoEGroup(f"{layer}{rules.experts}", rank, tp, tuple(local), experts.inter, experts.hidden,
+                            target.moe_layout, target.inter_pad_to, target.hidden_pad_to, ep=target.ep,
+                            routed=ep_range))
         done.update(f"{s}.{p}" for s in srcs for p in ("gate_proj", "up_proj", "down_proj"))
-        if not experts.fused_shared and f"{shared}.gate_proj" in mods and f"{shared}.up_proj" in mods:
-            linear(f"{shared}.gate_up_proj", [part(f"{shared}.gate_proj", "rows"), part(f"{shared}.up_proj", "rows")])
+        merges(after_experts=True)
 
-    for prefix, kind in mods.items():
-        if prefix in done:
-            continue
-        split = {"q_b_proj": "rows", "q_proj": "rows", "kv_b_proj": "rows", "o_proj": "cols",
-                 "dense_mlp": "cols" if prefix.endswith("down_proj") else "rows",
-                 "shared_expert": "cols" if prefix.endswith("down_proj") else "rows"}.get(kind, "none")
-        linear(prefix, [part(prefix, split)])
+    for prefix in mods:
+        if prefix not in done:
+            linear(prefix, [part(prefix, rules.split_of(prefix))])
     return out
 
 
@@ -424,7 +442,8 @@ def mtp_embeddings(names: Iterable[str], num_hidden_layers: int) -> list[str]:
 
 
 def split_bf16(tensors: Mapping[str, Any], config: dict[str, Any], num_layers: int, tp: int, ep: int,
-               fuse_shared_expert: bool) -> tuple[list[list[Bf16Group]], list[str], list[str]]:
+               fuse_shared_expert: bool, rules: ShardingRules | None = None
+               ) -> tuple[list[list[Bf16Group]], list[str], list[str]]:
     """Where each non-MXFP4 tensor of ``tensors`` (name -> its dtype and shape) goes in a
     rank-exact conversion: per rank, the BF16 groups it holds (split as ATOM holds them,
     :mod:`prep.bf16`); the tensors every rank holds whole (replicated: norms, router, its bias,
@@ -434,7 +453,7 @@ def split_bf16(tensors: Mapping[str, Any], config: dict[str, Any], num_layers: i
     ``convert`` writes and what ``inspect`` says a format-1 rank keeps."""
     unread = mtp_embeddings(tensors, num_layers)
     rest = {n: info for n, info in tensors.items() if n not in unread}  # one per MTP layer
-    per_rank, replicated = plan_bf16_groups(rest, config, tp, ep, fuse_shared_expert)
+    per_rank, replicated = plan_bf16_groups(rest, config, tp, ep, fuse_shared_expert, rules)
     return per_rank, replicated, unread
 
 
@@ -443,7 +462,8 @@ def plan_bf16(src: SourceCheckpoint, cls: Classified, target: Target
     """:func:`split_bf16` of a source's non-MXFP4 tensors for ``target``, the stacked BF16
     experts in the target's BF16 MoE layout, every group checked."""
     per_rank, replicated, unread = split_bf16({n: src.tensors[n] for n in cls.passthrough}, src.config,
-                                              cls.num_layers, target.tp, target.ep, target.fuse_shared_expert)
+                                              cls.num_layers, target.tp, target.ep, target.fuse_shared_expert,
+                                              engine_of(target).sharding)
     if target.bf16_moe_layout:
         per_rank = [[g.with_layout(target.bf16_moe_layout) if g.stacked else g for g in groups] for groups in per_rank]
     for groups in per_rank:

@@ -172,7 +172,7 @@ def _kept_bytes(ck: ConvertedCheckpoint) -> list[int] | None:
         config = json.loads((ck.root / "config.json").read_text())
         common = {t.name: m.source.tensors[t.name] for t in m.tensors if t.rank is None and t.role == "passthrough"}
         split, whole, _ = split_bf16(common, config, config["num_hidden_layers"], m.tp, m.ep,
-                                     m.target.fuse_shared_expert)
+                                     m.target.fuse_shared_expert, get_engine(m.target.engine).sharding)
     except (OSError, ValueError, KeyError, TypeError, PrepError):
         return None
     replicated = sum(nbytes(common[n].dtype, common[n].shape) for n in whole)

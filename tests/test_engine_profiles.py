@@ -81,8 +81,9 @@ def test_every_registered_layout_is_read_by_some_engine_path():
     assert {p.bf16_moe_layout for p in profiles} - {None} == set(layouts.layout_names("bf16-moe"))
 
 
-def _manifest(layout, moe_layout, tp=2, ep=1) -> Manifest:
-    return Manifest.from_json({"target": {"layout": layout, "moe_layout": moe_layout, "tp": tp, "ep": ep}, "tensors": []})
+def _manifest(layout, moe_layout, tp=2, ep=1, engine="atom") -> Manifest:
+    return Manifest.from_json({"target": {"layout": layout, "moe_layout": moe_layout, "tp": tp, "ep": ep,
+                                          "engine": engine}, "tensors": []})
 
 
 @pytest.mark.parametrize("backend, arch", [("ck", "gfx950"), ("ck", "gfx942"), ("triton", "gfx950"), ("triton", "gfx942")])
@@ -147,8 +148,8 @@ def test_a_second_engine_plugs_into_the_checks_and_the_activation_flags(toy):
     engine = EngineConfig.from_env(tp_size=2, env={"TOY_FUSION": "0"}, engine="toy")
     assert (engine.gemm_path, engine.moe_backend, engine.gpu_arch, engine.input_norm_quant_fusion) == (
         "toy-raw", "toy-moe", "gfx950", False)
-    check_compatibility(_manifest(raw, ck), engine)
-    assert EngineConfig.reading(_manifest(raw, ck), engine="toy") == EngineConfig(engine="toy", tp_size=2,
+    check_compatibility(_manifest(raw, ck, engine="toy"), engine)
+    assert EngineConfig.reading(_manifest(raw, ck, engine="toy"), engine="toy") == EngineConfig(engine="toy", tp_size=2,
                                                                                   moe_backend="toy-moe")
     refusals = {
         (pre, ck, 1): f"checkpoint layout '{pre}' but the toy-raw GEMM reads '{raw}': convert with --layout {raw}",
@@ -158,16 +159,18 @@ def test_a_second_engine_plugs_into_the_checks_and_the_activation_flags(toy):
     }
     for (layout, moe, ep), message in refusals.items():
         with pytest.raises(CompatibilityError) as e:
-            check_compatibility(_manifest(layout, moe, ep=ep), engine)
+            check_compatibility(_manifest(layout, moe, ep=ep, engine="toy"), engine)
         assert message in str(e.value)
     with pytest.raises(CompatibilityError, match="the toy engine has no expert parallel"):
-        check_compatibility(_manifest(raw, ck, ep=2), EngineConfig(engine="toy", tp_size=2, ep_size=2))
+        check_compatibility(_manifest(raw, ck, ep=2, engine="toy"), EngineConfig(engine="toy", tp_size=2, ep_size=2))
     with pytest.raises(CompatibilityError, match="GPU arch 'gfx942': prep's layouts cover gfx95x"):
         EngineConfig(engine="toy", gpu_arch="gfx942")
     assert [tuple(layouts.select_activation_quant("toy-raw", m)) for m in (15, 16)] == [(False, False), (True, False)]
-    plan = layouts.ActivationQuantPlan.for_checkpoint(_manifest(raw, ck), engine)
+    plan = layouts.ActivationQuantPlan.for_checkpoint(_manifest(raw, ck, engine="toy"), engine)
     assert tuple(plan.flags(16)) == (True, False) and not plan.input_norm_quant_fusion
     assert toy.inspect_targets() == [(raw, ck)] and "toy" in layouts.engine_names()
+    with pytest.raises(CompatibilityError, match="converted for atom, .* convert again with --engine toy"):
+        check_compatibility(_manifest(raw, ck), engine)  # ranks written for ATOM hold ATOM's modules
     # ATOM is untouched by the newcomer.
     assert layouts.select_activation_quant("asm", 1) == (True, True) and EngineConfig().engine == "atom"
 
@@ -188,3 +191,51 @@ def test_a_profile_is_checked_when_it_registers(toy):
         layouts.register_engine(Unregistered())
     with pytest.raises(ValueError, match="'toy' is already registered"):
         layouts.register_engine(ToyProfile())
+
+
+# ------------------------------------------------------------------------------ conversion rules
+def test_a_second_engine_with_its_own_sharding_rules_gets_ranks_files_of_its_own(toy, tmp_path):
+    # The toy engine holds o_proj whole on every rank (ATOM splits its columns) and names its
+    # stacked experts differently: converting for it is one --engine, and each rank's files
+    # follow its rules, not ATOM's; the manifest says so and ATOM refuses the output.
+    from dataclasses import replace
+
+    from layouts.engines import WHOLE, ShardingRules
+    from layouts.engines.atom import SHARDING
+    from prep.convert import convert
+    from prep.deepseek import Target
+    from prep.testing import SynthSpec, write_checkpoint
+
+    toy.sharding = ShardingRules(SHARDING.merges, ((r"\.self_attn\.o_proj$", WHOLE), *SHARDING.splits),
+                                 experts="mlp.moe")
+    toy.bf16_moe_layout = None
+    src = write_checkpoint(SynthSpec(variant="v2"), tmp_path / "src")
+    raw = layouts.registry.source_order_layout("dense").name
+    ck = layouts.registry.MOE_CK.name
+    out = {}
+    for engine in ("atom", "toy"):
+        convert(str(src), tmp_path / engine, Target(raw, ck, 2, bf16_moe_layout=None, engine=engine))
+        out[engine] = layouts.load_manifest(tmp_path / engine)
+    assert out["toy"].target.engine == "toy" and out["atom"].target.engine == "atom"
+    shapes = {e: {t.name: t.shape for t in m.rank_tensors(0)} for e, m in out.items()}
+    o_proj = "model.layers.0.self_attn.o_proj.weight"
+    assert shapes["toy"][o_proj][1] == 2 * shapes["atom"][o_proj][1]  # whole against ATOM's column half
+    assert any(".mlp.moe.w13_weight" in n for n in shapes["toy"]) and not any(".mlp.moe." in n for n in shapes["atom"])
+    check_compatibility(out["toy"], EngineConfig.reading(out["toy"]))  # the engine it was converted for reads it
+    assert o_proj in layouts.load_rank(tmp_path / "toy", 1, verify_hashes=True)
+    with pytest.raises(CompatibilityError, match="converted for toy.*--engine atom"):
+        check_compatibility(out["toy"], EngineConfig.reading(out["toy"], engine="atom"))
+
+
+def test_converting_for_an_engine_without_sharding_rules_is_refused_naming_those_with(toy, tmp_path):
+    from prep.convert import convert
+    from prep.deepseek import Target
+    from prep.errors import PrepError
+    from prep.testing import SynthSpec, write_checkpoint
+
+    src = write_checkpoint(SynthSpec(), tmp_path / "src")
+    with pytest.raises(PrepError, match="engine 'toy' states no sharding rules.*--engine atom"):
+        convert(str(src), tmp_path / "out", Target(engine="toy"))
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(PrepError, match="unknown engine 'nope'"):
+        convert(str(src), tmp_path / "out", Target(engine="nope"))

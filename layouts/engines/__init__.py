@@ -25,6 +25,8 @@ import importlib
 import pkgutil
 from typing import TYPE_CHECKING, Callable, Mapping, Optional
 
+from ._sharding import COLS, ROWS, WHOLE, Merge, ShardingRules
+
 if TYPE_CHECKING:  # compat imports this package: the names are only for annotations here
     from ..compat import EngineConfig
     from ..manifest import Manifest
@@ -94,6 +96,10 @@ class EngineProfile:
     checks: tuple[Check, ...]
     """:func:`check_compatibility <layouts.check_compatibility>`'s rules for this engine, in
     order; the first refusal is raised. ``layouts.compat`` has the rules every engine shares."""
+    sharding: ShardingRules | None = None
+    """How the engine holds a DeepSeek checkpoint's linears per rank (merged modules, TP splits,
+    the expert map): what ``prep convert --engine NAME`` writes each rank's files by. None: prep
+    cannot convert for this engine (its checkpoints may still be checked against it)."""
 
     # ------------------------------------------------------------------ derived from the data
     @property
@@ -282,6 +288,7 @@ def current_gpu_arch() -> str | None:
 
 
 __all__ = [
-    "DEFAULT_ENGINE", "NEVER", "Check", "EngineProfile", "GemmPathRule", "GpuArch",
+    "COLS", "DEFAULT_ENGINE", "NEVER", "ROWS", "WHOLE", "Check", "EngineProfile", "GemmPathRule", "GpuArch", "Merge",
+    "ShardingRules",
     "current_gpu_arch", "engine_names", "gemm_path_rule", "get_engine", "register_engine",
 ]

@@ -49,13 +49,13 @@ from __future__ import annotations
 import shlex
 from typing import Mapping
 
-from ...compat import (CompatibilityError, EngineConfig, bf16_moe_layout_matches, dense_layout_matches, ep_matches,
-                       moe_layout_matches, rank_in_range, tp_matches)
+from ...compat import (CompatibilityError, EngineConfig, bf16_moe_layout_matches, dense_layout_matches,
+                       engine_matches, ep_matches, moe_layout_matches, rank_in_range, tp_matches)
 from ...manifest import Manifest
 from ...errors import LayoutsError
 from ...registry import MOE_BF16, MOE_CK, MOE_TRITON, MOE_TRITON_GFX942, NON_SHUFFLE, PRESHUFFLE, recorded_layout
 from ...shuffle import S8_COLS, pad_to
-from .. import NEVER, EngineProfile, GemmPathRule, GpuArch, current_gpu_arch
+from .. import COLS, NEVER, ROWS, WHOLE, EngineProfile, GemmPathRule, GpuArch, Merge, ShardingRules, current_gpu_arch
 
 ENV_NON_SHUFFLE = "ATOM_USE_FP4_NON_SHUFFLE_TRITON_GEMM"
 ENV_TRITON_GEMM = "ATOM_USE_TRITON_GEMM"
@@ -89,6 +89,30 @@ MOE_LAYOUTS: dict[tuple[str, str], str] = {  # CK first: it is ATOM's MoE unless
 # sets is_shuffled (atom/model_ops/utils.py:134-168); aiter's fused_moe reads that attribute
 # (aiter e4048607 aiter/fused_moe.py:747). On every arch, CK or Triton MXFP4 MoE alike.
 BF16_MOE_LAYOUT = MOE_BF16.name
+
+# ---------------------------------------------------------------------------- a rank's modules
+# ATOM's DeepSeek model (atom/models/deepseek_v2.py at ffdf3bb5): q_a and kv_a merged into a
+# replicated fused_qkv_a_proj; gate and up into a column-parallel gate_up_proj (the dense MLP's,
+# and the shared expert's when it is not stacked with the routed ones); q_b / q_proj / kv_b
+# column parallel, o_proj and down row parallel; embedding and head vocabulary parallel; the
+# routed experts stacked as mlp.experts, in contiguous blocks under expert parallel
+# (determine_expert_map). tests/atom_sharding.py states the same from ATOM's weight loaders and
+# checks every rank against ATOM's real load.
+SHARDING = ShardingRules(
+    merges=(
+        Merge("self_attn.fused_qkv_a_proj", ("self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa"), WHOLE),
+        Merge("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj"), ROWS),
+        Merge("mlp.shared_experts.gate_up_proj", ("mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj"), ROWS,
+              after_experts=True),
+    ),
+    splits=(
+        (r"^(model\.embed_tokens|lm_head|model\.layers\.\d+\.(embed_tokens|shared_head\.head))$", ROWS),
+        (r"\.self_attn\.(q_b_proj|q_proj|kv_b_proj)$", ROWS),
+        (r"\.self_attn\.o_proj$", COLS),
+        (r"\.mlp\.(shared_experts\.)?down_proj$", COLS),
+        (r"\.mlp\.(shared_experts\.)?(gate|up)_proj$", ROWS),
+    ),
+)
 
 # ---------------------------------------------------------------------------- refusals
 _DENSE_FIX = {
@@ -199,7 +223,8 @@ class AtomProfile(EngineProfile):
     expert_parallel_backends = (CK,)  # ATOM's Triton MoE ignores the expert map
     expert_parallel_switch = "--enable-expert-parallel"  # sets ep_size = tp_size
     bf16_moe_layout = BF16_MOE_LAYOUT
-    checks = (tp_matches, rank_in_range, ep_matches, dense_layout_matches, triton_gemm_needs_bf16_attention,
+    sharding = SHARDING
+    checks = (engine_matches, tp_matches, rank_in_range, ep_matches, dense_layout_matches, triton_gemm_needs_bf16_attention,
               s32x8_k_pad_usable, moe_layout_matches, bf16_moe_layout_matches, expert_parallel_needs_ck_moe)
 
     def config_from_env(self, env: Mapping[str, str], *, tp_size: int, rank: int, ep_size: int,

@@ -1,0 +1,62 @@
+"""How an engine holds a DeepSeek checkpoint's linears on each tensor-parallel rank: which source
+modules it merges into one module, along which dimension it splits each, and which routed
+experts a rank holds under expert parallel.
+
+These are the engine's rules, not the checkpoint's: vLLM and SGLang build the same DeepSeek
+model with their own merged names and splits. So they are data in each engine's profile
+(:attr:`EngineProfile.sharding <layouts.engines.EngineProfile.sharding>`), and prep's planners,
+the MXFP4 one and the BF16 one alike, read them from there: each rule is written once, by the
+engine that has it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+ROWS, COLS, WHOLE = "rows", "cols", "none"
+"""A module's TP split: its output rows (column parallel), its input columns (row parallel), or
+none (every rank holds it whole)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Merge:
+    """One engine module built from several source linears of a layer, stacked along its output
+    rows in ``parts`` order (``fused_qkv_a_proj`` = ``[q_a_proj; kv_a_proj_with_mqa]``)."""
+
+    module: str  # the engine's module, relative to the layer ("self_attn.fused_qkv_a_proj")
+    parts: tuple[str, ...]  # the source modules, relative to the layer, in row order
+    split: str  # how TP splits each part: ROWS (each part's rows, then stacked) or WHOLE
+    after_experts: bool = False  # placed after the layer's stacked experts in a rank's files
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingRules:
+    """An engine's per-rank holding of a DeepSeek checkpoint (module docstring)."""
+
+    merges: tuple[Merge, ...]
+    """The engine's merged modules, in the order a rank's files hold them within a layer."""
+    splits: tuple[tuple[str, str], ...]
+    """``(pattern, split)``: the first pattern found in a module's full name (``re.search``) gives
+    its split; a module no pattern finds is held whole. Embeddings and heads split by rows are
+    vocabulary parallel."""
+    experts: str = "mlp.experts"
+    """The stacked experts' module, relative to the layer."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_compiled", tuple((re.compile(p), s) for p, s in self.splits))
+
+    def split_of(self, module: str) -> str:
+        """How TP splits ``module`` (a full name, e.g. ``model.layers.3.self_attn.o_proj``)."""
+        for pattern, split in self._compiled:  # type: ignore[attr-defined]
+            if pattern.search(module):
+                return split
+        return WHOLE
+
+    @staticmethod
+    def expert_block(n_routed: int, ep: int, rank: int) -> tuple[int, int]:
+        """The routed experts ``[start, stop)`` rank ``rank`` of ``ep`` holds: contiguous blocks
+        of ``n_routed // ep``, the remainder to the last rank (every engine with expert
+        parallel for DeepSeek does this; a profile with another map overrides it)."""
+        per = n_routed // ep
+        return rank * per, n_routed if rank == ep - 1 else (rank + 1) * per
