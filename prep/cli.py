@@ -311,9 +311,16 @@ def convert(src, out, layout, moe_layout, tp, ep, fuse_shared_expert, engine, co
       prep convert ./src -o out --layout non-shuffle --moe-layout triton --tp 4 --workers 4
     """
     from .convert import convert as run, keep_freed_memory
-    from .deepseek import Target
+    from .deepseek import target_for
 
     keep_freed_memory()
+    # The engine's own default layouts where --layout / --moe-layout were not given.
+    ctx = click.get_current_context()
+    given = {k: v for k, v in (("layout", layout), ("moe_layout", moe_layout))
+             if ctx.get_parameter_source(k) is not click.core.ParameterSource.DEFAULT}
+    target = target_for(engine, tp=tp, ep=ep, fuse_shared_expert=fuse_shared_expert, rank_exact=not common_bf16,
+                        **given)
+    layout, moe_layout = target.layout, target.moe_layout
     note = None
     if out is None:
         out = default_out(src, layout, moe_layout, tp, ep)
@@ -322,7 +329,6 @@ def convert(src, out, layout, moe_layout, tp, ep, fuse_shared_expert, engine, co
     started = (lambda: click.echo(note, err=True)) if note else None
     bar = Progress.shown("convert", as_json, quiet)
     try:
-        target = Target(layout, moe_layout, tp, ep, fuse_shared_expert, rank_exact=not common_bf16, engine=engine)
         s = run(src, out, target, force=force, resume=resume, workers=workers, revision=revision, progress=bar,
                 on_total=bar.total, notify=lambda line: click.echo(f"note: {line}", err=True), on_start=started,
                 space_check=not no_space_check)

@@ -332,6 +332,18 @@ def plan_groups(src: SourceCheckpoint, cls: Classified, target: Target) -> list[
     return per_rank
 
 
+def target_for(engine: str, **options: Any) -> Target:
+    """A :class:`Target` for ``engine``: the layouts its default configuration reads (dense, MoE,
+    stacked BF16 experts) where ``options`` leave them out, so that a plain ``--engine NAME``
+    writes what that engine reads (:class:`PrepError` for an engine prep cannot convert for)."""
+    rules = engine_of(Target(engine=engine)).sharding
+    cfg = EngineConfig(engine=engine)
+    defaults = {"layout": cfg.expected_dense_layout(), "moe_layout": cfg.expected_moe_layout(),
+                "bf16_moe_layout": cfg.expected_bf16_moe_layout(), "inter_pad_to": rules.moe_pad_to[0],
+                "hidden_pad_to": rules.moe_pad_to[1]}
+    return Target(**{**defaults, **options, "engine": engine})
+
+
 def engine_of(target: Target):
     """The profile of the engine ``target`` converts for, refused (naming the engines prep can
     convert for) when it has no sharding rules."""

@@ -173,7 +173,7 @@ def _manifest(engine: EngineConfig, bf16_layouts) -> Manifest:
     """A checkpoint made for ``engine`` whose BF16 experts are in ``bf16_layouts``."""
     return Manifest.from_json({
         "target": {"layout": engine.expected_dense_layout(), "moe_layout": engine.expected_moe_layout(),
-                   "tp": engine.tp_size, "ep": engine.ep_size},
+                   "tp": engine.tp_size, "ep": engine.ep_size, "engine": engine.engine},
         "tensors": [], "layouts": {n: layout.describe() for n, layout in bf16_layouts.items()}})
 
 

@@ -239,3 +239,28 @@ def test_converting_for_an_engine_without_sharding_rules_is_refused_naming_those
     assert not (tmp_path / "out").exists()
     with pytest.raises(PrepError, match="unknown engine 'nope'"):
         convert(str(src), tmp_path / "out", Target(engine="nope"))
+
+
+def test_convert_engine_takes_that_engines_default_layouts(toy, tmp_path):
+    # `prep convert --engine toy` with no --layout writes what the toy engine's default
+    # configuration reads, not ATOM's defaults (which the toy engine would refuse).
+    from dataclasses import replace
+
+    from click.testing import CliRunner
+
+    from layouts.engines.atom import SHARDING
+    from prep.cli import main
+    from prep.testing import SynthSpec, write_checkpoint
+
+    toy.sharding = replace(SHARDING, moe_pad_to=(128, 256))
+    src = write_checkpoint(SynthSpec(), tmp_path / "src")
+    r = CliRunner().invoke(main, ["convert", str(src), "-o", str(tmp_path / "out"), "--tp", "2", "--engine", "toy",
+                                  "-q"])
+    assert r.exit_code == 0, r.output
+    m = layouts.load_manifest(tmp_path / "out")
+    engine = EngineConfig.reading(m)
+    assert (m.target.engine, m.layout, m.target.bf16_moe_layout, m.target.inter_pad_to) == (
+        "toy", layouts.registry.source_order_layout("dense").name, None, 128)
+    check_compatibility(m, engine)
+    r = CliRunner().invoke(main, ["convert", str(src), "-o", str(tmp_path / "other"), "--engine", "nope"])
+    assert r.exit_code != 0 and "unknown engine 'nope'" in r.output and not (tmp_path / "other").exists()

@@ -42,6 +42,9 @@ class ShardingRules:
     vocabulary parallel."""
     experts: str = "mlp.experts"
     """The stacked experts' module, relative to the layer."""
+    moe_pad_to: tuple[int, int] = (256, 256)
+    """The stacked experts' intermediate and hidden dimensions padded to multiples of these, as
+    the engine allocates them (ATOM: 256 and 256; vLLM's aiter MoE pads the intermediate to 128)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_compiled", tuple((re.compile(p), s) for p, s in self.splits))
