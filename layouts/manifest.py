@@ -185,7 +185,7 @@ class Target:
         if bf16_moe is not None and type(bf16_moe) is not str:
             raise ManifestError(f"target.bf16_moe_layout is {bf16_moe!r}, not a string")
         engine = t.get("engine", "atom")
-        if type(engine) is not str or not engine.isidentifier():
+        if type(engine) is not str or not 0 < len(engine) <= 64 or not all(c.isalnum() or c in "-_." for c in engine):
             raise ManifestError(f"target.engine is {engine!r}, not an engine name")
         return cls(layout, moe_layout, tp, ep, fuse, *pads, rank_exact, bf16_moe, arch, engine)
 
