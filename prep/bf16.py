@@ -91,6 +91,10 @@ class Bf16Group:
     def key(self) -> str:
         return self.name
 
+    def runtime_attrs(self) -> dict[str, Any]:
+        """Its layout's attributes (stacked experts stored in one), else none: source bytes."""
+        return dict(layouts.get_layout(self.layout).runtime_attrs) if self.layout else {}
+
     @property
     def stacked(self) -> bool:
         return self.placements[0].slot is not None

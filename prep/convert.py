@@ -119,11 +119,11 @@ def plan_files(src: SourceCheckpoint, target: Target) -> tuple[list[FileJob], di
             groups += more
     jobs: list[FileJob] = []
     for rank, groups in enumerate(per_rank):
-        sized = [(g, sum(nbytes(_dtype(g), shape) for _, _, shape in g.outputs())) for g in groups]
+        sized = [(g, sum(nbytes(g.dtype, shape) for _, _, shape in g.outputs())) for g in groups]
         sized += [(n, src.tensors[n].nbytes) for n in replicated]
         for fname, chunk in shard_names(sized, f"model-tp{target.tp}-rank{rank}"):
             gs, names = [x for x in chunk if not isinstance(x, str)], [x for x in chunk if isinstance(x, str)]
-            entries = [(n, _dtype(g), tuple(shape)) for g in gs for n, _, shape in g.outputs()]
+            entries = [(n, g.dtype, tuple(shape)) for g in gs for n, _, shape in g.outputs()]
             entries += [(n, src.tensors[n].dtype, src.tensors[n].shape) for n in names]
             jobs.append(FileJob(fname, rank, gs, names, entries))
     sized = [(n, src.tensors[n].nbytes) for n in common]
@@ -134,11 +134,6 @@ def plan_files(src: SourceCheckpoint, target: Target) -> tuple[list[FileJob], di
     info = {"arch": cls.arch, "num_layers": cls.num_layers, "mtp_layers": cls.mtp_layers,
             "modules": cls.modules, "passthrough": cls.passthrough}
     return jobs, info
-
-
-def _dtype(g: LinearGroup | MoEGroup | Bf16Group) -> str:
-    """The safetensors dtype of a group's stored tensors: MXFP4 groups store bytes."""
-    return g.dtype if isinstance(g, Bf16Group) else "U8"
 
 
 def _check_layout_names(target: Target) -> None:
@@ -438,25 +433,16 @@ def build_manifest(src: SourceCheckpoint, target: Target, jobs: list[FileJob],
     tensors = []
     groups = []
     used_layouts = {target.layout, target.moe_layout}
-    used_layouts |= {g.layout for j in jobs for g in j.groups if isinstance(g, Bf16Group) and g.layout}
+    used_layouts |= {g.layout for j in jobs for g in j.groups if g.layout}
     for job in jobs:
         hashes = records[job.name]["hashes"]
-        for g in job.groups:
+        for g in job.groups:  # every group kind answers the same: its dtype, attributes, outputs
             groups.append(schema.GroupRecord.from_json({**g.record(), "file": job.name}))
-            transforms = tuple(g.transforms())
-            if isinstance(g, Bf16Group):  # source bytes, split; stacked experts may be in a layout
-                attrs = dict(layouts.get_layout(g.layout).runtime_attrs) if g.layout else {}
-                for (name, role, shape), sources in zip(g.outputs(), g.output_sources()):
-                    tensors.append(schema.TensorRecord(name, g.rank, job.name, g.dtype, tuple(shape), role, g.layout,
-                                                       g.key, attrs, hashes[name], tuple(compress_names(sources)),
-                                                       transforms))
-                continue
-            lay = layouts.get_layout(g.layout)
-            extra = g.runtime_extra() if isinstance(g, MoEGroup) else {}
+            transforms, attrs = tuple(g.transforms()), g.runtime_attrs()
             for (name, role, shape), sources in zip(g.outputs(), g.output_sources()):
-                tensors.append(schema.TensorRecord(
-                    name, g.rank, job.name, "U8", tuple(shape), role, g.layout, g.key,
-                    {**lay.runtime_attrs, **extra}, hashes[name], tuple(compress_names(sources)), transforms))
+                tensors.append(schema.TensorRecord(name, g.rank, job.name, g.dtype, tuple(shape), role, g.layout,
+                                                   g.key, dict(attrs), hashes[name], tuple(compress_names(sources)),
+                                                   transforms))
         # A whole tensor in a common file is read by every rank (format 1) or, rank-exact, by none.
         role = "unread" if job.rank is None and target.rank_exact else "passthrough"
         for name in job.passthrough:

@@ -170,10 +170,15 @@ class LinearGroup:
     parts: tuple[Part, ...]
     layout: str
     kind = "linear"
+    dtype = "U8"  # stored tensors: MXFP4 bytes and E8M0 scales
 
     @property
     def key(self) -> str:
         return self.name
+
+    def runtime_attrs(self) -> dict[str, Any]:
+        """The attributes an engine sets on each of this group's tensors: its layout's."""
+        return dict(layouts.get_layout(self.layout).runtime_attrs)
 
     def sources(self) -> list[str]:
         """The source tensors this group is built from."""
@@ -273,6 +278,7 @@ class MoEGroup:
     ep: int = 1  # expert parallel: this rank holds ``experts`` whole (no intermediate split)
     routed: tuple[int, int] | None = None  # with ep > 1: the global routed expert ids [start, stop)
     kind = "moe"
+    dtype = "U8"
 
     @property
     def moe_tp(self) -> tuple[int, int]:
@@ -419,14 +425,15 @@ class MoEGroup:
                 "inter_pad_to": self.inter_pad_to, "hidden_pad_to": self.hidden_pad_to,
                 "ep": self.ep, "routed": list(self.routed) if self.routed else None}
 
-    def runtime_extra(self) -> dict[str, Any]:
-        extra = {"intermediate_pad": self.i_pad - self.i_local, "hidden_pad": self.h_pad - self.hidden,
-                 "num_local_experts": len(self.experts)}
+    def runtime_attrs(self) -> dict[str, Any]:
+        """Its layout's attributes, and the padding and expert map the MoE kernel needs."""
+        attrs = {**layouts.get_layout(self.layout).runtime_attrs, "intermediate_pad": self.i_pad - self.i_local,
+                 "hidden_pad": self.h_pad - self.hidden, "num_local_experts": len(self.experts)}
         if self.ep > 1:
             start, stop = self.routed
-            extra.update({"ep_size": self.ep, "ep_rank": self.rank, "global_routed_experts": [start, stop],
+            attrs.update({"ep_size": self.ep, "ep_rank": self.rank, "global_routed_experts": [start, stop],
                           "shared_expert_slot": stop - start if len(self.experts) > stop - start else None})
-        return extra
+        return attrs
 
 
 def _alloc(shape: tuple[int, ...]) -> torch.Tensor:
