@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
@@ -31,6 +31,9 @@ import layouts
 from layouts.engines._sharding import COLS as _COLS, ROWS as _ROWS, WHOLE as _WHOLE
 
 from .errors import PrepError
+
+if TYPE_CHECKING:
+    from layouts.manifest import GroupRecord
 
 Reader = Callable[..., torch.Tensor]  # read(name, rows=None, cols=None, out=None) -> tensor
 Piece = tuple[str, tuple[slice, slice], torch.Tensor]
@@ -282,15 +285,16 @@ def _expand_stack(name: str, stack: dict[str, Any]) -> tuple[Placement, ...]:
                            w["dest_row"], slot) for slot, expert in enumerate(experts) for w in stack["windows"])
 
 
-def group_from_record(rec: dict[str, Any]) -> Bf16Group:
-    if rec.get("kind") != "bf16":
-        raise PrepError(f"manifest: group {rec.get('name')!r} is not a bf16 group")
-    if rec.get("stack") is not None:
-        ps = _expand_stack(rec["name"], rec["stack"])
+def group_from_record(rec: "GroupRecord") -> Bf16Group:
+    """A BF16 group from its manifest record (stacked experts expanded from their template)."""
+    if rec.kind != "bf16":
+        raise PrepError(f"manifest: group {rec.name!r} is not a bf16 group")
+    if rec.stack is not None:
+        ps = _expand_stack(rec.name, rec.stack.to_json())
     else:
-        ps = tuple(Placement(p["source"], tuple(p["shape"]), p["dim"], p["start"], p["stop"], p["dest_row"],
-                             p.get("slot")) for p in rec["placements"])
-    return Bf16Group(rec["name"], rec["rank"], rec["tp"], rec["dtype"], ps, rec.get("layout"))
+        ps = tuple(Placement(p.source, tuple(p.shape), p.dim, p.start, p.stop, p.dest_row, p.slot)
+                   for p in rec.placements)
+    return Bf16Group(rec.name, rec.rank, rec.tp, rec.dtype, ps, rec.layout)
 
 
 # ---------------------------------------------------------------------------------- planning

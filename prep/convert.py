@@ -32,7 +32,7 @@ from .bf16 import Bf16Group
 from .deepseek import Target, classify, plan_bf16, plan_groups
 from .errors import PrepError
 from .directio import ALIGN
-from .groups import Alloc, LinearGroup, MoEGroup
+from .groups import Alloc, LinearGroup, MoEGroup, to_record
 from .identity import changed_files, file_identity
 from .outdir import OutputFolder, copy_regular, kill_point, sealed_run, write_json
 from .source import ShardFile, SourceCheckpoint
@@ -437,7 +437,7 @@ def build_manifest(src: SourceCheckpoint, target: Target, jobs: list[FileJob],
     for job in jobs:
         hashes = records[job.name]["hashes"]
         for g in job.groups:  # every group kind answers the same: its dtype, attributes, outputs
-            groups.append(schema.GroupRecord.from_json({**g.record(), "file": job.name}))
+            groups.append(to_record(g, job.name))
             transforms, attrs = tuple(g.transforms()), g.runtime_attrs()
             for (name, role, shape), sources in zip(g.outputs(), g.output_sources()):
                 tensors.append(schema.TensorRecord(name, g.rank, job.name, g.dtype, tuple(shape), role, g.layout,

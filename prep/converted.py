@@ -308,8 +308,8 @@ class ConvertedCheckpoint:
 
 
 def _group(rec: GroupRecord) -> LinearGroup | MoEGroup | Bf16Group:
-    """The group that builds and inverts ``rec``'s tensors (prep's groups read the record's JSON)."""
-    return group_from_record(rec.to_json())
+    """The group that builds and inverts ``rec``'s tensors."""
+    return group_from_record(rec)
 
 
 def _step(g: MoEGroup) -> int:

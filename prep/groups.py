@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 import torch
 
 import layouts
+from layouts.manifest import GroupRecord
 from layouts.sizes import ceil_div, pad_to
 
 from .errors import PrepError
@@ -453,17 +454,21 @@ def _whole(group: "MoEGroup", chunks: Iterator[tuple[str, torch.Tensor]]) -> lis
     return out
 
 
-def group_from_record(rec: dict[str, Any]) -> "LinearGroup | MoEGroup | Bf16Group":
+def to_record(group: "LinearGroup | MoEGroup | Bf16Group", file: str) -> GroupRecord:
+    """``group``'s manifest record (the typed ``groups`` entry), its tensors held in ``file``."""
+    return GroupRecord.from_json({**group.record(), "file": file})
+
+
+def group_from_record(rec: GroupRecord) -> "LinearGroup | MoEGroup | Bf16Group":
     """Rebuild a group from its manifest record, by its kind."""
-    if rec["kind"] == "bf16":
+    if rec.kind == "bf16":
         from .bf16 import group_from_record as bf16_group  # bf16 groups: their own module
 
         return bf16_group(rec)
-    if rec["kind"] == "linear":
-        return LinearGroup(rec["name"], rec["rank"], rec["tp"], tuple(Part(**p) for p in rec["parts"]), rec["layout"])
-    if rec["kind"] == "moe":
-        routed = rec.get("routed")
-        return MoEGroup(rec["name"], rec["rank"], rec["tp"], tuple(rec["experts"]), rec["inter"], rec["hidden"],
-                        rec["layout"], rec["inter_pad_to"], rec["hidden_pad_to"], rec.get("ep", 1),
-                        tuple(routed) if routed else None)
-    raise PrepError(f"manifest: unknown group kind {rec['kind']!r}")
+    if rec.kind == "linear":
+        return LinearGroup(rec.name, rec.rank, rec.tp, tuple(Part(p.src, p.n, p.k, p.split) for p in rec.parts),
+                           rec.layout)
+    if rec.kind == "moe":
+        return MoEGroup(rec.name, rec.rank, rec.tp, tuple(rec.experts), rec.inter, rec.hidden, rec.layout,
+                        rec.inter_pad_to, rec.hidden_pad_to, rec.ep, rec.routed)
+    raise PrepError(f"manifest: unknown group kind {rec.kind!r}")

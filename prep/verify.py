@@ -85,7 +85,7 @@ def check_scale_pads(ck: ConvertedCheckpoint) -> int:
         if layout is None:
             raise PrepError(f"{ck.root}: group {rec.name} is in layout {rec.layout!r}, which the manifest's layouts "
                             "do not record; the manifest is damaged: convert again")
-        g = group_from_record(rec.to_json())
+        g = group_from_record(rec)
         for (name, role, stored), shape in zip(g.outputs(), g.local_shapes()):
             if role != "e8m0_scale" or math.prod(stored) == math.prod(shape):
                 continue  # nothing padded

@@ -469,9 +469,9 @@ def test_inverting_checks_that_rank_pieces_tile_each_source_tensor(sources, tmp_
             return []
 
         def invert(self, tensors):
-            rows, cols = windows[self.rec["rank"]]
+            rows, cols = windows[self.rec.rank]
             yield "fake.weight", (rows, cols), torch.full((rows.stop - rows.start, cols.stop - cols.start),
-                                                          10 * self.rec["rank"] + 1, dtype=torch.uint8)
+                                                          10 * self.rec.rank + 1, dtype=torch.uint8)
 
     monkeypatch.setattr(pcv, "group_from_record", Piece)
     ck._groups["fake"] = [L.manifest.GroupRecord("linear", "fake", r, len(windows), "preshuffle", "none")
@@ -497,7 +497,7 @@ def test_inverting_experts_a_block_at_a_time_equals_inverting_whole_layers(tmp_p
     write_checkpoint(SynthSpec(variant="v2", n_routed_experts=n_routed, num_hidden_layers=2), src)
     convert(str(src), out, Target(layout, moe_layout, tp, ep=ep))
     ck = pcv.ConvertedCheckpoint(out)
-    g = next(pcv.group_from_record(r.to_json()) for r in ck.manifest.groups if r.kind == "moe")
+    g = next(pcv.group_from_record(r) for r in ck.manifest.groups if r.kind == "moe")
     monkeypatch.setattr(pcv, "STREAM_BYTES", block_experts * 2 * g.i_pad * g.h_pad // 2)  # blocks of N experts
     for unit, names in ck.units():
         streamed = list(ck.iter_source_tensors(unit))

@@ -107,7 +107,7 @@ class AiterDenseGemms:
     def _from_converted(self, manifest: layouts.Manifest, assume_layout: str | None) -> None:
         ranks = [layouts.load_rank(self.root, r, manifest=manifest) for r in range(manifest.tp)]  # mapped
         for rec in manifest.groups:
-            g = group_from_record(rec.to_json())
+            g = group_from_record(rec)
             if not isinstance(g, LinearGroup):
                 continue  # stacked experts: the model's own path
             layout = g.layout

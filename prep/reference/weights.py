@@ -300,7 +300,7 @@ def _from_converted(root: pathlib.Path, assume_layout: str | None, manifest: lay
     memo: dict = {}  # the last dequantized stored output, shared by every group
     headroom = 0  # the most any one read of a stored output holds beyond its rows
     for rec in manifest.groups:
-        g = group_from_record(rec.to_json())  # prep's groups read the record's JSON
+        g = group_from_record(rec)
         if isinstance(g, Bf16Group):
             for name in dict.fromkeys(g.sources()):
                 split.setdefault(name, []).append(g)
