@@ -29,11 +29,13 @@ FORMAT = "prep-manifest"
 # Bumped when a reader of the previous version would misread a checkpoint of the new one (a field
 # that changes meaning, goes away or must be understood to read the bytes); readers refuse any
 # version but their own. docs/manifest.md states the rule in full.
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 # Versions this module reads. 1: every non-MXFP4 tensor whole in common files every rank reads.
 # 2 (rank-exact): split BF16 tensors (role "bf16_shard", group kind "bf16"), replicated tensors in
-# every rank's files, and role "unread" for what no rank reads (kept for revert).
-READ_VERSIONS = (1, 2)
+# every rank's files, and role "unread" for what no rank reads (kept for revert). 3: a conversion
+# for an engine other than ATOM (target.engine, which an older reader would take for ATOM's);
+# ATOM's conversions are still written as 2 or 1.
+READ_VERSIONS = (1, 2, 3)
 MAX_TP = 1 << 16  # no engine runs more ranks: a larger tp is a damaged manifest
 
 

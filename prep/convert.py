@@ -23,6 +23,7 @@ from typing import Any, Callable
 import torch
 
 import layouts
+from layouts.engines import DEFAULT_ENGINE
 from layouts import manifest as schema
 from layouts.manifest import COMPLETE_NAME, MANIFEST_NAME, compress_names, manifest_hash
 from layouts.safetensors_file import TORCH_DTYPES, TensorInfo
@@ -462,5 +463,7 @@ def build_manifest(src: SourceCheckpoint, target: Target, jobs: list[FileJob],
         files={j.name: schema.FileRecord(j.rank, records[j.name]["size"], len(j.entries)) for j in jobs},
         groups=groups,
         tensors=tensors,
-        format_version=schema.FORMAT_VERSION if target.rank_exact else 1,
+        # ATOM's conversions keep versions 2 and 1, which every reader takes as ATOM's; another
+        # engine's are version 3, which readers older than target.engine refuse.
+        format_version=schema.FORMAT_VERSION if target.engine != DEFAULT_ENGINE else 2 if target.rank_exact else 1,
     )
