@@ -27,8 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import torch
 
 import layouts
-
-from layouts.engines._sharding import COLS as _COLS, ROWS as _ROWS, WHOLE as _WHOLE
+from layouts.engines import COLS as _COLS, ROWS as _ROWS, WHOLE as _WHOLE
 
 from .errors import PrepError
 
@@ -372,7 +371,7 @@ def _plan_experts(mlp: str, layer: dict, tp: int, ep: int, fuse_shared: bool, pe
                   whole: list[str], rules: "layouts.engines.ShardingRules") -> None:
     """One MoE layer's BF16 experts as the engine stacks them: ``w13 [E, 2 I/tp, H]`` (gate rows,
     then up rows) and ``w2 [E, H, I/tp]``; under expert parallel whole experts, rank r the
-    routed block ATOM's ``determine_expert_map`` gives it (the remainder to the last rank); the
+    routed block the engine's expert map gives it (``rules.expert_block``); the
     shared expert, when fused, in the slot after the routed ones on every rank."""
     routed = sorted(e for e in layer if e is not None)
     if not routed:  # a BF16 shared expert beside MXFP4 routed ones: the engine keeps it apart

@@ -15,7 +15,7 @@ import re
 from typing import Any, Iterable, Iterator, Mapping
 
 from layouts.compat import EngineConfig
-from layouts.engines import DEFAULT_ENGINE, ShardingRules, get_engine
+from layouts.engines import DEFAULT_ENGINE, EngineProfile, ShardingRules, get_engine
 from layouts.mxfp4 import BLOCK_SIZE
 from layouts.sizes import ceil_div
 
@@ -344,7 +344,7 @@ def target_for(engine: str, **options: Any) -> Target:
     return Target(**{**defaults, **options, "engine": engine})
 
 
-def engine_of(target: Target):
+def engine_of(target: Target) -> EngineProfile:
     """The profile of the engine ``target`` converts for, refused (naming the engines prep can
     convert for) when it has no sharding rules."""
     from layouts.engines import engine_names

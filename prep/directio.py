@@ -38,15 +38,16 @@ STAGING_BYTES = 40 << 20  # one staging block: room for a whole 32 MiB conversio
 WRITE_DEPTH = 1
 STAGING_SPARE = 2  # blocks beyond the writes in flight: one being filled, one being hashed
 STAGING_BLOCKS = WRITE_DEPTH + STAGING_SPARE  # at the default depth
+WRITEBACK_BYTES = 256 << 20  # buffered fallback: hand dirty pages to the disk this often
+O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
 def write_depth() -> int:
+    """Writes in flight per file: ``PREP_WRITE_DEPTH`` (1 to 16), else :data:`WRITE_DEPTH`."""
     try:
         return max(1, min(16, int(os.environ.get("PREP_WRITE_DEPTH", WRITE_DEPTH))))
     except ValueError:
         return WRITE_DEPTH
-WRITEBACK_BYTES = 256 << 20  # buffered fallback: hand dirty pages to the disk this often
-O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 Span = tuple[str, int, int]  # (name, start, stop): a byte range of the stream to hash
 
@@ -218,7 +219,7 @@ class AlignedFileWriter:
                 continue
 
     def _stop(self) -> None:
-        """Let both threads finish what is queued, and wait for them."""
+        """Let the threads finish what is queued, and wait for them."""
         for q, t in zip(self._queues, self._threads):
             if t.is_alive():
                 q.put(None)
@@ -226,7 +227,7 @@ class AlignedFileWriter:
             t.join()
 
     def _cancel_threads(self) -> None:
-        """Make both threads drop what is queued and end, and wait for them."""
+        """Make the threads drop what is queued and end, and wait for them."""
         self._cancelled = True
         threads = getattr(self, "_threads", ())
         for q, t in zip(getattr(self, "_queues", ()), threads):
