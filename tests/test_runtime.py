@@ -184,6 +184,31 @@ def test_load_rank_returns_exactly_the_manifest_tensors_with_attributes(converte
     assert tensors["model.layers.1.self_attn.fused_qkv_a_proj.weight"].is_shuffled == (m.layout == "preshuffle")
 
 
+@pytest.mark.parametrize("direct", [False, True])
+def test_load_rank_to_a_gpu_reads_each_file_through_the_staged_reader(converted, monkeypatch, direct):
+    # No GPU here: the staged reader's target is a CPU tensor (its own tests run it that way),
+    # standing in for the device buffer; what is pinned is the wiring: every file of the rank,
+    # once, with ``direct`` passed on, and tensors equal to the plain CPU load.
+    import layouts.device_load as dl
+    import layouts.loader as loader
+
+    calls = []
+
+    def to_cpu(sf, device, *, direct=True, readers=None, block=None):
+        assert device.type == "cuda"
+        calls.append((sf.path.name, direct))
+        return dl.read_to_device(sf, torch.device("cpu"), direct=direct, block=1 << 16, readers=3)
+
+    monkeypatch.setattr(loader, "read_to_device", to_cpu)
+    root = converted["pre-ck-tp2"]
+    got = L.load_rank(root, 1, "cuda", direct=direct)
+    m = load_manifest(root)
+    assert sorted(calls) == sorted((f, direct) for f in m.rank_files(1))
+    want = L.load_rank(root, 1)
+    assert list(got) == list(want) and all(torch.equal(got[n], want[n]) for n in want)
+    assert got["model.layers.1.self_attn.fused_qkv_a_proj.weight"].is_shuffled
+
+
 def test_load_rank_reads_only_its_own_files(converted, tmp_path):
     out = tmp_path / "c"
     shutil.copytree(converted["pre-ck-tp2"], out)
