@@ -8,6 +8,7 @@ import ast
 import pathlib
 
 import pytest
+import torch
 
 import layouts
 from layouts import engines
@@ -225,6 +226,17 @@ def test_a_second_engine_with_its_own_sharding_rules_gets_ranks_files_of_its_own
     assert any(".mlp.moe.w13_weight" in n for n in shapes["toy"]) and not any(".mlp.moe." in n for n in shapes["atom"])
     check_compatibility(out["toy"], EngineConfig.reading(out["toy"]))  # the engine it was converted for reads it
     assert o_proj in layouts.load_rank(tmp_path / "toy", 1, verify_hashes=True)
+    # verify and revert read the groups the records state, whatever engine's rules made them.
+    from prep.revert import revert
+    from prep.source import SourceCheckpoint
+    from prep.verify import verify
+
+    source = SourceCheckpoint(src)
+    assert verify(str(tmp_path / "toy"), str(src))["source_tensors_compared"] == len(source.tensors)
+    revert(str(tmp_path / "toy"), tmp_path / "back")
+    back = SourceCheckpoint(tmp_path / "back")
+    assert all(back.read(n).view(-1).view(torch.uint8).equal(source.read(n).view(-1).view(torch.uint8))
+               for n in source.tensors)
     with pytest.raises(CompatibilityError, match="converted for toy.*--engine atom"):
         check_compatibility(out["toy"], EngineConfig.reading(out["toy"], engine="atom"))
 
