@@ -256,10 +256,11 @@ def inspect(src: str, revision: str | None, as_json: bool, quiet: bool) -> None:
                    "source folder, or in the current folder for a repo id.")
 @click.option("--layout", type=_FromLayouts(_layout_names("dense")), default=_target_default("layout"),
               show_default=True, help="Dense linears: the layout your engine's GEMM path reads (which path reads "
-                                      "which, and the switch that picks it: docs/engines.md).")
+                                      "which, and the switch that picks it: docs/engines.md). Without it: what "
+                                      "--engine's default configuration reads (ATOM's shown).")
 @click.option("--moe-layout", type=_FromLayouts(_layout_names("moe")), default=_target_default("moe_layout"),
               show_default=True, help="Stacked experts: the layout your engine's MoE back end reads on your GPU "
-                                      "(docs/engines.md).")
+                                      "(docs/engines.md). Without it: --engine's default (ATOM's shown).")
 @click.option("--tp", type=int, default=1, show_default=True, help="Tensor-parallel size: one set of files per rank.")
 @click.option("--ep", type=int, default=1, show_default=True, help="Expert-parallel size: 1, or equal to --tp (each rank holds a block of whole experts plus the shared one).")
 @click.option("--fuse-shared-expert/--no-fuse-shared-expert", default=True, show_default=True,
