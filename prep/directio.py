@@ -42,12 +42,12 @@ WRITEBACK_BYTES = 256 << 20  # buffered fallback: hand dirty pages to the disk t
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
-def write_depth() -> int:
-    """Writes in flight per file: ``PREP_WRITE_DEPTH`` (1 to 16), else :data:`WRITE_DEPTH`."""
+def write_depth(default: int = WRITE_DEPTH) -> int:
+    """Writes in flight per file: ``PREP_WRITE_DEPTH`` (1 to 16) when set, else ``default``."""
     try:
-        return max(1, min(16, int(os.environ.get("PREP_WRITE_DEPTH", WRITE_DEPTH))))
+        return max(1, min(16, int(os.environ.get("PREP_WRITE_DEPTH", default))))
     except ValueError:
-        return WRITE_DEPTH
+        return default
 
 Span = tuple[str, int, int]  # (name, start, stop): a byte range of the stream to hash
 
@@ -64,8 +64,9 @@ class AlignedFileWriter:
     """
 
     def __init__(self, path: pathlib.Path, spans: list[Span] = (), direct: bool = True,
-                 staging_bytes: int | None = None):
+                 staging_bytes: int | None = None, depth: int | None = None):
         self.path = path
+        self.depth = write_depth(depth or WRITE_DEPTH)  # writes in flight (PREP_WRITE_DEPTH wins)
         self.staging_bytes = staging_bytes or STAGING_BYTES  # a multiple of ALIGN
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
         self.direct = bool(direct and O_DIRECT)
@@ -89,7 +90,7 @@ class AlignedFileWriter:
         # Page-aligned, private anonymous memory (Python's default for -1 is shared, which the
         # kernel accounts as shmem).
         flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
-        depth = write_depth()
+        depth = self.depth
         n_blocks = depth + STAGING_SPARE
         self._blocks = [mmap.mmap(-1, self.staging_bytes, flags=flags) if flags else mmap.mmap(-1, self.staging_bytes)
                         for _ in range(n_blocks)]

@@ -39,9 +39,11 @@ class StreamingSafetensorsWriter:
     """
 
     def __init__(self, path: pathlib.Path, entries: list[tuple[str, str, tuple[int, ...]]],
-                 metadata: dict[str, str] | None = None, staging_bytes: int | None = None):
+                 metadata: dict[str, str] | None = None, staging_bytes: int | None = None,
+                 write_depth: int | None = None):
         self.path = path
         self.staging_bytes = staging_bytes
+        self.write_depth = write_depth  # writes in flight (directio's default when None)
         self.entries = entries
         header: dict = {"__metadata__": metadata or {"format": "pt"}}
         offset = 0
@@ -67,7 +69,8 @@ class StreamingSafetensorsWriter:
         return self._out.hashes if self._out is not None else {}
 
     def __enter__(self) -> "StreamingSafetensorsWriter":
-        self._out = AlignedFileWriter(self.path, self._spans, staging_bytes=self.staging_bytes)
+        self._out = AlignedFileWriter(self.path, self._spans, staging_bytes=self.staging_bytes,
+                                      depth=self.write_depth)
         try:
             self._out.write_bytes(len(self._header).to_bytes(8, "little") + self._header)
         except BaseException:
