@@ -303,9 +303,9 @@ def convert(src, out, layout, moe_layout, tp, ep, fuse_shared_expert, engine, co
 
     Memory stays flat whatever the checkpoint's size: each file is built in blocks of whole
     experts or rows of about 32 MiB and written through six 40 MiB buffers, four writes in
-    flight (per file: the TP ranks' files written together get 8 MiB ones): 0.6 GiB measured on a 13 GiB
-    checkpoint of DeepSeek's real widths with one write in flight, 0.75 GiB peak on a 5 GiB
-    R1-shaped one with four (docs/BENCHMARKS.md).
+    flight (per file; the TP ranks' files written together get 8 MiB ones): 0.6 GiB measured
+    on a 13 GiB checkpoint of DeepSeek's real widths with one write in flight, 0.75 GiB peak on
+    a 5 GiB R1-shaped one with four (docs/BENCHMARKS.md).
 
     \b
     Examples:
