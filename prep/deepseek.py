@@ -303,7 +303,6 @@ def _dims(src: SourceCheckpoint, prefix: str) -> tuple[int, int]:
 
 def plan_groups(src: SourceCheckpoint, cls: Classified, target: Target) -> list[list[LinearGroup | MoEGroup]]:
     """For each rank, the MXFP4 groups it holds, in source layer order."""
-    cfg = src.config
     tp = target.tp
     if tp < 1 or target.ep < 1:
         raise PrepError(f"--tp and --ep must be >= 1 (got tp={tp}, ep={target.ep})")
