@@ -264,7 +264,8 @@ def inspect(src: str, revision: str | None, as_json: bool, quiet: bool) -> None:
 @click.option("--tp", type=int, default=1, show_default=True, help="Tensor-parallel size: one set of files per rank.")
 @click.option("--ep", type=int, default=1, show_default=True, help="Expert-parallel size: 1, or equal to --tp (each rank holds a block of whole experts plus the shared one).")
 @click.option("--fuse-shared-expert/--no-fuse-shared-expert", default=True, show_default=True,
-              help="Put the shared expert into expert slot n_routed of the stacked tensors.")
+              help="Put the shared expert into expert slot n_routed of the stacked tensors. Without it: "
+                   "what --engine does (ATOM's shown).")
 @click.option("--engine", default="atom", show_default=True,
               help="The engine whose ranks the files are written for: its merged module names, TP splits and "
                    "expert map (its profile's sharding rules). The manifest records it and another engine "
@@ -319,10 +320,10 @@ def convert(src, out, layout, moe_layout, tp, ep, fuse_shared_expert, engine, co
     keep_freed_memory()
     # The engine's own default layouts where --layout / --moe-layout were not given.
     ctx = click.get_current_context()
-    given = {k: v for k, v in (("layout", layout), ("moe_layout", moe_layout))
+    given = {k: v for k, v in (("layout", layout), ("moe_layout", moe_layout),
+                               ("fuse_shared_expert", fuse_shared_expert))
              if ctx.get_parameter_source(k) is not click.core.ParameterSource.DEFAULT}
-    target = target_for(engine, tp=tp, ep=ep, fuse_shared_expert=fuse_shared_expert, rank_exact=not common_bf16,
-                        **given)
+    target = target_for(engine, tp=tp, ep=ep, rank_exact=not common_bf16, **given)
     layout, moe_layout = target.layout, target.moe_layout
     note = None
     if out is None:

@@ -333,13 +333,14 @@ def plan_groups(src: SourceCheckpoint, cls: Classified, target: Target) -> list[
 
 def target_for(engine: str, **options: Any) -> Target:
     """A :class:`Target` for ``engine``: the layouts its default configuration reads (dense, MoE,
-    stacked BF16 experts) where ``options`` leave them out, so that a plain ``--engine NAME``
-    writes what that engine reads (:class:`PrepError` for an engine prep cannot convert for)."""
+    stacked BF16 experts), its MoE padding and whether it fuses the shared expert, where
+    ``options`` leave them out, so that a plain ``--engine NAME`` writes what that engine reads
+    (:class:`PrepError` for an engine prep cannot convert for)."""
     rules = engine_of(Target(engine=engine)).sharding
     cfg = EngineConfig(engine=engine)
     defaults = {"layout": cfg.expected_dense_layout(), "moe_layout": cfg.expected_moe_layout(),
                 "bf16_moe_layout": cfg.expected_bf16_moe_layout(), "inter_pad_to": rules.moe_pad_to[0],
-                "hidden_pad_to": rules.moe_pad_to[1]}
+                "hidden_pad_to": rules.moe_pad_to[1], "fuse_shared_expert": rules.fuse_shared_expert}
     return Target(**{**defaults, **options, "engine": engine})
 
 

@@ -266,15 +266,16 @@ def test_convert_engine_takes_that_engines_default_layouts(toy, tmp_path):
     from prep.cli import main
     from prep.testing import SynthSpec, write_checkpoint
 
-    toy.sharding = replace(SHARDING, moe_pad_to=(128, 256))
+    toy.sharding = replace(SHARDING, moe_pad_to=(128, 256), fuse_shared_expert=False)
     src = write_checkpoint(SynthSpec(), tmp_path / "src")
     r = CliRunner().invoke(main, ["convert", str(src), "-o", str(tmp_path / "out"), "--tp", "2", "--engine", "toy",
                                   "-q"])
     assert r.exit_code == 0, r.output
     m = layouts.load_manifest(tmp_path / "out")
     engine = EngineConfig.reading(m)
-    assert (m.target.engine, m.layout, m.target.bf16_moe_layout, m.target.inter_pad_to) == (
-        "toy", layouts.registry.source_order_layout("dense").name, None, 128)
+    assert (m.target.engine, m.layout, m.target.bf16_moe_layout, m.target.inter_pad_to,
+            m.target.fuse_shared_expert) == ("toy", layouts.registry.source_order_layout("dense").name, None, 128,
+                                             False)
     check_compatibility(m, engine)
     r = CliRunner().invoke(main, ["convert", str(src), "-o", str(tmp_path / "other"), "--engine", "nope"])
     assert r.exit_code != 0 and "unknown engine 'nope'" in r.output and not (tmp_path / "other").exists()

@@ -42,6 +42,9 @@ class ShardingRules:
     vocabulary parallel."""
     experts: str = "mlp.experts"
     """The stacked experts' module, relative to the layer."""
+    fuse_shared_expert: bool = True
+    """Whether the engine stacks the shared expert after the routed ones (slot ``n_routed``) by
+    default (ATOM and SGLang do; vLLM only with a switch)."""
     moe_pad_to: tuple[int, int] = (256, 256)
     """The stacked experts' intermediate and hidden dimensions padded to multiples of these, as
     the engine allocates them (ATOM: 256 and 256; vLLM's aiter MoE pads the intermediate to 128)."""
