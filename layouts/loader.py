@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Iterator
 import torch
 
 from .compat import EngineConfig, check_compatibility
-from .manifest import COMPLETE_NAME, MANIFEST_NAME, Manifest, ManifestError, TensorRecord, load_manifest
 from .device_load import read_to_device
+from .manifest import COMPLETE_NAME, MANIFEST_NAME, Manifest, ManifestError, TensorRecord, load_manifest
 from .safe_files import read_regular
 from .safetensors_file import TORCH_DTYPES, SafetensorsFile, SafetensorsFileError, map_all, tensor_hash
 

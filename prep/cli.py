@@ -318,7 +318,7 @@ def convert(src, out, layout, moe_layout, tp, ep, fuse_shared_expert, engine, co
     from .deepseek import target_for
 
     keep_freed_memory()
-    # The engine's own default layouts where --layout / --moe-layout were not given.
+    # The engine's own defaults where --layout / --moe-layout / --[no-]fuse-shared-expert were not given.
     ctx = click.get_current_context()
     given = {k: v for k, v in (("layout", layout), ("moe_layout", moe_layout),
                                ("fuse_shared_expert", fuse_shared_expert))
