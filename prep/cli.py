@@ -352,8 +352,13 @@ def convert(src, out, layout, moe_layout, tp, ep, fuse_shared_expert, engine, co
     lines = [f"wrote {s['out']}: TP {tp}, EP {ep}, layout {layout}, MoE layout {moe_layout}: {s['tensors']} tensors "
              f"from {s['source_tensors']} source tensors, {s['files']} files ({s['reused_files']} reused), "
              f"{s['bytes'] / 2**30:.3f} GiB"]
-    lines.append(f"serve it with ATOM: {serve}" if serve else "serve it with ATOM: prep-atom-serve does not serve "
-                 + ("--common-bf16 conversions" if common_bf16 else f"MoE layout {moe_layout} yet") + " (docs/engines.md)")
+    if engine != "atom":  # only ATOM's profile has a door so far
+        lines.append(f"serve it: prep has no door for {engine} yet; its ranks load with layouts.open_rank "
+                     "(docs/engines.md)")
+    else:
+        lines.append(f"serve it with ATOM: {serve}" if serve else "serve it with ATOM: prep-atom-serve does not serve "
+                     + ("--common-bf16 conversions" if common_bf16 else f"MoE layout {moe_layout} yet")
+                     + " (docs/engines.md)")
     _emit(s, as_json, lines)
     if click.get_current_context().get_parameter_source("tp") == click.core.ParameterSource.DEFAULT and not as_json:
         # Per-rank files are cut for one TP size: say so now, not when an engine at TP 8 refuses them.

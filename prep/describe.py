@@ -139,7 +139,7 @@ def _inspect_converted(path: str) -> tuple[dict[str, Any], list[str]]:
                       "global_routed_experts": moe.get("global_routed_experts")})
     result["ranks"] = ranks
     lines = [f"{path}: converted by prep {tool['version'] if tool else '?'} (manifest v{m.format_version})",
-             f"  target: {t.arch}, layout {t.layout}, moe layout {t.moe_layout}, tp {t.tp}, ep {t.ep}",
+             f"  target: {t.arch} for {t.engine}, layout {t.layout}, moe layout {t.moe_layout}, tp {t.tp}, ep {t.ep}",
              f"  {len(m.files)} files; tensors: " + ", ".join(f"{v} {k}" for k, v in sorted(roles.items()))]
     for x in ranks:
         experts = "" if x["local_experts"] is None else f", {x['local_experts']} experts per MoE layer" + (
@@ -149,10 +149,14 @@ def _inspect_converted(path: str) -> tuple[dict[str, Any], list[str]]:
         keeps = "" if x["bytes_kept"] is None else f", keeps {x['bytes_kept'] / 2**30:.3f} GiB"
         lines.append(f"  rank {x['rank']}: reads {x['bytes'] / 2**30:.3f} GiB ({x['files']} own files{common}){keeps}, "
                      f"{x['tensors']} own tensors{experts}")
-    serve = get_engine().serve_command(path, t.tp, t.ep, t.layout, t.moe_layout) if t.rank_exact else None
+    try:
+        engine = get_engine(t.engine)
+    except KeyError:  # converted for an engine this prep has no profile of: nothing to serve it with
+        engine = None
+    serve = engine.serve_command(path, t.tp, t.ep, t.layout, t.moe_layout) if engine and t.rank_exact else None
     result["serve"] = serve
     if serve:
-        lines.append(f"  serve it with ATOM: {serve}")
+        lines.append(f"  serve it with ATOM: {serve}")  # only ATOM's profile has a door so far
     return result, lines
 
 

@@ -271,6 +271,10 @@ def test_convert_engine_takes_that_engines_default_layouts(toy, tmp_path):
     r = CliRunner().invoke(main, ["convert", str(src), "-o", str(tmp_path / "out"), "--tp", "2", "--engine", "toy",
                                   "-q"])
     assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(main, ["convert", str(src), "-o", str(tmp_path / "out2"), "--tp", "2", "--engine", "toy"])
+    assert "prep has no door for toy yet" in r.output and "ATOM" not in r.output, r.output  # not ATOM's command
+    r = CliRunner().invoke(main, ["inspect", str(tmp_path / "out2")])
+    assert r.exit_code == 0 and "deepseek_v3 for toy" in r.output and "serve it with ATOM" not in r.output, r.output
     m = layouts.load_manifest(tmp_path / "out")
     engine = EngineConfig.reading(m)
     assert (m.target.engine, m.layout, m.target.bf16_moe_layout, m.target.inter_pad_to,
