@@ -25,7 +25,6 @@ import concurrent.futures as cf
 import errno
 import mmap
 import os
-import pathlib
 
 import torch
 
@@ -46,19 +45,6 @@ def _setting(name: str, default: int, unit: int = 1) -> int:
 
 class _Refused(Exception):
     """O_DIRECT was taken at open but refused at read (EINVAL): read through the page cache."""
-
-
-def _direct_fd(sf: SafetensorsFile) -> int | None:
-    """``sf``'s checked file opened again with O_DIRECT (through ``/proc/self/fd``, never the
-    path), or None where that is not possible."""
-    flag = getattr(os, "O_DIRECT", 0)
-    proc = pathlib.Path(f"/proc/self/fd/{sf.fd}")
-    if not flag or not proc.exists():
-        return None
-    try:
-        return os.open(proc, os.O_RDONLY | flag | getattr(os, "O_CLOEXEC", 0))
-    except OSError:
-        return None
 
 
 def _staging(n: int, nbytes: int, pinned: bool) -> list[torch.Tensor]:
@@ -87,7 +73,7 @@ def read_section(sf: SafetensorsFile, out: torch.Tensor, *, direct: bool = True,
     readers = readers or _setting("PREP_LOAD_READERS", READERS)
     block = block or _setting("PREP_LOAD_BLOCK_MIB", BLOCK_BYTES, 1 << 20)
     block = max(DIRECT_ALIGN, block // DIRECT_ALIGN * DIRECT_ALIGN)
-    fd = _direct_fd(sf) if direct else None
+    fd = sf.direct_fd() if direct else None
     try:
         if fd is not None:
             try:

@@ -304,13 +304,8 @@ class SafetensorsFile:
         and evicts everything else), at the disk's speed cold. Reads the checked file itself (its
         descriptor reopened through ``/proc/self/fd``, never the path). Where ``O_DIRECT`` is
         refused (tmpfs, some network filesystems, no ``/proc``) it is :meth:`read_all`."""
-        flag = getattr(os, "O_DIRECT", 0)
-        proc = pathlib.Path(f"/proc/self/fd/{self.fd}")
-        if not flag or not proc.exists():
-            return self.read_all()
-        try:
-            fd = os.open(proc, os.O_RDONLY | flag | getattr(os, "O_CLOEXEC", 0))
-        except OSError:
+        fd = self.direct_fd()
+        if fd is None:
             return self.read_all()
         try:
             size = os.fstat(fd).st_size
@@ -338,6 +333,18 @@ class SafetensorsFile:
         whole = torch.frombuffer(mem, dtype=torch.uint8)
         buf = whole[self.data_offset:self.data_offset + self.data_size]
         return buf, self.views(buf)
+
+    def direct_fd(self) -> int | None:
+        """This checked file opened again with ``O_DIRECT`` (through ``/proc/self/fd``, never the
+        path), for the caller to close; None where that is not possible."""
+        flag = getattr(os, "O_DIRECT", 0)
+        proc = pathlib.Path(f"/proc/self/fd/{self.fd}")
+        if not flag or not proc.exists():
+            return None
+        try:
+            return os.open(proc, os.O_RDONLY | flag | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            return None
 
     def views(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
         """Every tensor as a view into ``buf``, a copy of the data section (on any device)."""

@@ -306,7 +306,7 @@ def plan_groups(src: SourceCheckpoint, cls: Classified, target: Target) -> list[
     tp = target.tp
     if tp < 1 or target.ep < 1:
         raise PrepError(f"--tp and --ep must be >= 1 (got tp={tp}, ep={target.ep})")
-    engine = engine_of(target)
+    engine = engine_of(target.engine)
     why = engine.target_refusal(tp, target.ep, target.moe_layout)  # EP sizes and MoE back ends the engine has
     if why:
         raise PrepError(why)
@@ -336,7 +336,7 @@ def target_for(engine: str, **options: Any) -> Target:
     stacked BF16 experts), its MoE padding and whether it fuses the shared expert, where
     ``options`` leave them out, so that a plain ``--engine NAME`` writes what that engine reads
     (:class:`PrepError` for an engine prep cannot convert for)."""
-    rules = engine_of(Target(engine=engine)).sharding
+    rules = engine_of(engine).sharding
     cfg = EngineConfig(engine=engine)
     defaults = {"layout": cfg.expected_dense_layout(), "moe_layout": cfg.expected_moe_layout(),
                 "bf16_moe_layout": cfg.expected_bf16_moe_layout(), "inter_pad_to": rules.moe_pad_to[0],
@@ -344,13 +344,13 @@ def target_for(engine: str, **options: Any) -> Target:
     return Target(**{**defaults, **options, "engine": engine})
 
 
-def engine_of(target: Target) -> EngineProfile:
-    """The profile of the engine ``target`` converts for, refused (naming the engines prep can
-    convert for) when it has no sharding rules."""
+def engine_of(name: str) -> EngineProfile:
+    """The profile of engine ``name``, which a conversion is for; refused (naming the engines
+    prep can convert for) when it is unknown or has no sharding rules."""
     from layouts.engines import engine_names
 
     try:
-        engine = get_engine(target.engine)
+        engine = get_engine(name)
     except KeyError as e:
         raise PrepError(str(e.args[0])) from None
     if engine.sharding is None:
@@ -475,7 +475,7 @@ def plan_bf16(src: SourceCheckpoint, cls: Classified, target: Target
     experts in the target's BF16 MoE layout, every group checked."""
     per_rank, replicated, unread = split_bf16({n: src.tensors[n] for n in cls.passthrough}, src.config,
                                               cls.num_layers, target.tp, target.ep, target.fuse_shared_expert,
-                                              engine_of(target).sharding)
+                                              engine_of(target.engine).sharding)
     if target.bf16_moe_layout:
         per_rank = [[g.with_layout(target.bf16_moe_layout) if g.stacked else g for g in groups] for groups in per_rank]
     for groups in per_rank:

@@ -224,8 +224,9 @@ class AtomProfile(EngineProfile):
     expert_parallel_switch = "--enable-expert-parallel"  # sets ep_size = tp_size
     bf16_moe_layout = BF16_MOE_LAYOUT
     sharding = SHARDING
-    checks = (engine_matches, tp_matches, rank_in_range, ep_matches, dense_layout_matches, triton_gemm_needs_bf16_attention,
-              s32x8_k_pad_usable, moe_layout_matches, bf16_moe_layout_matches, expert_parallel_needs_ck_moe)
+    checks = (engine_matches, tp_matches, rank_in_range, ep_matches, dense_layout_matches,
+              triton_gemm_needs_bf16_attention, s32x8_k_pad_usable, moe_layout_matches, bf16_moe_layout_matches,
+              expert_parallel_needs_ck_moe)
 
     def config_from_env(self, env: Mapping[str, str], *, tp_size: int, rank: int, ep_size: int,
                         gpu_arch: str | None) -> EngineConfig:
