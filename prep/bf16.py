@@ -297,8 +297,6 @@ def group_from_record(rec: "GroupRecord") -> Bf16Group:
 
 
 # ---------------------------------------------------------------------------------- planning
-_QKV_A = re.compile(r"^(.*\.self_attn\.)(q_a_proj|kv_a_proj_with_mqa)\.weight$")
-_GATE_UP = re.compile(r"^(.*\.mlp\.)(gate_proj|up_proj)\.weight$")  # a dense MLP (not experts: no digit before)
 _EXPERT = re.compile(r"^(.*\.mlp\.)(?:experts\.(\d+)|shared_experts)\.(gate|up|down)_proj\.weight$")
 
 
@@ -316,7 +314,7 @@ def plan_bf16_groups(tensors: dict[str, Any], config: dict[str, Any], tp: int, e
     rules = rules or layouts.get_engine().sharding
     per_rank: list[list[Bf16Group]] = [[] for _ in range(tp)]
     whole: list[str] = []
-    merged: dict[str, dict[str, Any]] = {}  # engine name -> {part: info}
+    merged: dict[str, tuple[Any, dict[str, tuple[str, Any]]]] = {}  # engine name -> (its Merge, {part: info})
     experts: dict[str, dict[int | None, dict[str, tuple[str, Any]]]] = {}  # "...mlp." -> expert (None: shared)
 
     def part(name, info, dim, rank):
@@ -329,42 +327,52 @@ def plan_bf16_groups(tensors: dict[str, Any], config: dict[str, Any], tp: int, e
         n = size // tp
         return Placement(name, tuple(info.shape), dim, rank * n, (rank + 1) * n)
 
+    # The engine's merged modules; the shared expert's go with the experts below. Without a q LoRA
+    # there is no q_a_proj, so no merge naming it: kv_a is then held whole (DeepSeek-V2-Lite).
     q_lora = config.get("q_lora_rank")
+    merges = [m for m in rules.merges if not m.after_experts
+              and (q_lora is not None or not any(p.endswith("q_a_proj") for p in m.parts))]
     for name, info in tensors.items():
-        two_d = len(info.shape) == 2
-        split = rules.split_of(name[:-len(".weight")]) if two_d and name.endswith(".weight") else _WHOLE
-        if split != _WHOLE and not _EXPERT.match(name) and not _GATE_UP.match(name):
+        module = name[:-len(".weight")] if len(info.shape) == 2 and name.endswith(".weight") else None
+        if module is not None and (m := _EXPERT.match(name)):
+            e = None if m.group(2) is None else int(m.group(2))
+            experts.setdefault(m.group(1), {}).setdefault(e, {})[m.group(3)] = (name, info)
+        elif module is not None and (hit := _merge_part(module, merges)):
+            layer, merge, key = hit
+            merged.setdefault(f"{layer}{merge.module}.weight", (merge, {}))[1][key] = (name, info)
+        elif module is not None and (split := rules.split_of(module)) != _WHOLE:
             dim = 1 if split == _COLS else 0
             for r in range(tp):
                 p = part(name, info, dim, r)
                 per_rank[r].append(Bf16Group(name, r, tp, info.dtype, (p,)))
-        elif two_d and q_lora is not None and (m := _QKV_A.match(name)):
-            merged.setdefault(f"{m.group(1)}fused_qkv_a_proj.weight", {})[m.group(2)] = (name, info)
-        elif two_d and (m := _EXPERT.match(name)):
-            e = None if m.group(2) is None else int(m.group(2))
-            experts.setdefault(m.group(1), {}).setdefault(e, {})[m.group(3)] = (name, info)
-        elif two_d and (m := _GATE_UP.match(name)):
-            merged.setdefault(f"{m.group(1)}gate_up_proj.weight", {})[m.group(2)] = (name, info)
         else:
             whole.append(name)
-    for target, parts in merged.items():
-        merge = next(m for m in rules.merges if target.endswith(f".{m.module}.weight"))
-        order = tuple(p.rpartition(".")[2] for p in merge.parts)
-        if set(parts) != set(order):
+    for target, (merge, parts) in merged.items():
+        if set(parts) != set(merge.parts):
             raise PrepError(f"{parts[next(iter(parts))][0]}: its partner of {target} is missing or not BF16; "
                             "the engine merges the two, so both must be BF16 (re-download the checkpoint)")
         column = merge.split == _ROWS  # MergedColumnParallelLinear; a WHOLE merge is replicated
         for r in range(tp):
             row, ps = 0, []
-            for key in order:
+            for key in merge.parts:
                 name, info = parts[key]
                 p = part(name, info, 0, r) if column else Placement.whole(name, info.shape)
                 ps.append(dataclasses.replace(p, dest_row=row))
                 row += p.out_shape[0]
-            per_rank[r].append(Bf16Group(target, r, tp, parts[order[0]][1].dtype, tuple(ps)))
+            per_rank[r].append(Bf16Group(target, r, tp, parts[merge.parts[0]][1].dtype, tuple(ps)))
     for mlp, layer in experts.items():
         _plan_experts(mlp, layer, tp, ep, fuse_shared_expert, per_rank, whole, rules)
     return per_rank, whole
+
+
+def _merge_part(module: str, merges: list) -> tuple[str, Any, str] | None:
+    """``(layer prefix, merge, part)`` when ``module`` is a part of one of ``merges`` (a part is
+    named relative to its layer: ``...layers.3.`` + ``mlp.gate_proj``), else None."""
+    for merge in merges:
+        for p in merge.parts:
+            if module.endswith(f".{p}"):
+                return module[:-len(p)], merge, p
+    return None
 
 
 def _plan_experts(mlp: str, layer: dict, tp: int, ep: int, fuse_shared: bool, per_rank: list[list[Bf16Group]],

@@ -188,3 +188,16 @@ def test_a_rank_file_written_by_prep_writer_holds_the_built_tensors(source, tmp_
         (built,) = g.build(source.read)
         assert torch.equal(views[g.name], built), g.name
         assert w.hashes[g.name] == tensor_hash(built)
+
+
+def test_without_a_q_lora_kv_a_is_held_whole_and_a_lone_merge_part_is_refused():
+    # DeepSeek-V2-Lite has no q LoRA: no q_a_proj, so the engine's fused_qkv_a_proj merge does not
+    # exist and kv_a is replicated whole; with a q LoRA a kv_a whose partner is not BF16 is refused.
+    from types import SimpleNamespace
+
+    kv_a = "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"
+    tensors = {kv_a: SimpleNamespace(dtype="BF16", shape=(96, 64))}
+    per_rank, whole = plan_bf16_groups(tensors, {"q_lora_rank": None}, 2)
+    assert whole == [kv_a] and per_rank == [[], []]
+    with pytest.raises(PrepError, match="its partner of model.layers.0.self_attn.fused_qkv_a_proj.weight"):
+        plan_bf16_groups(tensors, {"q_lora_rank": 32}, 2)
