@@ -29,7 +29,11 @@ For each configuration (checkpoint, ATOM's dense GEMM path, TP, EP) it writes th
    ``layouts.absorbed_kv_b`` of the rank's stored bytes through ATOM's own quantization
    (column ``mla``: the layers checked; :func:`mla_derivation`).
 
-The one step of ATOM's processing not run (in both loads alike): :func:`mla_from_mxfp4_not_run`.
+ATOM's derivation of ``W_K``/``W_V`` from an MXFP4 ``kv_b_proj`` (v2) runs its ``kv_b_proj`` GEMM;
+here on aiter's Triton kernels, interpreted (:func:`mla_from_mxfp4`, :data:`MLA_GEMM`: on the asm
+path a stand-in for ``gemm_a4w4``), where the kernel takes ``kv_lora_rank`` as K
+(:func:`mla_gemm_runs`: the tiny v2's 128 only on the non-shuffle path, hence ``v2-wide``);
+elsewhere that one step is skipped in both loads alike.
 
 Prints one row per rank and exits 1 on any mismatch, any warning, or any stand-in called while
 loading (work a stand-in would have skipped).
@@ -67,6 +71,9 @@ from prep.testing import PRESETS, SynthSpec, write_checkpoint  # noqa: E402
 # with the tiny one R1-0528 "wide": 16 heads (o_proj [256, 512], wider than tall as R1's [7168,
 # 16384]) and moe_intermediate 320 (ATOM and prep pad the experts' intermediate to 512 at TP 1).
 WIDE = SynthSpec(variant="r1-0528", num_attention_heads=16, moe_intermediate_size=320)
+# v2 "wide": kv_lora_rank 256, which aiter's preshuffle GEMM takes as K (the tiny one's 128 it
+# cannot), so that ATOM's MXFP4 W_K/W_V derivation runs on the asm path too (mla_from_mxfp4).
+V2_WIDE = SynthSpec(variant="v2", q_lora_rank=256, kv_lora_rank=256, v_head_dim=64)
 VARIANTS = ("r1-0528", "v2")
 # ATOM's dense GEMM paths and the switches that select them (layouts/engines/atom/). The MoE is
 # aiter's CK fused_moe throughout, asked for with ATOM_USE_TRITON_MOE=0: ATOM's Triton MoE (its
@@ -96,11 +103,13 @@ class Case:
 def default_cases() -> list[Case]:
     """Both variants on the default (asm) and non-shuffle paths at TP 1-8, R1-0528 on the
     triton-preshuffle path (ATOM cannot load MXFP4 attention there: the profile refuses it),
-    expert parallel, and the wide R1-0528."""
+    expert parallel, the wide R1-0528, and the v2 whose kv_lora_rank the preshuffle GEMM takes."""
     cases = [Case(v, p, tp) for v in VARIANTS for p in (ASM, TRITON_NON_SHUFFLE) for tp in (1, 2, 4, 8)]
     cases += [Case("r1-0528", TRITON_PRESHUFFLE, tp) for tp in (1, 2, 4, 8)]
     cases += [Case(v, ASM, 2, 2) for v in VARIANTS] + [Case("r1-0528", TRITON_NON_SHUFFLE, 4, 4)]
     cases += [Case("r1-0528", ASM, 8, 8), Case("v2", TRITON_NON_SHUFFLE, 8, 8)]
+    cases += [Case("v2-wide", ASM, tp) for tp in (1, 2)] + [Case("v2-wide", ASM, 2, 2),
+                                                             Case("v2-wide", TRITON_NON_SHUFFLE, 2)]
     return cases + [Case("r1-wide", p, tp) for p in (ASM, TRITON_NON_SHUFFLE) for tp in (1, 2)] + \
         [Case("r1-wide", ASM, 2, 2)]
 
@@ -209,23 +218,82 @@ def load_converted(src: pathlib.Path, out: pathlib.Path, case: Case, rank: int):
     return target, draft, report
 
 
-@contextlib.contextmanager
-def mla_from_mxfp4_not_run():
-    """The one step of ATOM's processing that cannot run here: from an MXFP4 ``kv_b_proj`` (v2),
-    ``MLAAttention.process_weights_after_loading`` derives ``W_K``/``W_V`` by running the layer's
-    GEMM (aiter's ``gemm_a4w4``, a GPU binary) on an identity matrix. It is skipped, in both
-    loads alike; its only input, ``kv_b_proj``'s bytes, is compared. From a BF16 ``kv_b_proj``
-    (R1-0528) it runs, and ``W_K``/``W_V`` are compared too."""
+def mla_gemm_runs(case: Case, spec: SynthSpec) -> bool:
+    """Whether aiter's Triton kernel for the case's path can run ``kv_b_proj``'s GEMM (K =
+    ``kv_lora_rank``, not split by TP): the non-shuffle kernel takes any K, the preshuffle one
+    (which stands in for ``gemm_a4w4`` on the asm path) K % 256 == 0 only (prep.reference.aiter_gemm)."""
+    return case.path == TRITON_NON_SHUFFLE or spec.kv_lora_rank % 256 == 0
+
+
+# What computes kv_b_proj's GEMM on an identity when ATOM derives W_K/W_V from MXFP4 bytes.
+MLA_GEMM = {TRITON_NON_SHUFFLE: "aiter's gemm_afp4wfp4 (Triton, interpreted): ATOM's own call",
+            TRITON_PRESHUFFLE: "aiter's preshuffled-weight Triton GEMM (interpreted): ATOM's own call",
+            ASM: "STAND-IN for aiter's gemm_a4w4 (a GPU binary): aiter's preshuffled-weight Triton GEMM "
+                 "(interpreted) on the same W16 weight and S32x8 scale bytes"}
+
+
+def _mxfp4_quant_stand_in(x, quant_dtype=None, scale=None, shuffle=False, **_):
+    """STAND-IN for aiter's ``get_hip_quant(per_1x32)`` (a HIP binary): MXFP4 rows with
+    ``layouts``' quantization, the scale S32x8-shuffled and padded when ``shuffle`` (as the HIP
+    kernel lays it out for gemm_a4w4). Its only input here is the identity ATOM multiplies
+    ``kv_b_proj`` by: every block of 32 holds one 1.0 or none, which any MXFP4 rule quantizes
+    exactly (code 4.0, scale 2^-2; zeros)."""
+    import layouts
     from aiter import dtypes
+
+    q, s = layouts.mxfp4.quantize(x.float())
+    if shuffle:
+        s = layouts.preshuffle_scale(s, pad_value=layouts.E8M0_ONE)
+    return q.view(dtypes.fp4x2), s.view(torch.float8_e8m0fnu)
+
+
+@contextlib.contextmanager
+def mla_from_mxfp4(kernels: types.ModuleType | None):
+    """ATOM's derivation of ``W_K``/``W_V`` from an MXFP4 ``kv_b_proj`` (v2): with ``kernels``
+    (aiter's Triton MXFP4 GEMMs, prep.reference.aiter_gemm), ``MLAAttention.process_weights_after_loading``
+    runs as ATOM wrote it, ``get_and_maybe_dequant_weights`` multiplying the stored bytes by an
+    identity through ATOM's own ``gemm_a4w4_quant`` (its views of weight and scales per path), with
+    aiter's kernels for the GEMM (:data:`MLA_GEMM`) and :func:`_mxfp4_quant_stand_in` for the
+    activation. Without ``kernels`` (the kernel cannot take this K, :func:`mla_gemm_runs`) the
+    step is skipped in both loads alike; its only input, ``kv_b_proj``'s bytes, is compared."""
+    from aiter import dtypes
+    from atom.model_ops import linear
     from atom.model_ops.attention_mla import MLAAttention
 
-    run = MLAAttention.process_weights_after_loading
+    if kernels is None:
+        run = MLAAttention.process_weights_after_loading
 
-    def unless_mxfp4(self):
-        if self.kv_b_proj.weight.dtype != dtypes.fp4x2:
-            run(self)
+        def unless_mxfp4(self):
+            if self.kv_b_proj.weight.dtype != dtypes.fp4x2:
+                run(self)
 
-    with mock.patch.object(MLAAttention, "process_weights_after_loading", unless_mxfp4):
+        with mock.patch.object(MLAAttention, "process_weights_after_loading", unless_mxfp4):
+            yield
+        return
+    from prep.reference.aiter_gemm import scale_over_read, with_slack
+
+    def non_shuffle(x, w, x_scale, w_scale, otype, y):
+        slack = scale_over_read(x.shape[-1] * 2)  # defined bytes where the kernel reads past K
+        if slack:
+            x_scale, w_scale = with_slack(x_scale, slack), with_slack(w_scale, slack)
+        return kernels.gemm_afp4wfp4(x, w, x_scale, w_scale, dtype=otype, y=y)
+
+    def preshuffle(x, w, x_scale, w_scale, dtype=torch.bfloat16, y=None):
+        return kernels.gemm_afp4wfp4_preshuffled_weight_scales(x, w, x_scale, w_scale, dtype=y.dtype if y is not None
+                                                               else dtype, y=y, use_aot=False)
+
+    def a4w4(x, weight, x_scale, weight_scale, y):
+        # gemm_a4w4 reads the same bytes as ATOM's Triton preshuffle path; viewed as that path views them
+        x_scale = x_scale.view(torch.uint8)
+        x_scale = x_scale.view(x_scale.shape[0] // 32, -1) if x.shape[0] >= 32 else x_scale[: x.shape[0]]
+        w_scale = weight_scale.view(torch.uint8)
+        return preshuffle(x.view(torch.uint8), weight.view(torch.uint8).view(weight.shape[0] // 16, -1), x_scale,
+                          w_scale.view(w_scale.shape[0] // 32, -1), y=y)
+
+    with mock.patch.object(linear, "get_hip_quant", lambda _qtype: _mxfp4_quant_stand_in), \
+            mock.patch.object(linear, "gemm_afp4wfp4", non_shuffle), \
+            mock.patch.object(linear, "gemm_afp4wfp4_preshuffle", preshuffle), \
+            mock.patch.object(linear, "gemm_a4w4", a4w4):
         yield
 
 
@@ -274,13 +342,16 @@ def compare(ref0: dict, ref1: dict, got: dict) -> tuple[int, int, int, list[str]
     return len(ref0), equal, undefined, bad
 
 
-def mla_derivation(target: torch.nn.Module, out: pathlib.Path, rank: int, tp: int) -> tuple[int, list[str]]:
-    """(layers checked, mismatches): the ``W_K``/``W_V`` (and scales) ATOM derived from each BF16
+def mla_derivation(target: torch.nn.Module, out: pathlib.Path, rank: int, tp: int,
+                   mxfp4_derived: bool) -> tuple[int, list[str]]:
+    """(layers checked, mismatches): the ``W_K``/``W_V`` (and scales) ATOM derived from each
     ``kv_b_proj`` in ``process_weights_after_loading``, against ``layouts.absorbed_kv_b`` of
     the rank's stored bytes put through ATOM's own quantization (``W_K`` is ``W_UK`` with its
-    last two dims swapped, ``W_V`` is ``W_UV``). An MXFP4 ``kv_b_proj``'s derivation needs aiter's
-    GEMM (:func:`mla_from_mxfp4_not_run`): not checked here; tests/test_mla.py checks ours against
-    the source there."""
+    last two dims swapped, ``W_V`` is ``W_UV``). From a BF16 ``kv_b_proj`` ATOM takes the weight as
+    it is; from an MXFP4 one it multiplies the stored bytes by an identity (:func:`mla_from_mxfp4`),
+    whose BF16 result is exact (an MXFP4 value times 1.0 fits BF16's 8 bits), so both must give the
+    same bytes. Layers whose MXFP4 derivation did not run (``mxfp4_derived`` False) are left out;
+    tests/test_mla.py checks ours against the source there."""
     import json
     import re
 
@@ -292,7 +363,8 @@ def mla_derivation(target: torch.nn.Module, out: pathlib.Path, rank: int, tp: in
     shape = layouts.MlaShape.from_config(json.loads((out / "config.json").read_text()), tp)
     checked, bad = 0, []
     for name, module in target.named_modules():
-        if not isinstance(module, MLAAttention) or module.kv_b_proj.weight.dtype == dtypes.fp4x2:
+        if not isinstance(module, MLAAttention) or (module.kv_b_proj.weight.dtype == dtypes.fp4x2
+                                                     and not mxfp4_derived):
             continue
         if not (isinstance(getattr(module, "W_K", None), torch.Tensor) and module.W_K.dtype == dtypes.fp8):
             bad.append(f"{name}: ATOM kept no FP8 W_K (another derivation than this check knows)")
@@ -321,13 +393,16 @@ class _Warnings(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-def check_rank(case: Case, src: pathlib.Path, out: pathlib.Path, rank: int) -> dict:
+def check_rank(case: Case, src: pathlib.Path, out: pathlib.Path, rank: int,
+               kernels: types.ModuleType | None = None) -> dict:
+    """One rank's row; ``kernels``: aiter's Triton MXFP4 GEMMs where ATOM's MXFP4 ``W_K``/``W_V``
+    derivation is to run (:func:`mla_from_mxfp4`), None to skip it in both loads."""
     atom_on_cpu.set_tp(rank, case.tp)
     log, caught = logging.getLogger("atom"), _Warnings()
     log.addHandler(caught)
     try:
         # ATOM reads its switches when it uses them
-        with mock.patch.dict(os.environ, PATHS[case.path]), mla_from_mxfp4_not_run():
+        with mock.patch.dict(os.environ, PATHS[case.path]), mla_from_mxfp4(kernels):
             atom_on_cpu.CALLS.clear()
             ref = [load_reference(src, case, fill) for fill in (0x00, 0xFF)]
             ref_warned = any(NOT_LOADED in m for m in caught.messages)
@@ -336,7 +411,7 @@ def check_rank(case: Case, src: pathlib.Path, out: pathlib.Path, rank: int) -> d
     finally:
         log.removeHandler(caught)
     n, equal, undefined, bad = compare(tensors(*ref[0]), tensors(*ref[1]), tensors(target, draft))
-    mla_checked, mla_bad = mla_derivation(target, out, rank, case.tp)
+    mla_checked, mla_bad = mla_derivation(target, out, rank, case.tp, kernels is not None)
     bad += mla_bad
     params = sum(1 for m in ref[0] for _ in m.named_parameters())
     flags_ref, flags_got = shuffled_flags(*ref[0]), shuffled_flags(target, draft)
@@ -365,13 +440,13 @@ def row(r: dict) -> str:
 
 def source_specs(preset: str, layers: int | None) -> dict[str, SynthSpec]:
     """The checkpoints to check: each variant at the preset's dims (``layers`` decoder layers),
-    and the wide R1-0528 with the tiny preset."""
+    and the wide R1-0528 and v2 with the tiny preset."""
     base = PRESETS[preset]
     if layers:
         base = dataclasses.replace(base, num_hidden_layers=layers,
                                    first_k_dense_replace=min(base.first_k_dense_replace, layers))
     specs = {v: dataclasses.replace(base, variant=v) for v in VARIANTS}
-    return specs | ({"r1-wide": WIDE} if base == PRESETS["tiny"] else {})
+    return specs | ({"r1-wide": WIDE, "v2-wide": V2_WIDE} if base == PRESETS["tiny"] else {})
 
 
 def write_sources(work: pathlib.Path, specs: dict[str, SynthSpec]) -> dict[str, pathlib.Path]:
@@ -399,10 +474,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--atom-dir", help="extracted ROCm/ATOM tree (default: HEAD of $PREP_ATOM_GIT)")
     ap.add_argument("--aiter-dir", help="extracted ROCm/aiter tree (default: HEAD of $PREP_AITER_GIT)")
     ap.add_argument("--work", help="folder for checkpoints and conversions (default: a temporary one)")
-    ap.add_argument("--only", help="run only the configurations whose name contains this")
+    ap.add_argument("--only", action="append", metavar="TEXT",
+                    help="run only the configurations whose name contains this (repeatable: any of them)")
     ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS),
                     help="prep.testing preset of the checkpoints (default tiny; a larger one wants --only)")
     ap.add_argument("--layers", type=int, help="decoder layers of the checkpoints (default: the preset's)")
+    ap.add_argument("--aiter-triton-dir",
+                    help="folder of the amd-aiter wheel's files, for its Triton MXFP4 GEMMs (default: $PREP_AITER_DIR, "
+                         "else .cache/aiter-oracle: python scripts/fetch_aiter_oracle.py)")
     ap.add_argument("--gpu-arch", default=GFX95.example, choices=[a.example for a in PROFILE.gpu_archs],
                     help="the GPU ATOM is told it runs on (default %(default)s)")
     args = ap.parse_args(argv)
@@ -412,11 +491,22 @@ def main(argv: list[str] | None = None) -> int:
     specs = source_specs(args.preset, args.layers)
     data = work / f"{args.preset}-{args.layers or 'all'}"
     sources = write_sources(data, specs)
+    # aiter's Triton kernels before anything imports triton (they are interpreted), and before
+    # ATOM's aiter stand-ins exist (prep.reference.aiter_gemm loads them under aiter's own names).
+    from prep.reference import aiter_gemm
+    try:
+        kernels = aiter_gemm.gemm_module(args.aiter_triton_dir)
+    except PrepError as e:
+        kernels = None
+        print(f"ATOM's W_K/W_V derivation from MXFP4 kv_b_proj is NOT run (skipped in both loads): {e}")
     # Convert first: prep runs before ATOM's stand-ins exist (scripts/atom_on_cpu.py).
     cases = [(c, converted(c, sources, data)) for c in default_cases()
-             if c.variant in specs and (not args.only or args.only in c.name)]
+             if c.variant in specs and (not args.only or any(t in c.name for t in args.only))]
     atom_on_cpu.install(atom_dir, aiter_dir, args.gpu_arch)
     logging.getLogger("atom").setLevel(logging.WARNING)  # its warnings are what we look for
+    if kernels is not None:
+        for path in sorted({c.path for c, _ in cases}):
+            print(f"kv_b_proj GEMM of ATOM's MXFP4 W_K/W_V derivation on the {path} path: {MLA_GEMM[path]}")
     print(HEADER)
     failed = False
     for case, out in cases:
@@ -424,7 +514,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{case.name:<34} refused by prep: {out}")
             continue
         for rank in range(case.tp):
-            failed |= print_rank(check_rank(case, sources[case.variant], out, rank))
+            derive = kernels if mla_gemm_runs(case, specs[case.variant]) else None
+            failed |= print_rank(check_rank(case, sources[case.variant], out, rank, derive))
     return 1 if failed else 0
 
 

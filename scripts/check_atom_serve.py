@@ -38,7 +38,7 @@ Both start-ups run twice per rank (``torch.empty`` memory filled with 0x00 and 0
 differ between ATOM's two are memory ATOM never writes (aiter's scale padding), compared nowhere;
 every other byte must be equal in both of the door's.
 From an MXFP4 ``kv_b_proj`` (v2), ATOM derives ``W_K``/``W_V`` with aiter's GEMM, a GPU binary:
-skipped in both loads alike (``check_atom_install.mla_from_mxfp4_not_run``).
+skipped in both loads alike (``check_atom_install.mla_from_mxfp4(None)``).
 
 Prints one line per rank; exit status 0 only when every rank of both models matches, nothing
 warned "NOT loaded" and no stand-in ran while loading.
@@ -183,7 +183,7 @@ def worker(setup: dict) -> int:
             mock.patch.object(torch.nn.Parameter, "__new__", counted), \
             mock.patch.object(model_runner, "load_model", recorded(model_runner.load_model)), \
             mock.patch.object(drafter_module, "load_model", recorded(drafter_module.load_model)), \
-            check_atom_install.mla_from_mxfp4_not_run():
+            check_atom_install.mla_from_mxfp4(None):
         for fill in setup["fills"]:
             config = pickle.loads(config_bytes)  # a fresh Config per start, as each worker unpickles its own
             caught.messages.clear()

@@ -16,6 +16,7 @@ import sys
 import pytest
 
 import layouts
+import aiter_oracle
 from conftest import _need
 from layouts.engines.atom import ENV_NON_SHUFFLE, ENV_TRITON_MOE, SERVED_MOE_BACKENDS
 from layouts.engines.atom import serve
@@ -276,16 +277,21 @@ def test_help_says_what_the_door_does_and_where_atom_is_missing_says_how_to_get_
 
 
 def test_atoms_own_mla_derivation_equals_layouts_absorbed_kv_b(oracle_trees, tmp_path):
-    # ATOM's process_weights_after_loading derives W_K / W_V from each BF16 kv_b_proj (R1-0528);
+    # ATOM's process_weights_after_loading derives W_K / W_V from each kv_b_proj: from BF16 bytes
+    # (R1-0528) as they are, from MXFP4 bytes (v2) by running kv_b_proj's GEMM on an identity, here
+    # aiter's own Triton gemm_afp4wfp4 (interpreted) on ATOM's non-shuffle path.
     # layouts.absorbed_kv_b of the rank's stored bytes, put through ATOM's own FP8 quant, must give
     # the same bytes, every layer of every rank (scripts/check_atom_install.py, column "mla").
     atom, aiter = oracle_trees
+    _need(aiter_oracle.triton_gemm_available(), "aiter's Triton GEMM files and triton >= 3.8")
     r = subprocess.run([sys.executable, str(REPO / "scripts" / "check_atom_install.py"), "--atom-dir", str(atom),
-                        "--aiter-dir", str(aiter), "--work", str(tmp_path), "--only", "r1-0528 asm tp2"],
-                       capture_output=True, text=True)
+                        "--aiter-dir", str(aiter), "--work", str(tmp_path), "--only", "r1-0528 asm tp2",
+                        "--only", "v2 triton-non-shuffle tp2"], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    rows = [line.split() for line in r.stdout.splitlines() if line.startswith("r1-0528 asm tp2")]
-    assert len(rows) == 4 and all(row[-2] == "3" and row[-1] == "ok" for row in rows), r.stdout
+    for config, ranks in (("r1-0528 asm tp2", 4), ("v2 triton-non-shuffle tp2", 2)):
+        rows = [line.split() for line in r.stdout.splitlines() if line.startswith(config)]
+        assert len(rows) == ranks and all(row[-2] == "3" and row[-1] == "ok" for row in rows), r.stdout
+    assert "triton-non-shuffle path: aiter's gemm_afp4wfp4 (Triton, interpreted): ATOM's own call" in r.stdout
 
 
 def test_a_missing_atom_dependency_is_one_line_naming_the_set_up(tmp_path):

@@ -255,7 +255,12 @@ def gemm_module(root: str | os.PathLike | None = None, device: str | torch.devic
     return load_from_folder(root, interpret=on_cpu)
 
 
-def _with_slack(t: torch.Tensor, nbytes: int) -> torch.Tensor:
+def scale_over_read(k: int) -> int:
+    """Bytes past the end of each scale row that ``gemm_afp4wfp4`` reads for this K (module docstring)."""
+    return _pad8(k // 32) - k // 32
+
+
+def with_slack(t: torch.Tensor, nbytes: int) -> torch.Tensor:
     """A copy of ``t`` followed in memory by ``nbytes`` bytes of 0x7F (E8M0 1.0: finite)."""
     flat = torch.full((t.numel() + nbytes,), 0x7F, dtype=torch.uint8, device=t.device)
     flat[: t.numel()] = t.reshape(-1)
@@ -305,8 +310,8 @@ def mxfp4_gemm(kernels: types.ModuleType, q: torch.Tensor, x_scale: torch.Tensor
             raise PrepError(f"{name}: {kernel} reads a raw activation scale [{m}, {k // 32}], got "
                             f"{list(x_scale.shape)}")
         w, ws = weight.reshape(-1)[: n * k // 2].view(n, k // 2), weight_scale.reshape(-1)[: n * k // 32]
-        slack = _pad8(k // 32) - k // 32  # the kernel's scale over-read past K (module docstring)
-        xs, ws = (_with_slack(x_scale, slack), _with_slack(ws.view(n, k // 32), slack)) if slack else (
+        slack = scale_over_read(k)
+        xs, ws = (with_slack(x_scale, slack), with_slack(ws.view(n, k // 32), slack)) if slack else (
             x_scale, ws.view(n, k // 32))
         call = lambda: kernels.gemm_afp4wfp4(q, w, xs, ws, dtype=torch.float32)  # noqa: E731
     else:
