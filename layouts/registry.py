@@ -20,6 +20,7 @@ name            kind     weight                          weight_scale
 non-shuffle     dense    raw ``[N, K/2]``                raw ``[N, K/32]``
 preshuffle      dense    W16                             S32x8 ``[pad256(N), pad8(K/32)]``
 ck              moe      W16 per expert ``[E, N, K/2]``  S32x8 of ``[E*N, K/32]``, stored 2-D
+ck-3d           moe      W16 per expert ``[E, N, K/2]``  the same bytes held ``[E, N, K/32]`` (no pad)
 triton          moe      raw ``[E, N, K/2]``             per-expert S32x8 ``[E, N/32, pad8(K/32)*32]``
 triton-gfx942   moe      raw                             raw ``[E, N, K/32]``
 bf16-preshuffle bf16-moe W16 of 16-bit values per expert none (BF16 experts ``[E, N, K]``)
@@ -194,6 +195,37 @@ class ScaleShuffle(Transform):
             return 0
         full = _sh.unshuffle_scale(t, rp, cp).view(torch.uint8)  # row-major, pad kept
         return int((full[rows:] != self.pad_value).sum() + (full[:rows, cols:] != self.pad_value).sum())
+
+
+@dataclasses.dataclass(frozen=True)
+class ScaleShuffleStacked(ScaleShuffle):
+    """:class:`ScaleShuffle` over the flattened ``[E*N, C]`` with the result viewed back as
+    ``[E, N, C]``: the same bytes as ``ck``'s scale, held 3-D (SGLang's aiter MoE views aiter's
+    ``e8m0_shuffle`` output so). The view exists only where the shuffle pads nothing, so
+    ``E*N % 256 == 0`` and ``C % 8 == 0`` are its constraints."""
+
+    name = "s32x8-stacked"
+    flatten_experts: bool = True
+
+    def violations(self, shape: Shape) -> list[str]:
+        if len(shape) != 3:
+            return ["scale is [E, N, K/32]"]
+        e, n, c = shape
+        found = [] if (e * n) % _sh.SCALE_ROW_PAD == 0 else [f"E*N % {_sh.SCALE_ROW_PAD} == 0 (E*N = {e * n})"]
+        return found + ([] if c % _sh.S8_COLS == 0 else [f"K/32 % {_sh.S8_COLS} == 0 (K/32 = {c})"])
+
+    def forward(self, t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        flat = _sh.preshuffle_scale(t.reshape(self._rows_cols(t.shape)), pad_value=self.pad_value)
+        return _into(flat.view(t.shape), out)
+
+    def inverse(self, t: torch.Tensor, shape: Shape) -> torch.Tensor:
+        return super().inverse(t.reshape(self._rows_cols(shape)), shape)
+
+    def output_shape(self, shape: Shape) -> Shape:
+        return tuple(shape)
+
+    def pad_mismatches(self, t: torch.Tensor, shape: Shape) -> int:
+        return 0  # it pads nothing (its constraints)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -392,6 +424,10 @@ PRESHUFFLE = register_layout(Layout(
 MOE_CK = register_layout(Layout(
     "ck", 2, "moe", WeightPreshuffle(), ScaleShuffle(flatten_experts=True), {"is_shuffled": True},
     "CK fused_moe: W16 per expert, S32x8 over the flattened [E*N, K/32] scale, stored 2-D",
+))
+MOE_CK_3D = register_layout(Layout(
+    "ck-3d", 1, "moe", WeightPreshuffle(), ScaleShuffleStacked(), {"is_shuffled": True},
+    "CK fused_moe bytes with the scale held 3-D [E, N, K/32] (SGLang's aiter MoE on gfx950)",
 ))
 MOE_TRITON = register_layout(Layout(
     "triton", 2, "moe", Identity(), ScaleShufflePerExpert(), {"is_shuffled": False, "scale_swizzle": "CDNA4_SCALE"},

@@ -26,14 +26,14 @@ def sample(layout, shape):
 
 def test_registry_lists_dense_moe_and_bf16_moe_layouts():
     assert L.layout_names("dense") == ["non-shuffle", "preshuffle"]
-    assert L.layout_names("moe") == ["ck", "triton", "triton-gfx942"]
+    assert L.layout_names("moe") == ["ck", "ck-3d", "triton", "triton-gfx942"]
     assert L.layout_names("bf16-moe") == ["bf16-preshuffle"]
 
 
 @pytest.mark.parametrize("name", L.layout_names())
 def test_every_layout_inverts_exactly_and_predicts_its_output_shapes(name):
     layout = L.get_layout(name)
-    w, s = sample(layout, (64, 128) if layout.kind == "dense" else (5, 64, 128))
+    w, s = sample(layout, (64, 128) if layout.kind == "dense" else (4, 64, 256))
     lw, ls = layout.apply(w, s, "t")
     assert (tuple(lw.shape), ls if ls is None else tuple(ls.shape)) == layout.output_shapes(
         w.shape, None if s is None else s.shape)
@@ -48,7 +48,7 @@ def test_moe_layouts_transform_each_expert_on_its_own(name):
     # laid end to end, must be the whole tensor's output byte for byte.
     layout = L.get_layout(name)
     assert layout.experts_transform_independently(256)
-    w, s = sample(layout, (7, 256, 64))
+    w, s = sample(layout, (7, 256, 256))
     whole_w, whole_s = layout.apply(w, s, "t")
     blocks = [layout.apply(w[i:i + 3], None if s is None else s[i:i + 3], "t") for i in range(0, 7, 3)]
     assert torch.equal(torch.cat([b[0] for b in blocks]).view(torch.uint8), whole_w.view(torch.uint8))  # NaN bits
@@ -66,6 +66,16 @@ def test_ck_layout_shuffles_the_flattened_expert_scale_and_stores_it_2d():
     lw, ls = L.get_layout("ck").apply(w, s)
     assert torch.equal(lw, L.preshuffle_weight(w))
     assert ls.dim() == 2 and torch.equal(ls, L.preshuffle_scale(s.reshape(96, 4)))
+
+
+def test_ck_3d_holds_cks_bytes_with_the_scale_3d_and_refuses_shapes_that_would_need_a_pad():
+    # SGLang views aiter's e8m0_shuffle of the flattened [E*N, K/32] back as [E, N, K/32]: the same
+    # bytes as ck, possible only where the shuffle pads no row or column.
+    w, s = rand_u8(4, 64, 128, seed=11), rand_u8(4, 64, 8, seed=12)
+    ck, ck3 = L.get_layout("ck").apply(w, s), L.get_layout("ck-3d").apply(w, s)
+    assert torch.equal(ck3[0], ck[0]) and ck3[1].shape == (4, 64, 8) and torch.equal(ck3[1].reshape(256, 8), ck[1])
+    with pytest.raises(L.LayoutConstraintError, match=r"E\*N % 256 == 0 \(E\*N = 96\); scale: K/32 % 8 == 0 \(K/32 = 4\)"):
+        L.get_layout("ck-3d").check((3, 32, 64), (3, 32, 4), "experts.w13")
 
 
 def test_triton_moe_layout_keeps_weight_raw_and_swizzles_scale_per_expert():
@@ -112,7 +122,7 @@ def test_layout_description_is_json_for_the_manifest():
 
 
 def test_unknown_layout_lists_the_known_ones():
-    with pytest.raises(KeyError, match="known: bf16-preshuffle, ck, non-shuffle, preshuffle"):
+    with pytest.raises(KeyError, match="known: bf16-preshuffle, ck, ck-3d, non-shuffle, preshuffle"):
         L.get_layout("shuffled")
 
 
@@ -138,7 +148,7 @@ def test_compressed_source_names_expand_to_exactly_the_original_list(templates, 
 def test_forward_into_out_writes_the_same_bytes(name, misalign):
     # Converters build straight into their output buffers; any alignment of that buffer.
     layout = L.get_layout(name)
-    w, s = sample(layout, (256, 64) if layout.kind == "dense" else (4, 256, 64))
+    w, s = sample(layout, (256, 64) if layout.kind == "dense" else (4, 256, 256))
     want_w, want_s = layout.apply(w, s)
     n = want_w.numel()
     buf = torch.zeros(n + 16, dtype=w.dtype)
