@@ -347,16 +347,20 @@ def convert(src, out, layout, moe_layout, tp, ep, fuse_shared_expert, engine, co
         bar.close()
     from layouts import get_engine
 
-    serve = None if common_bf16 else get_engine(engine).serve_command(s["out"], tp, ep, layout, moe_layout)
+    profile = get_engine(engine)
+    serve = None if common_bf16 else profile.serve_command(s["out"], tp, ep, layout, moe_layout,
+                                                           target.fuse_shared_expert)
     s = {**s, "tp": tp, "ep": ep, "layout": layout, "moe_layout": moe_layout, "serve": serve}
     lines = [f"wrote {s['out']}: TP {tp}, EP {ep}, layout {layout}, MoE layout {moe_layout}: {s['tensors']} tensors "
              f"from {s['source_tensors']} source tensors, {s['files']} files ({s['reused_files']} reused), "
              f"{s['bytes'] / 2**30:.3f} GiB"]
-    if engine != "atom":  # only ATOM's profile has a door so far
+    if serve:
+        lines.append(f"serve it with {profile.display_name}: {serve}")
+    elif profile.serve_command("x", 1, 1, *profile.inspect_targets()[0]) is None:  # no door at all
         lines.append(f"serve it: prep has no door for {engine} yet; its ranks load with layouts.open_rank "
                      "(docs/engines.md)")
     else:
-        lines.append(f"serve it with ATOM: {serve}" if serve else "serve it with ATOM: prep-atom-serve does not serve "
+        lines.append(f"serve it with {profile.display_name}: prep's door does not serve "
                      + ("--common-bf16 conversions" if common_bf16 else f"MoE layout {moe_layout} yet")
                      + " (docs/engines.md)")
     _emit(s, as_json, lines)

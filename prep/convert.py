@@ -30,7 +30,7 @@ from layouts.safetensors_file import TORCH_DTYPES, TensorInfo
 
 from . import __version__
 from .bf16 import Bf16Group
-from .deepseek import Target, classify, plan_bf16, plan_groups
+from .deepseek import Classified, Target, classify, engine_of, plan_bf16, plan_groups
 from .errors import PrepError
 from .directio import ALIGN
 from .groups import Alloc, LinearGroup, MoEGroup, to_record
@@ -46,6 +46,20 @@ SHARD_BYTES = 4 << 30  # split a rank's tensors into files of about this size
 CHUNK_BYTES = 32 << 20
 
 
+@dataclasses.dataclass(frozen=True)
+class Constant:
+    """One tensor of the engine's model that no checkpoint has, filled with ``value``
+    (:class:`layouts.engines.Constant`, here with its full name)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    value: float
+
+    def tensor(self) -> torch.Tensor:
+        return torch.full(self.shape, self.value, dtype=TORCH_DTYPES[self.dtype])
+
+
 @dataclasses.dataclass
 class FileJob:
     """One output file: its tensors in order and what produces them."""
@@ -55,6 +69,7 @@ class FileJob:
     groups: list[LinearGroup | MoEGroup | Bf16Group]  # the rank's groups (rank files)
     passthrough: list[str]  # source tensor names copied whole (replicated in rank files, or common files)
     entries: list[tuple[str, str, tuple[int, ...]]]
+    constants: list[Constant] = dataclasses.field(default_factory=list)  # the engine's, not from the source
 
     @property
     def nbytes(self) -> int:
@@ -68,6 +83,7 @@ class FileJob:
     def plan_key(self) -> str:
         """What must match for a finished file to be reused by --resume."""
         desc = [g.record() for g in self.groups] + self.passthrough + [list(e) for e in self.entries]
+        desc += [dataclasses.astuple(c) for c in self.constants]
         return manifest_hash(json.dumps(desc, sort_keys=True).encode())
 
 
@@ -106,27 +122,40 @@ def shard_names(items: list[tuple[Any, int]], prefix: str) -> list[tuple[str, li
 def plan_files(src: SourceCheckpoint, target: Target) -> tuple[list[FileJob], dict[str, Any]]:
     """Validate everything and lay out the output files. Raises PrepError on any bad input.
 
-    Rank-exact (``target.rank_exact``): a rank's files hold its MXFP4 groups, its BF16 groups
-    and a copy of every replicated tensor, so a rank reads exactly its own files; the one
-    common file holds only what no rank reads. Otherwise (format 1) every non-MXFP4 tensor is
-    whole in common files that every rank reads."""
+    Rank-exact (``target.rank_exact``): a rank's files hold its MXFP4 groups, its BF16 groups,
+    a copy of every replicated tensor and the engine's constants, so a rank reads exactly its
+    own files; the one common file holds only what no rank reads (and the MTP layers, whole,
+    for an engine whose model does not hold them). Otherwise (format 1) every non-MXFP4 tensor
+    is whole in common files that every rank reads."""
     _check_layout_names(target)
     cls = classify(src)
-    per_rank = plan_groups(src, cls, target)
-    replicated, common = [], list(cls.passthrough)
+    rules = engine_of(target.engine).sharding
+    held, mtp = _without_mtp(src, cls) if not rules.holds_mtp else (cls, [])
+    per_rank = plan_groups(src, held, target)
+    replicated, common = [], list(held.passthrough)
     if target.rank_exact:
-        split, replicated, common = plan_bf16(src, cls, target)
+        split, replicated, common = plan_bf16(src, held, target)
         for groups, more in zip(per_rank, split):
             groups += more
+    elif mtp or rules.constants:
+        raise PrepError(f"--common-bf16: engine {target.engine!r} loads only the tensors of its own model from its "
+                        "rank's files; convert without --common-bf16")
+    common += mtp
+    constants = [Constant(f"model.layers.{i}.{c.module}", c.dtype, c.shape, c.value)
+                 for i in range(held.num_layers) for c in rules.constants] if target.rank_exact else []
     jobs: list[FileJob] = []
     for rank, groups in enumerate(per_rank):
         sized = [(g, sum(nbytes(g.dtype, shape) for _, _, shape in g.outputs())) for g in groups]
         sized += [(n, src.tensors[n].nbytes) for n in replicated]
+        sized += [(c, nbytes(c.dtype, c.shape)) for c in constants]
         for fname, chunk in shard_names(sized, f"model-tp{target.tp}-rank{rank}"):
-            gs, names = [x for x in chunk if not isinstance(x, str)], [x for x in chunk if isinstance(x, str)]
+            gs = [x for x in chunk if isinstance(x, (LinearGroup, MoEGroup, Bf16Group))]
+            names = [x for x in chunk if isinstance(x, str)]
+            consts = [x for x in chunk if isinstance(x, Constant)]
             entries = [(n, g.dtype, tuple(shape)) for g in gs for n, _, shape in g.outputs()]
             entries += [(n, src.tensors[n].dtype, src.tensors[n].shape) for n in names]
-            jobs.append(FileJob(fname, rank, gs, names, entries))
+            entries += [(c.name, c.dtype, c.shape) for c in consts]
+            jobs.append(FileJob(fname, rank, gs, names, entries, consts))
     sized = [(n, src.tensors[n].nbytes) for n in common]
     if sized:
         for fname, chunk in shard_names(sized, "model-common"):
@@ -135,6 +164,17 @@ def plan_files(src: SourceCheckpoint, target: Target) -> tuple[list[FileJob], di
     info = {"arch": cls.arch, "num_layers": cls.num_layers, "mtp_layers": cls.mtp_layers,
             "modules": cls.modules, "passthrough": cls.passthrough}
     return jobs, info
+
+
+def _without_mtp(src: SourceCheckpoint, cls: Classified) -> tuple[Classified, list[str]]:
+    """``cls`` without its MTP layers, and those layers' tensors (MXFP4 and not), in source order:
+    what an engine whose model does not hold them gets, and the common file keeps whole."""
+    prefixes = tuple(f"model.layers.{i}." for i in cls.mtp_layers)
+    if not prefixes:
+        return cls, []
+    held = dataclasses.replace(cls, modules={m: k for m, k in cls.modules.items() if not m.startswith(prefixes)},
+                               passthrough=[n for n in cls.passthrough if not n.startswith(prefixes)])
+    return held, [n for n in src.tensors if n.startswith(prefixes)]
 
 
 def _check_layout_names(target: Target) -> None:
@@ -159,7 +199,7 @@ def _file_sets(jobs: list[FileJob]) -> list[list[FileJob]]:
             key: tuple = (job.name,)
         else:
             nth[job.rank] = nth.get(job.rank, -1) + 1
-            key = (nth[job.rank], tuple(g.key for g in job.groups), tuple(job.passthrough))
+            key = (nth[job.rank], tuple(g.key for g in job.groups), tuple(job.passthrough), tuple(job.constants))
         sets.setdefault(key, []).append(job)
     return list(sets.values())
 
@@ -248,6 +288,10 @@ def _write_into(src: SourceCheckpoint, jobs: list[FileJob], tmps: list[pathlib.P
                 if progress:
                     progress(t.numel() * t.element_size() * len(writers))
                 check()
+        for c in jobs[0].constants:  # the same in every file of the set
+            t = c.tensor()
+            for w in writers:
+                w.write(c.name, t)
     return [w.hashes for w in writers]
 
 
@@ -459,6 +503,9 @@ def build_manifest(src: SourceCheckpoint, target: Target, jobs: list[FileJob],
             ti = src.tensors[name]
             tensors.append(schema.TensorRecord(name, job.rank, job.name, ti.dtype, tuple(ti.shape), role,
                                                None, None, {}, hashes[name], (name,), ()))
+        for c in job.constants:  # from no source tensor: what the engine initialises them to
+            tensors.append(schema.TensorRecord(c.name, job.rank, job.name, c.dtype, c.shape, "constant", None, None,
+                                               {}, hashes[c.name], (), ({"op": "fill", "value": c.value},)))
     fingerprint = src.fingerprint()
     return schema.Manifest(
         tool=schema.Tool("prep", __version__),

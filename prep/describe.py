@@ -153,10 +153,11 @@ def _inspect_converted(path: str) -> tuple[dict[str, Any], list[str]]:
         engine = get_engine(t.engine)
     except KeyError:  # converted for an engine this prep has no profile of: nothing to serve it with
         engine = None
-    serve = engine.serve_command(path, t.tp, t.ep, t.layout, t.moe_layout) if engine and t.rank_exact else None
+    serve = engine.serve_command(path, t.tp, t.ep, t.layout, t.moe_layout, t.fuse_shared_expert) \
+        if engine and t.rank_exact else None
     result["serve"] = serve
     if serve:
-        lines.append(f"  serve it with ATOM: {serve}")  # only ATOM's profile has a door so far
+        lines.append(f"  serve it with {engine.display_name}: {serve}")
     return result, lines
 
 

@@ -25,7 +25,7 @@ import importlib
 import pkgutil
 from typing import TYPE_CHECKING, Callable, Mapping, Optional
 
-from ._sharding import COLS, ROWS, WHOLE, Merge, ShardingRules
+from ._sharding import COLS, ROWS, WHOLE, Constant, Merge, ShardingRules
 
 if TYPE_CHECKING:  # compat imports this package: the names are only for annotations here
     from ..compat import EngineConfig
@@ -72,6 +72,8 @@ class EngineProfile:
 
     name: str
     """The engine's name: :attr:`EngineConfig.engine <layouts.EngineConfig>`, this module's name."""
+    label: str = ""
+    """How messages name the engine ("ATOM"); the name when empty."""
     gemm_paths: Mapping[str, GemmPathRule]
     """Dense GEMM paths by name, the engine's default first. Path names are shared by all engines
     (:func:`select_activation_quant <layouts.select_activation_quant>` is given a name only):
@@ -102,6 +104,10 @@ class EngineProfile:
     cannot convert for this engine (its checkpoints may still be checked against it)."""
 
     # ------------------------------------------------------------------ derived from the data
+    @property
+    def display_name(self) -> str:
+        return self.label or self.name
+
     @property
     def default_gemm_path(self) -> str:
         return next(iter(self.gemm_paths))
@@ -183,7 +189,8 @@ class EngineProfile:
         MoE layout (``prep convert`` refuses it before writing), or None."""
         return None
 
-    def serve_command(self, folder: str, tp: int, ep: int, layout: str, moe_layout: str) -> str | None:
+    def serve_command(self, folder: str, tp: int, ep: int, layout: str, moe_layout: str,
+                      fuse_shared_expert: bool = True) -> str | None:
         """The shell command that serves a conversion (switches included) with this engine, or
         None where the engine has no door for converted folders."""
         return None
@@ -288,7 +295,7 @@ def current_gpu_arch() -> str | None:
 
 
 __all__ = [
-    "COLS", "DEFAULT_ENGINE", "NEVER", "ROWS", "WHOLE", "Check", "EngineProfile", "GemmPathRule", "GpuArch", "Merge",
+    "COLS", "DEFAULT_ENGINE", "NEVER", "ROWS", "WHOLE", "Check", "Constant", "EngineProfile", "GemmPathRule", "GpuArch", "Merge",
     "ShardingRules",
     "current_gpu_arch", "engine_names", "gemm_path_rule", "get_engine", "register_engine",
 ]

@@ -31,6 +31,19 @@ class Merge:
 
 
 @dataclasses.dataclass(frozen=True)
+class Constant:
+    """A tensor the engine's model holds in every decoder layer that no checkpoint has, with the
+    value the engine initialises it to (SGLang's attention ``k_scale`` / ``v_scale``, 1.0). prep
+    writes it into every rank's files where the engine's loader wants each of its model's
+    tensors in the files (SGLang's ``sharded_state``)."""
+
+    module: str  # relative to the layer ("self_attn.attn_mqa.k_scale")
+    dtype: str  # safetensors dtype ("F32")
+    value: float
+    shape: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
 class ShardingRules:
     """An engine's per-rank holding of a DeepSeek checkpoint (module docstring)."""
 
@@ -48,6 +61,14 @@ class ShardingRules:
     moe_pad_to: tuple[int, int] = (256, 256)
     """The stacked experts' intermediate and hidden dimensions padded to multiples of these, as
     the engine allocates them (ATOM: 256 and 256; vLLM's aiter MoE pads the intermediate to 128)."""
+
+    holds_mtp: bool = True
+    """Whether the engine's model holds the MTP layers (``num_nextn_predict_layers``) with the
+    decoder layers: ATOM loads them into its draft model from the same files. False: no rank's
+    files hold them; they stay whole, as the source has them, in the common file (kept for
+    ``revert``), because the engine's loader refuses tensors its model does not have."""
+    constants: tuple[Constant, ...] = ()
+    """Tensors of every decoder layer the engine's model holds that no checkpoint has."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_compiled", tuple((re.compile(p), s) for p, s in self.splits))

@@ -216,6 +216,7 @@ class AtomProfile(EngineProfile):
     """ROCm ATOM (``ROCm/ATOM`` at commit ffdf3bb5) serving DeepSeek V2/V3/R1 on MI300 / MI355."""
 
     name = "atom"
+    label = "ATOM"
     gemm_paths = GEMM_PATHS
     moe_layouts = MOE_LAYOUTS
     gpu_archs = (GFX94, GFX95)
@@ -282,7 +283,8 @@ class AtomProfile(EngineProfile):
         return None
 
 
-    def serve_command(self, folder: str, tp: int, ep: int, layout: str, moe_layout: str) -> str | None:
+    def serve_command(self, folder: str, tp: int, ep: int, layout: str, moe_layout: str,
+                      fuse_shared_expert: bool = True) -> str | None:
         """``prep-atom-serve`` (layouts.engines.atom.serve) with the switches of the first GEMM path
         reading ``layout`` and of the MoE back end reading ``moe_layout`` (set explicitly: ATOM's
         unset MoE switch means another back end per arch), and the TP/EP flags."""

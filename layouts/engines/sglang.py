@@ -1,0 +1,120 @@
+"""SGLang's profile (the ``sglang`` 0.5.23 wheel from PyPI, on MI355 with ``SGLANG_USE_AITER=1``):
+what its DeepSeek model holds per rank after loading a Quark MXFP4 checkpoint, and the door that
+serves a converted folder with SGLang's own ``--load-format sharded_state``.
+
+What SGLang holds (read in its source and checked against its real model and loaders on the
+CPU: ``scripts/check_engine_install.py --engine sglang``):
+
+* dense MXFP4 linears raw, as in the checkpoint (``quark_w4a4_mxfp4``'s ``process_weights_after_loading``
+  keeps them unless ``SGLANG_ROCM_USE_AITER_FP4_ASM_GEMM=1``), read by aiter's Triton
+  ``gemm_afp4wfp4``: prep's ``non-shuffle`` layout, the activation scale raw;
+* stacked experts shuffled W16 per expert, the scale aiter's ``e8m0_shuffle`` of the flattened
+  ``[E*N, K/32]`` viewed back as ``[E, N, K/32]`` (``quark_w4a4_mxfp4_moe``): ``ck-3d``; the
+  per-rank intermediate padded to a multiple of 256 with zeros, the hidden size not padded;
+* ``q_a_proj`` and ``kv_a_proj_with_mqa`` merged into a replicated ``fused_qkv_a_proj_with_mqa``;
+  ``gate_up_proj`` for the dense MLP and an unfused shared expert; the rest split as ATOM splits it;
+* per decoder layer four float32 scalars no checkpoint has (``self_attn.attn_mqa`` / ``attn_mha``
+  ``k_scale`` / ``v_scale``, 1.0 from construction);
+* the MTP layer only in its separate draft model, which the main model's files must not hold.
+
+``sharded_state`` (``ShardedStateLoader``) builds the model, runs ``process_weights_after_loading``
+on its empty parameters, copies each file's tensors into the post-processed state dict by name,
+refuses a missing or unknown name, and runs ``post_load_weights`` (the MLA ``w_kc``/``w_vc``): so
+each rank's files must hold exactly what SGLang holds, which is what prep writes for this engine.
+The files are found by ``--model-loader-extra-config '{"pattern": ...}'`` (prep's file names).
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from typing import Mapping
+
+from ..compat import (CompatibilityError, EngineConfig, bf16_moe_layout_matches, dense_layout_matches,
+                       engine_matches, ep_matches, moe_layout_matches, rank_in_range, tp_matches)
+from ..registry import MOE_CK_3D, NON_SHUFFLE
+from . import COLS, NEVER, ROWS, WHOLE, Constant, EngineProfile, GemmPathRule, GpuArch, Merge, ShardingRules, \
+    current_gpu_arch
+
+ENV_AITER = "SGLANG_USE_AITER"
+ENV_ASM_GEMM = "SGLANG_ROCM_USE_AITER_FP4_ASM_GEMM"
+
+TRITON_NON_SHUFFLE = "triton-non-shuffle"  # aiter's gemm_afp4wfp4 on raw weights: ATOM's path of that name
+AITER = "aiter"  # SGLang's MoE runner with SGLANG_USE_AITER=1: aiter's CK fused_moe
+GFX95 = GpuArch("gfx95", "gfx950", "gfx95x (MI355)")
+
+SHARDING = ShardingRules(
+    merges=(
+        Merge("self_attn.fused_qkv_a_proj_with_mqa", ("self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa"), WHOLE),
+        Merge("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj"), ROWS),
+        Merge("mlp.shared_experts.gate_up_proj", ("mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj"), ROWS,
+              after_experts=True),
+    ),
+    splits=(
+        (r"^(model\.embed_tokens|lm_head)$", ROWS),
+        (r"\.self_attn\.(q_b_proj|q_proj|kv_b_proj)$", ROWS),
+        (r"\.self_attn\.o_proj$", COLS),
+        (r"\.mlp\.(shared_experts\.)?down_proj$", COLS),
+        (r"\.mlp\.(shared_experts\.)?(gate|up)_proj$", ROWS),
+    ),
+    # SGLang fuses by default for DeepSeek-V3/R1's 256 routed experts on gfx942+; the serve
+    # command states prep's choice either way (--enforce / --disable-shared-experts-fusion).
+    fuse_shared_expert=True,
+    moe_pad_to=(256, 1),  # aiter's padding of the rank's intermediate (AITER_PADDING_SIZE on packed bytes)
+    holds_mtp=False,
+    constants=tuple(Constant(f"self_attn.{attn}.{s}", "F32", 1.0)
+                    for attn in ("attn_mqa", "attn_mha") for s in ("k_scale", "v_scale")),
+)
+
+
+class SglangProfile(EngineProfile):
+    """SGLang 0.5.23 serving DeepSeek V2/V3/R1 on MI355 with aiter (``SGLANG_USE_AITER=1``)."""
+
+    name = "sglang"
+    label = "SGLang"
+    gemm_paths = {TRITON_NON_SHUFFLE: GemmPathRule(NON_SHUFFLE.name, NEVER, NEVER)}
+    moe_layouts = {(AITER, GFX95.prefix): MOE_CK_3D.name}
+    gpu_archs = (GFX95,)
+    default_gpu_arch = GFX95.example
+    expert_parallel_backends = (AITER,)
+    expert_parallel_switch = "--ep-size"
+    sharding = SHARDING
+    checks = (engine_matches, tp_matches, rank_in_range, ep_matches, dense_layout_matches, moe_layout_matches,
+              bf16_moe_layout_matches)
+
+    def config_from_env(self, env: Mapping[str, str], *, tp_size: int, rank: int, ep_size: int,
+                        gpu_arch: str | None) -> EngineConfig:
+        def on(name: str) -> bool:  # SGLang's EnvBool: "1", "true", "yes" (any case)
+            return env.get(name, "").strip().lower() in ("1", "true", "yes")
+
+        if not on(ENV_AITER):
+            raise CompatibilityError(f"{ENV_AITER} is not set: SGLang then runs its MXFP4 MoE without aiter, on "
+                                     f"unshuffled weights; set {ENV_AITER}=1")
+        if on(ENV_ASM_GEMM):
+            raise CompatibilityError(f"{ENV_ASM_GEMM}=1: SGLang then shuffles its dense MXFP4 weights at load (W16 "
+                                     "with an unpadded scale), which no prep layout holds; unset it")
+        arch = gpu_arch or current_gpu_arch() or self.default_gpu_arch
+        return EngineConfig(TRITON_NON_SHUFFLE, AITER, tp_size, rank, ep_size, arch, False, False, engine=self.name)
+
+    def target_refusal(self, tp: int, ep: int, moe_layout: str) -> str | None:
+        if ep not in (1, tp):
+            return (f"--ep {ep} with --tp {tp}: prep writes SGLang's expert parallel with ep_size = tp_size "
+                    f"(moe TP 1); pass --ep 1 or --ep equal to --tp")
+        return None
+
+    def serve_command(self, folder: str, tp: int, ep: int, layout: str, moe_layout: str,
+                      fuse_shared_expert: bool = True) -> str | None:
+        """SGLang's server on the folder's files (``sharded_state`` with prep's file names), the TP /
+        EP sizes and the shared-expert fusion prep wrote stated explicitly."""
+        if layout != NON_SHUFFLE.name or moe_layout != MOE_CK_3D.name:
+            return None
+        pattern = json.dumps({"pattern": f"model-tp{tp}-rank{{rank}}-{{part}}.safetensors"})
+        fusion = "--enforce-shared-experts-fusion" if fuse_shared_expert else "--disable-shared-experts-fusion"
+        return (f"{ENV_AITER}=1 python -m sglang.launch_server --model-path {shlex.quote(folder)} --load-format "
+                f"sharded_state --model-loader-extra-config {shlex.quote(pattern)} --tp-size {tp}"
+                + (f" --ep-size {ep}" if ep > 1 else "") + f" {fusion}")
+
+
+PROFILE = SglangProfile()
+
+__all__ = ["PROFILE", "SglangProfile", "SHARDING"]
