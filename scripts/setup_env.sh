@@ -9,11 +9,13 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 TESTS=0
 ATOM=0
+SGLANG=0
 for arg in "$@"; do
   case "$arg" in
-    --tests) TESTS=1; ATOM=1 ;;  # the suite runs ATOM's server start-up (tests/test_atom_serve.py)
+    --tests) TESTS=1; ATOM=1; SGLANG=1 ;;  # the suite runs ATOM's server start-up and SGLang's loaders
     --atom) ATOM=1 ;;
-    *) echo "setup_env.sh: unknown option $arg (use --tests, --atom)" >&2; exit 2 ;;
+    --sglang) SGLANG=1; ATOM=1 ;;  # .venv-sglang reads .venv's packages (transformers, triton, ...)
+    *) echo "setup_env.sh: unknown option $arg (use --tests, --atom, --sglang)" >&2; exit 2 ;;
   esac
 done
 
@@ -40,6 +42,24 @@ if [ "$ATOM" = 1 ]; then
     || step "ATOM's CPU dependencies: pyzmq, msgspec, fastapi, uvicorn, psutil, prometheus_client, setproctitle, pillow, transformers 5.24.0, triton (ATOM's kernels import it)" \
       "${PIP[@]}" pyzmq msgspec "fastapi>=0.115,<0.137" uvicorn psutil "prometheus_client>=0.25,<0.26" setproctitle \
       pillow transformers==5.24.0 "triton>=3.8"
+fi
+# SGLang's model and loader code for scripts/check_engine_install.py --engine sglang, in a venv of
+# its own on top of .venv's packages (a .pth file): SGLang pins another transformers and
+# huggingface_hub than prep's tests, and its GPU packages (sgl-kernel, flashinfer, CUDA torch) are
+# stand-ins on the CPU, so sglang and the pure-Python packages its DeepSeek code imports are
+# installed without their dependencies.
+if [ "$SGLANG" = 1 ]; then
+  [ -x .venv-sglang/bin/python ] || step "virtual environment .venv-sglang" "$PY" -m venv .venv-sglang
+  .venv/bin/python -c "import site; print(site.getsitepackages()[0])" \
+    > "$(.venv-sglang/bin/python -c "import site; print(site.getsitepackages()[0])")/prep-main-venv.pth"
+  .venv-sglang/bin/python -c "import sglang, einops, orjson, pybase64, gguf, openai, compressed_tensors" >/dev/null 2>&1 \
+    || step "SGLang 0.5.23 and the pure-Python packages its DeepSeek code imports (no dependencies)" \
+      .venv-sglang/bin/python -m pip install --disable-pip-version-check --no-deps sglang==0.5.23 \
+      compressed-tensors==0.18.0 distro==1.9.0 einops==0.8.2 gguf==0.19.0 httpcore==1.0.9 httpx==0.29.0 \
+      ipython==9.18.1 loguru==0.7.3 openai==2.8.0 orjson==3.13.0 partial-json-parser==0.2.1.1.post7 \
+      pybase64==1.5.1 sniffio==1.3.1 traitlets==5.16.1 transformers==5.19.0 huggingface_hub==1.33.0 \
+      tokenizers==0.23.2
+  .venv/bin/python scripts/fetch_aiter_oracle.py >/dev/null  # aiter's Triton MXFP4 quant, for SGLang's w_kc/w_vc
 fi
 [ "$TESTS" = 1 ] || exit 0
 

@@ -1,0 +1,167 @@
+#!/usr/bin/env python
+"""Check a converted folder against an engine's own load of its source, on the CPU: every rank
+of OUT, loaded through the engine's door, must leave the engine's model byte for byte as the
+engine's own loader leaves it from SRC. One line per rank; exit status 0 only if every rank
+matches.
+
+    python scripts/check_engine_install.py --engine sglang --source SRC --converted OUT
+    python scripts/check_engine_install.py --engine atom --source SRC --converted OUT
+
+* ``sglang`` (run it with .venv-sglang's Python, which ``bash scripts/setup_env.sh --sglang``
+  makes; this script switches to it by itself): SGLang 0.5.23's real ``DeepseekV3ForCausalLM``
+  per rank (scripts/sglang_on_cpu.py says what is real and what is a stand-in). Reference:
+  SGLang's ``DefaultModelLoader`` on SRC (its weight loaders, ``process_weights_after_loading``,
+  ``post_load_weights``). Converted: SGLang's ``ShardedStateLoader`` on OUT, as the serve
+  command prep printed asks for it (``--load-format sharded_state`` with prep's file names).
+  Compared: every state-dict tensor, and the MLA ``w_kc`` / ``w_vc`` (and scales) SGLang derives
+  after loading. SGLang is told the shared-expert fusion and EP size the manifest records.
+* ``atom``: scripts/check_atom_install.py's comparison of one configuration (ATOM's reference
+  load of SRC against the adapter's install of OUT, both models, and the MLA derivation), ATOM's
+  GEMM path and MoE back end being those that read OUT's layouts.
+
+SGLang matches a Quark ``exclude`` entry only exactly or as a ``re:`` pattern; a shell wildcard
+(``*self_attn*``, which prep's generated checkpoints write) matches nothing there, so SGLang
+would build those modules as MXFP4 and fail on their BF16 weights. Where SRC's config.json has
+one, both loads read a copy of the folder whose config.json says the same as ``re:`` patterns
+(printed); the converted folder's config.json is the source's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import types
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+SGLANG_PYTHON = REPO / ".venv-sglang" / "bin" / "python"
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+
+# Stand-ins SGLang calls while building its model, each used only in the forward pass (so a
+# stand-in skips no loading work); any other stand-in call fails the check.
+SGLANG_BUILD_ONLY = {
+    "aiter.rotary_embedding.get_rope": "builds each layer's RoPE module (forward only; its cos/sin caches are not "
+                                       "persistent, so not in the state dict)",
+    "aiter.get_hip_quant": "looked up when SGLang's MXFP4 linear module is imported (the activation quant of its "
+                           "forward)",
+    "aiter.jit.core.compile_ops": "decorates aiter's JIT kernels as SGLang imports them",
+}
+
+
+def _compare(ref: dict, got: dict) -> list[str]:
+    import torch
+
+    bad = [f"{k}: only in the engine's own load" for k in ref.keys() - got.keys()]
+    bad += [f"{k}: only after loading OUT" for k in got.keys() - ref.keys()]
+    for k in sorted(ref.keys() & got.keys()):
+        a, b = ref[k], got[k]
+        if (a.dtype, tuple(a.shape)) != (b.dtype, tuple(b.shape)):
+            bad.append(f"{k}: {a.dtype} {list(a.shape)} in the engine's own load, {b.dtype} {list(b.shape)} from OUT")
+        elif not torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)):
+            bad.append(f"{k}: bytes differ")
+    return bad
+
+
+def check_sglang(src: pathlib.Path, out: pathlib.Path, work: pathlib.Path, aiter_src: pathlib.Path) -> bool:
+    import layouts
+    import sglang_on_cpu as s
+
+    m = layouts.load_manifest(out)
+    t = m.target
+    if t.engine != "sglang":
+        raise SystemExit(f"{out}: converted for {t.engine}, not SGLang; convert with --engine sglang")
+    s.WORK["dir"] = work
+    s.install(aiter_src)
+    src_copy, rewritten = s.config_copy(src, work / "source")
+    out_copy, _ = s.config_copy(out, work / "converted")
+    if rewritten:
+        print(f"both loads read config.json with {rewritten} written as re: patterns (module docstring)")
+    fusion = {"enforce_shared_experts_fusion": True} if t.fuse_shared_expert else {"disable_shared_experts_fusion": True}
+    pattern = json.dumps({"pattern": f"model-tp{t.tp}-rank{{rank}}-{{part}}.safetensors"})
+    print(f"{'rank':>4} {'tensors':>7} {'bytes':>10} {'w_kc/w_vc':>9}  result")
+    ok = True
+    for rank in range(t.tp):
+        s.CALLS.clear()
+        ref = s.default_load(src_copy, t.tp, rank, ep=t.ep, **fusion)
+        ref_extra = dict(s.EXTRAS)
+        got = s.sharded_state_load(out_copy, t.tp, rank, ep=t.ep, model_loader_extra_config=pattern, **fusion)
+        bad = _compare(ref, got) + _compare(ref_extra, dict(s.EXTRAS))
+        stand_ins = sorted({c for c in s.CALLS if c not in SGLANG_BUILD_ONLY})
+        bad += [f"stand-in called while loading: {c}" for c in stand_ins]
+        size = sum(v.numel() * v.element_size() for v in ref.values())
+        print(f"{rank:>4} {len(ref):>7} {size:>10} {len(ref_extra):>9}  {'ok' if not bad else 'FAIL'}", flush=True)
+        for line in bad[:10]:
+            print(f"    {line}")
+        ok &= not bad
+    return ok
+
+
+def check_atom(src: pathlib.Path, out: pathlib.Path, work: pathlib.Path, atom_dir: pathlib.Path,
+               aiter_src: pathlib.Path) -> bool:
+    import check_atom_install as c
+    import layouts
+    from layouts.engines.atom import PROFILE
+
+    m = layouts.load_manifest(out)
+    t = m.target
+    if t.engine != "atom":
+        raise SystemExit(f"{out}: converted for {t.engine}, not ATOM; convert with --engine atom")
+    path = PROFILE.gemm_path_reading(t.layout)
+    if t.moe_layout != "ck":
+        raise SystemExit(f"{out}: MoE layout {t.moe_layout}: the ATOM check runs aiter's CK MoE only (its Triton MoE "
+                         "needs triton_kernels)")
+    from prep.reference import aiter_gemm
+
+    try:
+        kernels = aiter_gemm.gemm_module()
+    except Exception as e:  # noqa: BLE001 - without them the MXFP4 MLA derivation is skipped, and said so
+        kernels = None
+        print(f"ATOM's W_K/W_V derivation from MXFP4 kv_b_proj is NOT run: {e}")
+    c.atom_on_cpu.install(atom_dir, aiter_src, "gfx950")
+    case = c.Case("source", path, t.tp, t.ep)
+    cfg = json.loads((out / "config.json").read_text())
+    derive = kernels if c.mla_gemm_runs(case, types.SimpleNamespace(kv_lora_rank=cfg.get("kv_lora_rank") or 0)) \
+        else None
+    print(c.HEADER)
+    failed = False
+    for rank in range(t.tp):
+        failed |= c.print_rank(c.check_rank(case, src, out, rank, derive))
+    return not failed
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--engine", required=True, choices=("atom", "sglang"))
+    ap.add_argument("--source", required=True, type=pathlib.Path, help="the Quark checkpoint OUT was converted from")
+    ap.add_argument("--converted", required=True, type=pathlib.Path, help="prep convert's output folder")
+    ap.add_argument("--oracles", type=pathlib.Path,
+                    help="folder with ATOM's and aiter's source tarballs (default: ../shared/oracles)")
+    ap.add_argument("--work", type=pathlib.Path, help="scratch folder (default: a temporary one)")
+    args = ap.parse_args(argv)
+    if args.engine == "sglang":
+        import importlib.util
+
+        if importlib.util.find_spec("sglang") is None:  # not imported here: sglang_on_cpu prepares it first
+            if SGLANG_PYTHON.is_file() and pathlib.Path(sys.executable) != SGLANG_PYTHON:
+                return subprocess.call([str(SGLANG_PYTHON), __file__, *(argv if argv is not None else sys.argv[1:])])
+            raise SystemExit(f"error: SGLang is not installed in {sys.executable}: run `bash scripts/setup_env.sh "
+                             "--sglang`, which makes .venv-sglang")
+    import check_atom_serve
+
+    work = args.work or pathlib.Path(tempfile.mkdtemp(prefix=f"{args.engine}-check-"))
+    atom_dir, aiter_src = check_atom_serve.oracle_trees(args.oracles or check_atom_serve.default_oracles(), work)
+    if args.engine == "sglang":
+        ok = check_sglang(args.source, args.converted, work, aiter_src)
+    else:
+        ok = check_atom(args.source, args.converted, work, atom_dir, aiter_src)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""``prep convert --engine sglang``: each rank's files hold exactly what SGLang 0.5.23's DeepSeek
+model holds after loading (layouts/engines/sglang.py), so that SGLang's own ``--load-format
+sharded_state`` loads them; checked against SGLang's real model and loaders on the CPU
+(scripts/check_engine_install.py, in .venv-sglang), and the conversion stays verifiable and
+revertible like every other."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors import safe_open
+
+import layouts
+from conftest import _need
+from layouts.compat import CompatibilityError, EngineConfig
+from prep.cli import main
+from prep.testing import PRESETS, write_checkpoint
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+SGLANG_PYTHON = REPO / ".venv-sglang" / "bin" / "python"
+
+
+@pytest.fixture(scope="module")
+def r1(tmp_path_factory):
+    return write_checkpoint(dataclasses.replace(PRESETS["tiny"], variant="r1-0528"),
+                            tmp_path_factory.mktemp("sglang") / "src")
+
+
+def _convert(src, out, *args) -> str:
+    r = CliRunner().invoke(main, ["convert", str(src), "-o", str(out), "--engine", "sglang", "--tp", "2", *args])
+    assert r.exit_code == 0, r.output
+    return r.output
+
+
+def _tensors(path: pathlib.Path) -> dict[str, torch.Tensor]:
+    with safe_open(str(path), "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+def test_each_ranks_files_hold_sglangs_model_and_the_mtp_layer_stays_whole_in_the_common_file(r1, tmp_path):
+    out = tmp_path / "out"
+    printed = _convert(r1, out)
+    m = layouts.load_manifest(out)
+    mtp = f"model.layers.{PRESETS['tiny'].num_hidden_layers}."  # the MTP layer follows the decoder layers
+    for rank in range(2):
+        held = {}
+        for f in m.rank_files(rank):
+            held.update(_tensors(out / f))
+        assert not [n for n in held if n.startswith(mtp)], "SGLang's main model holds no MTP layer"
+        # SGLang's names and shapes: q_a and kv_a merged, experts stacked with the shared one (slot 8),
+        # the intermediate 256 / TP 2 = 128 padded to 256, the scale held 3-D
+        assert held["model.layers.0.self_attn.fused_qkv_a_proj_with_mqa.weight"].dtype == torch.bfloat16
+        assert tuple(held["model.layers.1.mlp.experts.w13_weight"].shape) == (9, 512, 128)
+        assert tuple(held["model.layers.1.mlp.experts.w13_weight_scale"].shape) == (9, 512, 8)
+        scales = [n for n in held if n.endswith("_scale") and n.count(".attn_m")]
+        assert len(scales) == 3 * 4 and all(held[n].dtype == torch.float32 and held[n].shape == () and
+                                            held[n].item() == 1.0 for n in scales)
+    common = [t for t in m.tensors if t.rank is None]
+    assert {t.role for t in common} == {"unread"} and {t.name for t in common} == {
+        n for n in m.source.tensors if n.startswith(mtp)}
+    assert "--load-format sharded_state" in printed and "--tp-size 2 --enforce-shared-experts-fusion" in printed
+    r = CliRunner().invoke(main, ["verify", str(out), "--source", str(r1)])
+    assert r.exit_code == 0 and "byte-identical" in r.output, r.output
+    r = CliRunner().invoke(main, ["revert", str(out), "-o", str(tmp_path / "back")])
+    assert r.exit_code == 0, r.output
+    back = {}
+    for f in (tmp_path / "back").glob("*.safetensors"):
+        back.update(_tensors(f))
+    src = {}
+    for f in pathlib.Path(r1).glob("*.safetensors"):
+        src.update(_tensors(f))
+    assert back.keys() == src.keys() and all(torch.equal(back[k].view(torch.uint8), src[k].view(torch.uint8))
+                                             for k in src)
+
+
+def test_sglangs_switches_that_would_misread_the_files_are_refused():
+    base = {"SGLANG_USE_AITER": "1"}
+    assert EngineConfig.from_env(env=base, engine="sglang", tp_size=2).expected_moe_layout() == "ck-3d"
+    with pytest.raises(CompatibilityError, match="SGLANG_USE_AITER is not set"):
+        EngineConfig.from_env(env={}, engine="sglang")
+    with pytest.raises(CompatibilityError, match="SGLANG_ROCM_USE_AITER_FP4_ASM_GEMM=1: .* unset it"):
+        EngineConfig.from_env(env={**base, "SGLANG_ROCM_USE_AITER_FP4_ASM_GEMM": "1"}, engine="sglang")
+
+
+def test_common_bf16_is_refused_for_sglang_in_one_line(r1, tmp_path):
+    r = CliRunner().invoke(main, ["convert", str(r1), "-o", str(tmp_path / "o"), "--engine", "sglang", "--common-bf16"])
+    assert r.exit_code != 0 and "--common-bf16: engine 'sglang' loads only" in r.output
+    assert not (tmp_path / "o").exists()
+
+
+def test_sglangs_own_sharded_state_load_of_the_files_equals_its_load_of_the_source(r1, tmp_path):
+    # SGLang's real DeepseekV3ForCausalLM per rank: ShardedStateLoader on prep's files against
+    # DefaultModelLoader on the source, every tensor and the MLA w_kc/w_vc; a flipped byte fails.
+    _need(SGLANG_PYTHON.is_file(), "SGLang in .venv-sglang (setup_env.sh --sglang)")
+    out = tmp_path / "out"
+    printed = _convert(r1, out, "--ep", "2")
+    serve = next(line for line in printed.splitlines() if line.startswith("serve it with SGLang: "))
+    assert "--ep-size 2 --enforce-shared-experts-fusion" in serve
+    cmd = [sys.executable, str(REPO / "scripts" / "check_engine_install.py"), "--engine", "sglang", "--source", str(r1),
+           "--converted", str(out), "--work", str(tmp_path / "work")]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = [line.split() for line in r.stdout.splitlines() if line.strip()[:1].isdigit()]
+    assert [row[0] for row in rows] == ["0", "1"] and all(row[-1] == "ok" and row[3] == "12" for row in rows), r.stdout
