@@ -348,8 +348,9 @@ def convert(src, out, layout, moe_layout, tp, ep, fuse_shared_expert, engine, co
     from layouts import get_engine
 
     profile = get_engine(engine)
+    config = json.loads((pathlib.Path(s["out"]) / "config.json").read_text())
     serve = None if common_bf16 else profile.serve_command(s["out"], tp, ep, layout, moe_layout,
-                                                           target.fuse_shared_expert)
+                                                           target.fuse_shared_expert, config)
     s = {**s, "tp": tp, "ep": ep, "layout": layout, "moe_layout": moe_layout, "serve": serve}
     lines = [f"wrote {s['out']}: TP {tp}, EP {ep}, layout {layout}, MoE layout {moe_layout}: {s['tensors']} tensors "
              f"from {s['source_tensors']} source tensors, {s['files']} files ({s['reused_files']} reused), "

@@ -356,6 +356,8 @@ def convert(
     folder = OutputFolder(out, inputs=[src.root], force=force)
     folder.check(resuming=resume)
     jobs, info = plan_files(src, target)
+    for line in engine_of(target.engine).source_notes(src.config) if notify else ():
+        notify(line)
     total = sum(j.nbytes for j in jobs)
     state = {"kind": "convert", "tool": f"prep {__version__}",
              "options": {**dataclasses.asdict(target), "revision": revision}}

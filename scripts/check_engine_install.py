@@ -21,9 +21,9 @@ matches.
 
 SGLang matches a Quark ``exclude`` entry only exactly or as a ``re:`` pattern; a shell wildcard
 (``*self_attn*``, which prep's generated checkpoints write) matches nothing there, so SGLang
-would build those modules as MXFP4 and fail on their BF16 weights. Where SRC's config.json has
-one, both loads read a copy of the folder whose config.json says the same as ``re:`` patterns
-(printed); the converted folder's config.json is the source's.
+would build those modules as MXFP4 and fail on their BF16 weights. Where config.json has one,
+the serve command prep prints passes the excludes as ``re:`` patterns
+(``--json-model-override-args``), and so do both loads here (printed).
 """
 
 from __future__ import annotations
@@ -75,14 +75,18 @@ def check_sglang(src: pathlib.Path, out: pathlib.Path, work: pathlib.Path, aiter
     t = m.target
     if t.engine != "sglang":
         raise SystemExit(f"{out}: converted for {t.engine}, not SGLang; convert with --engine sglang")
+    from layouts.engines.sglang import sglang_quant_override
+
     s.WORK["dir"] = work
     s.install(aiter_src)
-    src_copy, rewritten = s.config_copy(src, work / "source")
-    out_copy, _ = s.config_copy(out, work / "converted")
-    if rewritten:
-        print(f"both loads read config.json with {rewritten} written as re: patterns (module docstring)")
     fusion = {"enforce_shared_experts_fusion": True} if t.fuse_shared_expert else {"disable_shared_experts_fusion": True}
+    override = sglang_quant_override(json.loads((out / "config.json").read_text()))
+    if override:  # what the serve command passes (module docstring): to both loads alike
+        fusion["json_model_override_args"] = json.dumps(override)
+        print(f"both loads: --json-model-override-args with the Quark excludes as re: patterns: "
+              f"{override['quantization_config']['exclude']}")
     pattern = json.dumps({"pattern": f"model-tp{t.tp}-rank{{rank}}-{{part}}.safetensors"})
+    src_copy, out_copy = src, out
     print(f"{'rank':>4} {'tensors':>7} {'bytes':>10} {'w_kc/w_vc':>9}  result")
     ok = True
     for rank in range(t.tp):

@@ -471,9 +471,10 @@ def build_and_load(model_path, tp: int, rank: int, load_format: str = "auto", ep
 
 def default_load(src, tp: int, rank: int, ep: int = 1, fill: int = 0xA5, **kw) -> dict:
     """DefaultModelLoader: load_weights (whose DeepSeek loader ends with post_load_weights), then
-    every quant method's process_weights_after_loading. Returns model.state_dict() (clones)."""
-    folder, _ = config_copy(src)
-    model, loader = build_and_load(folder, tp, rank, "auto", ep=ep, fill=fill, **kw)
+    every quant method's process_weights_after_loading. Returns model.state_dict() (clones).
+    ``kw``: ServerArgs fields (a config whose Quark excludes SGLang cannot match needs
+    ``json_model_override_args``, or a :func:`config_copy`)."""
+    model, loader = build_and_load(src, tp, rank, "auto", ep=ep, fill=fill, **kw)
     assert type(loader).__name__ == "DefaultModelLoader", type(loader)
     return _state_dict(model)
 

@@ -189,8 +189,13 @@ class EngineProfile:
         MoE layout (``prep convert`` refuses it before writing), or None."""
         return None
 
+    def source_notes(self, config: Mapping) -> list[str]:
+        """What in a source's ``config.json`` this engine would read otherwise than the checkpoint
+        means (one line each, naming the fix); ``prep convert --engine`` prints them."""
+        return []
+
     def serve_command(self, folder: str, tp: int, ep: int, layout: str, moe_layout: str,
-                      fuse_shared_expert: bool = True) -> str | None:
+                      fuse_shared_expert: bool = True, config: Mapping | None = None) -> str | None:
         """The shell command that serves a conversion (switches included) with this engine, or
         None where the engine has no door for converted folders."""
         return None

@@ -102,19 +102,59 @@ class SglangProfile(EngineProfile):
                     f"(moe TP 1); pass --ep 1 or --ep equal to --tp")
         return None
 
+    def source_notes(self, config: Mapping) -> list[str]:
+        """Quark ``exclude`` entries with shell wildcards: SGLang 0.5.23 matches an entry only
+        exactly or as a ``re:`` regex (``should_ignore_layer``), so it would build the modules they
+        mean as MXFP4 and fail on their BF16 weights; the serve command overrides them
+        (:func:`sglang_quant_override`, docs/engines.md)."""
+        wild = _wildcards(config)
+        if not wild:
+            return []
+        return [f"config.json's Quark exclude entries {', '.join(map(repr, wild))} are shell wildcards, which SGLang "
+                "matches as exact names only (it would build those modules as MXFP4 and fail on their BF16 weights): "
+                "the serve command printed below passes them as re: patterns (--json-model-override-args)"]
+
     def serve_command(self, folder: str, tp: int, ep: int, layout: str, moe_layout: str,
-                      fuse_shared_expert: bool = True) -> str | None:
+                      fuse_shared_expert: bool = True, config: Mapping | None = None) -> str | None:
         """SGLang's server on the folder's files (``sharded_state`` with prep's file names), the TP /
-        EP sizes and the shared-expert fusion prep wrote stated explicitly."""
+        EP sizes and the shared-expert fusion prep wrote stated explicitly; with the folder's
+        ``config``, its Quark excludes as SGLang matches them where they need it."""
         if layout != NON_SHUFFLE.name or moe_layout != MOE_CK_3D.name:
             return None
         pattern = json.dumps({"pattern": f"model-tp{tp}-rank{{rank}}-{{part}}.safetensors"})
         fusion = "--enforce-shared-experts-fusion" if fuse_shared_expert else "--disable-shared-experts-fusion"
+        override = sglang_quant_override(config or {})
         return (f"{ENV_AITER}=1 python -m sglang.launch_server --model-path {shlex.quote(folder)} --load-format "
                 f"sharded_state --model-loader-extra-config {shlex.quote(pattern)} --tp-size {tp}"
-                + (f" --ep-size {ep}" if ep > 1 else "") + f" {fusion}")
+                + (f" --ep-size {ep}" if ep > 1 else "") + f" {fusion}"
+                + (f" --json-model-override-args {shlex.quote(json.dumps(override))}" if override else ""))
+
+
+def _wildcards(config: Mapping) -> list[str]:
+    q = config.get("quantization_config") if isinstance(config, Mapping) else None
+    excl = q.get("exclude") if isinstance(q, Mapping) else None
+    return [e for e in excl or () if isinstance(e, str) and not e.startswith("re:") and any(c in e for c in "*?")]
+
+
+def sglang_quant_override(config: Mapping) -> dict | None:
+    """``--json-model-override-args`` for a config whose Quark ``exclude`` list has shell wildcards:
+    its ``quantization_config`` with each such entry as the ``re:`` pattern that means the same to
+    SGLang (which replaces the config's ``quantization_config`` by it); None when none has one."""
+    if not _wildcards(config):
+        return None
+    q = dict(config["quantization_config"])
+    q["exclude"] = [_as_regex(e) if e in _wildcards(config) else e for e in q["exclude"]]
+    return {"quantization_config": q}
+
+
+def _as_regex(entry: str) -> str:
+    """A shell-wildcard exclude entry (``*``, ``?``) as the ``re:`` pattern that means the same,
+    anchored at both ends as a wildcard match is (plain syntax: SGLang may run an older Python)."""
+    import re
+
+    return "re:" + re.escape(entry).replace(r"\*", ".*").replace(r"\?", ".") + "$"
 
 
 PROFILE = SglangProfile()
 
-__all__ = ["PROFILE", "SglangProfile", "SHARDING"]
+__all__ = ["PROFILE", "SglangProfile", "SHARDING", "sglang_quant_override"]

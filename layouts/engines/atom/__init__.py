@@ -284,7 +284,7 @@ class AtomProfile(EngineProfile):
 
 
     def serve_command(self, folder: str, tp: int, ep: int, layout: str, moe_layout: str,
-                      fuse_shared_expert: bool = True) -> str | None:
+                      fuse_shared_expert: bool = True, config: Mapping | None = None) -> str | None:
         """``prep-atom-serve`` (layouts.engines.atom.serve) with the switches of the first GEMM path
         reading ``layout`` and of the MoE back end reading ``moe_layout`` (set explicitly: ATOM's
         unset MoE switch means another back end per arch), and the TP/EP flags."""
