@@ -24,7 +24,7 @@ import torch
 
 import layouts
 from layouts import manifest as schema
-from layouts.engines import DEFAULT_ENGINE
+from layouts.engines import DEFAULT_ENGINE, Constant
 from layouts.manifest import COMPLETE_NAME, MANIFEST_NAME, compress_names, manifest_hash
 from layouts.safetensors_file import TORCH_DTYPES, TensorInfo
 
@@ -44,20 +44,6 @@ SHARD_BYTES = 4 << 30  # split a rank's tensors into files of about this size
 # Tensors are built, transformed and written in blocks of about this size (whole experts, or
 # rows of a pass-through tensor), so peak memory does not grow with the largest tensor.
 CHUNK_BYTES = 32 << 20
-
-
-@dataclasses.dataclass(frozen=True)
-class Constant:
-    """One tensor of the engine's model that no checkpoint has, filled with ``value``
-    (:class:`layouts.engines.Constant`, here with its full name)."""
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    value: float
-
-    def tensor(self) -> torch.Tensor:
-        return torch.full(self.shape, self.value, dtype=TORCH_DTYPES[self.dtype])
 
 
 @dataclasses.dataclass
@@ -141,8 +127,7 @@ def plan_files(src: SourceCheckpoint, target: Target) -> tuple[list[FileJob], di
         raise PrepError(f"--common-bf16: engine {target.engine!r} loads only the tensors of its own model from its "
                         "rank's files; convert without --common-bf16")
     common += mtp
-    constants = [Constant(f"model.layers.{i}.{c.module}", c.dtype, c.shape, c.value)
-                 for i in range(held.num_layers) for c in rules.constants] if target.rank_exact else []
+    constants = [c.at_layer(i) for i in range(held.num_layers) for c in rules.constants] if target.rank_exact else []
     jobs: list[FileJob] = []
     for rank, groups in enumerate(per_rank):
         sized = [(g, sum(nbytes(g.dtype, shape) for _, _, shape in g.outputs())) for g in groups]

@@ -37,10 +37,21 @@ class Constant:
     writes it into every rank's files where the engine's loader wants each of its model's
     tensors in the files (SGLang's ``sharded_state``)."""
 
-    module: str  # relative to the layer ("self_attn.attn_mqa.k_scale")
+    name: str  # relative to the layer in the rules ("self_attn.attn_mqa.k_scale"); whole once placed
     dtype: str  # safetensors dtype ("F32")
     value: float
     shape: tuple[int, ...] = ()
+
+    def at_layer(self, layer: int) -> "Constant":
+        """The constant of decoder layer ``layer``, under its full name."""
+        return dataclasses.replace(self, name=f"model.layers.{layer}.{self.name}")
+
+    def tensor(self):
+        """Its value as a tensor of its dtype and shape."""
+        from ..safetensors_file import TORCH_DTYPES  # torch only here: the rules are data
+        import torch
+
+        return torch.full(self.shape, self.value, dtype=TORCH_DTYPES[self.dtype])
 
 
 @dataclasses.dataclass(frozen=True)
