@@ -410,9 +410,10 @@ def _window_problem(shape: Any, dim: Any, start: Any, stop: Any, row: Any) -> bo
 
 @dataclasses.dataclass(frozen=True)
 class PlacementRecord:
-    """One window of a source tensor in a BF16 group's stored tensor (a ``placements`` entry):
-    prep's ``bf16.Placement``. ``dim`` is the source dim the window cuts (null: whole),
-    ``[start, stop)`` its range; it lands ``dest_row`` rows in, in expert ``slot`` when stacked."""
+    """One window of a source tensor in a BF16 group's stored tensor (a ``placements`` entry), and
+    the placement prep's BF16 groups are built from (``prep.bf16``). ``dim`` is the source dim the
+    window cuts (null: whole), ``[start, stop)`` its range; it lands ``dest_row`` rows in (merged
+    tensors stack their parts along rows), all its columns, in expert ``slot`` when stacked."""
 
     source: str
     shape: tuple[int, int]
@@ -432,6 +433,27 @@ class PlacementRecord:
             raise ManifestError(f"placement of {source!r} needs a string source, a [rows, cols] shape, dim null, 0 "
                                 "or 1, a window [start, stop) inside that dim, an integer dest_row and slot")
         return cls(source, tuple(shape), dim, start, stop, row, slot)
+
+    @property
+    def rows(self) -> slice:
+        """The source rows the window takes."""
+        return slice(self.start, self.stop) if self.dim == 0 else slice(0, self.shape[0])
+
+    @property
+    def cols(self) -> slice:
+        """The source columns the window takes (a column window fills the stored tensor's width)."""
+        return slice(self.start, self.stop) if self.dim == 1 else slice(0, self.shape[1])
+
+    @property
+    def out_shape(self) -> tuple[int, int]:
+        return self.rows.stop - self.rows.start, self.cols.stop - self.cols.start
+
+    @classmethod
+    def whole(cls, source: str, shape: tuple[int, ...], dest_row: int = 0, slot: int | None = None
+              ) -> "PlacementRecord":
+        """The whole tensor, as an uncut window is recorded: rows [0, shape[0]) (its columns are the
+        tensor's too: a [0, cols) range would not fit a tensor wider than tall)."""
+        return cls(source, tuple(shape), None, 0, shape[0], dest_row, slot)
 
     def to_json(self) -> dict[str, Any]:
         return {"source": self.source, "shape": list(self.shape), "dim": self.dim, "start": self.start,

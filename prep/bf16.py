@@ -31,6 +31,8 @@ from layouts.engines import COLS as _COLS, ROWS as _ROWS, WHOLE as _WHOLE
 
 from .errors import PrepError
 
+from layouts.manifest import PlacementRecord, StackRecord
+
 if TYPE_CHECKING:
     from layouts.manifest import GroupRecord
 
@@ -38,41 +40,9 @@ Reader = Callable[..., torch.Tensor]  # read(name, rows=None, cols=None, out=Non
 Piece = tuple[str, tuple[slice, slice], torch.Tensor]
 
 
-@dataclasses.dataclass(frozen=True)
-class Placement:
-    """A window of one 2-D source tensor and where it lands in the stored tensor.
-
-    ``dim`` is the source dim the window cuts (None: the whole tensor), ``[start, stop)`` its
-    range; the window lands at ``dest_row`` rows into the stored tensor (merged tensors stack
-    their parts along rows), all its columns (a column window fills the stored tensor's width),
-    in expert ``slot`` of a stacked tensor when there is one.
-    """
-
-    source: str
-    shape: tuple[int, int]  # the source tensor's shape
-    dim: int | None
-    start: int
-    stop: int
-    dest_row: int = 0
-    slot: int | None = None  # stacked experts: the expert slot it lands in (a 3-D stored tensor)
-
-    @property
-    def rows(self) -> slice:
-        return slice(self.start, self.stop) if self.dim == 0 else slice(0, self.shape[0])
-
-    @property
-    def cols(self) -> slice:
-        return slice(self.start, self.stop) if self.dim == 1 else slice(0, self.shape[1])
-
-    @property
-    def out_shape(self) -> tuple[int, int]:
-        return self.rows.stop - self.rows.start, self.cols.stop - self.cols.start
-
-    @classmethod
-    def whole(cls, source: str, shape: tuple[int, ...], dest_row: int = 0, slot: int | None = None) -> "Placement":
-        """The whole tensor, as the manifest records an uncut window: rows [0, shape[0]) (its
-        columns are the tensor's too: a [0, cols) range would not fit a tensor wider than tall)."""
-        return cls(source, tuple(shape), None, 0, shape[0], dest_row, slot)
+# A window of one source tensor and where it lands in the stored tensor: the manifest's record
+# is the placement itself (one type, no conversion between a record and a planning object).
+Placement = PlacementRecord
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,10 +205,10 @@ class Bf16Group:
         head = {"kind": self.kind, "name": self.name, "rank": self.rank, "tp": self.tp, "dtype": self.dtype,
                 "layout": self.layout}
         if self.stacked:  # by its template: 257 experts x 3 placements would be most of the manifest
-            return {**head, "stack": self._stack()}
-        return {**head, "placements": [{**dataclasses.asdict(p), "shape": list(p.shape)} for p in self.placements]}
+            return {**head, "stack": self._stack().to_json()}
+        return {**head, "placements": [p.to_json() for p in self.placements]}
 
-    def _stack(self) -> dict[str, Any]:
+    def _stack(self) -> StackRecord:
         """The stacked experts' template (``layouts.manifest.StackRecord``): routed ids as ranges
         in slot order, whether the shared expert follows them, and slot 0's windows, which every
         expert takes alike. Checked by expanding it again, so a group the template cannot say
@@ -262,7 +232,7 @@ class Bf16Group:
                 ranges[-1][1] += 1
             else:
                 ranges.append([e, e + 1])
-        stack = {"experts": ranges, "shared": shared, "windows": windows}
+        stack = StackRecord.from_json({"experts": ranges, "shared": shared, "windows": windows})
         if _expand_stack(self.name, stack) != self.placements:
             raise PrepError(f"{self.name} (rank {self.rank}): its experts do not all take the same windows; "
                             "re-download the checkpoint (its BF16 experts differ in shape)")
@@ -273,26 +243,22 @@ _ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4}
 _TORCH = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 
 
-def _expand_stack(name: str, stack: dict[str, Any]) -> tuple[Placement, ...]:
+def _expand_stack(name: str, stack: StackRecord) -> tuple[Placement, ...]:
     """The placements a stacked group's template stands for (the one home of that expansion):
     slot by slot, routed experts in range order then the shared one, each taking every window
     of its own ``{mlp}experts.{e}.{proj}_proj.weight`` (``shared_experts`` for the shared)."""
     mlp = name.rsplit("experts.", 1)[0]
-    ids: list[int | None] = [e for a, b in stack["experts"] for e in range(a, b)]
-    experts = [f"{mlp}experts.{e}." for e in ids] + ([f"{mlp}shared_experts."] if stack["shared"] else [])
-    return tuple(Placement(f"{expert}{w['proj']}_proj.weight", tuple(w["shape"]), w["dim"], w["start"], w["stop"],
-                           w["dest_row"], slot) for slot, expert in enumerate(experts) for w in stack["windows"])
+    ids: list[int | None] = [e for a, b in stack.experts for e in range(a, b)]
+    experts = [f"{mlp}experts.{e}." for e in ids] + ([f"{mlp}shared_experts."] if stack.shared else [])
+    return tuple(Placement(f"{expert}{w.proj}_proj.weight", w.shape, w.dim, w.start, w.stop, w.dest_row, slot)
+                 for slot, expert in enumerate(experts) for w in stack.windows)
 
 
 def group_from_record(rec: "GroupRecord") -> Bf16Group:
     """A BF16 group from its manifest record (stacked experts expanded from their template)."""
     if rec.kind != "bf16":
         raise PrepError(f"manifest: group {rec.name!r} is not a bf16 group")
-    if rec.stack is not None:
-        ps = _expand_stack(rec.name, rec.stack.to_json())
-    else:
-        ps = tuple(Placement(p.source, tuple(p.shape), p.dim, p.start, p.stop, p.dest_row, p.slot)
-                   for p in rec.placements)
+    ps = _expand_stack(rec.name, rec.stack) if rec.stack is not None else tuple(rec.placements)
     return Bf16Group(rec.name, rec.rank, rec.tp, rec.dtype, ps, rec.layout)
 
 
