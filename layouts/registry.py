@@ -18,6 +18,7 @@ Registered layouts (``docs/layouts.md`` draws their bytes and says which engine 
 name            kind     weight                          weight_scale
 =============== ======== =============================== =============================================
 non-shuffle     dense    raw ``[N, K/2]``                raw ``[N, K/32]``
+non-shuffle-t   dense    raw ``[N, K/2]``                transposed ``[K/32, N]``
 preshuffle      dense    W16                             S32x8 ``[pad256(N), pad8(K/32)]``
 ck              moe      W16 per expert ``[E, N, K/2]``  S32x8 of ``[E*N, K/32]``, stored 2-D
 ck-3d           moe      W16 per expert ``[E, N, K/2]``  the same bytes held ``[E, N, K/32]`` (no pad)
@@ -229,6 +230,26 @@ class ScaleShuffleStacked(ScaleShuffle):
 
 
 @dataclasses.dataclass(frozen=True)
+class ScaleTranspose(Transform):
+    """The scale ``[N, K/32]`` held transposed, ``[K/32, N]`` (vLLM's aiter linear keeps it so for
+    the shapes it runs on ``gemm_afp4wfp4``)."""
+
+    name = "transpose"
+
+    def violations(self, shape: Shape) -> list[str]:
+        return [] if len(shape) == 2 else ["scale is 2-D"]
+
+    def forward(self, t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return _into(t.t().contiguous(), out)
+
+    def inverse(self, t: torch.Tensor, shape: Shape) -> torch.Tensor:
+        return t.reshape(shape[1], shape[0]).t().contiguous()
+
+    def output_shape(self, shape: Shape) -> Shape:
+        return (shape[1], shape[0])
+
+
+@dataclasses.dataclass(frozen=True)
 class ScaleShufflePerExpert(Transform):
     """Per-expert S32x8 without the 256-row pad: ``[E, N, SK] -> [E, N/32, pad8(SK)*32]``
     (triton_kernels ``CDNA4MXScaleLayout``)."""
@@ -416,6 +437,11 @@ def source_order_layout(kind: str) -> Layout:
 NON_SHUFFLE = register_layout(Layout(
     "non-shuffle", 1, "dense", Identity(), Identity(), {"is_shuffled": False},
     "row-major bytes for the non-shuffle Triton GEMM (ATOM_USE_FP4_NON_SHUFFLE_TRITON_GEMM=1)",
+))
+NON_SHUFFLE_T = register_layout(Layout(
+    "non-shuffle-t", 1, "dense", Identity(), ScaleTranspose(), {"is_shuffled": False},
+    "raw weight, scale transposed [K/32, N]: vLLM's aiter linear on gemm_afp4wfp4 (shapes aiter has no tuned "
+    "preshuffle GEMM for)",
 ))
 PRESHUFFLE = register_layout(Layout(
     "preshuffle", 2, "dense", WeightPreshuffle(), ScaleShuffle(), {"is_shuffled": True},

@@ -105,10 +105,10 @@ def test_the_adapter_keeps_its_old_address():
 
     assert layouts.atom.install_converted_weights is layouts.engines.atom.install_converted_weights
     assert layouts.get_engine("atom") is layouts.engines.atom.PROFILE
-    with pytest.raises(KeyError, match="unknown engine 'vllm'; known: atom"):
-        layouts.get_engine("vllm")
-    with pytest.raises(CompatibilityError, match="unknown engine 'vllm'"):
-        EngineConfig(engine="vllm")
+    with pytest.raises(KeyError, match="unknown engine 'tgi'; known: atom, sglang, vllm"):
+        layouts.get_engine("tgi")
+    with pytest.raises(CompatibilityError, match="unknown engine 'tgi'"):
+        EngineConfig(engine="tgi")
 
 
 # ------------------------------------------------------------------------------ a second engine

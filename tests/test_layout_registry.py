@@ -25,7 +25,7 @@ def sample(layout, shape):
 
 
 def test_registry_lists_dense_moe_and_bf16_moe_layouts():
-    assert L.layout_names("dense") == ["non-shuffle", "preshuffle"]
+    assert L.layout_names("dense") == ["non-shuffle", "non-shuffle-t", "preshuffle"]
     assert L.layout_names("moe") == ["ck", "ck-3d", "triton", "triton-gfx942"]
     assert L.layout_names("bf16-moe") == ["bf16-preshuffle"]
 
@@ -78,6 +78,12 @@ def test_ck_3d_holds_cks_bytes_with_the_scale_3d_and_refuses_shapes_that_would_n
         L.get_layout("ck-3d").check((3, 32, 64), (3, 32, 4), "experts.w13")
 
 
+def test_non_shuffle_t_keeps_the_weight_raw_and_holds_the_scale_transposed():
+    w, s = rand_u8(64, 128, seed=13), rand_u8(64, 8, seed=14)
+    lw, ls = L.get_layout("non-shuffle-t").apply(w, s)
+    assert torch.equal(lw, w) and ls.shape == (8, 64) and ls.is_contiguous() and torch.equal(ls, s.t())
+
+
 def test_triton_moe_layout_keeps_weight_raw_and_swizzles_scale_per_expert():
     w, s = rand_u8(3, 32, 64, seed=9), rand_u8(3, 32, 4, seed=10)
     layout = L.get_layout("triton")
@@ -122,7 +128,7 @@ def test_layout_description_is_json_for_the_manifest():
 
 
 def test_unknown_layout_lists_the_known_ones():
-    with pytest.raises(KeyError, match="known: bf16-preshuffle, ck, ck-3d, non-shuffle, preshuffle"):
+    with pytest.raises(KeyError, match="known: bf16-preshuffle, ck, ck-3d, non-shuffle, non-shuffle-t, preshuffle"):
         L.get_layout("shuffled")
 
 

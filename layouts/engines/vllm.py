@@ -1,0 +1,98 @@
+"""vLLM's profile (the ``vllm`` 0.34.0 wheel from PyPI, on MI355 with aiter: ``VLLM_ROCM_USE_AITER=1``):
+what its DeepSeek model holds per rank after loading a Quark MXFP4 checkpoint. ``prep convert
+--engine vllm`` writes that; the door that loads it into vLLM (a ``--load-format prep`` model
+loader registered by a ``vllm.general_plugins`` entry point) is not written yet, so no serve
+command is printed.
+
+What vLLM holds (read in its source and run on the CPU, docs/engines.md "vLLM"):
+
+* dense MXFP4 linears (``AiterMxfp4LinearKernel``): per ``(N, K)``, W16 with the scale cut to N
+  rows where both of aiter's tuned tables list the shape, else the weight raw and the scale
+  **transposed** ``[K/32, N]`` for aiter's Triton ``gemm_afp4wfp4``: prep's ``non-shuffle-t``. With
+  aiter e4048607's tables every MXFP4 dense linear of DeepSeek-R1-0528 (the MLPs; its attention
+  is BF16) takes the transposed path at TP 1 to 8; the door is to check vLLM's own lookup per
+  linear and refuse a shape it would shuffle;
+* stacked experts (aiter's CK W4A4 ``fused_moe``): ``ck-3d``'s bytes, under
+  ``mlp.experts.routed_experts``; the intermediate padded to a multiple of 128, the hidden to 256;
+  the shared expert not fused (``VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS`` off by default);
+* ``fused_qkv_a_proj`` = [q_a; kv_a] replicated and ``gate_up_proj``, split as ATOM's;
+* the MTP layer only in its draft model (``DeepSeekMTP``), not in the main model.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+from ..compat import (CompatibilityError, EngineConfig, bf16_moe_layout_matches, dense_layout_matches,
+                      engine_matches, ep_matches, moe_layout_matches, rank_in_range, tp_matches)
+from ..registry import MOE_CK_3D, NON_SHUFFLE_T
+from . import COLS, NEVER, ROWS, WHOLE, EngineProfile, GemmPathRule, GpuArch, Merge, ShardingRules, current_gpu_arch
+
+ENV_AITER = "VLLM_ROCM_USE_AITER"
+ENV_FUSE_SHARED = "VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS"
+
+# aiter's gemm_afp4wfp4 on a raw weight with the scale transposed; the activation quantized raw
+TRITON_NON_SHUFFLE_T = "triton-non-shuffle-t"
+AITER = "aiter"  # vLLM's MoE back end AITER_MXFP4_MXFP4: aiter's CK fused_moe
+GFX95 = GpuArch("gfx95", "gfx950", "gfx95x (MI355)")
+
+SHARDING = ShardingRules(
+    merges=(
+        Merge("self_attn.fused_qkv_a_proj", ("self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa"), WHOLE),
+        Merge("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj"), ROWS),
+        Merge("mlp.shared_experts.gate_up_proj", ("mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj"), ROWS,
+              after_experts=True),
+    ),
+    splits=(
+        (r"^(model\.embed_tokens|lm_head)$", ROWS),
+        (r"\.self_attn\.(q_b_proj|q_proj|kv_b_proj)$", ROWS),
+        (r"\.self_attn\.o_proj$", COLS),
+        (r"\.mlp\.(shared_experts\.)?down_proj$", COLS),
+        (r"\.mlp\.(shared_experts\.)?(gate|up)_proj$", ROWS),
+    ),
+    experts="mlp.experts.routed_experts",
+    fuse_shared_expert=False,
+    moe_pad_to=(128, 256),
+    holds_mtp=False,
+)
+
+
+class VllmProfile(EngineProfile):
+    """vLLM 0.34.0 serving DeepSeek V2/V3/R1 on MI355 with aiter (``VLLM_ROCM_USE_AITER=1``)."""
+
+    name = "vllm"
+    label = "vLLM"
+    gemm_paths = {TRITON_NON_SHUFFLE_T: GemmPathRule(NON_SHUFFLE_T.name, NEVER, NEVER)}
+    moe_layouts = {(AITER, GFX95.prefix): MOE_CK_3D.name}
+    gpu_archs = (GFX95,)
+    default_gpu_arch = GFX95.example
+    expert_parallel_backends = (AITER,)
+    expert_parallel_switch = "--enable-expert-parallel"
+    sharding = SHARDING
+    checks = (engine_matches, tp_matches, rank_in_range, ep_matches, dense_layout_matches, moe_layout_matches,
+              bf16_moe_layout_matches)
+
+    def config_from_env(self, env: Mapping[str, str], *, tp_size: int, rank: int, ep_size: int,
+                        gpu_arch: str | None) -> EngineConfig:
+        def on(name: str) -> bool:  # vLLM's envs: "1" / "true" (any case)
+            return env.get(name, "").strip().lower() in ("1", "true")
+
+        if not on(ENV_AITER):
+            raise CompatibilityError(f"{ENV_AITER} is not set: vLLM then runs MXFP4 without aiter's kernels, on "
+                                     f"other layouts; set {ENV_AITER}=1")
+        if on(ENV_FUSE_SHARED):
+            raise CompatibilityError(f"{ENV_FUSE_SHARED}=1: vLLM then stacks the shared expert with the routed ones, "
+                                     "which vLLM conversions do not; unset it")
+        arch = gpu_arch or current_gpu_arch() or self.default_gpu_arch
+        return EngineConfig(TRITON_NON_SHUFFLE_T, AITER, tp_size, rank, ep_size, arch, False, False, engine=self.name)
+
+    def target_refusal(self, tp: int, ep: int, moe_layout: str) -> str | None:
+        if ep not in (1, tp):
+            return (f"--ep {ep} with --tp {tp}: vLLM's expert parallel spreads the experts over the TP ranks "
+                    f"({self.expert_parallel_switch}); pass --ep 1 or --ep equal to --tp")
+        return None
+
+
+PROFILE = VllmProfile()
+
+__all__ = ["PROFILE", "SHARDING", "VllmProfile"]

@@ -1,0 +1,82 @@
+"""``prep convert --engine vllm``: each rank's files hold what vLLM 0.34.0's DeepSeek model holds
+after loading on MI355 with aiter (layouts/engines/vllm.py; checked against vLLM's real
+DefaultModelLoader on the CPU, docs/engines.md "vLLM"), and the conversion verifies and reverts
+like every other. vLLM's door (a ``--load-format prep`` plugin) is not written yet: prep says so
+instead of printing a serve command."""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors import safe_open
+
+import layouts
+from layouts.compat import CompatibilityError, EngineConfig
+from prep.cli import main
+from prep.testing import PRESETS, write_checkpoint
+
+
+@pytest.fixture(scope="module")
+def r1(tmp_path_factory):
+    return write_checkpoint(dataclasses.replace(PRESETS["tiny"], variant="r1-0528"),
+                            tmp_path_factory.mktemp("vllm") / "src")
+
+
+def _tensors(folder: pathlib.Path, files) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in files:
+        with safe_open(str(folder / f), "pt") as s:
+            out.update({k: s.get_tensor(k) for k in s.keys()})
+    return out
+
+
+def test_each_ranks_files_hold_vllms_names_and_layouts_and_the_conversion_reverts(r1, tmp_path):
+    out = tmp_path / "out"
+    r = CliRunner().invoke(main, ["convert", str(r1), "-o", str(out), "--engine", "vllm", "--tp", "2", "--ep", "2"])
+    assert r.exit_code == 0, r.output
+    assert "prep has no door for vllm yet" in r.output  # no serve command until the plugin exists
+    m = layouts.load_manifest(out)
+    assert (m.target.engine, m.target.layout, m.target.moe_layout) == ("vllm", "non-shuffle-t", "ck-3d")
+    mtp = f"model.layers.{PRESETS['tiny'].num_hidden_layers}."
+    src = _tensors(pathlib.Path(r1), [p.name for p in pathlib.Path(r1).glob("*.safetensors")])
+    for rank in range(2):
+        held = _tensors(out, m.rank_files(rank))
+        assert not [n for n in held if n.startswith(mtp)]
+        # the dense scale transposed [K/32, N]: the rank's rows of the source's gate and up scales
+        gate_up = held["model.layers.0.mlp.gate_up_proj.weight_scale"]
+        gate, up = src["model.layers.0.mlp.gate_proj.weight_scale"], src["model.layers.0.mlp.up_proj.weight_scale"]
+        n = gate.shape[0] // 2
+        want = torch.cat([gate[rank * n:(rank + 1) * n], up[rank * n:(rank + 1) * n]]).t()
+        assert torch.equal(gate_up, want)
+        # experts under vLLM's name, this rank's block of 4 (EP 2), the shared expert not stacked
+        assert tuple(held["model.layers.1.mlp.experts.routed_experts.w13_weight"].shape) == (4, 512, 128)
+        assert tuple(held["model.layers.1.mlp.experts.routed_experts.w13_weight_scale"].shape) == (4, 512, 8)
+        assert "model.layers.1.mlp.shared_experts.gate_up_proj.weight" in held
+    r = CliRunner().invoke(main, ["verify", str(out), "--source", str(r1)])
+    assert r.exit_code == 0 and "byte-identical" in r.output, r.output
+    r = CliRunner().invoke(main, ["revert", str(out), "-o", str(tmp_path / "back")])
+    assert r.exit_code == 0, r.output
+    back = _tensors(tmp_path / "back", [p.name for p in (tmp_path / "back").glob("*.safetensors")])
+    assert back.keys() == src.keys() and all(torch.equal(back[k].view(torch.uint8), src[k].view(torch.uint8))
+                                             for k in src)
+
+
+def test_vllms_switches_that_would_misread_the_files_are_refused():
+    base = {"VLLM_ROCM_USE_AITER": "1"}
+    assert EngineConfig.from_env(env=base, engine="vllm").expected_dense_layout() == "non-shuffle-t"
+    with pytest.raises(CompatibilityError, match="VLLM_ROCM_USE_AITER is not set"):
+        EngineConfig.from_env(env={}, engine="vllm")
+    with pytest.raises(CompatibilityError, match="VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS=1: .* unset it"):
+        EngineConfig.from_env(env={**base, "VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS": "1"}, engine="vllm")
+
+
+def test_a_rank_whose_expert_scale_vllm_would_pad_is_refused_in_one_line(r1, tmp_path):
+    # The tiny experts' 256 intermediate at TP 2 is 128 a rank: w2's scale has 4 columns, which
+    # aiter's shuffle pads to 8 from memory vLLM never writes; prep refuses rather than guess.
+    r = CliRunner().invoke(main, ["convert", str(r1), "-o", str(tmp_path / "o"), "--engine", "vllm", "--tp", "2"])
+    assert r.exit_code != 0 and "layout 'ck-3d' cannot apply" in r.output and "K/32 % 8 == 0 (K/32 = 4)" in r.output
+    assert not (tmp_path / "o").exists()
