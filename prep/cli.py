@@ -347,17 +347,18 @@ def convert(src, out, layout, moe_layout, tp, ep, fuse_shared_expert, engine, co
         bar.close()
     from layouts import get_engine
 
+    from .describe import folder_config
+
     profile = get_engine(engine)
-    config = json.loads((pathlib.Path(s["out"]) / "config.json").read_text())
     serve = None if common_bf16 else profile.serve_command(s["out"], tp, ep, layout, moe_layout,
-                                                           target.fuse_shared_expert, config)
+                                                           target.fuse_shared_expert, folder_config(s["out"]))
     s = {**s, "tp": tp, "ep": ep, "layout": layout, "moe_layout": moe_layout, "serve": serve}
     lines = [f"wrote {s['out']}: TP {tp}, EP {ep}, layout {layout}, MoE layout {moe_layout}: {s['tensors']} tensors "
              f"from {s['source_tensors']} source tensors, {s['files']} files ({s['reused_files']} reused), "
              f"{s['bytes'] / 2**30:.3f} GiB"]
     if serve:
         lines.append(f"serve it with {profile.display_name}: {serve}")
-    elif profile.serve_command("x", 1, 1, *profile.inspect_targets()[0]) is None:  # no door at all
+    elif not profile.has_door():
         lines.append(f"serve it: prep has no door for {engine} yet; its ranks load with layouts.open_rank "
                      "(docs/engines.md)")
     else:

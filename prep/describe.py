@@ -154,14 +154,14 @@ def _inspect_converted(path: str) -> tuple[dict[str, Any], list[str]]:
     except KeyError:  # converted for an engine this prep has no profile of: nothing to serve it with
         engine = None
     serve = engine.serve_command(path, t.tp, t.ep, t.layout, t.moe_layout, t.fuse_shared_expert,
-                                 _config(path)) if engine and t.rank_exact else None
+                                 folder_config(path)) if engine and t.rank_exact else None
     result["serve"] = serve
     if serve:
         lines.append(f"  serve it with {engine.display_name}: {serve}")
     return result, lines
 
 
-def _config(folder: str) -> dict:
+def folder_config(folder: str | pathlib.Path) -> dict:
     """The folder's config.json (what an engine reads with its files), or {} where it is unreadable."""
     try:
         cfg = json.loads((pathlib.Path(folder) / "config.json").read_text())

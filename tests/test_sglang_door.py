@@ -7,7 +7,9 @@ revertible like every other."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import shlex
 import pathlib
 import subprocess
 import sys
@@ -66,6 +68,11 @@ def test_each_ranks_files_hold_sglangs_model_and_the_mtp_layer_stays_whole_in_th
     assert {t.role for t in common} == {"unread"} and {t.name for t in common} == {
         n for n in m.source.tensors if n.startswith(mtp)}
     assert "--load-format sharded_state" in printed and "--tp-size 2 --enforce-shared-experts-fusion" in printed
+    # the tiny config's wildcard excludes, which SGLang matches as exact names only: said, and passed as re:
+    assert "'*self_attn*', '*mlp.gate.*', 'model.layers.3.*' are shell wildcards" in printed
+    override = json.loads(shlex.split(printed.strip().splitlines()[-1])[-1])
+    assert override["quantization_config"]["exclude"] == [r"re:.*self_attn.*$", r"re:.*mlp\.gate\..*$", "lm_head",
+                                                          r"re:model\.layers\.3\..*$"]
     r = CliRunner().invoke(main, ["verify", str(out), "--source", str(r1)])
     assert r.exit_code == 0 and "byte-identical" in r.output, r.output
     r = CliRunner().invoke(main, ["revert", str(out), "-o", str(tmp_path / "back")])

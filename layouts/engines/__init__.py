@@ -200,6 +200,11 @@ class EngineProfile:
         None where the engine has no door for converted folders."""
         return None
 
+    def has_door(self) -> bool:
+        """Whether prep serves conversions for this engine at all (a serve command for one of the
+        layout pairs it reads), so that a missing command can say why."""
+        return any(self.serve_command("x", 1, 1, d, m) for d, m in self.inspect_targets())
+
     def __repr__(self) -> str:
         return f"<engine profile {self.name}: GEMM paths {', '.join(self.gemm_paths)}; MoE {', '.join(self.moe_backends)}>"
 
