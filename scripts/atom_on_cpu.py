@@ -35,7 +35,6 @@ be told from memory it writes (two runs with different bytes differ exactly ther
 from __future__ import annotations
 
 import contextlib
-import enum
 import importlib
 import importlib.abc
 import importlib.machinery
@@ -48,6 +47,10 @@ from typing import Iterator
 import torch
 from torch.overrides import TorchFunctionMode
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # scripts/, for the shared stand-ins
+import stand_ins  # noqa: E402
+from stand_ins import StandInModule, fill_aiter_enums  # noqa: E402
+
 # aiter modules loaded from its own files (everything else under aiter is a stand-in).
 REAL_AITER = ("aiter.ops.shuffle", "aiter.utility.dtypes", "aiter.utility.fp4_utils", "aiter.utility.mx_types",
               "aiter.utility.aiter_types")
@@ -56,60 +59,9 @@ REAL_AITER = ("aiter.ops.shuffle", "aiter.utility.dtypes", "aiter.utility.fp4_ut
 SERVER_PACKAGES = ("zmq", "msgspec", "xxhash", "prometheus_client", "fastapi", "uvicorn")
 ATOM_MODULES = ("atom.models.deepseek_v2", "atom.models.deepseek_mtp", "atom.model_loader.loader",
                 "atom.spec_decode.drafter")
-CALLS: list[str] = []  # every call of a stand-in, by name, in order
+CALLS = stand_ins.CALLS  # every call of a stand-in, by name, in order (stand_ins)
 _TP = {"rank": 0, "size": 1}
 GPU_ARCH = {"name": "gfx950"}
-
-
-class _StandInBase:
-    """What a class deriving from a stand-in derives from (msgspec.Struct takes class keywords)."""
-
-    def __init_subclass__(cls, **kw):
-        pass
-
-    def __init__(self, *a, **k):
-        pass
-
-
-class StandIn:
-    """Any attribute of a stand-in module: callable (recorded; as a decorator it returns the
-    function), subscriptable, usable as a base class, false."""
-
-    def __init__(self, name: str):
-        self._name = name
-
-    def __call__(self, *args, **kwargs):
-        if len(args) == 1 and not kwargs and callable(args[0]) and not isinstance(args[0], StandIn):
-            return args[0]  # a decorator: keep the function
-        CALLS.append(self._name)
-        return StandIn(self._name + "()")
-
-    def __getattr__(self, name: str):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return StandIn(f"{self._name}.{name}")
-
-    def __mro_entries__(self, bases):
-        return (_StandInBase,)
-
-    def __getitem__(self, key):
-        return StandIn(self._name + "[]")
-
-    def __iter__(self):
-        return iter(())
-
-    def __bool__(self):
-        return False
-
-    def __repr__(self):
-        return f"<stand-in {self._name}>"
-
-
-class _StandInModule(types.ModuleType):
-    def __getattr__(self, name: str):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return StandIn(f"{self.__name__}.{name}")
 
 
 class _Group:
@@ -143,16 +95,6 @@ class _ParallelState(types.ModuleType):
         raise AttributeError(name)
 
 
-def _fill_enums(m: types.ModuleType) -> None:
-    """aiter's compiled enums (csrc/include/aiter_enum.h), as Python enums."""
-    quant = "No per_Tensor per_Token per_1x32 per_1x128 per_128x128 per_256x128 per_1024x128".split()
-    # module=: pickled by reference to aiter.ops.enum (a worker unpickles ATOM's Config holding them)
-    m.QuantType = enum.IntEnum("QuantType", [(n, i) for i, n in enumerate(quant)], module=m.__name__)
-    m.ActivationType = enum.IntEnum("ActivationType", {"No": -1, "Silu": 0, "Gelu": 1, "Swiglu": 2, "Situv2": 3},
-                                    module=m.__name__)
-    m.MlaVersion = enum.IntEnum("MlaVersion", {"V32": 0}, module=m.__name__)
-
-
 class _AiterFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def __init__(self, aiter_root: pathlib.Path):
         self.root = aiter_root
@@ -169,7 +111,7 @@ class _AiterFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return importlib.machinery.ModuleSpec(name, self, is_package=True)
 
     def create_module(self, spec):
-        cls = _ParallelState if spec.name == "aiter.dist.parallel_state" else _StandInModule
+        cls = _ParallelState if spec.name == "aiter.dist.parallel_state" else StandInModule
         m = cls(spec.name)
         m.__path__ = []
         return m
@@ -180,7 +122,7 @@ class _AiterFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             aiter_enum, dtypes = (importlib.import_module(n) for n in ("aiter.ops.enum", "aiter.utility.dtypes"))
             m.dtypes, m.QuantType, m.ActivationType = dtypes, aiter_enum.QuantType, aiter_enum.ActivationType
         elif m.__name__ == "aiter.ops.enum":
-            _fill_enums(m)
+            fill_aiter_enums(m)
         elif m.__name__ == "aiter.utility.aiter_types":
             names = "fp8 fp8_e8m0 fp16 bf16 fp32 i4x2 fp4x2 u32 i32 i16 i8".split()
             m.aiter_dtypes = {n: i for i, n in enumerate(names)}

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import enum
 import importlib
 import importlib.abc
 import importlib.machinery
@@ -61,7 +60,11 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import torch  # noqa: E402
 from torch.overrides import TorchFunctionMode  # noqa: E402
 
-CALLS: list[str] = []  # every call of a stand-in, by name, in order
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # scripts/, for the shared stand-ins
+import stand_ins  # noqa: E402
+from stand_ins import StandIn, StandInModule, fill_aiter_enums  # noqa: E402
+
+CALLS = stand_ins.CALLS  # every call of a stand-in, by name, in order (stand_ins)
 
 REAL_AITER = ("aiter.ops.shuffle", "aiter.utility.dtypes", "aiter.utility.fp4_utils", "aiter.utility.mx_types",
               "aiter.utility.aiter_types")
@@ -73,69 +76,6 @@ STANDIN_PACKAGES = {"aiter", "sgl_kernel", "flashinfer", "cuda", "deep_gemm", "d
                     "mori", "pynvml", "amdsmi", "vllm", "nvshmem", "tvm_ffi", "torchvision"}
 # Stand-ins transformers must not see (it would parse their missing version): it asks find_spec.
 HIDDEN_FROM_TRANSFORMERS = {"torchvision"}
-
-
-class _StandInBase:
-    def __init_subclass__(cls, **kw):
-        pass
-
-    def __init__(self, *a, **k):
-        pass
-
-
-class StandIn:
-    """Any attribute of a stand-in module: callable (recorded; as a bare decorator it returns the
-    function), subscriptable, usable as a base class, false."""
-
-    def __init__(self, name: str):
-        self._name = name
-
-    def __call__(self, *args, **kwargs):
-        if len(args) == 1 and not kwargs and callable(args[0]) and not isinstance(args[0], StandIn):
-            return args[0]  # a decorator: keep the function
-        CALLS.append(self._name)
-        return StandIn(self._name + "()")
-
-    def __getattr__(self, name: str):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return StandIn(f"{self._name}.{name}")
-
-    def __mro_entries__(self, bases):
-        return (_StandInBase,)
-
-    def __getitem__(self, key):
-        return StandIn(self._name + "[]")
-
-    def __iter__(self):
-        return iter(())
-
-    def __bool__(self):
-        return False
-
-    def __or__(self, other):
-        return self
-
-    __ror__ = __or__
-
-    def __repr__(self):
-        return f"<stand-in {self._name}>"
-
-
-class _StandInModule(types.ModuleType):
-    def __getattr__(self, name: str):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return StandIn(f"{self.__name__}.{name}")
-
-
-def _fill_enums(m: types.ModuleType) -> None:
-    """aiter's compiled enums (csrc/include/aiter_enum.h), as Python enums."""
-    quant = "No per_Tensor per_Token per_1x32 per_1x128 per_128x128 per_256x128 per_1024x128".split()
-    m.QuantType = enum.IntEnum("QuantType", [(n, i) for i, n in enumerate(quant)], module=m.__name__)
-    m.ActivationType = enum.IntEnum("ActivationType", {"No": -1, "Silu": 0, "Gelu": 1, "Swiglu": 2, "Situv2": 3},
-                                    module=m.__name__)
-    m.MlaVersion = enum.IntEnum("MlaVersion", {"V32": 0}, module=m.__name__)
 
 
 def _called_from(module: str) -> bool:
@@ -168,7 +108,7 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return importlib.machinery.ModuleSpec(name, self, is_package=True)
 
     def create_module(self, spec):
-        m = _StandInModule(spec.name)
+        m = StandInModule(spec.name)
         m.__path__ = []
         self.made.add(spec.name)
         return m
@@ -178,7 +118,7 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             aiter_enum, dtypes = (importlib.import_module(n) for n in ("aiter.ops.enum", "aiter.utility.dtypes"))
             m.dtypes, m.QuantType, m.ActivationType = dtypes, aiter_enum.QuantType, aiter_enum.ActivationType
         elif m.__name__ == "aiter.ops.enum":
-            _fill_enums(m)
+            fill_aiter_enums(m)
         elif m.__name__ == "aiter.utility.aiter_types":
             names = "fp8 fp8_e8m0 fp16 bf16 fp32 i4x2 fp4x2 u32 i32 i16 i8".split()
             m.aiter_dtypes = {n: i for i, n in enumerate(names)}

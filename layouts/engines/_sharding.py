@@ -98,3 +98,28 @@ class ShardingRules:
         parallel for DeepSeek does this; a profile with another map overrides it)."""
         per = n_routed // ep
         return rank * per, n_routed if rank == ep - 1 else (rank + 1) * per
+
+
+# DeepSeek's TP splits as every engine profiled here holds them (ATOM, SGLang 0.5.23, vLLM 0.34.0:
+# read in each one's DeepSeek model code and checked against its real load): embeddings and heads
+# vocabulary parallel (rows; the MTP layer's own ones too), q_b / q_proj / kv_b column parallel
+# (rows), o_proj and down row parallel (columns), gate and up column parallel (rows).
+DEEPSEEK_SPLITS = (
+    (r"^(model\.embed_tokens|lm_head|model\.layers\.\d+\.(embed_tokens|shared_head\.head))$", ROWS),
+    (r"\.self_attn\.(q_b_proj|q_proj|kv_b_proj)$", ROWS),
+    (r"\.self_attn\.o_proj$", COLS),
+    (r"\.mlp\.(shared_experts\.)?down_proj$", COLS),
+    (r"\.mlp\.(shared_experts\.)?(gate|up)_proj$", ROWS),
+)
+
+
+def deepseek_merges(fused_qkv_a: str) -> tuple[Merge, ...]:
+    """DeepSeek's merged modules as every engine profiled here builds them, the merged q_a + kv_a
+    under the engine's own name (``fused_qkv_a`` relative to the layer): [q_a; kv_a] replicated,
+    [gate; up] of the dense MLP and of a shared expert held apart from the routed ones, by rows."""
+    return (
+        Merge(fused_qkv_a, ("self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa"), WHOLE),
+        Merge("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj"), ROWS),
+        Merge("mlp.shared_experts.gate_up_proj", ("mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj"), ROWS,
+              after_experts=True),
+    )

@@ -26,7 +26,8 @@ from typing import Mapping
 from ..compat import (CompatibilityError, EngineConfig, bf16_moe_layout_matches, dense_layout_matches,
                       engine_matches, ep_matches, moe_layout_matches, rank_in_range, tp_matches)
 from ..registry import MOE_CK_3D, NON_SHUFFLE_T
-from . import COLS, NEVER, ROWS, WHOLE, EngineProfile, GemmPathRule, GpuArch, Merge, ShardingRules, current_gpu_arch
+from . import (DEEPSEEK_SPLITS, NEVER, EngineProfile, GemmPathRule, GpuArch, ShardingRules, current_gpu_arch,
+               deepseek_merges)
 
 ENV_AITER = "VLLM_ROCM_USE_AITER"
 ENV_FUSE_SHARED = "VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS"
@@ -37,19 +38,8 @@ AITER = "aiter"  # vLLM's MoE back end AITER_MXFP4_MXFP4: aiter's CK fused_moe
 GFX95 = GpuArch("gfx95", "gfx950", "gfx95x (MI355)")
 
 SHARDING = ShardingRules(
-    merges=(
-        Merge("self_attn.fused_qkv_a_proj", ("self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa"), WHOLE),
-        Merge("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj"), ROWS),
-        Merge("mlp.shared_experts.gate_up_proj", ("mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj"), ROWS,
-              after_experts=True),
-    ),
-    splits=(
-        (r"^(model\.embed_tokens|lm_head)$", ROWS),
-        (r"\.self_attn\.(q_b_proj|q_proj|kv_b_proj)$", ROWS),
-        (r"\.self_attn\.o_proj$", COLS),
-        (r"\.mlp\.(shared_experts\.)?down_proj$", COLS),
-        (r"\.mlp\.(shared_experts\.)?(gate|up)_proj$", ROWS),
-    ),
+    merges=deepseek_merges("self_attn.fused_qkv_a_proj"),
+    splits=DEEPSEEK_SPLITS,
     experts="mlp.experts.routed_experts",
     fuse_shared_expert=False,
     moe_pad_to=(128, 256),

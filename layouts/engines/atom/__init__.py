@@ -55,7 +55,8 @@ from ...manifest import Manifest
 from ...errors import LayoutsError
 from ...registry import MOE_BF16, MOE_CK, MOE_TRITON, MOE_TRITON_GFX942, NON_SHUFFLE, PRESHUFFLE, recorded_layout
 from ...shuffle import S8_COLS, pad_to
-from .. import COLS, NEVER, ROWS, WHOLE, EngineProfile, GemmPathRule, GpuArch, Merge, ShardingRules, current_gpu_arch
+from .. import (DEEPSEEK_SPLITS, NEVER, EngineProfile, GemmPathRule, GpuArch, ShardingRules, current_gpu_arch,
+                deepseek_merges)
 
 ENV_NON_SHUFFLE = "ATOM_USE_FP4_NON_SHUFFLE_TRITON_GEMM"
 ENV_TRITON_GEMM = "ATOM_USE_TRITON_GEMM"
@@ -99,19 +100,8 @@ BF16_MOE_LAYOUT = MOE_BF16.name
 # (determine_expert_map). tests/atom_sharding.py states the same from ATOM's weight loaders and
 # checks every rank against ATOM's real load.
 SHARDING = ShardingRules(
-    merges=(
-        Merge("self_attn.fused_qkv_a_proj", ("self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa"), WHOLE),
-        Merge("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj"), ROWS),
-        Merge("mlp.shared_experts.gate_up_proj", ("mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj"), ROWS,
-              after_experts=True),
-    ),
-    splits=(
-        (r"^(model\.embed_tokens|lm_head|model\.layers\.\d+\.(embed_tokens|shared_head\.head))$", ROWS),
-        (r"\.self_attn\.(q_b_proj|q_proj|kv_b_proj)$", ROWS),
-        (r"\.self_attn\.o_proj$", COLS),
-        (r"\.mlp\.(shared_experts\.)?down_proj$", COLS),
-        (r"\.mlp\.(shared_experts\.)?(gate|up)_proj$", ROWS),
-    ),
+    merges=deepseek_merges("self_attn.fused_qkv_a_proj"),
+    splits=DEEPSEEK_SPLITS,
 )
 
 # ---------------------------------------------------------------------------- refusals

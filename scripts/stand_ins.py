@@ -1,0 +1,84 @@
+"""Stand-ins for what an engine imports but cannot use on a CPU without ROCm (aiter's compiled
+modules, GPU-only packages): the one home of the objects scripts/atom_on_cpu.py and
+scripts/sglang_on_cpu.py hand out in their place.
+
+A stand-in module answers every attribute with a :class:`StandIn`: callable (each call is
+recorded in :data:`CALLS`, so a check can show that loading a model ran none: that would be
+silently skipped work; used as a bare decorator it returns the function), subscriptable,
+iterable (empty), usable as a base class, and false.
+"""
+
+from __future__ import annotations
+
+import enum
+import types
+
+CALLS: list[str] = []  # every call of a stand-in, by name, in order
+
+
+class _StandInBase:
+    """What a class deriving from a stand-in derives from (msgspec.Struct takes class keywords)."""
+
+    def __init_subclass__(cls, **kw):
+        pass
+
+    def __init__(self, *a, **k):
+        pass
+
+
+class StandIn:
+    """Any attribute of a stand-in module (module docstring)."""
+
+    def __init__(self, name: str):
+        self._name = name
+
+    def __call__(self, *args, **kwargs):
+        if len(args) == 1 and not kwargs and callable(args[0]) and not isinstance(args[0], StandIn):
+            return args[0]  # a decorator: keep the function
+        CALLS.append(self._name)
+        return StandIn(self._name + "()")
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return StandIn(f"{self._name}.{name}")
+
+    def __mro_entries__(self, bases):
+        return (_StandInBase,)
+
+    def __getitem__(self, key):
+        return StandIn(self._name + "[]")
+
+    def __iter__(self):
+        return iter(())
+
+    def __bool__(self):
+        return False
+
+    def __or__(self, other):  # type annotations written with a stand-in: `X | None`
+        return self
+
+    __ror__ = __or__
+
+    def __repr__(self):
+        return f"<stand-in {self._name}>"
+
+
+class StandInModule(types.ModuleType):
+    """A module whose every attribute is a :class:`StandIn`."""
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return StandIn(f"{self.__name__}.{name}")
+
+
+def fill_aiter_enums(m: types.ModuleType) -> None:
+    """aiter's compiled enums (``csrc/include/aiter_enum.h``), as Python enums with aiter's names
+    and values, into module ``m`` (``aiter.ops.enum``). ``module=``: pickled by reference to
+    that module (an ATOM worker unpickles a Config holding them)."""
+    quant = "No per_Tensor per_Token per_1x32 per_1x128 per_128x128 per_256x128 per_1024x128".split()
+    m.QuantType = enum.IntEnum("QuantType", [(n, i) for i, n in enumerate(quant)], module=m.__name__)
+    m.ActivationType = enum.IntEnum("ActivationType", {"No": -1, "Silu": 0, "Gelu": 1, "Swiglu": 2, "Situv2": 3},
+                                    module=m.__name__)
+    m.MlaVersion = enum.IntEnum("MlaVersion", {"V32": 0}, module=m.__name__)
