@@ -49,7 +49,7 @@ from torch.overrides import TorchFunctionMode
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # scripts/, for the shared stand-ins
 import stand_ins  # noqa: E402
-from stand_ins import StandInModule, fill_aiter_enums  # noqa: E402
+from stand_ins import StandInModule, fill_aiter_stub  # noqa: E402
 
 # aiter modules loaded from its own files (everything else under aiter is a stand-in).
 REAL_AITER = ("aiter.ops.shuffle", "aiter.utility.dtypes", "aiter.utility.fp4_utils", "aiter.utility.mx_types",
@@ -117,18 +117,7 @@ class _AiterFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return m
 
     def exec_module(self, m):
-        if m.__name__ == "aiter":  # what ATOM takes from aiter's top level, besides stand-ins
-            # import_module, not "from aiter.ops import enum": a stand-in package answers every name
-            aiter_enum, dtypes = (importlib.import_module(n) for n in ("aiter.ops.enum", "aiter.utility.dtypes"))
-            m.dtypes, m.QuantType, m.ActivationType = dtypes, aiter_enum.QuantType, aiter_enum.ActivationType
-        elif m.__name__ == "aiter.ops.enum":
-            fill_aiter_enums(m)
-        elif m.__name__ == "aiter.utility.aiter_types":
-            names = "fp8 fp8_e8m0 fp16 bf16 fp32 i4x2 fp4x2 u32 i32 i16 i8".split()
-            m.aiter_dtypes = {n: i for i, n in enumerate(names)}
-            m.aiter_tensor_t = type("aiter_tensor_t", (), {})
-        elif m.__name__ == "aiter.jit.utils.chip_info":
-            m.get_gfx = m.get_gfx_runtime = lambda: GPU_ARCH["name"]
+        fill_aiter_stub(m, lambda: GPU_ARCH["name"])
 
 
 # What ATOM's code imports on the CPU beyond torch (its server, tokenizer and config handling):

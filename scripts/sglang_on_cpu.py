@@ -62,7 +62,7 @@ from torch.overrides import TorchFunctionMode  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # scripts/, for the shared stand-ins
 import stand_ins  # noqa: E402
-from stand_ins import StandIn, StandInModule, fill_aiter_enums  # noqa: E402
+from stand_ins import StandIn, StandInModule, fill_aiter_stub  # noqa: E402
 
 CALLS = stand_ins.CALLS  # every call of a stand-in, by name, in order (stand_ins)
 
@@ -114,18 +114,7 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return m
 
     def exec_module(self, m):
-        if m.__name__ == "aiter":
-            aiter_enum, dtypes = (importlib.import_module(n) for n in ("aiter.ops.enum", "aiter.utility.dtypes"))
-            m.dtypes, m.QuantType, m.ActivationType = dtypes, aiter_enum.QuantType, aiter_enum.ActivationType
-        elif m.__name__ == "aiter.ops.enum":
-            fill_aiter_enums(m)
-        elif m.__name__ == "aiter.utility.aiter_types":
-            names = "fp8 fp8_e8m0 fp16 bf16 fp32 i4x2 fp4x2 u32 i32 i16 i8".split()
-            m.aiter_dtypes = {n: i for i, n in enumerate(names)}
-            m.aiter_tensor_t = type("aiter_tensor_t", (), {})
-        elif m.__name__ == "aiter.jit.utils.chip_info":
-            m.get_gfx = m.get_gfx_runtime = lambda: GPU_ARCH["name"]
-            m.get_cu_num = lambda: 256
+        fill_aiter_stub(m, lambda: GPU_ARCH["name"])
 
 
 # ---------------------------------------------------------------- the platform: one MI355 (gfx950)

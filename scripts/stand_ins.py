@@ -11,7 +11,9 @@ iterable (empty), usable as a base class, and false.
 from __future__ import annotations
 
 import enum
+import importlib
 import types
+from typing import Callable
 
 CALLS: list[str] = []  # every call of a stand-in, by name, in order
 
@@ -82,3 +84,24 @@ def fill_aiter_enums(m: types.ModuleType) -> None:
     m.ActivationType = enum.IntEnum("ActivationType", {"No": -1, "Silu": 0, "Gelu": 1, "Swiglu": 2, "Situv2": 3},
                                     module=m.__name__)
     m.MlaVersion = enum.IntEnum("MlaVersion", {"V32": 0}, module=m.__name__)
+
+
+def fill_aiter_stub(m: types.ModuleType, gpu_arch: Callable[[], str]) -> None:
+    """What the stand-in of aiter's modules must really hold (the rest answers with stand-ins):
+    aiter's top level its enums and dtypes; ``aiter.ops.enum`` the enums (:func:`fill_aiter_enums`);
+    ``aiter.utility.aiter_types`` dtype ids (aiter parses them from a C header a Python-only tree
+    lacks; nothing on the CPU passes them anywhere); ``chip_info`` the GPU arch ``gpu_arch()``
+    answers, with an MI355X's 256 compute units."""
+    if m.__name__ == "aiter":
+        # import_module, not "from aiter.ops import enum": a stand-in package answers every name
+        aiter_enum, dtypes = (importlib.import_module(n) for n in ("aiter.ops.enum", "aiter.utility.dtypes"))
+        m.dtypes, m.QuantType, m.ActivationType = dtypes, aiter_enum.QuantType, aiter_enum.ActivationType
+    elif m.__name__ == "aiter.ops.enum":
+        fill_aiter_enums(m)
+    elif m.__name__ == "aiter.utility.aiter_types":
+        names = "fp8 fp8_e8m0 fp16 bf16 fp32 i4x2 fp4x2 u32 i32 i16 i8".split()
+        m.aiter_dtypes = {n: i for i, n in enumerate(names)}
+        m.aiter_tensor_t = type("aiter_tensor_t", (), {})
+    elif m.__name__ == "aiter.jit.utils.chip_info":
+        m.get_gfx = m.get_gfx_runtime = gpu_arch
+        m.get_cu_num = lambda: 256
