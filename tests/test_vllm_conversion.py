@@ -1,8 +1,8 @@
 """``prep convert --engine vllm``: each rank's files hold what vLLM 0.34.0's DeepSeek model holds
 after loading on MI355 with aiter (layouts/engines/vllm.py; checked against vLLM's real
 DefaultModelLoader on the CPU, docs/engines.md "vLLM"), and the conversion verifies and reverts
-like every other. vLLM's door (a ``--load-format prep`` plugin) is not written yet: prep says so
-instead of printing a serve command."""
+like every other. vLLM's door is prep's model loader (``vllm serve OUT --load-format prep``,
+layouts/engines/vllm/door.py), registered by the ``vllm.general_plugins`` entry point."""
 
 from __future__ import annotations
 
@@ -38,7 +38,9 @@ def test_each_ranks_files_hold_vllms_names_and_layouts_and_the_conversion_revert
     out = tmp_path / "out"
     r = CliRunner().invoke(main, ["convert", str(r1), "-o", str(out), "--engine", "vllm", "--tp", "2", "--ep", "2"])
     assert r.exit_code == 0, r.output
-    assert "prep has no door for vllm yet" in r.output  # no serve command until the plugin exists
+    serve = r.output.strip().splitlines()[-1]
+    assert serve.startswith("serve it with vLLM: VLLM_ROCM_USE_AITER=1 vllm serve ") and \
+        "--load-format prep --tensor-parallel-size 2 --enable-expert-parallel --hf-overrides" in serve
     m = layouts.load_manifest(out)
     assert (m.target.engine, m.target.layout, m.target.moe_layout) == ("vllm", "non-shuffle-t", "ck-3d")
     mtp = f"model.layers.{PRESETS['tiny'].num_hidden_layers}."
@@ -80,3 +82,19 @@ def test_a_rank_whose_expert_scale_vllm_would_pad_is_refused_in_one_line(r1, tmp
     r = CliRunner().invoke(main, ["convert", str(r1), "-o", str(tmp_path / "o"), "--engine", "vllm", "--tp", "2"])
     assert r.exit_code != 0 and "layout 'ck-3d' cannot apply" in r.output and "K/32 % 8 == 0 (K/32 = 4)" in r.output
     assert not (tmp_path / "o").exists()
+
+
+def test_a_fused_shared_expert_is_refused_for_vllm(r1, tmp_path):
+    r = CliRunner().invoke(main, ["convert", str(r1), "-o", str(tmp_path / "o"), "--engine", "vllm",
+                                  "--fuse-shared-expert"])
+    assert r.exit_code != 0 and "VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS=1, which its door does not serve" in r.output
+
+
+def test_the_door_is_registered_for_vllm_by_the_packages_entry_point():
+    from importlib.metadata import entry_points
+
+    (ep,) = [e for e in entry_points(group="vllm.general_plugins") if e.name == "prep"]
+    assert ep.value == "layouts.engines.vllm.door:register"
+    from layouts.engines.vllm import door
+
+    assert ep.load() is door.register and door.LOAD_FORMAT == "prep"

@@ -184,9 +184,9 @@ class EngineProfile:
         with --moe-layout ..."); None: only converting again fixes it."""
         return None
 
-    def target_refusal(self, tp: int, ep: int, moe_layout: str) -> str | None:
-        """Why no configuration of this engine could run a conversion with these TP/EP sizes and
-        MoE layout (``prep convert`` refuses it before writing), or None."""
+    def target_refusal(self, tp: int, ep: int, moe_layout: str, fuse_shared_expert: bool = False) -> str | None:
+        """Why no configuration of this engine could run a conversion with these TP/EP sizes, MoE
+        layout and shared-expert fusion (``prep convert`` refuses it before writing), or None."""
         return None
 
     def source_notes(self, config: Mapping) -> list[str]:

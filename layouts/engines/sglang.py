@@ -33,6 +33,7 @@ from typing import Mapping
 from ..compat import (CompatibilityError, EngineConfig, bf16_moe_layout_matches, dense_layout_matches,
                        engine_matches, ep_matches, moe_layout_matches, rank_in_range, tp_matches)
 from ..registry import MOE_CK_3D, NON_SHUFFLE
+from ._quark import excludes_as_regex, wildcard_note
 from . import (DEEPSEEK_SPLITS, NEVER, Constant, EngineProfile, GemmPathRule, GpuArch, ShardingRules, current_gpu_arch,
                deepseek_merges)
 
@@ -85,23 +86,15 @@ class SglangProfile(EngineProfile):
         arch = gpu_arch or current_gpu_arch() or self.default_gpu_arch
         return EngineConfig(TRITON_NON_SHUFFLE, AITER, tp_size, rank, ep_size, arch, False, False, engine=self.name)
 
-    def target_refusal(self, tp: int, ep: int, moe_layout: str) -> str | None:
+    def target_refusal(self, tp: int, ep: int, moe_layout: str, fuse_shared_expert: bool = False) -> str | None:
         if ep not in (1, tp):
             return (f"--ep {ep} with --tp {tp}: prep writes SGLang's expert parallel with ep_size = tp_size "
                     f"(moe TP 1); pass --ep 1 or --ep equal to --tp")
         return None
 
     def source_notes(self, config: Mapping) -> list[str]:
-        """Quark ``exclude`` entries with shell wildcards: SGLang 0.5.23 matches an entry only
-        exactly or as a ``re:`` regex (``should_ignore_layer``), so it would build the modules they
-        mean as MXFP4 and fail on their BF16 weights; the serve command overrides them
-        (:func:`sglang_quant_override`, docs/engines.md)."""
-        wild = _wildcards(config)
-        if not wild:
-            return []
-        return [f"config.json's Quark exclude entries {', '.join(map(repr, wild))} are shell wildcards, which SGLang "
-                "matches as exact names only (it would build those modules as MXFP4 and fail on their BF16 weights): "
-                "the serve command printed below passes them as re: patterns (--json-model-override-args)"]
+        """Quark ``exclude`` entries SGLang would misread (:mod:`._quark`)."""
+        return wildcard_note(config, "SGLang", "--json-model-override-args")
 
     def serve_command(self, folder: str, tp: int, ep: int, layout: str, moe_layout: str,
                       fuse_shared_expert: bool = True, config: Mapping | None = None) -> str | None:
@@ -112,38 +105,13 @@ class SglangProfile(EngineProfile):
             return None
         pattern = json.dumps({"pattern": f"model-tp{tp}-rank{{rank}}-{{part}}.safetensors"})
         fusion = "--enforce-shared-experts-fusion" if fuse_shared_expert else "--disable-shared-experts-fusion"
-        override = sglang_quant_override(config or {})
+        override = excludes_as_regex(config or {})
         return (f"{ENV_AITER}=1 python -m sglang.launch_server --model-path {shlex.quote(folder)} --load-format "
                 f"sharded_state --model-loader-extra-config {shlex.quote(pattern)} --tp-size {tp}"
                 + (f" --ep-size {ep}" if ep > 1 else "") + f" {fusion}"
                 + (f" --json-model-override-args {shlex.quote(json.dumps(override))}" if override else ""))
 
 
-def _wildcards(config: Mapping) -> list[str]:
-    q = config.get("quantization_config") if isinstance(config, Mapping) else None
-    excl = q.get("exclude") if isinstance(q, Mapping) else None
-    return [e for e in excl or () if isinstance(e, str) and not e.startswith("re:") and any(c in e for c in "*?")]
-
-
-def sglang_quant_override(config: Mapping) -> dict | None:
-    """``--json-model-override-args`` for a config whose Quark ``exclude`` list has shell wildcards:
-    its ``quantization_config`` with each such entry as the ``re:`` pattern that means the same to
-    SGLang (which replaces the config's ``quantization_config`` by it); None when none has one."""
-    if not _wildcards(config):
-        return None
-    q = dict(config["quantization_config"])
-    q["exclude"] = [_as_regex(e) if e in _wildcards(config) else e for e in q["exclude"]]
-    return {"quantization_config": q}
-
-
-def _as_regex(entry: str) -> str:
-    """A shell-wildcard exclude entry (``*``, ``?``) as the ``re:`` pattern that means the same,
-    anchored at both ends as a wildcard match is (plain syntax: SGLang may run an older Python)."""
-    import re
-
-    return "re:" + re.escape(entry).replace(r"\*", ".*").replace(r"\?", ".") + "$"
-
-
 PROFILE = SglangProfile()
 
-__all__ = ["PROFILE", "SglangProfile", "SHARDING", "sglang_quant_override"]
+__all__ = ["PROFILE", "SglangProfile", "SHARDING"]

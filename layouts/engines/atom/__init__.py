@@ -263,7 +263,7 @@ class AtomProfile(EngineProfile):
             return None
         return f"set {ENV_TRITON_MOE}={1 if TRITON in readers else 0}"
 
-    def target_refusal(self, tp: int, ep: int, moe_layout: str) -> str | None:
+    def target_refusal(self, tp: int, ep: int, moe_layout: str, fuse_shared_expert: bool = False) -> str | None:
         if ep not in (1, tp):
             return (f"--ep {ep} with --tp {tp}: expert parallel runs with ep_size = tp_size (ATOM's "
                     f"{self.expert_parallel_switch}); pass --ep 1 or --ep equal to --tp")

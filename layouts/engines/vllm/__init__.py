@@ -1,8 +1,8 @@
 """vLLM's profile (the ``vllm`` 0.34.0 wheel from PyPI, on MI355 with aiter: ``VLLM_ROCM_USE_AITER=1``):
 what its DeepSeek model holds per rank after loading a Quark MXFP4 checkpoint. ``prep convert
---engine vllm`` writes that; the door that loads it into vLLM (a ``--load-format prep`` model
-loader registered by a ``vllm.general_plugins`` entry point) is not written yet, so no serve
-command is printed.
+--engine vllm`` writes that, and ``vllm serve OUT --load-format prep`` loads it: the model loader
+in :mod:`.door`, which the ``vllm.general_plugins`` entry point ``prep`` registers in every vLLM
+process of an environment where prep (or the runtime ``mxfp4-layouts``) is installed.
 
 What vLLM holds (read in its source and run on the CPU, docs/engines.md "vLLM"):
 
@@ -21,12 +21,15 @@ What vLLM holds (read in its source and run on the CPU, docs/engines.md "vLLM"):
 
 from __future__ import annotations
 
+import json
+import shlex
 from typing import Mapping
 
-from ..compat import (CompatibilityError, EngineConfig, bf16_moe_layout_matches, dense_layout_matches,
+from ...compat import (CompatibilityError, EngineConfig, bf16_moe_layout_matches, dense_layout_matches,
                       engine_matches, ep_matches, moe_layout_matches, rank_in_range, tp_matches)
-from ..registry import MOE_CK_3D, NON_SHUFFLE_T
-from . import (DEEPSEEK_SPLITS, NEVER, EngineProfile, GemmPathRule, GpuArch, ShardingRules, current_gpu_arch,
+from ...registry import MOE_CK_3D, NON_SHUFFLE_T
+from .._quark import excludes_as_regex, wildcard_note
+from .. import (DEEPSEEK_SPLITS, NEVER, EngineProfile, GemmPathRule, GpuArch, ShardingRules, current_gpu_arch,
                deepseek_merges)
 
 ENV_AITER = "VLLM_ROCM_USE_AITER"
@@ -76,11 +79,28 @@ class VllmProfile(EngineProfile):
         arch = gpu_arch or current_gpu_arch() or self.default_gpu_arch
         return EngineConfig(TRITON_NON_SHUFFLE_T, AITER, tp_size, rank, ep_size, arch, False, False, engine=self.name)
 
-    def target_refusal(self, tp: int, ep: int, moe_layout: str) -> str | None:
+    def target_refusal(self, tp: int, ep: int, moe_layout: str, fuse_shared_expert: bool = False) -> str | None:
         if ep not in (1, tp):
             return (f"--ep {ep} with --tp {tp}: vLLM's expert parallel spreads the experts over the TP ranks "
                     f"({self.expert_parallel_switch}); pass --ep 1 or --ep equal to --tp")
+        if fuse_shared_expert:
+            return (f"--fuse-shared-expert: vLLM stacks the shared expert with the routed ones only with "
+                    f"{ENV_FUSE_SHARED}=1, which its door does not serve yet; convert without it")
         return None
+
+    def serve_command(self, folder: str, tp: int, ep: int, layout: str, moe_layout: str,
+                      fuse_shared_expert: bool = True, config: Mapping | None = None) -> str | None:
+        """vLLM's server on the folder through prep's loader (:mod:`.door`), its TP / EP sizes."""
+        if layout != NON_SHUFFLE_T.name or moe_layout != MOE_CK_3D.name:
+            return None
+        override = excludes_as_regex(config or {})
+        return (f"{ENV_AITER}=1 vllm serve {shlex.quote(folder)} --load-format prep --tensor-parallel-size {tp}"
+                + (f" {self.expert_parallel_switch}" if ep > 1 else "")
+                + (f" --hf-overrides {shlex.quote(json.dumps(override))}" if override else ""))
+
+    def source_notes(self, config: Mapping) -> list[str]:
+        """Quark ``exclude`` entries vLLM would misread (:mod:`.._quark`)."""
+        return wildcard_note(config, "vLLM", "--hf-overrides")
 
 
 PROFILE = VllmProfile()

@@ -1,0 +1,135 @@
+"""vLLM's door: ``vllm serve OUT --load-format prep`` loads each rank's files of a conversion made
+with ``prep convert --engine vllm``, through a model loader this module registers with vLLM
+(the ``vllm.general_plugins`` entry point ``prep`` calls :func:`register` in every vLLM process).
+
+What the loader does, in vLLM's own order (``BaseModelLoader.load_model``), and why:
+
+1. vLLM builds its model (``create_model``), as for any load.
+2. vLLM's ``process_weights_after_loading`` runs on the model as built, with its last step,
+   ``finalize_model_weights`` (the MLA ``W_UK_T`` / ``W_UV`` from ``kv_b_proj``), held back.
+   vLLM cannot be told its parameters are already processed (``weights_already_processed`` is
+   refused by both Quark methods), and processing builds more than bytes: each dense linear's
+   GEMM choice, the MoE kernel and its quant config. So it runs on the unwritten parameters, and
+   the parameters it leaves have the processed shapes and dtypes.
+3. The rank's files are copied into those parameters by name: each tensor prep wrote is one vLLM
+   holds after processing, so nothing is processed twice. A linear vLLM chose to shuffle (aiter
+   has a tuned GEMM for its shape on this GPU: its scale is no longer ``[K/32, N]``), a tensor of
+   another shape, and a parameter left unwritten are refused, naming the fix.
+4. ``finalize_model_weights`` derives ``W_UK_T`` / ``W_UV`` from the ``kv_b_proj`` just copied in.
+
+The cost of step 2: vLLM's processing runs (shuffling unwritten memory), as it does on every
+load of the source; the source's bytes are neither read nor sliced. Skipping it for the bytes
+while keeping its other work is the next step.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+LOAD_FORMAT = "prep"
+
+# vLLM's tensors that no checkpoint holds: the MLA scalars it constructs (1.0), and what
+# finalize_model_weights derives after the copy.
+ENGINE_OWNED = ("._k_scale", "._v_scale", "._q_scale", "._prob_scale", ".W_UK_T", ".W_UV")
+
+
+class DoorError(RuntimeError):
+    """A converted folder this vLLM cannot load as it is (the message names the fix)."""
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point: ``--load-format prep`` is prep's loader."""
+    from vllm.model_executor.model_loader import register_model_loader
+
+    register_model_loader(LOAD_FORMAT)(loader_class())
+
+
+def loader_class() -> type:
+    """vLLM's ``BaseModelLoader`` for converted folders (module docstring); built on first use,
+    so that importing :mod:`layouts` never imports vLLM."""
+    import torch
+    from vllm.model_executor.model_loader import utils as vutils
+    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    class PrepModelLoader(BaseModelLoader):
+        def download_model(self, model_config) -> None:
+            pass  # a converted folder is local
+
+        def load_weights(self, model, model_config) -> None:
+            raise DoorError("prep's loader fills a model in load_model; load_weights alone cannot run it")
+
+        def load_model(self, vllm_config, model_config, prefix: str = ""):
+            device_config, load_config = vllm_config.device_config, vllm_config.load_config
+            target = torch.device(device_config.device if load_config.device is None else load_config.device)
+            with set_default_torch_dtype(model_config.dtype):
+                with target:
+                    model = self.create_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
+                finalize = vutils.finalize_model_weights
+                vutils.finalize_model_weights = lambda *a, **k: None
+                try:
+                    vutils.process_weights_after_loading(model, model_config, target)
+                finally:
+                    vutils.finalize_model_weights = finalize
+                install(model, model_config.model, vllm_config.parallel_config)
+                finalize(model, target)
+            return model.eval()
+
+    return PrepModelLoader
+
+
+def install(model: Any, folder: str, parallel_config: Any) -> list[str]:
+    """Copy this rank's tensors of the converted ``folder`` into ``model``'s processed parameters
+    (module docstring, step 3); returns the names written. The manifest is checked against
+    vLLM's TP and EP sizes, this rank and its switches first (:class:`DoorError` before a byte)."""
+    import torch
+    from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+    from ... import CompatibilityError, EngineConfig, check_compatibility, iter_rank_files, load_manifest
+
+    tp, rank = get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
+    ep = tp if getattr(parallel_config, "enable_expert_parallel", False) else 1
+    try:
+        engine = EngineConfig.from_env(tp_size=tp, rank=rank, ep_size=ep, env=os.environ, engine="vllm")
+        manifest = load_manifest(folder)
+        check_compatibility(manifest, engine)
+    except CompatibilityError as e:
+        raise DoorError(f"{folder}: {e}") from None
+    params = model.state_dict(keep_vars=True)
+    written, seen = [], set()
+    for part in iter_rank_files(folder, rank, "cpu", manifest=manifest):
+        for name, t in part.items():
+            p = params.get(name)
+            if p is None:
+                raise DoorError(f"{folder}: {name} is not a tensor of vLLM's model; convert again with this prep "
+                                "for this vLLM (--engine vllm)")
+            _copy_into(p.data, t, name, folder)
+            written.append(name)
+            seen.add(p.data.untyped_storage().data_ptr())
+    left = [n for n, p in params.items() if p.data.untyped_storage().data_ptr() not in seen
+            and not n.endswith(ENGINE_OWNED)]
+    if left:
+        raise DoorError(f"{folder}: rank {rank}'s files hold no {left[0]} (and {len(left) - 1} more of vLLM's model); "
+                        "it would run with unwritten memory: convert again with --engine vllm")
+    del torch
+    return written
+
+
+def _copy_into(dst: Any, t: Any, name: str, folder: str) -> None:
+    """``t`` into vLLM's parameter ``dst``: floating point cast as vLLM's own loading casts (the
+    router bias F32 -> BF16); MXFP4 bytes as they are (vLLM views them as ``float4_e2m1fn_x2``)."""
+    import torch
+
+    if tuple(dst.shape) != tuple(t.shape):
+        hint = (" (vLLM shuffles this linear on this GPU: aiter has a tuned GEMM for its shape, so vLLM holds "
+                "its scale [N, K/32] and the weight W16, which prep does not write yet; serve without the tuned "
+                "config for it or convert for another engine)" if name.endswith(".weight_scale") and dst.dim() == 2
+                and tuple(dst.shape) == tuple(reversed(t.shape)) else "")
+        raise DoorError(f"{folder}: {name} is {list(t.shape)} but vLLM holds {list(dst.shape)}{hint}")
+    if dst.is_floating_point() and t.is_floating_point() and dst.element_size() > 1:
+        dst.copy_(t)
+    elif dst.element_size() == t.element_size():
+        dst.view(torch.uint8).copy_(t.view(torch.uint8))
+    else:
+        raise DoorError(f"{folder}: {name} is {t.dtype} but vLLM holds {dst.dtype}; convert again with --engine vllm")
