@@ -97,12 +97,13 @@ def test_only_the_set_up_commands_are_skipped():
     skipped = [b for b in blocks if b.marker == "skip"]
     assert [b.code for b in skipped] == [b.code for b in blocks if "scripts/demo.sh" in b.code]
     assert len(skipped) == 1 and "scripts/test.sh" in skipped[0].code and "set-up" in skipped[0].why
-    assert {b.marker for b in blocks} <= {None, "skip", "sample", "atom", "sglang"}, "unknown readme-test marker"
+    assert {b.marker for b in blocks} <= {None, "skip", "sample", "atom", "sglang", "vllm"}, "unknown readme-test marker"
     # "atom" / "sglang": what serving with that engine looks like, which needs it on an AMD GPU (the
     # doors' own tests run its loading on the CPU, tests/test_atom_serve.py, test_sglang_door.py);
     # such a block shows the door and nothing else.
     assert all("prep-atom-serve" in b.code for b in blocks if b.marker == "atom")
     assert all("sglang.launch_server" in b.code for b in blocks if b.marker == "sglang")
+    assert all("vllm serve" in b.code for b in blocks if b.marker == "vllm")
     assert [b.lang for b in blocks if b.marker is None] and all(
         b.lang in ("bash", "python") for b in blocks if b.marker is None), "a block the test cannot run"
     assert sum(b.marker == "sample" for b in blocks) == 1
