@@ -40,7 +40,7 @@ import tempfile
 import types
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-SGLANG_PYTHON = REPO / ".venv-sglang" / "bin" / "python"
+ENGINE_PYTHON = {"sglang": REPO / ".venv-sglang" / "bin" / "python", "vllm": REPO / ".venv-vllm" / "bin" / "python"}
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
@@ -53,6 +53,13 @@ SGLANG_BUILD_ONLY = {
                            "forward)",
     "aiter.jit.core.compile_ops": "decorates aiter's JIT kernels as SGLang imports them",
 }
+
+
+# Stand-ins vLLM calls in both loads alike that do no loading work: decorators and the log line of
+# aiter's config lookup as vLLM imports its kernels, the padded-M helper of the ASM GEMM probe, and
+# the tuned-shape probes where no aiter tables are given (vllm_on_cpu's docstring).
+VLLM_ALLOWED = ("aiter.jit.core.compile_ops", "aiter.jit.utils.torch_guard.torch_compile_guard", "aiter.logger",
+                "aiter.ops.gemm_op_common.get_padded_m", "aiter tuned-shape table (absent)")
 
 
 def _compare(ref: dict, got: dict) -> list[str]:
@@ -77,12 +84,12 @@ def check_sglang(src: pathlib.Path, out: pathlib.Path, work: pathlib.Path, aiter
     t = m.target
     if t.engine != "sglang":
         raise SystemExit(f"{out}: converted for {t.engine}, not SGLang; convert with --engine sglang")
-    from layouts.engines.sglang import sglang_quant_override
+    from layouts.engines._quark import excludes_as_regex
 
     s.WORK["dir"] = work
     s.install(aiter_src)
     fusion = {"enforce_shared_experts_fusion": True} if t.fuse_shared_expert else {"disable_shared_experts_fusion": True}
-    override = sglang_quant_override(json.loads((out / "config.json").read_text()))
+    override = excludes_as_regex(json.loads((out / "config.json").read_text()))
     if override:  # what the serve command passes (module docstring): to both loads alike
         fusion["json_model_override_args"] = json.dumps(override)
         print(f"both loads: --json-model-override-args with the Quark excludes as re: patterns: "
@@ -104,6 +111,51 @@ def check_sglang(src: pathlib.Path, out: pathlib.Path, work: pathlib.Path, aiter
         bad += [f"stand-in called while loading: {c}" for c in stand_ins]
         size = sum(v.numel() * v.element_size() for v in ref.values())
         print(f"{rank:>4} {len(ref):>7} {size:>10} {len(ref_extra):>9}  {'ok' if not bad else 'FAIL'}", flush=True)
+        for line in bad[:10]:
+            print(f"    {line}")
+        ok &= not bad
+    return ok
+
+
+def check_vllm(src: pathlib.Path, out: pathlib.Path, work: pathlib.Path, aiter_src: pathlib.Path) -> bool:
+    import layouts
+    import vllm_on_cpu as v
+    from layouts.engines._quark import excludes_as_regex
+    from layouts.engines.vllm.door import LOAD_FORMAT
+
+    t = layouts.load_manifest(out).target
+    if t.engine != "vllm":
+        raise SystemExit(f"{out}: converted for {t.engine}, not vLLM; convert with --engine vllm")
+    v.WORK["dir"] = work
+    v.install(aiter_src)
+    # prep's loader is not registered here: vLLM's own plugin loading must find the package's
+    # vllm.general_plugins entry point, as it does in every vLLM process (checked below)
+    kw = {}
+    override = excludes_as_regex(json.loads((out / "config.json").read_text()))
+    if override:  # what the serve command passes (module docstring): to both loads alike
+        kw["hf_overrides"] = override
+        print(f"both loads: --hf-overrides with the Quark excludes as re: patterns: "
+              f"{override['quantization_config']['exclude']}")
+    if not v.TABLES["present"]:
+        print("aiter's tuned-shape tables: none given ($PREP_AITER_TABLES), so vLLM shuffles no dense linear "
+              "(what aiter answers for every tiny shape)")
+    print(f"{'rank':>4} {'tensors':>7} {'bytes':>10}  result")
+    ok = True
+    for rank in range(t.tp):
+        v.CALLS.clear()
+        model, _ = v.build_and_load(src, t.tp, rank, t.ep, "auto", fill=0xA5, **kw)
+        ref = v._state_dict(model)
+        del model
+        model, loader = v.build_and_load(out, t.tp, rank, t.ep, LOAD_FORMAT, fill=0x5A, **kw)
+        got = v._state_dict(model)
+        del model
+        bad = _compare(ref, got)
+        bad += [f"vLLM loaded OUT with {type(loader).__name__}, not prep's loader"] * (
+            type(loader).__name__ != "PrepModelLoader")
+        stand_ins = sorted({c for c in v.CALLS if not c.startswith(VLLM_ALLOWED)})
+        bad += [f"stand-in called while loading: {c}" for c in stand_ins]
+        size = sum(x.numel() * x.element_size() for x in ref.values())
+        print(f"{rank:>4} {len(ref):>7} {size:>10}  {'ok' if not bad else 'FAIL'}", flush=True)
         for line in bad[:10]:
             print(f"    {line}")
         ok &= not bad
@@ -145,27 +197,30 @@ def check_atom(src: pathlib.Path, out: pathlib.Path, work: pathlib.Path, atom_di
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--engine", required=True, choices=("atom", "sglang"))
+    ap.add_argument("--engine", required=True, choices=("atom", "sglang", "vllm"))
     ap.add_argument("--source", required=True, type=pathlib.Path, help="the Quark checkpoint OUT was converted from")
     ap.add_argument("--converted", required=True, type=pathlib.Path, help="prep convert's output folder")
     ap.add_argument("--oracles", type=pathlib.Path,
                     help="folder with ATOM's and aiter's source tarballs (default: ../shared/oracles)")
     ap.add_argument("--work", type=pathlib.Path, help="scratch folder (default: a temporary one)")
     args = ap.parse_args(argv)
-    if args.engine == "sglang":
+    if args.engine in ENGINE_PYTHON:
         import importlib.util
 
-        if importlib.util.find_spec("sglang") is None:  # not imported here: sglang_on_cpu prepares it first
-            if SGLANG_PYTHON.is_file() and pathlib.Path(sys.executable) != SGLANG_PYTHON:
-                return subprocess.call([str(SGLANG_PYTHON), __file__, *(argv if argv is not None else sys.argv[1:])])
-            raise SystemExit(f"error: SGLang is not installed in {sys.executable}: run `bash scripts/setup_env.sh "
-                             "--sglang`, which makes .venv-sglang")
+        python = ENGINE_PYTHON[args.engine]
+        if importlib.util.find_spec(args.engine) is None:  # not imported here: its harness prepares it first
+            if python.is_file() and pathlib.Path(sys.executable) != python:
+                return subprocess.call([str(python), __file__, *(argv if argv is not None else sys.argv[1:])])
+            raise SystemExit(f"error: {args.engine} is not installed in {sys.executable}: run `bash "
+                             f"scripts/setup_env.sh --{args.engine}`, which makes {python.parent.parent.name}")
     import check_atom_serve
 
     work = args.work or pathlib.Path(tempfile.mkdtemp(prefix=f"{args.engine}-check-"))
     atom_dir, aiter_src = check_atom_serve.oracle_trees(args.oracles or check_atom_serve.default_oracles(), work)
     if args.engine == "sglang":
         ok = check_sglang(args.source, args.converted, work, aiter_src)
+    elif args.engine == "vllm":
+        ok = check_vllm(args.source, args.converted, work, aiter_src)
     else:
         ok = check_atom(args.source, args.converted, work, atom_dir, aiter_src)
     return 0 if ok else 1

@@ -10,12 +10,14 @@ PY=${PYTHON:-python3}
 TESTS=0
 ATOM=0
 SGLANG=0
+VLLM=0
 for arg in "$@"; do
   case "$arg" in
-    --tests) TESTS=1; ATOM=1; SGLANG=1 ;;  # the suite runs ATOM's server start-up and SGLang's loaders
+    --tests) TESTS=1; ATOM=1; SGLANG=1; VLLM=1 ;;  # the suite runs ATOM's start-up, SGLang's and vLLM's loaders
     --atom) ATOM=1 ;;
     --sglang) SGLANG=1; ATOM=1 ;;  # .venv-sglang reads .venv's packages (transformers, triton, ...)
-    *) echo "setup_env.sh: unknown option $arg (use --tests, --atom, --sglang)" >&2; exit 2 ;;
+    --vllm) VLLM=1; ATOM=1 ;;  # .venv-vllm likewise
+    *) echo "setup_env.sh: unknown option $arg (use --tests, --atom, --sglang, --vllm)" >&2; exit 2 ;;
   esac
 done
 
@@ -60,6 +62,21 @@ if [ "$SGLANG" = 1 ]; then
       pybase64==1.5.1 sniffio==1.3.1 traitlets==5.16.1 transformers==5.19.0 huggingface_hub==1.33.0 \
       tokenizers==0.23.2
   .venv/bin/python scripts/fetch_aiter_oracle.py >/dev/null  # aiter's Triton MXFP4 quant, for SGLang's w_kc/w_vc
+fi
+# vLLM's model and loader code for scripts/check_engine_install.py --engine vllm, the same way:
+# vllm (its compiled extensions link a CUDA torch and are stand-ins on the CPU) and the
+# pure-Python packages its DeepSeek code imports, without their dependencies, on top of .venv.
+if [ "$VLLM" = 1 ]; then
+  [ -x .venv-vllm/bin/python ] || step "virtual environment .venv-vllm" "$PY" -m venv .venv-vllm
+  .venv/bin/python -c "import site; print(site.getsitepackages()[0])" \
+    > "$(.venv-vllm/bin/python -c "import site; print(site.getsitepackages()[0])")/prep-main-venv.pth"
+  .venv-vllm/bin/python -c "import vllm, cachetools, cbor2, compressed_tensors, einops, loguru, cpuinfo, pybase64" \
+    >/dev/null 2>&1 \
+    || step "vLLM 0.34.0 and the pure-Python packages its DeepSeek code imports (no dependencies)" \
+      .venv-vllm/bin/python -m pip install --disable-pip-version-check --no-deps vllm==0.34.0 cachetools==8.0.2 \
+      cbor2==6.3.0 compressed-tensors==0.17.0 einops==0.8.2 loguru==0.7.3 py-cpuinfo==9.0.0 pybase64==1.5.1 \
+      uvloop==0.23.0
+  .venv/bin/python scripts/fetch_aiter_oracle.py >/dev/null  # aiter's Triton quant and GEMM (v2's W_UK/W_UV)
 fi
 [ "$TESTS" = 1 ] || exit 0
 

@@ -7,7 +7,10 @@ layouts/engines/vllm/door.py), registered by the ``vllm.general_plugins`` entry 
 from __future__ import annotations
 
 import dataclasses
+import os
 import pathlib
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -16,8 +19,13 @@ from safetensors import safe_open
 
 import layouts
 from layouts.compat import CompatibilityError, EngineConfig
+from conftest import _need
 from prep.cli import main
 from prep.testing import PRESETS, write_checkpoint
+
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 
 
 @pytest.fixture(scope="module")
@@ -98,3 +106,21 @@ def test_the_door_is_registered_for_vllm_by_the_packages_entry_point():
     from layouts.engines.vllm import door
 
     assert ep.load() is door.register and door.LOAD_FORMAT == "prep"
+
+
+def test_vllms_load_through_the_door_equals_its_own_load_of_the_source(r1, tmp_path):
+    # vLLM 0.34.0's real DeepseekV3ForCausalLM per rank on the CPU (scripts/vllm_on_cpu.py): its
+    # DefaultModelLoader on the source against --load-format prep on the conversion, which vLLM
+    # finds through the package's vllm.general_plugins entry point; every state-dict tensor,
+    # aliases and the derived W_UK_T / W_UV included.
+    _need(VLLM_PYTHON.is_file(), "vLLM in .venv-vllm (setup_env.sh --vllm)")
+    out = tmp_path / "out"
+    r = CliRunner().invoke(main, ["convert", str(r1), "-o", str(out), "--engine", "vllm", "--tp", "2", "--ep", "2"])
+    assert r.exit_code == 0, r.output
+    cmd = [sys.executable, str(REPO / "scripts" / "check_engine_install.py"), "--engine", "vllm", "--source", str(r1),
+           "--converted", str(out), "--work", str(tmp_path / "work")]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = [line.split() for line in r.stdout.splitlines() if line.strip()[:1].isdigit()]
+    assert [row[0] for row in rows] == ["0", "1"] and all(row[-1] == "ok" and row[1] == "104" for row in rows), r.stdout
