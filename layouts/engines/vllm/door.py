@@ -83,7 +83,6 @@ def install(model: Any, folder: str, parallel_config: Any) -> list[str]:
     """Copy this rank's tensors of the converted ``folder`` into ``model``'s processed parameters
     (module docstring, step 3); returns the names written. The manifest is checked against
     vLLM's TP and EP sizes, this rank and its switches first (:class:`DoorError` before a byte)."""
-    import torch
     from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
     from ... import CompatibilityError, EngineConfig, check_compatibility, iter_rank_files, load_manifest
@@ -112,7 +111,6 @@ def install(model: Any, folder: str, parallel_config: Any) -> list[str]:
     if left:
         raise DoorError(f"{folder}: rank {rank}'s files hold no {left[0]} (and {len(left) - 1} more of vLLM's model); "
                         "it would run with unwritten memory: convert again with --engine vllm")
-    del torch
     return written
 
 
