@@ -62,6 +62,12 @@ VLLM_ALLOWED = ("aiter.jit.core.compile_ops", "aiter.jit.utils.torch_guard.torch
                 "aiter.ops.gemm_op_common.get_padded_m", "aiter tuned-shape table (absent)")
 
 
+def _shuffled(model) -> dict[str, bool]:
+    """``is_shuffled`` of every parameter (absent read as False, as aiter reads it): what aiter's
+    kernels take the bytes' order from."""
+    return {n: bool(getattr(p, "is_shuffled", False)) for n, p in model.named_parameters()}
+
+
 def _compare(ref: dict, got: dict) -> list[str]:
     import torch
 
@@ -144,12 +150,14 @@ def check_vllm(src: pathlib.Path, out: pathlib.Path, work: pathlib.Path, aiter_s
     for rank in range(t.tp):
         v.CALLS.clear()
         model, _ = v.build_and_load(src, t.tp, rank, t.ep, "auto", fill=0xA5, **kw)
-        ref = v._state_dict(model)
+        ref, ref_flags = v._state_dict(model), _shuffled(model)
         del model
         model, loader = v.build_and_load(out, t.tp, rank, t.ep, LOAD_FORMAT, fill=0x5A, **kw)
-        got = v._state_dict(model)
+        got, got_flags = v._state_dict(model), _shuffled(model)
         del model
         bad = _compare(ref, got)
+        bad += [f"{n}: is_shuffled {ref_flags[n]} in vLLM's own load, {got_flags.get(n)} through the door"
+                for n in ref_flags if ref_flags[n] != got_flags.get(n)]
         bad += [f"vLLM loaded OUT with {type(loader).__name__}, not prep's loader"] * (
             type(loader).__name__ != "PrepModelLoader")
         stand_ins = sorted({c for c in v.CALLS if not c.startswith(VLLM_ALLOWED)})

@@ -10,16 +10,16 @@ What the loader does, in vLLM's own order (``BaseModelLoader.load_model``), and 
    vLLM cannot be told its parameters are already processed (``weights_already_processed`` is
    refused by both Quark methods), and processing builds more than bytes: each dense linear's
    GEMM choice, the MoE kernel and its quant config. So it runs on the unwritten parameters, and
-   the parameters it leaves have the processed shapes and dtypes.
+   the parameters it leaves have the processed shapes and dtypes; the MoE's byte conversion (the
+   shuffle of every expert) is skipped (:func:`_unconverted`), the rest of it runs.
 3. The rank's files are copied into those parameters by name: each tensor prep wrote is one vLLM
    holds after processing, so nothing is processed twice. A linear vLLM chose to shuffle (aiter
    has a tuned GEMM for its shape on this GPU: its scale is no longer ``[K/32, N]``), a tensor of
    another shape, and a parameter left unwritten are refused, naming the fix.
 4. ``finalize_model_weights`` derives ``W_UK_T`` / ``W_UV`` from the ``kv_b_proj`` just copied in.
 
-The cost of step 2: vLLM's processing runs (shuffling unwritten memory), as it does on every
-load of the source; the source's bytes are neither read nor sliced. Skipping it for the bytes
-while keeping its other work is the next step.
+What step 2 still does to bytes: the dense linears' scale transpose, on unwritten memory (a
+sixteenth of their bytes). The experts, the bulk of the model, are neither shuffled nor copied.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ def loader_class() -> type:
     """vLLM's ``BaseModelLoader`` for converted folders (module docstring); built on first use,
     so that importing :mod:`layouts` never imports vLLM."""
     import torch
+    from vllm.model_executor.layers.quantization.quark import quark_moe
     from vllm.model_executor.model_loader import utils as vutils
     from vllm.model_executor.model_loader.base_loader import BaseModelLoader
     from vllm.utils.torch_utils import set_default_torch_dtype
@@ -66,17 +67,39 @@ def loader_class() -> type:
             with set_default_torch_dtype(model_config.dtype):
                 with target:
                     model = self.create_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
-                finalize = vutils.finalize_model_weights
+                finalize, convert = vutils.finalize_model_weights, quark_moe.convert_weight_to_mxfp4_moe_kernel_format
                 vutils.finalize_model_weights = lambda *a, **k: None
+                quark_moe.convert_weight_to_mxfp4_moe_kernel_format = _unconverted
                 try:
                     vutils.process_weights_after_loading(model, model_config, target)
                 finally:
                     vutils.finalize_model_weights = finalize
+                    quark_moe.convert_weight_to_mxfp4_moe_kernel_format = convert
                 install(model, model_config.model, vllm_config.parallel_config)
                 finalize(model, target)
             return model.eval()
 
     return PrepModelLoader
+
+
+def _unconverted(mxfp4_backend: Any, layer: Any, w13_weight: Any, w2_weight: Any, w13_weight_scale: Any,
+                 w2_weight_scale: Any, w13_bias: Any = None, w2_bias: Any = None, **_: Any) -> tuple:
+    """vLLM's ``convert_weight_to_mxfp4_moe_kernel_format`` for aiter's CK MoE without its byte work:
+    the same tensors in the same shapes, dtype (``float4_e2m1fn_x2``) and ``is_shuffled`` mark, not
+    shuffled, because the rank's files hold them shuffled already and are copied in next. So the MoE
+    is not shuffled at load (the time and memory of a copy of every expert). Any other MoE back end
+    reads another layout than ``ck-3d``: refused."""
+    import torch
+    from vllm.model_executor.layers.fused_moe.oracle.mxfp4 import Mxfp4MoeBackend
+
+    if mxfp4_backend != Mxfp4MoeBackend.AITER_MXFP4_MXFP4:
+        raise DoorError(f"vLLM runs the MoE {getattr(layer, 'layer_name', '')} on {mxfp4_backend.name}, which reads "
+                        "another layout than prep's ck-3d; serve with VLLM_ROCM_USE_AITER=1 on MI355 (gfx950)")
+    fp4 = getattr(torch, "float4_e2m1fn_x2", None)
+    w13, w2 = (w.data.view(fp4) if fp4 is not None else w.data for w in (w13_weight, w2_weight))
+    w13.is_shuffled = w2.is_shuffled = True  # what the converted tensors carry
+    bias = [None if b is None else b.data.to(torch.float32) for b in (w13_bias, w2_bias)]
+    return w13, w2, w13_weight_scale.data, w2_weight_scale.data, *bias
 
 
 def install(model: Any, folder: str, parallel_config: Any) -> list[str]:
