@@ -64,6 +64,7 @@ def loader_class() -> type:
         def load_model(self, vllm_config, model_config, prefix: str = ""):
             device_config, load_config = vllm_config.device_config, vllm_config.load_config
             target = torch.device(device_config.device if load_config.device is None else load_config.device)
+            manifest, rank = checked(model_config.model, vllm_config.parallel_config)  # before building
             with set_default_torch_dtype(model_config.dtype):
                 with target:
                     model = self.create_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
@@ -75,7 +76,7 @@ def loader_class() -> type:
                 finally:
                     vutils.finalize_model_weights = finalize
                     quark_moe.convert_weight_to_mxfp4_moe_kernel_format = convert
-                install(model, model_config.model, vllm_config.parallel_config)
+                install(model, model_config.model, manifest, rank)
                 finalize(model, target)
             return model.eval()
 
@@ -102,13 +103,13 @@ def _unconverted(mxfp4_backend: Any, layer: Any, w13_weight: Any, w2_weight: Any
     return w13, w2, w13_weight_scale.data, w2_weight_scale.data, *bias
 
 
-def install(model: Any, folder: str, parallel_config: Any) -> list[str]:
-    """Copy this rank's tensors of the converted ``folder`` into ``model``'s processed parameters
-    (module docstring, step 3); returns the names written. The manifest is checked against
-    vLLM's TP and EP sizes, this rank and its switches first (:class:`DoorError` before a byte)."""
+def checked(folder: str, parallel_config: Any) -> tuple[Any, int]:
+    """``(manifest, rank)``: the converted ``folder``'s manifest checked against vLLM's TP and EP
+    sizes, this process's rank and vLLM's switches (:class:`DoorError` naming the fix), before
+    vLLM allocates its model."""
     from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
-    from ... import CompatibilityError, EngineConfig, check_compatibility, iter_rank_files, load_manifest
+    from ... import CompatibilityError, EngineConfig, ManifestError, check_compatibility, load_manifest
 
     tp, rank = get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
     ep = tp if getattr(parallel_config, "enable_expert_parallel", False) else 1
@@ -116,8 +117,16 @@ def install(model: Any, folder: str, parallel_config: Any) -> list[str]:
         engine = EngineConfig.from_env(tp_size=tp, rank=rank, ep_size=ep, env=os.environ, engine="vllm")
         manifest = load_manifest(folder)
         check_compatibility(manifest, engine)
-    except CompatibilityError as e:
-        raise DoorError(f"{folder}: {e}") from None
+    except (CompatibilityError, ManifestError) as e:  # their messages name the folder
+        raise DoorError(str(e)) from None
+    return manifest, rank
+
+
+def install(model: Any, folder: str, manifest: Any, rank: int) -> list[str]:
+    """Copy rank ``rank``'s tensors of the converted ``folder`` (its checked ``manifest``) into
+    ``model``'s processed parameters (module docstring, step 3); returns the names written."""
+    from ... import iter_rank_files
+
     params = model.state_dict(keep_vars=True)
     written, seen = [], set()
     for part in iter_rank_files(folder, rank, "cpu", manifest=manifest):
