@@ -27,7 +27,6 @@ What is a stand-in (each call recorded in :data:`CALLS`):
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib
 import importlib.abc
 import importlib.machinery
@@ -38,15 +37,12 @@ import pathlib
 import shutil
 import sys
 import time
-import types
-from typing import Iterator
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 WORK = {"dir": REPO / ".cache" / "sglang-check"}  # config copies (config_copy)
 # aiter's source tree (the oracles' aiter-*.tar.gz, extracted by the caller: install(aiter_dir))
 AITER = {"dir": pathlib.Path(os.environ.get("PREP_AITER_SRC", REPO / ".cache" / "aiter-src"))}
 GPU_ARCH = {"name": "gfx950"}
-FILL = {"byte": 0xA5}
 
 # The amd-aiter wheel's files (scripts/fetch_aiter_oracle.py; $PREP_AITER_DIR as prep.reference.aiter_gemm reads it)
 AITER_ORACLE_DIR = pathlib.Path(os.environ.get("PREP_AITER_DIR", REPO / ".cache" / "aiter-oracle"))
@@ -58,10 +54,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
-from torch.overrides import TorchFunctionMode  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # scripts/, for the shared stand-ins
 import stand_ins  # noqa: E402
+import mi355x  # noqa: E402
+from mi355x import on_cpu  # noqa: E402
 from stand_ins import StandIn, StandInModule, fill_aiter_stub  # noqa: E402
 
 CALLS = stand_ins.CALLS  # every call of a stand-in, by name, in order (stand_ins)
@@ -117,116 +114,7 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         fill_aiter_stub(m, lambda: GPU_ARCH["name"])
 
 
-# ---------------------------------------------------------------- the platform: one MI355 (gfx950)
-
-class _Props(types.SimpleNamespace):
-    pass
-
-
-def _props(*a, **k):
-    return _Props(name="AMD Instinct MI355X", gcnArchName=f"{GPU_ARCH['name']}:sramecc+:xnack-", major=9, minor=5,
-                  total_memory=288 << 30, multi_processor_count=256, warp_size=64, L2_cache_size=4 << 20,
-                  is_integrated=False, uuid="00000000-0000-0000-0000-000000000000", regs_per_multiprocessor=65536,
-                  max_threads_per_multi_processor=2048, shared_memory_per_block_optin=160 << 10)
-
-
-class _NoStream:
-    def __init__(self, *a, **k):
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
-
-    def __getattr__(self, name):
-        return StandIn(f"torch.cuda.Stream.{name}")
-
-
-def _patch_torch() -> None:
-    torch.version.hip = "7.0.51831-a3e329ad8"
-    c = torch.cuda
-    c.is_available = lambda: True
-    c.device_count = lambda: 8
-    c.current_device = lambda: 0
-    c.set_device = lambda *a, **k: None
-    c.get_device_properties = _props
-    c.get_device_capability = lambda *a, **k: (9, 5)
-    c.get_device_name = lambda *a, **k: "AMD Instinct MI355X"
-    c.synchronize = lambda *a, **k: None
-    c.empty_cache = lambda *a, **k: None
-    c.max_memory_allocated = lambda *a, **k: 0
-    c.memory_allocated = lambda *a, **k: 0
-    c.memory_reserved = lambda *a, **k: 0
-    c.reset_peak_memory_stats = lambda *a, **k: None
-    c.mem_get_info = lambda *a, **k: (200 << 30, 288 << 30)
-    c.Stream = c.Event = _NoStream
-    c.current_stream = c.default_stream = lambda *a, **k: _NoStream()
-    c.stream = lambda *a, **k: contextlib.nullcontext()
-    c.is_current_stream_capturing = lambda: False
-    c.get_rng_state = lambda *a, **k: torch.get_rng_state()
-    c.manual_seed = c.manual_seed_all = lambda *a, **k: None
-    c.is_initialized = lambda: True
-    c._lazy_init = lambda: None
-
-
-def _on_cpu(d):
-    if isinstance(d, torch.device) and d.type == "cuda" or isinstance(d, str) and d.startswith("cuda"):
-        return torch.device("cpu")
-    return torch.device("cpu") if isinstance(d, int) and not isinstance(d, bool) else d
-
-
-_EMPTY = {torch.empty, torch.empty_like, torch.empty_strided, torch.Tensor.new_empty}
-
-
-class _CpuMode(TorchFunctionMode):
-    """``device="cuda"`` -> cpu; ``torch.empty*`` memory filled with FILL['byte']."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
-        if "device" in kwargs:
-            kwargs["device"] = _on_cpu(kwargs["device"])
-        if kwargs.get("pin_memory"):
-            kwargs["pin_memory"] = False
-        if func in (torch.Tensor.cuda, torch.Tensor.pin_memory):
-            return args[0]
-        if func is torch.Tensor.to:
-            args = tuple(_on_cpu(a) for a in args)
-        out = func(*args, **kwargs)
-        if func in _EMPTY and isinstance(out, torch.Tensor) and out.dim() and out.is_contiguous():
-            out.view(torch.uint8).fill_(FILL["byte"])
-        return out
-
-
-@contextlib.contextmanager
-def on_cpu(fill: int = 0xA5) -> Iterator[None]:
-    FILL["byte"] = fill
-    with _CpuMode():
-        yield
-
-
-class _TritonHipDriver:
-    """triton.runtime.driver.active: answers "hip gfx950" (SGLang asks at import); nothing launches."""
-
-    def get_current_target(self):
-        from triton.backends.compiler import GPUTarget
-
-        return GPUTarget("hip", GPU_ARCH["name"], 64)
-
-    def get_active_torch_device(self):
-        return torch.device("cpu")
-
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, *a):
-        CALLS.append("triton.driver.get_current_stream")
-        return 0
-
-    def __getattr__(self, name):
-        return StandIn(f"triton.runtime.driver.active.{name}")
-
+# ---------------------------------------------------------------- the platform: one MI355 (gfx950), scripts/mi355x.py
 
 _INSTALLED = {"done": False}
 
@@ -244,10 +132,10 @@ def install(aiter_dir: str | os.PathLike | None = None) -> None:
                          "aiter-*.tar.gz, extracted)")
     if not (AITER_ORACLE_DIR / "aiter" / "ops" / "triton" / "quant.py").is_file():
         raise SystemExit(f"{AITER_ORACLE_DIR}: no aiter/ops/triton/quant.py; run python scripts/fetch_aiter_oracle.py")
-    _patch_torch()
+    mi355x.patch_torch()
     from triton.runtime import driver as triton_driver  # the DriverConfig object
 
-    triton_driver.set_active(_TritonHipDriver())
+    triton_driver.set_active(mi355x.TritonHipDriver())
     sys.meta_path.insert(0, _Finder(AITER_DIR))
     import sglang.srt.utils.common as common
 
