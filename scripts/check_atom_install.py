@@ -218,6 +218,20 @@ def load_converted(src: pathlib.Path, out: pathlib.Path, case: Case, rank: int):
     return target, draft, report
 
 
+def mla_kernels(root: str | None = None) -> types.ModuleType | None:
+    """aiter's Triton MXFP4 GEMMs (from ``root``, the wheel's files; default prep.reference.aiter_gemm's
+    folder) for ATOM's MXFP4 ``W_K``/``W_V`` derivation, or None, said in one line, where they are
+    missing. Loaded before anything imports triton (the kernels are interpreted) and before ATOM's
+    aiter stand-ins exist (prep.reference.aiter_gemm loads them under aiter's own names)."""
+    from prep.reference import aiter_gemm
+
+    try:
+        return aiter_gemm.gemm_module(root)
+    except PrepError as e:
+        print(f"ATOM's W_K/W_V derivation from MXFP4 kv_b_proj is NOT run (skipped in both loads): {e}")
+        return None
+
+
 def mla_gemm_runs(case: Case, spec: SynthSpec) -> bool:
     """Whether aiter's Triton kernel for the case's path can run ``kv_b_proj``'s GEMM (K =
     ``kv_lora_rank``, not split by TP): the non-shuffle kernel takes any K, the preshuffle one
@@ -491,14 +505,7 @@ def main(argv: list[str] | None = None) -> int:
     specs = source_specs(args.preset, args.layers)
     data = work / f"{args.preset}-{args.layers or 'all'}"
     sources = write_sources(data, specs)
-    # aiter's Triton kernels before anything imports triton (they are interpreted), and before
-    # ATOM's aiter stand-ins exist (prep.reference.aiter_gemm loads them under aiter's own names).
-    from prep.reference import aiter_gemm
-    try:
-        kernels = aiter_gemm.gemm_module(args.aiter_triton_dir)
-    except PrepError as e:
-        kernels = None
-        print(f"ATOM's W_K/W_V derivation from MXFP4 kv_b_proj is NOT run (skipped in both loads): {e}")
+    kernels = mla_kernels(args.aiter_triton_dir)
     # Convert first: prep runs before ATOM's stand-ins exist (scripts/atom_on_cpu.py).
     cases = [(c, converted(c, sources, data)) for c in default_cases()
              if c.variant in specs and (not args.only or any(t in c.name for t in args.only))]

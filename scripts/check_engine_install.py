@@ -77,71 +77,82 @@ def _compare(ref: dict, got: dict) -> list[str]:
         a, b = ref[k], got[k]
         if (a.dtype, tuple(a.shape)) != (b.dtype, tuple(b.shape)):
             bad.append(f"{k}: {a.dtype} {list(a.shape)} in the engine's own load, {b.dtype} {list(b.shape)} from OUT")
-        elif not torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)):
+        elif not torch.equal(*(x.contiguous().reshape(-1).view(torch.uint8) for x in (a, b))):
             bad.append(f"{k}: bytes differ")
     return bad
 
 
-def check_sglang(src: pathlib.Path, out: pathlib.Path, work: pathlib.Path, aiter_src: pathlib.Path) -> bool:
+def _target(out: pathlib.Path, engine: str, label: str):
+    """The manifest's target of OUT, which must be a conversion for ``engine``."""
     import layouts
-    import sglang_on_cpu as s
 
-    m = layouts.load_manifest(out)
-    t = m.target
-    if t.engine != "sglang":
-        raise SystemExit(f"{out}: converted for {t.engine}, not SGLang; convert with --engine sglang")
+    t = layouts.load_manifest(out).target
+    if t.engine != engine:
+        raise SystemExit(f"{out}: converted for {t.engine}, not {label}; convert with --engine {engine}")
+    return t
+
+
+def _exclude_override(out: pathlib.Path, flag: str) -> dict | None:
+    """What the serve command passes for OUT's wildcard Quark excludes (module docstring), given to
+    both loads alike; None where it passes nothing."""
     from layouts.engines._quark import excludes_as_regex
 
+    override = excludes_as_regex(json.loads((out / "config.json").read_text()))
+    if override:
+        print(f"both loads: {flag} with the Quark excludes as re: patterns: "
+              f"{override['quantization_config']['exclude']}")
+    return override
+
+
+def _rank_row(rank: int, ref: dict, bad: list[str], *more: int) -> bool:
+    """Print one rank's row (tensors, bytes, ``more`` columns, result) and its first problems;
+    True when it matched."""
+    size = sum(x.numel() * x.element_size() for x in ref.values())
+    cols = "".join(f" {m:>9}" for m in more)
+    print(f"{rank:>4} {len(ref):>7} {size:>10}{cols}  {'ok' if not bad else 'FAIL'}", flush=True)
+    for line in bad[:10]:
+        print(f"    {line}")
+    return not bad
+
+
+def check_sglang(src: pathlib.Path, out: pathlib.Path, work: pathlib.Path, aiter_src: pathlib.Path) -> bool:
+    import sglang_on_cpu as s
+
+    t = _target(out, "sglang", "SGLang")
     s.WORK["dir"] = work
     s.install(aiter_src)
-    fusion = {"enforce_shared_experts_fusion": True} if t.fuse_shared_expert else {"disable_shared_experts_fusion": True}
-    override = excludes_as_regex(json.loads((out / "config.json").read_text()))
-    if override:  # what the serve command passes (module docstring): to both loads alike
-        fusion["json_model_override_args"] = json.dumps(override)
-        print(f"both loads: --json-model-override-args with the Quark excludes as re: patterns: "
-              f"{override['quantization_config']['exclude']}")
+    kw = {"enforce_shared_experts_fusion": True} if t.fuse_shared_expert else {"disable_shared_experts_fusion": True}
+    override = _exclude_override(out, "--json-model-override-args")
+    if override:
+        kw["json_model_override_args"] = json.dumps(override)
     pattern = json.dumps({"pattern": f"model-tp{t.tp}-rank{{rank}}-{{part}}.safetensors"})
-    src_copy, out_copy = src, out
     print(f"{'rank':>4} {'tensors':>7} {'bytes':>10} {'w_kc/w_vc':>9}  result")
     ok = True
     for rank in range(t.tp):
         s.CALLS.clear()
-        ref = s.default_load(src_copy, t.tp, rank, ep=t.ep, **fusion)
+        ref = s.default_load(src, t.tp, rank, ep=t.ep, **kw)
         ref_extra = dict(s.EXTRAS)
         # Uninitialised memory holds another byte than in the reference load: a byte loading never
         # writes differs, whichever load left it.
-        got = s.sharded_state_load(out_copy, t.tp, rank, ep=t.ep, fill=0x5A, model_loader_extra_config=pattern,
-                                   **fusion)
+        got = s.sharded_state_load(out, t.tp, rank, ep=t.ep, fill=0x5A, model_loader_extra_config=pattern, **kw)
         bad = _compare(ref, got) + _compare(ref_extra, dict(s.EXTRAS))
-        stand_ins = sorted({c for c in s.CALLS if c not in SGLANG_BUILD_ONLY})
-        bad += [f"stand-in called while loading: {c}" for c in stand_ins]
-        size = sum(v.numel() * v.element_size() for v in ref.values())
-        print(f"{rank:>4} {len(ref):>7} {size:>10} {len(ref_extra):>9}  {'ok' if not bad else 'FAIL'}", flush=True)
-        for line in bad[:10]:
-            print(f"    {line}")
-        ok &= not bad
+        called = sorted({c for c in s.CALLS if c not in SGLANG_BUILD_ONLY})
+        bad += [f"stand-in called while loading: {c}" for c in called]
+        ok &= _rank_row(rank, ref, bad, len(ref_extra))
     return ok
 
 
 def check_vllm(src: pathlib.Path, out: pathlib.Path, work: pathlib.Path, aiter_src: pathlib.Path) -> bool:
-    import layouts
     import vllm_on_cpu as v
-    from layouts.engines._quark import excludes_as_regex
     from layouts.engines.vllm.door import LOAD_FORMAT
 
-    t = layouts.load_manifest(out).target
-    if t.engine != "vllm":
-        raise SystemExit(f"{out}: converted for {t.engine}, not vLLM; convert with --engine vllm")
+    t = _target(out, "vllm", "vLLM")
     v.WORK["dir"] = work
     v.install(aiter_src)
     # prep's loader is not registered here: vLLM's own plugin loading must find the package's
     # vllm.general_plugins entry point, as it does in every vLLM process (checked below)
-    kw = {}
-    override = excludes_as_regex(json.loads((out / "config.json").read_text()))
-    if override:  # what the serve command passes (module docstring): to both loads alike
-        kw["hf_overrides"] = override
-        print(f"both loads: --hf-overrides with the Quark excludes as re: patterns: "
-              f"{override['quantization_config']['exclude']}")
+    override = _exclude_override(out, "--hf-overrides")
+    kw = {"hf_overrides": override} if override else {}
     if not v.TABLES["present"]:
         print("aiter's tuned-shape tables: none given ($PREP_AITER_TABLES), so vLLM shuffles no dense linear "
               "(what aiter answers for every tiny shape)")
@@ -160,37 +171,23 @@ def check_vllm(src: pathlib.Path, out: pathlib.Path, work: pathlib.Path, aiter_s
                 for n in ref_flags if ref_flags[n] != got_flags.get(n)]
         bad += [f"vLLM loaded OUT with {type(loader).__name__}, not prep's loader"] * (
             type(loader).__name__ != "PrepModelLoader")
-        stand_ins = sorted({c for c in v.CALLS if not c.startswith(VLLM_ALLOWED)})
-        bad += [f"stand-in called while loading: {c}" for c in stand_ins]
-        size = sum(x.numel() * x.element_size() for x in ref.values())
-        print(f"{rank:>4} {len(ref):>7} {size:>10}  {'ok' if not bad else 'FAIL'}", flush=True)
-        for line in bad[:10]:
-            print(f"    {line}")
-        ok &= not bad
+        called = sorted({c for c in v.CALLS if not c.startswith(VLLM_ALLOWED)})
+        bad += [f"stand-in called while loading: {c}" for c in called]
+        ok &= _rank_row(rank, ref, bad)
     return ok
 
 
 def check_atom(src: pathlib.Path, out: pathlib.Path, work: pathlib.Path, atom_dir: pathlib.Path,
                aiter_src: pathlib.Path) -> bool:
     import check_atom_install as c
-    import layouts
     from layouts.engines.atom import PROFILE
 
-    m = layouts.load_manifest(out)
-    t = m.target
-    if t.engine != "atom":
-        raise SystemExit(f"{out}: converted for {t.engine}, not ATOM; convert with --engine atom")
+    t = _target(out, "atom", "ATOM")
     path = PROFILE.gemm_path_reading(t.layout)
     if t.moe_layout != "ck":
         raise SystemExit(f"{out}: MoE layout {t.moe_layout}: the ATOM check runs aiter's CK MoE only (its Triton MoE "
                          "needs triton_kernels)")
-    from prep.reference import aiter_gemm
-
-    try:
-        kernels = aiter_gemm.gemm_module()
-    except Exception as e:  # noqa: BLE001 - without them the MXFP4 MLA derivation is skipped, and said so
-        kernels = None
-        print(f"ATOM's W_K/W_V derivation from MXFP4 kv_b_proj is NOT run: {e}")
+    kernels = c.mla_kernels()
     c.atom_on_cpu.install(atom_dir, aiter_src, "gfx950")
     case = c.Case("source", path, t.tp, t.ep)
     cfg = json.loads((out / "config.json").read_text())
