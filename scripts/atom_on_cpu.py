@@ -45,10 +45,10 @@ import types
 from typing import Iterator
 
 import torch
-from torch.overrides import TorchFunctionMode
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # scripts/, for the shared stand-ins
 import stand_ins  # noqa: E402
+from mi355x import CpuMode  # noqa: E402
 from stand_ins import StandInModule, fill_aiter_stub  # noqa: E402
 
 # aiter modules loaded from its own files (everything else under aiter is a stand-in).
@@ -154,36 +154,6 @@ def set_tp(rank: int, size: int) -> None:
     _TP.update(rank=rank, size=size)
 
 
-def _on_cpu(d):
-    if isinstance(d, torch.device) and d.type == "cuda" or isinstance(d, str) and d.startswith("cuda"):
-        return "cpu"
-    return "cpu" if isinstance(d, int) and not isinstance(d, bool) else d
-
-
-_EMPTY = {torch.empty, torch.empty_like, torch.empty_strided, torch.Tensor.new_empty}
-
-
-class _CpuMode(TorchFunctionMode):
-    def __init__(self, fill: int):
-        super().__init__()
-        self.fill = fill
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
-        if "device" in kwargs:
-            kwargs["device"] = _on_cpu(kwargs["device"])
-        if kwargs.get("pin_memory"):  # page-locked staging for GPU copies: plain memory here
-            kwargs["pin_memory"] = False
-        if func in (torch.Tensor.cuda, torch.Tensor.pin_memory):
-            return args[0]
-        if func is torch.Tensor.to:
-            args = tuple(_on_cpu(a) for a in args)
-        out = func(*args, **kwargs)
-        if func in _EMPTY and out.dim() and out.is_contiguous():
-            out.view(torch.uint8).fill_(self.fill)
-        return out
-
-
 class _NoStream:
     """torch.cuda.Stream / Event while building: ATOM makes side streams it only uses in forward."""
 
@@ -198,7 +168,7 @@ def on_cpu(fill: int = 0) -> Iterator[None]:
     torch.cuda.Stream = torch.cuda.Event = _NoStream
     torch.cuda.current_device = lambda: "cpu"
     try:
-        with _CpuMode(fill):
+        with CpuMode(fill):  # pinned memory (page-locked staging for GPU copies) is plain memory here
             yield
     finally:
         torch.cuda.Stream, torch.cuda.Event, torch.cuda.current_device = saved

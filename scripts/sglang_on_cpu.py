@@ -59,6 +59,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # scripts/, fo
 import stand_ins  # noqa: E402
 import mi355x  # noqa: E402
 from mi355x import on_cpu  # noqa: E402
+from stand_ins import called_from  # noqa: E402
 from stand_ins import StandIn, StandInModule, fill_aiter_stub  # noqa: E402
 
 CALLS = stand_ins.CALLS  # every call of a stand-in, by name, in order (stand_ins)
@@ -75,15 +76,6 @@ STANDIN_PACKAGES = {"aiter", "sgl_kernel", "flashinfer", "cuda", "deep_gemm", "d
 HIDDEN_FROM_TRANSFORMERS = {"torchvision"}
 
 
-def _called_from(module: str) -> bool:
-    f = sys._getframe(2)
-    while f is not None:
-        if f.f_globals.get("__name__") == module:
-            return True
-        f = f.f_back
-    return False
-
-
 class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def __init__(self, aiter_root: pathlib.Path):
         self.root = aiter_root
@@ -94,7 +86,7 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         top = name.partition(".")[0]
         if top not in self.absent:
             return None
-        if top in HIDDEN_FROM_TRANSFORMERS and _called_from("transformers.utils.import_utils"):
+        if top in HIDDEN_FROM_TRANSFORMERS and called_from("transformers.utils.import_utils"):
             return None
         if name == "aiter.utility.aiter_types" and not (self.root / "csrc/include/aiter_enum.h").is_file():
             return importlib.machinery.ModuleSpec(name, self)
@@ -168,41 +160,9 @@ class FakeGroup:
         return f"<FakeGroup {self.name} {self.rank_in_group}/{self.world_size}>"
 
 
-def _strip_wildcards(exclude: list) -> tuple[list, list]:
-    """Quark exclude entries SGLang can't match (it matches exact names or 're:' regexes):
-    shell-style wildcards, rewritten as anchored regexes. Returns (new list, rewritten entries)."""
-    import re
-
-    out, rewritten = [], []
-    for e in exclude:
-        if isinstance(e, str) and not e.startswith("re:") and any(c in e for c in "*?"):
-            out.append("re:" + re.escape(e).replace(r"\*", ".*").replace(r"\?", ".") + "$")
-            rewritten.append(e)
-        else:
-            out.append(e)
-    return out, rewritten
-
-
 def config_copy(src: str | os.PathLike, dst: str | os.PathLike | None = None) -> tuple[pathlib.Path, list]:
-    """A folder with SRC's safetensors (symlinked) and a config.json whose Quark exclude
-    wildcards are rewritten as re: patterns. Returns (folder, rewritten entries)."""
-    src = pathlib.Path(src)
-    cfg = json.loads((src / "config.json").read_text())
-    q = cfg.get("quantization_config") or {}
-    new, rewritten = _strip_wildcards(q.get("exclude") or [])
-    if not rewritten:
-        return src, []
-    dst = pathlib.Path(dst) if dst else WORK["dir"] / (src.name + "-re-excludes")
-    dst.mkdir(parents=True, exist_ok=True)
-    for f in src.iterdir():
-        if f.name == "config.json":
-            continue
-        link = dst / f.name
-        if not link.exists():
-            link.symlink_to(f.resolve())
-    q["exclude"] = new
-    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
-    return dst, rewritten
+    """:func:`stand_ins.config_copy` into this harness's work folder by default."""
+    return stand_ins.config_copy(src, dst or WORK["dir"] / (pathlib.Path(src).name + "-re-excludes"))
 
 
 def sglang_excluded(src, names: list[str]) -> dict[str, bool]:

@@ -1,6 +1,7 @@
 """Stand-ins for what an engine imports but cannot use on a CPU without ROCm (aiter's compiled
-modules, GPU-only packages): the one home of the objects scripts/atom_on_cpu.py and
-scripts/sglang_on_cpu.py hand out in their place.
+modules, GPU-only packages): the one home of the objects scripts/atom_on_cpu.py,
+scripts/sglang_on_cpu.py and scripts/vllm_on_cpu.py hand out in their place, and of the
+harnesses' other shared helpers (:func:`called_from`, :func:`config_copy`).
 
 A stand-in module answers every attribute with a :class:`StandIn`: callable (each call is
 recorded in :data:`CALLS`, so a check can show that loading a model ran none: that would be
@@ -12,6 +13,10 @@ from __future__ import annotations
 
 import enum
 import importlib
+import json
+import os
+import pathlib
+import sys
 import types
 from typing import Callable
 
@@ -105,3 +110,38 @@ def fill_aiter_stub(m: types.ModuleType, gpu_arch: Callable[[], str]) -> None:
     elif m.__name__ == "aiter.jit.utils.chip_info":
         m.get_gfx = m.get_gfx_runtime = gpu_arch
         m.get_cu_num = lambda: 256
+
+
+def called_from(module: str) -> bool:
+    """Whether the caller's caller runs, anywhere up its stack, under module ``module`` or one in
+    its package (a stand-in finder hides a package from transformers' version probe this way)."""
+    f = sys._getframe(2)
+    while f is not None:
+        name = f.f_globals.get("__name__", "")
+        if name == module or name.startswith(module + "."):
+            return True
+        f = f.f_back
+    return False
+
+
+def config_copy(src: str | os.PathLike, dst: str | os.PathLike) -> tuple[pathlib.Path, list[str]]:
+    """``(folder, entries)``: ``src`` itself where its config.json's Quark excludes have no shell
+    wildcard, else folder ``dst`` with ``src``'s other files symlinked and a config.json stating
+    those ``entries`` as ``re:`` patterns (``layouts.engines._quark``: what the engines match)."""
+    repo = str(pathlib.Path(__file__).resolve().parent.parent)
+    if repo not in sys.path:  # an engine's venv reads .venv's packages, not prep's editable install
+        sys.path.append(repo)
+    from layouts.engines._quark import excludes_as_regex, wildcard_excludes
+
+    src = pathlib.Path(src)
+    cfg = json.loads((src / "config.json").read_text())
+    override = excludes_as_regex(cfg)
+    if override is None:
+        return src, []
+    dst = pathlib.Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.name != "config.json" and not (dst / f.name).exists():
+            (dst / f.name).symlink_to(f.resolve())
+    (dst / "config.json").write_text(json.dumps({**cfg, **override}, indent=2))
+    return dst, wildcard_excludes(cfg)
