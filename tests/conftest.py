@@ -17,6 +17,9 @@ _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _workers > 1:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // _workers)))
 
+import dataclasses  # noqa: E402
+import pathlib  # noqa: E402
+
 import pytest  # noqa: E402
 
 import aiter_oracle  # noqa: E402
@@ -75,3 +78,41 @@ def aiter_triton_gemm():
     _need(aiter_oracle.triton_gemm_available(), "triton + aiter oracle files (gemm_afp4wfp4 and its configs)")
     _need(aiter_oracle.interpreter_has_dot_scaled(), "triton >= 3.8 (tl.dot_scaled in the interpreter)")
     return aiter_oracle.triton_gemm_module()
+
+
+# ------------------------------------------------------------------ engines' conversions
+@pytest.fixture(scope="session")
+def tiny_r1(tmp_path_factory) -> pathlib.Path:
+    """The tiny R1-0528 checkpoint (prep.testing's preset), written once per worker."""
+    from prep.testing import PRESETS, write_checkpoint
+
+    return write_checkpoint(dataclasses.replace(PRESETS["tiny"], variant="r1-0528"),
+                            tmp_path_factory.mktemp("tiny-r1") / "src")
+
+
+def read_tensors(folder: pathlib.Path, files=None) -> dict:
+    """Every tensor of ``folder``'s safetensors ``files`` (default: all of them), by name."""
+    from safetensors import safe_open
+
+    out = {}
+    for f in files if files is not None else sorted(p.name for p in pathlib.Path(folder).glob("*.safetensors")):
+        with safe_open(str(pathlib.Path(folder) / f), "pt") as s:
+            out.update({k: s.get_tensor(k) for k in s.keys()})
+    return out
+
+
+def assert_verifies_and_reverts(out: pathlib.Path, src: pathlib.Path, back: pathlib.Path) -> None:
+    """``prep verify --source`` passes on the conversion ``out`` of ``src``, and ``prep revert`` into
+    ``back`` gives every source tensor back, byte for byte."""
+    import torch
+    from click.testing import CliRunner
+
+    from prep.cli import main
+
+    r = CliRunner().invoke(main, ["verify", str(out), "--source", str(src)])
+    assert r.exit_code == 0 and "byte-identical" in r.output, r.output
+    r = CliRunner().invoke(main, ["revert", str(out), "-o", str(back)])
+    assert r.exit_code == 0, r.output
+    got, want = read_tensors(back), read_tensors(src)
+    assert got.keys() == want.keys() and all(torch.equal(got[k].view(torch.uint8), want[k].view(torch.uint8))
+                                             for k in want)

@@ -6,7 +6,6 @@ revertible like every other."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shlex
@@ -17,22 +16,15 @@ import sys
 import pytest
 import torch
 from click.testing import CliRunner
-from safetensors import safe_open
 
 import layouts
-from conftest import _need
+from conftest import _need, assert_verifies_and_reverts, read_tensors
 from layouts.compat import CompatibilityError, EngineConfig
 from prep.cli import main
-from prep.testing import PRESETS, write_checkpoint
+from prep.testing import PRESETS
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 SGLANG_PYTHON = REPO / ".venv-sglang" / "bin" / "python"
-
-
-@pytest.fixture(scope="module")
-def r1(tmp_path_factory):
-    return write_checkpoint(dataclasses.replace(PRESETS["tiny"], variant="r1-0528"),
-                            tmp_path_factory.mktemp("sglang") / "src")
 
 
 def _convert(src, out, *args) -> str:
@@ -41,20 +33,13 @@ def _convert(src, out, *args) -> str:
     return r.output
 
 
-def _tensors(path: pathlib.Path) -> dict[str, torch.Tensor]:
-    with safe_open(str(path), "pt") as f:
-        return {k: f.get_tensor(k) for k in f.keys()}
-
-
-def test_each_ranks_files_hold_sglangs_model_and_the_mtp_layer_stays_whole_in_the_common_file(r1, tmp_path):
+def test_each_ranks_files_hold_sglangs_model_and_the_mtp_layer_stays_whole_in_the_common_file(tiny_r1, tmp_path):
     out = tmp_path / "out"
-    printed = _convert(r1, out)
+    printed = _convert(tiny_r1, out)
     m = layouts.load_manifest(out)
     mtp = f"model.layers.{PRESETS['tiny'].num_hidden_layers}."  # the MTP layer follows the decoder layers
     for rank in range(2):
-        held = {}
-        for f in m.rank_files(rank):
-            held.update(_tensors(out / f))
+        held = read_tensors(out, m.rank_files(rank))
         assert not [n for n in held if n.startswith(mtp)], "SGLang's main model holds no MTP layer"
         # SGLang's names and shapes: q_a and kv_a merged, experts stacked with the shared one (slot 8),
         # the intermediate 256 / TP 2 = 128 padded to 256, the scale held 3-D
@@ -73,18 +58,7 @@ def test_each_ranks_files_hold_sglangs_model_and_the_mtp_layer_stays_whole_in_th
     override = json.loads(shlex.split(printed.strip().splitlines()[-1])[-1])
     assert override["quantization_config"]["exclude"] == [r"re:.*self_attn.*$", r"re:.*mlp\.gate\..*$", "lm_head",
                                                           r"re:model\.layers\.3\..*$"]
-    r = CliRunner().invoke(main, ["verify", str(out), "--source", str(r1)])
-    assert r.exit_code == 0 and "byte-identical" in r.output, r.output
-    r = CliRunner().invoke(main, ["revert", str(out), "-o", str(tmp_path / "back")])
-    assert r.exit_code == 0, r.output
-    back = {}
-    for f in (tmp_path / "back").glob("*.safetensors"):
-        back.update(_tensors(f))
-    src = {}
-    for f in pathlib.Path(r1).glob("*.safetensors"):
-        src.update(_tensors(f))
-    assert back.keys() == src.keys() and all(torch.equal(back[k].view(torch.uint8), src[k].view(torch.uint8))
-                                             for k in src)
+    assert_verifies_and_reverts(out, tiny_r1, tmp_path / "back")
 
 
 def test_sglangs_switches_that_would_misread_the_files_are_refused():
@@ -96,21 +70,21 @@ def test_sglangs_switches_that_would_misread_the_files_are_refused():
         EngineConfig.from_env(env={**base, "SGLANG_ROCM_USE_AITER_FP4_ASM_GEMM": "1"}, engine="sglang")
 
 
-def test_common_bf16_is_refused_for_sglang_in_one_line(r1, tmp_path):
-    r = CliRunner().invoke(main, ["convert", str(r1), "-o", str(tmp_path / "o"), "--engine", "sglang", "--common-bf16"])
+def test_common_bf16_is_refused_for_sglang_in_one_line(tiny_r1, tmp_path):
+    r = CliRunner().invoke(main, ["convert", str(tiny_r1), "-o", str(tmp_path / "o"), "--engine", "sglang", "--common-bf16"])
     assert r.exit_code != 0 and "--common-bf16: engine 'sglang' loads only" in r.output
     assert not (tmp_path / "o").exists()
 
 
-def test_sglangs_own_sharded_state_load_of_the_files_equals_its_load_of_the_source(r1, tmp_path):
+def test_sglangs_own_sharded_state_load_of_the_files_equals_its_load_of_the_source(tiny_r1, tmp_path):
     # SGLang's real DeepseekV3ForCausalLM per rank: ShardedStateLoader on prep's files against
     # DefaultModelLoader on the source, every tensor and the MLA w_kc/w_vc; a flipped byte fails.
     _need(SGLANG_PYTHON.is_file(), "SGLang in .venv-sglang (setup_env.sh --sglang)")
     out = tmp_path / "out"
-    printed = _convert(r1, out, "--ep", "2")
+    printed = _convert(tiny_r1, out, "--ep", "2")
     serve = next(line for line in printed.splitlines() if line.startswith("serve it with SGLang: "))
     assert "--ep-size 2 --enforce-shared-experts-fusion" in serve
-    cmd = [sys.executable, str(REPO / "scripts" / "check_engine_install.py"), "--engine", "sglang", "--source", str(r1),
+    cmd = [sys.executable, str(REPO / "scripts" / "check_engine_install.py"), "--engine", "sglang", "--source", str(tiny_r1),
            "--converted", str(out), "--work", str(tmp_path / "work")]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run(cmd, capture_output=True, text=True, env=env)

@@ -6,7 +6,6 @@ layouts/engines/vllm/door.py), registered by the ``vllm.general_plugins`` entry 
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import pathlib
 import subprocess
@@ -15,36 +14,21 @@ import sys
 import pytest
 import torch
 from click.testing import CliRunner
-from safetensors import safe_open
 
 import layouts
 from layouts.compat import CompatibilityError, EngineConfig
-from conftest import _need
+from conftest import _need, assert_verifies_and_reverts, read_tensors
 from prep.cli import main
-from prep.testing import PRESETS, write_checkpoint
+from prep.testing import PRESETS
 
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 
 
-@pytest.fixture(scope="module")
-def r1(tmp_path_factory):
-    return write_checkpoint(dataclasses.replace(PRESETS["tiny"], variant="r1-0528"),
-                            tmp_path_factory.mktemp("vllm") / "src")
-
-
-def _tensors(folder: pathlib.Path, files) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in files:
-        with safe_open(str(folder / f), "pt") as s:
-            out.update({k: s.get_tensor(k) for k in s.keys()})
-    return out
-
-
-def test_each_ranks_files_hold_vllms_names_and_layouts_and_the_conversion_reverts(r1, tmp_path):
+def test_each_ranks_files_hold_vllms_names_and_layouts_and_the_conversion_reverts(tiny_r1, tmp_path):
     out = tmp_path / "out"
-    r = CliRunner().invoke(main, ["convert", str(r1), "-o", str(out), "--engine", "vllm", "--tp", "2", "--ep", "2"])
+    r = CliRunner().invoke(main, ["convert", str(tiny_r1), "-o", str(out), "--engine", "vllm", "--tp", "2", "--ep", "2"])
     assert r.exit_code == 0, r.output
     serve = r.output.strip().splitlines()[-1]
     assert serve.startswith("serve it with vLLM: VLLM_ROCM_USE_AITER=1 vllm serve ") and \
@@ -52,9 +36,9 @@ def test_each_ranks_files_hold_vllms_names_and_layouts_and_the_conversion_revert
     m = layouts.load_manifest(out)
     assert (m.target.engine, m.target.layout, m.target.moe_layout) == ("vllm", "non-shuffle-t", "ck-3d")
     mtp = f"model.layers.{PRESETS['tiny'].num_hidden_layers}."
-    src = _tensors(pathlib.Path(r1), [p.name for p in pathlib.Path(r1).glob("*.safetensors")])
+    src = read_tensors(tiny_r1)
     for rank in range(2):
-        held = _tensors(out, m.rank_files(rank))
+        held = read_tensors(out, m.rank_files(rank))
         assert not [n for n in held if n.startswith(mtp)]
         # the dense scale transposed [K/32, N]: the rank's rows of the source's gate and up scales
         gate_up = held["model.layers.0.mlp.gate_up_proj.weight_scale"]
@@ -66,13 +50,7 @@ def test_each_ranks_files_hold_vllms_names_and_layouts_and_the_conversion_revert
         assert tuple(held["model.layers.1.mlp.experts.routed_experts.w13_weight"].shape) == (4, 512, 128)
         assert tuple(held["model.layers.1.mlp.experts.routed_experts.w13_weight_scale"].shape) == (4, 512, 8)
         assert "model.layers.1.mlp.shared_experts.gate_up_proj.weight" in held
-    r = CliRunner().invoke(main, ["verify", str(out), "--source", str(r1)])
-    assert r.exit_code == 0 and "byte-identical" in r.output, r.output
-    r = CliRunner().invoke(main, ["revert", str(out), "-o", str(tmp_path / "back")])
-    assert r.exit_code == 0, r.output
-    back = _tensors(tmp_path / "back", [p.name for p in (tmp_path / "back").glob("*.safetensors")])
-    assert back.keys() == src.keys() and all(torch.equal(back[k].view(torch.uint8), src[k].view(torch.uint8))
-                                             for k in src)
+    assert_verifies_and_reverts(out, tiny_r1, tmp_path / "back")
 
 
 def test_vllms_switches_that_would_misread_the_files_are_refused():
@@ -84,16 +62,16 @@ def test_vllms_switches_that_would_misread_the_files_are_refused():
         EngineConfig.from_env(env={**base, "VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS": "1"}, engine="vllm")
 
 
-def test_a_rank_whose_expert_scale_vllm_would_pad_is_refused_in_one_line(r1, tmp_path):
+def test_a_rank_whose_expert_scale_vllm_would_pad_is_refused_in_one_line(tiny_r1, tmp_path):
     # The tiny experts' 256 intermediate at TP 2 is 128 a rank: w2's scale has 4 columns, which
     # aiter's shuffle pads to 8 from memory vLLM never writes; prep refuses rather than guess.
-    r = CliRunner().invoke(main, ["convert", str(r1), "-o", str(tmp_path / "o"), "--engine", "vllm", "--tp", "2"])
+    r = CliRunner().invoke(main, ["convert", str(tiny_r1), "-o", str(tmp_path / "o"), "--engine", "vllm", "--tp", "2"])
     assert r.exit_code != 0 and "layout 'ck-3d' cannot apply" in r.output and "K/32 % 8 == 0 (K/32 = 4)" in r.output
     assert not (tmp_path / "o").exists()
 
 
-def test_a_fused_shared_expert_is_refused_for_vllm(r1, tmp_path):
-    r = CliRunner().invoke(main, ["convert", str(r1), "-o", str(tmp_path / "o"), "--engine", "vllm",
+def test_a_fused_shared_expert_is_refused_for_vllm(tiny_r1, tmp_path):
+    r = CliRunner().invoke(main, ["convert", str(tiny_r1), "-o", str(tmp_path / "o"), "--engine", "vllm",
                                   "--fuse-shared-expert"])
     assert r.exit_code != 0 and "VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS=1, which its door does not serve" in r.output
 
@@ -108,16 +86,16 @@ def test_the_door_is_registered_for_vllm_by_the_packages_entry_point():
     assert ep.load() is door.register and door.LOAD_FORMAT == "prep"
 
 
-def test_vllms_load_through_the_door_equals_its_own_load_of_the_source(r1, tmp_path):
+def test_vllms_load_through_the_door_equals_its_own_load_of_the_source(tiny_r1, tmp_path):
     # vLLM 0.34.0's real DeepseekV3ForCausalLM per rank on the CPU (scripts/vllm_on_cpu.py): its
     # DefaultModelLoader on the source against --load-format prep on the conversion, which vLLM
     # finds through the package's vllm.general_plugins entry point; every state-dict tensor,
     # aliases and the derived W_UK_T / W_UV included.
     _need(VLLM_PYTHON.is_file(), "vLLM in .venv-vllm (setup_env.sh --vllm)")
     out = tmp_path / "out"
-    r = CliRunner().invoke(main, ["convert", str(r1), "-o", str(out), "--engine", "vllm", "--tp", "2", "--ep", "2"])
+    r = CliRunner().invoke(main, ["convert", str(tiny_r1), "-o", str(out), "--engine", "vllm", "--tp", "2", "--ep", "2"])
     assert r.exit_code == 0, r.output
-    cmd = [sys.executable, str(REPO / "scripts" / "check_engine_install.py"), "--engine", "vllm", "--source", str(r1),
+    cmd = [sys.executable, str(REPO / "scripts" / "check_engine_install.py"), "--engine", "vllm", "--source", str(tiny_r1),
            "--converted", str(out), "--work", str(tmp_path / "work")]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run(cmd, capture_output=True, text=True, env=env)
