@@ -284,13 +284,10 @@ def mla_from_mxfp4(kernels: types.ModuleType | None):
         with mock.patch.object(MLAAttention, "process_weights_after_loading", unless_mxfp4):
             yield
         return
-    from prep.reference.aiter_gemm import scale_over_read, with_slack
+    from prep.reference.aiter_gemm import with_defined_overread
 
     def non_shuffle(x, w, x_scale, w_scale, otype, y):
-        slack = scale_over_read(x.shape[-1] * 2)  # defined bytes where the kernel reads past K
-        if slack:
-            x_scale, w_scale = with_slack(x_scale, slack), with_slack(w_scale, slack)
-        return kernels.gemm_afp4wfp4(x, w, x_scale, w_scale, dtype=otype, y=y)
+        return with_defined_overread(kernels.gemm_afp4wfp4)(x, w, x_scale, w_scale, dtype=otype, y=y)
 
     def preshuffle(x, w, x_scale, w_scale, dtype=torch.bfloat16, y=None):
         return kernels.gemm_afp4wfp4_preshuffled_weight_scales(x, w, x_scale, w_scale, dtype=y.dtype if y is not None

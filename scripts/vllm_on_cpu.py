@@ -171,15 +171,9 @@ class _GemmLoader(importlib.abc.Loader):
         m = types.ModuleType(spec.name)
         m.__dict__.update({k: v for k, v in loaded.__dict__.items() if not k.startswith("__")})
 
-        def gemm_afp4wfp4(x, w, x_scales, w_scales, *args, **kwargs):
-            # the kernel reads each scale row 8 columns at a time, unmasked: past the end of both
-            # scales for K % 256 != 0; defined bytes there, as on a GPU (prep.reference.aiter_gemm)
-            slack = aiter_gemm.scale_over_read(x.shape[-1] * 2)
-            if slack:
-                x_scales, w_scales = aiter_gemm.with_slack(x_scales, slack), aiter_gemm.with_slack(w_scales, slack)
-            return loaded.gemm_afp4wfp4(x, w, x_scales, w_scales, *args, **kwargs)
-
-        m.gemm_afp4wfp4 = gemm_afp4wfp4
+        # the kernel reads each scale row 8 columns at a time, unmasked: past the end of both scales
+        # for K % 256 != 0; defined bytes there, as on a GPU
+        m.gemm_afp4wfp4 = aiter_gemm.with_defined_overread(loaded.gemm_afp4wfp4)
         if not hasattr(m, "gemm_afp4wfp4_preshuffle"):  # e4048607's name; the wheel's differs (ASM path only)
             m.gemm_afp4wfp4_preshuffle = getattr(m, "gemm_afp4wfp4_preshuffled_weight_scales", None) or StandIn(
                 "aiter.ops.triton.gemm_afp4wfp4.gemm_afp4wfp4_preshuffle")

@@ -48,7 +48,7 @@ import os
 import pathlib
 import sys
 import types
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -267,6 +267,19 @@ def with_slack(t: torch.Tensor, nbytes: int) -> torch.Tensor:
     return flat[: t.numel()].view(t.shape)
 
 
+def with_defined_overread(gemm: Callable) -> Callable:
+    """``gemm`` (``gemm_afp4wfp4``, or any call taking its ``x, w, x_scales, w_scales`` first) handed
+    copies of both scales followed by defined bytes where the kernel reads past K (module
+    docstring): on the CPU the bytes past a tensor belong to another allocation, so without them
+    two runs may differ."""
+    def call(x, w, x_scales, w_scales, *args, **kwargs):
+        slack = scale_over_read(x.shape[-1] * 2)
+        if slack:
+            x_scales, w_scales = with_slack(x_scales, slack), with_slack(w_scales, slack)
+        return gemm(x, w, x_scales, w_scales, *args, **kwargs)
+    return call
+
+
 def _pad256(n: int) -> int:
     return -(-n // 256) * 256
 
@@ -309,11 +322,10 @@ def mxfp4_gemm(kernels: types.ModuleType, q: torch.Tensor, x_scale: torch.Tensor
         if tuple(x_scale.shape) != (m, k // 32):
             raise PrepError(f"{name}: {kernel} reads a raw activation scale [{m}, {k // 32}], got "
                             f"{list(x_scale.shape)}")
-        w, ws = weight.reshape(-1)[: n * k // 2].view(n, k // 2), weight_scale.reshape(-1)[: n * k // 32]
-        slack = scale_over_read(k)
-        xs, ws = (with_slack(x_scale, slack), with_slack(ws.view(n, k // 32), slack)) if slack else (
-            x_scale, ws.view(n, k // 32))
-        call = lambda: kernels.gemm_afp4wfp4(q, w, xs, ws, dtype=torch.float32)  # noqa: E731
+        w = weight.reshape(-1)[: n * k // 2].view(n, k // 2)
+        ws = weight_scale.reshape(-1)[: n * k // 32].view(n, k // 32)
+        gemm = with_defined_overread(kernels.gemm_afp4wfp4)
+        call = lambda: gemm(q, w, x_scale, ws, dtype=torch.float32)  # noqa: E731
     else:
         if weight.numel() < n * k // 2 or weight_scale.numel() < _pad256(n) * _pad8(k // 32):
             raise PrepError(f"{name}: {list(weight.shape)} / {list(weight_scale.shape)} bytes are not a W16 weight "
