@@ -7,24 +7,17 @@ revertible like every other."""
 from __future__ import annotations
 
 import json
-import os
 import shlex
-import pathlib
-import subprocess
-import sys
 
 import pytest
 import torch
 from click.testing import CliRunner
 
 import layouts
-from conftest import _need, assert_verifies_and_reverts, read_tensors
+from conftest import assert_verifies_and_reverts, engine_check_rows, read_tensors
 from layouts.compat import CompatibilityError, EngineConfig
 from prep.cli import main
 from prep.testing import PRESETS
-
-REPO = pathlib.Path(__file__).resolve().parent.parent
-SGLANG_PYTHON = REPO / ".venv-sglang" / "bin" / "python"
 
 
 def _convert(src, out, *args) -> str:
@@ -79,15 +72,9 @@ def test_common_bf16_is_refused_for_sglang_in_one_line(tiny_r1, tmp_path):
 def test_sglangs_own_sharded_state_load_of_the_files_equals_its_load_of_the_source(tiny_r1, tmp_path):
     # SGLang's real DeepseekV3ForCausalLM per rank: ShardedStateLoader on prep's files against
     # DefaultModelLoader on the source, every tensor and the MLA w_kc/w_vc; a flipped byte fails.
-    _need(SGLANG_PYTHON.is_file(), "SGLang in .venv-sglang (setup_env.sh --sglang)")
     out = tmp_path / "out"
     printed = _convert(tiny_r1, out, "--ep", "2")
     serve = next(line for line in printed.splitlines() if line.startswith("serve it with SGLang: "))
     assert "--ep-size 2 --enforce-shared-experts-fusion" in serve
-    cmd = [sys.executable, str(REPO / "scripts" / "check_engine_install.py"), "--engine", "sglang", "--source", str(tiny_r1),
-           "--converted", str(out), "--work", str(tmp_path / "work")]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    rows = [line.split() for line in r.stdout.splitlines() if line.strip()[:1].isdigit()]
-    assert [row[0] for row in rows] == ["0", "1"] and all(row[-1] == "ok" and row[3] == "12" for row in rows), r.stdout
+    rows, report = engine_check_rows("sglang", tiny_r1, out, tmp_path / "work")
+    assert [row[0] for row in rows] == ["0", "1"] and all(row[-1] == "ok" and row[3] == "12" for row in rows), report

@@ -6,10 +6,6 @@ layouts/engines/vllm/door.py), registered by the ``vllm.general_plugins`` entry 
 
 from __future__ import annotations
 
-import os
-import pathlib
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -17,13 +13,9 @@ from click.testing import CliRunner
 
 import layouts
 from layouts.compat import CompatibilityError, EngineConfig
-from conftest import _need, assert_verifies_and_reverts, read_tensors
+from conftest import assert_verifies_and_reverts, engine_check_rows, read_tensors
 from prep.cli import main
 from prep.testing import PRESETS
-
-
-REPO = pathlib.Path(__file__).resolve().parent.parent
-VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 
 
 def test_each_ranks_files_hold_vllms_names_and_layouts_and_the_conversion_reverts(tiny_r1, tmp_path):
@@ -91,14 +83,8 @@ def test_vllms_load_through_the_door_equals_its_own_load_of_the_source(tiny_r1, 
     # DefaultModelLoader on the source against --load-format prep on the conversion, which vLLM
     # finds through the package's vllm.general_plugins entry point; every state-dict tensor,
     # aliases and the derived W_UK_T / W_UV included.
-    _need(VLLM_PYTHON.is_file(), "vLLM in .venv-vllm (setup_env.sh --vllm)")
     out = tmp_path / "out"
     r = CliRunner().invoke(main, ["convert", str(tiny_r1), "-o", str(out), "--engine", "vllm", "--tp", "2", "--ep", "2"])
     assert r.exit_code == 0, r.output
-    cmd = [sys.executable, str(REPO / "scripts" / "check_engine_install.py"), "--engine", "vllm", "--source", str(tiny_r1),
-           "--converted", str(out), "--work", str(tmp_path / "work")]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    rows = [line.split() for line in r.stdout.splitlines() if line.strip()[:1].isdigit()]
-    assert [row[0] for row in rows] == ["0", "1"] and all(row[-1] == "ok" and row[1] == "104" for row in rows), r.stdout
+    rows, report = engine_check_rows("vllm", tiny_r1, out, tmp_path / "work")
+    assert [row[0] for row in rows] == ["0", "1"] and all(row[-1] == "ok" and row[1] == "104" for row in rows), report
