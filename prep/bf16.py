@@ -217,7 +217,7 @@ class Bf16Group:
         for p in self.placements:
             m = _EXPERT.match(p.source)
             if m is None or not self.name.startswith(m.group(1)):
-                raise PrepError(f"{self.name}: {p.source} is not an expert of {self.name.rsplit('experts.', 1)[0]}")
+                raise PrepError(f"{self.name}: {p.source} is not an expert of {m.group(1) if m else self.name}")
             if p.slot == len(ids):
                 ids.append(None if m.group(2) is None else int(m.group(2)))
             if p.slot == 0:
@@ -246,8 +246,13 @@ _TORCH = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 def _expand_stack(name: str, stack: StackRecord) -> tuple[Placement, ...]:
     """The placements a stacked group's template stands for (the one home of that expansion):
     slot by slot, routed experts in range order then the shared one, each taking every window
-    of its own ``{mlp}experts.{e}.{proj}_proj.weight`` (``shared_experts`` for the shared)."""
-    mlp = name.rsplit("experts.", 1)[0]
+    of its own ``{mlp}experts.{e}.{proj}_proj.weight`` (``shared_experts`` for the shared), ``mlp``
+    the stored name up to its ``.mlp.`` (the engine names the stack below it: ``mlp.experts.w13_weight``,
+    vLLM's ``mlp.experts.routed_experts.w13_weight``)."""
+    at = name.find(".mlp.")
+    if at < 0:
+        raise PrepError(f"{name}: stacked experts outside an mlp module; the manifest is damaged: convert again")
+    mlp = name[:at + len(".mlp.")]
     ids: list[int | None] = [e for a, b in stack.experts for e in range(a, b)]
     experts = [f"{mlp}experts.{e}." for e in ids] + ([f"{mlp}shared_experts."] if stack.shared else [])
     return tuple(Placement(f"{expert}{w.proj}_proj.weight", w.shape, w.dim, w.start, w.stop, w.dest_row, slot)
@@ -298,12 +303,10 @@ def plan_bf16_groups(tensors: dict[str, Any], config: dict[str, Any], tp: int, e
     q_lora = config.get("q_lora_rank")
     merges = [m for m in rules.merges if not m.after_experts
               and (q_lora is not None or not any(p.endswith("q_a_proj") for p in m.parts))]
-    for name, info in tensors.items():
+
+    def plain(name: str, info: Any, merges: list) -> None:  # merged, split by its rule, or whole
         module = name[:-len(".weight")] if len(info.shape) == 2 and name.endswith(".weight") else None
-        if module is not None and (m := _EXPERT.match(name)):
-            e = None if m.group(2) is None else int(m.group(2))
-            experts.setdefault(m.group(1), {}).setdefault(e, {})[m.group(3)] = (name, info)
-        elif module is not None and (hit := _merge_part(module, merges)):
+        if module is not None and (hit := _merge_part(module, merges)):
             layer, merge, key = hit
             merged.setdefault(f"{layer}{merge.module}.weight", (merge, {}))[1][key] = (name, info)
         elif module is not None and (split := rules.split_of(module)) != _WHOLE:
@@ -313,6 +316,20 @@ def plan_bf16_groups(tensors: dict[str, Any], config: dict[str, Any], tp: int, e
                 per_rank[r].append(Bf16Group(name, r, tp, info.dtype, (p,)))
         else:
             whole.append(name)
+
+    for name, info in tensors.items():
+        if len(info.shape) == 2 and (m := _EXPERT.match(name)):
+            e = None if m.group(2) is None else int(m.group(2))
+            experts.setdefault(m.group(1), {}).setdefault(e, {})[m.group(3)] = (name, info)
+        else:
+            plain(name, info, merges)
+    # A shared expert the engine does not stack with the routed ones is an MLP of its own, held as
+    # the engine's merged gate_up after the experts and a split down (as its MXFP4 one would be).
+    after = [m for m in rules.merges if m.after_experts]
+    for layer in experts.values():
+        if None in layer and not (fuse_shared_expert and any(e is not None for e in layer)):
+            for name, info in layer.pop(None).values():
+                plain(name, info, after)
     for target, (merge, parts) in merged.items():
         if set(parts) != set(merge.parts):
             raise PrepError(f"{parts[next(iter(parts))][0]}: its partner of {target} is missing or not BF16; "
@@ -347,10 +364,7 @@ def _plan_experts(mlp: str, layer: dict, tp: int, ep: int, fuse_shared: bool, pe
     then up rows) and ``w2 [E, H, I/tp]``; under expert parallel whole experts, rank r the
     routed block the engine's expert map gives it (``rules.expert_block``); the
     shared expert, when fused, in the slot after the routed ones on every rank."""
-    routed = sorted(e for e in layer if e is not None)
-    if not routed:  # a BF16 shared expert beside MXFP4 routed ones: the engine keeps it apart
-        whole.extend(n for parts in layer.values() for n, _ in parts.values())
-        return
+    routed = sorted(e for e in layer if e is not None)  # a shared expert is here only if fused
     if routed != list(range(len(routed))):
         raise PrepError(f"{mlp}experts: BF16 experts {routed[0]}..{routed[-1]} are not numbered 0..n-1 "
                         "(a missing expert); re-download the checkpoint")
@@ -362,9 +376,16 @@ def _plan_experts(mlp: str, layer: dict, tp: int, ep: int, fuse_shared: bool, pe
         raise PrepError(f"{mlp}experts: ep={ep} with tp={tp}; expert parallel runs with ep equal to tp")
     if ep > len(routed):
         raise PrepError(f"{mlp}experts: --ep {ep} exceeds the {len(routed)} routed experts")
-    shared = fuse_shared and None in layer
-    if None in layer and not shared:
-        whole.extend(n for n, _ in layer[None].values())
+    shared = None in layer
+    size = layer[0]["gate"][1].shape[0]
+    inter = size if ep > 1 else size // tp
+    if rules.bf16_moe_inter_align is not None and (ep > 1 or size % tp == 0):  # else _moe_split refuses
+        limit, small, large = rules.bf16_moe_inter_align
+        align = small if inter <= limit else large
+        if inter % align:
+            raise PrepError(f"{layer[0]['gate'][0]}: a rank's intermediate of {inter} is padded to a multiple of "
+                            f"{align} by the engine's BF16 MoE, which prep does not write; choose another --tp "
+                            "(or --ep equal to --tp)")
     dtype = layer[0]["gate"][1].dtype
     for r in range(tp):
         if ep > 1:
@@ -386,8 +407,9 @@ def _plan_experts(mlp: str, layer: dict, tp: int, ep: int, fuse_shared: bool, pe
             k = _moe_split(name, info.shape[1], moe_tp)
             w2.append(Placement(name, tuple(info.shape), 1, moe_rank * k, (moe_rank + 1) * k, 0, slot)
                       if moe_tp > 1 else Placement.whole(name, info.shape, 0, slot))
-        per_rank[r].append(Bf16Group(f"{mlp}experts.w13_weight", r, tp, dtype, tuple(w13)))
-        per_rank[r].append(Bf16Group(f"{mlp}experts.w2_weight", r, tp, dtype, tuple(w2)))
+        stack = f"{mlp[:-len('mlp.')]}{rules.experts}"  # the engine's experts module ("mlp.experts")
+        per_rank[r].append(Bf16Group(f"{stack}.w13_weight", r, tp, dtype, tuple(w13)))
+        per_rank[r].append(Bf16Group(f"{stack}.w2_weight", r, tp, dtype, tuple(w2)))
 
 
 def _moe_split(name: str, size: int, tp: int) -> int:

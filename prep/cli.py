@@ -350,14 +350,18 @@ def convert(src, out, layout, moe_layout, tp, ep, fuse_shared_expert, engine, co
     from .describe import folder_config
 
     profile = get_engine(engine)
+    config = folder_config(s["out"])
     serve = None if common_bf16 else profile.serve_command(s["out"], tp, ep, layout, moe_layout,
-                                                           target.fuse_shared_expert, folder_config(s["out"]))
+                                                           target.fuse_shared_expert, config)
+    draft = profile.mtp_draft_hint(config) if serve else None
     s = {**s, "tp": tp, "ep": ep, "layout": layout, "moe_layout": moe_layout, "serve": serve}
     lines = [f"wrote {s['out']}: TP {tp}, EP {ep}, layout {layout}, MoE layout {moe_layout}: {s['tensors']} tensors "
              f"from {s['source_tensors']} source tensors, {s['files']} files ({s['reused_files']} reused), "
              f"{s['bytes'] / 2**30:.3f} GiB"]
     if serve:
         lines.append(f"serve it with {profile.display_name}: {serve}")
+        if draft:
+            lines.append(f"  {draft}")
     elif not profile.has_door():
         lines.append(f"serve it: prep has no door for {engine} yet; its ranks load with layouts.open_rank "
                      "(docs/engines.md)")

@@ -444,13 +444,16 @@ def _layer_groups(layer, mods, rank, target, rules: ShardingRules, part,
     return out
 
 
-_LAYER_EMBED = re.compile(r"^model\.layers\.(\d+)\.embed_tokens\.weight$")
+_MTP_TENSOR = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
-def mtp_embeddings(names: Iterable[str], num_hidden_layers: int) -> list[str]:
-    """The MTP layers' own embeddings among ``names`` (a layer at or past ``num_hidden_layers``):
-    ATOM's drafter replaces each by the target model's after loading, so no rank reads them."""
-    return [n for n in names if (m := _LAYER_EMBED.match(n)) and int(m.group(1)) >= num_hidden_layers]
+def mtp_replaced(names: Iterable[str], num_hidden_layers: int, rules: ShardingRules) -> list[str]:
+    """The MTP layers' tensors among ``names`` (a layer at or past ``num_hidden_layers``) that the
+    engine's draft model replaces by the target model's after loading (``rules.mtp_replaced``:
+    ATOM's and vLLM's drafters share the target's embedding, vLLM's its head too), so no rank
+    reads them."""
+    return [n for n in names if (m := _MTP_TENSOR.match(n)) and int(m.group(1)) >= num_hidden_layers
+            and m.group(2) in rules.mtp_replaced]
 
 
 def split_bf16(tensors: Mapping[str, Any], config: dict[str, Any], num_layers: int, tp: int, ep: int,
@@ -460,11 +463,12 @@ def split_bf16(tensors: Mapping[str, Any], config: dict[str, Any], num_layers: i
     rank-exact conversion: per rank, the BF16 groups it holds (split as ATOM holds them,
     :mod:`prep.bf16`); the tensors every rank holds whole (replicated: norms, router, its bias,
     ``eh_proj``; a replicated ``fused_qkv_a_proj``'s parts are a group); and the tensors no rank
-    reads: the MTP layer's ``embed_tokens``, which ATOM's drafter replaces by the target model's
-    after loading (``docs/rank-exact.md``), kept whole only so that ``revert`` is exact. What
-    ``convert`` writes and what ``inspect`` says a format-1 rank keeps."""
-    unread = mtp_embeddings(tensors, num_layers)
-    rest = {n: info for n, info in tensors.items() if n not in unread}  # one per MTP layer
+    reads: those of the MTP layer that the engine's drafter replaces by the target model's after
+    loading (:func:`mtp_replaced`; ``docs/rank-exact.md``), kept whole only so that ``revert`` is
+    exact. What ``convert`` writes and what ``inspect`` says a format-1 rank keeps."""
+    rules = rules or get_engine(DEFAULT_ENGINE).sharding
+    unread = mtp_replaced(tensors, num_layers, rules)
+    rest = {n: info for n, info in tensors.items() if n not in unread}
     per_rank, replicated = plan_bf16_groups(rest, config, tp, ep, fuse_shared_expert, rules)
     return per_rank, replicated, unread
 

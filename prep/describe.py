@@ -153,11 +153,15 @@ def _inspect_converted(path: str) -> tuple[dict[str, Any], list[str]]:
         engine = get_engine(t.engine)
     except KeyError:  # converted for an engine this prep has no profile of: nothing to serve it with
         engine = None
+    config = folder_config(path)
     serve = engine.serve_command(path, t.tp, t.ep, t.layout, t.moe_layout, t.fuse_shared_expert,
-                                 folder_config(path)) if engine and t.rank_exact else None
+                                 config) if engine and t.rank_exact else None
     result["serve"] = serve
     if serve:
         lines.append(f"  serve it with {engine.display_name}: {serve}")
+        draft = engine.mtp_draft_hint(config)
+        if draft:
+            lines.append(f"    {draft}")
     return result, lines
 
 

@@ -156,24 +156,34 @@ def check_vllm(src: pathlib.Path, out: pathlib.Path, work: pathlib.Path, aiter_s
     if not v.TABLES["present"]:
         print("aiter's tuned-shape tables: none given ($PREP_AITER_TABLES), so vLLM shuffles no dense linear "
               "(what aiter answers for every tiny shape)")
-    print(f"{'rank':>4} {'tensors':>7} {'bytes':>10}  result")
+    # With an MTP layer, vLLM's MTP draft too (--speculative-config), loaded after the model.
+    draft = bool(json.loads((src / "config.json").read_text()).get("num_nextn_predict_layers"))
+    if draft:
+        print(f"both loads: --speculative-config '{json.dumps(v.MTP_SPECULATIVE)}', the MTP draft compared too")
+    print(f"{'rank':>4} {'tensors':>7} {'bytes':>10} {'draft':>9}  result")
     ok = True
+
+    def load(folder: pathlib.Path, load_format: str, fill: int) -> tuple[dict, dict, type]:
+        model, loader = v.build_and_load(folder, t.tp, rank, t.ep, load_format, fill=fill, draft=draft, **kw)
+        held, flags = v._state_dict(model), _shuffled(model)
+        if draft:
+            m = v.MODEL.pop("draft")
+            held.update({f"draft:{k}": x for k, x in v._state_dict(m).items()})
+            flags.update({f"draft:{k}": x for k, x in _shuffled(m).items()})
+        return held, flags, type(loader)
+
     for rank in range(t.tp):
         v.CALLS.clear()
-        model, _ = v.build_and_load(src, t.tp, rank, t.ep, "auto", fill=0xA5, **kw)
-        ref, ref_flags = v._state_dict(model), _shuffled(model)
-        del model
-        model, loader = v.build_and_load(out, t.tp, rank, t.ep, LOAD_FORMAT, fill=0x5A, **kw)
-        got, got_flags = v._state_dict(model), _shuffled(model)
-        del model
+        ref, ref_flags, _ = load(src, "auto", 0xA5)
+        got, got_flags, loader = load(out, LOAD_FORMAT, 0x5A)
+        v.MODEL.clear()
         bad = _compare(ref, got)
         bad += [f"{n}: is_shuffled {ref_flags[n]} in vLLM's own load, {got_flags.get(n)} through the door"
                 for n in ref_flags if ref_flags[n] != got_flags.get(n)]
-        bad += [f"vLLM loaded OUT with {type(loader).__name__}, not prep's loader"] * (
-            type(loader).__name__ != "PrepModelLoader")
+        bad += [f"vLLM loaded OUT with {loader.__name__}, not prep's loader"] * (loader.__name__ != "PrepModelLoader")
         called = sorted({c for c in v.CALLS if not c.startswith(VLLM_ALLOWED)})
         bad += [f"stand-in called while loading: {c}" for c in called]
-        ok &= _rank_row(rank, ref, bad)
+        ok &= _rank_row(rank, ref, bad, sum(k.startswith("draft:") for k in ref))
     return ok
 
 

@@ -394,9 +394,17 @@ def _state_dict(model) -> dict:
     return sd
 
 
+MTP_SPECULATIVE = {"method": "mtp", "num_speculative_tokens": 1}  # vLLM's MTP draft, as a user asks for it
+
+
 def build_and_load(model_path, tp: int, rank: int, ep: int = 1, load_format: str = "auto", fill: int = 0xA5,
-                   **engine_kw):
-    """vLLM's own loader for LOAD_FORMAT (get_model_loader(...).load_model) as rank RANK of TP."""
+                   draft: bool = False, **engine_kw):
+    """vLLM's own loader for LOAD_FORMAT (get_model_loader(...).load_model) as rank RANK of TP.
+    ``draft``: with ``--speculative-config`` MTP_SPECULATIVE, and the MTP draft loaded after the
+    model as vLLM's MTP speculator loads it (``load_eagle_model``: the same loader, then the
+    main model's embedding and head shared into it), in ``MODEL["draft"]``."""
+    if draft:
+        engine_kw["speculative_config"] = MTP_SPECULATIVE
     vc = make_vllm_config(model_path, tp, ep, load_format, **engine_kw)
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader import get_model_loader
@@ -405,6 +413,10 @@ def build_and_load(model_path, tp: int, rank: int, ep: int = 1, load_format: str
     loader = get_model_loader(vc.load_config)
     with set_current_vllm_config(vc), on_cpu(fill):
         model = loader.load_model(vllm_config=vc, model_config=vc.model_config)
+        if draft:
+            from vllm.v1.worker.gpu.spec_decode.eagle.utils import load_eagle_model
+
+            MODEL["draft"] = load_eagle_model(model, vc)
     MODEL.update(model=model, loader=loader, config=vc)
     return model, loader
 

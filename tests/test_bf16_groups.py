@@ -201,3 +201,46 @@ def test_without_a_q_lora_kv_a_is_held_whole_and_a_lone_merge_part_is_refused():
     assert whole == [kv_a] and per_rank == [[], []]
     with pytest.raises(PrepError, match="its partner of model.layers.0.self_attn.fused_qkv_a_proj.weight"):
         plan_bf16_groups(tensors, {"q_lora_rank": 32}, 2)
+
+
+@pytest.fixture(scope="module")
+def r1_source(tmp_path_factory):
+    return SourceCheckpoint(write_checkpoint(SynthSpec(variant="r1-0528"), tmp_path_factory.mktemp("r1") / "ckpt"))
+
+
+def test_an_unfused_bf16_shared_expert_is_merged_and_split_as_an_mlp_of_its_own(r1_source):
+    # R1-0528's MTP layer: BF16 routed and shared experts. Not stacked with the routed ones, the
+    # shared expert is the engine's gate_up_proj (gate rows then up rows, split) and a split down.
+    from layouts.engines.vllm import SHARDING
+
+    mlp = "model.layers.3.mlp.shared_experts."
+    per_rank, whole = plan_bf16_groups(_bf16(r1_source), r1_source.config, 2, 1, False, SHARDING)
+    assert not [n for n in whole if n.startswith(mlp)]
+    n = r1_source.tensors[f"{mlp}gate_proj.weight"].shape[0] // 2
+    for rank, groups in enumerate(per_rank):
+        by_name = {g.name: g for g in groups}
+        gate_up = by_name[f"{mlp}gate_up_proj.weight"]
+        assert [(p.source, p.dim, p.start, p.dest_row) for p in gate_up.placements] == [
+            (f"{mlp}gate_proj.weight", 0, rank * n, 0), (f"{mlp}up_proj.weight", 0, rank * n, n)]
+        down = by_name[f"{mlp}down_proj.weight"]
+        k = r1_source.tensors[f"{mlp}down_proj.weight"].shape[1] // 2
+        assert [(p.dim, p.start, p.stop) for p in down.placements] == [(1, rank * k, (rank + 1) * k)]
+        stack = by_name["model.layers.3.mlp.experts.routed_experts.w13_weight"]
+        assert not [p for p in stack.placements if "shared" in p.source]  # 8 routed experts only
+        assert stack.shape[0] == 8
+        # the inverse gives every window back
+        for name, (rows, cols), t in gate_up.invert(gate_up.build(r1_source.read)):
+            assert (rows.start, rows.stop) == (rank * n, (rank + 1) * n)
+            assert torch.equal(t, r1_source.read(name)[rows, cols])
+
+
+def test_a_bf16_expert_intermediate_the_engines_moe_would_pad_is_refused(r1_source):
+    # vLLM's aiter MoE pads a rank's BF16 intermediate to a multiple of 64 (<= 192) or 128; the
+    # tiny 256 at TP 8 is 32 a rank, which it would pad from memory prep never writes.
+    from layouts.engines.vllm import SHARDING
+
+    assert plan_bf16_groups(_bf16(r1_source), r1_source.config, 4, 1, False, SHARDING)  # 64: fits
+    with pytest.raises(PrepError, match=r"experts\.0\.gate_proj\.weight: a rank's intermediate of 32 is padded to a "
+                                        r"multiple of 64 .* choose another --tp \(or --ep equal to --tp\)"):
+        plan_bf16_groups(_bf16(r1_source), r1_source.config, 8, 1, False, SHARDING)
+    assert plan_bf16_groups(_bf16(r1_source), r1_source.config, 8, 8, False, SHARDING)  # EP: whole experts

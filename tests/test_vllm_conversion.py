@@ -22,16 +22,32 @@ def test_each_ranks_files_hold_vllms_names_and_layouts_and_the_conversion_revert
     out = tmp_path / "out"
     r = CliRunner().invoke(main, ["convert", str(tiny_r1), "-o", str(out), "--engine", "vllm", "--tp", "2", "--ep", "2"])
     assert r.exit_code == 0, r.output
-    serve = r.output.strip().splitlines()[-1]
+    serve, draft = r.output.strip().splitlines()[-2:]
     assert serve.startswith("serve it with vLLM: VLLM_ROCM_USE_AITER=1 vllm serve ") and \
         "--load-format prep --tensor-parallel-size 2 --enable-expert-parallel --hf-overrides" in serve
+    assert draft == ("  with its MTP layer as the draft model (speculative decoding), add: --speculative-config "
+                     "'{\"method\": \"mtp\", \"num_speculative_tokens\": 1}'")
     m = layouts.load_manifest(out)
     assert (m.target.engine, m.target.layout, m.target.moe_layout) == ("vllm", "non-shuffle-t", "ck-3d")
     mtp = f"model.layers.{PRESETS['tiny'].num_hidden_layers}."
     src = read_tensors(tiny_r1)
+    # the MTP layer's embedding and head, which vLLM's draft replaces by the main model's: read by no rank
+    unread = {t.name for t in m.tensors if t.role == "unread"}
+    assert unread == {f"{mtp}embed_tokens.weight", f"{mtp}shared_head.head.weight"}
     for rank in range(2):
         held = read_tensors(out, m.rank_files(rank))
-        assert not [n for n in held if n.startswith(mtp)]
+        # the MTP layer for vLLM's draft: split and merged as the main layers, its BF16 experts (R1-0528)
+        # this rank's block in aiter's shuffle_weight (16, 16) order, as vLLM's unquantized aiter MoE holds them
+        w13 = held[f"{mtp}mlp.experts.routed_experts.w13_weight"]
+        block = range(4 * rank, 4 * rank + 4)
+        stack = torch.stack([torch.cat([src[f"{mtp}mlp.experts.{e}.{p}_proj.weight"] for p in ("gate", "up")])
+                             for e in block])
+        assert torch.equal(w13, layouts.get_layout("bf16-preshuffle").apply(stack, None)[0])
+        gate_up = held[f"{mtp}mlp.shared_experts.gate_up_proj.weight"]
+        n = src[f"{mtp}mlp.shared_experts.gate_proj.weight"].shape[0] // 2
+        assert torch.equal(gate_up, torch.cat([src[f"{mtp}mlp.shared_experts.{p}_proj.weight"][rank * n:(rank + 1) * n]
+                                               for p in ("gate", "up")]))
+        assert f"{mtp}eh_proj.weight" in held and not unread & held.keys()
         # the dense scale transposed [K/32, N]: the rank's rows of the source's gate and up scales
         gate_up = held["model.layers.0.mlp.gate_up_proj.weight_scale"]
         gate, up = src["model.layers.0.mlp.gate_proj.weight_scale"], src["model.layers.0.mlp.up_proj.weight_scale"]
@@ -87,4 +103,31 @@ def test_vllms_load_through_the_door_equals_its_own_load_of_the_source(tiny_r1, 
     r = CliRunner().invoke(main, ["convert", str(tiny_r1), "-o", str(out), "--engine", "vllm", "--tp", "2", "--ep", "2"])
     assert r.exit_code == 0, r.output
     rows, report = engine_check_rows("vllm", tiny_r1, out, tmp_path / "work")
-    assert [row[0] for row in rows] == ["0", "1"] and all(row[-1] == "ok" and row[1] == "104" for row in rows), report
+    # 104 tensors of the model, and 39 of its MTP draft (--speculative-config mtp) loaded after it
+    assert "the MTP draft compared too" in report
+    assert [row[0] for row in rows] == ["0", "1"] and all(row[-1] == "ok" and row[1] == "143" and row[3] == "39"
+                                                          for row in rows), report
+
+
+def test_vllms_mtp_draft_takes_the_mtp_layer_under_its_own_names():
+    from layouts.engines.vllm.door import draft_name
+
+    assert draft_name("model.layers.61.mlp.experts.routed_experts.w13_weight") == \
+        "model.layers.61.mtp_block.mlp.experts.routed_experts.w13_weight"
+    assert draft_name("model.layers.61.self_attn.fused_qkv_a_proj.weight") == \
+        "model.layers.61.mtp_block.self_attn.fused_qkv_a_proj.weight"
+    for own in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight"):
+        assert draft_name(f"model.layers.61.{own}") == f"model.layers.61.{own}"
+
+
+def test_a_draft_load_of_a_conversion_without_an_mtp_layer_is_refused_in_one_line(tiny_r1, tmp_path):
+    from layouts.engines.vllm.door import DoorError, install
+
+    out = tmp_path / "out"
+    r = CliRunner().invoke(main, ["convert", str(tiny_r1), "-o", str(out), "--engine", "vllm", "--tp", "2", "--ep", "2"])
+    assert r.exit_code == 0, r.output
+    # as a folder converted before the MTP layer went into the ranks' files reads: no MTP tensor
+    # from the main model's layer count on (here: none past layer 99)
+    with pytest.raises(DoorError, match=r"rank 1's files hold no MTP layer for vLLM's draft model .* or serve "
+                                        r"without --speculative-config"):
+        install(torch.nn.Linear(1, 1), str(out), layouts.load_manifest(out), 1, first_mtp=99, draft=True)

@@ -82,6 +82,10 @@ class EngineProfile:
     moe_layouts: Mapping[tuple[str, str], str]
     """``(MoE back end, GpuArch.prefix) -> MoE layout`` that back end reads on that GPU family;
     the default back end first."""
+    mtp_draft_flags: str | None = None
+    """What the serve command takes to run speculative decoding with the checkpoint's MTP layer as
+    the draft model, from the same folder (ATOM: ``--method mtp``); None: the door does not serve
+    it. Shown, not added: whether to speculate is the user's choice."""
     bf16_moe_layout: str | None = None
     """The ``bf16-moe`` layout the engine's unquantized MoE holds stacked BF16 experts in once
     loaded (R1-0528's MTP layer), in every configuration: a checkpoint whose BF16 experts are in
@@ -193,6 +197,13 @@ class EngineProfile:
         """What in a source's ``config.json`` this engine would read otherwise than the checkpoint
         means (one line each, naming the fix); ``prep convert --engine`` prints them."""
         return []
+
+    def mtp_draft_hint(self, config: Mapping) -> str | None:
+        """How to serve the checkpoint's MTP layer as the draft model (one line, for after the
+        serve command), where the door serves it and ``config`` (the folder's config.json) has one."""
+        if self.mtp_draft_flags and self.sharding.holds_mtp and config.get("num_nextn_predict_layers"):
+            return f"with its MTP layer as the draft model (speculative decoding), add: {self.mtp_draft_flags}"
+        return None
 
     def serve_command(self, folder: str, tp: int, ep: int, layout: str, moe_layout: str,
                       fuse_shared_expert: bool = True, config: Mapping | None = None) -> str | None:

@@ -73,11 +73,22 @@ class ShardingRules:
     """The stacked experts' intermediate and hidden dimensions padded to multiples of these, as
     the engine allocates them (ATOM: 256 and 256; vLLM's aiter MoE pads the intermediate to 128)."""
 
+    bf16_moe_inter_align: tuple[int, int, int] | None = None
+    """``(limit, small, large)``: the engine's unquantized MoE pads a rank's BF16 experts'
+    intermediate to a multiple of ``small`` up to ``limit``, of ``large`` above it (vLLM's aiter
+    MoE: (192, 64, 128)); prep writes no such padding, so a rank that would need it is refused.
+    None: no padding."""
+
     holds_mtp: bool = True
     """Whether the engine's model holds the MTP layers (``num_nextn_predict_layers``) with the
     decoder layers: ATOM loads them into its draft model from the same files. False: no rank's
     files hold them; they stay whole, as the source has them, in the common file (kept for
     ``revert``), because the engine's loader refuses tensors its model does not have."""
+    mtp_replaced: tuple[str, ...] = ("embed_tokens.weight",)
+    """Tensors of an MTP layer (relative to the layer) that the engine's draft model replaces by
+    the target model's own after loading (ATOM: the MTP embedding; vLLM: the embedding and
+    ``shared_head.head``): no rank reads them, so they stay whole in the common file, kept for
+    ``revert``, instead of a split copy in every rank's files."""
     constants: tuple[Constant, ...] = ()
     """Tensors of every decoder layer the engine's model holds that no checkpoint has."""
 

@@ -213,6 +213,7 @@ class AtomProfile(EngineProfile):
     default_gpu_arch = GFX95.example
     expert_parallel_backends = (CK,)  # ATOM's Triton MoE ignores the expert map
     expert_parallel_switch = "--enable-expert-parallel"  # sets ep_size = tp_size
+    mtp_draft_flags = "--method mtp"
     bf16_moe_layout = BF16_MOE_LAYOUT
     sharding = SHARDING
     checks = (engine_matches, tp_matches, rank_in_range, ep_matches, dense_layout_matches,

@@ -16,7 +16,14 @@ What vLLM holds (read in its source and run on the CPU, docs/engines.md "vLLM"):
   ``mlp.experts.routed_experts``; the intermediate padded to a multiple of 128, the hidden to 256;
   the shared expert not fused (``VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS`` off by default);
 * ``fused_qkv_a_proj`` = [q_a; kv_a] replicated and ``gate_up_proj``, split as ATOM's;
-* the MTP layer only in its draft model (``DeepSeekMTP``), not in the main model.
+* the MTP layer only in its draft model (``DeepSeekMTP``, ``--speculative-config '{"method":
+  "mtp", ...}'``), built and loaded after the main model through the same loader, at the same TP
+  and EP: its decoder layer under ``model.layers.{L}.mtp_block``, split and merged as the main
+  model's layers; R1-0528's BF16 experts in aiter's ``shuffle_weight`` (16, 16) order
+  (``bf16-preshuffle``, vLLM's unquantized aiter MoE); its ``embed_tokens`` and
+  ``shared_head.head`` replaced by the main model's after loading, so no rank reads them. prep
+  writes the layer into the ranks' files under the checkpoint's names and the door renames it
+  (:func:`.door.draft_name`).
 """
 
 from __future__ import annotations
@@ -27,7 +34,9 @@ from typing import Mapping
 
 from ...compat import (CompatibilityError, EngineConfig, bf16_moe_layout_matches, dense_layout_matches,
                       engine_matches, ep_matches, moe_layout_matches, rank_in_range, tp_matches)
-from ...registry import MOE_CK_3D, NON_SHUFFLE_T
+from ...registry import MOE_BF16, MOE_CK_3D, NON_SHUFFLE_T
+
+
 from .._quark import excludes_as_regex, wildcard_note
 from .. import (DEEPSEEK_SPLITS, NEVER, EngineProfile, GemmPathRule, GpuArch, ShardingRules, current_gpu_arch,
                deepseek_merges)
@@ -46,7 +55,8 @@ SHARDING = ShardingRules(
     experts="mlp.experts.routed_experts",
     fuse_shared_expert=False,
     moe_pad_to=(128, 256),
-    holds_mtp=False,
+    bf16_moe_inter_align=(192, 64, 128),  # aiter_moe_intermediate_alignment (fused_moe/oracle/unquantized.py)
+    mtp_replaced=("embed_tokens.weight", "shared_head.head.weight"),
 )
 
 
@@ -57,6 +67,8 @@ class VllmProfile(EngineProfile):
     label = "vLLM"
     gemm_paths = {TRITON_NON_SHUFFLE_T: GemmPathRule(NON_SHUFFLE_T.name, NEVER, NEVER)}
     moe_layouts = {(AITER, GFX95.prefix): MOE_CK_3D.name}
+    mtp_draft_flags = "--speculative-config '{\"method\": \"mtp\", \"num_speculative_tokens\": 1}'"
+    bf16_moe_layout = MOE_BF16.name  # bf16-preshuffle: aiter's shuffle_weight (16, 16), vLLM's unquantized aiter MoE
     gpu_archs = (GFX95,)
     default_gpu_arch = GFX95.example
     expert_parallel_backends = (AITER,)

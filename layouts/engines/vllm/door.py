@@ -18,8 +18,17 @@ What the loader does, in vLLM's own order (``BaseModelLoader.load_model``), and 
    another shape, and a parameter left unwritten are refused, naming the fix.
 4. ``finalize_model_weights`` derives ``W_UK_T`` / ``W_UV`` from the ``kv_b_proj`` just copied in.
 
+The MTP draft (``--speculative-config '{"method": "mtp", ...}'``) is a second model vLLM loads
+through the same loader from the same folder, after the main one (its ``model_config`` is the
+draft's: ``runner_type`` "draft"). Each load takes its own part of the rank's files: the main
+model the decoder layers, the draft the MTP layers (``model.layers.{L}.*`` from the main
+model's ``num_hidden_layers`` on), renamed as vLLM's ``DeepSeekMTP`` holds them
+(:func:`draft_name`). The draft's embedding and ``shared_head.head`` are left unwritten: vLLM
+replaces both by the main model's once the draft is loaded, and prep wrote none of them.
+
 What step 2 still does to bytes: the dense linears' scale transpose, on unwritten memory (a
-sixteenth of their bytes). The experts, the bulk of the model, are neither shuffled nor copied.
+sixteenth of their bytes). The experts, the bulk of the model, are neither shuffled nor copied
+(nor the draft's BF16 experts: :func:`_unshuffled`).
 """
 
 from __future__ import annotations
@@ -32,6 +41,11 @@ LOAD_FORMAT = "prep"
 # vLLM's tensors that no checkpoint holds: the MLA scalars it constructs (1.0), and what
 # finalize_model_weights derives after the copy.
 ENGINE_OWNED = ("._k_scale", "._v_scale", "._q_scale", "._prob_scale", ".W_UK_T", ".W_UV")
+# The draft's tensors vLLM replaces by the main model's after loading it (eagle/utils.py's
+# maybe_share_target_embed, share_target_lm_head): left unwritten.
+DRAFT_SHARED = ("model.embed_tokens.weight", ".shared_head.head.weight")
+# An MTP layer's modules DeepSeekMTP holds beside its decoder layer; the rest is under mtp_block.
+_MTP_OWN = ("enorm.", "hnorm.", "eh_proj.", "shared_head.")
 
 
 class DoorError(RuntimeError):
@@ -49,6 +63,7 @@ def loader_class() -> type:
     """vLLM's ``BaseModelLoader`` for converted folders (module docstring); built on first use,
     so that importing :mod:`layouts` never imports vLLM."""
     import torch
+    from vllm.model_executor.layers.fused_moe import unquantized_fused_moe_method as unquantized_moe
     from vllm.model_executor.layers.quantization.quark import quark_moe
     from vllm.model_executor.model_loader import utils as vutils
     from vllm.model_executor.model_loader.base_loader import BaseModelLoader
@@ -65,19 +80,28 @@ def loader_class() -> type:
             device_config, load_config = vllm_config.device_config, vllm_config.load_config
             target = torch.device(device_config.device if load_config.device is None else load_config.device)
             manifest, rank = checked(model_config.model, vllm_config.parallel_config)  # before building
+            draft = getattr(model_config, "runner_type", None) == "draft"
+            # The MTP layers follow the main model's decoder layers (the draft's config is rewritten).
+            first_mtp = vllm_config.model_config.hf_config.num_hidden_layers
+            if draft and vllm_config.parallel_config.pipeline_parallel_size > 1:
+                raise DoorError("the MTP draft with pipeline parallel keeps its own embedding, which prep does not "
+                                "write; serve it without --pipeline-parallel-size")
             with set_default_torch_dtype(model_config.dtype):
                 with target:
                     model = self.create_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
-                finalize, convert = vutils.finalize_model_weights, quark_moe.convert_weight_to_mxfp4_moe_kernel_format
-                vutils.finalize_model_weights = lambda *a, **k: None
-                quark_moe.convert_weight_to_mxfp4_moe_kernel_format = _unconverted
+                held = ((vutils, "finalize_model_weights", lambda *a, **k: None),
+                        (quark_moe, "convert_weight_to_mxfp4_moe_kernel_format", _unconverted),
+                        (unquantized_moe, "convert_to_unquantized_kernel_format", _unshuffled))
+                kept = [getattr(mod, attr) for mod, attr, _ in held]
+                for mod, attr, stand_in in held:
+                    setattr(mod, attr, stand_in)
                 try:
                     vutils.process_weights_after_loading(model, model_config, target)
                 finally:
-                    vutils.finalize_model_weights = finalize
-                    quark_moe.convert_weight_to_mxfp4_moe_kernel_format = convert
-                install(model, model_config.model, manifest, rank)
-                finalize(model, target)
+                    for (mod, attr, _), original in zip(held, kept):
+                        setattr(mod, attr, original)
+                install(model, model_config.model, manifest, rank, first_mtp, draft)
+                kept[0](model, target)  # finalize_model_weights
             return model.eval()
 
     return PrepModelLoader
@@ -103,6 +127,31 @@ def _unconverted(mxfp4_backend: Any, layer: Any, w13_weight: Any, w2_weight: Any
     return w13, w2, w13_weight_scale.data, w2_weight_scale.data, *bias
 
 
+def _unshuffled(backend: Any, moe_config: Any, w13_weight: Any, w2_weight: Any, layer: Any = None) -> tuple:
+    """vLLM's ``convert_to_unquantized_kernel_format`` (BF16 experts: R1-0528's MTP layer) for
+    aiter's MoE without its shuffle: the same tensors, marked ``is_shuffled`` as vLLM's are, since
+    the rank's files hold them in ``bf16-preshuffle`` and are copied in next. Any other back end
+    reads the experts unshuffled: refused."""
+    from vllm.model_executor.layers.fused_moe.oracle.unquantized import UnquantizedMoeBackend
+
+    if backend != UnquantizedMoeBackend.AITER:
+        raise DoorError(f"vLLM runs the BF16 MoE {getattr(layer, 'layer_name', '')} on {backend.value}, which reads "
+                        "the experts unshuffled, not prep's bf16-preshuffle; serve with VLLM_ROCM_USE_AITER=1 and "
+                        "VLLM_ROCM_USE_AITER_MOE unset or 1")
+    w13_weight.is_shuffled = w2_weight.is_shuffled = True
+    return w13_weight, w2_weight
+
+
+def draft_name(name: str) -> str:
+    """The name vLLM's MTP draft (``DeepSeekMTP``) holds the converted tensor ``name`` of an MTP
+    layer under: its norms, ``eh_proj`` and ``shared_head`` as they are, the decoder layer's
+    modules under ``mtp_block`` (``model.layers.61.mlp.gate.weight`` ->
+    ``model.layers.61.mtp_block.mlp.gate.weight``)."""
+    head, _, rest = name.partition(".layers.")
+    layer, _, module = rest.partition(".")
+    return name if module.startswith(_MTP_OWN) else f"{head}.layers.{layer}.mtp_block.{module}"
+
+
 def checked(folder: str, parallel_config: Any) -> tuple[Any, int]:
     """``(manifest, rank)``: the converted ``folder``'s manifest checked against vLLM's TP and EP
     sizes, this process's rank and vLLM's switches (:class:`DoorError` naming the fix), before
@@ -122,27 +171,44 @@ def checked(folder: str, parallel_config: Any) -> tuple[Any, int]:
     return manifest, rank
 
 
-def install(model: Any, folder: str, manifest: Any, rank: int) -> list[str]:
+def _is_mtp(name: str, first_mtp: int) -> bool:
+    """Whether ``name`` is a tensor of an MTP layer (index ``first_mtp`` on)."""
+    rest = name.partition("model.layers.")[2]
+    layer = rest.partition(".")[0]
+    return name.startswith("model.layers.") and layer.isdigit() and int(layer) >= first_mtp
+
+
+def install(model: Any, folder: str, manifest: Any, rank: int, first_mtp: int, draft: bool = False) -> list[str]:
     """Copy rank ``rank``'s tensors of the converted ``folder`` (its checked ``manifest``) into
-    ``model``'s processed parameters (module docstring, step 3); returns the names written."""
+    ``model``'s processed parameters (module docstring, step 3): the main model's (``draft``
+    False) or the MTP draft's, the MTP layers being those from ``first_mtp`` on. Returns the
+    names written."""
     from ... import iter_rank_files
 
+    mine = {t.name for t in manifest.tensors if t.rank == rank and t.role != "unread"
+            and _is_mtp(t.name, first_mtp) == draft}
+    if draft and not mine:
+        raise DoorError(f"{folder}: rank {rank}'s files hold no MTP layer for vLLM's draft model (converted from a "
+                        "checkpoint without one, or by a prep before 2026-12-05); convert again with --engine vllm, "
+                        "or serve without --speculative-config")
     params = model.state_dict(keep_vars=True)
     written, seen = [], set()
-    for part in iter_rank_files(folder, rank, "cpu", manifest=manifest):
+    for part in iter_rank_files(folder, rank, "cpu", manifest=manifest, names=mine):
         for name, t in part.items():
-            p = params.get(name)
+            held = draft_name(name) if draft else name
+            p = params.get(held)
             if p is None:
-                raise DoorError(f"{folder}: {name} is not a tensor of vLLM's model; convert again with this prep "
-                                "for this vLLM (--engine vllm)")
+                raise DoorError(f"{folder}: {name} is not a tensor of vLLM's {'MTP draft' if draft else 'model'} "
+                                f"({held}); convert again with this prep for this vLLM (--engine vllm)")
             _copy_into(p.data, t, name, folder)
-            written.append(name)
+            written.append(held)
             seen.add(p.data.untyped_storage().data_ptr())
-    left = [n for n, p in params.items() if p.data.untyped_storage().data_ptr() not in seen
-            and not n.endswith(ENGINE_OWNED)]
+    skip = ENGINE_OWNED + (DRAFT_SHARED if draft else ())
+    left = [n for n, p in params.items() if p.data.untyped_storage().data_ptr() not in seen and not n.endswith(skip)]
     if left:
-        raise DoorError(f"{folder}: rank {rank}'s files hold no {left[0]} (and {len(left) - 1} more of vLLM's model); "
-                        "it would run with unwritten memory: convert again with --engine vllm")
+        raise DoorError(f"{folder}: rank {rank}'s files hold no {left[0]} (and {len(left) - 1} more of vLLM's "
+                        f"{'MTP draft' if draft else 'model'}); it would run with unwritten memory: convert again "
+                        "with --engine vllm")
     return written
 
 
