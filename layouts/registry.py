@@ -230,6 +230,32 @@ class ScaleShuffleStacked(ScaleShuffle):
 
 
 @dataclasses.dataclass(frozen=True)
+class ScaleShuffleUnpadded(ScaleShuffle):
+    """:class:`ScaleShuffle` on a ``[R, C]`` scale that needs no pad: ``R % 32 == 0`` and
+    ``C % 8 == 0`` (its constraints), the bytes of ``e8m0_shuffle`` cut to the scale's own rows
+    (each 32-row band is shuffled on its own, so the cut is exact). vLLM's aiter linear swizzles
+    the scale so for aiter's ASM FP4 GEMM, without padding it."""
+
+    name = "s32x8-unpadded"
+
+    def violations(self, shape: Shape) -> list[str]:
+        if len(shape) != 2:
+            return ["scale is 2-D [N, K/32]"]
+        r, c = shape
+        return ([] if r % _sh.S32_ROWS == 0 else [f"N % {_sh.S32_ROWS} == 0 (N = {r})"]) + (
+            [] if c % _sh.S8_COLS == 0 else [f"K/32 % {_sh.S8_COLS} == 0 (K/32 = {c})"])
+
+    def forward(self, t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return _into(_sh.preshuffle_scale(t, pad_value=self.pad_value, pad_rows=False), out)
+
+    def output_shape(self, shape: Shape) -> Shape:
+        return tuple(shape)
+
+    def pad_mismatches(self, t: torch.Tensor, shape: Shape) -> int:
+        return 0  # it pads nothing (its constraints)
+
+
+@dataclasses.dataclass(frozen=True)
 class ScaleTranspose(Transform):
     """The scale ``[N, K/32]`` held transposed, ``[K/32, N]`` (vLLM's aiter linear keeps it so for
     the shapes it runs on ``gemm_afp4wfp4``)."""
@@ -446,6 +472,11 @@ NON_SHUFFLE_T = register_layout(Layout(
 PRESHUFFLE = register_layout(Layout(
     "preshuffle", 2, "dense", WeightPreshuffle(), ScaleShuffle(), {"is_shuffled": True},
     "W16 weight + padded S32x8 scale for aiter gemm_a4w4 (ASM/CK) and the Triton preshuffle GEMM",
+))
+PRESHUFFLE_UNPADDED = register_layout(Layout(
+    "preshuffle-unpadded", 1, "dense", WeightPreshuffle(), ScaleShuffleUnpadded(), {},
+    "W16 weight + S32x8 scale without pad (N % 32, K/32 % 8): vLLM's aiter linear on the ASM FP4 GEMM (the "
+    "shapes aiter has tuned it for)",
 ))
 MOE_CK = register_layout(Layout(
     "ck", 2, "moe", WeightPreshuffle(), ScaleShuffle(flatten_experts=True), {"is_shuffled": True},

@@ -367,7 +367,7 @@ def convert(src, out, layout, moe_layout, tp, ep, fuse_shared_expert, engine, co
                      "(docs/engines.md)")
     else:
         lines.append(f"serve it with {profile.display_name}: prep's door does not serve "
-                     + ("--common-bf16 conversions" if common_bf16 else f"MoE layout {moe_layout} yet")
+                     + ("--common-bf16 conversions" if common_bf16 else f"layout {layout} with MoE layout {moe_layout} yet")
                      + " (docs/engines.md)")
     _emit(s, as_json, lines)
     if click.get_current_context().get_parameter_source("tp") == click.core.ParameterSource.DEFAULT and not as_json:

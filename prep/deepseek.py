@@ -307,7 +307,8 @@ def plan_groups(src: SourceCheckpoint, cls: Classified, target: Target) -> list[
     if tp < 1 or target.ep < 1:
         raise PrepError(f"--tp and --ep must be >= 1 (got tp={tp}, ep={target.ep})")
     engine = engine_of(target.engine)
-    why = engine.target_refusal(tp, target.ep, target.moe_layout, target.fuse_shared_expert)  # what it can run
+    why = (engine.layout_refusal(target.layout, target.moe_layout)  # what it reads
+           or engine.target_refusal(tp, target.ep, target.moe_layout, target.fuse_shared_expert))  # what it can run
     if why:
         raise PrepError(why)
     rules = engine.sharding

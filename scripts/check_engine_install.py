@@ -142,7 +142,8 @@ def check_sglang(src: pathlib.Path, out: pathlib.Path, work: pathlib.Path, aiter
     return ok
 
 
-def check_vllm(src: pathlib.Path, out: pathlib.Path, work: pathlib.Path, aiter_src: pathlib.Path) -> bool:
+def check_vllm(src: pathlib.Path, out: pathlib.Path, work: pathlib.Path, aiter_src: pathlib.Path,
+               asm_tuned: bool = False) -> bool:
     import vllm_on_cpu as v
     from layouts.engines.vllm.door import LOAD_FORMAT
 
@@ -153,7 +154,11 @@ def check_vllm(src: pathlib.Path, out: pathlib.Path, work: pathlib.Path, aiter_s
     # vllm.general_plugins entry point, as it does in every vLLM process (checked below)
     override = _exclude_override(out, "--hf-overrides")
     kw = {"hf_overrides": override} if override else {}
-    if not v.TABLES["present"]:
+    if asm_tuned:
+        v.force_asm_tuned()
+        print("aiter's tuned-shape probes answer yes for every shape (--asm-tuned): vLLM runs each dense linear whose "
+              "scale it can swizzle on the ASM FP4 GEMM")
+    elif not v.TABLES["present"]:
         print("aiter's tuned-shape tables: none given ($PREP_AITER_TABLES), so vLLM shuffles no dense linear "
               "(what aiter answers for every tiny shape)")
     # With an MTP layer, vLLM's MTP draft too (--speculative-config), loaded after the model.
@@ -218,6 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--oracles", type=pathlib.Path,
                     help="folder with ATOM's and aiter's source tarballs (default: ../shared/oracles)")
     ap.add_argument("--work", type=pathlib.Path, help="scratch folder (default: a temporary one)")
+    ap.add_argument("--asm-tuned", action="store_true",
+                    help="vllm: both loads as where aiter has tuned its ASM FP4 GEMM for every dense linear's shape "
+                         "(vLLM's two probes answer yes), so vLLM runs each on it and the door lays it out at load")
     args = ap.parse_args(argv)
     if args.engine in ENGINE_PYTHON:
         import importlib.util
@@ -235,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.engine == "sglang":
         ok = check_sglang(args.source, args.converted, work, aiter_src)
     elif args.engine == "vllm":
-        ok = check_vllm(args.source, args.converted, work, aiter_src)
+        ok = check_vllm(args.source, args.converted, work, aiter_src, args.asm_tuned)
     else:
         ok = check_atom(args.source, args.converted, work, atom_dir, aiter_src)
     return 0 if ok else 1

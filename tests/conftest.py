@@ -118,16 +118,17 @@ def assert_verifies_and_reverts(out: pathlib.Path, src: pathlib.Path, back: path
                                              for k in want)
 
 
-def engine_check_rows(engine: str, src: pathlib.Path, out: pathlib.Path, work: pathlib.Path) -> tuple[list[list[str]], str]:
-    """``scripts/check_engine_install.py --engine ENGINE`` on ``src`` and its conversion ``out``
-    (which must pass: exit 0): its per-rank rows, split, and what it printed."""
+def engine_check_rows(engine: str, src: pathlib.Path, out: pathlib.Path, work: pathlib.Path,
+                      *more: str) -> tuple[list[list[str]], str]:
+    """``scripts/check_engine_install.py --engine ENGINE`` (and ``more`` options) on ``src`` and
+    its conversion ``out`` (which must pass: exit 0): its per-rank rows, split, and what it printed."""
     import subprocess
     import sys
 
     _need((pathlib.Path(__file__).resolve().parent.parent / f".venv-{engine}" / "bin" / "python").is_file(),
           f"{engine} in .venv-{engine} (setup_env.sh --{engine})")
     cmd = [sys.executable, str(pathlib.Path(__file__).resolve().parent.parent / "scripts" / "check_engine_install.py"),
-           "--engine", engine, "--source", str(src), "--converted", str(out), "--work", str(work)]
+           "--engine", engine, "--source", str(src), "--converted", str(out), "--work", str(work), *more]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the engine's own process sets it
     r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

@@ -82,6 +82,22 @@ def test_every_registered_layout_is_read_by_some_engine_path():
     assert {p.bf16_moe_layout for p in profiles} - {None} == set(layouts.layout_names("bf16-moe"))
 
 
+@pytest.mark.parametrize("engine, flags, message", [
+    ("atom", ["--layout", "non-shuffle-t"], "--layout non-shuffle-t: ATOM's GEMM paths read preshuffle or non-shuffle, "
+                                            "not non-shuffle-t; convert with one of them, or for another --engine"),
+    ("vllm", ["--moe-layout", "ck"], "--moe-layout ck: vLLM's MoE back ends read ck-3d, not ck;"),
+    ("sglang", ["--layout", "preshuffle"], "--layout preshuffle: SGLang's GEMM paths read non-shuffle, not preshuffle;"),
+])
+def test_a_layout_no_path_of_the_engine_reads_is_refused_before_writing(tiny_r1, tmp_path, engine, flags, message):
+    from click.testing import CliRunner
+
+    from prep.cli import main
+
+    out = tmp_path / "out"
+    r = CliRunner().invoke(main, ["convert", str(tiny_r1), "-o", str(out), "--engine", engine, "--tp", "1", *flags])
+    assert r.exit_code != 0 and message in r.output and not out.exists(), r.output
+
+
 def _manifest(layout, moe_layout, tp=2, ep=1, engine="atom") -> Manifest:
     return Manifest.from_json({"target": {"layout": layout, "moe_layout": moe_layout, "tp": tp, "ep": ep,
                                           "engine": engine}, "tensors": []})

@@ -25,7 +25,7 @@ def sample(layout, shape):
 
 
 def test_registry_lists_dense_moe_and_bf16_moe_layouts():
-    assert L.layout_names("dense") == ["non-shuffle", "non-shuffle-t", "preshuffle"]
+    assert L.layout_names("dense") == ["non-shuffle", "non-shuffle-t", "preshuffle", "preshuffle-unpadded"]
     assert L.layout_names("moe") == ["ck", "ck-3d", "triton", "triton-gfx942"]
     assert L.layout_names("bf16-moe") == ["bf16-preshuffle"]
 
@@ -53,6 +53,18 @@ def test_moe_layouts_transform_each_expert_on_its_own(name):
     blocks = [layout.apply(w[i:i + 3], None if s is None else s[i:i + 3], "t") for i in range(0, 7, 3)]
     assert torch.equal(torch.cat([b[0] for b in blocks]).view(torch.uint8), whole_w.view(torch.uint8))  # NaN bits
     assert s is None or torch.equal(torch.cat([b[1] for b in blocks]), whole_s)
+
+
+def test_the_unpadded_preshuffle_is_the_padded_ones_bytes_cut_to_the_scales_rows():
+    # vLLM's aiter linear swizzles the scale for the ASM GEMM without e8m0_shuffle's row pad: every
+    # 32-row band is shuffled on its own, so the unpadded bytes are the padded ones' first N rows.
+    w, s = rand_u8(96, 64, seed=7), rand_u8(96, 8, seed=8)
+    uw, us = L.get_layout("preshuffle-unpadded").apply(w, s)
+    pw, ps = L.get_layout("preshuffle").apply(w, s)
+    assert torch.equal(uw, pw) and tuple(us.shape) == (96, 8) and torch.equal(us, ps[:96])
+    with pytest.raises(L.LayoutConstraintError,
+                       match=r"needs scale: N % 32 == 0 \(N = 80\); scale: K/32 % 8 == 0 \(K/32 = 4\)"):
+        L.get_layout("preshuffle-unpadded").apply(rand_u8(80, 32, seed=1), rand_u8(80, 4, seed=2))
 
 
 def test_preshuffle_layout_is_the_two_primitives():
@@ -154,7 +166,7 @@ def test_compressed_source_names_expand_to_exactly_the_original_list(templates, 
 def test_forward_into_out_writes_the_same_bytes(name, misalign):
     # Converters build straight into their output buffers; any alignment of that buffer.
     layout = L.get_layout(name)
-    w, s = sample(layout, (256, 64) if layout.kind == "dense" else (4, 256, 256))
+    w, s = sample(layout, (256, 128) if layout.kind == "dense" else (4, 256, 256))  # K/32 = 8: no layout pads
     want_w, want_s = layout.apply(w, s)
     n = want_w.numel()
     buf = torch.zeros(n + 16, dtype=w.dtype)

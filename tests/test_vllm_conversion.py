@@ -109,6 +109,29 @@ def test_vllms_load_through_the_door_equals_its_own_load_of_the_source(tiny_r1, 
                                                           for row in rows), report
 
 
+def test_linears_vllm_runs_on_aiters_asm_gemm_are_laid_out_by_the_door_as_vllm_holds_them(tiny_r1, tmp_path):
+    # Where the aiter vLLM runs with has tuned its ASM FP4 GEMM for a dense linear's shape (not
+    # known when converting), vLLM holds it W16 with the scale [N, K/32] swizzled: the door lays
+    # the non-shuffle-t bytes out so on the way; both loads made with every shape "tuned".
+    out = tmp_path / "out"
+    r = CliRunner().invoke(main, ["convert", str(tiny_r1), "-o", str(out), "--engine", "vllm", "--tp", "2", "--ep", "2"])
+    assert r.exit_code == 0, r.output
+    rows, report = engine_check_rows("vllm", tiny_r1, out, tmp_path / "work", "--asm-tuned")
+    assert "--asm-tuned" in report and [row[-1] for row in rows] == ["ok", "ok"], report
+
+
+def test_the_asm_gemm_layout_is_the_registrys_from_the_written_one():
+    from layouts.engines.vllm.door import DoorError, _as_asm_gemm_holds
+
+    w, s = torch.randint(0, 256, (64, 128), dtype=torch.uint8), torch.randint(0, 256, (64, 8), dtype=torch.uint8)
+    written_w, written_s = layouts.get_layout("non-shuffle-t").apply(w, s)
+    held_w, held_s = layouts.get_layout("preshuffle-unpadded").apply(w, s)
+    assert torch.equal(_as_asm_gemm_holds(written_w, "x.weight", "non-shuffle-t", "OUT"), held_w)
+    assert torch.equal(_as_asm_gemm_holds(written_s, "x.weight_scale", "non-shuffle-t", "OUT"), held_s)
+    with pytest.raises(DoorError, match="x.weight is in layout 'preshuffle'.* convert again with --engine vllm"):
+        _as_asm_gemm_holds(held_w, "x.weight", "preshuffle", "OUT")
+
+
 def test_vllms_mtp_draft_takes_the_mtp_layer_under_its_own_names():
     from layouts.engines.vllm.door import draft_name
 

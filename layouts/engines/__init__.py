@@ -188,6 +188,17 @@ class EngineProfile:
         with --moe-layout ..."); None: only converting again fixes it."""
         return None
 
+    def layout_refusal(self, layout: str, moe_layout: str) -> str | None:
+        """Why no GEMM path or MoE back end of this engine reads a conversion with these layouts
+        (``prep convert`` refuses it before writing: nothing could serve it), or None."""
+        for flag, name, what, read in (
+                ("--layout", layout, "GEMM paths", [r.weight_layout for r in self.gemm_paths.values()]),
+                ("--moe-layout", moe_layout, "MoE back ends", list(self.moe_layouts.values()))):
+            if name not in read:
+                return (f"{flag} {name}: {self.display_name}'s {what} read {' or '.join(dict.fromkeys(read))}, not "
+                        f"{name}; convert with one of them, or for another --engine")
+        return None
+
     def target_refusal(self, tp: int, ep: int, moe_layout: str, fuse_shared_expert: bool = False) -> str | None:
         """Why no configuration of this engine could run a conversion with these TP/EP sizes, MoE
         layout and shared-expert fusion (``prep convert`` refuses it before writing), or None."""

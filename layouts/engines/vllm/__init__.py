@@ -34,7 +34,7 @@ from typing import Mapping
 
 from ...compat import (CompatibilityError, EngineConfig, bf16_moe_layout_matches, dense_layout_matches,
                       engine_matches, ep_matches, moe_layout_matches, rank_in_range, tp_matches)
-from ...registry import MOE_BF16, MOE_CK_3D, NON_SHUFFLE_T
+from ...registry import MOE_BF16, MOE_CK_3D, NON_SHUFFLE_T, PRESHUFFLE_UNPADDED
 
 
 from .._quark import excludes_as_regex, wildcard_note
@@ -46,6 +46,11 @@ ENV_FUSE_SHARED = "VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS"
 
 # aiter's gemm_afp4wfp4 on a raw weight with the scale transposed; the activation quantized raw
 TRITON_NON_SHUFFLE_T = "triton-non-shuffle-t"
+# aiter's ASM FP4 GEMM (gemm_a4w4; up to 64 tokens its Triton preshuffle GEMM) on W16 with the
+# scale swizzled unpadded: vLLM's choice, per linear, where aiter has tuned both for its (N, K).
+# No switch selects it for a whole model, so no configuration's default; prep writes
+# non-shuffle-t and the door lays such a linear out at load (door._as_asm_gemm_holds).
+AITER_ASM_UNPADDED = "aiter-asm-unpadded"
 AITER = "aiter"  # vLLM's MoE back end AITER_MXFP4_MXFP4: aiter's CK fused_moe
 GFX95 = GpuArch("gfx95", "gfx950", "gfx95x (MI355)")
 
@@ -65,7 +70,9 @@ class VllmProfile(EngineProfile):
 
     name = "vllm"
     label = "vLLM"
-    gemm_paths = {TRITON_NON_SHUFFLE_T: GemmPathRule(NON_SHUFFLE_T.name, NEVER, NEVER)}
+    gemm_paths = {TRITON_NON_SHUFFLE_T: GemmPathRule(NON_SHUFFLE_T.name, NEVER, NEVER),
+                  # the activation scale shuffled from 32 tokens (per_1x32_f4_quant_hip(shuffle=M >= 32))
+                  AITER_ASM_UNPADDED: GemmPathRule(PRESHUFFLE_UNPADDED.name, 32, 32)}
     moe_layouts = {(AITER, GFX95.prefix): MOE_CK_3D.name}
     mtp_draft_flags = "--speculative-config '{\"method\": \"mtp\", \"num_speculative_tokens\": 1}'"
     bf16_moe_layout = MOE_BF16.name  # bf16-preshuffle: aiter's shuffle_weight (16, 16), vLLM's unquantized aiter MoE

@@ -13,9 +13,11 @@ What the loader does, in vLLM's own order (``BaseModelLoader.load_model``), and 
    the parameters it leaves have the processed shapes and dtypes; the MoE's byte conversion (the
    shuffle of every expert) is skipped (:func:`_unconverted`), the rest of it runs.
 3. The rank's files are copied into those parameters by name: each tensor prep wrote is one vLLM
-   holds after processing, so nothing is processed twice. A linear vLLM chose to shuffle (aiter
-   has a tuned GEMM for its shape on this GPU: its scale is no longer ``[K/32, N]``), a tensor of
-   another shape, and a parameter left unwritten are refused, naming the fix.
+   holds after processing, so nothing is processed twice, except a dense linear vLLM runs on
+   aiter's ASM FP4 GEMM (where the aiter installed has a tuned GEMM for its shape on this GPU,
+   which prep cannot know when converting): its bytes are laid out from ``non-shuffle-t`` into
+   ``preshuffle-unpadded`` on the way (:func:`_as_asm_gemm_holds`, exact). A name vLLM's model
+   lacks, a tensor of another shape and a parameter left unwritten are refused, naming the fix.
 4. ``finalize_model_weights`` derives ``W_UK_T`` / ``W_UV`` from the ``kv_b_proj`` just copied in.
 
 The MTP draft (``--speculative-config '{"method": "mtp", ...}'``) is a second model vLLM loads
@@ -192,7 +194,8 @@ def install(model: Any, folder: str, manifest: Any, rank: int, first_mtp: int, d
                         "checkpoint without one, or by a prep before 2026-12-05); convert again with --engine vllm, "
                         "or serve without --speculative-config")
     params = model.state_dict(keep_vars=True)
-    written, seen = [], set()
+    layout_of = {t.name: t.layout for t in manifest.tensors if t.rank == rank and t.name in mine}
+    written, seen, relaid = [], set(), set()
     for part in iter_rank_files(folder, rank, "cpu", manifest=manifest, names=mine):
         for name, t in part.items():
             held = draft_name(name) if draft else name
@@ -200,9 +203,19 @@ def install(model: Any, folder: str, manifest: Any, rank: int, first_mtp: int, d
             if p is None:
                 raise DoorError(f"{folder}: {name} is not a tensor of vLLM's {'MTP draft' if draft else 'model'} "
                                 f"({held}); convert again with this prep for this vLLM (--engine vllm)")
+            if _on_asm_gemm(model, held):
+                t = _as_asm_gemm_holds(t, name, layout_of.get(name), folder)
+                relaid.add(held.rsplit(".", 1)[0])
             _copy_into(p.data, t, name, folder)
             written.append(held)
             seen.add(p.data.untyped_storage().data_ptr())
+    if relaid:
+        import logging
+
+        logging.getLogger(__name__).info(
+            "prep: %d dense linears of rank %d run on aiter's ASM FP4 GEMM (aiter has tuned it for their shapes on this "
+            "GPU): their non-shuffle-t bytes were laid out as vLLM holds them for it (preshuffle-unpadded) at load",
+            len(relaid), rank)
     skip = ENGINE_OWNED + (DRAFT_SHARED if draft else ())
     left = [n for n, p in params.items() if p.data.untyped_storage().data_ptr() not in seen and not n.endswith(skip)]
     if left:
@@ -212,17 +225,44 @@ def install(model: Any, folder: str, manifest: Any, rank: int, first_mtp: int, d
     return written
 
 
+def _on_asm_gemm(model: Any, param: str) -> bool:
+    """Whether ``param`` is the weight or scale of a dense MXFP4 linear that vLLM runs on aiter's
+    ASM FP4 GEMM: where aiter has tuned that GEMM (and its Triton preshuffle one) for the
+    linear's (N, K) on this GPU, vLLM's ``AiterMxfp4LinearKernel`` chooses it at processing."""
+    if not param.endswith((".weight", ".weight_scale")):
+        return False
+    try:
+        module = model.get_submodule(param.rsplit(".", 1)[0])
+    except AttributeError:
+        return False
+    kernel = getattr(getattr(module, "scheme", None), "ocp_mx_linear", None)
+    return bool(getattr(kernel, "use_asm_gemm", False))
+
+
+def _as_asm_gemm_holds(t: Any, name: str, layout: str | None, folder: str) -> Any:
+    """A dense linear's tensor as prep wrote it (``non-shuffle-t``) in the layout vLLM holds it in
+    for aiter's ASM FP4 GEMM (``preshuffle-unpadded``: the weight W16, the scale ``[N, K/32]``
+    S32x8 without pad), through the registry's exact inverse and forward. Which linears take that
+    GEMM depends on the aiter installed where vLLM runs (its tuned-shape tables), not known when
+    converting; for R1-0528 at TP 1 to 8 aiter e4048607 tunes none (docs/engines.md "vLLM")."""
+    from ...registry import NON_SHUFFLE_T, PRESHUFFLE_UNPADDED
+
+    if layout != NON_SHUFFLE_T.name:
+        raise DoorError(f"{folder}: {name} is in layout {layout!r}, but vLLM runs its linear on aiter's ASM FP4 GEMM "
+                        f"and prep lays out only {NON_SHUFFLE_T.name} for it; convert again with --engine vllm")
+    if name.endswith(".weight_scale"):
+        return PRESHUFFLE_UNPADDED.scale.forward(NON_SHUFFLE_T.scale.inverse(t, (t.shape[1], t.shape[0])))
+    return PRESHUFFLE_UNPADDED.weight.forward(NON_SHUFFLE_T.weight.inverse(t, tuple(t.shape)))
+
+
 def _copy_into(dst: Any, t: Any, name: str, folder: str) -> None:
     """``t`` into vLLM's parameter ``dst``: floating point cast as vLLM's own loading casts (the
     router bias F32 -> BF16); MXFP4 bytes as they are (vLLM views them as ``float4_e2m1fn_x2``)."""
     import torch
 
     if tuple(dst.shape) != tuple(t.shape):
-        hint = (" (vLLM shuffles this linear on this GPU: aiter has a tuned GEMM for its shape, so vLLM holds "
-                "its scale [N, K/32] and the weight W16, which prep does not write yet; serve without the tuned "
-                "config for it or convert for another engine)" if name.endswith(".weight_scale") and dst.dim() == 2
-                and tuple(dst.shape) == tuple(reversed(t.shape)) else "")
-        raise DoorError(f"{folder}: {name} is {list(t.shape)} but vLLM holds {list(dst.shape)}{hint}")
+        raise DoorError(f"{folder}: {name} is {list(t.shape)} but vLLM holds {list(dst.shape)}; convert again with "
+                        "this prep for this vLLM (--engine vllm)")
     if dst.is_floating_point() and t.is_floating_point() and dst.element_size() > 1:
         dst.copy_(t)
     elif dst.element_size() == t.element_size():
