@@ -17,11 +17,14 @@ import dataclasses
 import pathlib
 import re
 from collections.abc import Mapping
-from typing import Any, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 from .errors import LayoutsError
 from .safe_files import (MAX_JSON_BYTES, FileTooLargeError, gc_paused, member_problem, plain_name_problem,
                          read_regular, strict_json)
+
+if TYPE_CHECKING:
+    from .registry import Layout
 
 MANIFEST_NAME = "prep-manifest.json"
 COMPLETE_NAME = "prep-complete.json"
@@ -870,6 +873,20 @@ class Manifest:
         if not 0 <= rank < self.tp:
             raise ManifestError(f"{self.root}: rank {rank} is out of range for a checkpoint converted for tp={self.tp}")
         return [t for t in self.tensors if t.rank in (rank, None) and t.role != "unread"]
+
+    def recorded_layout(self, name: str) -> "Layout":
+        """Layout ``name`` as this checkpoint was written with it (its ``layouts`` entry: version
+        and transform parameters, :func:`layouts.registry.recorded_layout`), which is what its
+        bytes must be read as. Raises :class:`ManifestError` for a layout the manifest does not
+        record, :class:`LayoutsError` for one this layouts cannot read."""
+        from .registry import recorded_layout  # the registry imports nothing of the manifest
+
+        rec = self.layouts.get(name)
+        if rec is None:
+            where = self.root / MANIFEST_NAME if self.root is not None else MANIFEST_NAME
+            raise ManifestError(f"{where}: layout {name!r} is used but not recorded in its layouts; the manifest is "
+                                "damaged: convert again")
+        return recorded_layout(rec)
 
     def rank_files(self, rank: int) -> list[str]:
         """The files rank ``rank`` reads, each once, in manifest order (its own files first)."""

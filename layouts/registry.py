@@ -31,7 +31,7 @@ bf16-preshuffle bf16-moe W16 of 16-bit values per expert none (BF16 experts ``[E
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 
@@ -39,6 +39,9 @@ from . import shuffle as _sh
 from .errors import LayoutsError
 from .mxfp4 import E8M0_ONE
 from .shuffle import S32X8_PAD, LayoutConstraintError, pad_to
+
+if TYPE_CHECKING:
+    from .manifest import LayoutRecord  # the manifest imports the registry at call time only
 
 Shape = tuple[int, ...]
 
@@ -408,24 +411,24 @@ def get_layout(name: str) -> Layout:
         raise KeyError(f"unknown layout '{name}'; known: {', '.join(sorted(_REGISTRY))}") from None
 
 
-def recorded_layout(record: Mapping[str, Any]) -> Layout:
-    """The layout a manifest recorded (its ``layouts`` entry, ``Layout.describe()`` of the prep
-    that wrote it): the registered layout of that name with the record's version and transform
+def recorded_layout(record: "LayoutRecord") -> Layout:
+    """The layout a manifest recorded (its ``layouts`` entry, :class:`~layouts.manifest.LayoutRecord`:
+    ``Layout.describe()`` of the prep that wrote it): the registered layout of that name with the record's version and transform
     parameters, so that an older checkpoint is checked against the bytes it was written with
     (version 1's S32x8 pad byte is 0x7F; a recorded S32x8 transform without ``pad_value`` is
     :data:`LEGACY_S32X8_PAD`). The byte order must be the registry's: a record naming other
     transforms, or a version newer than the registry's, is refused."""
     try:
-        layout = get_layout(record.get("name"))
+        layout = get_layout(record.name)
     except KeyError as e:
         raise LayoutsError(f"the manifest records {e.args[0]}: upgrade prep/layouts") from None
-    version = record.get("version")
+    version = record.version
     if not isinstance(version, int) or not 1 <= version <= layout.version:
         raise LayoutsError(f"layout '{layout.name}' version {version!r}: this layouts knows versions 1 to "
                            f"{layout.version}; upgrade prep/layouts")
     parts = []
     for key, have in (("weight_transform", layout.weight), ("scale_transform", layout.scale)):
-        params = dict(record.get(key) or {})
+        params = dict(getattr(record, key) or {})
         if params.pop("name", None) != have.name:
             raise LayoutsError(f"layout '{layout.name}': the manifest's {key} is not '{have.name}'; "
                                "the checkpoint was written by another prep: convert again")

@@ -56,7 +56,7 @@ class Bf16Group:
     placements: tuple[Placement, ...]
     # The registered layout the stored bytes are in, for stacked BF16 experts the engine would
     # otherwise shuffle after loading; None: as the source holds them (split, unshuffled).
-    layout: str | None = None
+    layout: layouts.Layout | None = None
     kind = "bf16"
 
     @property
@@ -65,7 +65,7 @@ class Bf16Group:
 
     def runtime_attrs(self) -> dict[str, Any]:
         """Its layout's attributes (stacked experts stored in one), else none: source bytes."""
-        return dict(layouts.get_layout(self.layout).runtime_attrs) if self.layout else {}
+        return dict(self.layout.runtime_attrs) if self.layout else {}
 
     @property
     def stacked(self) -> bool:
@@ -94,24 +94,24 @@ class Bf16Group:
     def outputs(self) -> list[tuple[str, str, tuple[int, ...]]]:
         return [(self.name, "bf16_shard", self.shape)]
 
-    def with_layout(self, name: str) -> "Bf16Group":
-        """This group stored in registered layout ``name``, refused (naming the tensor) where the
-        layout cannot take its shape: e.g. aiter's 16-bit shuffle needs 32 columns per expert."""
+    def with_layout(self, layout: layouts.Layout) -> "Bf16Group":
+        """This group stored in ``layout`` (a BF16 MoE layout), refused (naming the tensor) where
+        the layout cannot take its shape: e.g. aiter's 16-bit shuffle needs 32 columns per expert."""
         try:
-            layouts.get_layout(name).check(self.shape, None, self.name)
+            layout.check(self.shape, None, self.name)
         except layouts.LayoutConstraintError as e:
             raise PrepError(f"{e} (rank {self.rank}); the engine shuffles these BF16 experts the same way and "
                             "would fail too: choose a smaller --tp, or --ep") from None
-        return dataclasses.replace(self, layout=name)
+        return dataclasses.replace(self, layout=layout)
 
     def to_layout(self, block: torch.Tensor) -> torch.Tensor:
         """A block of whole stored experts put in the group's layout, in place (whole experts
         transform independently in every BF16 MoE layout: the registry checks it)."""
-        return layouts.get_layout(self.layout).weight.forward(block, block) if self.layout else block
+        return self.layout.weight.forward(block, block) if self.layout else block
 
     def from_layout(self, block: torch.Tensor) -> torch.Tensor:
         """A block of whole stored experts back in source order."""
-        return layouts.get_layout(self.layout).weight.inverse(block, tuple(block.shape)) if self.layout else block
+        return self.layout.weight.inverse(block, tuple(block.shape)) if self.layout else block
 
     def check(self) -> None:
         slots: dict[int | None, list[tuple[int, int]]] = {}
@@ -194,7 +194,7 @@ class Bf16Group:
             split = {"op": "tp_split", "dim": "intermediate", "tp": self.tp, "rank": self.rank} if p.dim is not None \
                 else {"op": "ep_split", "rank": self.rank, "experts": self.shape[0]}
             chain = [split, {"op": "stack_experts", "experts": self.shape[0], "w13": "[gate ; up] rows per expert"}]
-            return chain + ([{"op": "layout", **layouts.get_layout(self.layout).describe()}] if self.layout else [])
+            return chain + ([{"op": "layout", **self.layout.describe()}] if self.layout else [])
         chain: list[dict[str, Any]] = [{"op": "tp_split", "source": p.source, "dim": p.dim, "tp": self.tp,
                                         "rank": self.rank} for p in self.placements if p.dim is not None]
         if len(self.placements) > 1:
@@ -203,7 +203,7 @@ class Bf16Group:
 
     def record(self) -> dict[str, Any]:
         head = {"kind": self.kind, "name": self.name, "rank": self.rank, "tp": self.tp, "dtype": self.dtype,
-                "layout": self.layout}
+                "layout": self.layout.name if self.layout else None}
         if self.stacked:  # by its template: 257 experts x 3 placements would be most of the manifest
             return {**head, "stack": self._stack().to_json()}
         return {**head, "placements": [p.to_json() for p in self.placements]}
@@ -259,12 +259,14 @@ def _expand_stack(name: str, stack: StackRecord) -> tuple[Placement, ...]:
                  for slot, expert in enumerate(experts) for w in stack.windows)
 
 
-def group_from_record(rec: "GroupRecord") -> Bf16Group:
-    """A BF16 group from its manifest record (stacked experts expanded from their template)."""
+def group_from_record(rec: "GroupRecord", layout_of: Callable[[str], layouts.Layout] = layouts.get_layout
+                      ) -> Bf16Group:
+    """A BF16 group from its manifest record (stacked experts expanded from their template), its
+    layout (if any) as ``layout_of`` gives it (``prep.groups.group_from_record``)."""
     if rec.kind != "bf16":
         raise PrepError(f"manifest: group {rec.name!r} is not a bf16 group")
     ps = _expand_stack(rec.name, rec.stack) if rec.stack is not None else tuple(rec.placements)
-    return Bf16Group(rec.name, rec.rank, rec.tp, rec.dtype, ps, rec.layout)
+    return Bf16Group(rec.name, rec.rank, rec.tp, rec.dtype, ps, None if rec.layout is None else layout_of(rec.layout))
 
 
 # ---------------------------------------------------------------------------------- planning

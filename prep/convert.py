@@ -474,14 +474,15 @@ def build_manifest(src: SourceCheckpoint, target: Target, jobs: list[FileJob],
     tensors = []
     groups = []
     used_layouts = {target.layout, target.moe_layout}
-    used_layouts |= {g.layout for j in jobs for g in j.groups if g.layout}
+    used_layouts |= {g.layout.name for j in jobs for g in j.groups if g.layout}
     for job in jobs:
         hashes = records[job.name]["hashes"]
         for g in job.groups:  # every group kind answers the same: its dtype, attributes, outputs
             groups.append(to_record(g, job.name))
             transforms, attrs = tuple(g.transforms()), g.runtime_attrs()
             for (name, role, shape), sources in zip(g.outputs(), g.output_sources()):
-                tensors.append(schema.TensorRecord(name, g.rank, job.name, g.dtype, tuple(shape), role, g.layout,
+                tensors.append(schema.TensorRecord(name, g.rank, job.name, g.dtype, tuple(shape), role,
+                                                   g.layout.name if g.layout else None,
                                                    g.key, dict(attrs), hashes[name], tuple(compress_names(sources)),
                                                    transforms))
         # A whole tensor in a common file is read by every rank (format 1) or, rank-exact, by none.

@@ -69,7 +69,7 @@ class ConvertedCheckpoint:
                                     f"({first.file}, {t.file}); the manifest is damaged: convert again")
         for rec in self.manifest.groups:
             self._groups[rec.name].append(rec)
-            self._sources[rec.name].update(dict.fromkeys(_group(rec).sources()))
+            self._sources[rec.name].update(dict.fromkeys(self._group(rec).sources()))
 
     @property
     def source_tensors(self) -> Mapping[str, SourceTensor]:
@@ -146,11 +146,16 @@ class ConvertedCheckpoint:
             raise PrepError(f"{self.root / fname}: tensor {info.name} does not match its manifest hash; the file was "
                             "modified or damaged: convert again (or pass --no-verify to read it anyway)")
 
+    def _group(self, rec: GroupRecord) -> LinearGroup | MoEGroup | Bf16Group:
+        """The group that builds and inverts ``rec``'s tensors, in its layout as the manifest
+        records it (the version the bytes were written with)."""
+        return group_from_record(rec, self.manifest.recorded_layout)
+
     def invert_group(self, key: str) -> dict[str, torch.Tensor]:
         """Every source tensor the group ``key`` came from, rebuilt from all its ranks, whole."""
         tiles = _Tiles(self.source_tensors)
         for rec in self._groups[key]:
-            g = _group(rec)
+            g = self._group(rec)
             tensors = [self.read(rec.file, name) for name, _, _ in g.outputs()]
             for src_name, (rows, cols), piece in g.invert(tensors):
                 tiles.place(src_name, rows, cols, piece, rec.rank)
@@ -171,7 +176,7 @@ class ConvertedCheckpoint:
             yield unit, self.read(t.file, unit)
             return
         recs = self._groups[unit]
-        groups = [_group(r) for r in recs]
+        groups = [self._group(r) for r in recs]
         if all(isinstance(g, Bf16Group) for g in groups):
             if groups[0].stacked:
                 yield from self._iter_bf16_experts(unit, recs, groups)
@@ -265,7 +270,7 @@ class ConvertedCheckpoint:
                 yield unit, rows, self.read_rows(t.file, unit, rows)
             return
         recs = self._groups.get(unit, [])
-        groups = [_group(r) for r in recs]
+        groups = [self._group(r) for r in recs]
         if groups and all(isinstance(g, Bf16Group) and not g.stacked for g in groups):
             yield from self._bf16_row_blocks(unit, recs, groups)
             return
@@ -307,9 +312,6 @@ class ConvertedCheckpoint:
             yield name, [name]
 
 
-def _group(rec: GroupRecord) -> LinearGroup | MoEGroup | Bf16Group:
-    """The group that builds and inverts ``rec``'s tensors."""
-    return group_from_record(rec)
 
 
 def _step(g: MoEGroup) -> int:

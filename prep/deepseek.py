@@ -17,6 +17,7 @@ from typing import Any, Iterable, Iterator, Mapping
 from layouts.compat import EngineConfig
 from layouts.engines import DEFAULT_ENGINE, EngineProfile, ShardingRules, get_engine
 from layouts.mxfp4 import BLOCK_SIZE
+from layouts.registry import Layout, get_layout
 from layouts.sizes import ceil_div
 
 from .errors import PrepError
@@ -322,10 +323,11 @@ def plan_groups(src: SourceCheckpoint, cls: Classified, target: Target) -> list[
         return Part(prefix, n, k, split)
 
     per_rank: list[list[LinearGroup | MoEGroup]] = [[] for _ in range(tp)]
+    lays = get_layout(target.layout), get_layout(target.moe_layout)  # the names resolved once, for every group
     for layer, mods in cls.by_layer.items():
         experts = _layer_experts(layer, mods, target, src)  # the same for every rank: checked once
         for rank in range(tp):
-            per_rank[rank] += _layer_groups(layer, mods, rank, target, rules, part, experts)
+            per_rank[rank] += _layer_groups(layer, mods, rank, target, rules, part, experts, lays)
     for groups in per_rank:
         for g in groups:
             g.check()
@@ -405,12 +407,12 @@ def _layer_experts(layer: str, mods: dict[str, str], target: Target, src: Source
     return _LayerExperts(srcs, len(experts), fuse, inter, hidden)
 
 
-def _layer_groups(layer, mods, rank, target, rules: ShardingRules, part,
-                  experts: _LayerExperts | None) -> list[LinearGroup | MoEGroup]:
+def _layer_groups(layer, mods, rank, target, rules: ShardingRules, part, experts: _LayerExperts | None,
+                  lays: tuple[Layout, Layout]) -> list[LinearGroup | MoEGroup]:
     """Rank ``rank``'s groups of one layer, as the engine's ``rules`` hold its modules: merged
     modules (those after the experts only in a layer with stacked experts), the stacked experts
     (the rank's block under expert parallel), then every other MXFP4 linear split by its rule."""
-    tp, lay = target.tp, target.layout
+    tp, (lay, moe_lay) = target.tp, lays
     out: list[LinearGroup | MoEGroup] = []
     done: set[str] = set()
 
@@ -434,7 +436,7 @@ def _layer_groups(layer, mods, rank, target, rules: ShardingRules, part,
             start, stop = rules.expert_block(n_routed, target.ep, rank)
             local, ep_range = srcs[start:stop] + srcs[n_routed:], (start, stop)
         out.append(MoEGroup(f"{layer}{rules.experts}", rank, tp, tuple(local), experts.inter, experts.hidden,
-                            target.moe_layout, target.inter_pad_to, target.hidden_pad_to, ep=target.ep,
+                            moe_lay, target.inter_pad_to, target.hidden_pad_to, ep=target.ep,
                             routed=ep_range))
         done.update(f"{s}.{p}" for s in srcs for p in ("gate_proj", "up_proj", "down_proj"))
         merges(after_experts=True)
@@ -482,7 +484,8 @@ def plan_bf16(src: SourceCheckpoint, cls: Classified, target: Target
                                               cls.num_layers, target.tp, target.ep, target.fuse_shared_expert,
                                               engine_of(target.engine).sharding)
     if target.bf16_moe_layout:
-        per_rank = [[g.with_layout(target.bf16_moe_layout) if g.stacked else g for g in groups] for groups in per_rank]
+        stacked = get_layout(target.bf16_moe_layout)
+        per_rank = [[g.with_layout(stacked) if g.stacked else g for g in groups] for groups in per_rank]
     for groups in per_rank:
         for g in groups:
             g.check()

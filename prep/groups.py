@@ -119,9 +119,9 @@ def _invert_placements(group: "LinearGroup | MoEGroup", local: list[torch.Tensor
         yield p.source, p.window, p.region(local[p.output])
 
 
-def _check_layout(layout: str, shapes, tensor: str) -> None:
+def _check_layout(layout: layouts.Layout, shapes, tensor: str) -> None:
     try:
-        layouts.get_layout(layout).check(*shapes, tensor=tensor)
+        layout.check(*shapes, tensor=tensor)
     except layouts.LayoutConstraintError as e:
         raise layouts.LayoutConstraintError(f"{e}; choose a smaller --tp or another --layout") from None
 
@@ -169,7 +169,7 @@ class LinearGroup:
     rank: int
     tp: int
     parts: tuple[Part, ...]
-    layout: str
+    layout: layouts.Layout
     kind = "linear"
     dtype = "U8"  # stored tensors: MXFP4 bytes and E8M0 scales
 
@@ -179,7 +179,7 @@ class LinearGroup:
 
     def runtime_attrs(self) -> dict[str, Any]:
         """The attributes an engine sets on each of this group's tensors: its layout's."""
-        return dict(layouts.get_layout(self.layout).runtime_attrs)
+        return dict(self.layout.runtime_attrs)
 
     def sources(self) -> list[str]:
         """The source tensors this group is built from."""
@@ -206,7 +206,7 @@ class LinearGroup:
 
     def outputs(self) -> list[tuple[str, str, tuple[int, ...]]]:
         """(tensor name, role, shape) of what this group writes, in order."""
-        lw, ls = layouts.get_layout(self.layout).output_shapes(*self.local_shapes())
+        lw, ls = self.layout.output_shapes(*self.local_shapes())
         return [(f"{self.name}.weight", "mxfp4_weight", lw), (f"{self.name}.weight_scale", "e8m0_scale", ls)]
 
     def check(self) -> None:
@@ -224,13 +224,13 @@ class LinearGroup:
         (wname, _, wshape), (sname, _, _) = self.outputs()
         w, s = self._merged(read)
         out = alloc(wname, wshape) if alloc else None
-        w, s = layouts.get_layout(self.layout).apply(w, s, f"{self.name}.weight", weight_out=out)
+        w, s = self.layout.apply(w, s, f"{self.name}.weight", weight_out=out)
         yield wname, w
         yield sname, s
 
     def build(self, read: Reader) -> list[torch.Tensor]:
         """The output tensors, whole, in ``outputs()`` order."""
-        return list(layouts.get_layout(self.layout).apply(*self._merged(read), f"{self.name}.weight"))
+        return list(self.layout.apply(*self._merged(read), f"{self.name}.weight"))
 
     def _merged(self, read: Reader) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's local weight and scale: every placement read into place."""
@@ -242,7 +242,7 @@ class LinearGroup:
 
     def invert(self, tensors: list[torch.Tensor]) -> Iterator[Piece]:
         wshape, sshape = self.local_shapes()
-        local = layouts.get_layout(self.layout).invert(tensors[0], tensors[1], wshape, sshape)
+        local = self.layout.invert(tensors[0], tensors[1], wshape, sshape)
         yield from _invert_placements(self, list(local))
 
     def transforms(self) -> list[dict[str, Any]]:
@@ -253,11 +253,11 @@ class LinearGroup:
                               "tp": self.tp, "rank": self.rank})
         if len(self.parts) > 1:
             chain.append({"op": "concat_rows", "parts": [p.src for p in self.parts]})
-        chain.append({"op": "layout", **layouts.get_layout(self.layout).describe()})
+        chain.append({"op": "layout", **self.layout.describe()})
         return chain
 
     def record(self) -> dict[str, Any]:
-        return {"kind": self.kind, "name": self.name, "rank": self.rank, "tp": self.tp, "layout": self.layout,
+        return {"kind": self.kind, "name": self.name, "rank": self.rank, "tp": self.tp, "layout": self.layout.name,
                 "parts": [dataclasses.asdict(p) for p in self.parts]}
 
 
@@ -273,7 +273,7 @@ class MoEGroup:
     experts: tuple[str, ...]  # source prefixes with gate_proj/up_proj/down_proj below them
     inter: int  # per-expert intermediate size (I)
     hidden: int  # H
-    layout: str
+    layout: layouts.Layout
     inter_pad_to: int = 256
     hidden_pad_to: int = 256
     ep: int = 1  # expert parallel: this rank holds ``experts`` whole (no intermediate split)
@@ -317,7 +317,7 @@ class MoEGroup:
         return [(e, 2 * ip, hp // 2), (e, 2 * ip, hp // BLOCK), (e, hp, ip // 2), (e, hp, ip // BLOCK)]
 
     def outputs(self) -> list[tuple[str, str, tuple[int, ...]]]:
-        lay = layouts.get_layout(self.layout)
+        lay = self.layout
         w13, s13, w2, s2 = self.local_shapes()
         o13, o13s = lay.output_shapes(w13, s13)
         o2, o2s = lay.output_shapes(w2, s2)
@@ -353,7 +353,7 @@ class MoEGroup:
     def blocks_exact(self, output: int) -> bool:
         """Whether the stacked output ``output`` (and its scale, which has as many rows per
         expert) transforms a block of experts at a time as the whole would: the layout says."""
-        return layouts.get_layout(self.layout).experts_transform_independently(self.local_shapes()[output][1])
+        return self.layout.experts_transform_independently(self.local_shapes()[output][1])
 
     def build(self, read: Reader) -> list[torch.Tensor]:
         """The output tensors, whole, in ``outputs()`` order (tests and small models)."""
@@ -373,7 +373,7 @@ class MoEGroup:
         e_total = len(self.experts)
         shapes = self.local_shapes()
         outs = [n for n, _, _ in self.outputs()]
-        lay = layouts.get_layout(self.layout)
+        lay = self.layout
 
         for o in (0, 2):  # w13 and its scale, then w2 and its scale
             (wname, sname), wshape, sshape = outs[o:o + 2], shapes[o], shapes[o + 1]
@@ -402,7 +402,7 @@ class MoEGroup:
                 yield sname, s
 
     def invert(self, tensors: list[torch.Tensor]) -> Iterator[Piece]:
-        lay = layouts.get_layout(self.layout)
+        lay = self.layout
         shapes = self.local_shapes()
         local = [t for o in (0, 2) for t in lay.invert(tensors[o], tensors[o + 1], shapes[o], shapes[o + 1])]
         yield from _invert_placements(self, local)
@@ -417,18 +417,18 @@ class MoEGroup:
             {"op": "stack_experts", "experts": len(self.experts), "w13": "[gate ; up] rows per expert"},
             {"op": "pad", "intermediate": [self.i_local, self.i_pad], "hidden": [self.hidden, self.h_pad],
              "weight_byte": 0, "scale_byte": 0},
-            {"op": "layout", **layouts.get_layout(self.layout).describe()},
+            {"op": "layout", **self.layout.describe()},
         ]
 
     def record(self) -> dict[str, Any]:
-        return {"kind": self.kind, "name": self.name, "rank": self.rank, "tp": self.tp, "layout": self.layout,
+        return {"kind": self.kind, "name": self.name, "rank": self.rank, "tp": self.tp, "layout": self.layout.name,
                 "experts": list(self.experts), "inter": self.inter, "hidden": self.hidden,
                 "inter_pad_to": self.inter_pad_to, "hidden_pad_to": self.hidden_pad_to,
                 "ep": self.ep, "routed": list(self.routed) if self.routed else None}
 
     def runtime_attrs(self) -> dict[str, Any]:
         """Its layout's attributes, and the padding and expert map the MoE kernel needs."""
-        attrs = {**layouts.get_layout(self.layout).runtime_attrs, "intermediate_pad": self.i_pad - self.i_local,
+        attrs = {**self.layout.runtime_attrs, "intermediate_pad": self.i_pad - self.i_local,
                  "hidden_pad": self.h_pad - self.hidden, "num_local_experts": len(self.experts)}
         if self.ep > 1:
             start, stop = self.routed
@@ -459,16 +459,23 @@ def to_record(group: "LinearGroup | MoEGroup | Bf16Group", file: str) -> GroupRe
     return GroupRecord.from_json({**group.record(), "file": file})
 
 
-def group_from_record(rec: GroupRecord) -> "LinearGroup | MoEGroup | Bf16Group":
-    """Rebuild a group from its manifest record, by its kind."""
+LayoutOf = Callable[[str], "layouts.Layout"]
+"""A layout by name, as the checkpoint being read records it (``Manifest.recorded_layout``: its
+version and parameters); the registry's own (``layouts.get_layout``) for records of this prep."""
+
+
+def group_from_record(rec: GroupRecord, layout_of: LayoutOf = layouts.get_layout
+                      ) -> "LinearGroup | MoEGroup | Bf16Group":
+    """Rebuild a group from its manifest record, by its kind, holding its layout as ``layout_of``
+    gives it (resolved here, once: the group's methods use the object)."""
     if rec.kind == "bf16":
         from .bf16 import group_from_record as bf16_group  # bf16 groups: their own module
 
-        return bf16_group(rec)
+        return bf16_group(rec, layout_of)
     if rec.kind == "linear":
         return LinearGroup(rec.name, rec.rank, rec.tp, tuple(Part(p.src, p.n, p.k, p.split) for p in rec.parts),
-                           rec.layout)
+                           layout_of(rec.layout))
     if rec.kind == "moe":
-        return MoEGroup(rec.name, rec.rank, rec.tp, tuple(rec.experts), rec.inter, rec.hidden, rec.layout,
+        return MoEGroup(rec.name, rec.rank, rec.tp, tuple(rec.experts), rec.inter, rec.hidden, layout_of(rec.layout),
                         rec.inter_pad_to, rec.hidden_pad_to, rec.ep, rec.routed)
     raise PrepError(f"manifest: unknown group kind {rec.kind!r}")

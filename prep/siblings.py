@@ -107,7 +107,7 @@ def _moe_tp_chunks(groups: list[MoEGroup], read: Reader, chunk_bytes: int, alloc
     again block by block (a sixteenth of the bytes), so no rank's scales wait in memory for its
     weights to be written."""
     g0 = groups[0]
-    lay = layouts.get_layout(g0.layout)
+    lay = g0.layout
     e_total = len(g0.experts)
     shapes = g0.local_shapes()
     outs = [n for n, _, _ in g0.outputs()]

@@ -76,7 +76,7 @@ def check_scale_pads(ck: ConvertedCheckpoint) -> int:
     bytes are the ones written, this says they are the ones the manifest claims, which is what
     ``check_compatibility`` decides on. Returns how many scales have a pad."""
     m = ck.manifest
-    recorded = {name: recorded_layout(rec.to_json()) for name, rec in m.layouts.items()}
+    recorded = {name: recorded_layout(rec) for name, rec in m.layouts.items()}
     padded = 0
     for rec in m.groups:
         if rec.kind == "bf16":  # source bytes, split: no scale, no pad
@@ -85,7 +85,7 @@ def check_scale_pads(ck: ConvertedCheckpoint) -> int:
         if layout is None:
             raise PrepError(f"{ck.root}: group {rec.name} is in layout {rec.layout!r}, which the manifest's layouts "
                             "do not record; the manifest is damaged: convert again")
-        g = group_from_record(rec)
+        g = group_from_record(rec, m.recorded_layout)
         for (name, role, stored), shape in zip(g.outputs(), g.local_shapes()):
             if role != "e8m0_scale" or math.prod(stored) == math.prod(shape):
                 continue  # nothing padded

@@ -26,6 +26,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
 
+    import layouts
     import prep.groups as pg
     from prep.groups import LinearGroup, MoEGroup, Part
 
@@ -53,10 +54,10 @@ def main() -> None:
         out.copy_(t)
         return out
 
-    cases: dict[str, object] = {f"moe {lay} tp{tp}": MoEGroup("x", 0, tp, experts, I, H, lay)
+    cases: dict[str, object] = {f"moe {lay} tp{tp}": MoEGroup("x", 0, tp, experts, I, H, layouts.get_layout(lay))
                                 for lay in ("ck", "triton") for tp in (1, 8)}
     cases["linear qkv_a preshuffle"] = LinearGroup(
-        "f", 0, 1, (Part("q", 1536, H, "none"), Part("kv", 576, H, "none")), "preshuffle")
+        "f", 0, 1, (Part("q", 1536, H, "none"), Part("kv", 576, H, "none")), layouts.get_layout("preshuffle"))
     times: dict[str, list[float]] = {k: [] for k in cases}
     for _ in range(args.repeat):
         for k, g in cases.items():

@@ -15,6 +15,7 @@ from layouts import engines
 from layouts.compat import CompatibilityError, EngineConfig, check_compatibility
 from test_engine_profiles import ToyProfile
 from layouts.manifest import Manifest
+from layouts.manifest import LayoutRecord
 from layouts.registry import BF16_MOE, Identity, recorded_layout
 
 LAYOUT = L.get_layout("bf16-preshuffle")
@@ -164,7 +165,7 @@ def test_description_is_json_and_a_recorded_one_rebuilds_the_layout():
     assert desc == {"name": "bf16-preshuffle", "version": 1, "kind": BF16_MOE,
                     "weight_transform": {"name": "w16-16bit"}, "scale_transform": {"name": "identity"},
                     "runtime_attrs": {"is_shuffled": True}}
-    assert recorded_layout(desc) == LAYOUT
+    assert recorded_layout(LayoutRecord.from_json(desc)) == LAYOUT
     assert not LAYOUT.has_scale and L.get_layout("ck").has_scale
 
 

@@ -462,7 +462,7 @@ def test_inverting_checks_that_rank_pieces_tile_each_source_tensor(sources, tmp_
     monkeypatch.setattr(pcv.ConvertedCheckpoint, "source_tensors", property(lambda self: table))
 
     class Piece:  # one rank's piece of "fake.weight", bytes = 10 * rank + 1
-        def __init__(self, rec):
+        def __init__(self, rec, layout_of):
             self.rec = rec
 
         def outputs(self):
@@ -497,7 +497,7 @@ def test_inverting_experts_a_block_at_a_time_equals_inverting_whole_layers(tmp_p
     write_checkpoint(SynthSpec(variant="v2", n_routed_experts=n_routed, num_hidden_layers=2), src)
     convert(str(src), out, Target(layout, moe_layout, tp, ep=ep))
     ck = pcv.ConvertedCheckpoint(out)
-    g = next(pcv.group_from_record(r) for r in ck.manifest.groups if r.kind == "moe")
+    g = next(pcv.group_from_record(r, ck.manifest.recorded_layout) for r in ck.manifest.groups if r.kind == "moe")
     monkeypatch.setattr(pcv, "STREAM_BYTES", block_experts * 2 * g.i_pad * g.h_pad // 2)  # blocks of N experts
     for unit, names in ck.units():
         streamed = list(ck.iter_source_tensors(unit))

@@ -13,34 +13,35 @@ import torch
 import layouts
 import prep.groups as pg
 from prep.errors import PrepError
+from layouts import get_layout
 from prep.groups import LinearGroup, MoEGroup, Part
 
 
 def _linear_merged(tp):  # [q_a ; kv_a], replicated on every rank, preshuffled
     return [LinearGroup("m.fused_qkv_a_proj", r, tp, (Part("m.q_a_proj", 64, 256, "none"),
-                                                      Part("m.kv_a_proj", 32, 256, "none")), "preshuffle")
+                                                      Part("m.kv_a_proj", 32, 256, "none")), get_layout("preshuffle"))
             for r in range(tp)]
 
 
 def _linear_row_parallel(tp):  # o_proj: K split over ranks, raw bytes
-    return [LinearGroup("m.o_proj", r, tp, (Part("m.o_proj", 48, 512, "cols"),), "non-shuffle") for r in range(tp)]
+    return [LinearGroup("m.o_proj", r, tp, (Part("m.o_proj", 48, 512, "cols"),), get_layout("non-shuffle")) for r in range(tp)]
 
 
 def _linear_column_parallel_merged(tp):  # [gate ; up] of a dense MLP: N split, then merged
     return [LinearGroup("m.gate_up_proj", r, tp, (Part("m.gate_proj", 64, 128, "rows"),
-                                                  Part("m.up_proj", 64, 128, "rows")), "preshuffle")
+                                                  Part("m.up_proj", 64, 128, "rows")), get_layout("preshuffle"))
             for r in range(tp)]
 
 
 def _moe_tp(tp, layout):
     experts = tuple(f"x.experts.{e}" for e in range(3)) + ("x.shared_experts",)
-    return [MoEGroup("x.experts", r, tp, experts, inter=128, hidden=96, layout=layout) for r in range(tp)]
+    return [MoEGroup("x.experts", r, tp, experts, inter=128, hidden=96, layout=get_layout(layout)) for r in range(tp)]
 
 
 def _moe_ep(ep):  # 4 routed experts over 2 ranks, the shared expert whole on both
     per = 4 // ep
     return [MoEGroup("x.experts", r, ep, tuple(f"x.experts.{e}" for e in range(r * per, (r + 1) * per))
-                     + ("x.shared_experts",), inter=64, hidden=128, layout="ck", ep=ep,
+                     + ("x.shared_experts",), inter=64, hidden=128, layout=get_layout("ck"), ep=ep,
                      routed=(r * per, (r + 1) * per)) for r in range(ep)]
 
 

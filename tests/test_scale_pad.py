@@ -128,8 +128,8 @@ def test_every_padding_scale_transform_pads_with_zero_bytes():
 # ------------------------------------------------------------------------------ old checkpoints
 def test_an_old_checkpoint_keeps_its_0x7f_pad_and_records_it(old):
     assert bool((pad_bytes(stored_scale(old), 256, 36) == 0x7F).all())
-    rec = load_manifest(old).layouts["preshuffle"].to_json()
-    assert rec["version"] == 1 and rec["scale_transform"]["pad_value"] == 0x7F
+    rec = load_manifest(old).layouts["preshuffle"]
+    assert rec.version == 1 and rec.scale_transform["pad_value"] == 0x7F
     assert registry.recorded_layout(rec).scale.pad_value == 0x7F
 
 
@@ -149,8 +149,8 @@ def test_a_recorded_layout_without_pad_value_means_0x7f(old, src, tmp_path):
         m["layouts"]["preshuffle"]["scale_transform"].pop("pad_value")
 
     edit_manifest(out, drop)
-    rec = load_manifest(out).layouts["preshuffle"].to_json()
-    assert "pad_value" not in rec["scale_transform"]
+    rec = load_manifest(out).layouts["preshuffle"]
+    assert "pad_value" not in rec.scale_transform
     assert registry.recorded_layout(rec).scale.pad_value == 0x7F
     verify(str(out), source=str(src))  # its pad bytes are checked against 0x7F
     with pytest.raises(CompatibilityError, match="0x7F"):
@@ -171,7 +171,7 @@ def test_verify_refuses_pad_bytes_the_manifest_does_not_record(old, tmp_path):
 
 
 def test_a_layout_version_newer_than_the_registry_is_refused(old):
-    rec = dict(load_manifest(old).layouts["preshuffle"].to_json(), version=3)
+    rec = dataclasses.replace(load_manifest(old).layouts["preshuffle"], version=3)
     with pytest.raises(layouts.LayoutsError, match="version 3: this layouts knows versions 1 to 2; upgrade"):
         registry.recorded_layout(rec)
 

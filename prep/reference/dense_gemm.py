@@ -107,11 +107,11 @@ class AiterDenseGemms:
     def _from_converted(self, manifest: layouts.Manifest, assume_layout: str | None) -> None:
         ranks = [layouts.load_rank(self.root, r, manifest=manifest) for r in range(manifest.tp)]  # mapped
         for rec in manifest.groups:
-            g = group_from_record(rec)
+            g = group_from_record(rec, manifest.recorded_layout)
             if not isinstance(g, LinearGroup):
                 continue  # stacked experts: the model's own path
-            layout = g.layout
-            if assume_layout and layouts.get_layout(assume_layout).kind == layouts.get_layout(layout).kind:
+            layout = g.layout.name
+            if assume_layout and layouts.get_layout(assume_layout).kind == g.layout.kind:
                 layout = assume_layout  # read the bytes as another layout (to show a mismatch)
             (n, half_k), _ = g.local_shapes()
             problem = aiter_gemm.shape_problem(layout, n, 2 * half_k, f"{g.name}.weight (rank {g.rank})")

@@ -291,7 +291,7 @@ def _from_converted(root: pathlib.Path, assume_layout: str | None, manifest: lay
     pieces: dict[str, list[Callable[[torch.Tensor], None]]] = {}
 
     def layout_of(g) -> layouts.Layout:
-        lay = layouts.get_layout(g.layout)
+        lay = g.layout
         if assume_layout and layouts.get_layout(assume_layout).kind == lay.kind:
             return layouts.get_layout(assume_layout)
         return lay
@@ -300,7 +300,7 @@ def _from_converted(root: pathlib.Path, assume_layout: str | None, manifest: lay
     memo: dict = {}  # the last dequantized stored output, shared by every group
     headroom = 0  # the most any one read of a stored output holds beyond its rows
     for rec in manifest.groups:
-        g = group_from_record(rec)
+        g = group_from_record(rec, manifest.recorded_layout)
         if isinstance(g, Bf16Group):
             for name in dict.fromkeys(g.sources()):
                 split.setdefault(name, []).append(g)

@@ -181,7 +181,7 @@ def s32x8_k_pad_usable(manifest: Manifest, engine: EngineConfig) -> str | None:
     if record is None:
         return f"the manifest does not record the {PRESHUFFLE.name!r} layout it used (its pad byte): convert again"
     try:
-        layout = recorded_layout(record.to_json())
+        layout = recorded_layout(record)
     except LayoutsError as e:
         return str(e.args[0])
     byte, (ok, which) = layout.scale.pad_value, usable
