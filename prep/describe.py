@@ -159,7 +159,7 @@ def _inspect_converted(path: str) -> tuple[dict[str, Any], list[str]]:
     result["serve"] = serve
     if serve:
         lines.append(f"  serve it with {engine.display_name}: {serve}")
-        draft = engine.mtp_draft_hint(config)
+        draft = engine.mtp_draft_hint(m, config)
         if draft:
             lines.append(f"    {draft}")
     return result, lines

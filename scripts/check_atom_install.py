@@ -149,7 +149,10 @@ def atom_config(src: pathlib.Path, case: Case):
     from atom.config import Config, SpeculativeConfig, set_current_atom_config
     from atom.models.deepseek_v2 import DeepseekV3ForCausalLM
 
-    spec = SpeculativeConfig(method="mtp", model=str(src), num_speculative_tokens=1)
+    # The MTP draft where the source has an MTP layer; not where config.json says one and the
+    # checkpoint has none (an amd-quark export made with transformers 5): ATOM would leave it
+    # unloaded, and its door refuses --method mtp on such a conversion.
+    spec = SpeculativeConfig(method="mtp", model=str(src), num_speculative_tokens=1) if has_mtp_layer(src) else None
     cfg = Config(model=str(src), tensor_parallel_size=case.tp, enable_expert_parallel=case.ep > 1,
                  enforce_eager=True, speculative_config=spec)
     model_class = DeepseekV3ForCausalLM
@@ -161,15 +164,16 @@ def atom_config(src: pathlib.Path, case: Case):
     return cfg
 
 
-def build(cfg) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """The target model, then the MTP draft model from the same Config (ATOM's order). Stand-ins
+def build(cfg) -> tuple[torch.nn.Module, torch.nn.Module | None]:
+    """The target model, then the MTP draft model from the same Config (ATOM's order; None
+    without a speculative config). Stand-ins
     called while building (rotary embedding, activation-quant function: forward-only objects)
     are not recorded: only those called while loading count."""
     from atom.models.deepseek_mtp import DeepSeekMTP
     from atom.models.deepseek_v2 import DeepseekV3ForCausalLM
 
     before = len(atom_on_cpu.CALLS)
-    models = DeepseekV3ForCausalLM(cfg), DeepSeekMTP(cfg)
+    models = DeepseekV3ForCausalLM(cfg), DeepSeekMTP(cfg) if cfg.speculative_config is not None else None
     del atom_on_cpu.CALLS[before:]
     return models
 
@@ -183,6 +187,8 @@ def load_reference(src: pathlib.Path, case: Case, fill: int):
         cfg = atom_config(src, case)
         target, draft = build(cfg)
         load_model(target, cfg.model, cfg.hf_config)
+        if draft is None:
+            return target, draft
         drafter = types.SimpleNamespace(model=draft, speculative_config=cfg.speculative_config, config=cfg,
                                         is_block_drafter=False, _share_if_not_loaded=Drafter._share_if_not_loaded)
         Drafter.load_model(drafter, target)  # loads the MTP layer, then shares the target's embedding
@@ -214,8 +220,18 @@ def load_converted(src: pathlib.Path, out: pathlib.Path, case: Case, rank: int):
         target, draft = build(cfg)
         report = install_converted_weights(target, out, engine, device="cpu", mtp_model=draft)
         atom_post_load(target, cfg, cfg.hf_config, report.installed, False)
-        atom_post_load(draft, cfg, cfg.speculative_config.draft_model_hf_config, report.mtp_installed, True)
+        if draft is not None:
+            atom_post_load(draft, cfg, cfg.speculative_config.draft_model_hf_config, report.mtp_installed, True)
     return target, draft, report
+
+
+def has_mtp_layer(src: pathlib.Path) -> bool:
+    """Whether the source holds a tensor of an MTP layer (from config.json's num_hidden_layers on)."""
+    from prep.source import SourceCheckpoint
+
+    ck = SourceCheckpoint(pathlib.Path(src))
+    layers = ck.config.get("num_hidden_layers")
+    return any(n.startswith(f"model.layers.{layers}.") for n in ck.tensors)
 
 
 def mla_kernels(root: str | None = None) -> types.ModuleType | None:
@@ -313,6 +329,8 @@ def tensors(target: torch.nn.Module, draft: torch.nn.Module) -> dict[str, torch.
     """Every parameter, buffer and tensor attribute of both models, by "main:"/"draft:" name."""
     out = {}
     for which, model in (("main", target), ("draft", draft)):
+        if model is None:
+            continue
         for n, t in [*model.named_parameters(), *model.named_buffers()]:
             out[f"{which}:{n}"] = t.data
         for mname, module in model.named_modules():
@@ -325,7 +343,7 @@ def tensors(target: torch.nn.Module, draft: torch.nn.Module) -> dict[str, torch.
 def shuffled_flags(target: torch.nn.Module, draft: torch.nn.Module) -> dict[str, bool]:
     """``is_shuffled`` of every parameter, absent read as False (as aiter and ATOM read it)."""
     return {f"{w}:{n}": bool(getattr(p, "is_shuffled", False)) for w, m in (("main", target), ("draft", draft))
-            for n, p in m.named_parameters()}
+            if m is not None for n, p in m.named_parameters()}
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -424,7 +442,7 @@ def check_rank(case: Case, src: pathlib.Path, out: pathlib.Path, rank: int,
     n, equal, undefined, bad = compare(tensors(*ref[0]), tensors(*ref[1]), tensors(target, draft))
     mla_checked, mla_bad = mla_derivation(target, out, rank, case.tp, kernels is not None)
     bad += mla_bad
-    params = sum(1 for m in ref[0] for _ in m.named_parameters())
+    params = sum(1 for m in ref[0] if m is not None for _ in m.named_parameters())
     flags_ref, flags_got = shuffled_flags(*ref[0]), shuffled_flags(target, draft)
     bad += [f"{k}: is_shuffled {flags_ref[k]} in ATOM's load, {flags_got.get(k)} after the adapter"
             for k in flags_ref if flags_ref[k] != flags_got.get(k)]

@@ -93,14 +93,18 @@ def _target(out: pathlib.Path, engine: str, label: str):
 
 
 def _exclude_override(out: pathlib.Path, flag: str) -> dict | None:
-    """What the serve command passes for OUT's wildcard Quark excludes (module docstring), given to
-    both loads alike; None where it passes nothing."""
-    from layouts.engines._quark import excludes_as_regex
+    """What the serve command passes for OUT's config.json (wildcard Quark excludes as ``re:``
+    patterns, DeepSeek-V3 keys a transformers-5 config lacks: ``layouts.engines._config``), given
+    to both loads alike; None where it passes nothing."""
+    from layouts.engines import _config
 
-    override = excludes_as_regex(json.loads((out / "config.json").read_text()))
-    if override:
+    override = _config.override(json.loads((out / "config.json").read_text()))
+    if override and "quantization_config" in override:
         print(f"both loads: {flag} with the Quark excludes as re: patterns: "
               f"{override['quantization_config']['exclude']}")
+    if override and set(override) - {"quantization_config"}:
+        print(f"both loads: {flag} with DeepSeek-V3's {', '.join(sorted(set(override) - {'quantization_config'}))}, "
+              "which config.json lacks")
     return override
 
 
@@ -161,8 +165,13 @@ def check_vllm(src: pathlib.Path, out: pathlib.Path, work: pathlib.Path, aiter_s
     elif not v.TABLES["present"]:
         print("aiter's tuned-shape tables: none given ($PREP_AITER_TABLES), so vLLM shuffles no dense linear "
               "(what aiter answers for every tiny shape)")
-    # With an MTP layer, vLLM's MTP draft too (--speculative-config), loaded after the model.
-    draft = bool(json.loads((src / "config.json").read_text()).get("num_nextn_predict_layers"))
+    # With an MTP layer, vLLM's MTP draft too (--speculative-config), loaded after the model. Not
+    # where config.json says one and the checkpoint has none (an amd-quark export made with
+    # transformers 5): vLLM's own load leaves such a draft unwritten, prep's door refuses it.
+    import layouts
+
+    layers = json.loads((src / "config.json").read_text()).get("num_hidden_layers")
+    draft = any(n.startswith(f"model.layers.{layers}.") for n in layouts.load_manifest(out).source.tensors)
     if draft:
         print(f"both loads: --speculative-config '{json.dumps(v.MTP_SPECULATIVE)}', the MTP draft compared too")
     print(f"{'rank':>4} {'tensors':>7} {'bytes':>10} {'draft':>9}  result")

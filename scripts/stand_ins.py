@@ -125,17 +125,19 @@ def called_from(module: str) -> bool:
 
 
 def config_copy(src: str | os.PathLike, dst: str | os.PathLike) -> tuple[pathlib.Path, list[str]]:
-    """``(folder, entries)``: ``src`` itself where its config.json's Quark excludes have no shell
-    wildcard, else folder ``dst`` with ``src``'s other files symlinked and a config.json stating
-    those ``entries`` as ``re:`` patterns (``layouts.engines._quark``: what the engines match)."""
+    """``(folder, entries)``: ``src`` itself where its config.json needs no override, else folder
+    ``dst`` with ``src``'s other files symlinked and a config.json with the override the serve
+    commands pass (``layouts.engines._config``: wildcard Quark excludes, the ``entries``, as
+    ``re:`` patterns; DeepSeek-V3 keys a transformers-5 config lacks)."""
     repo = str(pathlib.Path(__file__).resolve().parent.parent)
     if repo not in sys.path:  # an engine's venv reads .venv's packages, not prep's editable install
         sys.path.append(repo)
-    from layouts.engines._quark import excludes_as_regex, wildcard_excludes
+    from layouts.engines import _config
+    from layouts.engines._quark import wildcard_excludes
 
     src = pathlib.Path(src)
     cfg = json.loads((src / "config.json").read_text())
-    override = excludes_as_regex(cfg)
+    override = _config.override(cfg)
     if override is None:
         return src, []
     dst = pathlib.Path(dst)

@@ -359,9 +359,12 @@ def make_vllm_config(model_path, tp: int, ep: int = 1, load_format: str = "auto"
     install()
     from vllm.engine.arg_utils import EngineArgs
 
+    # vLLM refuses a max_model_len past the config's max_position_embeddings (an amd-quark export
+    # of a tiny model has 256); nothing here runs a sequence, so the smaller of the two.
+    positions = json.loads((pathlib.Path(model_path) / "config.json").read_text()).get("max_position_embeddings")
     kw = dict(model=str(model_path), tensor_parallel_size=tp, enable_expert_parallel=ep > 1, load_format=load_format,
               skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True, trust_remote_code=False,
-              max_model_len=1024, distributed_executor_backend="uni" if tp == 1 else "mp")
+              max_model_len=min(1024, positions or 1024), distributed_executor_backend="uni" if tp == 1 else "mp")
     kw.update(engine_kw)
     return EngineArgs(**kw).create_engine_config()
 

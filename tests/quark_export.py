@@ -54,16 +54,24 @@ def build_model(seed: int = 0, std: float = 0.05):
     return model.eval()
 
 
-def export(out: pathlib.Path, seed: int = 0):
-    """Quantize and export into ``out``; returns quark's quantized in-memory model."""
+def export(out: pathlib.Path, seed: int = 0, scheme: str = "mxfp4_weight_only",
+           exclude_layers: list[str] | None = None):
+    """Quantize and export into ``out``; returns quark's quantized in-memory model. ``scheme``
+    "mxfp4": weights and activations (dynamic), as amd/DeepSeek-R1-0528-MXFP4 is; with
+    ``exclude_layers`` None there the deepseek_v3 template's own excludes (attention BF16, as
+    that checkpoint's card)."""
     os.environ.setdefault("QUARK_LOG_LEVEL", "warning")
     from quark.torch import LLMTemplate, ModelQuantizer, export_safetensors
     from quark.torch.utils.llm import preprocess_for_quantization
 
     model = build_model(seed)
     preprocess_for_quantization(model)  # fused 3-D experts -> per-expert nn.Linear, as in R1
-    # The template's default also excludes attention (R1-0528's card); keep it MXFP4 here.
-    qcfg = LLMTemplate.get("deepseek_v3").get_config(scheme="mxfp4_weight_only", exclude_layers=["*mlp.gate", "lm_head"])
-    model = ModelQuantizer(qcfg).quantize_model(model, None)  # weight-only: no calibration data
+    # The template's default also excludes attention (R1-0528's card); weight-only keeps it MXFP4.
+    if exclude_layers is None and scheme == "mxfp4_weight_only":
+        exclude_layers = ["*mlp.gate", "lm_head"]
+    qcfg = LLMTemplate.get("deepseek_v3").get_config(
+        scheme=scheme, **({} if exclude_layers is None else {"exclude_layers": exclude_layers}))
+    with torch.no_grad():  # dynamic activation scales: no calibration data either way
+        model = ModelQuantizer(qcfg).quantize_model(model, None)
     export_safetensors(model, str(out), custom_mode="quark", weight_format="real_quantized", pack_method="reorder")
     return model

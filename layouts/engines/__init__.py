@@ -209,10 +209,16 @@ class EngineProfile:
         means (one line each, naming the fix); ``prep convert --engine`` prints them."""
         return []
 
-    def mtp_draft_hint(self, config: Mapping) -> str | None:
+    def mtp_draft_hint(self, manifest: "Manifest", config: Mapping) -> str | None:
         """How to serve the checkpoint's MTP layer as the draft model (one line, for after the
-        serve command), where the door serves it and ``config`` (the folder's config.json) has one."""
-        if self.mtp_draft_flags and self.sharding.holds_mtp and config.get("num_nextn_predict_layers"):
+        serve command), where the door serves it and the conversion holds one for the engine to
+        read: a tensor of a layer from ``config``'s ``num_hidden_layers`` on (an amd-quark export
+        made with transformers 5 says ``num_nextn_predict_layers: 1`` and has no MTP tensor)."""
+        layers = config.get("num_hidden_layers")
+        if not (self.mtp_draft_flags and self.sharding.holds_mtp and isinstance(layers, int)):
+            return None
+        prefixes = tuple(f"model.layers.{i}." for i in range(layers, layers + 8))  # DeepSeek has 1 (at most a few)
+        if any(t.role != "unread" and t.name.startswith(prefixes) for t in manifest.tensors):
             return f"with its MTP layer as the draft model (speculative decoding), add: {self.mtp_draft_flags}"
         return None
 

@@ -33,7 +33,7 @@ from typing import Mapping
 from ..compat import (CompatibilityError, EngineConfig, bf16_moe_layout_matches, dense_layout_matches,
                        engine_matches, ep_matches, moe_layout_matches, rank_in_range, tp_matches)
 from ..registry import MOE_CK_3D, NON_SHUFFLE
-from ._quark import excludes_as_regex, wildcard_note
+from . import _config
 from . import (DEEPSEEK_SPLITS, NEVER, Constant, EngineProfile, GemmPathRule, GpuArch, ShardingRules, current_gpu_arch,
                deepseek_merges)
 
@@ -94,7 +94,7 @@ class SglangProfile(EngineProfile):
 
     def source_notes(self, config: Mapping) -> list[str]:
         """Quark ``exclude`` entries SGLang would misread (:mod:`._quark`)."""
-        return wildcard_note(config, "SGLang", "--json-model-override-args")
+        return _config.notes(config, "SGLang", "--json-model-override-args")
 
     def serve_command(self, folder: str, tp: int, ep: int, layout: str, moe_layout: str,
                       fuse_shared_expert: bool = True, config: Mapping | None = None) -> str | None:
@@ -105,7 +105,7 @@ class SglangProfile(EngineProfile):
             return None
         pattern = json.dumps({"pattern": f"model-tp{tp}-rank{{rank}}-{{part}}.safetensors"})
         fusion = "--enforce-shared-experts-fusion" if fuse_shared_expert else "--disable-shared-experts-fusion"
-        override = excludes_as_regex(config or {})
+        override = _config.override(config or {})
         return (f"{ENV_AITER}=1 python -m sglang.launch_server --model-path {shlex.quote(folder)} --load-format "
                 f"sharded_state --model-loader-extra-config {shlex.quote(pattern)} --tp-size {tp}"
                 + (f" --ep-size {ep}" if ep > 1 else "") + f" {fusion}"

@@ -53,6 +53,7 @@ from ...compat import (CompatibilityError, EngineConfig, bf16_moe_layout_matches
                        engine_matches, ep_matches, moe_layout_matches, rank_in_range, tp_matches)
 from ...manifest import Manifest
 from ...errors import LayoutsError
+from .. import _config
 from ...registry import MOE_BF16, MOE_CK, MOE_TRITON, MOE_TRITON_GFX942, NON_SHUFFLE, PRESHUFFLE, recorded_layout
 from ...shuffle import S8_COLS, pad_to
 from .. import (DEEPSEEK_SPLITS, NEVER, EngineProfile, GemmPathRule, GpuArch, ShardingRules, current_gpu_arch,
@@ -263,6 +264,11 @@ class AtomProfile(EngineProfile):
         if not readers:
             return None
         return f"set {ENV_TRITON_MOE}={1 if TRITON in readers else 0}"
+
+    def source_notes(self, config: Mapping) -> list[str]:
+        """DeepSeek-V3 keys a transformers-5 config lacks, which ATOM's model reads
+        (``layouts.engines._config``); its door passes no config override, so config.json is the fix."""
+        return _config.notes(config, self.display_name, None)
 
     def target_refusal(self, tp: int, ep: int, moe_layout: str, fuse_shared_expert: bool = False) -> str | None:
         if ep not in (1, tp):

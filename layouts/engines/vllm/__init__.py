@@ -37,7 +37,7 @@ from ...compat import (CompatibilityError, EngineConfig, bf16_moe_layout_matches
 from ...registry import MOE_BF16, MOE_CK_3D, NON_SHUFFLE_T, PRESHUFFLE_UNPADDED
 
 
-from .._quark import excludes_as_regex, wildcard_note
+from .. import _config
 from .. import (DEEPSEEK_SPLITS, NEVER, EngineProfile, GemmPathRule, GpuArch, ShardingRules, current_gpu_arch,
                deepseek_merges)
 
@@ -112,14 +112,14 @@ class VllmProfile(EngineProfile):
         """vLLM's server on the folder through prep's loader (:mod:`.door`), its TP / EP sizes."""
         if layout != NON_SHUFFLE_T.name or moe_layout != MOE_CK_3D.name:
             return None
-        override = excludes_as_regex(config or {})
+        override = _config.override(config or {})
         return (f"{ENV_AITER}=1 vllm serve {shlex.quote(folder)} --load-format prep --tensor-parallel-size {tp}"
                 + (f" {self.expert_parallel_switch}" if ep > 1 else "")
                 + (f" --hf-overrides {shlex.quote(json.dumps(override))}" if override else ""))
 
     def source_notes(self, config: Mapping) -> list[str]:
         """Quark ``exclude`` entries vLLM would misread (:mod:`.._quark`)."""
-        return wildcard_note(config, "vLLM", "--hf-overrides")
+        return _config.notes(config, "vLLM", "--hf-overrides")
 
 
 PROFILE = VllmProfile()

@@ -1,0 +1,114 @@
+#!/usr/bin/env python
+"""The engine doors on a checkpoint prep's generator did not write: amd-quark 0.13 exports the
+tiny transformers-5 DeepseekV3 of tests/quark_export.py in W4A4 MXFP4 (scheme "mxfp4": weights
+and dynamic activations, attention left BF16 by the deepseek_v3 template, as
+amd/DeepSeek-R1-0528-MXFP4 is); prep converts it for each engine; scripts/check_engine_install.py
+compares the engine's load of the conversion with its own load of the export, rank by rank;
+then one byte of a rank file is flipped and the same check must fail.
+
+    .venv/bin/python scripts/check_doors_on_quark_export.py [--engines vllm,sglang] [--work DIR]
+
+One line per (engine, TP/EP): the check's result on the conversion and on the flipped copy.
+Exit status 0 only if every conversion passes and every flipped copy fails. Such an export's
+config.json (saved by transformers 5) lacks DeepSeek-V3's topk_method, scoring_func and
+moe_layer_freq; the SGLang and vLLM serve commands, and so both loads here, pass them
+(layouts/engines/_config.py); ATOM's door takes no override, so for ATOM a copy of the export
+with them added to config.json is converted, as prep's note says to do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO))
+
+CONFIGS = ((2, 2),)  # (tp, ep): the tiny experts' 256 intermediate at TP 2 alone is refused (ck-3d's K/32 % 8)
+
+
+def flip_a_byte(folder: pathlib.Path) -> str:
+    """Flip one byte in the middle of the largest tensor of the last rank's first file; its name."""
+    f = sorted(folder.glob("model-tp*-rank*-*.safetensors"))[-1]
+    with open(f, "r+b") as fh:
+        n = struct.unpack("<Q", fh.read(8))[0]
+        header = json.loads(fh.read(n))
+        name, info = max(((k, v) for k, v in header.items() if k != "__metadata__"),
+                         key=lambda kv: kv[1]["data_offsets"][1] - kv[1]["data_offsets"][0])
+        at = 8 + n + (info["data_offsets"][0] + info["data_offsets"][1]) // 2
+        fh.seek(at)
+        b = fh.read(1)
+        fh.seek(at)
+        fh.write(bytes([b[0] ^ 0x01]))
+    return name
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--engines", default="atom,vllm,sglang")
+    ap.add_argument("--work", type=pathlib.Path)
+    args = ap.parse_args()
+    work = args.work or pathlib.Path(tempfile.mkdtemp(prefix="quark-doors-"))
+    import quark_export
+
+    src = work / "export-w4a4"
+    if not (src / "config.json").is_file():
+        quark_export.export(src, scheme="mxfp4")
+    cfg = json.loads((src / "config.json").read_text())
+    print(f"amd-quark export: {src} (input_tensors {cfg['quantization_config']['global_quant_config']['input_tensors']['dtype']}"
+          f", exclude {len(cfg['quantization_config']['exclude'])} entries)", flush=True)
+    # ATOM's door passes no config override: prep's note says to add the missing DeepSeek-V3 keys
+    # to the source's config.json, which a copy here does (the tensors hard-linked, unchanged).
+    from layouts.engines import _config
+
+    fixed = work / "export-w4a4-config-completed"
+    if not fixed.is_dir():
+        fixed.mkdir()
+        for f in src.iterdir():
+            if f.name != "config.json":
+                (fixed / f.name).hardlink_to(f)
+        (fixed / "config.json").write_text(json.dumps({**cfg, **_config.missing_keys(cfg)}, indent=2))
+    ok = True
+    for engine in args.engines.split(","):
+        source = fixed if engine == "atom" else src
+        for tp, ep in CONFIGS:
+            out = work / f"{engine}-tp{tp}-ep{ep}"
+            shutil.rmtree(out, ignore_errors=True)
+            r = subprocess.run([str(REPO / ".venv" / "bin" / "prep"), "convert", str(source), "-o", str(out), "--engine",
+                                engine, "--tp", str(tp), "--ep", str(ep), "-q"], capture_output=True, text=True)
+            if r.returncode:
+                print(f"{engine} tp{tp} ep{ep}: convert failed: {r.stderr.strip()}")
+                ok = False
+                continue
+
+            def check(folder: pathlib.Path) -> tuple[int, str]:
+                c = subprocess.run([sys.executable, str(REPO / "scripts" / "check_engine_install.py"), "--engine",
+                                    engine, "--source", str(source), "--converted", str(folder), "--work",
+                                    str(work / f"{engine}-work")], capture_output=True, text=True)
+                rows = [line for line in c.stdout.splitlines() if line.rstrip().endswith((" ok", " FAIL"))]
+                bad = [line.strip() for line in c.stdout.splitlines() if line.startswith("    ")]
+                if c.returncode == 0:
+                    return 0, f"{len(rows)} ranks byte-identical"
+                return c.returncode, "; ".join(bad[:1]) or (c.stderr.strip().splitlines() or ["?"])[-1]
+
+            rc, said = check(out)
+            flipped = work / f"{engine}-tp{tp}-ep{ep}-flipped"
+            shutil.rmtree(flipped, ignore_errors=True)
+            shutil.copytree(out, flipped)
+            name = flip_a_byte(flipped)
+            frc, fsaid = check(flipped)
+            ok &= rc == 0 and frc != 0
+            print(f"{engine} tp{tp} ep{ep}: conversion {'passes' if rc == 0 else 'FAILS'} ({said}); "
+                  f"one byte of {name} flipped: {'fails' if frc else 'PASSES'} ({fsaid})", flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

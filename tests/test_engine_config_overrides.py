@@ -1,0 +1,70 @@
+"""What SGLang and vLLM would read from a DeepSeek config.json otherwise than the checkpoint means,
+and the override their serve commands pass for it (layouts/engines/_config.py): Quark excludes
+written as shell wildcards, and DeepSeek-V3's routing keys that a config saved by transformers 5
+drops (an amd-quark 0.13 export has none of topk_method, scoring_func, moe_layer_freq; without
+them vLLM builds no router bias and SGLang stops: seen on such an export with both engines' own
+loaders, scripts/check_doors_on_quark_export.py). ATOM's door takes no override: its note says to
+fix config.json."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import shutil
+
+from click.testing import CliRunner
+
+from layouts.engines import _config
+from prep.cli import main
+
+V3 = {"topk_method": "noaux_tc", "scoring_func": "sigmoid", "moe_layer_freq": 1}
+
+
+def test_a_deepseek_v3_config_without_its_routing_keys_gets_v3s_values():
+    assert _config.missing_keys({"model_type": "deepseek_v3"}) == V3
+    assert _config.missing_keys({"model_type": "deepseek_v3", **V3}) == {}
+    assert _config.missing_keys({"model_type": "deepseek_v3", "topk_method": "noaux_tc"}) == {
+        "scoring_func": "sigmoid", "moe_layer_freq": 1}
+    assert _config.missing_keys({"model_type": "deepseek_v2"}) == {}  # V2's routing differs: nothing assumed
+
+
+def test_the_override_holds_the_regex_excludes_and_the_missing_keys():
+    cfg = {"model_type": "deepseek_v3", "quantization_config": {"exclude": ["*self_attn*", "lm_head"]}}
+    assert _config.override(cfg) == {"quantization_config": {"exclude": ["re:.*self_attn.*$", "lm_head"]}, **V3}
+    assert _config.override({"model_type": "deepseek_v3", **V3, "quantization_config": {"exclude": ["lm_head"]}}) is None
+
+
+def _without_routing_keys(src, tmp_path):
+    """A copy of ``src`` whose config.json is as transformers 5 saves it: no V3 routing keys."""
+    dst = tmp_path / "t5"
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    for k in V3:
+        cfg.pop(k, None)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def test_convert_for_vllm_and_sglang_says_so_and_the_serve_command_passes_the_keys(tiny_r1, tmp_path):
+    src = _without_routing_keys(tiny_r1, tmp_path)
+    for engine, flag in (("vllm", "--hf-overrides"), ("sglang", "--json-model-override-args")):
+        out = tmp_path / engine
+        r = CliRunner().invoke(main, ["convert", str(src), "-o", str(out), "--engine", engine,
+                                                      "--tp", "2", "--ep", "2"])
+        assert r.exit_code == 0, r.output
+        assert "config.json lacks DeepSeek-V3's topk_method, scoring_func, moe_layer_freq" in r.stderr
+        serve = next(line for line in r.stdout.splitlines() if line.startswith("serve it with"))
+        words = shlex.split(serve)
+        override = json.loads(words[words.index(flag) + 1])
+        assert {k: override[k] for k in V3} == V3 and override["quantization_config"]["exclude"][0].startswith("re:")
+        # config.json stays the source's (revert is exact)
+        assert json.loads((out / "config.json").read_text()) == json.loads((src / "config.json").read_text())
+
+
+def test_convert_for_atom_says_to_add_the_keys_to_config_json(tiny_r1, tmp_path):
+    src = _without_routing_keys(tiny_r1, tmp_path)
+    r = CliRunner().invoke(main, ["convert", str(src), "-o", str(tmp_path / "atom"), "--tp", "2"])
+    assert r.exit_code == 0, r.output
+    assert ('without which ATOM builds another router and fails on the checkpoint: add them to the source\'s '
+            'config.json ("topk_method": "noaux_tc", "scoring_func": "sigmoid", "moe_layer_freq": 1) and convert '
+            'again') in r.stderr
