@@ -412,11 +412,16 @@ def _window_problem(shape: Any, dim: Any, start: Any, stop: Any, row: Any) -> bo
 
 
 @dataclasses.dataclass(frozen=True)
-class PlacementRecord:
-    """One window of a source tensor in a BF16 group's stored tensor (a ``placements`` entry), and
-    the placement prep's BF16 groups are built from (``prep.bf16``). ``dim`` is the source dim the
-    window cuts (null: whole), ``[start, stop)`` its range; it lands ``dest_row`` rows in (merged
-    tensors stack their parts along rows), all its columns, in expert ``slot`` when stacked."""
+class Placement:
+    """One window of one source tensor and where it lands in a group's local tensors: the one
+    placement type of every group (prep's MXFP4 linears and experts compute theirs from the
+    group's parameters; a BF16 group's are its manifest's ``placements`` entries, which this is).
+
+    ``shape`` is the source tensor's stored ``[rows, cols]`` (columns count stored units: bytes
+    of a packed MXFP4 weight, entries of a scale), ``dim`` the dim the window cuts (null: whole),
+    ``[start, stop)`` its range. It lands in local tensor ``output`` (``outputs()`` order; 0 for a
+    BF16 group, which has one), ``dest_row`` rows in (merged tensors stack their parts along
+    rows) and from column 0, in stacked expert ``slot`` (None: not stacked)."""
 
     source: str
     shape: tuple[int, int]
@@ -425,9 +430,10 @@ class PlacementRecord:
     stop: int
     dest_row: int = 0
     slot: int | None = None
+    output: int = 0  # not in the manifest: a BF16 group has one output
 
     @classmethod
-    def from_json(cls, p: Any) -> "PlacementRecord":
+    def from_json(cls, p: Any) -> "Placement":
         p = _object(p, "placement")
         source, shape, dim, start, stop, row, slot = (p.get(k) for k in ("source", "shape", "dim", "start", "stop",
                                                                           "dest_row", "slot"))
@@ -436,6 +442,19 @@ class PlacementRecord:
             raise ManifestError(f"placement of {source!r} needs a string source, a [rows, cols] shape, dim null, 0 "
                                 "or 1, a window [start, stop) inside that dim, an integer dest_row and slot")
         return cls(source, tuple(shape), dim, start, stop, row, slot)
+
+    @classmethod
+    def of_window(cls, source: str, shape: tuple[int, int], rows: slice, cols: slice, dest_row: int = 0,
+                  slot: int | None = None, output: int = 0) -> "Placement":
+        """The placement of window ``(rows, cols)`` of a ``shape`` source tensor, which cuts one
+        dim at most (every engine's TP split cuts one)."""
+        whole_rows, whole_cols = (rows.start, rows.stop) == (0, shape[0]), (cols.start, cols.stop) == (0, shape[1])
+        if whole_rows and whole_cols:
+            return cls(source, tuple(shape), None, 0, shape[0], dest_row, slot, output)
+        if whole_cols or whole_rows:
+            dim, cut = (0, rows) if whole_cols else (1, cols)
+            return cls(source, tuple(shape), dim, cut.start, cut.stop, dest_row, slot, output)
+        raise ValueError(f"{source}: window {rows}, {cols} of {shape} cuts both dims")
 
     @property
     def rows(self) -> slice:
@@ -451,9 +470,29 @@ class PlacementRecord:
     def out_shape(self) -> tuple[int, int]:
         return self.rows.stop - self.rows.start, self.cols.stop - self.cols.start
 
+    @property
+    def window(self) -> tuple[slice, slice]:
+        """``(rows, cols)`` of the source tensor."""
+        return self.rows, self.cols
+
+    @property
+    def dest(self) -> tuple[slice, slice]:
+        """``(rows, cols)`` of the local tensor (of its expert ``slot``) the window fills."""
+        rows, cols = self.out_shape
+        return slice(self.dest_row, self.dest_row + rows), slice(0, cols)
+
+    @property
+    def expert(self) -> int | None:
+        return self.slot
+
+    def region(self, local: Any) -> Any:
+        """The view of ``local`` (output ``output``'s local tensor: for stacked experts, the
+        stack of the group that yielded this placement, experts leading) that it fills."""
+        return local[self.dest] if self.slot is None else local[self.slot][self.dest]
+
     @classmethod
     def whole(cls, source: str, shape: tuple[int, ...], dest_row: int = 0, slot: int | None = None
-              ) -> "PlacementRecord":
+              ) -> "Placement":
         """The whole tensor, as an uncut window is recorded: rows [0, shape[0]) (its columns are the
         tensor's too: a [0, cols) range would not fit a tensor wider than tall)."""
         return cls(source, tuple(shape), None, 0, shape[0], dest_row, slot)
@@ -469,7 +508,7 @@ STACK_PROJECTIONS = ("gate", "up", "down")  # an expert's source tensors: ``...{
 @dataclasses.dataclass(frozen=True)
 class WindowRecord:
     """The window every expert of a stacked BF16 group takes of one projection (a ``windows``
-    entry): a :class:`PlacementRecord` without its source and slot, which the expert gives."""
+    entry): a :class:`Placement` without its source and slot, which the expert gives."""
 
     proj: str  # "gate", "up" or "down"
     shape: tuple[int, int]
@@ -571,7 +610,7 @@ class GroupRecord:
     ep: int = 1
     routed: tuple[int, int] | None = None  # moe with ep > 1: global routed expert ids [start, stop)
     dtype: str = ""  # bf16: the stored (and source) safetensors dtype
-    placements: tuple[PlacementRecord, ...] = ()  # bf16: source windows, in order
+    placements: tuple[Placement, ...] = ()  # bf16: source windows, in order
     stack: StackRecord | None = None  # bf16 stacked experts: their template, instead of placements
 
     @classmethod
@@ -597,7 +636,7 @@ class GroupRecord:
             if stack is not None or type(placements) is not list or not placements:
                 raise ManifestError(f"group {name}: a bf16 group needs either a non-empty placements list or a stack")
             return cls(kind, name, rank, tp, layout, file, dtype=dtype,
-                       placements=tuple(PlacementRecord.from_json(p) for p in placements))
+                       placements=tuple(Placement.from_json(p) for p in placements))
         if kind == "linear":
             parts = g.get("parts")
             if type(parts) is not list or not parts:

@@ -31,7 +31,7 @@ from layouts.engines import COLS as _COLS, ROWS as _ROWS, WHOLE as _WHOLE
 
 from .errors import PrepError
 
-from layouts.manifest import PlacementRecord, StackRecord
+from layouts.manifest import Placement, StackRecord
 
 if TYPE_CHECKING:
     from layouts.manifest import GroupRecord
@@ -39,10 +39,6 @@ if TYPE_CHECKING:
 Reader = Callable[..., torch.Tensor]  # read(name, rows=None, cols=None, out=None) -> tensor
 Piece = tuple[str, tuple[slice, slice], torch.Tensor]
 
-
-# A window of one source tensor and where it lands in the stored tensor: the manifest's record
-# is the placement itself (one type, no conversion between a record and a planning object).
-Placement = PlacementRecord
 
 
 @dataclasses.dataclass(frozen=True)

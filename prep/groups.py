@@ -2,7 +2,9 @@
 built from source tensors by TP split, merge, padding and layout, with the exact inverse.
 
 A group's geometry is written once, in its ``placements()``: where each window of each source
-tensor sits in the rank's local (merged, stacked, padded, not yet laid out) tensors. The build
+tensor sits in the rank's local (merged, stacked, padded, not yet laid out) tensors, as
+:class:`layouts.manifest.Placement` s, the one placement type (a BF16 group's placements are its
+manifest records of the same type). The build
 reads every placement into place and zeroes what no placement covers (the pads); the inverse,
 the streamed inverse (``prep/converted.py``) and the reference engine's reassembly
 (``prep/reference/weights.py``) cut the same placements back out.
@@ -21,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 import torch
 
 import layouts
-from layouts.manifest import GroupRecord
+from layouts.manifest import GroupRecord, Placement
 from layouts.sizes import ceil_div, pad_to
 
 from .errors import PrepError
@@ -39,34 +41,15 @@ Piece = tuple[str, tuple[slice, slice], torch.Tensor]
 Window = tuple[slice, slice]  # (rows, cols) of a 2-D tensor, explicit integer bounds
 
 
-@dataclasses.dataclass(frozen=True)
-class Placement:
-    """One window of one source tensor and where it sits in a group's local tensors.
-
-    ``window`` is (rows, cols) of the source tensor ``source``; ``dest`` the same-sized (rows,
-    cols) of output ``output`` (``outputs()`` / ``local_shapes()`` order) before the layout, of
-    stacked expert ``expert`` (its index in the stack; None for a dense linear). Columns count
-    stored units: bytes of a packed weight (two values each), entries of a scale."""
-
-    source: str
-    window: Window
-    output: int
-    dest: Window
-    expert: int | None = None
-
-    def region(self, local: torch.Tensor) -> torch.Tensor:
-        """The view of ``local`` (output ``output``'s local tensor: for stacked experts, the
-        stack of the group that yielded this placement, experts leading) that it fills."""
-        return local[self.dest] if self.expert is None else local[self.expert][self.dest]
-
-
-def _mxfp4(prefix: str, rows: slice, cols: slice, output: int, dest_rows: slice, dest_cols: slice,
+def _mxfp4(prefix: str, shape: tuple[int, int], rows: slice, cols: slice, output: int, dest_row: int,
            expert: int | None = None) -> Iterator[Placement]:
     """The two placements of one MXFP4 module's window: its weight into ``output``, its scale
-    into the next one. ``cols`` and ``dest_cols`` count values (K); the weight holds two a byte,
-    the scale one per 32-value block (a trailing partial block counts whole)."""
+    into the next one. ``shape`` is the module's ``(N, K)``; ``cols`` counts values (K); the
+    weight holds two a byte, the scale one per 32-value block (a trailing partial block counts
+    whole). The window lands ``dest_row`` rows in, from column 0."""
+    n, k = shape
     for name, out, per in ((f"{prefix}.weight", output, 2), (f"{prefix}.weight_scale", output + 1, BLOCK)):
-        yield Placement(name, (rows, _stored(cols, per)), out, (dest_rows, _stored(dest_cols, per)), expert)
+        yield Placement.of_window(name, (n, ceil_div(k, per)), rows, _stored(cols, per), dest_row, expert, out)
 
 
 def _stored(cols: slice, per: int) -> slice:
@@ -200,9 +183,8 @@ class LinearGroup:
         row = 0
         for p in self.parts:
             rows, cols = p.window(self.tp, self.rank)
-            n, k = p.local(self.tp)
-            yield from _mxfp4(p.src, rows, cols, 0, slice(row, row + n), slice(0, k))
-            row += n
+            yield from _mxfp4(p.src, (p.n, p.k), rows, cols, 0, row)
+            row += p.local(self.tp)[0]
 
     def outputs(self) -> list[tuple[str, str, tuple[int, ...]]]:
         """(tensor name, role, shape) of what this group writes, in order."""
@@ -347,8 +329,8 @@ class MoEGroup:
         mine, hidden = slice(r * il, (r + 1) * il), slice(0, h)
         for e, src in enumerate(self.experts):
             for half, proj in enumerate(("gate_proj", "up_proj")):
-                yield from _mxfp4(f"{src}.{proj}", mine, hidden, 0, slice(half * ip, half * ip + il), hidden, e)
-            yield from _mxfp4(f"{src}.down_proj", hidden, mine, 2, hidden, slice(0, il), e)
+                yield from _mxfp4(f"{src}.{proj}", (self.inter, h), mine, hidden, 0, half * ip, e)
+            yield from _mxfp4(f"{src}.down_proj", (h, self.inter), hidden, mine, 2, 0, e)
 
     def blocks_exact(self, output: int) -> bool:
         """Whether the stacked output ``output`` (and its scale, which has as many rows per
