@@ -31,7 +31,8 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO))
 
-CONFIGS = ((2, 2),)  # (tp, ep): the tiny experts' 256 intermediate at TP 2 alone is refused (ck-3d's K/32 % 8)
+# (tp, ep) per engine; vLLM's TP 2 alone is refused for the tiny experts (256 intermediate: ck-3d's K/32 % 8)
+CONFIGS = {"atom": ((2, 1), (2, 2)), "vllm": ((2, 2),), "sglang": ((2, 1), (2, 2))}
 
 
 def flip_a_byte(folder: pathlib.Path) -> str:
@@ -78,7 +79,7 @@ def main() -> int:
     ok = True
     for engine in args.engines.split(","):
         source = fixed if engine == "atom" else src
-        for tp, ep in CONFIGS:
+        for tp, ep in CONFIGS[engine]:
             out = work / f"{engine}-tp{tp}-ep{ep}"
             shutil.rmtree(out, ignore_errors=True)
             r = subprocess.run([str(REPO / ".venv" / "bin" / "prep"), "convert", str(source), "-o", str(out), "--engine",
