@@ -354,7 +354,8 @@ def convert(src, out, layout, moe_layout, tp, ep, fuse_shared_expert, engine, co
     serve = None if common_bf16 else profile.serve_command(s["out"], tp, ep, layout, moe_layout,
                                                            target.fuse_shared_expert, config)
     draft = profile.mtp_draft_hint(load_manifest(s["out"]), config) if serve and profile.mtp_draft_flags else None
-    s = {**s, "tp": tp, "ep": ep, "layout": layout, "moe_layout": moe_layout, "serve": serve}
+    s = {**s, "tp": tp, "ep": ep, "layout": layout, "moe_layout": moe_layout, "serve": serve,
+         "serve_mtp_draft": profile.mtp_draft_flags if draft else None}
     lines = [f"wrote {s['out']}: TP {tp}, EP {ep}, layout {layout}, MoE layout {moe_layout}: {s['tensors']} tensors "
              f"from {s['source_tensors']} source tensors, {s['files']} files ({s['reused_files']} reused), "
              f"{s['bytes'] / 2**30:.3f} GiB"]

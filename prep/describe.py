@@ -157,9 +157,10 @@ def _inspect_converted(path: str) -> tuple[dict[str, Any], list[str]]:
     serve = engine.serve_command(path, t.tp, t.ep, t.layout, t.moe_layout, t.fuse_shared_expert,
                                  config) if engine and t.rank_exact else None
     result["serve"] = serve
+    draft = engine.mtp_draft_hint(m, config) if serve else None
+    result["serve_mtp_draft"] = engine.mtp_draft_flags if draft else None
     if serve:
         lines.append(f"  serve it with {engine.display_name}: {serve}")
-        draft = engine.mtp_draft_hint(m, config)
         if draft:
             lines.append(f"    {draft}")
     return result, lines

@@ -6,6 +6,7 @@ layouts/engines/vllm/door.py), registered by the ``vllm.general_plugins`` entry 
 
 from __future__ import annotations
 
+import json
 
 import pytest
 import torch
@@ -27,6 +28,8 @@ def test_each_ranks_files_hold_vllms_names_and_layouts_and_the_conversion_revert
         "--load-format prep --tensor-parallel-size 2 --enable-expert-parallel --hf-overrides" in serve
     assert draft == ("  with its MTP layer as the draft model (speculative decoding), add: --speculative-config "
                      "'{\"method\": \"mtp\", \"num_speculative_tokens\": 1}'")
+    j = CliRunner().invoke(main, ["inspect", str(out), "--json"])
+    assert j.exit_code == 0 and json.loads(j.output)["serve_mtp_draft"] == layouts.get_engine("vllm").mtp_draft_flags
     m = layouts.load_manifest(out)
     assert (m.target.engine, m.target.layout, m.target.moe_layout) == ("vllm", "non-shuffle-t", "ck-3d")
     mtp = f"model.layers.{PRESETS['tiny'].num_hidden_layers}."

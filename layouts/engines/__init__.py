@@ -217,9 +217,10 @@ class EngineProfile:
         layers = config.get("num_hidden_layers")
         if not (self.mtp_draft_flags and self.sharding.holds_mtp and isinstance(layers, int)):
             return None
-        prefixes = tuple(f"model.layers.{i}." for i in range(layers, layers + 8))  # DeepSeek has 1 (at most a few)
-        if any(t.role != "unread" and t.name.startswith(prefixes) for t in manifest.tensors):
-            return f"with its MTP layer as the draft model (speculative decoding), add: {self.mtp_draft_flags}"
+        for t in manifest.tensors:
+            layer = t.name.split(".")[2] if t.name.startswith("model.layers.") else ""
+            if t.role != "unread" and layer.isdigit() and int(layer) >= layers:
+                return f"with its MTP layer as the draft model (speculative decoding), add: {self.mtp_draft_flags}"
         return None
 
     def serve_command(self, folder: str, tp: int, ep: int, layout: str, moe_layout: str,
