@@ -10,7 +10,7 @@ import pathlib
 import tempfile
 from typing import Any, Callable
 
-from layouts.engines import get_engine
+from layouts.engines import engine_names, get_engine
 from layouts.errors import LayoutsError
 from layouts.manifest import MANIFEST_NAME
 
@@ -89,7 +89,17 @@ def _describe_source(src: SourceCheckpoint, label: str, progress: Callable[[int]
     # As the user named it, as every other line of prep does (a repo id: and where its snapshot is).
     if src.origin.get("kind") == "hf":
         label = f"{label} ({src.root})"
-    lines = [f"{label}: Quark MXFP4, {cls.arch}, {cls.num_layers} layers + MTP {cls.mtp_layers}",
+    # MTP layers as the checkpoint holds them: an amd-quark export made with transformers 5 says
+    # num_nextn_predict_layers 1 in config.json and has no tensor of it.
+    held_mtp = [i for i in cls.mtp_layers if any(n.startswith(f"model.layers.{i}.") for n in src.tensors)]
+    mtp = (f"MTP {held_mtp}" if held_mtp == cls.mtp_layers else
+           f"MTP {held_mtp} (config.json names {cls.mtp_layers}; the checkpoint holds no tensor of "
+           f"{sorted(set(cls.mtp_layers) - set(held_mtp))})")
+    result["mtp_layers_held"] = held_mtp
+    # What each engine would read from config.json otherwise than the checkpoint means (its profile's notes).
+    notes = {e.display_name: e.source_notes(src.config) for e in map(get_engine, engine_names())}
+    result["engine_notes"] = {k: v for k, v in notes.items() if v}
+    lines = [f"{label}: Quark MXFP4, {cls.arch}, {cls.num_layers} layers + {mtp}",
              f"  {len(src.files)} shards, {len(src.tensors)} tensors, {src.nbytes() / 2**30:.3f} GiB",
              "  MXFP4 GEMM weights by module kind: " + ", ".join(f"{k} {v}" for k, v in sorted(kinds.items())),
              "  not MXFP4 (bytes unchanged, split per rank as the engine holds them): "
@@ -99,6 +109,7 @@ def _describe_source(src: SourceCheckpoint, label: str, progress: Callable[[int]
         bad = {tp: r for tp, r in row.items() if r != "ok"}
         lines.append(f"  {combo}: tp {', '.join(ok) or 'none'}"
                      + (f"; tp {min(bad, key=int)} refused: {bad[min(bad, key=int)]}" if bad else ""))
+    lines += [f"  note for {engine}: {line}" for engine, said in notes.items() for line in said]
     # What a conversion with the default layouts writes, against the free space where a default
     # OUT goes (the current folder): planned from the headers alone, no byte of data read.
     default = Target()

@@ -68,3 +68,25 @@ def test_convert_for_atom_says_to_add_the_keys_to_config_json(tiny_r1, tmp_path)
     assert ('without which ATOM builds another router and fails on the checkpoint: add them to the source\'s '
             'config.json ("topk_method": "noaux_tc", "scoring_func": "sigmoid", "moe_layer_freq": 1) and convert '
             'again') in r.stderr
+
+
+def test_inspect_of_such_a_source_says_what_each_engine_would_misread_before_converting(tiny_r1, tmp_path):
+    src = _without_routing_keys(tiny_r1, tmp_path)
+    r = CliRunner().invoke(main, ["inspect", str(src), "--json"])
+    assert r.exit_code == 0, r.output
+    notes = json.loads(r.output)["engine_notes"]
+    assert set(notes) == {"ATOM", "SGLang", "vLLM"}
+    assert all(any("lacks DeepSeek-V3's topk_method" in line for line in said) for said in notes.values())
+    assert any("shell wildcards" in line for line in notes["vLLM"])  # the generated config's excludes too
+
+
+def test_inspect_says_which_mtp_layers_the_checkpoint_holds_not_only_what_config_json_names(tiny_r1, tmp_path):
+    # An amd-quark export made with transformers 5 says num_nextn_predict_layers 1 and holds no
+    # MTP tensor; here config.json names a second MTP layer the checkpoint does not hold.
+    src = tmp_path / "src"
+    shutil.copytree(tiny_r1, src)
+    cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**cfg, "num_nextn_predict_layers": 2}))
+    r = CliRunner().invoke(main, ["inspect", str(src)])
+    assert r.exit_code == 0, r.output
+    assert "3 layers + MTP [3] (config.json names [3, 4]; the checkpoint holds no tensor of [4])" in r.output

@@ -47,9 +47,9 @@ def notes(config: Mapping, engine: str, flag: str | None) -> list[str]:
     lines = wildcard_note(config, engine, flag) if flag else []
     missing = missing_keys(config)
     if missing:
-        fix = (f"the serve command printed below passes V3's values ({flag})" if flag else
-               "add them to the source's config.json (" + ", ".join(f'"{k}": {json.dumps(v)}' for k, v in missing.items())
-               + ") and convert again: its door takes no config override")
+        keys = ", ".join(f'"{k}": {json.dumps(v)}' for k, v in missing.items())
+        fix = (f"the serve command prep prints for a conversion passes V3's values ({flag})" if flag else
+               f"add them to the source's config.json ({keys}) and convert again: its door takes no config override")
         lines.append(f"config.json lacks DeepSeek-V3's {', '.join(missing)} (a config saved by transformers 5 drops "
                      f"them), without which {engine} builds another router and fails on the checkpoint: {fix}")
     return lines

@@ -44,4 +44,4 @@ def wildcard_note(config: Mapping, engine: str, flag: str) -> list[str]:
         return []
     return [f"config.json's Quark exclude entries {', '.join(map(repr, wild))} are shell wildcards, which {engine} "
             "matches as exact names only (it would build those modules as MXFP4 and fail on their BF16 weights): "
-            f"the serve command printed below passes them as re: patterns ({flag})"]
+            f"the serve command prep prints for a conversion passes them as re: patterns ({flag})"]
