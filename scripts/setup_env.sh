@@ -11,13 +11,23 @@ TESTS=0
 ATOM=0
 SGLANG=0
 VLLM=0
-for arg in "$@"; do
+# --engine NAME is --NAME: what scripts/check_engine_install.py --engine NAME needs.
+args=()
+while [ $# -gt 0 ]; do
+  if [ "$1" = "--engine" ]; then
+    [ $# -ge 2 ] || { echo "setup_env.sh: --engine needs a name (atom, sglang or vllm)" >&2; exit 2; }
+    args+=("--$2"); shift 2
+  else
+    args+=("$1"); shift
+  fi
+done
+for arg in ${args[@]+"${args[@]}"}; do
   case "$arg" in
     --tests) TESTS=1; ATOM=1; SGLANG=1; VLLM=1 ;;  # the suite runs ATOM's start-up, SGLang's and vLLM's loaders
     --atom) ATOM=1 ;;
     --sglang) SGLANG=1; ATOM=1 ;;  # .venv-sglang reads .venv's packages (transformers, triton, ...)
     --vllm) VLLM=1; ATOM=1 ;;  # .venv-vllm likewise
-    *) echo "setup_env.sh: unknown option $arg (use --tests, --atom, --sglang, --vllm)" >&2; exit 2 ;;
+    *) echo "setup_env.sh: unknown option $arg (use --tests, --atom, --sglang, --vllm or --engine NAME)" >&2; exit 2 ;;
   esac
 done
 
