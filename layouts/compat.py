@@ -61,8 +61,9 @@ class EngineConfig:
             raise CompatibilityError(f"unknown MoE backend {self.moe_backend!r}; known: {', '.join(profile.moe_backends)}")
         if profile.arch(self.gpu_arch) is None:
             covered = " and ".join(a.label for a in profile.gpu_archs)
-            raise CompatibilityError(f"GPU arch {self.gpu_arch!r}: prep's layouts cover {covered}; gfx1250 tiles "
-                                     "differ and are not supported")
+            raise CompatibilityError(f"GPU arch {self.gpu_arch!r}: prep's {profile.display_name} profile covers "
+                                     f"{covered} only; on this GPU {profile.display_name} holds the checkpoint in "
+                                     f"layouts prep does not write (docs/engines.md, \"{profile.display_name}\")")
 
     @property
     def profile(self) -> EngineProfile:
