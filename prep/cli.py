@@ -353,9 +353,10 @@ def convert(src, out, layout, moe_layout, tp, ep, fuse_shared_expert, engine, co
     config = folder_config(s["out"])
     serve = None if common_bf16 else profile.serve_command(s["out"], tp, ep, layout, moe_layout,
                                                            target.fuse_shared_expert, config)
-    draft = profile.mtp_draft_hint(load_manifest(s["out"]), config) if serve and profile.mtp_draft_flags else None
+    manifest = load_manifest(s["out"]) if serve else None
+    draft = profile.mtp_draft_hint(manifest, config) if serve else None
     s = {**s, "tp": tp, "ep": ep, "layout": layout, "moe_layout": moe_layout, "serve": serve,
-         "serve_mtp_draft": profile.mtp_draft_flags if draft else None}
+         "serve_mtp_draft": profile.mtp_draft_flags if serve and profile.mtp_draft(manifest, config) else None}
     lines = [f"wrote {s['out']}: TP {tp}, EP {ep}, layout {layout}, MoE layout {moe_layout}: {s['tensors']} tensors "
              f"from {s['source_tensors']} source tensors, {s['files']} files ({s['reused_files']} reused), "
              f"{s['bytes'] / 2**30:.3f} GiB"]

@@ -169,7 +169,7 @@ def _inspect_converted(path: str) -> tuple[dict[str, Any], list[str]]:
                                  config) if engine and t.rank_exact else None
     result["serve"] = serve
     draft = engine.mtp_draft_hint(m, config) if serve else None
-    result["serve_mtp_draft"] = engine.mtp_draft_flags if draft else None
+    result["serve_mtp_draft"] = engine.mtp_draft_flags if serve and engine.mtp_draft(m, config) else None
     if serve:
         lines.append(f"  serve it with {engine.display_name}: {serve}")
         if draft:

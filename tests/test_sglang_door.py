@@ -48,7 +48,8 @@ def test_each_ranks_files_hold_sglangs_model_and_the_mtp_layer_stays_whole_in_th
     assert "--load-format sharded_state" in printed and "--tp-size 2 --enforce-shared-experts-fusion" in printed
     # the tiny config's wildcard excludes, which SGLang matches as exact names only: said, and passed as re:
     assert "'*self_attn*', '*mlp.gate.*', 'model.layers.3.*' are shell wildcards" in printed
-    override = json.loads(shlex.split(printed.strip().splitlines()[-1])[-1])
+    serve = next(line for line in printed.splitlines() if line.startswith("serve it with SGLang: "))
+    override = json.loads(shlex.split(serve)[-1])
     assert override["quantization_config"]["exclude"] == [r"re:.*self_attn.*$", r"re:.*mlp\.gate\..*$", "lm_head",
                                                           r"re:model\.layers\.3\..*$"]
     assert_verifies_and_reverts(out, tiny_r1, tmp_path / "back")
@@ -74,7 +75,11 @@ def test_sglangs_own_sharded_state_load_of_the_files_equals_its_load_of_the_sour
     # DefaultModelLoader on the source, every tensor and the MLA w_kc/w_vc; a flipped byte fails.
     out = tmp_path / "out"
     printed = _convert(tiny_r1, out, "--ep", "2")
-    serve = next(line for line in printed.splitlines() if line.startswith("serve it with SGLang: "))
+    lines = printed.splitlines()
+    serve = next(line for line in lines if line.startswith("serve it with SGLang: "))
     assert "--ep-size 2 --enforce-shared-experts-fusion" in serve
+    # SGLang's draft would read its tensors from the same files and fail deep inside: said, not served
+    assert lines[lines.index(serve) + 1] == ("  its MTP layer is not served as SGLang's draft model from this folder yet "
+                                             "(docs/engines.md): serve it without speculative decoding")
     rows, report = engine_check_rows("sglang", tiny_r1, out, tmp_path / "work")
     assert [row[0] for row in rows] == ["0", "1"] and all(row[-1] == "ok" and row[3] == "12" for row in rows), report

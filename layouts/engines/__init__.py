@@ -209,19 +209,34 @@ class EngineProfile:
         means (one line each, naming the fix); ``prep convert --engine`` prints them."""
         return []
 
-    def mtp_draft_hint(self, manifest: "Manifest", config: Mapping) -> str | None:
-        """How to serve the checkpoint's MTP layer as the draft model (one line, for after the
-        serve command), where the door serves it and the conversion holds one for the engine to
-        read: a tensor of a layer from ``config``'s ``num_hidden_layers`` on (an amd-quark export
-        made with transformers 5 says ``num_nextn_predict_layers: 1`` and has no MTP tensor)."""
+    def mtp_draft(self, manifest: "Manifest", config: Mapping) -> bool | None:
+        """Whether the door serves the conversion's MTP layer as the engine's draft model (True:
+        its ranks' files hold it and ``mtp_draft_flags`` ask for it), False where the conversion
+        has one the door does not serve (kept whole in the common file), None where it has none:
+        no tensor of a layer from ``config``'s ``num_hidden_layers`` on (an amd-quark export made
+        with transformers 5 says ``num_nextn_predict_layers: 1`` and has no MTP tensor)."""
         layers = config.get("num_hidden_layers")
-        if not (self.mtp_draft_flags and self.sharding.holds_mtp and isinstance(layers, int)):
+        if not isinstance(layers, int) or self.sharding is None:
             return None
+        served = bool(self.mtp_draft_flags and self.sharding.holds_mtp)
         for t in manifest.tensors:
             layer = t.name.split(".")[2] if t.name.startswith("model.layers.") else ""
-            if t.role != "unread" and layer.isdigit() and int(layer) >= layers:
-                return f"with its MTP layer as the draft model (speculative decoding), add: {self.mtp_draft_flags}"
+            if layer.isdigit() and int(layer) >= layers and (t.role != "unread" or not served):
+                return served
         return None
+
+    def mtp_draft_hint(self, manifest: "Manifest", config: Mapping) -> str | None:
+        """The line after the serve command on the MTP layer as a draft model (:meth:`mtp_draft`):
+        what to add to serve it, or, where the door does not, to serve without speculative
+        decoding (an engine that would read the draft's tensors from the same files fails deep
+        inside); None where the conversion has no MTP layer."""
+        served = self.mtp_draft(manifest, config)
+        if served is None:
+            return None
+        if served:
+            return f"with its MTP layer as the draft model (speculative decoding), add: {self.mtp_draft_flags}"
+        return (f"its MTP layer is not served as {self.display_name}'s draft model from this folder yet "
+                "(docs/engines.md): serve it without speculative decoding")
 
     def serve_command(self, folder: str, tp: int, ep: int, layout: str, moe_layout: str,
                       fuse_shared_expert: bool = True, config: Mapping | None = None) -> str | None:
