@@ -363,6 +363,8 @@ def _plan_experts(mlp: str, layer: dict, tp: int, ep: int, fuse_shared: bool, pe
     routed block the engine's expert map gives it (``rules.expert_block``); the
     shared expert, when fused, in the slot after the routed ones on every rank."""
     routed = sorted(e for e in layer if e is not None)  # a shared expert is here only if fused
+    if not routed:  # a BF16 shared expert beside MXFP4 routed ones: planned as an MLP of its own
+        return
     if routed != list(range(len(routed))):
         raise PrepError(f"{mlp}experts: BF16 experts {routed[0]}..{routed[-1]} are not numbered 0..n-1 "
                         "(a missing expert); re-download the checkpoint")

@@ -244,3 +244,15 @@ def test_a_bf16_expert_intermediate_the_engines_moe_would_pad_is_refused(r1_sour
                                         r"multiple of 64 .* choose another --tp \(or --ep equal to --tp\)"):
         plan_bf16_groups(_bf16(r1_source), r1_source.config, 8, 1, False, SHARDING)
     assert plan_bf16_groups(_bf16(r1_source), r1_source.config, 8, 8, False, SHARDING)  # EP: whole experts
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_a_bf16_shared_expert_beside_mxfp4_routed_ones_is_an_mlp_of_its_own(r1_source, ep):
+    # Only the shared expert BF16 (routed experts quantized): held as gate_up / down split by TP on
+    # every rank, with or without expert parallel (which moves routed experts only).
+    mlp = "model.layers.3.mlp.shared_experts."
+    shared = {n: i for n, i in _bf16(r1_source).items() if n.startswith(mlp)}
+    per_rank, whole = plan_bf16_groups(shared, r1_source.config, 2, ep)
+    assert not whole
+    assert [sorted(g.name for g in groups) for groups in per_rank] == [
+        [f"{mlp}down_proj.weight", f"{mlp}gate_up_proj.weight"]] * 2
