@@ -2,13 +2,14 @@
 """The engine doors on a checkpoint prep's generator did not write: amd-quark 0.13 exports the
 tiny transformers-5 DeepseekV3 of tests/quark_export.py in W4A4 MXFP4 (scheme "mxfp4": weights
 and dynamic activations, attention left BF16 by the deepseek_v3 template, as
-amd/DeepSeek-R1-0528-MXFP4 is); prep converts it for each engine; scripts/check_engine_install.py
+amd/DeepSeek-R1-0528-MXFP4 is; and once more with the shared experts left BF16 too); prep
+converts each for each engine; scripts/check_engine_install.py
 compares the engine's load of the conversion with its own load of the export, rank by rank;
 then one byte of a rank file is flipped and the same check must fail.
 
-    .venv/bin/python scripts/check_doors_on_quark_export.py [--engines vllm,sglang] [--work DIR]
+    .venv/bin/python scripts/check_doors_on_quark_export.py [--engines atom,vllm,sglang] [--variants ...] [--work DIR]
 
-One line per (engine, TP/EP): the check's result on the conversion and on the flipped copy.
+One line per (export, engine, TP/EP): the check's result on the conversion and on the flipped copy.
 Exit status 0 only if every conversion passes and every flipped copy fails. Such an export's
 config.json (saved by transformers 5) lacks DeepSeek-V3's topk_method, scoring_func and
 moe_layer_freq; the SGLang and vLLM serve commands, and so both loads here, pass them
@@ -31,6 +32,9 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO))
 
+# The exports: Quark's deepseek_v3 template excludes (attention BF16, as R1-0528's card), and the
+# shared experts excluded too (BF16 beside MXFP4 routed experts: an MLP of their own in every engine).
+VARIANTS = {"w4a4": None, "w4a4-bf16-shared": ["*self_attn*", "*shared_experts*", "lm_head"]}
 # (tp, ep) per engine; vLLM's TP 2 alone is refused for the tiny experts (256 intermediate: ck-3d's K/32 % 8)
 CONFIGS = {"atom": ((2, 1), (2, 2)), "vllm": ((2, 2),), "sglang": ((2, 1), (2, 2))}
 
@@ -54,22 +58,31 @@ def flip_a_byte(folder: pathlib.Path) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--engines", default="atom,vllm,sglang")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"exports to check: {', '.join(VARIANTS)}")
     ap.add_argument("--work", type=pathlib.Path)
     args = ap.parse_args()
     work = args.work or pathlib.Path(tempfile.mkdtemp(prefix="quark-doors-"))
+    ok = True
+    for variant in args.variants.split(","):
+        ok &= check_variant(variant, work, args.engines.split(","))
+    return 0 if ok else 1
+
+
+def check_variant(variant: str, work: pathlib.Path, engines: list[str]) -> bool:
     import quark_export
 
-    src = work / "export-w4a4"
+    src = work / f"export-{variant}"
     if not (src / "config.json").is_file():
-        quark_export.export(src, scheme="mxfp4")
+        quark_export.export(src, scheme="mxfp4", exclude_layers=VARIANTS[variant])
     cfg = json.loads((src / "config.json").read_text())
-    print(f"amd-quark export: {src} (input_tensors {cfg['quantization_config']['global_quant_config']['input_tensors']['dtype']}"
-          f", exclude {len(cfg['quantization_config']['exclude'])} entries)", flush=True)
+    print(f"amd-quark export {variant}: {src} (input_tensors "
+          f"{cfg['quantization_config']['global_quant_config']['input_tensors']['dtype']}, exclude "
+          f"{len(cfg['quantization_config']['exclude'])} entries)", flush=True)
     # ATOM's door passes no config override: prep's note says to add the missing DeepSeek-V3 keys
     # to the source's config.json, which a copy here does (the tensors hard-linked, unchanged).
     from layouts.engines import _config
 
-    fixed = work / "export-w4a4-config-completed"
+    fixed = work / f"export-{variant}-config-completed"
     if not fixed.is_dir():
         fixed.mkdir()
         for f in src.iterdir():
@@ -77,15 +90,15 @@ def main() -> int:
                 (fixed / f.name).hardlink_to(f)
         (fixed / "config.json").write_text(json.dumps({**cfg, **_config.missing_keys(cfg)}, indent=2))
     ok = True
-    for engine in args.engines.split(","):
+    for engine in engines:
         source = fixed if engine == "atom" else src
         for tp, ep in CONFIGS[engine]:
-            out = work / f"{engine}-tp{tp}-ep{ep}"
+            out = work / f"{variant}-{engine}-tp{tp}-ep{ep}"
             shutil.rmtree(out, ignore_errors=True)
             r = subprocess.run([str(REPO / ".venv" / "bin" / "prep"), "convert", str(source), "-o", str(out), "--engine",
                                 engine, "--tp", str(tp), "--ep", str(ep), "-q"], capture_output=True, text=True)
             if r.returncode:
-                print(f"{engine} tp{tp} ep{ep}: convert failed: {r.stderr.strip()}")
+                print(f"{variant} {engine} tp{tp} ep{ep}: convert failed: {r.stderr.strip()}")
                 ok = False
                 continue
 
@@ -100,15 +113,15 @@ def main() -> int:
                 return c.returncode, "; ".join(bad[:1]) or (c.stderr.strip().splitlines() or ["?"])[-1]
 
             rc, said = check(out)
-            flipped = work / f"{engine}-tp{tp}-ep{ep}-flipped"
+            flipped = work / f"{variant}-{engine}-tp{tp}-ep{ep}-flipped"
             shutil.rmtree(flipped, ignore_errors=True)
             shutil.copytree(out, flipped)
             name = flip_a_byte(flipped)
             frc, fsaid = check(flipped)
             ok &= rc == 0 and frc != 0
-            print(f"{engine} tp{tp} ep{ep}: conversion {'passes' if rc == 0 else 'FAILS'} ({said}); "
+            print(f"{variant} {engine} tp{tp} ep{ep}: conversion {'passes' if rc == 0 else 'FAILS'} ({said}); "
                   f"one byte of {name} flipped: {'fails' if frc else 'PASSES'} ({fsaid})", flush=True)
-    return 0 if ok else 1
+    return ok
 
 
 if __name__ == "__main__":
