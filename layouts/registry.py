@@ -202,7 +202,19 @@ class ScaleShuffle(Transform):
 
 
 @dataclasses.dataclass(frozen=True)
-class ScaleShuffleStacked(ScaleShuffle):
+class _ScaleShuffleNoPad(ScaleShuffle):
+    """An S32x8 variant whose constraints (its ``violations``) leave nothing to pad: its output
+    has the scale's own shape, and it has no pad byte to check."""
+
+    def output_shape(self, shape: Shape) -> Shape:
+        return tuple(shape)
+
+    def pad_mismatches(self, t: torch.Tensor, shape: Shape) -> int:
+        return 0
+
+
+@dataclasses.dataclass(frozen=True)
+class ScaleShuffleStacked(_ScaleShuffleNoPad):
     """:class:`ScaleShuffle` over the flattened ``[E*N, C]`` with the result viewed back as
     ``[E, N, C]``: the same bytes as ``ck``'s scale, held 3-D (SGLang's aiter MoE views aiter's
     ``e8m0_shuffle`` output so). The view exists only where the shuffle pads nothing, so
@@ -225,15 +237,9 @@ class ScaleShuffleStacked(ScaleShuffle):
     def inverse(self, t: torch.Tensor, shape: Shape) -> torch.Tensor:
         return super().inverse(t.reshape(self._rows_cols(shape)), shape)
 
-    def output_shape(self, shape: Shape) -> Shape:
-        return tuple(shape)
-
-    def pad_mismatches(self, t: torch.Tensor, shape: Shape) -> int:
-        return 0  # it pads nothing (its constraints)
-
 
 @dataclasses.dataclass(frozen=True)
-class ScaleShuffleUnpadded(ScaleShuffle):
+class ScaleShuffleUnpadded(_ScaleShuffleNoPad):
     """:class:`ScaleShuffle` on a ``[R, C]`` scale that needs no pad: ``R % 32 == 0`` and
     ``C % 8 == 0`` (its constraints), the bytes of ``e8m0_shuffle`` cut to the scale's own rows
     (each 32-row band is shuffled on its own, so the cut is exact). vLLM's aiter linear swizzles
@@ -250,12 +256,6 @@ class ScaleShuffleUnpadded(ScaleShuffle):
 
     def forward(self, t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         return _into(_sh.preshuffle_scale(t, pad_value=self.pad_value, pad_rows=False), out)
-
-    def output_shape(self, shape: Shape) -> Shape:
-        return tuple(shape)
-
-    def pad_mismatches(self, t: torch.Tensor, shape: Shape) -> int:
-        return 0  # it pads nothing (its constraints)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -413,10 +413,10 @@ def get_layout(name: str) -> Layout:
 
 def recorded_layout(record: "LayoutRecord") -> Layout:
     """The layout a manifest recorded (its ``layouts`` entry, :class:`~layouts.manifest.LayoutRecord`:
-    ``Layout.describe()`` of the prep that wrote it): the registered layout of that name with the record's version and transform
-    parameters, so that an older checkpoint is checked against the bytes it was written with
-    (version 1's S32x8 pad byte is 0x7F; a recorded S32x8 transform without ``pad_value`` is
-    :data:`LEGACY_S32X8_PAD`). The byte order must be the registry's: a record naming other
+    ``Layout.describe()`` of the prep that wrote it): the registered layout of that name with the
+    record's version and transform parameters, so that an older checkpoint is checked against
+    the bytes it was written with (version 1's S32x8 pad byte is 0x7F; a recorded S32x8 transform
+    without ``pad_value`` is :data:`LEGACY_S32X8_PAD`). The byte order must be the registry's: a record naming other
     transforms, or a version newer than the registry's, is refused."""
     try:
         layout = get_layout(record.name)

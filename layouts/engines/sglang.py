@@ -82,7 +82,8 @@ class SglangProfile(EngineProfile):
                                      f"unshuffled weights; set {ENV_AITER}=1")
         if on(ENV_ASM_GEMM):
             raise CompatibilityError(f"{ENV_ASM_GEMM}=1: SGLang then shuffles its dense MXFP4 weights at load (W16 "
-                                     "with an unpadded scale), which no prep layout holds; unset it")
+                                     "with an unpadded scale: preshuffle-unpadded), which prep's SGLang conversions "
+                                     "do not hold; unset it")
         arch = gpu_arch or current_gpu_arch() or self.default_gpu_arch
         return EngineConfig(TRITON_NON_SHUFFLE, AITER, tp_size, rank, ep_size, arch, False, False, engine=self.name)
 
