@@ -342,7 +342,7 @@ def plan_bf16_groups(tensors: dict[str, Any], config: dict[str, Any], tp: int, e
                 row += p.out_shape[0]
             per_rank[r].append(Bf16Group(target, r, tp, parts[merge.parts[0]][1].dtype, tuple(ps)))
     for mlp, layer in experts.items():
-        _plan_experts(mlp, layer, tp, ep, fuse_shared_expert, per_rank, whole, rules)
+        _plan_experts(mlp, layer, tp, ep, per_rank, rules)
     return per_rank, whole
 
 
@@ -356,8 +356,8 @@ def _merge_part(module: str, merges: list) -> tuple[str, Any, str] | None:
     return None
 
 
-def _plan_experts(mlp: str, layer: dict, tp: int, ep: int, fuse_shared: bool, per_rank: list[list[Bf16Group]],
-                  whole: list[str], rules: "layouts.engines.ShardingRules") -> None:
+def _plan_experts(mlp: str, layer: dict, tp: int, ep: int, per_rank: list[list[Bf16Group]],
+                  rules: "layouts.engines.ShardingRules") -> None:
     """One MoE layer's BF16 experts as the engine stacks them: ``w13 [E, 2 I/tp, H]`` (gate rows,
     then up rows) and ``w2 [E, H, I/tp]``; under expert parallel whole experts, rank r the
     routed block the engine's expert map gives it (``rules.expert_block``); the

@@ -52,8 +52,7 @@ from mi355x import CpuMode  # noqa: E402
 from stand_ins import StandInModule, fill_aiter_stub  # noqa: E402
 
 # aiter modules loaded from its own files (everything else under aiter is a stand-in).
-REAL_AITER = ("aiter.ops.shuffle", "aiter.utility.dtypes", "aiter.utility.fp4_utils", "aiter.utility.mx_types",
-              "aiter.utility.aiter_types")
+REAL_AITER = stand_ins.REAL_AITER
 # Packages ATOM imports at module level for its server, none of them used to build or load a model.
 # Only those not installed get a stand-in (prep itself uses xxhash where it is installed).
 SERVER_PACKAGES = ("zmq", "msgspec", "xxhash", "prometheus_client", "fastapi", "uvicorn")

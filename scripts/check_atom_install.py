@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import pathlib
@@ -225,8 +226,10 @@ def load_converted(src: pathlib.Path, out: pathlib.Path, case: Case, rank: int):
     return target, draft, report
 
 
+@functools.lru_cache(maxsize=None)
 def has_mtp_layer(src: pathlib.Path) -> bool:
-    """Whether the source holds a tensor of an MTP layer (from config.json's num_hidden_layers on)."""
+    """Whether the source holds a tensor of an MTP layer (from config.json's num_hidden_layers on);
+    asked by every load of every rank, its headers read once."""
     from prep.source import SourceCheckpoint
 
     ck = SourceCheckpoint(pathlib.Path(src))

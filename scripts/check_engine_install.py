@@ -82,14 +82,14 @@ def _compare(ref: dict, got: dict) -> list[str]:
     return bad
 
 
-def _target(out: pathlib.Path, engine: str, label: str):
-    """The manifest's target of OUT, which must be a conversion for ``engine``."""
+def _manifest(out: pathlib.Path, engine: str, label: str):
+    """OUT's manifest, which must be of a conversion for ``engine``."""
     import layouts
 
-    t = layouts.load_manifest(out).target
-    if t.engine != engine:
-        raise SystemExit(f"{out}: converted for {t.engine}, not {label}; convert with --engine {engine}")
-    return t
+    m = layouts.load_manifest(out)
+    if m.target.engine != engine:
+        raise SystemExit(f"{out}: converted for {m.target.engine}, not {label}; convert with --engine {engine}")
+    return m
 
 
 def _exclude_override(out: pathlib.Path, flag: str) -> dict | None:
@@ -122,7 +122,7 @@ def _rank_row(rank: int, ref: dict, bad: list[str], *more: int) -> bool:
 def check_sglang(src: pathlib.Path, out: pathlib.Path, work: pathlib.Path, aiter_src: pathlib.Path) -> bool:
     import sglang_on_cpu as s
 
-    t = _target(out, "sglang", "SGLang")
+    t = _manifest(out, "sglang", "SGLang").target
     s.WORK["dir"] = work
     s.install(aiter_src)
     kw = {"enforce_shared_experts_fusion": True} if t.fuse_shared_expert else {"disable_shared_experts_fusion": True}
@@ -151,7 +151,8 @@ def check_vllm(src: pathlib.Path, out: pathlib.Path, work: pathlib.Path, aiter_s
     import vllm_on_cpu as v
     from layouts.engines.vllm.door import LOAD_FORMAT
 
-    t = _target(out, "vllm", "vLLM")
+    m = _manifest(out, "vllm", "vLLM")
+    t = m.target
     v.WORK["dir"] = work
     v.install(aiter_src)
     # prep's loader is not registered here: vLLM's own plugin loading must find the package's
@@ -168,10 +169,8 @@ def check_vllm(src: pathlib.Path, out: pathlib.Path, work: pathlib.Path, aiter_s
     # With an MTP layer, vLLM's MTP draft too (--speculative-config), loaded after the model. Not
     # where config.json says one and the checkpoint has none (an amd-quark export made with
     # transformers 5): vLLM's own load leaves such a draft unwritten, prep's door refuses it.
-    import layouts
-
     layers = json.loads((src / "config.json").read_text()).get("num_hidden_layers")
-    draft = any(n.startswith(f"model.layers.{layers}.") for n in layouts.load_manifest(out).source.tensors)
+    draft = any(n.startswith(f"model.layers.{layers}.") for n in m.source.tensors)
     if draft:
         print(f"both loads: --speculative-config '{json.dumps(v.MTP_SPECULATIVE)}', the MTP draft compared too")
     print(f"{'rank':>4} {'tensors':>7} {'bytes':>10} {'draft':>9}  result")
@@ -206,7 +205,7 @@ def check_atom(src: pathlib.Path, out: pathlib.Path, work: pathlib.Path, atom_di
     import check_atom_install as c
     from layouts.engines.atom import PROFILE
 
-    t = _target(out, "atom", "ATOM")
+    t = _manifest(out, "atom", "ATOM").target
     path = PROFILE.gemm_path_reading(t.layout)
     if t.moe_layout != "ck":
         raise SystemExit(f"{out}: MoE layout {t.moe_layout}: the ATOM check runs aiter's CK MoE only (its Triton MoE "

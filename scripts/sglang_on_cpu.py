@@ -64,8 +64,7 @@ from stand_ins import StandIn, StandInModule, fill_aiter_stub  # noqa: E402
 
 CALLS = stand_ins.CALLS  # every call of a stand-in, by name, in order (stand_ins)
 
-REAL_AITER = ("aiter.ops.shuffle", "aiter.utility.dtypes", "aiter.utility.fp4_utils", "aiter.utility.mx_types",
-              "aiter.utility.aiter_types")
+REAL_AITER = stand_ins.REAL_AITER
 # ... and from the amd-aiter wheel's files (prep's .cache/aiter-oracle): its Triton quantizer.
 REAL_AITER_ORACLE = ("aiter.ops.triton.quant", "aiter.ops.triton._triton_kernels.quant", "aiter.ops.triton.utils.logger")
 # Top-level packages that get a stand-in when not importable here (GPU-only binaries).

@@ -22,6 +22,11 @@ from typing import Callable
 
 CALLS: list[str] = []  # every call of a stand-in, by name, in order
 
+# aiter's modules every harness loads from aiter's own files (the shuffles and the dtypes they
+# use); every other aiter module is a stand-in unless a harness names more.
+REAL_AITER = ("aiter.ops.shuffle", "aiter.utility.dtypes", "aiter.utility.fp4_utils", "aiter.utility.mx_types",
+              "aiter.utility.aiter_types")
+
 
 class _StandInBase:
     """What a class deriving from a stand-in derives from (msgspec.Struct takes class keywords)."""

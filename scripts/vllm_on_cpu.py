@@ -74,8 +74,7 @@ from stand_ins import StandIn, fill_aiter_enums  # noqa: E402
 CALLS = stand_ins.CALLS  # every call of a stand-in, by name, in order (stand_ins)
 
 
-REAL_AITER = ("aiter.ops.shuffle", "aiter.utility.dtypes", "aiter.utility.fp4_utils", "aiter.utility.mx_types",
-              "aiter.utility.aiter_types")
+REAL_AITER = stand_ins.REAL_AITER
 REAL_AITER_FULL = ("aiter.ops.gemm_op_a4w4", "aiter.ops.triton.utils.gemm_config_utils", "aiter.ops.triton.utils.core",
                    "aiter.ops.triton.utils._triton.arch_info")
 REAL_AITER_ORACLE = ("aiter.ops.triton.quant", "aiter.ops.triton._triton_kernels.quant",

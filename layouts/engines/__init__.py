@@ -25,7 +25,8 @@ import importlib
 import pkgutil
 from typing import TYPE_CHECKING, Callable, Mapping, Optional
 
-from ._sharding import COLS, DEEPSEEK_SPLITS, ROWS, WHOLE, Constant, Merge, ShardingRules, deepseek_merges
+from ._sharding import (COLS, DEEPSEEK_SPLITS, ROWS, WHOLE, Constant, Merge, ShardingRules, deepseek_merges,
+                        layer_index)
 
 if TYPE_CHECKING:  # compat imports this package: the names are only for annotations here
     from ..compat import EngineConfig
@@ -220,8 +221,8 @@ class EngineProfile:
             return None
         served = bool(self.mtp_draft_flags and self.sharding.holds_mtp)
         for t in manifest.tensors:
-            layer = t.name.split(".")[2] if t.name.startswith("model.layers.") else ""
-            if layer.isdigit() and int(layer) >= layers and (t.role != "unread" or not served):
+            layer = layer_index(t.name)
+            if layer is not None and layer >= layers and (t.role != "unread" or not served):
                 return served
         return None
 

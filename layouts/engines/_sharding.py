@@ -124,6 +124,16 @@ DEEPSEEK_SPLITS = (
 )
 
 
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def layer_index(name: str) -> int | None:
+    """The decoder (or MTP) layer a DeepSeek tensor name is in (``model.layers.61.mlp...`` -> 61),
+    None outside the layers (embedding, final norm, head)."""
+    m = _LAYER.match(name)
+    return int(m.group(1)) if m else None
+
+
 def deepseek_merges(fused_qkv_a: str) -> tuple[Merge, ...]:
     """DeepSeek's merged modules as every engine profiled here builds them, the merged q_a + kv_a
     under the engine's own name (``fused_qkv_a`` relative to the layer): [q_a; kv_a] replicated,

@@ -53,11 +53,10 @@ from ...compat import (CompatibilityError, EngineConfig, bf16_moe_layout_matches
                        engine_matches, ep_matches, moe_layout_matches, rank_in_range, tp_matches)
 from ...manifest import Manifest
 from ...errors import LayoutsError
-from .. import _config
 from ...registry import MOE_BF16, MOE_CK, MOE_TRITON, MOE_TRITON_GFX942, NON_SHUFFLE, PRESHUFFLE, recorded_layout
 from ...shuffle import S8_COLS, pad_to
-from .. import (DEEPSEEK_SPLITS, NEVER, EngineProfile, GemmPathRule, GpuArch, ShardingRules, current_gpu_arch,
-                deepseek_merges)
+from .. import (DEEPSEEK_SPLITS, NEVER, EngineProfile, GemmPathRule, GpuArch, ShardingRules, _config,
+                current_gpu_arch, deepseek_merges)
 
 ENV_NON_SHUFFLE = "ATOM_USE_FP4_NON_SHUFFLE_TRITON_GEMM"
 ENV_TRITON_GEMM = "ATOM_USE_TRITON_GEMM"

@@ -48,7 +48,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
-import re
 from typing import Any
 
 import torch
@@ -56,6 +55,7 @@ import torch
 from ...compat import EngineConfig, check_compatibility
 from ...loader import iter_rank_files
 from ...manifest import Manifest, ManifestError, TensorRecord, load_manifest
+from .._sharding import layer_index
 
 
 # ---------------------------------------------------------------------------- the adapter
@@ -114,7 +114,6 @@ def _as_param_dtype(t: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
 _MTP_LAYER_OWN = ("embed_tokens", "enorm", "hnorm", "eh_proj", "shared_head")  # ATOM's spec_layer_weight_names
 _MTP_SHARED = ("embed_tokens",)  # ATOM's shared_weight_names
 _TARGET_EMBED = "model.embed_tokens.weight"
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def atom_mtp_param_name(name: str, layer: int) -> str:
@@ -138,11 +137,6 @@ def mtp_layers(root: pathlib.Path) -> range:
         raise ManifestError(f"{path}: cannot read num_hidden_layers ({e!r}); it tells the main model's layers "
                             "from the MTP layer: copy the source's config.json there or convert again") from None
     return range(start, start + int(cfg.get("num_nextn_predict_layers") or 0))
-
-
-def layer_index(name: str) -> int | None:
-    m = _LAYER.match(name)
-    return int(m.group(1)) if m else None
 
 
 # ---------------------------------------------------------------------------- installing

@@ -173,30 +173,28 @@ def checked(folder: str, parallel_config: Any) -> tuple[Any, int]:
     return manifest, rank
 
 
-def _is_mtp(name: str, first_mtp: int) -> bool:
-    """Whether ``name`` is a tensor of an MTP layer (index ``first_mtp`` on)."""
-    rest = name.partition("model.layers.")[2]
-    layer = rest.partition(".")[0]
-    return name.startswith("model.layers.") and layer.isdigit() and int(layer) >= first_mtp
-
-
 def install(model: Any, folder: str, manifest: Any, rank: int, first_mtp: int, draft: bool = False) -> list[str]:
     """Copy rank ``rank``'s tensors of the converted ``folder`` (its checked ``manifest``) into
     ``model``'s processed parameters (module docstring, step 3): the main model's (``draft``
     False) or the MTP draft's, the MTP layers being those from ``first_mtp`` on. Returns the
     names written."""
     from ... import iter_rank_files
+    from .._sharding import layer_index
 
-    mine = {t.name for t in manifest.tensors if t.rank == rank and t.role != "unread"
-            and _is_mtp(t.name, first_mtp) == draft}
+    def is_mtp(name: str) -> bool:  # a tensor of an MTP layer (index first_mtp on)
+        layer = layer_index(name)
+        return layer is not None and layer >= first_mtp
+
+    # this load's tensors of the rank (the main model's or the draft's), with the layout each was written in
+    mine = {t.name: t.layout for t in manifest.tensors if t.rank == rank and t.role != "unread"
+            and is_mtp(t.name) == draft}
     if draft and not mine:
         raise DoorError(f"{folder}: rank {rank}'s files hold no MTP layer for vLLM's draft model (converted from a "
                         "checkpoint without one, or by a prep before 2026-12-05); convert again with --engine vllm, "
                         "or serve without --speculative-config")
     params = model.state_dict(keep_vars=True)
-    layout_of = {t.name: t.layout for t in manifest.tensors if t.rank == rank and t.name in mine}
     written, seen, relaid = [], set(), set()
-    for part in iter_rank_files(folder, rank, "cpu", manifest=manifest, names=mine):
+    for part in iter_rank_files(folder, rank, "cpu", manifest=manifest, names=set(mine)):
         for name, t in part.items():
             held = draft_name(name) if draft else name
             p = params.get(held)
@@ -204,7 +202,7 @@ def install(model: Any, folder: str, manifest: Any, rank: int, first_mtp: int, d
                 raise DoorError(f"{folder}: {name} is not a tensor of vLLM's {'MTP draft' if draft else 'model'} "
                                 f"({held}); convert again with this prep for this vLLM (--engine vllm)")
             if _on_asm_gemm(model, held):
-                t = _as_asm_gemm_holds(t, name, layout_of.get(name), folder)
+                t = _as_asm_gemm_holds(t, name, mine[name], folder)
                 relaid.add(held.rsplit(".", 1)[0])
             _copy_into(p.data, t, name, folder)
             written.append(held)
