@@ -31,7 +31,7 @@ bf16-preshuffle bf16-moe W16 of 16-bit values per expert none (BF16 experts ``[E
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, ClassVar, Mapping
 
 import torch
 
@@ -59,16 +59,25 @@ class Transform:
     """A byte-exact, invertible rewrite of one tensor. Subclasses fill in the four methods."""
 
     name = "identity"
+    # Rows that forward keeps to themselves, or None. Where set, rows [a, a+m) of a [..., N, C]
+    # tensor (a and m multiples of it) transform into the same rows of the output and nowhere
+    # else, and forward reads a strided ``t`` (rows of unit stride) in place and writes an
+    # ``out`` whose rows are contiguous: a converter transforms each rank's window of a source
+    # stack straight into its rows of the output buffer, with no copy of the window first.
+    row_block: ClassVar[int | None] = None
 
     def violations(self, shape: Shape) -> list[str]:
         """The constraints ``shape`` breaks, each as a short rule (empty when it applies)."""
         return []
 
     def forward(self, t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The transformed tensor; with ``out`` (contiguous, of ``output_shape`` and ``t``'s
-        dtype) it is written there and ``out`` returned: how a converter builds straight into
-        its output buffer."""
-        return _into(t.contiguous(), out)
+        """The transformed tensor; with ``out`` (of ``output_shape`` and ``t``'s dtype:
+        contiguous, or with a :attr:`row_block` its rows contiguous) it is written there and
+        ``out`` returned: how a converter builds straight into its output buffer."""
+        if out is None:
+            return t.contiguous()
+        _sh.check_rows_out(out, t)
+        return out.copy_(t)
 
     def inverse(self, t: torch.Tensor, shape: Shape) -> torch.Tensor:
         """Undo :meth:`forward`; ``shape`` is the tensor's shape before the transform."""
@@ -107,6 +116,7 @@ def _into(result: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
 @dataclasses.dataclass(frozen=True)
 class Identity(Transform):
     name = "identity"
+    row_block = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +124,7 @@ class WeightPreshuffle(Transform):
     """W16 on ``[..., N, K/2]`` (aiter ``shuffle_weight(x, (16, 16))``); leading dims are experts."""
 
     name = "w16"
+    row_block = _sh.W16_ROWS
 
     def violations(self, shape: Shape) -> list[str]:
         if len(shape) < 2:
@@ -138,6 +149,7 @@ class WeightPreshuffle16Bit(Transform):
     N % 16 and K % 32 (values); leading dims are experts, each shuffled inside its own rows."""
 
     name = "w16-16bit"
+    row_block = _sh.W16_ROWS
 
     def violations(self, shape: Shape) -> list[str]:
         if len(shape) < 2:

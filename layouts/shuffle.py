@@ -73,22 +73,51 @@ def _as_runs(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.complex128)
 
 
+def _run_views(*ts: torch.Tensor) -> list[torch.Tensor]:
+    """Each uint8 ``[..., R, C]`` (C % 16 == 0, rows of unit stride) as ``[..., R, C/16, w]``: its
+    16-byte runs, each ``w`` elements of the widest bit-copy type that every tensor's offset and
+    strides allow (complex128, w = 1, where all are 16-byte aligned; a source read from a file
+    may be 8-byte aligned only: int64, w = 2)."""
+    for dt in (torch.complex128, torch.int64, torch.int32, torch.int16, torch.uint8):
+        size = dt.itemsize
+        if all(t.storage_offset() % size == 0 and all(st % size == 0 for st in t.stride()[:-1]) for t in ts):
+            return [t.view(dt).unflatten(-1, (t.shape[-1] // 16, 16 // size)) for t in ts]
+    raise AssertionError("unreachable: bytes always view as bytes")
+
+
+def check_rows_out(out: torch.Tensor, like: torch.Tensor) -> None:
+    """Refuse an ``out`` that cannot take ``like``'s bytes in place: same shape and dtype, each
+    matrix's rows one after the other (a window of whole rows of a larger stack is fine)."""
+    if (out.shape != like.shape or out.dtype != like.dtype or out.dim() < 2
+            or out.stride(-1) != 1 or (out.shape[-2] > 1 and out.stride(-2) != out.shape[-1])):
+        raise ValueError(f"out must be a {like.dtype} tensor of shape {tuple(like.shape)} whose rows are contiguous, "
+                         f"got {out.dtype} {tuple(out.shape)} with strides {tuple(out.stride())}")
+
+
 def preshuffle_weight(w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """W16 preshuffle of packed MXFP4 weights ``[..., N, K/2]`` (experts may lead). Exact inverse:
-    :func:`unshuffle_weight`. With ``out`` (contiguous, ``w``'s shape and dtype) the result is
-    written there, straight from ``w`` when ``out`` is 16-byte aligned, and ``out`` returned."""
+    :func:`unshuffle_weight`. With ``out`` (``w``'s shape and dtype, rows contiguous: e.g. a
+    window of whole rows of a stacked output) the result is written there and ``out`` returned.
+
+    ``w`` may be a strided view (a column window of a stacked source, its rows of unit stride):
+    it is read in place, so a converter transforms a rank's window of a source stack straight
+    into its output buffer, with no copy of the window first. Each 16-row block stays in its
+    own rows, so a window of rows transforms into the same rows of the output."""
     _check_w16(w.shape)
-    u = as_uint8(w).contiguous()
+    u = as_uint8(w)
+    if u.stride(-1) != 1:
+        u = u.contiguous()
+    if out is None:
+        out = torch.empty(w.shape, dtype=w.dtype)
+    else:
+        check_rows_out(out, w)
     n, kb = u.shape[-2], u.shape[-1]
+    src, dst = _run_views(u, as_uint8(out))
     # (n//16, n%16, kb//16) -> (n//16, kb//16, n%16): a transpose of 16-byte runs per 16-row block.
-    runs = _as_runs(u).view(-1, n // 16, 16, kb // 16).transpose(2, 3)
-    if out is not None:
-        check_out(out, w)
-        if out.data_ptr() % 16 == 0:
-            as_uint8(out).view(-1).view(torch.complex128).view(runs.shape).copy_(runs)
-            return out
-        return out.copy_(runs.contiguous().view(torch.uint8).view(w.shape).view(w.dtype))
-    return runs.contiguous().view(torch.uint8).view(w.shape).view(w.dtype)
+    src = src.unflatten(-3, (n // 16, 16)).transpose(-3, -2)
+    # A view, never a copy (view() refuses what check_rows_out let through by mistake).
+    dst.view(*dst.shape[:-3], n // 16, kb // 16, 16, dst.shape[-1]).copy_(src)
+    return out
 
 
 def check_out(out: torch.Tensor, like: torch.Tensor) -> None:
@@ -129,15 +158,21 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
 def preshuffle_weight_16bit(w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """aiter ``shuffle_weight(w, layout=(16, 16))`` of 16-bit weights ``[..., N, K]`` (BF16 stacked
     experts: leading dims are experts; each expert's rows stay its own). Exact inverse:
-    :func:`unshuffle_weight_16bit`. ``out`` as for :func:`preshuffle_weight`; it may be ``w``."""
+    :func:`unshuffle_weight_16bit`. ``w`` and ``out`` as for :func:`preshuffle_weight`; ``out``
+    may be ``w``."""
     _check_w16_16bit(w)
     if out is not None:
-        check_out(out, w)
+        check_rows_out(out, w)
         if _overlaps(out, w):
             w = w.clone()
-        preshuffle_weight(w.contiguous().view(torch.uint8), out.view(torch.uint8))
+        preshuffle_weight(_bytes_of(w), out.view(torch.uint8))
         return out
-    return preshuffle_weight(w.contiguous().view(torch.uint8)).view(w.dtype)
+    return preshuffle_weight(_bytes_of(w)).view(w.dtype)
+
+
+def _bytes_of(w: torch.Tensor) -> torch.Tensor:
+    """A 16-bit tensor's bytes ``[..., N, 2K]``, a view where its rows have unit stride."""
+    return (w if w.stride(-1) == 1 else w.contiguous()).view(torch.uint8)
 
 
 def unshuffle_weight_16bit(w: torch.Tensor) -> torch.Tensor:

@@ -98,6 +98,22 @@ class SharedReads:
         return out
 
 
+def _fills_rows(transform: layouts.registry.Transform, placements: list, shape: tuple[int, ...]) -> bool:
+    """Whether ``placements`` (one expert's, of one output of ``shape``) fill that output whole,
+    each a band of whole rows whose bounds are multiples of ``transform.row_block``: then each
+    band transforms on its own, straight from its source window (``Transform.row_block``). Not
+    where the output has padding (left to ``_zero_pads``) or the transform mixes rows."""
+    block = transform.row_block
+    rows, cols = shape[-2:]
+    if block is None or transform.output_shape(tuple(shape)) != tuple(shape):
+        return False
+    bands = sorted((p.dest[0].start, p.dest[0].stop) for p in placements)
+    if not bands or any(p.dest[1] != slice(0, cols) for p in placements):
+        return False
+    edges = [0] + [b for band in bands for b in band] + [rows]
+    return all(a == b for a, b in zip(edges[::2], edges[1::2])) and all(e % block == 0 for e in edges)
+
+
 def _moe_tp_chunks(groups: list[MoEGroup], read: Reader, chunk_bytes: int, allocs: list[Alloc | None]
                    ) -> Iterator[tuple[int, str, torch.Tensor]]:
     """The TP ranks' stacked experts of one MoE layer, from one read of each source tensor.
@@ -113,6 +129,10 @@ def _moe_tp_chunks(groups: list[MoEGroup], read: Reader, chunk_bytes: int, alloc
     outs = [n for n, _, _ in g0.outputs()]
     # One expert's placements per rank, whose windows hold for every expert of a block.
     first = [list(dataclasses.replace(g, experts=g.experts[:1]).placements()) for g in groups]
+    # Per rank and weight output: built window by window straight into the output's buffer
+    # (no copy of each window first), where the layout's weight transform keeps to its rows.
+    direct = [{o: _fills_rows(lay.weight, [p for p in ps if p.output == o], shapes[o]) for o in (0, 2)}
+              for ps in first]
     prefix = len(g0.experts[0]) + 1
     src_shape = {"gate_proj": (g0.inter, g0.hidden), "up_proj": (g0.inter, g0.hidden),
                  "down_proj": (g0.hidden, g0.inter)}
@@ -143,6 +163,15 @@ def _moe_tp_chunks(groups: list[MoEGroup], read: Reader, chunk_bytes: int, alloc
                     if kind == "weight":
                         lay.check(shape, (n, *sshape[1:]), f"{wname} (experts {e0}..{e0 + n - 1})")
                         room = allocs[i](wname, lay.weight.output_shape(shape)) if allocs[i] else None
+                        if direct[i][o]:
+                            out = room if room is not None else _alloc(shape)
+                            for p in first[i]:
+                                if p.output == dest_out:
+                                    rows, cols = p.window
+                                    lay.weight.forward(stacks[p.source[prefix:]][:, rows, cols],
+                                                       out=out[:, p.dest[0], p.dest[1]])
+                            yield i, wname, out
+                            continue
                         local = room if room is not None and lay.weight.name == "identity" else _alloc(shape)
                     else:
                         local = _alloc(shape)

@@ -121,6 +121,133 @@ def load_registered(files: list[pathlib.Path]) -> list[torch.Tensor]:
     return out
 
 
+class _Driver:
+    """The CUDA driver's host-registration and copy calls through ctypes: each call releases the
+    GIL (torch's cudart bindings hold it), so several threads register and copy at once."""
+
+    def __init__(self):
+        import ctypes
+
+        torch.cuda.init()
+        torch.empty(1, device="cuda")  # the primary context, current on this thread
+        self.c = ctypes
+        self.lib = lib = ctypes.CDLL("libcuda.so.1")
+        for name, args in {"cuCtxGetCurrent": [ctypes.c_void_p],
+                           "cuCtxSetCurrent": [ctypes.c_void_p],
+                           "cuMemHostRegister_v2": [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint],
+                           "cuMemHostUnregister": [ctypes.c_void_p],
+                           "cuMemcpyHtoDAsync_v2": [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p],
+                           "cuStreamSynchronize": [ctypes.c_void_p]}.items():
+            getattr(lib, name).argtypes = args
+            getattr(lib, name).restype = ctypes.c_int
+        ctx = ctypes.c_void_p()
+        self.ok(lib.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
+        self.ctx = ctx
+
+    @staticmethod
+    def ok(err: int, what: str) -> None:
+        if err:
+            raise RuntimeError(f"{what}: CUDA driver error {err}")
+
+
+_DRIVER = None
+
+
+def load_registered_chunks(files: list[pathlib.Path], threads: int, chunk: int) -> list[torch.Tensor]:
+    """No CPU copy, pipelined: each file mapped; ``threads`` threads each take a page-aligned
+    ``chunk`` of the data section at a time, register it read-only with the driver, copy it to
+    the GPU on the thread's own stream, wait, unregister. Registration of one chunk overlaps the
+    copies of the others."""
+    import concurrent.futures as cf
+    import mmap
+    import warnings
+
+    global _DRIVER
+    d = _DRIVER = _DRIVER or _Driver()
+    streams = [torch.cuda.Stream() for _ in range(threads)]
+    local = __import__("threading").local()
+    out = []
+    for p in files:
+        sf = SafetensorsFile(p)
+        size = os.fstat(sf.fd).st_size
+        m = mmap.mmap(sf.fd, size, prot=mmap.PROT_READ, flags=mmap.MAP_SHARED)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            base = torch.frombuffer(m, dtype=torch.uint8).data_ptr()
+        dst = torch.empty(sf.data_size, dtype=torch.uint8, device="cuda")
+        first = sf.data_offset // 4096 * 4096
+        spans = [(s, min(size, s + chunk)) for s in range(first, size, chunk)]
+
+        def one(i: int) -> None:
+            if not getattr(local, "ctx", False):
+                d.ok(d.lib.cuCtxSetCurrent(d.ctx), "cuCtxSetCurrent")
+                local.ctx = True
+                local.stream = streams[int(__import__("threading").current_thread().name.rsplit("_", 1)[-1])]
+            start, stop = spans[i]
+            reg = -(-(stop - start) // 4096) * 4096
+            d.ok(d.lib.cuMemHostRegister_v2(base + start, reg, 8), "cuMemHostRegister")  # READ_ONLY
+            try:
+                lo = max(start, sf.data_offset)
+                d.ok(d.lib.cuMemcpyHtoDAsync_v2(dst.data_ptr() + lo - sf.data_offset, base + lo, stop - lo,
+                                                local.stream.cuda_stream), "cuMemcpyHtoDAsync")
+                d.ok(d.lib.cuStreamSynchronize(local.stream.cuda_stream), "cuStreamSynchronize")
+            finally:
+                d.lib.cuMemHostUnregister(base + start)
+
+        with cf.ThreadPoolExecutor(threads, thread_name_prefix="reg") as pool:
+            list(pool.map(one, range(len(spans))))
+        out.append(dst)
+    torch.cuda.synchronize()
+    return out
+
+
+def register_only(files: list[pathlib.Path], threads: int, chunk: int) -> None:
+    """Registration and unregistration alone (no copy): what pinning the page cache costs."""
+    import concurrent.futures as cf
+    import mmap
+    import warnings
+
+    global _DRIVER
+    d = _DRIVER = _DRIVER or _Driver()
+    local = __import__("threading").local()
+    for p in files:
+        sf = SafetensorsFile(p)
+        size = os.fstat(sf.fd).st_size
+        m = mmap.mmap(sf.fd, size, prot=mmap.PROT_READ, flags=mmap.MAP_SHARED)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            base = torch.frombuffer(m, dtype=torch.uint8).data_ptr()
+        spans = [(s, min(size, s + chunk)) for s in range(0, size, chunk)]
+
+        def one(i: int) -> None:
+            if not getattr(local, "ctx", False):
+                d.ok(d.lib.cuCtxSetCurrent(d.ctx), "cuCtxSetCurrent")
+                local.ctx = True
+            start, stop = spans[i]
+            d.ok(d.lib.cuMemHostRegister_v2(base + start, -(-(stop - start) // 4096) * 4096, 8), "register")
+            d.lib.cuMemHostUnregister(base + start)
+
+        with cf.ThreadPoolExecutor(threads, thread_name_prefix="reg") as pool:
+            list(pool.map(one, range(len(spans))))
+
+
+def host_copy(threads: int, repeat: int, nbytes: int = 4 << 30) -> float:
+    """GB/s of a plain memory-to-memory copy (pinned to pinned, ``threads`` threads each a slice):
+    what any loader that copies the page cache into staging with the CPU can reach at most."""
+    import concurrent.futures as cf
+
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).fill_(1)
+    dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).fill_(0)
+    step = -(-nbytes // threads)
+    best = 1e9
+    with cf.ThreadPoolExecutor(threads) as pool:
+        for _ in range(repeat + 1):
+            t0 = time.perf_counter()
+            list(pool.map(lambda i: dst[i:i + step].copy_(src[i:i + step]), range(0, nbytes, step)))
+            best = min(best, time.perf_counter() - t0)
+    return nbytes / best / 1e9
+
+
 def load_blocks(files: list[pathlib.Path], readers: int, block: int, direct: bool) -> list[torch.Tensor]:
     out = []
     for p in files:
@@ -169,7 +296,8 @@ def dd(files: list[pathlib.Path]) -> None:
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def ram_backed(conv: pathlib.Path, rank: int, repeat: int, shm: pathlib.Path, sweep: bool, fst: bool, h2d: float):
+def ram_backed(conv: pathlib.Path, rank: int, repeat: int, shm: pathlib.Path, sweep: bool, fst: bool, h2d: float,
+               registered=()):
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="prep-gpu-load-", dir=shm))
     try:
         dst = tmp / "conv"
@@ -183,14 +311,22 @@ def ram_backed(conv: pathlib.Path, rank: int, repeat: int, shm: pathlib.Path, sw
         print(f"RAM-backed ({shm}): rank {rank}, {len(files)} files, {nbytes / 2**30:.2f} GiB; best of {repeat}, "
               "alternating", flush=True)
         check_bytes(dst, rank, load_staged(dst, rank, False))
+        for threads in registered[:1]:
+            check_bytes(dst, rank, load_registered_chunks(files, threads, 64 << 20))
         ways = {"load_rank (staged, page cache)": lambda: load_staged(dst, rank, False),
                 "load_rank direct=True": lambda: load_staged(dst, rank, True),
                 "before: mapped + 2 pinned blocks": lambda: load_mapped(files),
                 "mapped + cudaHostRegister (no CPU copy)": lambda: load_registered(files)}
         if fst:
             ways["fastsafetensors nogds"] = lambda: load_fst(files)
+        for threads in registered:
+            for chunk in (16 << 20, 64 << 20, 256 << 20):
+                ways[f"registered chunks {threads} thr x {chunk >> 20} MiB"] = (
+                    lambda t=threads, c=chunk: load_registered_chunks(files, t, c))
+                ways[f"  register+unregister only {threads} x {chunk >> 20} MiB"] = (
+                    lambda t=threads, c=chunk: register_only(files, t, c))
         if sweep:
-            for readers in (1, 2, 4, 8, 16):
+            for readers in (1, 2, 4, 8, 16, 32):
                 for block in (4 << 20, 16 << 20, 64 << 20):
                     ways[f"staged readers {readers} block {block >> 20} MiB"] = (
                         lambda r=readers, b=block: load_blocks(files, r, b, False))
@@ -246,15 +382,21 @@ CHILD = """
 import sys, time, pathlib, torch
 sys.path.insert(0, {repo!r})
 import layouts as L
-torch.cuda.init(); torch.empty(1, device="cuda")
+cuda = {cuda!r}
+if cuda:
+    torch.cuda.init(); torch.empty(1, device="cuda")
 conv, rank = pathlib.Path({conv!r}), int(sys.argv[1])
 print("ready", flush=True); sys.stdin.readline()
-t0 = time.perf_counter(); r = L.load_rank(conv, rank, "cuda", direct=True); torch.cuda.synchronize()
+t0 = time.perf_counter()
+if cuda:
+    r = L.load_rank(conv, rank, "cuda", direct=True); torch.cuda.synchronize()
+else:
+    r = L.load_rank(conv, rank, mmap=False, direct=True)
 print(time.perf_counter() - t0, flush=True)
 """
 
 
-def eight(conv: pathlib.Path, repeat: int, readers=(None,)) -> None:
+def eight(conv: pathlib.Path, repeat: int, readers=(None,), cpu: bool = False) -> None:
     m = L.load_manifest(conv)
     per_rank = [rank_files(conv, r) for r in range(m.tp)]
     allfiles = sorted({p for fs in per_rank for p in fs})
@@ -262,6 +404,8 @@ def eight(conv: pathlib.Path, repeat: int, readers=(None,)) -> None:
     print(f"{m.tp} ranks at once, cold: {nbytes / 2**30:.2f} GiB read in all (common files once per rank); "
           f"best of {repeat}", flush=True)
     t_dd, t_load = [], {r: [] for r in readers}
+    if cpu:  # the same reads into host memory: what eight processes sharing one GPU cost
+        t_load["cpu"] = []
     for _ in range(repeat):
         evict(allfiles)
         t0 = time.perf_counter()
@@ -270,10 +414,11 @@ def eight(conv: pathlib.Path, repeat: int, readers=(None,)) -> None:
         for p in procs:
             p.wait()
         t_dd.append(time.perf_counter() - t0)
-        for readers_each in readers:
+        for readers_each in t_load:
             evict(allfiles)
-            code = CHILD.format(repo=str(REPO), conv=str(conv))
-            env = dict(os.environ, **({"PREP_LOAD_READERS": str(readers_each)} if readers_each else {}))
+            code = CHILD.format(repo=str(REPO), conv=str(conv), cuda=readers_each != "cpu")
+            env = dict(os.environ, **({"PREP_LOAD_READERS": str(readers_each)}
+                                      if readers_each not in (None, "cpu") else {}))
             procs = [subprocess.Popen([sys.executable, "-c", code, str(r)], stdin=subprocess.PIPE,
                                       stdout=subprocess.PIPE, text=True, env=env) for r in range(m.tp)]
             for p in procs:
@@ -288,7 +433,8 @@ def eight(conv: pathlib.Path, repeat: int, readers=(None,)) -> None:
             t_load[readers_each].append(time.perf_counter() - t0)
     base = row(f"{m.tp} x dd iflag=direct", t_dd, nbytes, None)
     for readers_each, ts in t_load.items():
-        row(f"{m.tp} x load_rank direct=True, readers {readers_each or 'default'}", ts, nbytes, base, "of dd")
+        what = "to host memory (no GPU)" if readers_each == "cpu" else f"readers {readers_each or 'default'}"
+        row(f"{m.tp} x load_rank direct=True, {what}", ts, nbytes, base, "of dd")
 
 
 def main() -> None:
@@ -298,18 +444,28 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--shm", type=pathlib.Path, default=pathlib.Path("/dev/shm"))
     ap.add_argument("--eight", type=pathlib.Path, help="a TP 8 conversion: its eight ranks loaded at once, cold")
+    ap.add_argument("--eight-cpu", action="store_true",
+                    help="with --eight: also the eight loads into host memory (is the GPU shared by 8 the limit?)")
     ap.add_argument("--sweep", action="store_true", help="the staged reader's block size and reader count")
     ap.add_argument("--fastsafetensors", action="store_true", help="fastsafetensors on the same files")
     ap.add_argument("--no-disk", action="store_true")
+    ap.add_argument("--registered", type=int, nargs="*", default=[],
+                    help="also time the page cache registered with CUDA in chunks by this many threads (no CPU copy)")
     ap.add_argument("--readers", type=int, nargs="*", default=[],
                     help="also time these reader counts: cold, one rank, and eight ranks at once (PREP_LOAD_READERS)")
     args = ap.parse_args()
     h2d = pinned_h2d(args.repeat)
-    ram_backed(args.converted, args.rank, args.repeat, args.shm, args.sweep, args.fastsafetensors, h2d)
+    torch.set_num_threads(1)  # each copy one thread: the threads below are the parallelism
+    for t in (1, 4, 8, 16):
+        print(f"host memory copy, {t} threads: {host_copy(t, args.repeat):.2f} GB/s "
+              f"(pinned host-to-device {h2d:.2f} GB/s)", flush=True)
+    torch.set_num_threads(os.cpu_count() or 1)
+    ram_backed(args.converted, args.rank, args.repeat, args.shm, args.sweep, args.fastsafetensors, h2d,
+               args.registered)
     if not args.no_disk:
         disk_cold(args.converted, args.rank, args.repeat, args.fastsafetensors, args.readers)
     if args.eight:
-        eight(args.eight, args.repeat, [None, *args.readers])
+        eight(args.eight, args.repeat, [None, *args.readers], cpu=args.eight_cpu)
 
 
 if __name__ == "__main__":

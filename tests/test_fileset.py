@@ -10,6 +10,7 @@ import pathlib
 import pytest
 
 import prep.convert as pc
+import prep.siblings as siblings
 from prep.convert import convert
 from prep.deepseek import Target
 from prep.testing import SynthSpec, write_checkpoint
@@ -18,7 +19,12 @@ from prep.testing import SynthSpec, write_checkpoint
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory):
     root = tmp_path_factory.mktemp("src")
-    return {v: write_checkpoint(SynthSpec(variant=v, n_routed_experts=16), root / v) for v in ("r1-0528", "v2")}
+    out = {v: write_checkpoint(SynthSpec(variant=v, n_routed_experts=16), root / v) for v in ("r1-0528", "v2")}
+    # Experts wide enough that no rank's part is padded (CK pads each rank's intermediate to
+    # 256 rows): their weights are transformed window by window straight into the output.
+    out["v2-wide"] = write_checkpoint(SynthSpec(variant="v2", n_routed_experts=8, moe_intermediate_size=512),
+                                      root / "v2-wide")
+    return out
 
 
 def files(folder: pathlib.Path) -> dict[str, bytes]:
@@ -34,6 +40,8 @@ def files(folder: pathlib.Path) -> dict[str, bytes]:
     ("v2", "preshuffle", "ck", 4, 4, 64 << 10),
     ("r1-0528", "preshuffle", "ck", 2, 2, 64 << 10),
     ("v2", "preshuffle", "triton-gfx942", 2, 1, 64 << 10),
+    ("v2-wide", "preshuffle", "ck", 2, 1, 64 << 10),
+    ("v2-wide", "non-shuffle", "triton", 2, 1, 0),
 ])
 def test_files_written_together_hold_the_bytes_of_each_file_written_alone(sources, tmp_path, monkeypatch, variant,
                                                                            layout, moe_layout, tp, ep, chunk):
@@ -48,8 +56,14 @@ def test_files_written_together_hold_the_bytes_of_each_file_written_alone(source
         return sets
 
     monkeypatch.setattr(pc, "_file_sets", spy)
+    fills = []
+    real_fills = siblings._fills_rows
+    monkeypatch.setattr(siblings, "_fills_rows", lambda *a: fills.append(real_fills(*a)) or fills[-1])
     convert(str(sources[variant]), tmp_path / "together", target)
     assert max(seen[0]) == tp  # the ranks' files did go together
+    # The wide experts take the window-by-window path for both weight outputs, the narrow ones
+    # (padded per rank) the copy of each window into a padded block.
+    assert (fills and all(fills)) if variant == "v2-wide" else not any(fills)
     monkeypatch.setattr(pc, "_file_sets", lambda jobs: [[j] for j in jobs])
     convert(str(sources[variant]), tmp_path / "alone", target)
     together, alone = files(tmp_path / "together"), files(tmp_path / "alone")
