@@ -274,9 +274,10 @@ def inspect(src: str, revision: str | None, as_json: bool, quiet: bool) -> None:
               help="Write the BF16 tensors whole into common files every rank reads (manifest format 1), for "
                    "an engine that slices them itself. Default: each rank's files hold its BF16 slices, split "
                    "as the engine holds them, and a copy of the replicated tensors (docs/rank-exact.md).")
-@click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Output files written at once (threads). One keeps a single disk busy; more help where the "
-                   "disk is faster than one file's reading and shuffling (NVMe arrays, many cores).")
+@click.option("--workers", type=click.IntRange(min=1),
+              help="Sets of output files (the TP ranks' files at one place) written at once, in threads. "
+                   "Default: one per four CPU cores, as many as 1.5 GiB of memory holds (the writes in flight "
+                   "are shared among them); 1 on a 2-core machine.")
 @click.option("--force", is_flag=True,
               help="Replace OUT when it holds a previous output of prep (and nothing else); the old one is "
                    "swapped out atomically once the new one is complete. A folder with any file prep did not "

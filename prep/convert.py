@@ -16,6 +16,7 @@ import concurrent.futures as cf
 import contextlib
 import dataclasses
 import json
+import os
 import pathlib
 import threading
 from typing import Any, Callable
@@ -32,7 +33,7 @@ from . import __version__
 from .bf16 import Bf16Group
 from .deepseek import Classified, Target, classify, engine_of, plan_bf16, plan_groups
 from .errors import PrepError
-from .directio import ALIGN
+from .directio import ALIGN, STAGING_BYTES, STAGING_SPARE
 from .groups import Alloc, LinearGroup, MoEGroup, to_record
 from .identity import changed_files, file_identity
 from .outdir import OutputFolder, copy_regular, kill_point, sealed_run, write_json
@@ -196,6 +197,37 @@ def _file_sets(jobs: list[FileJob]) -> list[list[FileJob]]:
 # (docs/BENCHMARKS.md, "Rank files to the GPU"). Revert and the others keep directio's one.
 WRITE_DEPTH = 4
 
+# Threads over sets when --workers is not given: one per four cores (each keeps a core busy
+# building and shares the rest with its files' writer and hash threads), no more than
+# MEMORY_BUDGET holds beside the fixed cost (python, torch and prep imported: ~230 MiB), and
+# no more than there are sets. Several workers share the writes in flight (WRITE_DEPTH in all
+# per file place), so each keeps fewer staging blocks.
+MEMORY_BUDGET = 3 << 29  # 1.5 GiB: the peak convert is held to (docs/BENCHMARKS.md)
+FIXED_BYTES = 256 << 20
+
+
+def _depth(workers: int) -> int:
+    """Writes in flight per output file when ``workers`` sets are written at once."""
+    return max(1, WRITE_DEPTH // workers)
+
+
+def _set_bytes(n_files: int, depth: int) -> int:
+    """What one worker holds while it writes a set of ``n_files`` files: each file's staging
+    blocks (its writes in flight and two more) and the blocks being built (a source stack, a
+    rank's window, a column window's shared rows)."""
+    return n_files * (_staging_bytes(n_files) or STAGING_BYTES) * (depth + STAGING_SPARE) + 3 * CHUNK_BYTES
+
+
+def auto_workers(sets: list[list[FileJob]], cores: int | None = None, budget: int = MEMORY_BUDGET) -> int:
+    """How many sets to write at once when the user did not say (see MEMORY_BUDGET)."""
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    widest = max((len(s) for s in sets), default=1)
+    workers = max(1, min(len(sets), cores // 4))
+    while workers > 1 and FIXED_BYTES + workers * _set_bytes(widest, _depth(workers)) > budget:
+        workers -= 1
+    return workers
+
 
 def _staging_bytes(n_files: int) -> int | None:
     """Each file's staging memory when ``n_files`` are written at once: room for its share of a
@@ -207,9 +239,10 @@ def _staging_bytes(n_files: int) -> int | None:
 
 def _write_files(src: SourceCheckpoint, jobs: list[FileJob], out: OutputFolder, idents: dict[str, dict[str, Any]],
                  progress: Callable[[int], None] | None = None,
-                 cancel: threading.Event | None = None) -> list[dict[str, Any]]:
-    """Write a set of output files (see :func:`_file_sets`) into staging, each with its record;
-    with ``cancel``, give up (leaving no file) as soon as it is set. Returns the records."""
+                 cancel: threading.Event | None = None, depth: int = WRITE_DEPTH) -> list[dict[str, Any]]:
+    """Write a set of output files (see :func:`_file_sets`) into staging, each with its record
+    (``depth`` writes in flight per file); with ``cancel``, give up (leaving no file) as soon as
+    it is set. Returns the records."""
     def check() -> None:
         if cancel is not None and cancel.is_set():
             raise _Cancelled(jobs[0].name)
@@ -217,7 +250,7 @@ def _write_files(src: SourceCheckpoint, jobs: list[FileJob], out: OutputFolder, 
     finals = [out.staging / job.name for job in jobs]
     tmps = [final.with_name(final.name + ".tmp") for final in finals]
     try:
-        hashes = _write_into(src, jobs, tmps, check, progress)
+        hashes = _write_into(src, jobs, tmps, check, progress, depth)
     except BaseException:
         for tmp in tmps:
             tmp.unlink(missing_ok=True)  # what a resumed run can use is whole files only
@@ -234,13 +267,13 @@ def _write_files(src: SourceCheckpoint, jobs: list[FileJob], out: OutputFolder, 
 
 
 def _write_into(src: SourceCheckpoint, jobs: list[FileJob], tmps: list[pathlib.Path], check: Callable[[], None],
-                progress: Callable[[int], None] | None) -> list[dict[str, str]]:
+                progress: Callable[[int], None] | None, depth: int = WRITE_DEPTH) -> list[dict[str, str]]:
     """Stream the files' tensors into ``tmps``, group by group for all of them at once; returns
     each file's hashes."""
     staging = _staging_bytes(len(jobs))
     with contextlib.ExitStack() as stack:
         writers = [stack.enter_context(StreamingSafetensorsWriter(tmp, job.entries, staging_bytes=staging,
-                                                                  write_depth=WRITE_DEPTH))
+                                                                  write_depth=depth))
                    for job, tmp in zip(jobs, tmps)]
 
         def room_in(w: StreamingSafetensorsWriter) -> Alloc:
@@ -321,7 +354,7 @@ def convert(
     *,
     force: bool = False,
     resume: bool = False,
-    workers: int = 1,
+    workers: int | None = None,
     revision: str | None = None,
     progress: Callable[[int], None] | None = None,
     on_total: Callable[[int], None] | None = None,
@@ -329,7 +362,8 @@ def convert(
     on_start: Callable[[], None] | None = None,
     space_check: bool = True,
 ) -> dict[str, Any]:
-    """Convert ``src_spec`` into ``out``. Returns a summary (files, tensors, bytes, reused).
+    """Convert ``src_spec`` into ``out``. Returns a summary (files, tensors, bytes, reused, and the
+    ``workers`` that wrote: ``workers`` output file sets at once, None for :func:`auto_workers`).
 
     ``out`` is refused, before anything is read or written, when it is or holds or lies in the
     source, or holds files prep did not write (see :mod:`prep.outdir`); ``force`` replaces a
@@ -357,7 +391,7 @@ def convert(
             if notify:
                 notify(f"{folder.given} is already complete (made from this source with these options; its hashes "
                        "checked): nothing to do")
-            return _summary(folder.given, jobs, src, reused=len(jobs), total=total)
+            return {**_summary(folder.given, jobs, src, reused=len(jobs), total=total), "workers": 0}
         folder.check()  # after recovery: what is at OUT now
         folder.check_space(total + src.side_bytes(), skip=not space_check)
         if on_start:
@@ -368,7 +402,8 @@ def convert(
         if note and notify:
             notify(note)
         with folder.discarded_on_error(keep_on_interrupt=True, needed=f" ({total / 2**30:.2f} GiB needed in all)"):
-            records = _write_all(src, jobs, folder, resume, workers, progress, on_total, total, notify, idents)
+            records, workers = _write_all(src, jobs, folder, resume, workers, progress, on_total, total, notify,
+                                          idents)
             for p in src.side_files():
                 copy_regular(p, folder.staging / p.name)
             manifest = build_manifest(src, target, jobs, records, info)
@@ -379,7 +414,8 @@ def convert(
                        schema.Completion(manifest_hash(raw), f"prep {__version__}", run=key).to_json())
             kill_point("marker-written")
             folder.commit()
-    return _summary(folder.given, jobs, src, sum(1 for r in records.values() if r.get("reused")), total)
+    return {**_summary(folder.given, jobs, src, sum(1 for r in records.values() if r.get("reused")), total),
+            "workers": workers}
 
 
 def _summary(out: str, jobs: list[FileJob], src: SourceCheckpoint, reused: int, total: int) -> dict[str, Any]:
@@ -409,10 +445,12 @@ def _already_made(folder: OutputFolder, key: str) -> bool:
     return True
 
 
-def _write_all(src: SourceCheckpoint, jobs: list[FileJob], folder: OutputFolder, resume: bool, workers: int,
+def _write_all(src: SourceCheckpoint, jobs: list[FileJob], folder: OutputFolder, resume: bool, workers: int | None,
                progress: Callable[[int], None] | None, on_total: Callable[[int], None] | None, total: int,
-               notify: Callable[[str], None] | None, idents: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Write every file not reusable from an interrupted run; returns each file's record."""
+               notify: Callable[[str], None] | None, idents: dict[str, dict[str, Any]]
+               ) -> tuple[dict[str, dict[str, Any]], int]:
+    """Write every file not reusable from an interrupted run (``workers`` sets at once; None:
+    :func:`auto_workers`); returns each file's record and the workers used."""
     if on_total:
         on_total(total)
     records: dict[str, dict[str, Any]] = {}
@@ -431,11 +469,13 @@ def _write_all(src: SourceCheckpoint, jobs: list[FileJob], folder: OutputFolder,
         notify(f"--resume: writing {len(redone)} finished file(s) again: {redone[0]}"
                + (f" and {len(redone) - 1} more" if len(redone) > 1 else ""))
     sets = _file_sets(todo)
+    workers = workers or auto_workers(sets)
+    depth = _depth(workers)
     if workers <= 1:
         for fs in sets:
-            for job, rec in zip(fs, _write_files(src, fs, folder, idents, progress)):
+            for job, rec in zip(fs, _write_files(src, fs, folder, idents, progress, depth=depth)):
                 records[job.name] = rec
-        return records
+        return records, workers
     # Threads, not processes: reading, shuffling, hashing and writing all run outside the GIL
     # (preadv, torch copies, xxhash, pwrite), and threads share the opened source, where each
     # process had to import torch and parse every header again. One torch intra-op thread per
@@ -451,7 +491,7 @@ def _write_all(src: SourceCheckpoint, jobs: list[FileJob], folder: OutputFolder,
 
     try:
         with cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="convert") as pool:
-            futures = {pool.submit(_write_files, src, fs, folder, idents, done if progress else None, cancel): fs
+            futures = {pool.submit(_write_files, src, fs, folder, idents, done if progress else None, cancel, depth): fs
                        for fs in sets}
             try:
                 for fut in cf.as_completed(futures):
@@ -464,7 +504,7 @@ def _write_all(src: SourceCheckpoint, jobs: list[FileJob], folder: OutputFolder,
                 raise
     finally:
         torch.set_num_threads(torch_threads)
-    return records
+    return records, workers
 
 
 def build_manifest(src: SourceCheckpoint, target: Target, jobs: list[FileJob],

@@ -418,17 +418,30 @@ def test_parallel_workers_write_the_same_checkpoint(sources, tmp_path, monkeypat
     verify(str(two), source=str(sources["v2"]))
 
 
+def test_default_workers_follow_the_cores_and_stay_within_the_memory_budget():
+    import prep.convert as pc
+
+    sets = [[object()] * 9 for _ in range(20)]  # TP 8: each set is nine files (eight ranks and the common one)
+    assert pc.auto_workers(sets, cores=2) == 1  # the CI box and the 2-core VM keep one
+    assert pc.auto_workers(sets, cores=8) == 2
+    many = pc.auto_workers(sets, cores=64)
+    held = [pc.FIXED_BYTES + w * pc._set_bytes(9, pc._depth(w)) for w in (many, many + 1)]
+    assert 1 < many < 16 and held[0] <= pc.MEMORY_BUDGET < held[1]  # as many as the budget holds
+    assert pc._depth(many) < pc.WRITE_DEPTH  # the writes in flight are shared, not multiplied
+    assert pc.auto_workers(sets[:1], cores=64) == 1  # never more than there are sets
+
+
 def test_an_error_in_a_worker_reaches_the_caller_and_no_output_appears(sources, tmp_path, monkeypatch):
     import prep.convert as pc
 
     monkeypatch.setattr(pc, "SHARD_BYTES", 1 << 20)
     real, calls = pc._write_files, []
 
-    def failing(src, jobs, folder, idents, progress=None, cancel=None):
+    def failing(src, jobs, folder, idents, progress=None, cancel=None, depth=pc.WRITE_DEPTH):
         calls.append(jobs[0].name)
         if len(calls) == 2:
             raise PrepError(f"{jobs[0].name}: injected failure")
-        return real(src, jobs, folder, idents, progress, cancel)
+        return real(src, jobs, folder, idents, progress, cancel, depth)
 
     monkeypatch.setattr(pc, "_write_files", failing)
     out = tmp_path / "out"
