@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Conversion throughput against `cp -r` of the same files, and peak memory, in one run.
 
-    python scripts/bench_convert.py [--src DIR] [--tp 1] [--layout preshuffle] [--workers 1]
+    python scripts/bench_convert.py [--src DIR] [--tp 1] [--layout preshuffle] [--workers N]
 
 Without --src, generates the multi-GB "bench" preset (scripts/make_tiny_deepseek.py --preset
 bench; --preset bench-large for 9 GiB, more than this machine's dirty-page limit) into a
@@ -93,7 +93,7 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--layout", default="preshuffle")
     ap.add_argument("--moe-layout", default="ck")
-    ap.add_argument("--workers", type=int, default=1)
+    ap.add_argument("--workers", type=int, help="convert's --workers (default: convert's own choice)")
     ap.add_argument("--also-workers", type=int, nargs="*", default=[],
                     help="also time convert with each of these --workers in the same rounds (a sweep)")
     ap.add_argument("--also-env", nargs="*", default=[], metavar="VAR=VALUE",
@@ -135,7 +135,8 @@ def main() -> None:
             "cp+sync": ["sh", "-c", f"cp -r '{src}' '{work / 'copy2'}' && sync"],
             "user": [sys.executable, __file__, "--user-copy", str(src), str(work / "copy3")],
             "convert": prep + ["convert", str(src), "-o", str(out), "--tp", str(args.tp), "--layout", args.layout,
-                               "--moe-layout", args.moe_layout, "--workers", str(args.workers)],
+                               "--moe-layout", args.moe_layout,
+                               *(["--workers", str(args.workers)] if args.workers else [])],
         }
         envs = {}
         if args.baseline_tree:
@@ -144,8 +145,9 @@ def main() -> None:
             cmds["base"] = base + cv[:3] + [str(work / "converted-base")] + cv[4:]
         for w in args.also_workers:
             cv = cmds["convert"]
-            cmds[f"workers {w}"] = cv[:cv.index("-o") + 1] + [str(work / f"converted-w{w}")] + \
-                cv[cv.index("-o") + 2:cv.index("--workers")] + ["--workers", str(w)]
+            rest = cv[cv.index("-o") + 2:]
+            rest = rest[:rest.index("--workers")] if "--workers" in rest else rest
+            cmds[f"workers {w}"] = cv[:cv.index("-o") + 1] + [str(work / f"converted-w{w}")] + rest + ["--workers", str(w)]
         for setting in args.also_env:
             var, _, value = setting.partition("=")
             cv = cmds["convert"]
@@ -190,7 +192,8 @@ def main() -> None:
         t_cp, t_cps, t_cv, t_py, t_base = (med([r[i] for r in rounds]) for i in range(5))
         print(f"source: {size / 2**30:.2f} GiB, {len(manifest['source']['tensors'])} tensors in "
               f"{len(manifest['source']['files'])} files -> {len(manifest['tensors'])} tensors in {len(manifest['files'])} files")
-        print(f"median of {args.repeat} rounds (tp {args.tp}, {args.layout}+{args.moe_layout}, workers {args.workers}):")
+        print(f"median of {args.repeat} rounds (tp {args.tp}, {args.layout}+{args.moe_layout}, "
+              f"workers {args.workers or 'default'}):")
         print(f"cp -r       : {t_cp:7.2f} s  {size / t_cp / 1e9:6.2f} GB/s  (baseline)")
         print(f"cp -r; sync : {t_cps:7.2f} s  {size / t_cps / 1e9:6.2f} GB/s  (baseline with durability)")
         print(f"user copy   : {t_py:7.2f} s  {size / t_py / 1e9:6.2f} GB/s  (pread + write + fsync per file, in Python)")
