@@ -133,13 +133,22 @@ class Bf16Group:
             by_slot: dict[int, list[Placement]] = {}
             for p in self.placements:
                 by_slot.setdefault(p.slot, []).append(p)
+            # A layout that keeps to its rows takes each window straight into its rows of the
+            # block (one copy); else the block is read as the source has it, then transformed.
+            block = self.layout.weight.row_block if self.layout else None
+            direct = block is not None and all(p.dest_row % block == 0 and p.out_shape[0] % block == 0
+                                               for p in self.placements)
             for e0 in range(0, shape[0], step):
                 e1 = min(shape[0], e0 + step)
                 out = self._room(alloc, (e1 - e0, *shape[1:]))
                 for e in range(e0, e1):
                     for p in by_slot[e]:
-                        read(p.source, p.rows, p.cols, out=out[e - e0, p.dest_row:p.dest_row + p.out_shape[0]])
-                yield self.name, self.to_layout(out)
+                        dest = out[e - e0, p.dest_row:p.dest_row + p.out_shape[0]]
+                        if direct:
+                            self.layout.weight.forward(read(p.source, p.rows, p.cols), out=dest)
+                        else:
+                            read(p.source, p.rows, p.cols, out=dest)
+                yield self.name, out if direct else self.to_layout(out)
             return
         n, k = shape
         step = max(1, chunk_bytes // max(1, k * itemsize)) if chunk_bytes else n
