@@ -16,6 +16,12 @@ section's first byte, so no change of the file format is needed for ``O_DIRECT``
 
 The same code runs on the CPU (a plain tensor as the target, unpinned staging), which is how the
 block arithmetic, the fallbacks and the error paths are tested without a GPU.
+
+A file already in the page cache (a RAM-backed folder, a model loaded again) is not read at all
+with ``direct`` off: its mapping is registered with the CUDA driver a chunk at a time, by several
+threads, and each chunk copied by the DMA engine straight out of the page cache (no CPU copy;
+``PREP_LOAD_REGISTER=0`` turns it off). Reading into staging is bound by the CPU's copy where
+storage is out of the way (docs/BENCHMARKS.md, "Rank files to the GPU").
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ from .safetensors_file import DIRECT_ALIGN, SafetensorsFile, SafetensorsFileErro
 # PREP_LOAD_READERS and PREP_LOAD_BLOCK_MIB override them (storage with other needs).
 BLOCK_BYTES = 16 << 20
 READERS = 8
+REGISTER_THREADS = 8  # a page-cached file to the GPU: threads registering chunks of this size
+REGISTER_CHUNK = 64 << 20
 
 
 def _setting(name: str, default: int, unit: int = 1) -> int:
@@ -67,12 +75,17 @@ def read_section(sf: SafetensorsFile, out: torch.Tensor, *, direct: bool = True,
                  block: int | None = None) -> str:
     """Read ``sf``'s data section into ``out`` (uint8, ``sf.data_size`` bytes, on a CUDA device or
     the CPU) through ``readers`` staging blocks of ``block`` bytes. Returns how it read:
-    ``"direct"`` or ``"buffered"``."""
+    ``"direct"``, ``"buffered"`` or, a page-cached file to a GPU, ``"registered"``."""
     if out.numel() != sf.data_size or out.dtype != torch.uint8:
         raise ValueError(f"read_section: out is {out.dtype} x {out.numel()}, wants uint8 x {sf.data_size}")
     readers = readers or _setting("PREP_LOAD_READERS", READERS)
     block = block or _setting("PREP_LOAD_BLOCK_MIB", BLOCK_BYTES, 1 << 20)
     block = max(DIRECT_ALIGN, block // DIRECT_ALIGN * DIRECT_ALIGN)
+    if not direct and out.device.type == "cuda" and os.environ.get("PREP_LOAD_REGISTER", "1") != "0":
+        from . import _registered
+
+        if _registered.copy_if_cached(sf, out, REGISTER_THREADS, REGISTER_CHUNK):
+            return "registered"
     fd = sf.direct_fd() if direct else None
     try:
         if fd is not None:
