@@ -41,14 +41,16 @@ def override(config: Mapping) -> dict | None:
     return out or None
 
 
-def notes(config: Mapping, engine: str, flag: str | None) -> list[str]:
+def notes(config: Mapping, engine: str, flag: str | None, door: str | None = None) -> list[str]:
     """The lines ``prep convert`` prints for what the override fixes; ``flag`` None: an engine
-    whose door takes no config override (ATOM's), told to fix config.json instead."""
+    whose serve command takes no config override; ``door``: the door that sets the missing keys
+    on the engine's config itself (ATOM's, in each worker)."""
     lines = wildcard_note(config, engine, flag) if flag else []
     missing = missing_keys(config)
     if missing:
         keys = ", ".join(f'"{k}": {json.dumps(v)}' for k, v in missing.items())
         fix = (f"the serve command prep prints for a conversion passes V3's values ({flag})" if flag else
+               f"{door} sets V3's values ({keys}) on {engine}'s config in each worker" if door else
                f"add them to the source's config.json ({keys}) and convert again: its door takes no config override")
         lines.append(f"config.json lacks DeepSeek-V3's {', '.join(missing)} (a config saved by transformers 5 drops "
                      f"them), without which {engine} builds another router and fails on the checkpoint: {fix}")

@@ -47,6 +47,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
+import json
 import logging
 import os
 import pathlib
@@ -55,6 +56,7 @@ import sys
 from typing import Any, Callable, Mapping
 
 from ...compat import CompatibilityError, EngineConfig, check_compatibility
+from .. import _config
 from ...errors import LayoutsError
 from ...manifest import MANIFEST_NAME, Manifest, load_manifest
 from . import PROFILE, SERVED_MOE_BACKENDS, TRITON_MOE_NOT_SERVED
@@ -369,10 +371,30 @@ def prepare_worker(root: pathlib.Path, config: Any, rank: int) -> ConvertedRank:
     engine = engine_config(manifest, os.environ, tp=config.tensor_parallel_size, rank=rank,
                            expert_parallel=config.enable_expert_parallel, gpu_arch=atom_gpu_arch())
     _RANK[str(root)] = converted = ConvertedRank(root, engine, manifest)
+    complete_hf_config(root, config)
     install_reading_step()
     log.info("[%s] rank %d/%d: %s checked (GEMM path %s, MoE %s on %s)", PROG, rank, engine.tp_size, root,
              engine.gemm_path, engine.moe_backend, engine.gpu_arch)
     return converted
+
+
+def complete_hf_config(root: pathlib.Path, config: Any) -> dict:
+    """Set on ATOM's model config (and its draft model's) the DeepSeek-V3 keys the folder's
+    config.json lacks (a config saved by transformers 5 drops ``topk_method``, ``scoring_func``
+    and ``moe_layer_freq``; ATOM's DeepSeek model reads all three): what SGLang's and vLLM's serve
+    commands pass as an override (layouts.engines._config). config.json stays the source's, so
+    that ``revert`` is exact. Returns what was set."""
+    try:
+        raw = json.loads((root / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}  # check_folder has refused a folder without its config already
+    missing = _config.missing_keys(raw)
+    for hf in (getattr(config, "hf_config", None), getattr(config, "draft_model_hf_config", None)):
+        for key, value in (missing.items() if hf is not None else ()):
+            setattr(hf, key, value)
+    if missing:
+        log.info("[%s] config.json lacks %s: set to DeepSeek-V3's values", PROG, ", ".join(missing))
+    return missing
 
 
 def __getattr__(name: str) -> Any:  # ATOM's worker resolves RUNNER by name (resolve_obj_by_qualname)
