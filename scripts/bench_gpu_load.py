@@ -130,81 +130,17 @@ def load_registered(files: list[pathlib.Path]) -> list[torch.Tensor]:
     return out
 
 
-class _Driver:
-    """The CUDA driver's host-registration and copy calls through ctypes: each call releases the
-    GIL (torch's cudart bindings hold it), so several threads register and copy at once."""
-
-    def __init__(self):
-        import ctypes
-
-        torch.cuda.init()
-        torch.empty(1, device="cuda")  # the primary context, current on this thread
-        self.c = ctypes
-        self.lib = lib = ctypes.CDLL("libcuda.so.1")
-        for name, args in {"cuCtxGetCurrent": [ctypes.c_void_p],
-                           "cuCtxSetCurrent": [ctypes.c_void_p],
-                           "cuMemHostRegister_v2": [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint],
-                           "cuMemHostUnregister": [ctypes.c_void_p],
-                           "cuMemcpyHtoDAsync_v2": [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p],
-                           "cuStreamSynchronize": [ctypes.c_void_p]}.items():
-            getattr(lib, name).argtypes = args
-            getattr(lib, name).restype = ctypes.c_int
-        ctx = ctypes.c_void_p()
-        self.ok(lib.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
-        self.ctx = ctx
-
-    @staticmethod
-    def ok(err: int, what: str) -> None:
-        if err:
-            raise RuntimeError(f"{what}: CUDA driver error {err}")
-
-
-_DRIVER = None
-
-
 def load_registered_chunks(files: list[pathlib.Path], threads: int, chunk: int) -> list[torch.Tensor]:
-    """No CPU copy, pipelined: each file mapped; ``threads`` threads each take a page-aligned
-    ``chunk`` of the data section at a time, register it read-only with the driver, copy it to
-    the GPU on the thread's own stream, wait, unregister. Registration of one chunk overlaps the
-    copies of the others."""
-    import concurrent.futures as cf
-    import mmap
-    import warnings
+    """``layouts._registered`` with ``threads`` threads and chunks of ``chunk`` bytes (what
+    ``load_rank`` does for a page-cached file, its defaults aside)."""
+    from layouts import _registered
 
-    global _DRIVER
-    d = _DRIVER = _DRIVER or _Driver()
-    streams = [torch.cuda.Stream() for _ in range(threads)]
-    local = __import__("threading").local()
     out = []
     for p in files:
         sf = SafetensorsFile(p)
-        size = os.fstat(sf.fd).st_size
-        m = mmap.mmap(sf.fd, size, prot=mmap.PROT_READ, flags=mmap.MAP_SHARED)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            base = torch.frombuffer(m, dtype=torch.uint8).data_ptr()
         dst = torch.empty(sf.data_size, dtype=torch.uint8, device="cuda")
-        first = sf.data_offset // 4096 * 4096
-        spans = [(s, min(size, s + chunk)) for s in range(first, size, chunk)]
-
-        def one(i: int) -> None:
-            if not getattr(local, "ctx", False):
-                d.ok(d.lib.cuCtxSetCurrent(d.ctx), "cuCtxSetCurrent")
-                local.ctx = True
-                local.stream = streams[int(__import__("threading").current_thread().name.rsplit("_", 1)[-1])]
-            start, stop = spans[i]
-            reg = -(-(stop - start) // 4096) * 4096
-            d.ok(d.lib.cuMemHostRegister_v2(base + start, reg, 8), "cuMemHostRegister")  # READ_ONLY
-            try:
-                lo = max(start, sf.data_offset)
-                d.ok(d.lib.cuMemcpyHtoDAsync_v2(dst.data_ptr() + lo - sf.data_offset, base + lo, stop - lo,
-                                                local.stream.cuda_stream), "cuMemcpyHtoDAsync")
-                d.ok(d.lib.cuStreamSynchronize(local.stream.cuda_stream), "cuStreamSynchronize")
-            finally:
-                d.lib.cuMemHostUnregister(base + start)
-
-        with cf.ThreadPoolExecutor(threads, thread_name_prefix="reg") as pool:
-            list(pool.map(one, range(len(spans))))
+        if not _registered.copy_if_cached(sf, dst, threads, chunk):
+            raise RuntimeError(f"{p.name}: the registered path declined (not resident, or the driver refused)")
         out.append(dst)
     torch.cuda.synchronize()
     return out
@@ -213,31 +149,31 @@ def load_registered_chunks(files: list[pathlib.Path], threads: int, chunk: int) 
 def register_only(files: list[pathlib.Path], threads: int, chunk: int) -> None:
     """Registration and unregistration alone (no copy): what pinning the page cache costs."""
     import concurrent.futures as cf
+    import ctypes
     import mmap
-    import warnings
 
-    global _DRIVER
-    d = _DRIVER = _DRIVER or _Driver()
-    local = __import__("threading").local()
+    from layouts import _registered
+
+    lib = _registered._Driver.get().lib
+    torch.empty(1, device="cuda")
+    ctx = ctypes.c_void_p()
+    lib.cuCtxGetCurrent(ctypes.byref(ctx))
     for p in files:
         sf = SafetensorsFile(p)
         size = os.fstat(sf.fd).st_size
         m = mmap.mmap(sf.fd, size, prot=mmap.PROT_READ, flags=mmap.MAP_SHARED)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            base = torch.frombuffer(m, dtype=torch.uint8).data_ptr()
-        spans = [(s, min(size, s + chunk)) for s in range(0, size, chunk)]
+        base = _registered._address(m)
 
-        def one(i: int) -> None:
-            if not getattr(local, "ctx", False):
-                d.ok(d.lib.cuCtxSetCurrent(d.ctx), "cuCtxSetCurrent")
-                local.ctx = True
-            start, stop = spans[i]
-            d.ok(d.lib.cuMemHostRegister_v2(base + start, -(-(stop - start) // 4096) * 4096, 8), "register")
-            d.lib.cuMemHostUnregister(base + start)
+        def one(start: int) -> None:
+            lib.cuCtxSetCurrent(ctx)
+            n = -(-(min(size, start + chunk) - start) // 4096) * 4096
+            if lib.cuMemHostRegister_v2(ctypes.c_void_p(base + start), n, 8):
+                raise RuntimeError("cuMemHostRegister refused")
+            lib.cuMemHostUnregister(ctypes.c_void_p(base + start))
 
-        with cf.ThreadPoolExecutor(threads, thread_name_prefix="reg") as pool:
-            list(pool.map(one, range(len(spans))))
+        with cf.ThreadPoolExecutor(threads) as pool:
+            list(pool.map(one, range(0, size, chunk)))
+        m.close()
 
 
 def host_copy(threads: int, repeat: int, nbytes: int = 4 << 30) -> float:
