@@ -17,11 +17,12 @@ section's first byte, so no change of the file format is needed for ``O_DIRECT``
 The same code runs on the CPU (a plain tensor as the target, unpinned staging), which is how the
 block arithmetic, the fallbacks and the error paths are tested without a GPU.
 
-A file already in the page cache (a RAM-backed folder, a model loaded again) is not read at all
+A file already in the page cache (a RAM-backed folder, a model loaded again) can be left unread
 with ``direct`` off: its mapping is registered with the CUDA driver a chunk at a time, by several
 threads, and each chunk copied by the DMA engine straight out of the page cache (no CPU copy;
-``PREP_LOAD_REGISTER=0`` turns it off). Reading into staging is bound by the CPU's copy where
-storage is out of the way (docs/BENCHMARKS.md, "Rank files to the GPU").
+``PREP_LOAD_REGISTER=1`` turns it on, 0 off; :data:`REGISTER` is the default). Reading into
+staging is bound by the CPU's copy where storage is out of the way (docs/BENCHMARKS.md, "Rank
+files to the GPU").
 """
 
 from __future__ import annotations
@@ -40,7 +41,11 @@ from .safetensors_file import DIRECT_ALIGN, SafetensorsFile, SafetensorsFileErro
 # PREP_LOAD_READERS and PREP_LOAD_BLOCK_MIB override them (storage with other needs).
 BLOCK_BYTES = 16 << 20
 READERS = 8
-REGISTER_THREADS = 8  # a page-cached file to the GPU: threads registering chunks of this size
+# A page-cached file to the GPU with no CPU copy (layouts._registered), by REGISTER_THREADS
+# threads registering chunks of REGISTER_CHUNK bytes. Off until measured on a GPU host
+# (PREP_LOAD_REGISTER=1 turns it on, 0 off).
+REGISTER = False
+REGISTER_THREADS = 8
 REGISTER_CHUNK = 64 << 20
 
 
@@ -81,7 +86,8 @@ def read_section(sf: SafetensorsFile, out: torch.Tensor, *, direct: bool = True,
     readers = readers or _setting("PREP_LOAD_READERS", READERS)
     block = block or _setting("PREP_LOAD_BLOCK_MIB", BLOCK_BYTES, 1 << 20)
     block = max(DIRECT_ALIGN, block // DIRECT_ALIGN * DIRECT_ALIGN)
-    if not direct and out.device.type == "cuda" and os.environ.get("PREP_LOAD_REGISTER", "1") != "0":
+    register = os.environ.get("PREP_LOAD_REGISTER", "1" if REGISTER else "0") == "1"
+    if register and not direct and out.device.type == "cuda":
         from . import _registered
 
         if _registered.copy_if_cached(sf, out, REGISTER_THREADS, REGISTER_CHUNK):

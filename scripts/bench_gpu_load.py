@@ -83,9 +83,9 @@ def load_staged(conv: pathlib.Path, rank: int, direct: bool) -> list[torch.Tenso
     return r.buffers
 
 
-def unregistered(fn, *a):
-    """``fn(*a)`` with the registered page-cache path off (layouts._registered)."""
-    os.environ["PREP_LOAD_REGISTER"] = "0"
+def registered(on: bool, fn, *a):
+    """``fn(*a)`` with the registered page-cache path (layouts._registered) on or off."""
+    os.environ["PREP_LOAD_REGISTER"] = "1" if on else "0"
     try:
         return fn(*a)
     finally:
@@ -255,8 +255,8 @@ def ram_backed(conv: pathlib.Path, rank: int, repeat: int, shm: pathlib.Path, sw
         nbytes = sum(p.stat().st_size for p in files)
         print(f"RAM-backed ({shm}): rank {rank}, {len(files)} files, {nbytes / 2**30:.2f} GiB; best of {repeat}, "
               "alternating", flush=True)
-        check_bytes(dst, rank, load_staged(dst, rank, False))
-        check_bytes(dst, rank, unregistered(load_staged, dst, rank, False))
+        check_bytes(dst, rank, registered(True, load_staged, dst, rank, False))
+        check_bytes(dst, rank, registered(False, load_staged, dst, rank, False))
         from layouts import _registered
         f0 = SafetensorsFile(files[0])
         probe = torch.empty(f0.data_size, dtype=torch.uint8, device="cuda")
@@ -265,8 +265,8 @@ def ram_backed(conv: pathlib.Path, rank: int, repeat: int, shm: pathlib.Path, sw
         del probe
         for threads in registered[:1]:
             check_bytes(dst, rank, load_registered_chunks(files, threads, 64 << 20))
-        ways = {"load_rank (page cache: registered)": lambda: load_staged(dst, rank, False),
-                "load_rank, staged (PREP_LOAD_REGISTER=0)": lambda: unregistered(load_staged, dst, rank, False),
+        ways = {"load_rank, registered (PREP_LOAD_REGISTER=1)": lambda: registered(True, load_staged, dst, rank, False),
+                "load_rank, staged (PREP_LOAD_REGISTER=0)": lambda: registered(False, load_staged, dst, rank, False),
                 "load_rank direct=True": lambda: load_staged(dst, rank, True),
                 "before: mapped + 2 pinned blocks": lambda: load_mapped(files),
                 "mapped + cudaHostRegister (no CPU copy)": lambda: load_registered(files)}
