@@ -173,6 +173,25 @@ def test_preshuffle_weight_accepts_an_unaligned_slice():
     assert torch.equal(L.unshuffle_weight(L.preshuffle_weight(w)), w)
 
 
+@settings(max_examples=30, deadline=None)
+@given(e=st.integers(1, 3), n16=st.integers(1, 6), kb32=st.integers(1, 4), tp=st.sampled_from([1, 2, 4]),
+       shift=st.sampled_from([0, 8, 3]), seed=st.integers(0, 2**16))
+def test_w16_of_a_strided_window_written_into_a_band_of_rows_equals_aiter_on_the_copied_window(
+        aiter_shuffle, e, n16, kb32, tp, shift, seed):
+    # What a converter does with a rank's window of a source stack (prep/siblings.py): the window
+    # (a column cut, its storage offset 0, 8 or 3 bytes off 16) is shuffled straight into a band of
+    # rows of a larger output, whose rows around the band stay untouched.
+    n, kb = 16 * n16, 32 * kb32
+    stack = rand_u8(e * n * kb * tp + shift, seed=seed)[shift:].view(e, n, kb * tp)
+    window = stack[:, :, kb * (tp - 1):]
+    out = torch.full((e, n + 32, kb), 0xA5, dtype=torch.uint8)
+    L.preshuffle_weight(window, out=out[:, 16:16 + n])
+    assert torch.equal(out[:, 16:16 + n], aiter_shuffle.shuffle_weight(window.contiguous(), layout=(16, 16)))
+    assert bool((out[:, :16] == 0xA5).all()) and bool((out[:, 16 + n:] == 0xA5).all())
+    with pytest.raises(ValueError, match="rows are contiguous"):  # an out whose rows are not contiguous
+        L.preshuffle_weight(window, out=torch.empty((e, kb, n), dtype=torch.uint8).transpose(1, 2))
+
+
 @pytest.mark.parametrize("shape, rule", [((24, 64), "N % 16"), ((32, 48), "K % 64"), ((64,), "[..., N, K/2]")])
 def test_preshuffle_weight_names_the_broken_constraint(shape, rule):
     with pytest.raises(L.LayoutConstraintError, match=rule.replace("[", r"\[").replace(".", r"\.")):
