@@ -88,8 +88,8 @@ def _run_views(*ts: torch.Tensor) -> list[torch.Tensor]:
 def check_rows_out(out: torch.Tensor, like: torch.Tensor) -> None:
     """Refuse an ``out`` that cannot take ``like``'s bytes in place: same shape and dtype, each
     matrix's rows one after the other (a window of whole rows of a larger stack is fine)."""
-    if (out.shape != like.shape or out.dtype != like.dtype or out.dim() < 2
-            or out.stride(-1) != 1 or (out.shape[-2] > 1 and out.stride(-2) != out.shape[-1])):
+    rows_apart = out.dim() >= 2 and out.shape[-2] > 1 and out.stride(-2) != out.shape[-1]
+    if out.shape != like.shape or out.dtype != like.dtype or (out.dim() and out.stride(-1) != 1) or rows_apart:
         raise ValueError(f"out must be a {like.dtype} tensor of shape {tuple(like.shape)} whose rows are contiguous, "
                          f"got {out.dtype} {tuple(out.shape)} with strides {tuple(out.stride())}")
 
