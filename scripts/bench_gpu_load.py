@@ -242,7 +242,7 @@ def dd(files: list[pathlib.Path]) -> None:
 
 
 def ram_backed(conv: pathlib.Path, rank: int, repeat: int, shm: pathlib.Path, sweep: bool, fst: bool, h2d: float,
-               registered=()):
+               register_threads=()):
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="prep-gpu-load-", dir=shm))
     try:
         dst = tmp / "conv"
@@ -263,7 +263,7 @@ def ram_backed(conv: pathlib.Path, rank: int, repeat: int, shm: pathlib.Path, sw
         print(f"  registered path taken for {files[0].name}: "
               f"{_registered.copy_if_cached(f0, probe, device_load.REGISTER_THREADS, device_load.REGISTER_CHUNK)}")
         del probe
-        for threads in registered[:1]:
+        for threads in register_threads[:1]:
             check_bytes(dst, rank, load_registered_chunks(files, threads, 64 << 20))
         ways = {"load_rank, registered (PREP_LOAD_REGISTER=1)": lambda: registered(True, load_staged, dst, rank, False),
                 "load_rank, staged (PREP_LOAD_REGISTER=0)": lambda: registered(False, load_staged, dst, rank, False),
@@ -272,7 +272,7 @@ def ram_backed(conv: pathlib.Path, rank: int, repeat: int, shm: pathlib.Path, sw
                 "mapped + cudaHostRegister (no CPU copy)": lambda: load_registered(files)}
         if fst:
             ways["fastsafetensors nogds"] = lambda: load_fst(files)
-        for threads in registered:
+        for threads in register_threads:
             for chunk in (16 << 20, 64 << 20, 256 << 20):
                 ways[f"registered chunks {threads} thr x {chunk >> 20} MiB"] = (
                     lambda t=threads, c=chunk: load_registered_chunks(files, t, c))
