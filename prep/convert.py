@@ -39,6 +39,7 @@ from .identity import changed_files, file_identity
 from .outdir import OutputFolder, copy_regular, kill_point, sealed_run, write_json
 from .source import ShardFile, SourceCheckpoint
 from .safetensors_writer import StreamingSafetensorsWriter, nbytes
+from .prefetch import Prefetch
 from .siblings import build_together
 
 SHARD_BYTES = 4 << 30  # split a rank's tensors into files of about this size
@@ -288,12 +289,17 @@ def _write_into(src: SourceCheckpoint, jobs: list[FileJob], tmps: list[pathlib.P
             return room
 
         rooms = [room_in(w) for w in writers]
+        # The source bytes of the next group read in file order while this one is built.
+        groups = [[n for job in jobs for n in job.groups[i].sources()] for i in range(len(jobs[0].groups))]
+        ahead = stack.enter_context(Prefetch(src, groups + [jobs[0].passthrough]))
         for i in range(len(jobs[0].groups)):
+            ahead.at(i)
             for f, name, chunk in build_together([job.groups[i] for job in jobs], src.read, src.cuts_columns, CHUNK_BYTES, rooms):
                 writers[f].write(name, chunk)
                 if progress:
                     progress(chunk.numel() * chunk.element_size())
                 check()
+        ahead.at(len(jobs[0].groups))
         for name in jobs[0].passthrough:  # replicated in every file of the set: read once
             info = src.info(name)
             for rows, shape in _row_blocks(info):

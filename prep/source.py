@@ -256,6 +256,19 @@ class SourceCheckpoint:
         except KeyError:
             raise PrepError(f"{self.root}: tensor {name} is missing from the checkpoint") from None
 
+    def spans(self, names: list[str], gap: int = 1 << 20) -> list[tuple[int, int, int]]:
+        """(fd, start, stop) of the bytes of ``names`` in their files, in file order, tensors less
+        than ``gap`` bytes apart merged into one span (reading a small gap costs less than another
+        request)."""
+        spans = sorted((t.file, t.offset, t.offset + t.nbytes) for t in (self.info(n) for n in names))
+        merged: list[list] = []
+        for f, a, b in spans:
+            if merged and merged[-1][0] == f and a - merged[-1][2] < gap:
+                merged[-1][2] = max(merged[-1][2], b)
+            else:
+                merged.append([f, a, b])
+        return [(self._shards[f].fd, a, b) for f, a, b in merged if b > a]
+
     def cuts_columns(self, name: str, cols: slice | None) -> bool:
         """Whether ``cols`` is a proper column window of source tensor ``name`` (not None, not
         its whole width): a read of it reads whole rows and cuts them."""
