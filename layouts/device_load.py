@@ -17,12 +17,12 @@ section's first byte, so no change of the file format is needed for ``O_DIRECT``
 The same code runs on the CPU (a plain tensor as the target, unpinned staging), which is how the
 block arithmetic, the fallbacks and the error paths are tested without a GPU.
 
-A file already in the page cache (a RAM-backed folder, a model loaded again) can be left unread
-with ``direct`` off: its mapping is registered with the CUDA driver a chunk at a time, by several
-threads, and each chunk copied by the DMA engine straight out of the page cache (no CPU copy;
-``PREP_LOAD_REGISTER=1`` turns it on, 0 off; :data:`REGISTER` is the default). Reading into
-staging is bound by the CPU's copy where storage is out of the way (docs/BENCHMARKS.md, "Rank
-files to the GPU").
+Where storage is out of the way (the files in the page cache or on a RAM-backed folder), the
+reads are the CPU's copies out of the page cache, so they are spread over more threads
+(:data:`CACHED_READERS`). Measured on an H100 host (docs/BENCHMARKS.md, "Rank files to the GPU"):
+16 threads copy memory at 0.61 of pinned host-to-device bandwidth, the ceiling of any loader
+that copies; registering the page cache with the CUDA driver to copy with no CPU copy ran at
+0.10-0.14 of it (pinning the pages costs more than copying them), so it is not done.
 """
 
 from __future__ import annotations
@@ -41,12 +41,10 @@ from .safetensors_file import DIRECT_ALIGN, SafetensorsFile, SafetensorsFileErro
 # PREP_LOAD_READERS and PREP_LOAD_BLOCK_MIB override them (storage with other needs).
 BLOCK_BYTES = 16 << 20
 READERS = 8
-# A page-cached file to the GPU with no CPU copy (layouts._registered), by REGISTER_THREADS
-# threads registering chunks of REGISTER_CHUNK bytes. Off until measured on a GPU host
-# (PREP_LOAD_REGISTER=1 turns it on, 0 off).
-REGISTER = False
-REGISTER_THREADS = 8
-REGISTER_CHUNK = 64 << 20
+# Reads through the page cache (a RAM-backed folder, a filesystem that refuses O_DIRECT, direct
+# off) are CPU copies: one rank of 4.91 GiB from /dev/shm on an H100 host moved 11.6 GB/s with 8
+# readers, 19.2 with 16, 22.7 with 32 (fastsafetensors 24.3; pinned host-to-device 53.5).
+CACHED_READERS = 32
 
 
 def _setting(name: str, default: int, unit: int = 1) -> int:
@@ -79,19 +77,15 @@ def _staging(n: int, nbytes: int, pinned: bool) -> list[torch.Tensor]:
 def read_section(sf: SafetensorsFile, out: torch.Tensor, *, direct: bool = True, readers: int | None = None,
                  block: int | None = None) -> str:
     """Read ``sf``'s data section into ``out`` (uint8, ``sf.data_size`` bytes, on a CUDA device or
-    the CPU) through ``readers`` staging blocks of ``block`` bytes. Returns how it read:
-    ``"direct"``, ``"buffered"`` or, a page-cached file to a GPU, ``"registered"``."""
+    the CPU) through ``readers`` staging blocks of ``block`` bytes (by default :data:`READERS`
+    for ``O_DIRECT`` reads, :data:`CACHED_READERS` through the page cache to a GPU). Returns how
+    it read: ``"direct"`` or ``"buffered"``."""
     if out.numel() != sf.data_size or out.dtype != torch.uint8:
         raise ValueError(f"read_section: out is {out.dtype} x {out.numel()}, wants uint8 x {sf.data_size}")
+    cached = readers or _setting("PREP_LOAD_READERS", CACHED_READERS if out.device.type == "cuda" else READERS)
     readers = readers or _setting("PREP_LOAD_READERS", READERS)
     block = block or _setting("PREP_LOAD_BLOCK_MIB", BLOCK_BYTES, 1 << 20)
     block = max(DIRECT_ALIGN, block // DIRECT_ALIGN * DIRECT_ALIGN)
-    register = os.environ.get("PREP_LOAD_REGISTER", "1" if REGISTER else "0") == "1"
-    if register and not direct and out.device.type == "cuda":
-        from . import _registered
-
-        if _registered.copy_if_cached(sf, out, REGISTER_THREADS, REGISTER_CHUNK):
-            return "registered"
     fd = sf.direct_fd() if direct else None
     try:
         if fd is not None:
@@ -100,7 +94,7 @@ def read_section(sf: SafetensorsFile, out: torch.Tensor, *, direct: bool = True,
                 return "direct"
             except _Refused:
                 pass
-        _read(sf, sf.fd, out, readers, block, aligned=False)
+        _read(sf, sf.fd, out, cached, block, aligned=False)
         return "buffered"
     finally:
         if fd is not None:

@@ -83,15 +83,6 @@ def load_staged(conv: pathlib.Path, rank: int, direct: bool) -> list[torch.Tenso
     return r.buffers
 
 
-def registered(on: bool, fn, *a):
-    """``fn(*a)`` with the registered page-cache path (layouts._registered) on or off."""
-    os.environ["PREP_LOAD_REGISTER"] = "1" if on else "0"
-    try:
-        return fn(*a)
-    finally:
-        del os.environ["PREP_LOAD_REGISTER"]
-
-
 def load_mapped(files: list[pathlib.Path]) -> list[torch.Tensor]:
     """The loader before device_load: each file mapped and copied through two pinned blocks."""
     out = []
@@ -128,52 +119,6 @@ def load_registered(files: list[pathlib.Path]) -> list[torch.Tensor]:
             cudart.cudaHostUnregister(host.data_ptr())
         out.append(dst)
     return out
-
-
-def load_registered_chunks(files: list[pathlib.Path], threads: int, chunk: int) -> list[torch.Tensor]:
-    """``layouts._registered`` with ``threads`` threads and chunks of ``chunk`` bytes (what
-    ``load_rank`` does for a page-cached file, its defaults aside)."""
-    from layouts import _registered
-
-    out = []
-    for p in files:
-        sf = SafetensorsFile(p)
-        dst = torch.empty(sf.data_size, dtype=torch.uint8, device="cuda")
-        if not _registered.copy_if_cached(sf, dst, threads, chunk):
-            raise RuntimeError(f"{p.name}: the registered path declined (not resident, or the driver refused)")
-        out.append(dst)
-    torch.cuda.synchronize()
-    return out
-
-
-def register_only(files: list[pathlib.Path], threads: int, chunk: int) -> None:
-    """Registration and unregistration alone (no copy): what pinning the page cache costs."""
-    import concurrent.futures as cf
-    import ctypes
-    import mmap
-
-    from layouts import _registered
-
-    lib = _registered._Driver.get().lib
-    torch.empty(1, device="cuda")
-    ctx = ctypes.c_void_p()
-    lib.cuCtxGetCurrent(ctypes.byref(ctx))
-    for p in files:
-        sf = SafetensorsFile(p)
-        size = os.fstat(sf.fd).st_size
-        m = mmap.mmap(sf.fd, size, prot=mmap.PROT_READ, flags=mmap.MAP_SHARED)
-        base = _registered._address(m)
-
-        def one(start: int) -> None:
-            lib.cuCtxSetCurrent(ctx)
-            n = -(-(min(size, start + chunk) - start) // 4096) * 4096
-            if lib.cuMemHostRegister_v2(ctypes.c_void_p(base + start), n, 8):
-                raise RuntimeError("cuMemHostRegister refused")
-            lib.cuMemHostUnregister(ctypes.c_void_p(base + start))
-
-        with cf.ThreadPoolExecutor(threads) as pool:
-            list(pool.map(one, range(0, size, chunk)))
-        m.close()
 
 
 def host_copy(threads: int, repeat: int, nbytes: int = 4 << 30) -> float:
@@ -242,7 +187,7 @@ def dd(files: list[pathlib.Path]) -> None:
 
 
 def ram_backed(conv: pathlib.Path, rank: int, repeat: int, shm: pathlib.Path, sweep: bool, fst: bool, h2d: float,
-               register_threads=(), readers_sweep=()):
+               readers_sweep=()):
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="prep-gpu-load-", dir=shm))
     try:
         dst = tmp / "conv"
@@ -255,34 +200,13 @@ def ram_backed(conv: pathlib.Path, rank: int, repeat: int, shm: pathlib.Path, sw
         nbytes = sum(p.stat().st_size for p in files)
         print(f"RAM-backed ({shm}): rank {rank}, {len(files)} files, {nbytes / 2**30:.2f} GiB; best of {repeat}, "
               "alternating", flush=True)
-        check_bytes(dst, rank, registered(False, load_staged, dst, rank, False))
-        # The registered path runs here for the first time on some hosts: a failure is reported
-        # and the staged rows are still measured.
-        try:
-            from layouts import _registered
-            f0 = SafetensorsFile(files[0])
-            probe = torch.empty(f0.data_size, dtype=torch.uint8, device="cuda")
-            print(f"  registered path taken for {files[0].name}: "
-                  f"{_registered.copy_if_cached(f0, probe, device_load.REGISTER_THREADS, device_load.REGISTER_CHUNK)}")
-            del probe
-            check_bytes(dst, rank, registered(True, load_staged, dst, rank, False))
-            for threads in register_threads[:1]:
-                check_bytes(dst, rank, load_registered_chunks(files, threads, 64 << 20))
-        except Exception as e:  # noqa: BLE001
-            print(f"  registered path failed: {type(e).__name__}: {e}", flush=True)
-        ways = {"load_rank, registered (PREP_LOAD_REGISTER=1)": lambda: registered(True, load_staged, dst, rank, False),
-                "load_rank, staged (PREP_LOAD_REGISTER=0)": lambda: registered(False, load_staged, dst, rank, False),
+        check_bytes(dst, rank, load_staged(dst, rank, False))
+        ways = {"load_rank (staged, through the page cache)": lambda: load_staged(dst, rank, False),
                 "load_rank direct=True": lambda: load_staged(dst, rank, True),
                 "before: mapped + 2 pinned blocks": lambda: load_mapped(files),
                 "mapped + cudaHostRegister (no CPU copy)": lambda: load_registered(files)}
         if fst:
             ways["fastsafetensors nogds"] = lambda: load_fst(files)
-        for threads in register_threads:
-            for chunk in (16 << 20, 64 << 20, 256 << 20):
-                ways[f"registered chunks {threads} thr x {chunk >> 20} MiB"] = (
-                    lambda t=threads, c=chunk: load_registered_chunks(files, t, c))
-                ways[f"  register+unregister only {threads} x {chunk >> 20} MiB"] = (
-                    lambda t=threads, c=chunk: register_only(files, t, c))
         for readers in readers_sweep:
             ways[f"staged readers {readers} block 16 MiB"] = lambda r=readers: load_blocks(files, r, 16 << 20, False)
         if sweep:
@@ -409,8 +333,6 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="the staged reader's block size and reader count")
     ap.add_argument("--fastsafetensors", action="store_true", help="fastsafetensors on the same files")
     ap.add_argument("--no-disk", action="store_true")
-    ap.add_argument("--registered", type=int, nargs="*", default=[],
-                    help="also time the page cache registered with CUDA in chunks by this many threads (no CPU copy)")
     ap.add_argument("--readers", type=int, nargs="*", default=[],
                     help="also time these reader counts: RAM-backed and cold, one rank, and eight ranks at once "
                          "(PREP_LOAD_READERS)")
@@ -422,7 +344,7 @@ def main() -> None:
               f"(pinned host-to-device {h2d:.2f} GB/s)", flush=True)
     torch.set_num_threads(os.cpu_count() or 1)
     ram_backed(args.converted, args.rank, args.repeat, args.shm, args.sweep, args.fastsafetensors, h2d,
-               args.registered, args.readers)
+               args.readers)
     if not args.no_disk:
         disk_cold(args.converted, args.rank, args.repeat, args.fastsafetensors, args.readers)
     if args.eight:

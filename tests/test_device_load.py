@@ -113,26 +113,3 @@ def test_a_target_of_the_wrong_size_is_refused(tmp_path):
     sf = SafetensorsFile(_write(tmp_path / "a.safetensors", [10]))
     with pytest.raises(ValueError, match="wants uint8"):
         read_section(sf, torch.empty(sf.data_size + 1, dtype=torch.uint8))
-
-
-def test_the_registered_path_sees_a_page_cached_file_as_resident_and_declines_without_a_driver(tmp_path,
-                                                                                             monkeypatch):
-    """``layouts._registered`` (a page-cached file copied to the GPU by the DMA engine, no CPU
-    copy) runs only on a GPU host; here: its residency check of a file just written and read,
-    and that with no CUDA driver it declines before touching the target (the staged reader then
-    reads the file)."""
-    import mmap
-
-    from layouts import _registered
-
-    path = _write(tmp_path / "a.safetensors", [3 << 20, 5 << 20])
-    path.read_bytes()  # in the page cache now
-    with open(path, "rb") as f:
-        m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
-        assert _registered._resident(_registered._address(m), len(m)) >= _registered.RESIDENT
-        m.close()
-    sf = SafetensorsFile(path)
-    out = torch.full((sf.data_size,), 7, dtype=torch.uint8)
-    monkeypatch.setattr(_registered._Driver, "_it", None)  # as on a host without libcuda
-    assert not _registered.copy_if_cached(sf, out, 4, 1 << 20)
-    assert bool((out == 7).all())

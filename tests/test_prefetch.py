@@ -4,6 +4,7 @@ never fails a conversion (the builders' own reads report a bad file)."""
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import pathlib
@@ -13,7 +14,6 @@ import time
 import pytest
 
 import prep.prefetch as pf
-from layouts import _registered
 from prep.convert import convert
 from prep.deepseek import Target
 from prep.source import SourceCheckpoint
@@ -23,9 +23,19 @@ PAGE = mmap.PAGESIZE
 
 
 def resident(path: pathlib.Path) -> float:
-    """The fraction of ``path``'s pages in the page cache (mincore of a mapping)."""
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), path.stat().st_size, prot=mmap.PROT_READ) as m:
-        return _registered._resident(_registered._address(m), len(m))
+    """The fraction of ``path``'s pages in the page cache (``mincore`` of a mapping)."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        lib = pf._Libc.get()
+        addr = lib.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, f.fileno(), 0)
+        try:
+            pages = -(-size // PAGE)
+            vec = (ctypes.c_ubyte * pages)()
+            lib.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+            assert lib.mincore(addr, size, vec) == 0, ctypes.get_errno()
+            return sum(b & 1 for b in bytes(vec)) / pages
+        finally:
+            lib.munmap(addr, size)
 
 
 def evicted(path: pathlib.Path) -> pathlib.Path:
