@@ -3,6 +3,7 @@ invert to the source's exact bytes? And the hash check ``prep run`` makes of wha
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 from typing import Any, Callable
@@ -15,6 +16,7 @@ from layouts.registry import recorded_layout
 from .converted import ConvertedCheckpoint
 from .errors import PrepError
 from .groups import group_from_record
+from .prefetch import Prefetch
 from .safetensors_writer import nbytes
 from .source import SourceCheckpoint
 
@@ -47,27 +49,42 @@ def verify(out: str, source: str | None = None, deep: bool = False,
     compared = 0
     if inverting:
         src = SourceCheckpoint.open(source) if source else None
-        for unit, _ in ck.units():
-            # Row blocks of bounded bytes, each compared with the same rows of the source: memory
-            # holds a block, not a tensor (experts are inverted a block at a time).
-            for name, rows, got in ck.iter_source_blocks(unit):
-                if progress:
-                    progress(got.numel() * got.element_size())
-                if src is None:
-                    continue
-                if rows is None or rows.start == 0:  # a tensor's first block: its shape and dtype
-                    meta, info = ck.source_tensors[name], src.info(name)
-                    if (info.dtype, tuple(info.shape)) != (meta.dtype, tuple(meta.shape)):
-                        raise PrepError(f"{name}: the source's is {info.dtype} {list(info.shape)}, the manifest's "
-                                        f"{meta.dtype} {list(meta.shape)}; inverted bytes differ from the source")
-                    compared += 1
-                want = src.read(name, rows)
-                if want.dtype != got.dtype:
-                    got = got.view(want.dtype)
-                if want.shape != got.shape or not torch.equal(want, got):
-                    raise PrepError(f"{name}: inverted bytes differ from the source")
+        units = list(ck.units())
+        # The source read ahead unit by unit, in file order (as convert does): the comparison
+        # reads it in the groups' order, experts by name, which is not the file's.
+        with Prefetch(src, [names for _, names in units]) if src else contextlib.nullcontext() as ahead:
+            compared = _compare(ck, src, units, ahead, progress)
     return {"files": len(m.files), "tensors_hashed": checked, "scale_pads_checked": pads,
             "source_tensors_compared": compared}
+
+
+def _compare(ck: ConvertedCheckpoint, src: SourceCheckpoint | None, units: list[tuple[str, list[str]]],
+             ahead: Prefetch | None, progress) -> int:
+    """Invert every unit; with ``src``, compare each block with the source's same rows. Returns
+    the source tensors compared."""
+    compared = 0
+    for i, (unit, _) in enumerate(units):
+        if ahead is not None:
+            ahead.at(i)
+        # Row blocks of bounded bytes, each compared with the same rows of the source: memory
+        # holds a block, not a tensor (experts are inverted a block at a time).
+        for name, rows, got in ck.iter_source_blocks(unit):
+            if progress:
+                progress(got.numel() * got.element_size())
+            if src is None:
+                continue
+            if rows is None or rows.start == 0:  # a tensor's first block: its shape and dtype
+                meta, info = ck.source_tensors[name], src.info(name)
+                if (info.dtype, tuple(info.shape)) != (meta.dtype, tuple(meta.shape)):
+                    raise PrepError(f"{name}: the source's is {info.dtype} {list(info.shape)}, the manifest's "
+                                    f"{meta.dtype} {list(meta.shape)}; inverted bytes differ from the source")
+                compared += 1
+            want = src.read(name, rows)
+            if want.dtype != got.dtype:
+                got = got.view(want.dtype)
+            if want.shape != got.shape or not torch.equal(want, got):
+                raise PrepError(f"{name}: inverted bytes differ from the source")
+    return compared
 
 
 def check_scale_pads(ck: ConvertedCheckpoint) -> int:

@@ -196,3 +196,14 @@ def test_a_file_that_fails_under_the_prefetch_leaves_the_error_to_the_builders(t
         ahead.at(0)
         ahead._thread.join(10)
         assert not ahead._thread.is_alive()
+
+
+def test_verify_against_the_source_reads_the_source_ahead(tiny, tmp_path, monkeypatch):
+    from prep.verify import verify
+
+    convert(str(tiny), tmp_path / "out", Target("preshuffle", "ck", 2))
+    rec = Recorder(monkeypatch)
+    summary = verify(tmp_path / "out", source=str(tiny))
+    src = SourceCheckpoint.open(str(tiny))
+    assert summary["source_tensors_compared"] == len(src.tensors)
+    assert covered(rec.calls, src, list(src.tensors))
