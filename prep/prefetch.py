@@ -6,7 +6,8 @@ expert order, which is not the order of the file (names sort ``experts.1``, ``ex
 that ran at a third of a sequential read: an R1-shaped 4.93 GiB checkpoint at TP 4 took 20-21 s
 to convert on the 2-core VM, 18 s of it the main thread waiting in reads, where `cat` of the
 same files takes 4.4 s. With the next group's bytes faulted in, in file order, while this group
-is built: 8.4-9.4 s (docs/BENCHMARKS.md, "Reading a cold source ahead").
+is built: 8.4-9.4 s (docs/BENCHMARKS.md, "Reading a cold source ahead"). ``verify --source``
+reads the source in the same order and reads it ahead the same way.
 
 How: each span of a group's source tensors (:meth:`SourceCheckpoint.spans`) is mapped a window
 at a time and faulted in with ``madvise(MADV_POPULATE_READ)`` (Linux 5.14): the kernel reads it
