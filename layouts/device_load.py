@@ -19,9 +19,9 @@ block arithmetic, the fallbacks and the error paths are tested without a GPU.
 
 Where storage is out of the way (the files in the page cache or on a RAM-backed folder), the
 reads are the CPU's copies out of the page cache, so they are spread over more threads
-(:data:`CACHED_READERS`). Measured on an H100 host (docs/BENCHMARKS.md, "Rank files to the GPU"):
-16 threads copy memory at 0.61 of pinned host-to-device bandwidth, the ceiling of any loader
-that copies; registering the page cache with the CUDA driver to copy with no CPU copy ran at
+(:data:`CACHED_READERS`). Measured on H100 hosts (docs/BENCHMARKS.md, "Rank files to the GPU"):
+16 threads copy memory at 0.61-0.81 of pinned host-to-device bandwidth, the ceiling of any
+loader that copies; registering the page cache with the CUDA driver to copy with no CPU copy ran at
 0.10-0.14 of it (pinning the pages costs more than copying them), so it is not done.
 """
 
@@ -42,9 +42,10 @@ from .safetensors_file import DIRECT_ALIGN, SafetensorsFile, SafetensorsFileErro
 BLOCK_BYTES = 16 << 20
 READERS = 8
 # Reads through the page cache (a RAM-backed folder, a filesystem that refuses O_DIRECT, direct
-# off) are CPU copies: one rank of 4.91 GiB from /dev/shm on an H100 host moved 11.6 GB/s with 8
-# readers, 19.2 with 16, 22.7 with 32 (fastsafetensors 24.3; pinned host-to-device 53.5).
-CACHED_READERS = 32
+# off) are CPU copies, which more threads share out: one rank of 4.91 GiB from /dev/shm, GB/s at
+# 8 / 16 / 32 / 48 readers: 11.6 / 19.2 / 22.7 / - on one H100 host, 24.4 / 29.3 / - / 24.4 on
+# another, 27.1 / 30.2 / - / - on the H200 host (fastsafetensors 24.3, 23.5, 24.5).
+CACHED_READERS = 16
 
 
 def _setting(name: str, default: int, unit: int = 1) -> int:
