@@ -4,7 +4,7 @@ Why: the builders read a MoE layer a block of experts at a time, projection by p
 expert order, which is not the order of the file (names sort ``experts.1``, ``experts.10``,
 ``experts.100``, ...), and the scales in reads of a few KiB to a few hundred. From a cold disk
 that ran at a third of a sequential read: an R1-shaped 4.93 GiB checkpoint at TP 4 took 20-21 s
-to convert on the 2-core VM, 18 s of it the main thread waiting in reads, where `cat` of the
+to convert on the 2-core VM, 14.5 s of it the main thread waiting in reads, where `cat` of the
 same files takes 4.4 s. With the next group's bytes faulted in, in file order, while this group
 is built: 8.4-9.4 s (docs/BENCHMARKS.md, "Reading a cold source ahead"). ``verify --source``
 reads the source in the same order and reads it ahead the same way.
@@ -12,7 +12,7 @@ reads the source in the same order and reads it ahead the same way.
 How: each span of a group's source tensors (:meth:`SourceCheckpoint.spans`) is mapped a window
 at a time and faulted in with ``madvise(MADV_POPULATE_READ)`` (Linux 5.14): the kernel reads it
 in large requests, nothing is copied, and the pages leave this process once the window is
-unmapped (the page cache keeps them; peak RSS does not grow). The calls go through ctypes,
+unmapped (the page cache keeps them; RSS holds one window at most). The calls go through ctypes,
 which lets go of the GIL (Python's ``mmap.madvise`` keeps it, and the builders would stall).
 Where the kernel lacks it, the window is read into a scratch block instead.
 ``posix_fadvise(WILLNEED)`` is no substitute: the kernel caps what it reads per call (20 MiB
