@@ -30,13 +30,13 @@ import layouts
 from layouts.engines import COLS as _COLS, ROWS as _ROWS, WHOLE as _WHOLE
 
 from .errors import PrepError
+from .groups import Reader
 
 from layouts.manifest import Placement, StackRecord
 
 if TYPE_CHECKING:
     from layouts.manifest import GroupRecord
 
-Reader = Callable[..., torch.Tensor]  # read(name, rows=None, cols=None, out=None) -> tensor
 Piece = tuple[str, tuple[slice, slice], torch.Tensor]
 
 
