@@ -46,11 +46,16 @@ def timed(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, int
     return dt, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
 
 
-def _idle_rss() -> tuple[int, None]:
-    """Peak RSS of a process that only imports what `prep convert` imports: the fixed overhead."""
+def _fixed_cost() -> tuple[int, float]:
+    """Peak RSS and wall seconds of a process that only imports what `prep convert` imports: the
+    fixed overhead every convert pays (the second of two starts, so the files are cached)."""
     code = ("import resource, prep.cli, prep.convert, layouts, torch; "
             "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)")
-    return int(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout), None
+    for _ in range(2):
+        t0 = time.perf_counter()
+        rss = int(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout)
+        dt = time.perf_counter() - t0
+    return rss, dt
 
 
 def _prep_in(tree: pathlib.Path) -> list[str]:
@@ -125,7 +130,13 @@ def main() -> None:
         if not args.cold:  # warm cache
             subprocess.run(["cat", *map(str, src.glob("*.safetensors"))], check=True, stdout=subprocess.DEVNULL)
         prep = _prep_in(REPO)
-        base_rss, _ = _idle_rss()
+        base_rss, start_s = _fixed_cost()
+        # Measured on a GPU host whose image sets PYTHONDONTWRITEBYTECODE (torch installed without
+        # its __pycache__): every start compiled torch's sources, 3.5-3.7 s instead of 1.6 s.
+        print(f"start-up of convert (python + torch + prep imported): {start_s:.2f} s"
+              + ("; PYTHONDONTWRITEBYTECODE is set: modules without a cached .pyc are compiled at every "
+                 "start (unset it for numbers a normal install gives)" if sys.flags.dont_write_bytecode else ""),
+              flush=True)
         rounds = []
         peak = 0
         out = work / "converted"
