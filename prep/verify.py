@@ -8,12 +8,10 @@ import math
 import re
 from typing import Any, Callable
 
-import torch
-
 from layouts.manifest import Manifest, TensorRecord
 from layouts.registry import recorded_layout
 
-from .converted import ConvertedCheckpoint
+from .converted import ConvertedCheckpoint, same_bytes
 from .errors import PrepError
 from .groups import group_from_record
 from .prefetch import Prefetch
@@ -82,7 +80,7 @@ def _compare(ck: ConvertedCheckpoint, src: SourceCheckpoint | None, units: list[
             want = src.read(name, rows)
             if want.dtype != got.dtype:
                 got = got.view(want.dtype)
-            if want.shape != got.shape or not torch.equal(want, got):
+            if want.shape != got.shape or not same_bytes(want, got):
                 raise PrepError(f"{name}: inverted bytes differ from the source")
     return compared
 

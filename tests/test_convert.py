@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 import layouts as L
 from prep.cli import main
 from prep.convert import convert
+from prep.converted import same_bytes
 from prep.deepseek import Target
 from prep.errors import PrepError
 from prep.revert import revert
@@ -58,7 +59,7 @@ def test_convert_verify_revert_is_byte_identical(sources, tmp_path, variant, tp,
     original, rebuilt = all_tensors(src), all_tensors(back)
     assert original.keys() == rebuilt.keys()
     for name, t in original.items():
-        assert rebuilt[name].dtype == t.dtype and torch.equal(rebuilt[name], t), name
+        assert rebuilt[name].dtype == t.dtype and same_bytes(rebuilt[name], t), name
 
 
 @pytest.mark.parametrize("n_routed, tp", [(8, 2), (8, 4), (10, 4)], ids=["8-experts-ep2", "8-experts-ep4", "10-experts-ep4"])
@@ -359,6 +360,60 @@ def test_verify_names_a_tampered_tensor(sources, tmp_path):
     assert_one_line_error(run_cli("verify", str(out)), t["name"], "hash differs")
     (out / "prep-complete.json").unlink()
     assert_one_line_error(run_cli("verify", str(out)), "did not finish")
+
+
+def _tensor_offset(folder: pathlib.Path, name: str) -> tuple[pathlib.Path, int]:
+    """The file holding source tensor ``name`` and where its bytes start in it."""
+    for path in sorted(folder.glob("*.safetensors")):
+        header_len = int.from_bytes(path.read_bytes()[:8], "little")
+        meta = json.loads(path.read_bytes()[8:8 + header_len])
+        if name in meta:
+            return path, 8 + header_len + meta[name]["data_offsets"][0]
+    raise KeyError(name)
+
+
+def test_verify_and_revert_compare_bytes_not_float_values(sources, tmp_path):
+    """Inverted bytes are compared with the source's, and a replicated tensor's copies with one
+    another, as bytes: a BF16 tensor holding NaN (unequal to itself as a float) converts, verifies
+    against its source and reverts byte for byte, and a zero whose sign bit changed in the source
+    (-0.0 equals 0.0 as a float) is caught."""
+    src = tmp_path / "src"
+    shutil.copytree(sources["v2"], src)
+    name = "model.layers.1.input_layernorm.weight"  # BF16, replicated: each TP rank's file has a copy
+    path, at = _tensor_offset(src, name)
+    with open(path, "r+b") as f:  # NaN, +0.0, a NaN with another payload (little-endian BF16)
+        f.seek(at)
+        f.write(bytes([0xC0, 0x7F, 0x00, 0x00, 0x01, 0x7F]))
+    out, back = tmp_path / "out", tmp_path / "back"
+    convert(str(src), out, Target(tp=2))
+    assert verify(str(out), source=str(src))["source_tensors_compared"] > 0
+    revert(str(out), back)
+    original, rebuilt = all_tensors(src), all_tensors(back)
+    assert torch.isnan(original[name][0]) and same_bytes(rebuilt[name], original[name])
+    with open(path, "r+b") as f:  # the source's +0.0 becomes -0.0
+        f.seek(at + 2)
+        f.write(bytes([0x00, 0x80]))
+    with pytest.raises(PrepError, match=f"{name}: inverted bytes differ from the source"):
+        verify(str(out), source=str(src))
+
+
+def test_same_bytes_compares_bits_at_any_alignment():
+    a = torch.tensor([0.0, float("nan"), 1.5, -2.0], dtype=torch.bfloat16)
+    assert same_bytes(a, a.clone()) and not torch.equal(a, a.clone())  # NaN: equal bytes, unequal floats
+    b = a.clone()
+    b[0] = -0.0
+    assert not same_bytes(a, b) and torch.equal(a[:1], b[:1])  # -0.0: other bytes, equal floats
+    raw = torch.arange(203, dtype=torch.uint8)
+    for off in (0, 1, 3, 8):  # 8-byte words where aligned, bytes otherwise and for the tail
+        x, y = raw[off:off + 150], raw.clone()[off:off + 150]
+        assert same_bytes(x, y)
+        y[149] ^= 1
+        assert not same_bytes(x, y)
+        y[149] ^= 1
+        y[0] ^= 0x80
+        assert not same_bytes(x, y)
+    assert not same_bytes(raw[:8], raw[:9])  # other sizes
+    assert same_bytes(raw[:12].view(2, 6).t(), raw[:12].view(2, 6).t().contiguous())  # strided
 
 
 def test_convert_resolves_a_repo_id_through_the_hub_cache_offline(sources, tmp_path, monkeypatch):
