@@ -372,14 +372,18 @@ def _tensor_offset(folder: pathlib.Path, name: str) -> tuple[pathlib.Path, int]:
     raise KeyError(name)
 
 
-def test_verify_and_revert_compare_bytes_not_float_values(sources, tmp_path):
+@pytest.mark.parametrize("variant, name", [
+    ("v2", "model.layers.1.input_layernorm.weight"),  # BF16 pass-through: each TP rank's file has a copy
+    ("r1-0528", "model.layers.1.self_attn.q_a_proj.weight"),  # BF16 in a replicated merged group
+])
+def test_verify_and_revert_compare_bytes_not_float_values(sources, tmp_path, variant, name):
     """Inverted bytes are compared with the source's, and a replicated tensor's copies with one
-    another, as bytes: a BF16 tensor holding NaN (unequal to itself as a float) converts, verifies
-    against its source and reverts byte for byte, and a zero whose sign bit changed in the source
-    (-0.0 equals 0.0 as a float) is caught."""
+    another, as bytes: a BF16 tensor holding NaN (unequal to itself as a float; its copies were
+    called different, r1-0528's q_a_proj by revert) converts, verifies against its source and
+    reverts byte for byte, and a zero whose sign bit changed in the source (-0.0 equals 0.0 as a
+    float) is caught."""
     src = tmp_path / "src"
-    shutil.copytree(sources["v2"], src)
-    name = "model.layers.1.input_layernorm.weight"  # BF16, replicated: each TP rank's file has a copy
+    shutil.copytree(sources[variant], src)
     path, at = _tensor_offset(src, name)
     with open(path, "r+b") as f:  # NaN, +0.0, a NaN with another payload (little-endian BF16)
         f.seek(at)
@@ -389,7 +393,7 @@ def test_verify_and_revert_compare_bytes_not_float_values(sources, tmp_path):
     assert verify(str(out), source=str(src))["source_tensors_compared"] > 0
     revert(str(out), back)
     original, rebuilt = all_tensors(src), all_tensors(back)
-    assert torch.isnan(original[name][0]) and same_bytes(rebuilt[name], original[name])
+    assert torch.isnan(original[name].reshape(-1)[0]) and same_bytes(rebuilt[name], original[name])
     with open(path, "r+b") as f:  # the source's +0.0 becomes -0.0
         f.seek(at + 2)
         f.write(bytes([0x00, 0x80]))
