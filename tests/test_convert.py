@@ -21,6 +21,7 @@ from prep.converted import same_bytes
 from prep.deepseek import Target
 from prep.errors import PrepError
 from prep.revert import revert
+from prep.source import SourceCheckpoint
 from prep.testing import SynthSpec, write_checkpoint
 from prep.verify import verify
 
@@ -362,16 +363,6 @@ def test_verify_names_a_tampered_tensor(sources, tmp_path):
     assert_one_line_error(run_cli("verify", str(out)), "did not finish")
 
 
-def _tensor_offset(folder: pathlib.Path, name: str) -> tuple[pathlib.Path, int]:
-    """The file holding source tensor ``name`` and where its bytes start in it."""
-    for path in sorted(folder.glob("*.safetensors")):
-        header_len = int.from_bytes(path.read_bytes()[:8], "little")
-        meta = json.loads(path.read_bytes()[8:8 + header_len])
-        if name in meta:
-            return path, 8 + header_len + meta[name]["data_offsets"][0]
-    raise KeyError(name)
-
-
 @pytest.mark.parametrize("variant, name", [
     ("v2", "model.layers.1.input_layernorm.weight"),  # BF16 pass-through: each TP rank's file has a copy
     ("r1-0528", "model.layers.1.self_attn.q_a_proj.weight"),  # BF16 in a replicated merged group
@@ -384,7 +375,8 @@ def test_verify_and_revert_compare_bytes_not_float_values(sources, tmp_path, var
     float) is caught."""
     src = tmp_path / "src"
     shutil.copytree(sources[variant], src)
-    path, at = _tensor_offset(src, name)
+    info = SourceCheckpoint.open(str(src)).info(name)
+    path, at = src / info.file, info.offset
     with open(path, "r+b") as f:  # NaN, +0.0, a NaN with another payload (little-endian BF16)
         f.seek(at)
         f.write(bytes([0xC0, 0x7F, 0x00, 0x00, 0x01, 0x7F]))
