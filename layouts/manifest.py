@@ -28,17 +28,24 @@ if TYPE_CHECKING:
 
 MANIFEST_NAME = "prep-manifest.json"
 COMPLETE_NAME = "prep-complete.json"
+# The source's tensor table (every source tensor's dtype, shape and shard), from version 4 a file
+# of its own that the manifest names and hashes: only verify --source, revert and describe read
+# it, and at R1-0528's 90,910 tensors it was 61% of the manifest's JSON and 69% of parsing it,
+# which every rank load paid (docs/BENCHMARKS.md).
+SOURCE_TABLE_NAME = "prep-source.json"
+SOURCE_TABLE_FORMAT = "prep-source-tensors"
 FORMAT = "prep-manifest"
 # Bumped when a reader of the previous version would misread a checkpoint of the new one (a field
 # that changes meaning, goes away or must be understood to read the bytes); readers refuse any
 # version but their own. docs/manifest.md states the rule in full.
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 # Versions this module reads. 1: every non-MXFP4 tensor whole in common files every rank reads.
 # 2 (rank-exact): split BF16 tensors (role "bf16_shard", group kind "bf16"), replicated tensors in
 # every rank's files, and role "unread" for what no rank reads (kept for revert). 3: a conversion
 # for an engine other than ATOM (target.engine, which an older reader would take for ATOM's);
-# ATOM's conversions are still written as 2 or 1.
-READ_VERSIONS = (1, 2, 3)
+# 4: the source tensor table in SOURCE_TABLE_NAME, named and hashed by source.tensors_file (a
+# reader before it finds no source.tensors and calls the manifest damaged). prep writes 4.
+READ_VERSIONS = (1, 2, 3, 4)
 MAX_TP = 1 << 16  # no engine runs more ranks: a larger tp is a damaged manifest
 
 
@@ -269,28 +276,103 @@ class SourceTensor:
         return {"dtype": self.dtype, "shape": list(self.shape), "file": self.file}
 
 
+@dataclasses.dataclass(frozen=True)
+class SourceTableRef:
+    """Where the source tensor table is (``source.tensors_file``, format 4): a file of the folder
+    beside the manifest, its sha256 (the manifest, sealed by the completion marker, vouches for
+    the table through it) and its number of entries."""
+
+    name: str
+    sha256: str
+    count: int
+
+    @classmethod
+    def from_json(cls, r: Any) -> "SourceTableRef":
+        r = _object(r, "source.tensors_file")
+        name, digest, count = r.get("name"), r.get("sha256"), r.get("count")
+        if name != SOURCE_TABLE_NAME:  # prep's own name only: the folder's file list is prep's to know
+            raise ManifestError(f"source.tensors_file.name is {name!r}, not {SOURCE_TABLE_NAME!r}")
+        if type(digest) is not str or not re.fullmatch(r"[0-9a-f]{64}", digest):
+            raise ManifestError(f"source.tensors_file.sha256 is {digest!r}, not a sha256 in hex")
+        if not _is_count(count):
+            raise ManifestError(f"source.tensors_file.count is {count!r}, not a non-negative integer")
+        return cls(name, digest, count)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "sha256": self.sha256, "count": self.count}
+
+
+def source_table_json(tensors: Mapping[str, SourceTensor]) -> bytes:
+    """The bytes of ``prep-source.json`` for ``tensors``: compact JSON, in source order."""
+    import json
+
+    with gc_paused():
+        table = {n: t.to_json() for n, t in tensors.items()}
+    return json.dumps({"format": SOURCE_TABLE_FORMAT, "tensors": table}, separators=(",", ":")).encode()
+
+
 class SourceTensors(Mapping):
-    """``source.tensors`` as the manifest holds it, each entry parsed and checked on first use.
+    """``source.tensors``: every source tensor, each entry parsed and checked on first use, read
+    from ``prep-source.json`` (format 4) or held in the manifest itself (formats 1-3).
 
     No engine loading a rank reads it, and it is most of the manifest: at R1-0528's 90,910
     source tensors building its records took ~170 ms of every ``load_manifest`` (537 ms in all
-    at TP 8, where warm rank ready was 573 ms). ``prep verify``, ``revert`` and ``compare`` read
-    it, and get the same ``ManifestError`` naming the entry as before, on first use."""
+    at TP 8, where warm rank ready was 573 ms), and parsing its JSON 69% of the rest, hence its
+    own file. ``prep verify``, ``revert`` and ``compare`` read it, and get a ``ManifestError``
+    naming the file or the entry on first use."""
 
-    def __init__(self, raw: dict[str, Any]):
-        self._raw: dict[str, Any] | None = raw
+    def __init__(self, raw: dict[str, Any] | None = None, *, root: pathlib.Path | None = None,
+                 ref: SourceTableRef | None = None):
+        self._raw = raw
+        self._root, self._ref = root, ref
         self._parsed: dict[str, SourceTensor] = {}
+        self._loaded = ref is None and raw is None
+
+    @classmethod
+    def held(cls, tensors: Mapping[str, SourceTensor], ref: SourceTableRef) -> "SourceTensors":
+        """``tensors`` as they are, written to the file ``ref`` (a manifest being written)."""
+        t = cls(root=None, ref=ref)
+        t._parsed, t._loaded = dict(tensors), True
+        return t
+
+    @property
+    def ref(self) -> SourceTableRef | None:
+        """The table's file (format 4), or None where the manifest holds the table."""
+        return self._ref
+
+    def _read_file(self) -> dict[str, Any]:
+        ref = self._ref
+        if self._root is None:
+            raise ManifestError(f"source.tensors is in {ref.name} beside the manifest, and this manifest was read "
+                                "without its folder: load it with load_manifest(folder)")
+        path = self._root / ref.name
+        damaged = "the folder was modified: convert again"
+        problem = member_problem(self._root, ref.name)
+        if problem:
+            raise ManifestError(f"{self._root}: {problem}; {damaged}")
+        raw, obj = _read_json(path, f"{path}: missing (the manifest names it for the source tensors, which revert and "
+                                    "verify --source read); convert again", damaged)
+        if manifest_hash(raw) != ref.sha256:
+            raise ManifestError(f"{path}: its sha256 differs from the manifest's; {damaged}")
+        if obj.get("format") != SOURCE_TABLE_FORMAT:
+            raise ManifestError(f"{path}: format {obj.get('format')!r} is not {SOURCE_TABLE_FORMAT!r}; {damaged}")
+        tensors = _object(obj.get("tensors"), f"{path}: tensors")
+        if len(tensors) != ref.count:
+            raise ManifestError(f"{path}: {len(tensors)} tensors where the manifest counts {ref.count}; {damaged}")
+        return tensors
 
     def _all(self) -> dict[str, SourceTensor]:
-        if self._raw is not None:
+        if not self._loaded:
+            raw = self._raw if self._raw is not None else self._read_file()
+            where = "" if self._ref is None else f"{self._root / self._ref.name}: "
             with gc_paused():
-                for name, entry in self._raw.items():
+                for name, entry in raw.items():
                     try:
                         self._parsed[name] = SourceTensor.from_json(entry)
                     except ManifestError as e:
                         self._parsed.clear()
-                        raise ManifestError(f"source.tensors[{name!r}]: {e}") from None
-            self._raw = None
+                        raise ManifestError(f"{where}source.tensors[{name!r}]: {e}") from None
+            self._raw, self._loaded = None, True
         return self._parsed
 
     def __getitem__(self, name: str) -> SourceTensor:
@@ -300,7 +382,9 @@ class SourceTensors(Mapping):
         return iter(self._all())
 
     def __len__(self) -> int:
-        return len(self._raw) if self._raw is not None else len(self._parsed)
+        if self._loaded:
+            return len(self._parsed)
+        return len(self._raw) if self._raw is not None else self._ref.count
 
 
 @dataclasses.dataclass(frozen=True)
@@ -314,9 +398,10 @@ class Source:
     tensors: Mapping[str, SourceTensor]  # every source tensor, by name, in source order
 
     @classmethod
-    def from_json(cls, s: Any) -> "Source":
+    def from_json(cls, s: Any, root: pathlib.Path | None = None) -> "Source":
+        """``root``: the folder whose ``prep-source.json`` holds the tensors (format 4)."""
         s = _object(s, "source")
-        origin = {k: v for k, v in s.items() if k not in ("files", "tensors")}
+        origin = {k: v for k, v in s.items() if k not in ("files", "tensors", "tensors_file")}
         if type(origin.get("kind")) is not str:
             raise ManifestError(f"source.kind is {origin.get('kind')!r}, not a string")
         files = {}
@@ -325,9 +410,29 @@ class Source:
                 files[name] = SourceFile.from_json(entry)
             except ManifestError as e:
                 raise ManifestError(f"source.files[{name!r}]: {e}") from None
-        return cls(origin, files, SourceTensors(_object(s.get("tensors"), "source.tensors")))
+        if "tensors_file" in s:
+            tensors = SourceTensors(root=root, ref=SourceTableRef.from_json(s["tensors_file"]))
+        else:
+            tensors = SourceTensors(_object(s.get("tensors"), "source.tensors"))
+        return cls(origin, files, tensors)
+
+    @property
+    def table(self) -> SourceTableRef | None:
+        """The file holding the tensors (format 4), or None where they are in the manifest."""
+        return self.tensors.ref if isinstance(self.tensors, SourceTensors) else None
+
+    def with_table_file(self) -> tuple["Source", bytes]:
+        """This source with its tensors moved to ``prep-source.json``, and that file's bytes
+        (format 4: the converter writes them beside the manifest)."""
+        raw = source_table_json(self.tensors)
+        ref = SourceTableRef(SOURCE_TABLE_NAME, manifest_hash(raw), len(self.tensors))
+        return dataclasses.replace(self, tensors=SourceTensors.held(self.tensors, ref)), raw
 
     def to_json(self) -> dict[str, Any]:
+        table = self.table
+        if table is not None:
+            return {**self.origin, "files": {n: f.to_json() for n, f in self.files.items()},
+                    "tensors_file": table.to_json()}
         return {**self.origin, "files": {n: f.to_json() for n, f in self.files.items()},
                 "tensors": {n: t.to_json() for n, t in self.tensors.items()}}
 
@@ -807,8 +912,8 @@ class Manifest:
         if problem:
             raise ManifestError(f"{where}: {problem}")
         try:
-            with gc_paused():  # ~100k records for DeepSeek-R1 (its source tensors): see gc_paused
-                m = cls._parse(raw)
+            with gc_paused():  # ~10k records for DeepSeek-R1 at TP 8: see gc_paused
+                m = cls._parse(raw, root)
         except ManifestError as e:
             raise ManifestError(f"{where}: {e}; the manifest is damaged or not prep's: convert again") from None
         m.root = root
@@ -817,7 +922,7 @@ class Manifest:
         return m
 
     @classmethod
-    def _parse(cls, raw: Any) -> "Manifest":
+    def _parse(cls, raw: Any, root: pathlib.Path | None = None) -> "Manifest":
         if not isinstance(raw, dict):
             raise ManifestError("not a JSON object")
         target = Target.from_json(raw.get("target"))
@@ -863,7 +968,7 @@ class Manifest:
                 layouts_[name] = LayoutRecord.from_json(d)
             except ManifestError as e:
                 raise ManifestError(f"layouts[{name!r}]: {e}") from None
-        source = Source.from_json(raw["source"]) if raw.get("source") is not None else None
+        source = Source.from_json(raw["source"], root) if raw.get("source") is not None else None
         tool = Tool.from_json(raw["tool"]) if raw.get("tool") is not None else None
         version = raw.get("layouts_version")
         if version is not None and type(version) is not str:
@@ -877,6 +982,8 @@ class Manifest:
         names = dict.fromkeys(t.file for t in self.tensors)
         names.update(dict.fromkeys(self.files))
         names.update(dict.fromkeys(g.file for g in self.groups))
+        if self.source is not None and self.source.table is not None:
+            names[self.source.table.name] = None
         for name in names:
             problem = member_problem(root, name)
             if problem:
@@ -887,6 +994,19 @@ class Manifest:
         """The JSON object, keys in the order prep has always written them (its bytes are hashed)."""
         with gc_paused():
             return self._to_json()
+
+    def to_files(self) -> dict[str, bytes]:
+        """The bytes of every file this manifest is, by name, the manifest last: from format 4
+        the source tensor table (``prep-source.json``), which the manifest names and hashes."""
+        import json
+
+        m, files = self, {}
+        if self.format_version >= 4 and self.source is not None:
+            source, files[SOURCE_TABLE_NAME] = self.source.with_table_file()
+            m = dataclasses.replace(self, source=source)
+        # Compact JSON: the C encoder (indent= falls back to pure Python, 10x slower at ~90k tensors).
+        files[MANIFEST_NAME] = json.dumps(m.to_json(), separators=(",", ":")).encode()
+        return files
 
     def _to_json(self) -> dict[str, Any]:
         return {
@@ -938,9 +1058,13 @@ class Manifest:
         sequential pass per file). ``progress`` gets each file's tensor bytes once it is
         hashed. ``select`` keeps only the records it is true for (a reader checks what it reads).
         Returns the number of tensors checked; raises naming the first mismatch: its
-        file, tensor and rank. The one hash check of every reader (engines, ``prep verify``)."""
+        file, tensor and rank. The one hash check of every reader (engines, ``prep verify``).
+        The whole folder's check (no ``rank``, no ``select``) reads the source tensor table too,
+        which revert needs: its file's hash and every entry (format 4)."""
         from .safetensors_file import SafetensorsFile, SafetensorsFileError
 
+        if rank is None and select is None and self.source is not None:
+            next(iter(self.source.tensors), None)  # iterating reads, parses and checks the table
         records = self.tensors if rank is None else self.rank_tensors(rank)
         if select is not None:
             records = [t for t in records if select(t)]

@@ -25,7 +25,7 @@ import torch
 
 import layouts
 from layouts import manifest as schema
-from layouts.engines import DEFAULT_ENGINE, Constant
+from layouts.engines import Constant
 from layouts.manifest import COMPLETE_NAME, MANIFEST_NAME, compress_names, manifest_hash
 from layouts.safetensors_file import TORCH_DTYPES, TensorInfo
 
@@ -412,12 +412,11 @@ def convert(
                                           idents)
             for p in src.side_files():
                 copy_regular(p, folder.staging / p.name)
-            manifest = build_manifest(src, target, jobs, records, info)
-            # Compact JSON: the C encoder (indent= falls back to pure Python, 10x slower at ~90k tensors).
-            raw = json.dumps(manifest.to_json(), separators=(",", ":")).encode()
-            (folder.staging / MANIFEST_NAME).write_bytes(raw)
+            files = build_manifest(src, target, jobs, records, info).to_files()
+            for name, raw in files.items():  # the manifest last: it names and hashes the others
+                (folder.staging / name).write_bytes(raw)
             write_json(folder.staging / COMPLETE_NAME,
-                       schema.Completion(manifest_hash(raw), f"prep {__version__}", run=key).to_json())
+                       schema.Completion(manifest_hash(files[MANIFEST_NAME]), f"prep {__version__}", run=key).to_json())
             kill_point("marker-written")
             folder.commit()
     return {**_summary(folder.given, jobs, src, sum(1 for r in records.values() if r.get("reused")), total),
@@ -553,7 +552,4 @@ def build_manifest(src: SourceCheckpoint, target: Target, jobs: list[FileJob],
         files={j.name: schema.FileRecord(j.rank, records[j.name]["size"], len(j.entries)) for j in jobs},
         groups=groups,
         tensors=tensors,
-        # ATOM's conversions keep versions 2 and 1, which every reader takes as ATOM's; another
-        # engine's are version 3, which readers older than target.engine refuse.
-        format_version=schema.FORMAT_VERSION if target.engine != DEFAULT_ENGINE else 2 if target.rank_exact else 1,
     )

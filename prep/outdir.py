@@ -39,7 +39,7 @@ import signal
 import stat
 from typing import Any, Iterator
 
-from layouts.manifest import COMPLETE_NAME, MANIFEST_NAME
+from layouts.manifest import COMPLETE_NAME, MANIFEST_NAME, SOURCE_TABLE_NAME
 from layouts.safe_files import MAX_JSON_BYTES, FileTooLargeError, open_regular, read_regular
 
 from .errors import PrepError
@@ -183,10 +183,12 @@ def prep_files_in(folder: pathlib.Path) -> set[str] | None:
             # copied only where the source had them, and still the size the source's was: one edited in
             # OUT since (a tuned generation_config.json) is the user's work now
             side = {n for n in _side_files() if n in had and _size(folder / n) == had[n].get("size")}
+            # the source tensor table (format 4), under prep's one name for it only
+            table = {SOURCE_TABLE_NAME} if "tensors_file" in raw["source"] else set()
         except (OSError, ValueError, KeyError, TypeError):
             raise PrepError(f"{folder}: holds a prep manifest that cannot be read, so prep cannot tell which files "
                             "are its own; remove the folder yourself or choose another -o") from None
-        return names | side | {MANIFEST_NAME, COMPLETE_NAME}
+        return names | side | table | {MANIFEST_NAME, COMPLETE_NAME}
     if marker.is_file():
         try:
             listed = json.loads(_read_own(folder, REVERT_MARKER))["files"]

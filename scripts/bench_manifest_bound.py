@@ -5,8 +5,9 @@ each size, each in a fresh process, as ratios against the first size.
 
     .venv/bin/python scripts/bench_manifest_bound.py CONVERTED [--mib 20 96 256]
 
-The padding is entries of the source tensor table (what a real manifest holds most of: R1-0528's
-at TP 8 is 20 MB, 12 MB of it the 90,910 source tensors), small objects as a real table's are;
+The padding is entries of a source tensor table (what a manifest held most of before format 4
+moved the table out: R1-0528's at TP 8 was 20 MB, 12 MB of it the 90,910 source tensors), small
+objects as a real table's are;
 the copy is resealed (completion marker) so that it loads. The manifest's size bound is
 ``layouts.safe_files.MAX_JSON_BYTES``; a real checkpoint's manifest must stay well under it, and
 what a hostile one just under it costs is what this prints.
@@ -41,8 +42,10 @@ print(t1 - t0, t2 - t0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 102
 def padded_copy(src: pathlib.Path, dst: pathlib.Path, mib: int) -> int:
     shutil.copytree(src, dst)
     m = json.loads((dst / "prep-manifest.json").read_text())
-    table = m["source"]["tensors"]
-    entry = next(iter(table.values()))
+    # From format 4 the real table is in prep-source.json; padding of the same kind goes where
+    # versions 1-3 held it (source.tensors), which a reader parses with the rest of the manifest.
+    table = m["source"].setdefault("tensors", {})
+    entry = {"dtype": "U8", "shape": [7168, 8], "file": "model-00001-of-00163.safetensors"}
     raw = json.dumps(m, separators=(",", ":")).encode()
     one = len(json.dumps({"model.layers.0.mlp.experts.0.up_proj.weight_scale_pad_000000": entry},
                          separators=(",", ":"))) - 1

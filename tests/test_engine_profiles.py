@@ -234,8 +234,8 @@ def test_a_second_engine_with_its_own_sharding_rules_gets_ranks_files_of_its_own
         convert(str(src), tmp_path / engine, Target(raw, ck, 2, bf16_moe_layout=None, engine=engine))
         out[engine] = layouts.load_manifest(tmp_path / engine)
     assert out["toy"].target.engine == "toy" and out["atom"].target.engine == "atom"
-    # A reader older than target.engine would take the toy ranks for ATOM's: version 3 it refuses.
-    assert (out["toy"].format_version, out["atom"].format_version) == (3, 2)
+    # A reader older than target.engine (version 3) would take the toy ranks for ATOM's: it refuses 4.
+    assert (out["toy"].format_version, out["atom"].format_version) == (4, 4)
     shapes = {e: {t.name: t.shape for t in m.rank_tensors(0)} for e, m in out.items()}
     o_proj = "model.layers.0.self_attn.o_proj.weight"
     assert shapes["toy"][o_proj][1] == 2 * shapes["atom"][o_proj][1]  # whole against ATOM's column half

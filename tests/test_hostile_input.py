@@ -109,6 +109,17 @@ def edit_manifest(folder: pathlib.Path, fn) -> None:
     set_manifest(folder, json.dumps(m, separators=(",", ":")).encode())
 
 
+def edit_source_table(folder: pathlib.Path, fn) -> None:
+    """Edit ``fn(tensors)`` the source tensor table (prep-source.json), and the manifest's hash
+    and count of it and the marker in step (a crafted folder that passes every hash check)."""
+    table = json.loads((folder / "prep-source.json").read_text())
+    fn(table["tensors"])
+    data = json.dumps(table, separators=(",", ":")).encode()
+    (folder / "prep-source.json").write_bytes(data)
+    edit_manifest(folder, lambda m: m["source"]["tensors_file"].update(
+        sha256=hashlib.sha256(data).hexdigest(), count=len(table["tensors"])))
+
+
 def in_subprocess(code: str, *args, timeout: float = 120) -> subprocess.CompletedProcess:
     """Run ``code`` in a fresh interpreter, killed after ``timeout``: for cases that hung or
     exhausted memory before they were refused, so a regression fails instead of stalling."""
@@ -622,7 +633,7 @@ def test_revert_refuses_a_side_file_that_is_a_symlink_out_of_the_folder(made, tm
 
 def test_revert_refuses_a_source_tensor_larger_than_the_files_before_allocating(made, tmp_path):
     out = copy(made["out"], tmp_path / "out")
-    edit_manifest(out, lambda m: m["source"]["tensors"]["model.norm.weight"].update(shape=[2 ** 40, 2 ** 10]))
+    edit_source_table(out, lambda t: t["model.norm.weight"].update(shape=[2 ** 40, 2 ** 10]))
     dest = tmp_path / "rt"
     assert_one_line_error(run_cli("revert", out, "-o", dest), "model.norm.weight", "larger than all the files")
     assert nothing_left(dest)
@@ -633,7 +644,7 @@ def test_a_malformed_source_table_is_refused_by_what_reads_it_and_costs_a_rank_l
     # load_manifest while it was built whole): its records are made on first use. verify --source
     # and revert read it, and refuse a malformed entry in one line naming it.
     out = copy(made["out"], tmp_path / "out")
-    edit_manifest(out, lambda m: m["source"]["tensors"]["model.norm.weight"].update(shape="abc"))
+    edit_source_table(out, lambda t: t["model.norm.weight"].update(shape="abc"))
     m = L.load_manifest(out)
     assert L.load_rank(out, 0, manifest=m)
     with pytest.raises(ManifestError, match=r"source.tensors\['model.norm.weight'\]: shape is 'abc'"):
@@ -644,7 +655,42 @@ def test_a_malformed_source_table_is_refused_by_what_reads_it_and_costs_a_rank_l
     assert nothing_left(dest)
 
 
-@pytest.mark.parametrize("name", ["prep-manifest.json", "prep-complete.json", INDEX])
+def test_a_rank_load_never_reads_the_source_table_and_what_needs_it_refuses_one_missing_or_changed(made, tmp_path):
+    # prep-source.json (format 4) holds what revert rebuilds; the manifest, sealed by the marker,
+    # holds its sha256. A rank load does not open it; verify, verify --source and revert do.
+    gone = copy(made["out"], tmp_path / "gone")
+    (gone / "prep-source.json").unlink()
+    assert L.load_rank(gone, 1)
+    assert_one_line_error(run_cli("verify", gone), "prep-source.json", "missing", "convert again")
+    assert_one_line_error(run_cli("revert", gone, "-o", tmp_path / "rt1"), "prep-source.json", "missing")
+    assert nothing_left(tmp_path / "rt1")
+
+    changed = copy(made["out"], tmp_path / "changed")  # an entry edited, the manifest not resealed
+    edit_json(changed / "prep-source.json", lambda t: t["tensors"]["model.norm.weight"].update(shape=[1, 2]))
+    assert L.load_rank(changed, 0)
+    assert_one_line_error(run_cli("verify", changed), "prep-source.json", "sha256 differs from the manifest's")
+    assert_one_line_error(run_cli("verify", changed, "--source", made["src"]), "prep-source.json", "sha256 differs")
+    assert_one_line_error(run_cli("revert", changed, "-o", tmp_path / "rt2"), "prep-source.json", "sha256 differs")
+    assert nothing_left(tmp_path / "rt2")
+
+    outside = tmp_path / "elsewhere.json"  # a link out of the folder, whatever it holds
+    outside.write_bytes((made["out"] / "prep-source.json").read_bytes())
+    linked = copy(made["out"], tmp_path / "linked")
+    (linked / "prep-source.json").unlink()
+    (linked / "prep-source.json").symlink_to(outside)
+    assert_one_line_error(run_cli("verify", linked), "prep-source.json", "outside")
+
+
+def test_a_manifest_naming_another_file_for_its_source_table_is_refused(made, tmp_path):
+    # Only prep's own name: which files of OUT are prep's (--force, clean-up) is prep's to know.
+    out = copy(made["out"], tmp_path / "out")
+    (out / "prep-source.json").rename(out / "config.json.bak")
+    edit_manifest(out, lambda m: m["source"]["tensors_file"].update(name="config.json.bak"))
+    with pytest.raises(ManifestError, match=r"source.tensors_file.name is 'config.json.bak', not 'prep-source.json'"):
+        L.load_manifest(out)
+
+
+@pytest.mark.parametrize("name", ["prep-manifest.json", "prep-complete.json", "prep-source.json", INDEX])
 def test_a_json_file_larger_than_any_prep_reads_is_refused_before_it_is_read(made, tmp_path, name):
     # A manifest, marker or index is read whole and parsed (several times its size in objects):
     # one of terabytes (here a sparse file of 1 TiB: no disk used) is refused by its size first.
@@ -658,6 +704,9 @@ def test_a_json_file_larger_than_any_prep_reads_is_refused_before_it_is_read(mad
         r = run_cli("convert", folder, "-o", tmp_path / "o", "--tp", "2")
         assert_one_line_error(r, name, "more than the", "re-download it")
         assert nothing_left(tmp_path / "o")
+    elif name == "prep-source.json":  # read by what needs it (verify, revert), never by a rank load
+        assert L.load_rank(folder, 0)
+        assert_one_line_error(run_cli("verify", folder), name, "more than the")
     else:
         with pytest.raises(ManifestError, match=f"{name}: 1099511627776 bytes, more than the"):
             L.load_manifest(folder)

@@ -53,9 +53,15 @@ def test_reading_and_writing_back_a_real_manifest_gives_its_bytes(converted, nam
     assert m.to_json() == raw
     assert compact(m.to_json()) == raw_bytes  # key order too: the completion marker hashes these bytes
     assert m.sha256 == schema.manifest_hash(raw_bytes)
-    again = Manifest.from_json(m.to_json())
+    # Every file it is, byte for byte: the source table too (from format 4), which it names and hashes.
+    table = (converted[name] / schema.SOURCE_TABLE_NAME).read_bytes()
+    assert m.to_files() == {schema.SOURCE_TABLE_NAME: table, schema.MANIFEST_NAME: raw_bytes}
+    assert m.source.table == schema.SourceTableRef(schema.SOURCE_TABLE_NAME, schema.manifest_hash(table),
+                                                   len(json.loads(table)["tensors"]))
+    again = Manifest.from_json(m.to_json(), converted[name])  # the folder: where its source table is
     assert again == m and again.to_json() == raw
-    for rec in [m.target, m.tool, m.source, *m.files.values(), *m.groups, *m.layouts.values(), *m.tensors]:
+    assert schema.Source.from_json(m.source.to_json(), converted[name]) == m.source
+    for rec in [m.target, m.tool, *m.files.values(), *m.groups, *m.layouts.values(), *m.tensors]:
         assert type(rec).from_json(rec.to_json()) == rec, rec
     variant, target = CONVERSIONS[name]
     assert m.target == schema.Target.from_options(dataclasses.asdict(target), "deepseek_v3")
@@ -87,12 +93,15 @@ def written(out: pathlib.Path) -> dict[str, list[dict]]:
     """Every object of each documented section that one conversion wrote."""
     raw = json.loads((out / schema.MANIFEST_NAME).read_text())
     marker = json.loads((out / schema.COMPLETE_NAME).read_text())
+    table = json.loads((out / schema.SOURCE_TABLE_NAME).read_text())
     grouped = [t for t in raw["tensors"] if "runtime_attrs" in t]  # tensors of a group
     return {
         "prep-manifest.json": [raw],
         "source": [raw["source"]],
         "source.files": list(raw["source"]["files"].values()),
-        "source.tensors": list(raw["source"]["tensors"].values()),
+        "source.tensors_file": [raw["source"]["tensors_file"]],
+        "prep-source.json": [table],
+        "source.tensors": list(table["tensors"].values()),
         "target": [raw["target"]],
         "layouts": list(raw["layouts"].values()),
         "files": list(raw["files"].values()),
@@ -109,9 +118,10 @@ def written(out: pathlib.Path) -> dict[str, list[dict]]:
 
 
 # Documented, but no conversion of a local folder writes them: a Hugging Face source's origin
-# (tests/test_convert.py converts one) and whole-file hashes, which convert never asks for.
+# (tests/test_convert.py converts one), whole-file hashes, which convert never asks for, and the
+# source table inside the manifest, which only versions 1-3 held.
 NOT_WRITTEN_HERE = {("source", "repo_id"), ("source", "revision"), ("source", "snapshot"),
-                    ("source.files", "xxh3_128")}
+                    ("source.files", "xxh3_128"), ("source", "tensors")}
 
 
 def test_every_field_written_is_documented_and_every_documented_field_exists(converted):
@@ -136,14 +146,47 @@ def test_every_field_written_is_documented_and_every_documented_field_exists(con
 
 def test_the_documented_example_is_a_manifest_in_the_order_prep_writes(converted):
     blocks = re.findall(r"```json\n(.*?)```", DOC.read_text(), re.S)
-    example, marker = json.loads(blocks[0]), json.loads(blocks[1])
+    example, table, marker = (json.loads(b) for b in blocks[:3])
     m = Manifest.from_json(example)
     assert compact(m.to_json()) == compact(example)  # same keys, same order
-    assert (m.format, m.format_version) == (schema.FORMAT, 2)  # an ATOM conversion: 2 (3 is another engine's)
-    assert list(marker) == list(schema.Completion("", "").to_json())
+    assert (m.format, m.format_version) == (schema.FORMAT, 4)
+    assert m.source.table.count == 192 and table["format"] == schema.SOURCE_TABLE_FORMAT
+    assert all(schema.SourceTensor.from_json(t).to_json() == t for t in table["tensors"].values())
+    assert list(marker) == list(schema.Completion("", "", run="").to_json())
     assert f"now {schema.FORMAT_VERSION}" in DOC.read_text()  # the versioning section states the version
 
 
 def test_another_format_version_is_refused_naming_the_fix():
-    with pytest.raises(ManifestError, match="format_version 4 is not supported .*reads 1, 2, 3.*upgrade prep/layouts"):
-        Manifest.from_json({"format": schema.FORMAT, "format_version": 4, "target": {}, "tensors": []})
+    with pytest.raises(ManifestError, match="format_version 5 is not supported .*reads 1, 2, 3, 4.*upgrade prep/layouts"):
+        Manifest.from_json({"format": schema.FORMAT, "format_version": 5, "target": {}, "tensors": []})
+
+
+def test_a_version_3_manifest_holding_its_source_table_still_verifies_and_reverts(converted, tmp_path):
+    # What prep wrote before version 4: the source tensor table inside, as source.tensors.
+    import hashlib
+    import shutil
+
+    from click.testing import CliRunner
+
+    from prep.cli import main
+
+    out = shutil.copytree(converted["r1-tp2"], tmp_path / "v3")
+    table = json.loads((out / schema.SOURCE_TABLE_NAME).read_text())["tensors"]
+    (out / schema.SOURCE_TABLE_NAME).unlink()
+    raw = json.loads((out / schema.MANIFEST_NAME).read_text())
+    raw["format_version"] = 3
+    del raw["source"]["tensors_file"]
+    raw["source"]["tensors"] = table
+    data = compact(raw)
+    (out / schema.MANIFEST_NAME).write_bytes(data)
+    marker = json.loads((out / schema.COMPLETE_NAME).read_text())
+    (out / schema.COMPLETE_NAME).write_text(json.dumps({**marker, "manifest_sha256": hashlib.sha256(data).hexdigest()}))
+
+    m = load_manifest(out)
+    assert m.source.table is None and len(m.source.tensors) == len(table)
+    assert m.to_files() == {schema.MANIFEST_NAME: data}  # written back as it was, table inside
+    src = converted["r1-tp2"].parent / "src-r1-0528"
+    r = CliRunner().invoke(main, ["verify", str(out), "--source", str(src)])
+    assert r.exit_code == 0 and f"{len(table)} source tensors byte-identical" in r.output, r.output
+    r = CliRunner().invoke(main, ["revert", str(out), "-o", str(tmp_path / "rt")])
+    assert r.exit_code == 0 and f"{len(table)} tensors" in r.output, r.output

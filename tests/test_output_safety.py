@@ -169,6 +169,29 @@ def test_force_trusts_only_a_sealed_manifest_and_of_it_only_the_files_prep_write
     assert snapshot(workspace) == before and (out / "precious.txt").read_text() == "keep me"
 
 
+def test_force_counts_the_source_table_as_prep_s_only_where_the_sealed_manifest_names_it(workspace):
+    # prep-source.json is prep's (format 4) because the sealed manifest says it wrote it; beside a
+    # manifest holding its table inside (version 3 and before), a file of that name is the user's.
+    from layouts.manifest import manifest_hash
+
+    out = workspace / "out"
+    m = json.loads((out / "prep-manifest.json").read_text())
+    m["source"]["tensors"] = json.loads((out / "prep-source.json").read_text())["tensors"]
+    del m["source"]["tensors_file"]
+    m["format_version"] = 3
+    raw = json.dumps(m, separators=(",", ":")).encode()
+    (out / "prep-manifest.json").write_bytes(raw)
+    marker = json.loads((out / "prep-complete.json").read_text())
+    (out / "prep-complete.json").write_text(json.dumps({**marker, "manifest_sha256": manifest_hash(raw)}))
+    (out / "prep-source.json").write_text("my notes")
+    before = snapshot(workspace)
+    one_line_error(prep("convert", workspace / "src", "-o", out, "--force"), "'prep-source.json'", "prep did not write it")
+    assert snapshot(workspace) == before
+    (out / "prep-source.json").unlink()  # without it, the version-3 output is prep's and is replaced
+    assert prep("convert", workspace / "src", "-o", out, "--force").returncode == 0
+    assert json.loads((out / "prep-manifest.json").read_text())["format_version"] == 4 and no_work_left(out)
+
+
 def test_non_empty_output_needs_force_and_force_replaces_only_prep_files(workspace):
     out = workspace / "out"
     one_line_error(prep("convert", workspace / "src", "-o", out, "--tp", "2"), "previous output of prep", "--force")
@@ -335,9 +358,11 @@ def test_resume_after_one_source_byte_changed_redoes_exactly_the_files_that_read
     # The shard holding lm_head and the final norm: read by the files that hold a slice or a copy
     # of one of its tensors (every rank's, rank-exact), and by no other.
     victim = src / json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]["lm_head.weight"]
-    m = json.loads((out.parent / f".{out.name}.prep" / "staging" / "prep-manifest.json").read_text())
+    staged = out.parent / f".{out.name}.prep" / "staging"
+    m = json.loads((staged / "prep-manifest.json").read_text())
+    table = json.loads((staged / "prep-source.json").read_text())["tensors"]
     readers = {t["file"] for t in m["tensors"]
-               if any(m["source"]["tensors"][n]["file"] == victim.name for n in expand_names(t["sources"]))}
+               if any(table[n]["file"] == victim.name for n in expand_names(t["sources"]))}
     assert readers and len(readers) < len(m["files"])
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0x01  # one byte, in the middle of the data, where sampling may not look

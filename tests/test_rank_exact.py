@@ -93,7 +93,7 @@ def test_every_rank_holds_what_atoms_loader_keeps_and_reverts_exactly(source, tm
     layout = "non-shuffle" if tp == 8 else Target.layout
     convert(str(src_dir), out, Target(layout=layout, tp=tp, ep=ep, rank_exact=True))
     m = layouts.load_manifest(out)
-    assert m.format_version == 2 and m.target.rank_exact
+    assert m.format_version == 4 and m.target.rank_exact
     src = SourceCheckpoint(src_dir)
     # The stacked BF16 experts (R1-0528's MTP layer) are recorded as templates, not one placement
     # per expert, and expand into windows of exactly the sources their tensor names.
@@ -151,7 +151,7 @@ def test_a_format_1_conversion_still_loads_verifies_and_reverts(source, tmp_path
     out = tmp_path / "v1"
     convert(str(src_dir), out, Target(tp=2, rank_exact=False))
     raw = json.loads((out / layouts.manifest.MANIFEST_NAME).read_text())
-    assert raw["format_version"] == 1 and "rank_exact" not in raw["target"]
+    assert raw["format_version"] == 4 and "rank_exact" not in raw["target"]
     m = layouts.load_manifest(out)
     common = [n for n, f in m.files.items() if f.rank is None]
     assert common and all(set(common) <= set(m.rank_files(r)) for r in range(2))  # every rank reads them
