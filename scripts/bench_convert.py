@@ -199,9 +199,11 @@ def main() -> None:
                             for k in [*(f"workers {w}" for w in args.also_workers), *args.also_env]),
                   flush=True)
         largest = max((t for t in manifest["tensors"]), key=lambda t: _nbytes(t))
+        table = manifest["source"].get("tensors_file")  # format 4: the table is prep-source.json, counted here
+        source_tensors = table["count"] if table else len(manifest["source"]["tensors"])
         med = lambda xs: statistics.median(xs)  # noqa: E731
         t_cp, t_cps, t_cv, t_py, t_base = (med([r[i] for r in rounds]) for i in range(5))
-        print(f"source: {size / 2**30:.2f} GiB, {len(manifest['source']['tensors'])} tensors in "
+        print(f"source: {size / 2**30:.2f} GiB, {source_tensors} tensors in "
               f"{len(manifest['source']['files'])} files -> {len(manifest['tensors'])} tensors in {len(manifest['files'])} files")
         print(f"median of {args.repeat} rounds (tp {args.tp}, {args.layout}+{args.moe_layout}, "
               f"workers {args.workers or 'default'}):")
