@@ -406,7 +406,8 @@ def default_out(src: str, layout: str, moe_layout: str, tp: int, ep: int) -> str
 @_quiet_option
 @_fail_cleanly
 def verify(out, source, deep, as_json, quiet):
-    """Check a converted checkpoint: manifest, completion marker, file sizes, every tensor's hash.
+    """Check a converted checkpoint: manifest, completion marker, file sizes, every tensor's hash,
+    and the source tensor table revert needs (prep-source.json).
 
     Exit status 1 names the first file or tensor that does not match.
 
