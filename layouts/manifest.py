@@ -29,9 +29,9 @@ if TYPE_CHECKING:
 MANIFEST_NAME = "prep-manifest.json"
 COMPLETE_NAME = "prep-complete.json"
 # The source's tensor table (every source tensor's dtype, shape and shard), from version 4 a file
-# of its own that the manifest names and hashes: only verify --source, revert and describe read
-# it, and at R1-0528's 90,910 tensors it was 61% of the manifest's JSON and 69% of parsing it,
-# which every rank load paid (docs/BENCHMARKS.md).
+# of its own that the manifest names and hashes: only verify, revert and inspect read it, and at
+# R1-0528's 90,910 tensors it was 61% of the manifest's JSON and 69% of parsing it, which every
+# rank load paid (docs/BENCHMARKS.md).
 SOURCE_TABLE_NAME = "prep-source.json"
 SOURCE_TABLE_FORMAT = "prep-source-tensors"
 FORMAT = "prep-manifest"
