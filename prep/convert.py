@@ -413,10 +413,13 @@ def convert(
             for p in src.side_files():
                 copy_regular(p, folder.staging / p.name)
             files = build_manifest(src, target, jobs, records, info).to_files()
-            for name, raw in files.items():  # the manifest last: it names and hashes the others
-                (folder.staging / name).write_bytes(raw)
+            raw = files.pop(MANIFEST_NAME)
+            for name, table in files.items():  # the source table: the manifest names and hashes it
+                (folder.staging / name).write_bytes(table)
+            kill_point("source-table-written")
+            (folder.staging / MANIFEST_NAME).write_bytes(raw)
             write_json(folder.staging / COMPLETE_NAME,
-                       schema.Completion(manifest_hash(files[MANIFEST_NAME]), f"prep {__version__}", run=key).to_json())
+                       schema.Completion(manifest_hash(raw), f"prep {__version__}", run=key).to_json())
             kill_point("marker-written")
             folder.commit()
     return {**_summary(folder.given, jobs, src, sum(1 for r in records.values() if r.get("reused")), total),

@@ -222,7 +222,7 @@ def test_force_replaces_a_previous_revert_output_and_an_empty_folder(workspace):
 
 
 # ----------------------------------------------------------- kill -9 at every step of a write
-KILL_POINTS = ["file-written", "marker-written", "swap-state-written", "exchanged", "old-moved", "old-half-deleted",
+KILL_POINTS = ["file-written", "source-table-written", "marker-written", "swap-state-written", "exchanged", "old-moved", "old-half-deleted",
                "final-records-removed", "final-state-removed"]
 
 
