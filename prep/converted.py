@@ -61,9 +61,12 @@ class ConvertedCheckpoint:
     flipped byte stops it before anything reaches DEST); off where the caller hashed every file
     already (``prep verify``)."""
 
-    def __init__(self, root: str | pathlib.Path, check_hashes: bool = False):
+    def __init__(self, root: str | pathlib.Path, check_hashes: bool = False, streams: int = 1):
         self.root = pathlib.Path(root)
         self.check_hashes = check_hashes
+        # Bytes of a block: :data:`STREAM_BYTES`, shared out where ``streams`` units are inverted
+        # at once (``verify --source``), so that what they hold together stays the same.
+        self.stream_bytes = max(1, STREAM_BYTES // max(1, streams))
         self._hashing: dict[tuple[str, str], tuple[Any, int]] = {}  # (file, tensor) -> (hasher, bytes fed)
         self.manifest = load_manifest(self.root)  # a ManifestError keeps its type: the CLI prints it
         # load_manifest checked the marker's hash against the manifest's bytes.
@@ -210,7 +213,8 @@ class ConvertedCheckpoint:
         # Under EP the shared expert is whole on every rank: keep its tensors to compare the copies.
         held = Counter(e for g in groups for e in g.experts)
         keep = {n for n in names if held[n.rsplit(".", 2)[0]] > 1} if groups[0].ep > 1 else set()
-        steps = [(r, g, e0, e0 + _step(g)) for r, g in zip(recs, groups) for e0 in range(0, len(g.experts), _step(g))]
+        steps = [(r, g, e0, e0 + _step(g, self.stream_bytes)) for r, g in zip(recs, groups)
+                 for e0 in range(0, len(g.experts), _step(g, self.stream_bytes))]
         if groups[0].ep == 1:  # every rank holds a slice of every expert: go block by block across ranks
             steps.sort(key=lambda s: s[2])
 
@@ -241,7 +245,7 @@ class ConvertedCheckpoint:
             shape = g.shape
             # An expert is whole once every rank's block is read: the budget counts all of them.
             whole = math.prod(shape[1:]) * ITEMSIZE[g.dtype] * (len(recs) if split else 1)
-            step = max(1, STREAM_BYTES // max(1, whole))
+            step = max(1, self.stream_bytes // max(1, whole))
             steps += [(b0, rec, g, min(shape[0], b0 + step)) for b0 in range(0, shape[0], step)]
         if split:  # block by block across ranks
             steps.sort(key=lambda s: s[0])
@@ -282,7 +286,7 @@ class ConvertedCheckpoint:
             info = self.file(t.file).tensors.get(unit)
             if info is None:
                 raise PrepError(f"{self.root / t.file}: tensor {unit} is missing from the file; convert again")
-            for rows in row_blocks(tuple(info.shape), ITEMSIZE[info.dtype]):
+            for rows in row_blocks(tuple(info.shape), ITEMSIZE[info.dtype], self.stream_bytes):
                 yield unit, rows, self.read_rows(t.file, unit, rows)
             return
         recs = self._groups.get(unit, [])
@@ -291,7 +295,7 @@ class ConvertedCheckpoint:
             yield from self._bf16_row_blocks(unit, recs, groups)
             return
         for name, whole in self.iter_source_tensors(unit):
-            for rows in row_blocks(tuple(whole.shape), whole.element_size()):
+            for rows in row_blocks(tuple(whole.shape), whole.element_size(), self.stream_bytes):
                 yield name, rows, whole if rows is None else whole[rows]
 
     def _bf16_row_blocks(self, unit: str, recs: list[GroupRecord], groups: list[Bf16Group]
@@ -304,7 +308,7 @@ class ConvertedCheckpoint:
             self._check_bf16(rec, g)
         for name in self._sources[unit]:
             meta = self.source_tensors[name]
-            for rows in row_blocks(tuple(meta.shape), ITEMSIZE[meta.dtype]):
+            for rows in row_blocks(tuple(meta.shape), ITEMSIZE[meta.dtype], self.stream_bytes):
                 tiles = _Tiles({name: SourceTensor(meta.dtype, (rows.stop - rows.start, *meta.shape[1:]), meta.file)})
                 for rec, g in zip(recs, groups):
                     for local, cols, stored_rows in g.window_rows(name, rows):
@@ -330,12 +334,12 @@ class ConvertedCheckpoint:
 
 
 
-def _step(g: MoEGroup) -> int:
-    """Experts per block when inverting: about STREAM_BYTES of whole experts' ``[gate ; up]``
+def _step(g: MoEGroup, budget: int = STREAM_BYTES) -> int:
+    """Experts per block when inverting: about ``budget`` bytes of whole experts' ``[gate ; up]``
     (source bytes, pads aside). A block is read on every rank before its experts are whole, so
     it is counted in whole experts, not in one rank's slice (which held 8x the budget at tp 8:
     revert peaked at 1.03 GiB on the real dims, 0.63 at tp 1)."""
-    return max(1, STREAM_BYTES // max(1, 2 * g.inter * g.hidden // 2))  # [gate ; up] of a whole expert
+    return max(1, budget // max(1, 2 * g.inter * g.hidden // 2))  # [gate ; up] of a whole expert
 
 
 class _Tiles:

@@ -3,9 +3,13 @@ invert to the source's exact bytes? And the hash check ``prep run`` makes of wha
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures as cf
 import contextlib
 import math
+import os
 import re
+import threading
 from typing import Any, Callable
 
 from layouts.manifest import Manifest, TensorRecord
@@ -19,6 +23,19 @@ from .safetensors_writer import nbytes
 from .source import SourceCheckpoint
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+# Units (a group's or a pass-through tensor's source tensors) inverted and compared at once by
+# ``verify --source``: reads, unshuffles, copies and compares run outside the GIL. Each holds its
+# own blocks (PREP_STREAM_BYTES per rank), so memory grows with them; PREP_VERIFY_WORKERS sets it.
+MAX_VERIFY_WORKERS = 4
+
+
+def verify_workers() -> int:
+    """Units compared at once: PREP_VERIFY_WORKERS, else one per core up to MAX_VERIFY_WORKERS."""
+    try:
+        return max(1, min(64, int(os.environ["PREP_VERIFY_WORKERS"])))
+    except (KeyError, ValueError):
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        return max(1, min(MAX_VERIFY_WORKERS, cores))
 
 
 def verify(out: str, source: str | None = None, deep: bool = False,
@@ -27,7 +44,9 @@ def verify(out: str, source: str | None = None, deep: bool = False,
     checks); ``source`` also compares the inverted bytes with the source checkpoint.
     ``on_total`` gets the bytes the run goes through (hashed, then inverted) and ``progress``
     each step's share as it is done."""
-    ck = ConvertedCheckpoint(out)
+    inverting = deep or source
+    workers = verify_workers() if inverting else 1
+    ck = ConvertedCheckpoint(out, streams=workers)
     m = ck.manifest
     for fname, meta in m.files.items():
         path = ck.root / fname
@@ -36,7 +55,6 @@ def verify(out: str, source: str | None = None, deep: bool = False,
         if path.stat().st_size != meta.size:
             raise PrepError(f"{path}: size {path.stat().st_size} differs from the manifest's {meta.size}; "
                             "the file is truncated or was replaced")
-    inverting = deep or source
     if on_total:
         on_total(sum(nbytes(t.dtype, t.shape) for t in m.tensors)
                  + (sum(nbytes(s.dtype, s.shape) for s in ck.source_tensors.values()) if inverting else 0))
@@ -51,37 +69,84 @@ def verify(out: str, source: str | None = None, deep: bool = False,
         # The source read ahead unit by unit, in file order (as convert does): the comparison
         # reads it in the groups' order, experts by name, which is not the file's.
         with Prefetch(src, [names for _, names in units]) if src else contextlib.nullcontext() as ahead:
-            compared = _compare(ck, src, units, ahead, progress)
+            compared = _compare(ck, src, units, ahead, progress, workers)
     return {"files": len(m.files), "tensors_hashed": checked, "scale_pads_checked": pads,
             "source_tensors_compared": compared}
 
 
 def _compare(ck: ConvertedCheckpoint, src: SourceCheckpoint | None, units: list[tuple[str, list[str]]],
-             ahead: Prefetch | None, progress) -> int:
-    """Invert every unit; with ``src``, compare each block with the source's same rows. Returns
-    the source tensors compared."""
+             ahead: Prefetch | None, progress, workers: int | None = None) -> int:
+    """Invert every unit, ``workers`` at once (:func:`verify_workers`); with ``src``, compare each
+    block with the source's same rows. Returns the source tensors compared; an error is the
+    first unit's in order, whichever thread met it first."""
+    workers = min(workers or verify_workers(), max(1, len(units)))
+    if workers == 1:
+        compared = 0
+        for i, (unit, _) in enumerate(units):
+            if ahead is not None:
+                ahead.at(i)
+            compared += _compare_unit(ck, src, unit, progress)
+        return compared
+    import torch
+
+    for fname in ck.manifest.files:  # opened here, once, before the threads share them
+        ck.file(fname)
+    lock, stop = threading.Lock(), threading.Event()
+
+    def done(n: int) -> None:
+        with lock:
+            progress(n)
+
+    # One torch intra-op thread per worker and core share, as convert does.
+    torch_threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, torch_threads // workers))
     compared = 0
-    for i, (unit, _) in enumerate(units):
-        if ahead is not None:
-            ahead.at(i)
-        # Row blocks of bounded bytes, each compared with the same rows of the source: memory
-        # holds a block, not a tensor (experts are inverted a block at a time).
-        for name, rows, got in ck.iter_source_blocks(unit):
-            if progress:
-                progress(got.numel() * got.element_size())
-            if src is None:
-                continue
-            if rows is None or rows.start == 0:  # a tensor's first block: its shape and dtype
-                meta, info = ck.source_tensors[name], src.info(name)
-                if (info.dtype, tuple(info.shape)) != (meta.dtype, tuple(meta.shape)):
-                    raise PrepError(f"{name}: the source's is {info.dtype} {list(info.shape)}, the manifest's "
-                                    f"{meta.dtype} {list(meta.shape)}; inverted bytes differ from the source")
-                compared += 1
-            want = src.read(name, rows)
-            if want.dtype != got.dtype:
-                got = got.view(want.dtype)
-            if want.shape != got.shape or not same_bytes(want, got):
-                raise PrepError(f"{name}: inverted bytes differ from the source")
+    try:
+        with cf.ThreadPoolExecutor(workers, thread_name_prefix="prep-verify") as pool:
+            pending: collections.deque[cf.Future] = collections.deque()
+            try:
+                for i in range(len(units)):
+                    # units i .. i + workers - 1 in flight; the prefetch follows the oldest
+                    while len(pending) < workers and i + len(pending) < len(units):
+                        unit = units[i + len(pending)][0]
+                        pending.append(pool.submit(_compare_unit, ck, src, unit, done if progress else None, stop))
+                    if ahead is not None:
+                        ahead.at(i)
+                    compared += pending.popleft().result()
+            finally:  # an error or Ctrl-C: queued units never start, running ones stop at their next block
+                stop.set()
+                for f in pending:
+                    f.cancel()
+    finally:
+        torch.set_num_threads(torch_threads)
+    return compared
+
+
+def _compare_unit(ck: ConvertedCheckpoint, src: SourceCheckpoint | None, unit: str, progress,
+                  stop: threading.Event | None = None) -> int:
+    """Invert one unit and, with ``src``, compare it; returns its source tensors compared (or
+    stops early, with what it had, once ``stop`` is set)."""
+    compared = 0
+    # Row blocks of bounded bytes, each compared with the same rows of the source: memory holds
+    # a block, not a tensor (experts are inverted a block at a time).
+    for name, rows, got in ck.iter_source_blocks(unit):
+        if stop is not None and stop.is_set():
+            break
+        if progress:
+            progress(got.numel() * got.element_size())
+        if src is None:
+            continue
+        if rows is None or rows.start == 0:  # a tensor's first block: its shape and dtype
+            meta, info = ck.source_tensors[name], src.info(name)
+            if (info.dtype, tuple(info.shape)) != (meta.dtype, tuple(meta.shape)):
+                raise PrepError(f"{name}: the source's is {info.dtype} {list(info.shape)}, the manifest's "
+                                f"{meta.dtype} {list(meta.shape)}; inverted bytes differ from the source")
+            compared += 1
+        want = src.read(name, rows)
+        if want.dtype != got.dtype:
+            got = got.view(want.dtype)
+        if want.shape != got.shape or not same_bytes(want, got):
+            raise PrepError(f"{name}: inverted bytes differ from the source")
     return compared
 
 

@@ -393,6 +393,38 @@ def test_verify_and_revert_compare_bytes_not_float_values(sources, tmp_path, var
         verify(str(out), source=str(src))
 
 
+def test_verify_source_inverts_units_at_once_and_names_the_first_difference_in_unit_order(sources, tmp_path,
+                                                                                        monkeypatch):
+    """``verify --source`` inverts several units at once (PREP_VERIFY_WORKERS; each with its share
+    of the block budget): the same summary and progress bytes as one at a time, and with the
+    source changed in two units in flight together, the error names the earlier unit's tensor."""
+    from prep.converted import ConvertedCheckpoint
+
+    src, out = tmp_path / "src", tmp_path / "out"
+    shutil.copytree(sources["r1-0528"], src)
+    convert(str(src), out, Target(tp=2))
+    runs = {}
+    for workers in (1, 3):
+        monkeypatch.setenv("PREP_VERIFY_WORKERS", str(workers))
+        seen = []
+        runs[workers] = verify(str(out), source=str(src), progress=seen.append), sum(seen)
+    assert runs[1] == runs[3] and runs[1][0]["source_tensors_compared"] == len(SourceCheckpoint.open(str(src)).tensors)
+    units = [names for _, names in ConvertedCheckpoint(out).units()]
+    first, second = units[0][0], units[1][-1]
+    checkpoint = SourceCheckpoint.open(str(src))
+    for name in (first, second):
+        info = checkpoint.info(name)
+        with open(src / info.file, "r+b") as f:  # one byte in the middle of each
+            f.seek(info.offset + info.nbytes // 2)
+            b = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([b[0] ^ 0x10]))
+    for workers in (1, 3):
+        monkeypatch.setenv("PREP_VERIFY_WORKERS", str(workers))
+        with pytest.raises(PrepError, match=f"^{first}: inverted bytes differ from the source$"):
+            verify(str(out), source=str(src))
+
+
 def test_same_bytes_compares_bits_at_any_alignment():
     a = torch.tensor([0.0, float("nan"), 1.5, -2.0], dtype=torch.bfloat16)
     assert same_bytes(a, a.clone()) and not torch.equal(a, a.clone())  # NaN: equal bytes, unequal floats
