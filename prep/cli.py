@@ -415,8 +415,8 @@ def verify(out, source, deep, as_json, quiet):
     --source every tensor is inverted and compared a block of rows, or of whole experts from all
     ranks, of about 32 MiB at a time (PREP_STREAM_BYTES sets it), a dense linear whole (DeepSeek's
     largest is 0.13 GiB per rank): 0.6 GiB measured at TP 1 and TP 8 on DeepSeek's real widths,
-    0.5 GiB at R1's 90,910 tensors (docs/BENCHMARKS.md). Up to four groups are inverted at once,
-    one per core (PREP_VERIFY_WORKERS sets how many), sharing those 32 MiB.
+    0.5 GiB at R1's 90,910 tensors (docs/BENCHMARKS.md). Two groups are inverted at once where
+    there are two cores (PREP_VERIFY_WORKERS sets how many), sharing those 32 MiB.
 
     \b
     Examples:

@@ -24,9 +24,11 @@ from .source import SourceCheckpoint
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 # Units (a group's or a pass-through tensor's source tensors) inverted and compared at once by
-# ``verify --source``: reads, unshuffles, copies and compares run outside the GIL. Each holds its
-# own blocks (PREP_STREAM_BYTES per rank), so memory grows with them; PREP_VERIFY_WORKERS sets it.
-MAX_VERIFY_WORKERS = 4
+# ``verify --source``: reads, unshuffles, copies and compares run outside the GIL, and the units
+# share the block budget. Two: 1.15-1.3x on the 2-core VM; on the 16-core host 2 or 4 gave the
+# same wall time as 1 (23.0-24.1 s against 23.5 s for 18.78 GiB at TP 8) with 0.13-0.18 GiB more
+# memory for 4 (docs/BENCHMARKS.md). PREP_VERIFY_WORKERS sets it.
+MAX_VERIFY_WORKERS = 2
 
 
 def verify_workers() -> int:
