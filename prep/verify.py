@@ -105,13 +105,13 @@ def _compare(ck: ConvertedCheckpoint, src: SourceCheckpoint | None, units: list[
     compared = 0
     try:
         with cf.ThreadPoolExecutor(workers, thread_name_prefix="prep-verify") as pool:
-            pending: collections.deque[cf.Future] = collections.deque()
+            # Every unit queued at once (a queued unit holds nothing; only the ``workers``
+            # running ones hold blocks), so no worker waits for a large unit ahead of it to
+            # finish; results are taken in order, and the prefetch follows the oldest unfinished.
+            pending = collections.deque(pool.submit(_compare_unit, ck, src, unit, done if progress else None, stop)
+                                        for unit, _ in units)
             try:
                 for i in range(len(units)):
-                    # units i .. i + workers - 1 in flight; the prefetch follows the oldest
-                    while len(pending) < workers and i + len(pending) < len(units):
-                        unit = units[i + len(pending)][0]
-                        pending.append(pool.submit(_compare_unit, ck, src, unit, done if progress else None, stop))
                     if ahead is not None:
                         ahead.at(i)
                     compared += pending.popleft().result()
