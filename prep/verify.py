@@ -25,9 +25,11 @@ from .source import SourceCheckpoint
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 # Units (a group's or a pass-through tensor's source tensors) inverted and compared at once by
 # ``verify --source``: reads, unshuffles, copies and compares run outside the GIL, and the units
-# share the block budget. Two: 1.15-1.3x on the 2-core VM; on the 16-core host 2 or 4 gave the
-# same wall time as 1 (23.0-24.1 s against 23.5 s for 18.78 GiB at TP 8) with 0.13-0.18 GiB more
-# memory for 4 (docs/BENCHMARKS.md). PREP_VERIFY_WORKERS sets it.
+# share the block budget. 18.78 GiB at TP 8 on the 16-core host: 1 / 2 / 4 at once 17.7-18.9 /
+# 13.6 / 11.6 s, peak RSS 0.69 / 0.82 / 0.89 GiB; the 2-core VM 1.2x with 2. Two by default: a
+# dense linear is inverted whole, so each unit at once adds to what the blocks hold, and R1's
+# tensor count adds ~0.12 GiB more; the 1 GiB bound of docs/BENCHMARKS.md stays met.
+# PREP_VERIFY_WORKERS sets it.
 MAX_VERIFY_WORKERS = 2
 
 
