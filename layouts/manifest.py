@@ -1052,15 +1052,18 @@ class Manifest:
         return list(dict.fromkeys(t.file for t in self.rank_tensors(rank)))
 
     def verify_hashes(self, rank: int | None = None, progress: Callable[[int], None] | None = None,
-                      select: Callable[[TensorRecord], bool] | None = None) -> int:
+                      select: Callable[[TensorRecord], bool] | None = None, workers: int = 1) -> int:
         """Check every tensor (of ``rank``, or all) against the manifest: present in its file,
         of the dtype and shape stated, and of the same xxh3-128 (needs ``xxhash``; one
-        sequential pass per file). ``progress`` gets each file's tensor bytes once it is
-        hashed. ``select`` keeps only the records it is true for (a reader checks what it reads).
-        Returns the number of tensors checked; raises naming the first mismatch: its
-        file, tensor and rank. The one hash check of every reader (engines, ``prep verify``).
+        sequential pass per file, ``workers`` files at once, each holding two 64 MiB read
+        buffers). ``progress`` gets each file's tensor bytes once it is hashed, in file order.
+        ``select`` keeps only the records it is true for (a reader checks what it reads).
+        Returns the number of tensors checked; raises naming the first mismatch in file order:
+        its file, tensor and rank. The one hash check of every reader (engines, ``prep verify``).
         The whole folder's check (no ``rank``, no ``select``) reads the source tensor table too,
         which revert needs: its file's hash and every entry (format 4)."""
+        import threading
+
         from .safetensors_file import SafetensorsFile, SafetensorsFileError
 
         if rank is None and select is None and self.source is not None:
@@ -1071,7 +1074,9 @@ class Manifest:
         by_file: dict[str, list[TensorRecord]] = {}
         for t in records:
             by_file.setdefault(t.file, []).append(t)
-        for fname, ts in by_file.items():
+        stop = threading.Event()
+
+        def check_file(fname: str, ts: list[TensorRecord]) -> int:
             path = self.root / fname
             try:
                 f = SafetensorsFile(path)
@@ -1086,14 +1091,35 @@ class Manifest:
                     raise ManifestError(f"{path}: tensor {t.name} ({_rank_label(t.rank)}) is {info.dtype} "
                                         f"{list(info.shape)} but the manifest says {t.dtype} {list(t.shape)}; "
                                         "convert again")
-            hashes = f.hash_tensors([t.name for t in ts])
+            hashes = f.hash_tensors([t.name for t in ts], stop)
             for t in ts:
+                if stop.is_set():
+                    return 0  # another file's error (or Ctrl-C) ended the check
                 if hashes[t.name] != t.xxh3_128:
                     raise ManifestError(f"{path}: tensor {t.name} does not match its manifest hash "
                                         f"({_rank_label(t.rank)}: its content hash differs); the file was modified "
                                         "or damaged: convert again")
-            if progress:
-                progress(sum(f.tensors[t.name].nbytes for t in ts))
+            return sum(f.tensors[t.name].nbytes for t in ts)
+
+        if workers <= 1 or len(by_file) <= 1:
+            for fname, ts in by_file.items():
+                n = check_file(fname, ts)
+                if progress:
+                    progress(n)
+            return len(records)
+        import concurrent.futures as cf
+
+        with cf.ThreadPoolExecutor(min(workers, len(by_file)), thread_name_prefix="prep-hash") as pool:
+            futures = [pool.submit(check_file, fname, ts) for fname, ts in by_file.items()]
+            try:
+                for fut in futures:  # in file order: the first damaged file is the one named
+                    n = fut.result()
+                    if progress:
+                        progress(n)
+            finally:  # an error or Ctrl-C: queued files never start, running ones stop at their next block
+                stop.set()
+                for fut in futures:
+                    fut.cancel()
         return len(records)
 
 

@@ -260,29 +260,32 @@ class SafetensorsFile:
         """A whole tensor by name (KeyError if the file has none)."""
         return self.read(self.tensors[name])
 
-    def hash_tensors(self, names=None) -> dict[str, str]:
+    def hash_tensors(self, names=None, stop=None) -> dict[str, str]:
         """xxh3-128 of every tensor (or of those in ``names``; KeyError for one the file lacks),
         in one sequential pass over the data section: the next block is read while this one is
         hashed (both release the GIL), so a checkpoint is checked at about disk speed instead
-        of one read and one hash after the other per tensor."""
+        of one read and one hash after the other per tensor. ``stop`` (a ``threading.Event``):
+        once set, the pass ends at its next block and what it returns is incomplete."""
         import concurrent.futures as cf
 
         infos = sorted((self.tensors[n] for n in (self.tensors if names is None else names)), key=lambda t: t.offset)
         hasher = SpanHasher((t.name, t.offset, t.offset + t.nbytes) for t in infos)
         if infos:
-            start, stop = infos[0].offset, max(t.offset + t.nbytes for t in infos)
+            start, end = infos[0].offset, max(t.offset + t.nbytes for t in infos)
             bufs = [bytearray(READ_BLOCK), bytearray(READ_BLOCK)]
 
             def read(i: int, offset: int) -> memoryview:
-                view = memoryview(bufs[i])[:min(READ_BLOCK, stop - offset)]
+                view = memoryview(bufs[i])[:min(READ_BLOCK, end - offset)]
                 self._pread_into(view, offset, "the data section")
                 return view
 
             with cf.ThreadPoolExecutor(1, thread_name_prefix="read-ahead") as pool:
                 pending, i = pool.submit(read, 0, start), 0
-                for offset in range(start, stop, READ_BLOCK):
+                for offset in range(start, end, READ_BLOCK):
                     view = pending.result()
-                    if offset + READ_BLOCK < stop:
+                    if stop is not None and stop.is_set():
+                        return {}
+                    if offset + READ_BLOCK < end:
                         pending = pool.submit(read, 1 - i, offset + READ_BLOCK)
                     hasher.feed(view, offset)
                     i = 1 - i

@@ -415,9 +415,9 @@ def verify(out, source, deep, as_json, quiet):
     --source every tensor is inverted and compared a block of rows, or of whole experts from all
     ranks, of about 32 MiB at a time (PREP_STREAM_BYTES sets it), a dense linear whole (DeepSeek's
     largest is 0.13 GiB per rank): 0.6 GiB measured at TP 1 and TP 8 on DeepSeek's real widths,
-    0.5 GiB at R1's 90,910 tensors (docs/BENCHMARKS.md). Two groups are inverted at once where
-    there are two cores, sharing those 32 MiB: 1.4x on 16 cores, 0.82 GiB at TP 8
-    (PREP_VERIFY_WORKERS sets how many; 4: 1.6x, 0.89 GiB).
+    0.5 GiB at R1's 90,910 tensors (docs/BENCHMARKS.md). Where there are two cores, two files are
+    hashed at once, and two groups inverted at once sharing those 32 MiB: 1.4x on 16 cores,
+    0.82 GiB at TP 8 (PREP_VERIFY_WORKERS sets how many; 4: 1.6x, 0.89 GiB).
 
     \b
     Examples:

@@ -49,7 +49,7 @@ def verify(out: str, source: str | None = None, deep: bool = False,
     ``on_total`` gets the bytes the run goes through (hashed, then inverted) and ``progress``
     each step's share as it is done."""
     inverting = deep or source
-    workers = verify_workers() if inverting else 1
+    workers = verify_workers()  # files hashed at once, then units inverted at once
     ck = ConvertedCheckpoint(out, streams=workers)
     m = ck.manifest
     for fname, meta in m.files.items():
@@ -64,7 +64,7 @@ def verify(out: str, source: str | None = None, deep: bool = False,
                  + (sum(nbytes(s.dtype, s.shape) for s in ck.source_tensors.values()) if inverting else 0))
     # The hash check engines run too (one sequential pass per file): a mismatch is a ManifestError
     # naming the file, the tensor and its rank.
-    checked = m.verify_hashes(progress=progress)
+    checked = m.verify_hashes(progress=progress, workers=workers)
     pads = check_scale_pads(ck)
     compared = 0
     if inverting:

@@ -15,6 +15,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import layouts as L
+from layouts.safetensors_file import SafetensorsFile
 from prep.cli import main
 from prep.convert import convert
 from prep.converted import same_bytes
@@ -361,6 +362,37 @@ def test_verify_names_a_tampered_tensor(sources, tmp_path):
     assert_one_line_error(run_cli("verify", str(out)), t["name"], "hash differs")
     (out / "prep-complete.json").unlink()
     assert_one_line_error(run_cli("verify", str(out)), "did not finish")
+
+
+def test_hashes_checked_files_at_once_name_the_first_damaged_file_in_file_order(sources, tmp_path):
+    """``verify_hashes(workers=N)`` hashes N files at once: the same count and progress as one at
+    a time, and with a tensor damaged in the first and the last file, the first file's is named
+    (whichever thread found its damage first)."""
+    out = tmp_path / "out"
+    convert(str(sources["r1-0528"]), out, Target(tp=4))
+    m = L.load_manifest(out)
+    files = list(dict.fromkeys(t.file for t in m.tensors))
+    assert len(files) >= 5
+    runs = {}
+    for workers in (1, 3):
+        seen = []
+        runs[workers] = m.verify_hashes(progress=seen.append, workers=workers), seen
+    assert runs[1] == runs[3]
+    damaged = []
+    for fname in (files[0], files[-1]):  # the last tensor of the first file, the first of the last
+        f = SafetensorsFile(out / fname)
+        info = max(f.tensors.values(), key=lambda i: i.offset) if fname == files[0] else \
+            min(f.tensors.values(), key=lambda i: i.offset)
+        del f
+        with open(out / fname, "r+b") as fh:
+            fh.seek(info.offset)
+            b = fh.read(1)
+            fh.seek(info.offset)
+            fh.write(bytes([b[0] ^ 0x01]))
+        damaged.append(info.name)
+    for workers in (1, 3):
+        with pytest.raises(L.ManifestError, match=f"{files[0]}: tensor {damaged[0]} does not match its manifest hash"):
+            m.verify_hashes(workers=workers)
 
 
 @pytest.mark.parametrize("variant, name", [
