@@ -143,7 +143,7 @@ class PinnedFolder:
                 m = load_manifest(self.via)
             except ManifestError as e:
                 raise ManifestError(self.shown(str(e))) from None
-            m.root = self.path  # what callers and messages name; reads go through ``via``
+            m.read_from(self.path)  # what callers and messages name; the load's reads go through ``via``
             return m
         try:
             sealed = json.loads(read_regular(self.via / COMPLETE_NAME, 1 << 20)).get("manifest_sha256")

@@ -324,7 +324,9 @@ class SourceTensors(Mapping):
     def __init__(self, raw: dict[str, Any] | None = None, *, root: pathlib.Path | None = None,
                  ref: SourceTableRef | None = None):
         self._raw = raw
-        self._root, self._ref = root, ref
+        # The folder the table is read from, on first use (a loader that read the manifest
+        # through /proc/self/fd/N names the folder by its path again: Manifest.read_from).
+        self.root, self._ref = root, ref
         self._parsed: dict[str, SourceTensor] = {}
         self._loaded = ref is None and raw is None
 
@@ -342,14 +344,14 @@ class SourceTensors(Mapping):
 
     def _read_file(self) -> dict[str, Any]:
         ref = self._ref
-        if self._root is None:
+        if self.root is None:
             raise ManifestError(f"source.tensors is in {ref.name} beside the manifest, and this manifest was read "
                                 "without its folder: load it with load_manifest(folder)")
-        path = self._root / ref.name
+        path = self.root / ref.name
         damaged = "the folder was modified: convert again"
-        problem = member_problem(self._root, ref.name)
+        problem = member_problem(self.root, ref.name)
         if problem:
-            raise ManifestError(f"{self._root}: {problem}; {damaged}")
+            raise ManifestError(f"{self.root}: {problem}; {damaged}")
         raw, obj = _read_json(path, f"{path}: missing (the manifest names it for the source tensors, which revert and "
                                     "verify --source read); convert again", damaged)
         if manifest_hash(raw) != ref.sha256:
@@ -364,7 +366,7 @@ class SourceTensors(Mapping):
     def _all(self) -> dict[str, SourceTensor]:
         if not self._loaded:
             raw = self._raw if self._raw is not None else self._read_file()
-            where = "" if self._ref is None else f"{self._root / self._ref.name}: "
+            where = "" if self._ref is None else f"{self.root / self._ref.name}: "
             with gc_paused():
                 for name, entry in raw.items():
                     try:
@@ -994,6 +996,15 @@ class Manifest:
         """The JSON object, keys in the order prep has always written them (its bytes are hashed)."""
         with gc_paused():
             return self._to_json()
+
+    def read_from(self, root: pathlib.Path) -> None:
+        """Name ``root`` the folder this manifest is read from: a loader that read it through
+        another path to the same folder (``/proc/self/fd/N``, closed after the load) names the
+        folder by its path, and the source table, read on first use, is read from there too (its
+        sha256 still has to be the manifest's)."""
+        self.root = root
+        if self.source is not None and isinstance(self.source.tensors, SourceTensors):
+            self.source.tensors.root = root
 
     def to_files(self) -> dict[str, bytes]:
         """The bytes of every file this manifest is, by name, the manifest last: from format 4

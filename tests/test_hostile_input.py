@@ -681,6 +681,16 @@ def test_a_rank_load_never_reads_the_source_table_and_what_needs_it_refuses_one_
     assert_one_line_error(run_cli("verify", linked), "prep-source.json", "outside")
 
 
+def test_the_manifest_a_rank_load_returns_reads_its_source_table_from_the_folder_afterwards(made):
+    # load_rank reads the folder through /proc/self/fd/N, closed when the load ends; the source
+    # table, read on first use, is then read by the folder's path (it was "missing" under the fd).
+    m = L.load_rank(made["out"], 0).manifest
+    info = SourceCheckpoint.open(str(made["src"])).info("model.norm.weight")
+    assert m.root == made["out"] and len(m.source.tensors) == len(SourceCheckpoint.open(str(made["src"])).tensors)
+    got = m.source.tensors["model.norm.weight"]
+    assert (got.dtype, got.shape, got.file) == (info.dtype, tuple(info.shape), info.file)
+
+
 def test_a_manifest_naming_another_file_for_its_source_table_is_refused(made, tmp_path):
     # Only prep's own name: which files of OUT are prep's (--force, clean-up) is prep's to know.
     out = copy(made["out"], tmp_path / "out")
