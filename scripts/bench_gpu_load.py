@@ -15,7 +15,9 @@
    iflag=direct bs=16M`` of the same files, then ``load_rank`` with ``direct=True`` and without,
    and fastsafetensors.
 4. ``--eight CONV8`` (a conversion at TP 8): eight processes each loading one rank at once, cold,
-   against eight ``dd iflag=direct`` at once over the same files.
+   against eight ``dd iflag=direct`` at once over the same files. ``--eight-cpu`` adds the same
+   loads into host memory; ``--no-gpu`` runs only those (on a machine without a GPU:
+   ``--no-gpu --eight CONV8``).
 
 Each figure is GB/s of the rank's bytes (its files' sizes) and its ratio to the row it is
 compared with. Everything is checked: the loaded tensors' bytes equal a CPU load of the same rank.
@@ -323,7 +325,7 @@ def eight(conv: pathlib.Path, repeat: int, readers=(None,), cpu: bool = False) -
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--converted", type=pathlib.Path, required=True)
+    ap.add_argument("--converted", type=pathlib.Path, help="a conversion whose --rank is loaded (not with --no-gpu)")
     ap.add_argument("--rank", type=int, default=0)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--shm", type=pathlib.Path, default=pathlib.Path("/dev/shm"))
@@ -336,7 +338,16 @@ def main() -> None:
     ap.add_argument("--readers", type=int, nargs="*", default=[],
                     help="also time these reader counts: RAM-backed and cold, one rank, and eight ranks at once "
                          "(PREP_LOAD_READERS)")
+    ap.add_argument("--no-gpu", action="store_true",
+                    help="only the eight loads into host memory against eight dd's (with --eight; no GPU needed)")
     args = ap.parse_args()
+    if args.no_gpu:
+        if not args.eight:
+            ap.error("--no-gpu times the eight ranks' loads into host memory: give --eight CONV8")
+        eight(args.eight, args.repeat, (), cpu=True)
+        return
+    if not args.converted:
+        ap.error("--converted is required (unless --no-gpu)")
     h2d = pinned_h2d(args.repeat)
     torch.set_num_threads(1)  # each copy one thread: the threads below are the parallelism
     for t in (1, 4, 8, 16):
