@@ -92,14 +92,15 @@ def _describe_source(src: SourceCheckpoint, label: str, progress: Callable[[int]
     # MTP layers as the checkpoint holds them: an amd-quark export made with transformers 5 says
     # num_nextn_predict_layers 1 in config.json and has no tensor of it.
     held_mtp = [i for i in cls.mtp_layers if any(n.startswith(f"model.layers.{i}.") for n in src.tensors)]
-    mtp = (f"MTP {held_mtp}" if held_mtp == cls.mtp_layers else
-           f"MTP {held_mtp} (config.json names {cls.mtp_layers}; the checkpoint holds no tensor of "
-           f"{sorted(set(cls.mtp_layers) - set(held_mtp))})")
+    missing = sorted(set(cls.mtp_layers) - set(held_mtp))
+    mtp = " + MTP " + str(held_mtp) if held_mtp else ", no MTP layer"
+    if missing:
+        mtp += f" (config.json names {cls.mtp_layers}; the checkpoint holds no tensor of {missing})"
     result["mtp_layers_held"] = held_mtp
     # What each engine would read from config.json otherwise than the checkpoint means (its profile's notes).
     notes = {e.display_name: e.source_notes(src.config) for e in map(get_engine, engine_names())}
     result["engine_notes"] = {k: v for k, v in notes.items() if v}
-    lines = [f"{label}: Quark MXFP4, {cls.arch}, {cls.num_layers} layers + {mtp}",
+    lines = [f"{label}: Quark MXFP4, {cls.arch}, {cls.num_layers} layers{mtp}",
              f"  {len(src.files)} shards, {len(src.tensors)} tensors, {src.nbytes() / 2**30:.3f} GiB",
              "  MXFP4 GEMM weights by module kind: " + ", ".join(f"{k} {v}" for k, v in sorted(kinds.items())),
              "  not MXFP4 (bytes unchanged, split per rank as the engine holds them): "

@@ -105,3 +105,17 @@ def test_inspect_says_which_mtp_layers_the_checkpoint_holds_not_only_what_config
     r = CliRunner().invoke(main, ["inspect", str(src)])
     assert r.exit_code == 0, r.output
     assert "3 layers + MTP [3] (config.json names [3, 4]; the checkpoint holds no tensor of [4])" in r.output
+
+
+def test_inspect_says_no_mtp_layer_where_the_checkpoint_holds_none_of_those_config_json_names(tiny_r1, tmp_path):
+    # The amd-quark export's case: config.json names one MTP layer, the checkpoint holds none
+    # (here config.json counts the tiny's MTP layer as a decoder layer, and names the next).
+    src = tmp_path / "src"
+    shutil.copytree(tiny_r1, src)
+    cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 4}))
+    r = CliRunner().invoke(main, ["inspect", str(src)])
+    assert r.exit_code == 0, r.output
+    assert "4 layers, no MTP layer (config.json names [4]; the checkpoint holds no tensor of [4])" in r.output
+    r = CliRunner().invoke(main, ["inspect", str(tiny_r1)])
+    assert "3 layers + MTP [3]\n" in r.output
