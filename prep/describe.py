@@ -126,7 +126,9 @@ def _describe_source(src: SourceCheckpoint, label: str, progress: Callable[[int]
                      + f"; {free / 2**30:.1f} GiB free here (where a default output folder goes)")
         # Measured, not guessed at: convert ran at 0.47-1.02x of `cp -r; sync` of the same bytes
         # (docs/BENCHMARKS.md); a rate for this machine's disks is not known without timing them.
-        lines.append(f"  time: about that of copying {max(written.values()) / 2**30:.0f} GiB on this disk, up to twice "
+        lo, hi = min(written.values()) / 2**30, max(written.values()) / 2**30
+        amount = f"{hi:.1f} GiB" if f"{lo:.1f}" == f"{hi:.1f}" else f"{lo:.1f}-{hi:.1f} GiB by tp"
+        lines.append(f"  time: about that of copying what it writes ({amount}) on this disk, up to twice "
                      "it on a small machine (convert ran at 0.5-1x of `cp -r; sync`)")
     return result, lines
 
