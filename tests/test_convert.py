@@ -26,6 +26,7 @@ from prep.source import SourceCheckpoint
 from prep.testing import SynthSpec, write_checkpoint
 from prep.verify import verify
 
+from conftest import assert_verifies_and_reverts
 from hub_cache import fake_hub_cache
 
 
@@ -140,6 +141,31 @@ def test_manifest_describes_every_tensor(sources, tmp_path):
     qkv = [t for t in m["tensors"] if t["name"].endswith("fused_qkv_a_proj.weight")][0]
     assert qkv["runtime_attrs"] == {"is_shuffled": True}
     assert qkv["sources"][0].endswith("q_a_proj.weight") and qkv["transforms"][-1]["name"] == "preshuffle"
+
+
+def test_every_written_tensor_starts_16_byte_aligned_in_a_valid_safetensors_file(sources, tmp_path, monkeypatch):
+    # The data section starts on a 4 KiB boundary (the header padded with spaces), so every tensor
+    # sits 16-aligned in the file and in the writer's staging memory, where the W16 shuffle moves
+    # 16-byte runs: with the 8-byte pad of before, its views were 8-aligned and it ran at 1/4 speed.
+    import layouts.shuffle as sh
+
+    runs = []
+    run_type = sh._run_type
+    monkeypatch.setattr(sh, "_run_type", lambda *ts: runs.append(run_type(*ts)) or runs[-1])
+    out = tmp_path / "out"
+    convert(str(sources["r1-0528"]), out, Target("preshuffle", "ck", 2))
+    assert runs and set(runs) == {torch.complex128}  # every shuffle into staging: 16-byte runs
+    files = sorted(out.glob("*.safetensors"))
+    for f in files:
+        raw = f.read_bytes()
+        n = int.from_bytes(raw[:8], "little")
+        assert (8 + n) % 4096 == 0 and raw[8 + n - 1:8 + n] in (b" ", b"}"), f.name
+        header = json.loads(raw[8:8 + n])
+        header.pop("__metadata__")
+        assert all((8 + n + t["data_offsets"][0]) % 16 == 0 for t in header.values()), f.name
+        with safe_open(str(f), "pt") as h:  # the safetensors library reads it as it is
+            assert sorted(h.keys()) == sorted(header)
+    assert_verifies_and_reverts(out, sources["r1-0528"], tmp_path / "back")
 
 
 def _rank_tensor(out, name, rank):
