@@ -12,6 +12,7 @@ import json
 import shlex
 import shutil
 
+import pytest
 from click.testing import CliRunner
 
 from layouts.engines import _config
@@ -95,27 +96,20 @@ def test_inspect_of_such_a_source_says_what_each_engine_would_misread_before_con
     assert any("shell wildcards" in line for line in notes["vLLM"])  # the generated config's excludes too
 
 
-def test_inspect_says_which_mtp_layers_the_checkpoint_holds_not_only_what_config_json_names(tiny_r1, tmp_path):
-    # An amd-quark export made with transformers 5 says num_nextn_predict_layers 1 and holds no
-    # MTP tensor; here config.json names a second MTP layer the checkpoint does not hold.
-    src = tmp_path / "src"
-    shutil.copytree(tiny_r1, src)
-    cfg = json.loads((src / "config.json").read_text())
-    (src / "config.json").write_text(json.dumps({**cfg, "num_nextn_predict_layers": 2}))
-    r = CliRunner().invoke(main, ["inspect", str(src)])
-    assert r.exit_code == 0, r.output
-    assert "3 layers + MTP [3] (config.json names [3, 4]; the checkpoint holds no tensor of [4])" in r.output
-
-
-def test_inspect_says_no_mtp_layer_where_the_checkpoint_holds_none_of_those_config_json_names(tiny_r1, tmp_path):
-    # The amd-quark export's case: config.json names one MTP layer, the checkpoint holds none
+@pytest.mark.parametrize("change, said", [
+    ({}, "3 layers + MTP [3]\n"),
+    # config.json names a second MTP layer the checkpoint does not hold.
+    ({"num_nextn_predict_layers": 2}, "3 layers + MTP [3] (config.json names [3, 4]; the checkpoint holds no tensor of [4])"),
+    # An amd-quark export made with transformers 5: num_nextn_predict_layers 1 and no MTP tensor
     # (here config.json counts the tiny's MTP layer as a decoder layer, and names the next).
+    ({"num_hidden_layers": 4}, "4 layers, no MTP layer (config.json names [4]; the checkpoint holds no tensor of [4])"),
+])
+def test_inspect_says_which_mtp_layers_the_checkpoint_holds_not_only_what_config_json_names(tiny_r1, tmp_path,
+                                                                                         change, said):
     src = tmp_path / "src"
     shutil.copytree(tiny_r1, src)
     cfg = json.loads((src / "config.json").read_text())
-    (src / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 4}))
+    (src / "config.json").write_text(json.dumps({**cfg, **change}))
     r = CliRunner().invoke(main, ["inspect", str(src)])
     assert r.exit_code == 0, r.output
-    assert "4 layers, no MTP layer (config.json names [4]; the checkpoint holds no tensor of [4])" in r.output
-    r = CliRunner().invoke(main, ["inspect", str(tiny_r1)])
-    assert "3 layers + MTP [3]\n" in r.output
+    assert said in r.output
