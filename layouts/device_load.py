@@ -12,7 +12,8 @@ go through the page cache.
 
 The device buffer holds the data section only (torch's allocation, so every tensor view keeps
 its offset's alignment within the section); the reads start at the aligned block holding the
-section's first byte, so no change of the file format is needed for ``O_DIRECT``.
+section's first byte, so any safetensors file reads with ``O_DIRECT``. (prep's own files start
+their data on a 4 KiB boundary, so there that block holds no header bytes.)
 
 The same code runs on the CPU (a plain tensor as the target, unpinned staging), which is how the
 block arithmetic, the fallbacks and the error paths are tested without a GPU.

@@ -87,8 +87,9 @@ def _run_views(*ts: torch.Tensor) -> list[torch.Tensor]:
     16-byte runs, each ``w`` elements of the widest bit-copy type all of them allow. W16 moves
     16-byte runs that are contiguous on both sides; copied as single 16-byte elements
     (complex128, w = 1: a pure bit copy, no arithmetic touches the values) they go at about
-    memcpy speed, against ~0.3x as bytes. A source read from a file may be 8-byte aligned only
-    (int64, w = 2)."""
+    memcpy speed, against ~0.3x as bytes. A view of a file's bytes may be 8-byte aligned only
+    (int64, w = 2: a quarter of the speed, measured in docs/BENCHMARKS.md; why prep's writer
+    starts every file's data on a 4 KiB boundary)."""
     dt = _run_type(*ts)
     return [t.view(dt).unflatten(-1, (t.shape[-1] // 16, 16 // dt.itemsize)) for t in ts]
 
