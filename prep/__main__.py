@@ -1,5 +1,5 @@
 """``python -m prep``: the same command as ``prep``."""
 
-from .cli import main
+from .cli import run
 
-main(prog_name="prep")
+run()

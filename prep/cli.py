@@ -700,5 +700,34 @@ def compare(a, b, prompt_ids, layers, device, act_quant, gemm_path, gemm, aiter_
         raise PrepError(failure)
 
 
+
+def run() -> None:
+    """The ``prep`` command (and ``python -m prep``): :data:`main`, then out of the process at
+    once, skipping the interpreter's shutdown.
+
+    Why: finalizing torch's modules at exit took 0.25-0.3 s after ``import torch`` alone, and
+    0.3-0.45 s after a conversion had written, fsynced and renamed everything (docs/BENCHMARKS.md):
+    9% of a 5 GiB conversion on two cores, a third of ``prep convert --help``. By the time
+    ``main`` returns, every verb has closed its files and joined its threads (a Ctrl-C or an
+    error included: their clean-up runs inside ``main``); stdout and stderr are flushed here.
+    An exception ``main`` does not turn into an exit status leaves the normal way, traceback
+    and all. Tests call ``main`` (click's runner), never this."""
+    try:
+        main(prog_name="prep")
+        code = 0
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            code = e.code or 0
+        else:  # sys.exit("message"): what the interpreter does with it
+            print(e.code, file=sys.stderr)
+            code = 1
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a reader gone (`prep ... | head -1`) or a closed stream
+            pass
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    main()
+    run()

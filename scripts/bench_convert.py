@@ -48,9 +48,10 @@ def timed(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, int
 
 def _fixed_cost() -> tuple[int, float]:
     """Peak RSS and wall seconds of a process that only imports what `prep convert` imports: the
-    fixed overhead every convert pays (the second of two starts, so the files are cached)."""
-    code = ("import resource, prep.cli, prep.convert, layouts, torch; "
-            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)")
+    fixed overhead every convert pays (the second of two starts, so the files are cached). It
+    leaves without the interpreter's shutdown, as the `prep` command does (prep.cli.run)."""
+    code = ("import os, resource, sys, prep.cli, prep.convert, layouts, torch; "
+            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024); sys.stdout.flush(); os._exit(0)")
     for _ in range(2):
         t0 = time.perf_counter()
         rss = int(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout)
@@ -62,9 +63,11 @@ def _prep_in(tree: pathlib.Path) -> list[str]:
     """The command that runs the prep CLI of checkout ``tree``, whatever the working folder and
     whichever prep is installed (``python -m prep.cli`` with PYTHONPATH=tree ran the prep of the
     working folder: ``-m`` puts it first on sys.path, so a baseline tree measured itself)."""
-    code = f"import sys; sys.path.insert(0, {str(tree)!r}); sys.argv[0] = 'prep'; from prep.cli import main; main()"
-    where = subprocess.run([sys.executable, "-c", code.replace("from prep.cli import main; main()",
-                                                               "import prep; print(prep.__file__)")],
+    # What the `prep` command runs: prep.cli.run where the tree has it (it leaves without the
+    # interpreter's shutdown), else click's main.
+    start = "import prep.cli as c; (getattr(c, 'run', None) or c.main)()"
+    code = f"import sys; sys.path.insert(0, {str(tree)!r}); sys.argv[0] = 'prep'; {start}"
+    where = subprocess.run([sys.executable, "-c", code.replace(start, "import prep; print(prep.__file__)")],
                            check=True, capture_output=True, text=True, cwd="/").stdout.strip()
     if not where.startswith(str(tree)):
         raise SystemExit(f"{tree}: its prep is not what runs (got {where})")

@@ -337,3 +337,27 @@ def test_inspect_of_a_repo_id_reads_headers_from_the_hub_not_the_weights(tmp_pat
                                                            f"{len(shards)} shard headers, ")
     assert "nothing downloaded)" in text.stdout.splitlines()[0] and text.stderr == ""
     assert "  time: about that of copying " in text.stdout
+
+
+def test_the_prep_command_leaves_at_once_with_its_output_whole_and_its_exit_status(src, tmp_path):
+    # `prep` (prep.cli.run) skips the interpreter's shutdown once a verb returns (0.25-0.45 s of
+    # finalizing torch): what it printed must still arrive whole through a pipe and into a file,
+    # with the exit status every verb gives (0, 1 for an error, 2 for a usage error).
+    import subprocess
+    import sys
+
+    def prep(*args, **kw):
+        return subprocess.run([sys.executable, "-m", "prep", *args], capture_output=True, text=True, cwd=tmp_path, **kw)
+
+    r = prep("inspect", str(src), "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["tensors"] > 0, r.stderr
+    with open(tmp_path / "out.json", "w") as f:  # stdout a file: flushed before the process goes
+        code = subprocess.run([sys.executable, "-m", "prep", "inspect", str(src), "--json"], stdout=f,
+                              cwd=tmp_path).returncode
+    assert code == 0 and json.loads((tmp_path / "out.json").read_text()) == json.loads(r.stdout)
+    r = prep("verify", str(tmp_path / "nowhere"))
+    assert r.returncode == 1 and r.stderr.startswith("error: ") and len(r.stderr.splitlines()) == 1 and not r.stdout
+    r = prep("convert", "--no-such-option")
+    assert r.returncode == 2 and "no such option" in r.stderr.lower()
+    r = prep("--version")
+    assert r.returncode == 0 and r.stdout.startswith("prep, version ")
