@@ -488,6 +488,25 @@ sys.exit(os.waitstatus_to_exitcode(status))
 """
 
 
+def as_format_3(folder: Path) -> bytes:
+    """Rewrite the converted ``folder`` (manifest format 4) as versions 1-3 wrote it: the source
+    tensor table back inside the manifest as ``source.tensors``, ``prep-source.json`` removed,
+    the completion marker resealed. Returns the manifest's new bytes. Rewrites the three files in
+    place: give it a copy (never hard links of them)."""
+    from layouts.manifest import COMPLETE_NAME, MANIFEST_NAME, SOURCE_TABLE_NAME, manifest_hash
+
+    m = json.loads((folder / MANIFEST_NAME).read_bytes())
+    m["source"]["tensors"] = json.loads((folder / SOURCE_TABLE_NAME).read_bytes())["tensors"]
+    del m["source"]["tensors_file"]
+    m["format_version"] = 3
+    raw = json.dumps(m, separators=(",", ":")).encode()
+    (folder / MANIFEST_NAME).write_bytes(raw)
+    marker = json.loads((folder / COMPLETE_NAME).read_bytes())
+    (folder / COMPLETE_NAME).write_text(json.dumps({**marker, "manifest_sha256": manifest_hash(raw)}))
+    (folder / SOURCE_TABLE_NAME).unlink()
+    return raw
+
+
 def run_measured(cmd: list[str], env: dict[str, str] | None = None, cwd: str | None = None) -> tuple[int, int, str]:
     """Run ``cmd`` as a process of its own, in ``cwd``: (exit code, its peak resident memory in
     bytes, its output). The peak is the kernel's high-water mark (``ru_maxrss``): anonymous

@@ -18,8 +18,6 @@ first, as the baseline: what moving the table out of the manifest gained, on the
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
 import os
 import pathlib
 import shutil
@@ -29,25 +27,22 @@ import time
 
 import layouts as L
 from layouts.manifest import COMPLETE_NAME, MANIFEST_NAME, SOURCE_TABLE_NAME
+from prep.testing import as_format_3
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from bench_load import load_and_touch  # noqa: E402  (one definition of "rank ready")
 
 
-def as_format_3(conv: pathlib.Path, dst: pathlib.Path) -> pathlib.Path:
-    """``conv`` (format 4) at ``dst`` as version 3 wrote it: the table in the manifest, resealed."""
+def format_3_copy(conv: pathlib.Path, dst: pathlib.Path) -> pathlib.Path:
+    """``conv`` (format 4) at ``dst`` as version 3 wrote it: the table in the manifest, resealed
+    (``prep.testing.as_format_3``); the rank files hard links, the three files it rewrites copies."""
     dst.mkdir()
     for p in conv.iterdir():
-        if p.name not in (MANIFEST_NAME, COMPLETE_NAME, SOURCE_TABLE_NAME):
+        if p.name in (MANIFEST_NAME, COMPLETE_NAME, SOURCE_TABLE_NAME):
+            shutil.copyfile(p, dst / p.name)
+        else:
             os.link(p, dst / p.name)
-    m = json.loads((conv / MANIFEST_NAME).read_bytes())
-    m["source"]["tensors"] = json.loads((conv / SOURCE_TABLE_NAME).read_bytes())["tensors"]
-    del m["source"]["tensors_file"]
-    m["format_version"] = 3
-    raw = json.dumps(m, separators=(",", ":")).encode()
-    (dst / MANIFEST_NAME).write_bytes(raw)
-    marker = json.loads((conv / COMPLETE_NAME).read_bytes())
-    (dst / COMPLETE_NAME).write_text(json.dumps({**marker, "manifest_sha256": hashlib.sha256(raw).hexdigest()}))
+    as_format_3(dst)
     return dst
 
 
@@ -76,7 +71,7 @@ def main() -> None:
     convs = args.convs
     if args.as_format_3:
         work = pathlib.Path(tempfile.mkdtemp(prefix=".format3-", dir=convs[0].parent))
-        convs = [x for i, c in enumerate(args.convs) for x in (as_format_3(c, work / f"{i}-{c.name}"), c)]
+        convs = [x for i, c in enumerate(args.convs) for x in (format_3_copy(c, work / f"{i}-{c.name}"), c)]
     try:
         measure(convs, args.repeat, ready_on(args.device), args.device)
     finally:

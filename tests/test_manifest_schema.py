@@ -15,7 +15,7 @@ from layouts import manifest as schema
 from layouts.manifest import Manifest, ManifestError, load_manifest
 from prep.convert import convert
 from prep.deepseek import Target
-from prep.testing import SynthSpec, write_checkpoint
+from prep.testing import SynthSpec, as_format_3, write_checkpoint
 
 DOC = pathlib.Path(__file__).resolve().parent.parent / "docs" / "manifest.md"
 
@@ -163,7 +163,6 @@ def test_another_format_version_is_refused_naming_the_fix():
 
 def test_a_version_3_manifest_holding_its_source_table_still_verifies_and_reverts(converted, tmp_path):
     # What prep wrote before version 4: the source tensor table inside, as source.tensors.
-    import hashlib
     import shutil
 
     from click.testing import CliRunner
@@ -172,15 +171,7 @@ def test_a_version_3_manifest_holding_its_source_table_still_verifies_and_revert
 
     out = shutil.copytree(converted["r1-tp2"], tmp_path / "v3")
     table = json.loads((out / schema.SOURCE_TABLE_NAME).read_text())["tensors"]
-    (out / schema.SOURCE_TABLE_NAME).unlink()
-    raw = json.loads((out / schema.MANIFEST_NAME).read_text())
-    raw["format_version"] = 3
-    del raw["source"]["tensors_file"]
-    raw["source"]["tensors"] = table
-    data = compact(raw)
-    (out / schema.MANIFEST_NAME).write_bytes(data)
-    marker = json.loads((out / schema.COMPLETE_NAME).read_text())
-    (out / schema.COMPLETE_NAME).write_text(json.dumps({**marker, "manifest_sha256": hashlib.sha256(data).hexdigest()}))
+    data = as_format_3(out)
 
     m = load_manifest(out)
     assert m.source.table is None and len(m.source.tensors) == len(table)

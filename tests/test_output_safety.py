@@ -21,7 +21,7 @@ import pytest
 from layouts.manifest import expand_names, load_manifest
 from prep.convert import convert
 from prep.deepseek import Target
-from prep.testing import SynthSpec, write_checkpoint
+from prep.testing import SynthSpec, as_format_3, write_checkpoint
 
 ENV = {k: v for k, v in os.environ.items() if not k.startswith("PREP_TEST_")}
 
@@ -172,17 +172,8 @@ def test_force_trusts_only_a_sealed_manifest_and_of_it_only_the_files_prep_write
 def test_force_counts_the_source_table_as_prep_s_only_where_the_sealed_manifest_names_it(workspace):
     # prep-source.json is prep's (format 4) because the sealed manifest says it wrote it; beside a
     # manifest holding its table inside (version 3 and before), a file of that name is the user's.
-    from layouts.manifest import manifest_hash
-
     out = workspace / "out"
-    m = json.loads((out / "prep-manifest.json").read_text())
-    m["source"]["tensors"] = json.loads((out / "prep-source.json").read_text())["tensors"]
-    del m["source"]["tensors_file"]
-    m["format_version"] = 3
-    raw = json.dumps(m, separators=(",", ":")).encode()
-    (out / "prep-manifest.json").write_bytes(raw)
-    marker = json.loads((out / "prep-complete.json").read_text())
-    (out / "prep-complete.json").write_text(json.dumps({**marker, "manifest_sha256": manifest_hash(raw)}))
+    as_format_3(out)
     (out / "prep-source.json").write_text("my notes")
     before = snapshot(workspace)
     one_line_error(prep("convert", workspace / "src", "-o", out, "--force"), "'prep-source.json'", "prep did not write it")
