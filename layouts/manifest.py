@@ -431,12 +431,13 @@ class Source:
         return dataclasses.replace(self, tensors=SourceTensors.held(self.tensors, ref)), raw
 
     def to_json(self) -> dict[str, Any]:
+        out = {**self.origin, "files": {n: f.to_json() for n, f in self.files.items()}}
         table = self.table
         if table is not None:
-            return {**self.origin, "files": {n: f.to_json() for n, f in self.files.items()},
-                    "tensors_file": table.to_json()}
-        return {**self.origin, "files": {n: f.to_json() for n, f in self.files.items()},
-                "tensors": {n: t.to_json() for n, t in self.tensors.items()}}
+            out["tensors_file"] = table.to_json()
+        else:
+            out["tensors"] = {n: t.to_json() for n, t in self.tensors.items()}
+        return out
 
 
 @dataclasses.dataclass(frozen=True)

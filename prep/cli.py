@@ -700,7 +700,6 @@ def compare(a, b, prompt_ids, layers, device, act_quant, gemm_path, gemm, aiter_
         raise PrepError(failure)
 
 
-
 def run() -> None:
     """The ``prep`` command (and ``python -m prep``): :data:`main`, then out of the process at
     once, skipping the interpreter's shutdown.
