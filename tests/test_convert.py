@@ -43,6 +43,15 @@ def all_tensors(folder: pathlib.Path) -> dict[str, torch.Tensor]:
     return out
 
 
+def xor_byte(path: pathlib.Path, offset: int, mask: int) -> None:
+    """Damage one byte of ``path`` in place: the byte at ``offset`` XOR ``mask``."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ mask]))
+
+
 def nothing_left(out: pathlib.Path) -> bool:
     return not out.exists() and not (out.parent / f".{out.name}.prep").exists()
 
@@ -410,11 +419,7 @@ def test_hashes_checked_files_at_once_name_the_first_damaged_file_in_file_order(
         info = max(f.tensors.values(), key=lambda i: i.offset) if fname == files[0] else \
             min(f.tensors.values(), key=lambda i: i.offset)
         del f
-        with open(out / fname, "r+b") as fh:
-            fh.seek(info.offset)
-            b = fh.read(1)
-            fh.seek(info.offset)
-            fh.write(bytes([b[0] ^ 0x01]))
+        xor_byte(out / fname, info.offset, 0x01)
         damaged.append(info.name)
     for workers in (1, 3):
         with pytest.raises(L.ManifestError, match=f"{files[0]}: tensor {damaged[0]} does not match its manifest hash"):
@@ -472,11 +477,7 @@ def test_verify_source_inverts_units_at_once_and_names_the_first_difference_in_u
     checkpoint = SourceCheckpoint.open(str(src))
     for name in (first, second):
         info = checkpoint.info(name)
-        with open(src / info.file, "r+b") as f:  # one byte in the middle of each
-            f.seek(info.offset + info.nbytes // 2)
-            b = f.read(1)
-            f.seek(-1, os.SEEK_CUR)
-            f.write(bytes([b[0] ^ 0x10]))
+        xor_byte(src / info.file, info.offset + info.nbytes // 2, 0x10)  # one byte in the middle of each
     for workers in (1, 3):
         monkeypatch.setenv("PREP_VERIFY_WORKERS", str(workers))
         with pytest.raises(PrepError, match=f"^{first}: inverted bytes differ from the source$"):
