@@ -83,12 +83,12 @@ def main() -> int:
     args = ap.parse_args()
     sys.path.insert(0, str(REPO))
     sys.path.insert(0, str(REPO / "scripts"))
-    import check_atom_serve
+    import engine_sources
     import layouts
 
     m = layouts.load_manifest(args.converted)
     tp, ep = m.target.tp, m.target.ep
-    _, aiter = check_atom_serve.oracle_trees(check_atom_serve.default_oracles(), args.work)
+    _, aiter = engine_sources.trees(engine_sources.require(), args.work)
     door = {"vllm": "prep", "sglang": "sharded_state"}[args.engine]
     ways = {"own loader, Quark source": (args.source, "auto"), "door, prep's conversion": (args.converted, door)}
     src_bytes = sum(f.stat().st_size for f in args.source.glob("*.safetensors"))

@@ -7,9 +7,10 @@ loaded" warning.
     .venv/bin/python scripts/check_atom_serve.py --source SRC --converted OUT [--oracles DIR]
         [--work DIR] [--gpu-arch gfx950|gfx942] [--no-mtp] [-- ATOM server options]
 
-DIR is the folder holding ATOM's and aiter's pinned source tarballs (default ``$PREP_ORACLES``, else
-``../shared/oracles`` beside the checkout or a folder above it;
-they are unpacked under ``--work``). TP and EP come from OUT's manifest, ATOM's switches from the
+DIR is the folder holding ATOM's and aiter's pinned sources, as tarballs or git checkouts (default:
+where ``scripts/engine_sources.py`` finds them: ``$PREP_ORACLES``, ``shared/oracles`` beside the
+checkout, or ``.cache/engine-sources`` after ``engine_sources.py fetch``; tarballs are unpacked under
+``--work``). TP and EP come from OUT's manifest, ATOM's switches from the
 manifest's layout (``asm`` for ``preshuffle``, ``ATOM_USE_FP4_NON_SHUFFLE_TRITON_GEMM=1`` for
 ``non-shuffle``; the CK MoE, ``ATOM_USE_TRITON_MOE=0``) unless the environment sets them. The
 server options are those of ATOM's test plan for this feature (``--kv_cache_dtype fp8
@@ -56,7 +57,6 @@ import pickle
 import shutil
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from unittest import mock
@@ -64,45 +64,12 @@ from unittest import mock
 HERE = pathlib.Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path[:0] = [str(REPO), str(HERE)]
+import engine_sources  # noqa: E402
 
 NOT_LOADED = "were NOT loaded from checkpoint"  # ATOM's loading_core._report_coverage
 SERVER = "atom.entrypoints.openai_server"
 TEST_PLAN = ["--kv_cache_dtype", "fp8", "--gpu-memory-utilization", "0.8", "--no-enable_prefix_caching"]
 MTP = ["--method", "mtp", "--num-speculative-tokens", "1"]
-
-
-# ---------------------------------------------------------------------------- the oracles
-def default_oracles() -> pathlib.Path:
-    """``$PREP_ORACLES``, else the first ``shared/oracles`` beside the checkout or beside a folder
-    above it (a clone made elsewhere in the same tree still finds the workplace's)."""
-    if os.environ.get("PREP_ORACLES"):
-        return pathlib.Path(os.environ["PREP_ORACLES"])
-    for folder in REPO.parents:
-        if (folder / "shared" / "oracles").is_dir():
-            return folder / "shared" / "oracles"
-    return REPO.parent / "shared" / "oracles"
-
-
-def oracle_trees(oracles: pathlib.Path, work: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
-    """ATOM's and aiter's source trees, unpacked once from the tarballs in ``oracles``."""
-    trees = []
-    work.mkdir(parents=True, exist_ok=True)
-    for prefix in ("atom-", "aiter-"):
-        found = sorted(oracles.glob(f"{prefix}*.tar.gz"))
-        if not found:
-            raise SystemExit(f"{oracles}: no {prefix}*.tar.gz; pass --oracles the folder with ATOM's and aiter's "
-                             "source tarballs (../shared/oracles)")
-        tar = found[-1]
-        dest = work / "oracles" / tar.name.removesuffix(".tar.gz")
-        if not dest.is_dir():
-            tmp = pathlib.Path(tempfile.mkdtemp(dir=work))
-            with tarfile.open(tar) as t:
-                t.extractall(tmp, filter="data")
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(next(tmp.iterdir()), dest)
-            tmp.rmdir()
-        trees.append(dest)
-    return trees[0], trees[1]
 
 
 def switches(layout: str) -> dict[str, str]:
@@ -316,21 +283,19 @@ def server_argv(converted: pathlib.Path, mtp: bool = True, extra: list[str] = ()
             *TEST_PLAN, *(MTP if mtp else []), *extra]
 
 
-def check(source: pathlib.Path, converted: pathlib.Path, oracles: pathlib.Path, work: pathlib.Path,
+def check(source: pathlib.Path, converted: pathlib.Path, trees: tuple[pathlib.Path, pathlib.Path], work: pathlib.Path,
           gpu_arch: str = "gfx950", mtp: bool = True, extra: list[str] = (), env: dict[str, str] | None = None,
-          reuse_reference: bool = False, door_name: str = "door-on-converted",
-          trees: tuple[pathlib.Path, pathlib.Path] | None = None) -> dict:
+          reuse_reference: bool = False, door_name: str = "door-on-converted") -> dict:
     """Both start-ups and the comparison: ``{"ok", "lines", "reference", "door"}``. ``env``: ATOM's
     switches (default: those reading the manifest's layout, where the environment does not set
     them); ``reuse_reference``: compare with the records of an earlier check in ``work`` (same
     source and options) instead of starting ATOM on the source again; ``trees``: ATOM's and
-    aiter's unpacked source trees (default: unpacked from ``oracles`` under ``work``)."""
+    aiter's source trees (``engine_sources.trees``)."""
     import torch
 
     import check_atom_install
     from layouts import load_manifest
 
-    trees = trees or oracle_trees(oracles, work)
     target = load_manifest(converted).target
     argv = server_argv(converted, mtp, extra)
     if env is None:
@@ -404,15 +369,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--source", required=True, type=pathlib.Path, help="the source checkpoint (a folder)")
     ap.add_argument("--converted", required=True, type=pathlib.Path, help="prep's conversion of it")
-    ap.add_argument("--oracles", type=pathlib.Path, default=default_oracles(),
-                    help="folder with ATOM's and aiter's source tarballs (default %(default)s)")
+    ap.add_argument("--oracles", type=pathlib.Path,
+                    help="folder with ATOM's and aiter's pinned sources (default: scripts/engine_sources.py finds it)")
     ap.add_argument("--work", type=pathlib.Path, help="folder for the unpacked trees and the records (default: temporary)")
     ap.add_argument("--gpu-arch", default="gfx950", choices=["gfx950", "gfx942"], help="the GPU ATOM is told it runs on")
     ap.add_argument("--no-mtp", action="store_true", help="serve without the MTP draft model")
     args = ap.parse_args(argv)
     work = args.work or pathlib.Path(tempfile.mkdtemp(prefix="atom-serve-check-"))
     work.mkdir(parents=True, exist_ok=True)
-    result = check(args.source, args.converted, args.oracles, work, args.gpu_arch, not args.no_mtp, extra)
+    result = check(args.source, args.converted, engine_sources.trees(args.oracles or engine_sources.require(), work), work, args.gpu_arch, not args.no_mtp, extra)
     print("\n".join(result["lines"]))
     door = result["door"]
     print(f"ATOM on the source: {result['reference']['seconds']:.1f} s; the door: {door['seconds']:.1f} s "

@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--source", required=True, type=pathlib.Path, help="the Quark checkpoint OUT was converted from")
     ap.add_argument("--converted", required=True, type=pathlib.Path, help="prep convert's output folder")
     ap.add_argument("--oracles", type=pathlib.Path,
-                    help="folder with ATOM's and aiter's source tarballs (default: ../shared/oracles)")
+                    help="folder with ATOM's and aiter's pinned sources (default: scripts/engine_sources.py finds it)")
     ap.add_argument("--work", type=pathlib.Path, help="scratch folder (default: a temporary one)")
     ap.add_argument("--asm-tuned", action="store_true",
                     help="vllm: both loads as where aiter has tuned its ASM FP4 GEMM for every dense linear's shape "
@@ -244,10 +244,10 @@ def main(argv: list[str] | None = None) -> int:
                 return subprocess.call([str(python), __file__, *(argv if argv is not None else sys.argv[1:])])
             raise SystemExit(f"error: {args.engine} is not installed in {sys.executable}: run `bash "
                              f"scripts/setup_env.sh --{args.engine}`, which makes {python.parent.parent.name}")
-    import check_atom_serve
+    import engine_sources
 
     work = args.work or pathlib.Path(tempfile.mkdtemp(prefix=f"{args.engine}-check-"))
-    atom_dir, aiter_src = check_atom_serve.oracle_trees(args.oracles or check_atom_serve.default_oracles(), work)
+    atom_dir, aiter_src = engine_sources.trees(args.oracles or engine_sources.require(), work)
     if args.engine == "sglang":
         ok = check_sglang(args.source, args.converted, work, aiter_src)
     elif args.engine == "vllm":

@@ -17,7 +17,7 @@ import pytest
 
 import layouts
 import aiter_oracle
-from conftest import _need
+from conftest import _need, need_engine_sources
 from layouts.engines.atom import ENV_NON_SHUFFLE, ENV_TRITON_MOE, SERVED_MOE_BACKENDS
 from layouts.engines.atom import serve
 from prep.testing import PRESETS, write_checkpoint
@@ -25,24 +25,18 @@ from prep.testing import PRESETS, write_checkpoint
 REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
 import check_atom_serve  # noqa: E402
-
-ORACLES = check_atom_serve.default_oracles()
-
-
-def _atom_ready() -> bool:
-    import atom_on_cpu
-
-    if atom_on_cpu.missing_deps():
-        return False
-    return any(ORACLES.glob("atom-*.tar.gz")) and any(ORACLES.glob("aiter-*.tar.gz"))
-
+import engine_sources  # noqa: E402
 
 @pytest.fixture
 def oracle_trees(tmp_path_factory):
-    _need(_atom_ready(), f"ATOM's source ({ORACLES}) and its CPU dependencies (setup_env.sh --atom)")
+    import atom_on_cpu
+
+    oracles = need_engine_sources()
+    missing = atom_on_cpu.missing_deps()
+    _need(not missing, f"ATOM's CPU dependencies ({', '.join(missing)})", "run `bash scripts/setup_env.sh --engine atom`")
     work = tmp_path_factory.getbasetemp() / "atom-oracles"
     work.mkdir(exist_ok=True)
-    return check_atom_serve.oracle_trees(ORACLES, work)
+    return engine_sources.trees(oracles, work)
 
 
 def _convert_with_cli(src: pathlib.Path, out: pathlib.Path, *args: str) -> dict:
@@ -82,7 +76,7 @@ def test_the_door_leaves_atoms_models_as_atoms_own_start_up_on_the_source_at_tp2
     summary = _convert_with_cli(src, out, "--tp", "2")
     env = _switches(summary["serve"])  # the command prep convert printed: its switches and its flags
     assert summary["serve"].endswith(f"prep-atom-serve --model {out} --tensor-parallel-size 2")
-    result = check_atom_serve.check(src, out, ORACLES, tmp_path / "work", env=env, trees=oracle_trees)
+    result = check_atom_serve.check(src, out, oracle_trees, tmp_path / "work", env=env)
     assert result["ok"], "\n".join(result["lines"])
     assert [line.endswith(": ok") for line in result["lines"]] == [True, True]
     assert all("0 NOT-loaded warnings, draft head its own" in line for line in result["lines"])
@@ -92,8 +86,8 @@ def test_the_door_leaves_atoms_models_as_atoms_own_start_up_on_the_source_at_tp2
 
     if variant == "v2":  # a flipped byte in one rank's file: the door installs it, the check sees it
         _flip_last_byte(sorted(out.glob("*rank1*.safetensors"))[-1])
-        flipped = check_atom_serve.check(src, out, ORACLES, tmp_path / "work", env=env, reuse_reference=True,
-                                         door_name="door-flipped", trees=oracle_trees)
+        flipped = check_atom_serve.check(src, out, oracle_trees, tmp_path / "work", env=env, reuse_reference=True,
+                                         door_name="door-flipped")
         assert not flipped["ok"]
         assert flipped["lines"][0].endswith(": ok") and "FAIL" in flipped["lines"][1], "\n".join(flipped["lines"])
         assert "1 of" in flipped["lines"][2] and "bytes differ" in flipped["lines"][2]

@@ -3,7 +3,6 @@ computes the source's logits bit for bit; a wrong layout pairing visibly does no
 forward itself agrees with transformers' DeepseekV3 (an independent implementation)."""
 
 import json
-import os
 import shutil
 
 import pytest
@@ -19,6 +18,7 @@ from prep.reference.model import DeepseekV3, ForwardOptions, rope_tables
 from prep.reference.run import compare, run
 from prep.reference.weights import load_weights
 from prep.testing import SynthSpec, write_checkpoint
+from conftest import _need
 
 IDS = [1, 5, 9, 200, 17, 3, 44, 900, 12, 7, 33, 512, 1000, 2, 8, 64, 99, 31, 250, 600,
        4, 77, 123, 321, 11, 22, 0, 1023, 400, 45, 67, 89, 101]  # 33 tokens: both sides of the M >= 32 switch
@@ -108,8 +108,7 @@ def _transformers_model(src, w, **overrides):
     try:
         import transformers  # installed by scripts/setup_env.sh
     except ImportError:
-        msg = "transformers not installed: run `bash scripts/setup_env.sh`"
-        pytest.fail(msg) if os.environ.get("CI") else pytest.skip(msg)
+        _need(False, "transformers")
     cfg = json.loads((src / "config.json").read_text())
     cfg.pop("quantization_config")
     cfg.update(overrides)
