@@ -9,6 +9,7 @@ that only satisfies its decorators (its Triton kernels are never called here).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import os
@@ -186,3 +187,77 @@ def triton_gemm_module(interpret: bool = True) -> types.ModuleType:
     from prep.reference import aiter_gemm
 
     return aiter_gemm.load_from_folder(ORACLE_DIR, interpret=interpret)
+
+
+# --- aiter's Triton FP8 quant at the commit ATOM is pinned with (e4048607) ---
+#
+# The amd-aiter wheel's fused_fp8_quant is older than what ATOM at ffdf3bb5 calls: this one comes
+# from the pinned aiter source tree (scripts/engine_sources.py), its kernels file loaded as a
+# package of its own (its `activation` kernels import `.quant.fused_fp8_quant` relatively), the
+# wrapper with stubs for aiter's package init (`aiter.dtypes.fp8`: e4m3fn, the gfx950 type; every
+# call here passes dtype_quant) and arch probe (`utils.types`).
+
+
+def pinned_fused_fp8_quant(aiter_tree: pathlib.Path) -> types.ModuleType:
+    """``aiter/ops/triton/quant/fused_fp8_quant.py`` of ``aiter_tree`` (aiter's own wrapper with
+    its Triton kernels), interpreted on the CPU."""
+    modname = f"{_PKG}_pinned_fused_fp8_quant"
+    if modname in sys.modules:
+        return sys.modules[modname]
+    triton_dir = aiter_tree / "aiter" / "ops" / "triton"
+    kpkg = f"{_PKG}_pinned_kernels"
+    if kpkg not in sys.modules:
+        pkg = types.ModuleType(kpkg)
+        pkg.__path__ = [str(triton_dir / "_triton_kernels")]
+        sys.modules[kpkg] = pkg
+    with _triton_interpret(True):
+        kernels = importlib.import_module(f"{kpkg}.quant.fused_fp8_quant")
+        activation = importlib.import_module(f"{kpkg}.activation")
+        aiter = types.ModuleType("aiter")
+        aiter.__path__ = []
+        aiter.dtypes = types.SimpleNamespace(fp8=torch.float8_e4m3fn)
+        utypes = types.ModuleType("aiter.ops.triton.utils.types")
+        utypes.get_fp8_e4m3_dtype = lambda: torch.float8_e4m3fn
+        spec = importlib.util.spec_from_file_location(f"{_PKG}_pinned_logger", triton_dir / "utils" / "logger.py")
+        logger = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(logger)
+        stubs = {n: types.ModuleType(n) for n in ("aiter.ops", "aiter.ops.triton", "aiter.ops.triton._triton_kernels",
+                                                  "aiter.ops.triton._triton_kernels.quant", "aiter.ops.triton.utils")}
+        for stub in stubs.values():
+            stub.__path__ = []
+        stubs.update({"aiter": aiter, "aiter.ops.triton.utils.types": utypes, "aiter.ops.triton.utils.logger": logger,
+                      "aiter.ops.triton._triton_kernels.activation": activation,
+                      "aiter.ops.triton._triton_kernels.quant.fused_fp8_quant": kernels})
+        with _temporary_modules(stubs):
+            spec = importlib.util.spec_from_file_location(modname, triton_dir / "quant" / "fused_fp8_quant.py")
+            mod = importlib.util.module_from_spec(spec)
+            sys.modules[modname] = mod
+            spec.loader.exec_module(mod)
+    return mod
+
+
+@contextlib.contextmanager
+def interpreter_fp8_conversion_as_on_gpu():
+    """Within the block, the Triton interpreter converts float32 to FP8 E4M3 (fn and fnuz) as the
+    GPUs' conversion instructions do: nearest, ties to even (torch's conversion). The interpreter's
+    own (triton 3.8, ``interpreter._convert_float``) rounds ties up and drops the carry of a rounded
+    up mantissa into the exponent (1.97 becomes 1.0): a stand-in for the hardware's conversion, so
+    that aiter's FP8 kernels can be compared byte for byte on the CPU."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    own = interpreter._convert_float
+    to_torch = {tl.float8e4nv: torch.float8_e4m3fn, tl.float8e4b8: torch.float8_e4m3fnuz}
+
+    def convert(value, input_dtype, output_dtype, rounding_mode):
+        if input_dtype == tl.float32 and output_dtype in to_torch:
+            t = torch.from_numpy(np.ascontiguousarray(value).view(np.float32))
+            return t.to(to_torch[output_dtype]).view(torch.uint8).numpy().reshape(value.shape)
+        return own(value, input_dtype, output_dtype, rounding_mode)
+
+    interpreter._convert_float = convert
+    try:
+        yield
+    finally:
+        interpreter._convert_float = own
