@@ -31,6 +31,7 @@ from .compat import CompatibilityError, EngineConfig, check_compatibility
 from .errors import LayoutsError
 from .engines import EngineProfile, engine_names, get_engine, register_engine
 from .dequant import dequantize_activation, dequantize_expert, dequantize_stored, dequantize_stored_rows
+from .fused_fp8_quant import fused_rms_fp8_quant, fused_rms_fp8_quant_reference
 from .fused_quant import fused_rms_mxfp4_quant, fused_rms_mxfp4_quant_reference
 from .loader import OpenRank, RankTensors, iter_rank_files, load_rank, open_rank
 from .manifest import Manifest, ManifestError, TensorRecord, load_manifest
@@ -61,7 +62,7 @@ __all__ = [
     "ActivationQuantPlan", "CompatibilityError", "LayoutsError", "EngineConfig", "check_compatibility",
     "EngineProfile", "engine_names", "get_engine", "register_engine",
     "dequantize_activation", "dequantize_expert", "dequantize_stored", "dequantize_stored_rows",
-    "fused_rms_mxfp4_quant", "fused_rms_mxfp4_quant_reference", "RankTensors", "iter_rank_files", "load_rank", "OpenRank", "open_rank",
+    "fused_rms_mxfp4_quant", "fused_rms_mxfp4_quant_reference", "fused_rms_fp8_quant", "fused_rms_fp8_quant_reference", "RankTensors", "iter_rank_files", "load_rank", "OpenRank", "open_rank",
     "Manifest", "ManifestError", "TensorRecord", "load_manifest",
     "MlaShape", "absorbed_kv_b", "absorbed_kv_b_of_rank",
     "LayoutConstraintError", "preshuffle_scale", "preshuffle_scale_per_expert", "preshuffle_weight",

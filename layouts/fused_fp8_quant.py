@@ -53,6 +53,12 @@ def fp8_max(dtype: torch.dtype) -> float:
     return float(torch.finfo(dtype).max)
 
 
+def fp8_dtype_for(gpu_arch: str) -> torch.dtype:
+    """The FP8 type activations are quantized to on ``gpu_arch``: MI300 (gfx94x) computes in
+    e4m3fnuz (bias 8, max 240), later Instinct GPUs in OCP e4m3fn (aiter's ``dtypes.fp8``)."""
+    return torch.float8_e4m3fnuz if gpu_arch.startswith("gfx94") else torch.float8_e4m3fn
+
+
 def fp8_scale_shape(m: int, n1: int, group_size: Optional[int] = GROUP_SIZE) -> tuple[int, int]:
     """Shape of the scale the fused op returns for ``x1 [m, n1]`` (either presentation)."""
     return m, 1 if group_size is None else -(-n1 // group_size)

@@ -198,19 +198,20 @@ def triton_gemm_module(interpret: bool = True) -> types.ModuleType:
 # call here passes dtype_quant) and arch probe (`utils.types`).
 
 
-def pinned_fused_fp8_quant(aiter_tree: pathlib.Path) -> types.ModuleType:
+def pinned_fused_fp8_quant(aiter_tree: pathlib.Path, interpret: bool = True) -> types.ModuleType:
     """``aiter/ops/triton/quant/fused_fp8_quant.py`` of ``aiter_tree`` (aiter's own wrapper with
-    its Triton kernels), interpreted on the CPU."""
-    modname = f"{_PKG}_pinned_fused_fp8_quant"
+    its Triton kernels), interpreted on the CPU (``interpret``) or compiled for the GPU."""
+    tag = "interp" if interpret else "jit"
+    modname = f"{_PKG}_pinned_fused_fp8_quant_{tag}"
     if modname in sys.modules:
         return sys.modules[modname]
     triton_dir = aiter_tree / "aiter" / "ops" / "triton"
-    kpkg = f"{_PKG}_pinned_kernels"
+    kpkg = f"{_PKG}_pinned_kernels_{tag}"
     if kpkg not in sys.modules:
         pkg = types.ModuleType(kpkg)
         pkg.__path__ = [str(triton_dir / "_triton_kernels")]
         sys.modules[kpkg] = pkg
-    with _triton_interpret(True):
+    with _triton_interpret(interpret):
         kernels = importlib.import_module(f"{kpkg}.quant.fused_fp8_quant")
         activation = importlib.import_module(f"{kpkg}.activation")
         aiter = types.ModuleType("aiter")

@@ -19,9 +19,9 @@ from layouts.manifest import Manifest
 REPO = pathlib.Path(__file__).resolve().parent.parent
 # Where the names may be written: the registry defines the layouts, the profiles say who reads them.
 HOMES = {REPO / "layouts" / "registry.py", *(REPO / "layouts" / "engines").rglob("*.py")}  # a profile may be a package
-# Equal strings that name something else: the fused RMSNorm + quant op's back ends (aiter, our
+# Equal strings that name something else: the fused RMSNorm + quant ops' back ends (aiter, our
 # Triton kernel, torch) are not the MoE layout "triton"; nor is a package or folder named triton.
-OTHER_MEANING = {("layouts/fused_quant.py", "triton"),
+OTHER_MEANING = {("layouts/fused_quant.py", "triton"), ("layouts/fused_fp8_quant.py", "triton"),
                  # the triton package and aiter's aiter/ops/triton folder, which aiter_gemm loads from
                  ("prep/reference/aiter_gemm.py", "triton")}
 

@@ -191,3 +191,40 @@ def test_reference_and_triton_kernel_match_aiters_kernel_at_atoms_call_sites(ait
     want = fused_rms_fp8_quant_reference(**args, **kw)
     assert_fp8_close(((q, s), out2, res), want, args, exact=grid)
     assert_fp8_close(fused_rms_fp8_quant(**args, **kw, backend="triton"), want, args, exact=grid)
+
+
+# ------------------------------------------------------------------------------ the engine's plan
+@pytest.mark.parametrize("attention_quant, group", [("fp8-per-token", None), ("fp8-1x128", 128)])
+@pytest.mark.parametrize("arch, dtype", [("gfx950", FN), ("gfx942", FNUZ)])
+def test_the_plan_runs_atoms_fp8_call_at_both_sites_in_the_archs_fp8_type(attention_quant, group, arch, dtype):
+    import layouts
+
+    engine = layouts.EngineConfig(gemm_path="triton-preshuffle", gpu_arch=arch)
+    plan = layouts.ActivationQuantPlan.for_engine(engine, backend="torch", attention_quant=attention_quant)
+    h = make_inputs(5, 7168, res=True)
+    (q, s), res = plan.input_layernorm(h["x1"], h["x1_weight"], EPS, h["res1"])
+    (wq, ws), _, wres = fused_rms_fp8_quant_reference(h["x1"], h["x1_weight"], EPS, res1=h["res1"], group_size=group,
+                                                      dtype=dtype, transpose_scale=True)
+    assert q.dtype == dtype and torch.equal(q.view(torch.uint8), wq.view(torch.uint8)) and torch.equal(s, ws)
+    assert torch.equal(res, wres)
+    a = make_inputs(5, 1536, x2=True, seed=3)
+    (q, s), kv = plan.q_a_layernorm(a["x1"], a["x1_weight"], EPS, a["x2"], a["x2_weight"], EPS)
+    (wq, ws), wkv, _ = fused_rms_fp8_quant_reference(**a, group_size=group, dtype=dtype, transpose_scale=True)
+    assert torch.equal(q.view(torch.uint8), wq.view(torch.uint8)) and torch.equal(s, ws) and torch.equal(kv, wkv)
+
+
+def test_fp8_block_input_quant_is_fused_only_where_the_gemm_path_fuses_it():
+    # ATOM fuses the input RMSNorm with a 1x128 FP8 quant only under ATOM_USE_TRITON_GEMM=1; on its
+    # default ASM path that layer's input stays BF16 (the linear quantizes it), per token is fused.
+    import layouts
+
+    h = make_inputs(3, 7168, res=True)
+    asm = layouts.EngineConfig(gemm_path="asm")
+    block = layouts.ActivationQuantPlan.for_engine(asm, backend="torch", attention_quant="fp8-1x128")
+    (x, scale), res = block.input_layernorm(h["x1"], h["x1_weight"], EPS, h["res1"])
+    assert scale is None and x.dtype == torch.bfloat16 and torch.equal(res, (h["x1"].float() + h["res1"].float()).bfloat16())
+    token = layouts.ActivationQuantPlan.for_engine(asm, backend="torch", attention_quant="fp8-per-token")
+    (q, scale), _ = token.input_layernorm(h["x1"], h["x1_weight"], EPS, h["res1"])
+    assert q.dtype == FN and scale.shape == (3, 1)
+    with pytest.raises(ValueError, match="attention_quant must be one of"):
+        layouts.ActivationQuantPlan("asm", attention_quant="fp8")

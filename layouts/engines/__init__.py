@@ -44,11 +44,15 @@ class GemmPathRule:
     """One dense MXFP4 GEMM path: the layout it reads its weights in, and from how many tokens
     the fused RMSNorm + MXFP4 quant feeding it must shuffle / pad the activation scale.
 
-    ``min_tokens_*``: smallest token count that turns the flag on (0 = always, None = never)."""
+    ``min_tokens_*``: smallest token count that turns the flag on (0 = always, None = never).
+    ``fuses_fp8_group_input_quant``: with FP8-block attention (1x128 activation groups), whether
+    the engine fuses the input RMSNorm with the FP8 quant on this path (ATOM: only with its Triton
+    GEMM, its HIP per-group FP8 quant being unimplemented); per-token FP8 is fused on every path."""
 
     weight_layout: str
     min_tokens_shuffle: int | None
     min_tokens_padding: int | None
+    fuses_fp8_group_input_quant: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

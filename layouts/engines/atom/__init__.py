@@ -72,7 +72,9 @@ CK, TRITON = "ck", "triton"  # MoE back ends: aiter's CK fused_moe, triton_kerne
 
 GEMM_PATHS: dict[str, GemmPathRule] = {  # the default (no switch) first
     ASM: GemmPathRule(PRESHUFFLE.name, 0, 0),
-    TRITON_PRESHUFFLE: GemmPathRule(PRESHUFFLE.name, 32, 32),
+    # ATOM_USE_TRITON_GEMM=1 (use_triton_gemm()) also fuses the input RMSNorm with a 1x128 FP8 quant
+    # (deepseek_v2.py, DeepseekV2DecoderLayer.__init__, enable_fp8_input_norm_quant)
+    TRITON_PRESHUFFLE: GemmPathRule(PRESHUFFLE.name, 32, 32, fuses_fp8_group_input_quant=True),
     TRITON_NON_SHUFFLE: GemmPathRule(NON_SHUFFLE.name, NEVER, NEVER),
 }
 GFX94, GFX95 = GpuArch("gfx94", "gfx942", "gfx94x (MI300)"), GpuArch("gfx95", "gfx950", "gfx95x (MI355)")
