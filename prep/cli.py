@@ -181,6 +181,11 @@ def _existing_dir(path: str, what: str) -> str:
     """``path`` if it is a folder; else the one-line error every verb gives for a missing input."""
     p = pathlib.Path(path).expanduser()
     if not p.exists():
+        from .outdir import WORK_SUFFIX
+
+        if p.with_name(f".{p.name}{WORK_SUFFIX}").is_dir():  # an interrupted convert's work folder
+            raise PrepError(f"{path}: no such directory yet: a `prep convert` into it was interrupted (its work is in "
+                            f".{p.name}{WORK_SUFFIX} beside it); run the same convert command again with --resume")
         raise PrepError(f"{path}: no such directory; {what}")
     if not p.is_dir():
         raise PrepError(f"{path}: not a directory; {what}")
@@ -271,7 +276,8 @@ def inspect(src: str, revision: str | None, as_json: bool, quiet: bool) -> None:
                    "expert map (its profile's sharding rules). The manifest records it and another engine "
                    "refuses the output.")
 @click.option("--common-bf16", is_flag=True,
-              help="Write the BF16 tensors whole into common files every rank reads (manifest format 1), for "
+              help="Write the BF16 tensors whole into common files every rank reads (the layout of prep's first "
+                   "manifests, still written in today's format), for "
                    "an engine that slices them itself. Default: each rank's files hold its BF16 slices, split "
                    "as the engine holds them, and a copy of the replicated tensors (docs/rank-exact.md).")
 @click.option("--workers", type=click.IntRange(min=1),

@@ -88,7 +88,7 @@ def resolve(src: str, revision: str | None = None) -> tuple[pathlib.Path, dict[s
                                  "snapshot": pathlib.Path(local).name}
 
 
-HUB_HINT = ("to work without the hub, give the checkpoint's local folder instead (e.g. made by `huggingface-cli "
+HUB_HINT = ("to work without the hub, give the checkpoint's local folder instead (e.g. made by `hf "
             "download ORG/NAME --local-dir DIR` where there is network), or put it in the hub cache ($HF_HUB_CACHE) and "
             "set HF_HUB_OFFLINE=1")
 
@@ -99,9 +99,9 @@ def _hub_problem(e: Exception, revision: str | None) -> str:
     name = type(e).__name__
     first = (str(e).splitlines() or [name])[0]
     if "RepositoryNotFound" in name:
-        return "no such repo on the hub (or a private one: log in with `huggingface-cli login`)"
+        return "no such repo on the hub (or a private one: log in with `hf auth login`)"
     if "GatedRepo" in name:
-        return "a gated repo: accept its terms on huggingface.co and log in with `huggingface-cli login`"
+        return "a gated repo: accept its terms on huggingface.co and log in with `hf auth login`"
     if "RevisionNotFound" in name:
         return f"the repo has no revision {revision!r}"
     if hub_offline():

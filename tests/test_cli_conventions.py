@@ -297,7 +297,7 @@ def test_a_repo_id_that_cannot_be_resolved_says_how_to_work_without_the_hub(tmp_
         lines = r.stderr.strip().splitlines()
         assert r.returncode == 1 and len(lines) == 1, (verb, r.stderr)
         assert lines[0].startswith(f"error: someorg/some-model: {why}; ") and "local folder" in lines[0], lines[0]
-        assert "HF_HUB_OFFLINE=1" in lines[0] and "huggingface-cli download" in lines[0]
+        assert "HF_HUB_OFFLINE=1" in lines[0] and "`hf download" in lines[0]
 
 
 def test_inspect_of_a_repo_id_reads_headers_from_the_hub_not_the_weights(tmp_path):

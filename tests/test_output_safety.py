@@ -331,6 +331,16 @@ def test_a_killed_revert_leaves_dest_absent_or_complete_and_the_next_revert_star
 
 
 # ---------------------------------------------------------------------- 2. --resume identity
+def test_verify_and_run_on_an_interrupted_output_point_to_resume(sources, tmp_path):
+    out = tmp_path / "out"
+    r = prep("convert", sources["a"], "-o", out, "--tp", "2", kill_at="file-written")
+    assert r.returncode == -signal.SIGKILL and not out.exists()
+    for verb in (("verify", out), ("run", out, "--prompt-ids", "1", "--layers", "1")):
+        one_line_error(prep(*verb), "was interrupted", ".out.prep", "--resume")
+    assert prep("convert", sources["a"], "-o", out, "--tp", "2", "--resume").returncode == 0
+    assert prep("verify", out).returncode == 0
+
+
 def test_resume_with_another_source_writes_every_file_again(sources, tmp_path):
     out = tmp_path / "out"
     r = prep("convert", sources["a"], "-o", out, "--tp", "2", kill_at="file-written")
