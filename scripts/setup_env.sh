@@ -80,12 +80,16 @@ if [ "$VLLM" = 1 ]; then
   [ -x .venv-vllm/bin/python ] || step "virtual environment .venv-vllm" "$PY" -m venv .venv-vllm
   .venv/bin/python -c "import site; print(site.getsitepackages()[0])" \
     > "$(.venv-vllm/bin/python -c "import site; print(site.getsitepackages()[0])")/prep-main-venv.pth"
-  .venv-vllm/bin/python -c "import vllm, cachetools, cbor2, compressed_tensors, einops, loguru, cpuinfo, pybase64" \
-    >/dev/null 2>&1 \
+  # urllib3, requests, aiohttp (and theirs), cloudpickle: vLLM imports them at start-up; .venv has them
+  # only after --tests (quark pulls them in), so `--engine vllm` alone must install them here.
+  .venv-vllm/bin/python -c "import vllm, cachetools, cbor2, compressed_tensors, einops, loguru, cpuinfo, pybase64, \
+urllib3, requests, aiohttp, cloudpickle" >/dev/null 2>&1 \
     || step "vLLM 0.34.0 and the pure-Python packages its DeepSeek code imports (no dependencies)" \
       .venv-vllm/bin/python -m pip install --disable-pip-version-check --no-deps vllm==0.34.0 cachetools==8.0.2 \
       cbor2==6.3.0 compressed-tensors==0.17.0 einops==0.8.2 loguru==0.7.3 py-cpuinfo==9.0.0 pybase64==1.5.1 \
-      uvloop==0.23.0
+      uvloop==0.23.0 urllib3==2.8.0 requests==2.34.2 charset-normalizer==3.5.3 certifi==2026.10.19.post1 \
+      aiohttp==3.14.5 aiohappyeyeballs==2.7.1 aiosignal==1.4.0 attrs==26.1.0 frozenlist==1.8.0 multidict==7.2.1 \
+      propcache==0.5.4 yarl==1.25.1 cloudpickle==3.1.3
   .venv/bin/python scripts/fetch_aiter_oracle.py >/dev/null  # aiter's Triton quant and GEMM (v2's W_UK/W_UV)
 fi
 [ "$TESTS" = 1 ] || exit 0
