@@ -193,6 +193,12 @@ def test_options_that_change_what_a_rank_holds_are_refused_naming_the_default():
     with pytest.raises(serve.ServeError, match="hf_overrides = .* not checked"):
         serve.check_options(Args())
 
+    class Args:  # noqa: F811 - a later ATOM carries the all-to-all choice under another name
+        moe_all2all_backend = "mori"
+
+    with pytest.raises(serve.ServeError, match="moe_all2all_backend = 'mori': an all-to-all .* --moe-all2all-backend"):
+        serve.check_options(Args())
+
 
 def test_the_mtp_draft_is_refused_for_a_folder_without_an_mtp_layer(converted, tmp_path):
     out = tmp_path / "out"

@@ -163,3 +163,17 @@ def test_a_draft_load_of_a_conversion_without_an_mtp_layer_is_refused_in_one_lin
     with pytest.raises(DoorError, match=r"rank 1's files hold no MTP layer for vLLM's draft model .* or serve "
                                         r"without --speculative-config"):
         install(torch.nn.Linear(1, 1), str(out), layouts.load_manifest(out), 1, first_mtp=99, draft=True)
+
+
+def test_a_model_a_plugin_put_in_place_of_vllms_own_is_refused_naming_the_switch():
+    from layouts.engines.vllm.door import DoorError, check_own_model
+
+    def cls(module: str) -> type:
+        return type("DeepseekV3ForCausalLM", (), {"__module__": module})
+
+    check_own_model(cls("vllm.model_executor.models.deepseek_v2"))
+    with pytest.raises(DoorError, match="from atom.plugin.vllm.model_wrapper, not its own model.* "
+                                        "ATOM's vLLM plugin .* ATOM_DISABLE_VLLM_PLUGIN=1$"):
+        check_own_model(cls("atom.plugin.vllm.model_wrapper"))
+    with pytest.raises(DoorError, match="a vLLM plugin replaced vLLM's own: serve without that plugin$"):
+        check_own_model(cls("someplugin.models"))

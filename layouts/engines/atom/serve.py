@@ -130,6 +130,7 @@ UNCHECKED_OPTIONS: tuple[tuple[str, Any, str], ...] = (
     ("fake_eplb", False, "fake EPLB"),
     ("moe_backend", "standard", "a MoE back end other than ATOM's standard one"),
     ("all2all_backend", None, "an all-to-all MoE dispatch back end"),
+    ("moe_all2all_backend", None, "an all-to-all MoE dispatch back end"),  # later ATOM's name for it
     ("hf_overrides", None, "config overrides (ATOM would build other models than the folder's config.json says)"),
 )
 
@@ -222,7 +223,8 @@ def import_atom(*modules: str) -> None:
         except ImportError as e:
             if (e.name or "").partition(".")[0] == "atom":
                 raise ServeError(f"ATOM is not installed in this Python ({sys.executable}): {PROG} runs ATOM's own "
-                                 "server; install ROCm/ATOM here (pip install from its source tree)") from None
+                                 "server; install ROCm/ATOM here (pip install from its source tree: `pip install atom` installs an "
+                                 "unrelated PyPI package)") from None
             raise ServeError(f"importing ATOM's {name} failed: {e} (ATOM's dependencies: its pyproject.toml)") from None
         except Exception as e:  # noqa: BLE001 - e.g. aiter refusing to import without ROCm
             raise ServeError(f"importing ATOM's {name} failed: {type(e).__name__}: {str(e).splitlines()[0]}") from None

@@ -61,6 +61,19 @@ def register() -> None:
     register_model_loader(LOAD_FORMAT)(loader_class())
 
 
+def check_own_model(cls: type) -> None:
+    """Refuse a model class a plugin put in place of vLLM's own (prep's files hold what vLLM's own
+    DeepSeek model holds): ATOM's vLLM plugin, installed with ATOM, replaces DeepseekV3ForCausalLM
+    unless ATOM_DISABLE_VLLM_PLUGIN=1."""
+    module = getattr(cls, "__module__", "") or ""
+    if module == "vllm" or module.startswith("vllm."):
+        return
+    fix = ("ATOM's vLLM plugin (installed with ATOM) replaced vLLM's own: serve with ATOM_DISABLE_VLLM_PLUGIN=1"
+           if module.split(".")[0] == "atom" else "a vLLM plugin replaced vLLM's own: serve without that plugin")
+    raise DoorError(f"vLLM built {cls.__name__} from {module}, not its own model, whose tensors prep's files hold; "
+                    f"{fix}")
+
+
 def loader_class() -> type:
     """vLLM's ``BaseModelLoader`` for converted folders (module docstring); built on first use,
     so that importing :mod:`layouts` never imports vLLM."""
@@ -91,6 +104,7 @@ def loader_class() -> type:
             with set_default_torch_dtype(model_config.dtype):
                 with target:
                     model = self.create_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
+                check_own_model(type(model))
                 held = ((vutils, "finalize_model_weights", lambda *a, **k: None),
                         (quark_moe, "convert_weight_to_mxfp4_moe_kernel_format", _unconverted),
                         (unquantized_moe, "convert_to_unquantized_kernel_format", _unshuffled))
