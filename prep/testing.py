@@ -488,6 +488,21 @@ sys.exit(os.waitstatus_to_exitcode(status))
 """
 
 
+def drop_tensors(folder: Path, gone: Callable[[str], bool]) -> None:
+    """Remove the tensors ``gone(name)`` picks from a written checkpoint's shards and its index (a
+    checkpoint whose producer left them out: e.g. an MTP layer without its own head)."""
+    from safetensors.torch import load_file
+
+    index_path = Path(folder) / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    for shard in sorted(Path(folder).glob("model-0000*.safetensors")):
+        tensors = load_file(shard)
+        if any(gone(n) for n in tensors):
+            save_file({n: t for n, t in tensors.items() if not gone(n)}, shard, metadata={"format": "pt"})
+    index["weight_map"] = {n: f for n, f in index["weight_map"].items() if not gone(n)}
+    _write_json(index_path, index)
+
+
 def as_format_3(folder: Path) -> bytes:
     """Rewrite the converted ``folder`` (manifest format 4) as versions 1-3 wrote it: the source
     tensor table back inside the manifest as ``source.tensors``, ``prep-source.json`` removed,

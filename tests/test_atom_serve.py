@@ -20,7 +20,7 @@ import aiter_oracle
 from conftest import _need, need_engine_sources
 from layouts.engines.atom import ENV_NON_SHUFFLE, ENV_TRITON_MOE, SERVED_MOE_BACKENDS
 from layouts.engines.atom import serve
-from prep.testing import PRESETS, write_checkpoint
+from prep.testing import PRESETS, drop_tensors, write_checkpoint
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
@@ -79,7 +79,7 @@ def test_the_door_leaves_atoms_models_as_atoms_own_start_up_on_the_source_at_tp2
     result = check_atom_serve.check(src, out, oracle_trees, tmp_path / "work", env=env)
     assert result["ok"], "\n".join(result["lines"])
     assert [line.endswith(": ok") for line in result["lines"]] == [True, True]
-    assert all("0 NOT-loaded warnings, draft head its own" in line for line in result["lines"])
+    assert all("0 NOT-loaded warnings (ATOM's own: 0), draft head its own" in line for line in result["lines"])
     door = result["door"]
     assert door["listening"] and door["workers"] == [0, 0]  # ATOM's server got to uvicorn; both workers loaded
     assert {f["runner"] for r in door["ranks"] for f in r["fills"]} == {"ConvertedModelRunner"}
@@ -91,6 +91,21 @@ def test_the_door_leaves_atoms_models_as_atoms_own_start_up_on_the_source_at_tp2
         assert not flipped["ok"]
         assert flipped["lines"][0].endswith(": ok") and "FAIL" in flipped["lines"][1], "\n".join(flipped["lines"])
         assert "1 of" in flipped["lines"][2] and "bytes differ" in flipped["lines"][2]
+
+
+def test_an_mtp_layer_without_its_own_head_and_embedding_is_served_as_atom_serves_it(tmp_path, oracle_trees):
+    # ATOM's drafter then shares the target's lm_head and embedding (Drafter.load_model): the door
+    # leaves both models as ATOM's own start-up on that source does, its one NOT-loaded warning too.
+    src = write_checkpoint(PRESETS["tiny"], tmp_path / "src")
+    mtp = f"model.layers.{json.loads((src / 'config.json').read_text())['num_hidden_layers']}."
+    drop_tensors(src, lambda n: n in (f"{mtp}shared_head.head.weight", f"{mtp}embed_tokens.weight"))
+    out = tmp_path / "out"
+    env = _switches(_convert_with_cli(src, out, "--tp", "2")["serve"])
+    result = check_atom_serve.check(src, out, oracle_trees, tmp_path / "work", env=env)
+    assert result["ok"], "\n".join(result["lines"])
+    ranks = [line for line in result["lines"] if line.startswith("rank ")]
+    assert [r.endswith("draft head shared: ok") for r in ranks] == [True, True], result["lines"]
+    assert "1 NOT-loaded warnings (ATOM's own: 1)" in ranks[0]  # ATOM's rank 0 reports the head it shares
 
 
 def test_a_switch_that_does_not_read_the_layout_is_refused_before_any_weight_is_allocated(tmp_path, oracle_trees):

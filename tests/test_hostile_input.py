@@ -27,7 +27,7 @@ from prep.convert import convert
 from prep.deepseek import Target
 from prep.errors import PrepError
 from prep.source import SourceCheckpoint
-from prep.testing import SynthSpec, write_checkpoint
+from prep.testing import SynthSpec, drop_tensors, write_checkpoint
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 INDEX = "model.safetensors.index.json"
@@ -452,17 +452,6 @@ def test_a_quark_config_next_to_one_random_tensor_is_refused_naming_the_first_mi
     assert_one_line_error(run_cli("convert", bad, "-o", out), "tensor model.embed_tokens.weight is missing")
     assert nothing_left(out)
     assert_one_line_error(run_cli("inspect", bad), "model.embed_tokens.weight is missing")
-
-
-def drop_tensors(folder: pathlib.Path, gone) -> None:
-    """Remove the tensors ``gone(name)`` picks from the shards and the index."""
-    index = json.loads((folder / INDEX).read_text())
-    for shard in sorted(folder.glob("model-0000*.safetensors")):
-        tensors = load_file(shard)
-        if any(gone(n) for n in tensors):
-            save_file({n: t for n, t in tensors.items() if not gone(n)}, shard, metadata={"format": "pt"})
-    index["weight_map"] = {n: f for n, f in index["weight_map"].items() if not gone(n)}
-    (folder / INDEX).write_text(json.dumps(index))
 
 
 def test_a_checkpoint_missing_one_expert_is_refused_naming_it(made, tmp_path):
