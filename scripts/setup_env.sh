@@ -55,6 +55,12 @@ if [ "$ATOM" = 1 ]; then
       "${PIP[@]}" pyzmq msgspec "fastapi>=0.115,<0.137" uvicorn psutil "prometheus_client>=0.25,<0.26" setproctitle \
       pillow transformers==5.24.0 "triton>=3.8"
 fi
+# HTTP clients (and what they import) that SGLang's and vLLM's code imports at start-up: .venv has them
+# only after --tests (amd-quark pulls them in), so `--engine sglang` or `--engine vllm` alone installs
+# them in the engine's own venv, pinned, without dependencies like the rest.
+HTTP_PKGS=(urllib3==2.8.0 requests==2.34.2 charset-normalizer==3.5.3 certifi==2026.10.19.post1 aiohttp==3.14.5
+  aiohappyeyeballs==2.7.1 aiosignal==1.4.0 attrs==26.1.0 frozenlist==1.8.0 multidict==7.2.1 propcache==0.5.4
+  yarl==1.25.1)
 # SGLang's model and loader code for scripts/check_engine_install.py --engine sglang, in a venv of
 # its own on top of .venv's packages (a .pth file): SGLang pins another transformers and
 # huggingface_hub than prep's tests, and its GPU packages (sgl-kernel, flashinfer, CUDA torch) are
@@ -64,13 +70,14 @@ if [ "$SGLANG" = 1 ]; then
   [ -x .venv-sglang/bin/python ] || step "virtual environment .venv-sglang" "$PY" -m venv .venv-sglang
   .venv/bin/python -c "import site; print(site.getsitepackages()[0])" \
     > "$(.venv-sglang/bin/python -c "import site; print(site.getsitepackages()[0])")/prep-main-venv.pth"
-  .venv-sglang/bin/python -c "import sglang, einops, orjson, pybase64, gguf, openai, compressed_tensors" >/dev/null 2>&1 \
+  .venv-sglang/bin/python -c "import sglang, einops, orjson, pybase64, gguf, openai, compressed_tensors, requests, \
+aiohttp, dill, sentencepiece" >/dev/null 2>&1 \
     || step "SGLang 0.5.23 and the pure-Python packages its DeepSeek code imports (no dependencies)" \
       .venv-sglang/bin/python -m pip install --disable-pip-version-check --no-deps sglang==0.5.23 \
       compressed-tensors==0.18.0 distro==1.9.0 einops==0.8.2 gguf==0.19.0 httpcore==1.0.9 httpx==0.29.0 \
       ipython==9.18.1 loguru==0.7.3 openai==2.8.0 orjson==3.13.0 partial-json-parser==0.2.1.1.post7 \
       pybase64==1.5.1 sniffio==1.3.1 traitlets==5.16.1 transformers==5.19.0 huggingface_hub==1.33.0 \
-      tokenizers==0.23.2
+      tokenizers==0.23.2 dill==0.4.1 sentencepiece==0.2.3 "${HTTP_PKGS[@]}"
   .venv/bin/python scripts/fetch_aiter_oracle.py >/dev/null  # aiter's Triton MXFP4 quant, for SGLang's w_kc/w_vc
 fi
 # vLLM's model and loader code for scripts/check_engine_install.py --engine vllm, the same way:
@@ -80,16 +87,12 @@ if [ "$VLLM" = 1 ]; then
   [ -x .venv-vllm/bin/python ] || step "virtual environment .venv-vllm" "$PY" -m venv .venv-vllm
   .venv/bin/python -c "import site; print(site.getsitepackages()[0])" \
     > "$(.venv-vllm/bin/python -c "import site; print(site.getsitepackages()[0])")/prep-main-venv.pth"
-  # urllib3, requests, aiohttp (and theirs), cloudpickle: vLLM imports them at start-up; .venv has them
-  # only after --tests (quark pulls them in), so `--engine vllm` alone must install them here.
   .venv-vllm/bin/python -c "import vllm, cachetools, cbor2, compressed_tensors, einops, loguru, cpuinfo, pybase64, \
 urllib3, requests, aiohttp, cloudpickle" >/dev/null 2>&1 \
     || step "vLLM 0.34.0 and the pure-Python packages its DeepSeek code imports (no dependencies)" \
       .venv-vllm/bin/python -m pip install --disable-pip-version-check --no-deps vllm==0.34.0 cachetools==8.0.2 \
       cbor2==6.3.0 compressed-tensors==0.17.0 einops==0.8.2 loguru==0.7.3 py-cpuinfo==9.0.0 pybase64==1.5.1 \
-      uvloop==0.23.0 urllib3==2.8.0 requests==2.34.2 charset-normalizer==3.5.3 certifi==2026.10.19.post1 \
-      aiohttp==3.14.5 aiohappyeyeballs==2.7.1 aiosignal==1.4.0 attrs==26.1.0 frozenlist==1.8.0 multidict==7.2.1 \
-      propcache==0.5.4 yarl==1.25.1 cloudpickle==3.1.3
+      uvloop==0.23.0 cloudpickle==3.1.3 "${HTTP_PKGS[@]}"
   .venv/bin/python scripts/fetch_aiter_oracle.py >/dev/null  # aiter's Triton quant and GEMM (v2's W_UK/W_UV)
 fi
 [ "$TESTS" = 1 ] || exit 0
