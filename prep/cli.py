@@ -232,23 +232,30 @@ def main(debug: bool) -> None:
 @main.command()
 @click.argument("src")
 @click.option("--revision", help="Hub revision when SRC is a repo id.")
+@click.option("--engine", "engine_name", metavar="NAME",
+              help="Show the layouts and TP sizes this engine's conversions allow (default: every engine prep "
+                   "converts for: atom, sglang, vllm).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @_quiet_option
 @_fail_cleanly
-def inspect(src: str, revision: str | None, as_json: bool, quiet: bool) -> None:
+def inspect(src: str, revision: str | None, engine_name: str | None, as_json: bool, quiet: bool) -> None:
     """Describe a Quark MXFP4 checkpoint (or a converted one): format, architecture, which tensors
-    are MXFP4 GEMM weights by module kind, and which layouts and TP sizes the shapes allow.
+    are MXFP4 GEMM weights by module kind, and, for each engine, which layouts and TP sizes the
+    shapes allow ("with --ep N" where only whole experts per rank convert).
 
     \b
     Examples:
       prep inspect ./DeepSeek-R1-0528-MXFP4
+      prep inspect ./DeepSeek-R1-0528-MXFP4 --engine vllm
       prep inspect r1-tp8 --json
     """
+    from .deepseek import engine_of
     from .describe import inspect_path
 
+    engines = [engine_of(engine_name)] if engine_name else None  # resolved once, here
     bar = Progress.shown("inspect", as_json, quiet, unit="check")
     try:
-        result, lines = inspect_path(src, revision, progress=bar, on_total=bar.total)
+        result, lines = inspect_path(src, revision, progress=bar, on_total=bar.total, engines=engines)
     finally:
         bar.close()
     _emit(result, as_json, lines)

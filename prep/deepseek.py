@@ -16,6 +16,7 @@ from typing import Any, Iterable, Iterator, Mapping
 
 from layouts.compat import EngineConfig
 from layouts.engines import DEFAULT_ENGINE, EngineProfile, ShardingRules, get_engine
+from layouts.errors import LayoutsError
 from layouts.mxfp4 import BLOCK_SIZE
 from layouts.registry import Layout, get_layout
 from layouts.sizes import ceil_div
@@ -328,10 +329,26 @@ def plan_groups(src: SourceCheckpoint, cls: Classified, target: Target) -> list[
         experts = _layer_experts(layer, mods, target, src)  # the same for every rank: checked once
         for rank in range(tp):
             per_rank[rank] += _layer_groups(layer, mods, rank, target, rules, part, experts, lays)
-    for groups in per_rank:
-        for g in groups:
-            g.check()
+    try:
+        for groups in per_rank:
+            for g in groups:
+                g.check()
+    except (PrepError, LayoutsError) as e:
+        raise _with_ep_fix(e, src, cls, target) from None
     return per_rank
+
+
+def _with_ep_fix(e: Exception, src: SourceCheckpoint, cls: Classified, target: Target) -> Exception:
+    """``e`` (a group this target cannot make), with ``--ep`` named where it is the fix that works:
+    with expert parallel each rank holds whole experts, so a MoE that does not split over ``--tp``
+    (its layout's shape rules, its intermediate) may still convert, if the engine runs it."""
+    if target.ep != 1 or target.tp == 1:
+        return e
+    try:
+        plan_groups(src, cls, dataclasses.replace(target, ep=target.tp))
+    except (PrepError, LayoutsError):
+        return e
+    return type(e)(f"{e}; with --ep {target.tp} (whole experts per rank) this converts")
 
 
 def target_for(engine: str, **options: Any) -> Target:

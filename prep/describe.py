@@ -10,13 +10,13 @@ import pathlib
 import tempfile
 from typing import Any, Callable
 
-from layouts.engines import engine_names, get_engine
+from layouts.engines import EngineProfile, engine_names, get_engine
 from layouts.errors import LayoutsError
 from layouts.manifest import MANIFEST_NAME
 
 from .convert import plan_files
 from .converted import ConvertedCheckpoint
-from .deepseek import Target, classify, plan_groups, split_bf16
+from .deepseek import classify, plan_groups, split_bf16, target_for
 from .errors import PrepError
 from .safetensors_writer import nbytes
 from .source import SourceCheckpoint, hub_offline, looks_like_repo_id
@@ -24,24 +24,33 @@ from .source import SourceCheckpoint, hub_offline, looks_like_repo_id
 TP_CANDIDATES = (1, 2, 4, 8, 16)
 
 
+def convertible_engines() -> list[EngineProfile]:
+    """The engines prep writes ranks' files for (those whose profile states sharding rules)."""
+    return [e for e in map(get_engine, engine_names()) if e.sharding is not None]
+
+
 def inspect_path(src: str, revision: str | None = None, progress: Callable[[int], None] | None = None,
-                 on_total: Callable[[int], None] | None = None) -> tuple[dict[str, Any], list[str]]:
-    """What ``src`` is; for a source, ``on_total`` gets the number of (layouts, TP) checks and
-    ``progress`` one per check done (each plans every group: seconds on a large model)."""
+                 on_total: Callable[[int], None] | None = None,
+                 engines: list[EngineProfile] | None = None) -> tuple[dict[str, Any], list[str]]:
+    """What ``src`` is; for a source, which layouts and TP sizes each of ``engines`` (default:
+    every engine prep converts for) can be converted to. ``on_total`` gets the number of
+    (engine, layouts, TP) checks and ``progress`` one per check done (each plans every group:
+    seconds on a large model)."""
     if (pathlib.Path(src) / MANIFEST_NAME).is_file():
         return _inspect_converted(src)
-    return _inspect_source(src, revision, progress, on_total)
+    return _inspect_source(src, revision, progress, on_total, engines or convertible_engines())
 
 
-def _inspect_source(spec: str, revision: str | None, progress: Callable[[int], None] | None = None,
-                    on_total: Callable[[int], None] | None = None) -> tuple[dict[str, Any], list[str]]:
+def _inspect_source(spec: str, revision: str | None, progress: Callable[[int], None] | None,
+                    on_total: Callable[[int], None] | None,
+                    engines: list[EngineProfile]) -> tuple[dict[str, Any], list[str]]:
     if not _remote_repo(spec):
-        return _describe_source(SourceCheckpoint.open(spec, revision), spec, progress, on_total)
+        return _describe_source(SourceCheckpoint.open(spec, revision), spec, progress, on_total, engines)
     from .hub_headers import cached_snapshot, mirror_headers
 
     local = cached_snapshot(spec, revision)
     if local is not None:  # all of it is in the hub cache already
-        return _describe_source(SourceCheckpoint.open(spec, revision), spec, progress, on_total)
+        return _describe_source(SourceCheckpoint.open(spec, revision), spec, progress, on_total, engines)
     with tempfile.TemporaryDirectory(prefix="prep-inspect-") as tmp:
         fetched = mirror_headers(spec, revision, pathlib.Path(tmp))
         src = SourceCheckpoint(pathlib.Path(tmp), {"kind": "hf-headers", "repo_id": spec,
@@ -49,7 +58,7 @@ def _inspect_source(spec: str, revision: str | None, progress: Callable[[int], N
         result, lines = _describe_source(src, f"{spec} (read from the hub: config, index and "
                                               f"{fetched['shards']} shard headers, "
                                               f"{fetched['header_bytes'] / 2**20:.1f} MiB; nothing downloaded)",
-                                         progress, on_total)
+                                         progress, on_total, engines)
     result["path"] = spec
     result["read_from_hub"] = fetched
     return result, lines
@@ -60,26 +69,41 @@ def _remote_repo(spec: str) -> bool:
     return not pathlib.Path(spec).expanduser().exists() and looks_like_repo_id(spec) and not hub_offline()
 
 
+def _status(src: SourceCheckpoint, cls, engine: EngineProfile, layout: str, moe: str, tp: int) -> str:
+    """"ok", "ok with --ep N" (the MoE converts only with whole experts per rank), or why not."""
+    try:
+        plan_groups(src, cls, target_for(engine.name, layout=layout, moe_layout=moe, tp=tp))
+        return "ok"
+    except (PrepError, LayoutsError) as e:  # a constraint this target breaks: say which, and the fix
+        why = str(e)
+    if tp > 1:
+        try:
+            plan_groups(src, cls, target_for(engine.name, layout=layout, moe_layout=moe, tp=tp, ep=tp))
+            return f"ok with --ep {tp}"
+        except (PrepError, LayoutsError):
+            pass
+    return why
+
+
 def _describe_source(src: SourceCheckpoint, label: str, progress: Callable[[int], None] | None,
-                     on_total: Callable[[int], None] | None) -> tuple[dict[str, Any], list[str]]:
+                     on_total: Callable[[int], None] | None,
+                     engines: list[EngineProfile]) -> tuple[dict[str, Any], list[str]]:
     cls = classify(src)
     kinds = collections.Counter(cls.modules.values())
     bf16 = collections.Counter(src.tensors[n].dtype for n in cls.passthrough)
-    support: dict[str, dict[str, str]] = {}
-    targets = get_engine().inspect_targets()  # every pair of layouts a configuration of the engine reads
+    # every pair of layouts some configuration of each engine reads, at each TP size
+    targets = {e.name: e.inspect_targets() for e in engines}
     if on_total:
-        on_total(len(targets) * len(TP_CANDIDATES))
-    for layout, moe in targets:
-        row = {}
-        for tp in TP_CANDIDATES:
-            try:
-                plan_groups(src, cls, Target(layout, moe, tp))
-                row[str(tp)] = "ok"
-            except (PrepError, LayoutsError) as e:  # a constraint this target breaks: say which
-                row[str(tp)] = str(e)
-            if progress:
-                progress(1)
-        support[f"{layout}+{moe}"] = row
+        on_total(sum(map(len, targets.values())) * len(TP_CANDIDATES))
+    support: dict[str, dict[str, dict[str, str]]] = {}
+    for engine in engines:
+        table = support[engine.name] = {}
+        for layout, moe in targets[engine.name]:
+            row = table[f"{layout}+{moe}"] = {}
+            for tp in TP_CANDIDATES:
+                row[str(tp)] = _status(src, cls, engine, layout, moe, tp)
+                if progress:
+                    progress(1)
     result = {
         "path": str(src.root), "format": "quark-mxfp4", "arch": cls.arch, "num_layers": cls.num_layers,
         "mtp_layers": cls.mtp_layers, "files": len(src.files), "tensors": len(src.tensors), "bytes": src.nbytes(),
@@ -105,23 +129,27 @@ def _describe_source(src: SourceCheckpoint, label: str, progress: Callable[[int]
              "  MXFP4 GEMM weights by module kind: " + ", ".join(f"{k} {v}" for k, v in sorted(kinds.items())),
              "  not MXFP4 (bytes unchanged, split per rank as the engine holds them): "
              + ", ".join(f"{v} {k}" for k, v in sorted(bf16.items()))]
-    for combo, row in support.items():
-        ok = [tp for tp, r in row.items() if r == "ok"]
-        bad = {tp: r for tp, r in row.items() if r != "ok"}
-        lines.append(f"  {combo}: tp {', '.join(ok) or 'none'}"
-                     + (f"; tp {min(bad, key=int)} refused: {bad[min(bad, key=int)]}" if bad else ""))
+    for engine in engines:
+        lines.append(f"  {engine.display_name} (--engine {engine.name}), layouts by TP size:")
+        for combo, row in support[engine.name].items():
+            ok = [tp if r == "ok" else f"{tp} (with --ep {tp})" for tp, r in row.items() if r.startswith("ok")]
+            bad = {tp: r for tp, r in row.items() if not r.startswith("ok")}
+            lines.append(f"    {combo}: tp {', '.join(ok) or 'none'}"
+                         + (f"; tp {min(bad, key=int)} refused: {bad[min(bad, key=int)]}" if bad else ""))
     lines += [f"  note for {engine}: {line}" for engine, said in notes.items() for line in said]
-    # What a conversion with the default layouts writes, against the free space where a default
-    # OUT goes (the current folder): planned from the headers alone, no byte of data read.
-    default = Target()
+    # What a conversion with the first engine's default layouts writes, against the free space where
+    # a default OUT goes (the current folder): planned from the headers alone, no byte of data read.
+    default = target_for(engines[0].name)
     written = {}
     for tp in (1, 2, 4, 8):
-        if support.get(f"{default.layout}+{default.moe_layout}", {}).get(str(tp)) == "ok":
-            written[str(tp)] = sum(j.nbytes for j in plan_files(src, dataclasses.replace(default, tp=tp))[0])
+        status = support[engines[0].name].get(f"{default.layout}+{default.moe_layout}", {}).get(str(tp), "")
+        if status.startswith("ok"):
+            ep = tp if status != "ok" else 1
+            written[str(tp)] = sum(j.nbytes for j in plan_files(src, dataclasses.replace(default, tp=tp, ep=ep))[0])
     free = shutil.disk_usage(pathlib.Path.cwd()).free
     result.update(output_bytes_by_tp=written, free_bytes_here=free)
     if written:
-        lines.append(f"  a conversion with {default.layout}+{default.moe_layout} writes "
+        lines.append(f"  a conversion for {engines[0].display_name} with {default.layout}+{default.moe_layout} writes "
                      + ", ".join(f"{n / 2**30:.2f} GiB at tp {tp}" for tp, n in written.items())
                      + f"; {free / 2**30:.1f} GiB free here (where a default output folder goes)")
         # Measured, not guessed at: convert ran at 0.47-1.02x of `cp -r; sync` of the same bytes

@@ -96,8 +96,10 @@ def test_help_and_version_still_exit_0():
 def test_inspect_lists_every_layout_pair_the_engine_reads(src, tmp_path):
     r = invoke("inspect", src, "--json")
     assert r.exit_code == 0, r.output
-    listed = json.loads(r.stdout)["layouts_by_tp"]
-    engine = layouts.get_engine()  # ATOM: every dense layout with every MoE layout but SGLang's ck-3d
+    by_engine = json.loads(r.stdout)["layouts_by_tp"]
+    assert set(by_engine) == {"atom", "sglang", "vllm"}  # every engine prep converts for, when none is named
+    listed = by_engine["atom"]
+    engine = layouts.get_engine("atom")  # every dense layout with every MoE layout but SGLang's ck-3d
     readable = {(engine.dense_layout(p), m) for p in engine.gemm_paths for m in engine.moe_layouts.values()}
     assert set(listed) == {f"{d}+{m}" for d, m in readable} and len(listed) == 2 * 3
     # The pair the issue found missing: it converts and an engine configuration reads it.
@@ -364,3 +366,19 @@ def test_the_prep_command_leaves_at_once_with_its_output_whole_and_its_exit_stat
     assert r.returncode == 2 and "no such option" in r.stderr.lower()
     r = prep("--version")
     assert r.returncode == 0 and r.stdout.startswith("prep, version ")
+
+
+def test_inspect_for_one_engine_says_where_only_expert_parallel_converts_and_convert_names_it(src, tmp_path):
+    # vLLM's ck-3d MoE does not split the tiny checkpoint's experts over TP 2 (K/32 % 8), but whole
+    # experts per rank (--ep 2) convert: inspect says so for vLLM, and convert's refusal names it.
+    r = invoke("inspect", src, "--engine", "vllm", "--json")
+    assert r.exit_code == 0, r.output
+    assert list(json.loads(r.stdout)["layouts_by_tp"]) == ["vllm"]
+    assert json.loads(r.stdout)["layouts_by_tp"]["vllm"]["non-shuffle-t+ck-3d"]["2"] == "ok with --ep 2"
+    r = invoke("inspect", src, "--engine", "vllm")
+    assert "  vLLM (--engine vllm), layouts by TP size:" in r.stdout and "tp 1, 2 (with --ep 2)" in r.stdout
+    r = invoke("convert", src, "-o", tmp_path / "out", "--engine", "vllm", "--tp", "2")
+    assert r.exit_code == 1 and r.stderr.strip().endswith("with --ep 2 (whole experts per rank) this converts")
+    assert invoke("convert", src, "-o", tmp_path / "out", "--engine", "vllm", "--tp", "2", "--ep", "2").exit_code == 0
+    r = invoke("inspect", src, "--engine", "nope")
+    assert r.exit_code == 1 and "unknown engine 'nope'; known: atom, sglang, vllm" in r.stderr

@@ -245,8 +245,9 @@ def test_cli_convert_json_and_verify(sources, tmp_path):
     assert r.exit_code == 0 and json.loads(r.output)["ok"] is True
     r = runner.invoke(main, ["inspect", str(sources["v2"]), "--json"])
     info = json.loads(r.output)
-    assert info["mxfp4_modules_by_kind"]["q_b_proj"] == 4 and info["layouts_by_tp"]["preshuffle+ck"]["4"] == "ok"
-    assert "K % 64" in info["layouts_by_tp"]["preshuffle+ck"]["8"]
+    atom = info["layouts_by_tp"]["atom"]
+    assert info["mxfp4_modules_by_kind"]["q_b_proj"] == 4 and atom["preshuffle+ck"]["4"] == "ok"
+    assert "K % 64" in atom["preshuffle+ck"]["8"]
 
 
 def test_resume_reuses_verified_files_and_redoes_damaged_ones(sources, tmp_path, monkeypatch):
