@@ -57,7 +57,6 @@ import pickle
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from unittest import mock
 
@@ -377,13 +376,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpu-arch", default="gfx950", choices=["gfx950", "gfx942"], help="the GPU ATOM is told it runs on")
     ap.add_argument("--no-mtp", action="store_true", help="serve without the MTP draft model")
     args = ap.parse_args(argv)
-    work = args.work or pathlib.Path(tempfile.mkdtemp(prefix="atom-serve-check-"))
-    work.mkdir(parents=True, exist_ok=True)
-    result = check(args.source, args.converted, engine_sources.trees(args.oracles or engine_sources.require(), work), work, args.gpu_arch, not args.no_mtp, extra)
+    scratch = engine_sources.Scratch(args.work, "atom-serve-check-")
+    trees = engine_sources.trees(args.oracles or engine_sources.require(), scratch.path)
+    result = check(args.source, args.converted, trees, scratch.path, args.gpu_arch, not args.no_mtp, extra)
     print("\n".join(result["lines"]))
-    door = result["door"]
-    print(f"ATOM on the source: {result['reference']['seconds']:.1f} s; the door: {door['seconds']:.1f} s "
-          f"(records under {work})")
+    door, note = result["door"], scratch.done(result["ok"])
+    print(f"ATOM on the source: {result['reference']['seconds']:.1f} s; the door: {door['seconds']:.1f} s"
+          + (f" ({note})" if note else ""))
     return 0 if result["ok"] else 1
 
 

@@ -36,7 +36,6 @@ import os
 import pathlib
 import subprocess
 import sys
-import tempfile
 import types
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -246,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
                              f"scripts/setup_env.sh --{args.engine}`, which makes {python.parent.parent.name}")
     import engine_sources
 
-    work = args.work or pathlib.Path(tempfile.mkdtemp(prefix=f"{args.engine}-check-"))
+    scratch = engine_sources.Scratch(args.work, f"{args.engine}-check-")
+    work = scratch.path
     atom_dir, aiter_src = engine_sources.trees(args.oracles or engine_sources.require(), work)
     if args.engine == "sglang":
         ok = check_sglang(args.source, args.converted, work, aiter_src)
@@ -254,6 +254,9 @@ def main(argv: list[str] | None = None) -> int:
         ok = check_vllm(args.source, args.converted, work, aiter_src, args.asm_tuned)
     else:
         ok = check_atom(args.source, args.converted, work, atom_dir, aiter_src)
+    note = scratch.done(ok)
+    if note:
+        print(note)
     return 0 if ok else 1
 
 

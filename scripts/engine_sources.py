@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -81,6 +82,23 @@ def trees(folder: pathlib.Path, work: pathlib.Path) -> tuple[pathlib.Path, pathl
             tmp.rmdir()
         found.append(dest)
     return found[0], found[1]
+
+
+class Scratch:
+    """A check's work folder: the one given (kept), or a temporary one that :meth:`done` removes
+    when the check passed and keeps, saying where, when it failed (what is in it explains why)."""
+
+    def __init__(self, given: pathlib.Path | None, prefix: str):
+        self.temporary = given is None
+        self.path = pathlib.Path(tempfile.mkdtemp(prefix=prefix)) if given is None else given
+        self.path.mkdir(parents=True, exist_ok=True)
+
+    def done(self, ok: bool) -> str:
+        """Clean up; what to say about the folder ("" where nothing is left of it)."""
+        if self.temporary and ok:
+            shutil.rmtree(self.path, ignore_errors=True)
+            return ""
+        return f"records under {self.path}"
 
 
 def fetch(into: pathlib.Path = FETCHED) -> None:

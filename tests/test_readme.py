@@ -169,3 +169,24 @@ def test_blocks_are_found_with_their_markers():
     one, two = readme_blocks(text)
     assert (one.lang, one.code, one.marker, one.why, one.line) == ("bash", "echo 1\n", "skip", "why not", 3)
     assert (two.lang, two.marker) == ("python", None)
+
+
+def test_the_manifest_format_the_readme_names_is_the_one_written():
+    from layouts.manifest import FORMAT_VERSION
+
+    said = re.findall(r"That is manifest format (\d+)", README.read_text())
+    assert said == [str(FORMAT_VERSION)], f"README says manifest format {said}; prep writes {FORMAT_VERSION}"
+
+
+def test_the_test_counts_the_docs_give_are_this_suites_within_five_percent():
+    # The README and docs/testing.md quote how many tests ran: a count that drifted more than 5% from
+    # what pytest collects now (tests added or removed since) must be measured again.
+    r = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:randomly", str(ROOT / "tests")],
+                       capture_output=True, text=True, cwd=ROOT)
+    collected = int(re.search(r"(\d+) tests? collected", r.stdout).group(1))
+    counts = [int(n) for n in re.findall(r"\b(\d{3,5}) tests\b", README.read_text())]
+    testing = (ROOT / "docs" / "testing.md").read_text()
+    counts += [int(a) + int(b) for a, b in re.findall(r"\b(\d{3,5}) passed, (\d+) skipped", testing)]
+    assert counts, "no test count found in README.md or docs/testing.md"
+    for n in counts:
+        assert abs(n - collected) <= collected // 20, f"a doc says {n} tests; pytest collects {collected} now"
