@@ -163,6 +163,22 @@ def _size(path: pathlib.Path) -> int | None:
         return None
 
 
+def _unchanged(path: pathlib.Path, recorded: dict) -> bool:
+    """Whether the side file at ``path`` still holds what prep wrote there: the size and the
+    xxh3-128 that ``recorded`` gives (either may be absent: a manifest of an older prep records
+    sizes only). A missing or irregular file is not prep's to delete."""
+    from .identity import xxh3_file
+
+    if "size" in recorded and _size(path) != recorded["size"]:
+        return False
+    if "xxh3_128" not in recorded:
+        return _size(path) is not None
+    try:
+        return xxh3_file(path) == recorded["xxh3_128"]
+    except OSError:
+        return False
+
+
 def prep_files_in(folder: pathlib.Path) -> set[str] | None:
     """The names prep wrote into ``folder``, from its manifest or revert marker; None when the
     folder holds neither (it is not an output of prep)."""
@@ -180,9 +196,10 @@ def prep_files_in(folder: pathlib.Path) -> set[str] | None:
             raw = json.loads(sealed[1])
             names = {n for n in raw["files"] if isinstance(n, str) and n.endswith(".safetensors")}
             had = raw["source"]["files"]
-            # copied only where the source had them, and still the size the source's was: one edited in
-            # OUT since (a tuned generation_config.json) is the user's work now
-            side = {n for n in _side_files() if n in had and _size(folder / n) == had[n].get("size")}
+            # copied only where the source had them, and still the bytes the source's had (its size, and its
+            # hash where the manifest records one): one edited in OUT since (a tuned generation_config.json,
+            # "temperature": 0.6 -> 0.7 at the same size) is the user's work now
+            side = {n for n in _side_files() if n in had and _unchanged(folder / n, had[n])}
             # the source tensor table (format 4), under prep's one name for it only
             table = {SOURCE_TABLE_NAME} if "tensors_file" in raw["source"] else set()
         except (OSError, ValueError, KeyError, TypeError):
@@ -191,11 +208,15 @@ def prep_files_in(folder: pathlib.Path) -> set[str] | None:
         return names | side | table | {MANIFEST_NAME, COMPLETE_NAME}
     if marker.is_file():
         try:
-            listed = json.loads(_read_own(folder, REVERT_MARKER))["files"]
-            # what revert writes: the source's shards, its index and the side files; no other name counts
+            raw = json.loads(_read_own(folder, REVERT_MARKER))
+            listed, hashes = raw["files"], raw.get("side_files")
+            # what revert writes: the source's shards, its index and the side files; no other name counts,
+            # and a side file only while it holds what revert wrote (the marker's hash; a marker of an older
+            # prep records none: its size cannot be told from the user's either, so it counts as before)
             names = {n for n in listed if isinstance(n, str) and (
-                n.endswith(".safetensors") or n.endswith(".safetensors.index.json") or n in _side_files())}
-        except (OSError, ValueError, KeyError, TypeError):
+                n.endswith(".safetensors") or n.endswith(".safetensors.index.json")
+                or (n in _side_files() and (hashes is None or _unchanged(folder / n, {"xxh3_128": hashes.get(n)}))))}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
             raise PrepError(f"{marker}: unreadable, so prep cannot tell which files are its own; remove the folder "
                             "yourself or choose another -o") from None
         return names | {REVERT_MARKER}
@@ -316,8 +337,8 @@ class OutputFolder:
         if foreign is not None:
             why = ("prep did not write it" if own is not None else
                    "the folder is not an output of prep (no prep-manifest.json or prep-revert.json)")
-            if own is not None and foreign in _side_files() and (p / MANIFEST_NAME).is_file():
-                why = "prep did not write it, or it was edited since prep copied it (its size is not the source's)"
+            if own is not None and foreign in _side_files():
+                why = "prep did not write it, or it was edited since prep wrote it (its bytes are not the ones prep wrote)"
             raise PrepError(f"{self.flag} {self.given}: --force replaces only a folder prep wrote, but it holds "
                             f"{foreign!r} and {why}; move it away or choose another output folder")
         self._check_deletable(p)

@@ -18,6 +18,7 @@ from . import __version__
 from .convert import shard_names
 from .converted import ConvertedCheckpoint
 from .errors import PrepError
+from .identity import side_file_changed, xxh3_file
 from .outdir import REVERT_MARKER, OutputFolder, copy_regular, write_json
 from .source import INDEX_NAME, SIDE_FILES
 from .safetensors_writer import TORCH_DTYPES, StreamingSafetensorsWriter, nbytes
@@ -48,22 +49,24 @@ def revert(out: str, dest: str | pathlib.Path, force: bool = False, verify: bool
             total = sum(size(n) for n in weight_map)
             (folder.staging / INDEX_NAME).write_text(
                 json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
-            written = [fname for fname, _ in shards] + [INDEX_NAME]
+            written, hashes = [fname for fname, _ in shards] + [INDEX_NAME], {}
             for f in SIDE_FILES:
                 recorded = ck.manifest.source.files.get(f)  # convert copied the source's side files as they were
                 if recorded is not None and (ck.root / f).is_file():
                     problem = member_problem(ck.root, f)
                     if problem:  # e.g. a symlink out of the folder: never copy what it points at
                         raise PrepError(f"{ck.root}: {problem}; replace it with the file itself")
-                    size = (ck.root / f).stat().st_size
-                    if size != recorded.size:
-                        raise PrepError(f"{ck.root / f}: {size} bytes, the source's was {recorded.size}: changed "
-                                        f"since the conversion; put the source's {f} back")
+                    problem = side_file_changed(ck.root / f, recorded)
+                    if problem:
+                        raise PrepError(problem)
                     copy_regular(ck.root / f, folder.staging / f)
                     written.append(f)
-            # Written last: says which files are prep's (what a later --force may replace).
+                    hashes[f] = xxh3_file(folder.staging / f)  # what was written, read back
+            # Written last: says which files are prep's (what a later --force may replace: the side
+            # files only while they hold these bytes).
             write_json(folder.staging / REVERT_MARKER, {
-                "id": f"revert:{ck.manifest_sha256}", "tool": f"prep {__version__}", "files": sorted(written)})
+                "id": f"revert:{ck.manifest_sha256}", "tool": f"prep {__version__}", "files": sorted(written),
+                "side_files": hashes})
             folder.commit()
     return {"dest": str(dest), "tensors": len(weight_map), "files": len(shards), "bytes": total}
 

@@ -297,19 +297,17 @@ class SourceCheckpoint:
         return out
 
     def fingerprint(self, hash_files: bool = False) -> dict[str, Any]:
-        """Where the source came from, and each file's size (and xxh3-128 hash on request)."""
-        import xxhash
+        """Where the source came from, and each file's size, with its xxh3-128 hash for every side
+        file (a few MB: what a later ``--force``, ``verify`` and ``revert`` tell the user's edits
+        by) and, on request, for the shards too."""
+        from .identity import xxh3_file
 
         files = {}
         for fname in sorted(set(self.files) | {p.name for p in self.side_files()}):
             p = self.root / fname
             entry: dict[str, Any] = {"size": p.stat().st_size}
-            if hash_files:
-                h = xxhash.xxh3_128()
-                with open(p, "rb") as f:
-                    for chunk in iter(lambda: f.read(1 << 24), b""):
-                        h.update(chunk)
-                entry["xxh3_128"] = h.hexdigest()
+            if hash_files or fname not in self.files:
+                entry["xxh3_128"] = xxh3_file(p)
             files[fname] = entry
         return {**self.origin, "files": files}
 

@@ -20,7 +20,8 @@ from .errors import PrepError
 from .groups import group_from_record
 from .prefetch import Prefetch
 from .safetensors_writer import nbytes
-from .source import SourceCheckpoint
+from .identity import side_file_changed
+from .source import SIDE_FILES, SourceCheckpoint
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 # Units (a group's or a pass-through tensor's source tensors) inverted and compared at once by
@@ -59,6 +60,13 @@ def verify(out: str, source: str | None = None, deep: bool = False,
         if path.stat().st_size != meta.size:
             raise PrepError(f"{path}: size {path.stat().st_size} differs from the manifest's {meta.size}; "
                             "the file is truncated or was replaced")
+    # The side files convert copied from the source (config, tokenizer, ...): an engine reads them with
+    # the weights, so an edited config.json is as wrong as an edited tensor.
+    for fname, recorded in sorted((m.source.files if m.source else {}).items()):
+        if fname in SIDE_FILES and (ck.root / fname).is_file():
+            problem = side_file_changed(ck.root / fname, recorded)
+            if problem:
+                raise PrepError(problem)
     if on_total:
         on_total(sum(nbytes(t.dtype, t.shape) for t in m.tensors)
                  + (sum(nbytes(s.dtype, s.shape) for s in ck.source_tensors.values()) if inverting else 0))

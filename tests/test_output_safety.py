@@ -140,13 +140,42 @@ def test_force_never_deletes_a_file_named_like_a_side_file_the_source_did_not_ha
     assert snapshot(workspace) == before and no_work_left(out)
 
 
-def test_force_never_deletes_a_side_file_edited_since_prep_copied_it(workspace):
+def _same_size_edit(path: pathlib.Path) -> None:
+    """A user's tuning of a JSON side file that keeps its size ("temperature": 0.6 -> 0.7)."""
+    raw = path.read_bytes()
+    digit = next(i for i, b in enumerate(raw) if chr(b).isdigit())
+    path.write_bytes(raw[:digit] + (b"7" if raw[digit:digit + 1] != b"7" else b"8") + raw[digit + 1:])
+
+
+@pytest.mark.parametrize("edit", ["longer", "same size"])
+def test_force_never_deletes_a_side_file_edited_since_prep_copied_it(workspace, edit):
     out = workspace / "out"
-    (out / "generation_config.json").write_text((out / "generation_config.json").read_text() + "\n")  # tuned
+    side = out / "generation_config.json"
+    if edit == "longer":
+        side.write_text(side.read_text() + "\n")  # tuned
+    else:
+        _same_size_edit(side)  # the size alone cannot tell it: the manifest's hash does
     before = snapshot(workspace)
     one_line_error(prep("convert", workspace / "src", "-o", out, "--force"), "'generation_config.json'",
-                   "edited since prep copied it")
+                   "edited since prep wrote it")
     assert snapshot(workspace) == before and no_work_left(out)
+
+
+def test_verify_and_revert_refuse_a_side_file_edited_at_the_same_size(workspace, tmp_path):
+    out = workspace / "out"
+    _same_size_edit(out / "config.json")
+    one_line_error(prep("verify", out), "config.json: its bytes differ from the source's", "put the source's")
+    one_line_error(prep("revert", out, "-o", tmp_path / "rt"), "config.json: its bytes differ from the source's")
+    assert not (tmp_path / "rt").exists()
+
+
+def test_revert_force_never_deletes_a_side_file_edited_since_revert_wrote_it(workspace, tmp_path):
+    rt = tmp_path / "rt"
+    assert prep("revert", workspace / "out", "-o", rt).returncode == 0
+    _same_size_edit(rt / "config.json")  # the user's edit of the rebuilt checkpoint, any size
+    before = snapshot(tmp_path)
+    one_line_error(prep("revert", workspace / "out", "-o", rt, "--force"), "'config.json'", "prep did not write it")
+    assert snapshot(tmp_path) == before
 
 
 def test_force_trusts_only_a_sealed_manifest_and_of_it_only_the_files_prep_writes(workspace):
