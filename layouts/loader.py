@@ -22,7 +22,7 @@ import torch
 
 from .compat import EngineConfig, check_compatibility
 from .device_load import read_to_device
-from .manifest import COMPLETE_NAME, MANIFEST_NAME, Manifest, ManifestError, TensorRecord, load_manifest
+from .manifest import COMPLETE_NAME, FILE_NAME_KEY, MANIFEST_NAME, Manifest, ManifestError, TensorRecord, load_manifest
 from .safe_files import read_regular
 from .safetensors_file import TORCH_DTYPES, SafetensorsFile, SafetensorsFileError, map_all, tensor_hash
 
@@ -213,6 +213,10 @@ def _load_file(manifest: Manifest, fname: str, recs: list[TensorRecord], device:
     staged = device.type == "cuda" and not verify_hashes
     try:
         f = SafetensorsFile(via / fname)
+        named = f.metadata.get(FILE_NAME_KEY)
+        if named is not None and named != fname:  # files of a prep before 2026-12-06 name none
+            raise ManifestError(f"{path}: holds the tensors prep wrote as {str(named)[:200]!r}: the folder's files were "
+                                "renamed or swapped; convert again")
         if staged:
             buf, views = read_to_device(f, device, direct=direct)
         else:

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
 MANIFEST_NAME = "prep-manifest.json"
 COMPLETE_NAME = "prep-complete.json"
+FILE_NAME_KEY = "prep_file"  # in each written file's safetensors metadata: the name prep wrote it under
 # The source's tensor table (every source tensor's dtype, shape and shard), from version 4 a file
 # of its own that the manifest names and hashes: only verify, revert and inspect read it, and at
 # R1-0528's 90,910 tensors it was 61% of the manifest's JSON and 69% of parsing it, which every

@@ -170,6 +170,7 @@ class SafetensorsFile:
                                        "truncated or corrupt") from None
         self.data_offset = base = 8 + n
         self.tensors: dict[str, TensorInfo] = {}
+        self.metadata: dict = {}  # the header's "__metadata__" (strings to strings, by the format)
         if not isinstance(header, dict):
             raise SafetensorsFileError(f"{path}: the header is not a JSON object; the file is corrupt")
         fname, tensors, itemsize = path.name, self.tensors, ITEMSIZE
@@ -178,6 +179,7 @@ class SafetensorsFile:
         try:
             for name, meta in header.items():  # the hot loop of opening a checkpoint: kept lean
                 if name == "__metadata__":
+                    self.metadata = meta if isinstance(meta, dict) else {}
                     continue
                 if not name.isprintable():  # messages name tensors, on one line
                     raise SafetensorsFileError(f"{path}: tensor name {name!r} holds control characters; the file is corrupt")

@@ -26,7 +26,7 @@ import torch
 import layouts
 from layouts import manifest as schema
 from layouts.engines import Constant
-from layouts.manifest import COMPLETE_NAME, MANIFEST_NAME, compress_names, manifest_hash
+from layouts.manifest import COMPLETE_NAME, FILE_NAME_KEY, MANIFEST_NAME, compress_names, manifest_hash
 from layouts.safetensors_file import TORCH_DTYPES, TensorInfo
 
 from . import __version__
@@ -273,8 +273,11 @@ def _write_into(src: SourceCheckpoint, jobs: list[FileJob], tmps: list[pathlib.P
     each file's hashes."""
     staging = _staging_bytes(len(jobs))
     with contextlib.ExitStack() as stack:
+        # Each file names itself in its header (FILE_NAME_KEY): a loader then refuses a rank file renamed
+        # into another's place (two ranks' files swapped hold the same tensor names).
         writers = [stack.enter_context(StreamingSafetensorsWriter(tmp, job.entries, staging_bytes=staging,
-                                                                  write_depth=depth))
+                                                                  write_depth=depth,
+                                                                  metadata={"format": "pt", FILE_NAME_KEY: job.name}))
                    for job, tmp in zip(jobs, tmps)]
 
         def room_in(w: StreamingSafetensorsWriter) -> Alloc:

@@ -928,3 +928,21 @@ def test_a_config_whose_sizes_are_not_its_tensors_is_refused_before_converting(m
     assert_one_line_error(run_cli("convert", src, "-o", out, "--tp", "2"), f"{src / 'config.json'}: ", module,
                           "config.json is not this checkpoint's")
     assert nothing_left(out)
+
+
+def test_two_ranks_files_swapped_by_renaming_are_refused_by_every_loader(made, tmp_path):
+    # Same tensor names, same sizes, manifest untouched: without the name each file carries in its
+    # header (its safetensors metadata), rank 0 would load rank 1's slices and compute garbage.
+    out = copy(made["out"], tmp_path / "out")
+    r0, r1 = (sorted(out.glob(f"model-tp2-rank{r}-*.safetensors")) for r in (0, 1))
+    assert len(r0) == len(r1) == 1
+    tmp = out / "swap"
+    r0[0].rename(tmp)
+    r1[0].rename(r0[0])
+    tmp.rename(r1[0])
+    for rank in (0, 1):
+        with pytest.raises(ManifestError, match="holds the tensors prep wrote as .* renamed or swapped; convert again"):
+            L.load_rank(out, rank)
+        with pytest.raises(ManifestError, match="renamed or swapped"):
+            list(L.iter_rank_files(out, rank))
+    assert SafetensorsFile(made["out"] / r0[0].name).metadata["prep_file"] == r0[0].name

@@ -115,7 +115,7 @@ def test_the_runtime_wheel_needs_torch_alone_and_the_cli_wheel_the_rest(wheels):
     assert [r for r in requires if "extra ==" in r] == ['xxhash>=3.0; extra == "hashes"']
     assert "layouts/loader.py" in listing and "prep/cli.py" not in listing
     requires, listing = _meta(cli)
-    assert {"click>=8.1", "tqdm>=4.60", "huggingface_hub>=0.20", "xxhash>=3.0"} <= set(requires)
+    assert {"click>=8.1", "tqdm>=4.60", "huggingface_hub>=0.34", "xxhash>=3.0"} <= set(requires)
     assert "prep = prep.cli:run" in listing and "prep/cli.py" in listing and "layouts/loader.py" in listing
 
 
