@@ -343,6 +343,13 @@ def tensors(target: torch.nn.Module, draft: torch.nn.Module) -> dict[str, torch.
     return out
 
 
+def swizzle_labels(target: torch.nn.Module, draft: torch.nn.Module) -> dict[str, str | None]:
+    """Every ``*_swizzle_layout`` attribute of both models' modules (the label ATOM's Triton MoE
+    passes its kernels with each scale), by "main:"/"draft:" name."""
+    return {f"{w}:{name}.{k}": v for w, m in (("main", target), ("draft", draft)) if m is not None
+            for name, module in m.named_modules() for k, v in vars(module).items() if k.endswith("_swizzle_layout")}
+
+
 def shuffled_flags(target: torch.nn.Module, draft: torch.nn.Module) -> dict[str, bool]:
     """``is_shuffled`` of every parameter, absent read as False (as aiter and ATOM read it)."""
     return {f"{w}:{n}": bool(getattr(p, "is_shuffled", False)) for w, m in (("main", target), ("draft", draft))

@@ -10,9 +10,10 @@ loaded" warning.
 DIR is the folder holding ATOM's and aiter's pinned sources, as tarballs or git checkouts (default:
 where ``scripts/engine_sources.py`` finds them: ``$PREP_ORACLES``, ``shared/oracles`` beside the
 checkout, or ``.cache/engine-sources`` after ``engine_sources.py fetch``; tarballs are unpacked under
-``--work``). TP and EP come from OUT's manifest, ATOM's switches from the
-manifest's layout (``asm`` for ``preshuffle``, ``ATOM_USE_FP4_NON_SHUFFLE_TRITON_GEMM=1`` for
-``non-shuffle``; the CK MoE, ``ATOM_USE_TRITON_MOE=0``) unless the environment sets them. The
+``--work``). TP and EP come from OUT's manifest, ATOM's switches from the manifest's layouts, as
+``prep convert`` printed them (``asm`` for ``preshuffle``, ``ATOM_USE_FP4_NON_SHUFFLE_TRITON_GEMM=1``
+for ``non-shuffle``; ``ATOM_USE_TRITON_MOE=1`` for the ``triton`` MoE layouts, ``=0`` for ``ck``),
+unless the environment sets them (the seed's test plan also sets both DeepSeek fusion switches). The
 server options are those of ATOM's test plan for this feature (``--kv_cache_dtype fp8
 --gpu-memory-utilization 0.8 --no-enable_prefix_caching``) with the MTP draft model on
 (``--method mtp --num-speculative-tokens 1``); options after ``--`` are added.
@@ -58,6 +59,7 @@ import shutil
 import subprocess
 import sys
 import time
+import traceback
 from unittest import mock
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -71,15 +73,19 @@ TEST_PLAN = ["--kv_cache_dtype", "fp8", "--gpu-memory-utilization", "0.8", "--no
 MTP = ["--method", "mtp", "--num-speculative-tokens", "1"]
 
 
-def switches(layout: str) -> dict[str, str]:
-    """ATOM's switches that read ``layout``, as the check runs it (the CK MoE throughout)."""
-    from layouts.engines.atom import ENV_NON_SHUFFLE, ENV_TRITON_MOE
-    from layouts.registry import NON_SHUFFLE
+def switches(target) -> dict[str, str]:
+    """ATOM's switches that read the manifest ``target``'s layouts, as ``prep convert`` printed them
+    (the profile's serve command: the GEMM path's switch and the MoE back end's, set explicitly)."""
+    import shlex
 
-    env = {ENV_TRITON_MOE: "0"}
-    if layout == NON_SHUFFLE.name:
-        env[ENV_NON_SHUFFLE] = "1"
-    return env
+    from layouts.engines.atom import PROFILE
+
+    cmd = PROFILE.serve_command("x", target.tp, target.ep, target.layout, target.moe_layout)
+    if cmd is None:
+        raise SystemExit(f"ATOM's door serves no configuration reading layout {target.layout} with MoE layout "
+                         f"{target.moe_layout}")
+    words = shlex.split(cmd)
+    return dict(w.split("=", 1) for w in words[:words.index("prep-atom-serve")])
 
 
 # ---------------------------------------------------------------------------- a worker process
@@ -165,6 +171,7 @@ def worker(setup: dict) -> int:
                 runner = done.runner
             except Exception as e:  # noqa: BLE001 - a refusal (the door's one line) or ATOM failing
                 result["refused"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                result["where"] = [f"{f.filename}:{f.lineno} {f.name}" for f in traceback.extract_tb(e.__traceback__)[-4:]]
                 result["params_created"] = params["created"]
                 break
             drafter = getattr(runner, "drafter", None)
@@ -172,7 +179,8 @@ def worker(setup: dict) -> int:
             # each its own copy: the adapter's tensors are views of one file buffer under several dtypes
             tensors = {k: v.detach().clone() for k, v in check_atom_install.tensors(runner.model, draft).items()}
             flags = check_atom_install.shuffled_flags(runner.model, draft)
-            torch.save({"tensors": tensors, "flags": flags}, out / f"rank{rank}-fill{fill}.pt")
+            labels = check_atom_install.swizzle_labels(runner.model, draft)
+            torch.save({"tensors": tensors, "flags": flags, "labels": labels}, out / f"rank{rank}-fill{fill}.pt")
             result["fills"].append({
                 "fill": fill, "runner": type(runner).__qualname__, "runner_module": type(runner).__module__,
                 "draft": drafter is not None, "draft_head_shared": _head_shared(runner),
@@ -298,7 +306,7 @@ def check(source: pathlib.Path, converted: pathlib.Path, trees: tuple[pathlib.Pa
     target = load_manifest(converted).target
     argv = server_argv(converted, mtp, extra)
     if env is None:
-        env = {k: v for k, v in switches(target.layout).items() if k not in os.environ}
+        env = {k: v for k, v in switches(target).items() if k not in os.environ}
     ref_dir, door_dir = work / "atom-on-source", work / door_name
     if reuse_reference and (ref_dir / "server.json").is_file():
         ref = json.loads((ref_dir / "server.json").read_text())
@@ -328,6 +336,9 @@ def check(source: pathlib.Path, converted: pathlib.Path, trees: tuple[pathlib.Pa
                 check_atom_install.compare(refs[0]["tensors"], refs[1]["tensors"], got_ff["tensors"])[3]]
         bad += [f"{k}: is_shuffled {v} in ATOM's load, {got['flags'].get(k)} through the door"
                 for k, v in refs[0]["flags"].items() if v != got["flags"].get(k)]
+        bad += [f"{k}: swizzle label {refs[0]['labels'].get(k)!r} in ATOM's load, {got['labels'].get(k)!r} through "
+                "the door" for k in refs[0]["labels"].keys() | got["labels"].keys()
+                if refs[0]["labels"].get(k, "absent") != got["labels"].get(k, "absent")]
         fill = got_rec["fills"][0]
         ref_fill = next(r for r in ref["ranks"] if r["rank"] == rank)["fills"][0]
         if fill["draft_head_shared"] != ref_fill["draft_head_shared"]:

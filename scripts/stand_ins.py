@@ -25,7 +25,9 @@ CALLS: list[str] = []  # every call of a stand-in, by name, in order
 # aiter's modules every harness loads from aiter's own files (the shuffles and the dtypes they
 # use); every other aiter module is a stand-in unless a harness names more.
 REAL_AITER = ("aiter.ops.shuffle", "aiter.utility.dtypes", "aiter.utility.fp4_utils", "aiter.utility.mx_types",
-              "aiter.utility.aiter_types")
+              "aiter.utility.aiter_types",
+              # the Triton MoE's scale shuffle (ATOM's _swizzle_mxfp4 at load): plain torch
+              "aiter.ops.triton.utils.shuffle")
 
 
 class _StandInBase:
@@ -115,6 +117,8 @@ def fill_aiter_stub(m: types.ModuleType, gpu_arch: Callable[[], str]) -> None:
     elif m.__name__ == "aiter.jit.utils.chip_info":
         m.get_gfx = m.get_gfx_runtime = gpu_arch
         m.get_cu_num = lambda: 256
+    elif m.__name__ == "aiter.ops.triton.utils._triton.arch_info":  # asks the Triton driver: the same answer
+        m.get_arch = gpu_arch
 
 
 def called_from(module: str) -> bool:

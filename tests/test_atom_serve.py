@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import layouts
 import aiter_oracle
@@ -69,13 +70,20 @@ def _flip_last_byte(path: pathlib.Path) -> None:
     path.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("variant", ["r1-0528", "v2"])
-def test_the_door_leaves_atoms_models_as_atoms_own_start_up_on_the_source_at_tp2(variant, tmp_path, oracle_trees):
+@pytest.mark.parametrize("variant, moe_layout", [("r1-0528", "triton"), ("v2", "ck")])
+def test_the_door_leaves_atoms_models_as_atoms_own_start_up_on_the_source_at_tp2(variant, moe_layout, tmp_path,
+                                                                                 oracle_trees):
+    # R1-0528 on ATOM's Triton MoE under the seed's switches (both fusions), v2 on the CK MoE.
     src = write_checkpoint(dataclasses.replace(PRESETS["tiny"], variant=variant), tmp_path / "src")
     out = tmp_path / "out"
-    summary = _convert_with_cli(src, out, "--tp", "2")
+    summary = _convert_with_cli(src, out, "--tp", "2", "--moe-layout", moe_layout)
     env = _switches(summary["serve"])  # the command prep convert printed: its switches and its flags
-    assert summary["serve"].endswith(f"prep-atom-serve --model {out} --tensor-parallel-size 2")
+    if moe_layout == "triton":
+        assert env == {ENV_TRITON_MOE: "1", "ATOM_ENABLE_DS_QKNORM_QUANT_FUSION": "1",
+                       "ATOM_ENABLE_DS_INPUT_RMSNORM_QUANT_FUSION": "1"}
+        assert summary["serve"].endswith(f"prep-atom-serve --model {out} --tensor-parallel-size 2 --kv_cache_dtype fp8")
+    else:
+        assert summary["serve"].endswith(f"prep-atom-serve --model {out} --tensor-parallel-size 2")
     result = check_atom_serve.check(src, out, oracle_trees, tmp_path / "work", env=env)
     assert result["ok"], "\n".join(result["lines"])
     assert [line.endswith(": ok") for line in result["lines"]] == [True, True]
@@ -269,13 +277,15 @@ def test_an_atom_whose_seams_differ_is_refused_naming_the_version_and_the_seam(t
         assert rank["params_created"] == 0
 
 
-def test_atoms_triton_moe_is_refused_until_the_door_builds_what_atom_builds_at_load(tmp_path):
-    src = write_checkpoint(PRESETS["tiny"], tmp_path / "src")
-    summary = _convert_with_cli(src, tmp_path / "out", "--tp", "2", "--moe-layout", "triton")
-    assert summary["serve"] is None
-    manifest = layouts.load_manifest(tmp_path / "out")
-    with pytest.raises(layouts.CompatibilityError, match="ATOM's Triton MoE .* not served from a converted folder"):
-        serve.engine_config(manifest, {ENV_TRITON_MOE: "1"}, tp=2, rank=0, expert_parallel=False, gpu_arch="gfx950")
+def test_atoms_triton_moe_with_a_scale_atom_keeps_raw_is_refused_naming_the_fix():
+    # ATOM shuffles a Triton MoE scale only where N % 32 == 0 and K % 256 == 0; the triton layout
+    # always does: where ATOM would keep it raw the door refuses, not serves other bytes.
+    from layouts.engines.atom.adapter import _triton_scale
+    from layouts.registry import MOE_TRITON
+
+    w, s = torch.zeros(2, 64, 64, dtype=torch.uint8), torch.zeros(2, 2, 8 * 32, dtype=torch.uint8)  # K = 128
+    with pytest.raises(layouts.ManifestError, match=r"ATOM keeps a \[64, 4\] expert scale raw .* --moe-layout ck"):
+        _triton_scale("model.layers.3.mlp.experts", "w2", w, s, MOE_TRITON)
 
 
 def test_help_says_what_the_door_does_and_where_atom_is_missing_says_how_to_get_it():

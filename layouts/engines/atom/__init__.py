@@ -293,20 +293,18 @@ class AtomProfile(EngineProfile):
             return None
         env = {**_PATH_SWITCHES[path], ENV_TRITON_MOE: "1" if backend == TRITON else "0"}
         flags = f"--tensor-parallel-size {tp}" + (f" {self.expert_parallel_switch}" if ep > 1 else "")
+        if backend == TRITON:  # ATOM's own test plan for its Triton MoE: both DeepSeek fusions, an FP8 KV cache
+            env.update({ENV_QKNORM_FUSION: "1", ENV_INPUT_FUSION: "1"})
+            flags += " --kv_cache_dtype fp8"
         switches = " ".join(f"{k}={v}" for k, v in env.items())
         return f"{switches} prep-atom-serve --model {shlex.quote(folder)} {flags}"
 
 
-# The MoE back ends prep-atom-serve (layouts.engines.atom.serve) serves. ATOM's Triton MoE builds
+# The MoE back ends prep-atom-serve (layouts.engines.atom.serve) serves: both. ATOM's Triton MoE builds
 # more than bytes at load (ROCm/ATOM ffdf3bb5 atom/model_ops/moe.py:1206-1271,
-# _process_weight_layout_after_loading): transposed views of w13/w2 and their scales, aiter's
-# swizzle layout objects (shuffle_scale_moe(..., return_layout=True)) and a raw copy of the shared
-# expert for its dense GEMM; the adapter skips that processing, so the door refuses that back end.
-SERVED_MOE_BACKENDS = (CK,)
-TRITON_MOE_NOT_SERVED = (
-    f"ATOM's Triton MoE ({ENV_TRITON_MOE}=1, and ATOM's default on gfx94x) is not served from a converted folder yet: "
-    "ATOM builds its swizzle layout objects and the shared expert's raw copy at load, which installing the files "
-    f"skips; serve a --moe-layout {MOE_CK.name} conversion with {ENV_TRITON_MOE}=0")
+# _process_weight_layout_after_loading: transposed views of w13/w2 and their scales, the scale swizzle
+# label, a raw copy of the shared expert); the adapter leaves the module so (adapter._hold_as_triton_moe).
+SERVED_MOE_BACKENDS = (CK, TRITON)
 
 # The switches that select each GEMM path (config_from_env read the other way).
 _PATH_SWITCHES = {ASM: {}, TRITON_PRESHUFFLE: {ENV_TRITON_GEMM: "1"}, TRITON_NON_SHUFFLE: {ENV_NON_SHUFFLE: "1"}}

@@ -55,6 +55,7 @@ import torch
 from ...compat import EngineConfig, check_compatibility
 from ...loader import iter_rank_files
 from ...manifest import Manifest, ManifestError, TensorRecord, load_manifest
+from ...registry import MOE_CK, MOE_TRITON, MOE_TRITON_GFX942, Layout, get_layout
 from .._sharding import layer_index
 
 
@@ -165,6 +166,7 @@ class _Installer:
         self.what = "model" if which == "main" else f"{which} model"
         self.installed: list[str] = []
         self.groups: dict[str, dict[str, Any]] = {}
+        self.triton_moe: dict[str, Layout] = {}  # MoE modules ATOM runs on its Triton MoE: their layout
 
     def put(self, ckpt_name: str, name: str, t: torch.Tensor, rec: TensorRecord) -> None:
         param = self.params.get(name)
@@ -192,12 +194,15 @@ class _Installer:
                 setattr(param, k, v)
         self.groups.setdefault(name.rpartition(".")[0], {}).update(
             {k: v for k, v in rec.runtime_attrs.items() if k in ("hidden_pad", "intermediate_pad")})
-        if rec.runtime_attrs.get("scale_swizzle"):
-            self.report.needs_engine_wrapping.append(name)
+        layout = get_layout(rec.layout)
+        if layout in TRITON_MOE_LAYOUTS:
+            self.triton_moe[name.rpartition(".")[0]] = layout
 
     def finish(self, exact: bool) -> list[str]:
         """Skip the filled modules' processing; on a rank-exact checkpoint, report what is unfilled."""
         for module_name, method_attrs in self.groups.items():
+            if module_name in self.triton_moe:
+                _hold_as_triton_moe(self.modules[module_name], module_name, self.triton_moe[module_name])
             _skip_processing(self.modules[module_name], module_name, method_attrs)
             self.report.skipped_processing.append(module_name)
         if exact:
@@ -209,6 +214,54 @@ class _Installer:
             self.report.not_installed += [f"{self.which}:{n}" for n in self.params
                                           if n not in filled and not n.endswith(shared)]
         return self.installed
+
+
+# ---------------------------------------------------------------------------- ATOM's Triton MoE
+# What ATOM's Triton MoE leaves on its FusedMoE after loading (ROCm/ATOM ffdf3bb5 atom/model_ops/moe.py
+# Mxfp4MoEMethod._process_weight_layout_after_loading, fused_moe_triton.py _swizzle_mxfp4): a raw copy of
+# the shared expert's slots for its dense GEMM (shared_w13_weight, ... their scales raw), w13/w2 replaced by
+# their transposed uint8 views, each scale by the transposed view of aiter's shuffle_scale_moe of it where
+# the shapes allow (N % 32 == 0 and K % 256 == 0; gfx950: CDNA4_SCALE, the per-expert S32x8 the "triton"
+# layout stores; gfx942 keeps it raw) and the label it returns, None otherwise. The files hold those bytes:
+# here they are only viewed so, and the shared expert's scale (a few KB) read back raw.
+TRITON_MOE_LAYOUTS = (MOE_TRITON, MOE_TRITON_GFX942)
+
+
+def _triton_scale(module_name: str, proj: str, w: torch.Tensor, s: torch.Tensor,
+                  layout: Layout) -> tuple[torch.Tensor, torch.Tensor, str | None]:
+    """(the raw [E, N, K/32] scale, what ATOM holds as the scale, its swizzle label) of ``proj``."""
+    n, k = w.shape[-2], w.shape[-1] * 2
+    label = layout.runtime_attrs.get("scale_swizzle")
+    if label is None:
+        return s, s.transpose(-1, -2), None
+    if n % 32 or k % 256:
+        raise ManifestError(f"{module_name}.{proj}_weight_scale: ATOM keeps a [{n}, {k // 32}] expert scale raw "
+                            f"(its shuffle needs N % 32 == 0 and K % 256 == 0), but the checkpoint holds it in "
+                            f"{layout.name}; convert with --moe-layout {MOE_CK.name} and serve the CK MoE")
+    return layout.scale.inverse(s, (s.shape[0], n, k // 32)), s.transpose(-1, -2), label
+
+
+def _hold_as_triton_moe(module: torch.nn.Module, module_name: str, layout: Layout) -> None:
+    """Leave ``module`` (ATOM's FusedMoE, its files' bytes installed) as ATOM's Triton MoE leaves it
+    after loading (the comment above)."""
+    held: dict[str, Any] = {}
+    for proj in ("w13", "w2"):
+        w = getattr(module, f"{proj}_weight").data.view(torch.uint8)
+        raw, scale, label = _triton_scale(module_name, proj, w, getattr(module, f"{proj}_weight_scale").data, layout)
+        held[proj] = (w, raw, scale, label)
+    n_shared = int(getattr(module, "num_fused_shared_experts", 0) or 0)
+    if n_shared > 0:
+        for proj, (w, raw, _, _) in held.items():
+            setattr(module, f"shared_{proj}_weight", w[-n_shared:].contiguous())
+            setattr(module, f"shared_{proj}_weight_scale", raw[-n_shared:].contiguous())
+            bias = getattr(module, f"{proj}_bias", None)
+            setattr(module, f"shared_{proj}_bias", None if bias is None else bias.data[-n_shared:].contiguous())
+    for proj, (w, _, scale, label) in held.items():
+        delattr(module, f"{proj}_weight")
+        delattr(module, f"{proj}_weight_scale")
+        setattr(module, f"{proj}_weight", w.transpose(-2, -1))
+        setattr(module, f"{proj}_weight_scale", scale)
+        setattr(module, f"{proj}_swizzle_layout", label)
 
 
 def _skip_processing(module: torch.nn.Module, module_name: str, method_attrs: dict[str, Any]) -> None:

@@ -59,7 +59,7 @@ from ...compat import CompatibilityError, EngineConfig, check_compatibility
 from .. import _config
 from ...errors import LayoutsError
 from ...manifest import MANIFEST_NAME, Manifest, load_manifest
-from . import PROFILE, SERVED_MOE_BACKENDS, TRITON_MOE_NOT_SERVED
+from . import PROFILE
 from .adapter import AtomInstallReport, install_converted_weights, install_draft_weights
 
 CHECKED_ATOM = "ffdf3bb5"  # ROCm/ATOM commit whose seams this module was checked against
@@ -170,8 +170,6 @@ def engine_config(manifest: Manifest, env: Mapping[str, str], *, tp: int, rank: 
     engine = PROFILE.config_from_env(env, tp_size=tp, rank=rank, ep_size=tp if expert_parallel else 1,
                                      gpu_arch=gpu_arch)
     check_compatibility(manifest, engine)
-    if engine.moe_backend not in SERVED_MOE_BACKENDS:
-        raise CompatibilityError(TRITON_MOE_NOT_SERVED)
     return engine
 
 
