@@ -37,10 +37,9 @@ still runs, and does nothing to the modules made no-ops here. What is exercised 
 the name and shape contract against models built as ATOM's ``create_weights`` builds them
 (tests/test_atom_adapter.py), and ATOM's real DeepSeek and MTP models, built and post-processed
 by ATOM's own code on the CPU, compared byte for byte with ATOM's own load of the source, every
-rank of each conversion it makes (scripts/check_atom_install.py; docs/engines.md). What is not: aiter's
-kernels on the installed bytes, and the Triton MoE path, whose ``_swizzle_mxfp4`` wraps the
-scales in triton_kernels layout objects that ATOM must still construct from the
-``CDNA4_SCALE`` tensors handed over (reported in ``AtomInstallReport.needs_engine_wrapping``).
+rank of each conversion it makes (scripts/check_atom_install.py, scripts/check_atom_serve.py, the
+Triton MoE included: :func:`_hold_as_triton_moe`; docs/engines.md). What is not: aiter's kernels on
+the installed bytes.
 """
 
 from __future__ import annotations
@@ -64,14 +63,13 @@ from .._sharding import layer_index
 class AtomInstallReport:
     """What :func:`install_converted_weights` did, for the engine's log.
 
-    Names in ``skipped_processing`` and ``needs_engine_wrapping`` are those of the model the
+    Names in ``skipped_processing`` are those of the model the
     tensor went into; the draft model's carry ``.mtp_block.`` (or are its layer's own), so the
     two never collide."""
 
     installed: list[str]  # main-model parameter names whose data now holds the converted tensor
     skipped_processing: list[str]  # modules whose process_weights_after_loading is now a no-op
     passthrough: dict[str, torch.Tensor]  # format 1: whole BF16 tensors for ATOM's own weight loader (main model)
-    needs_engine_wrapping: list[str]  # Triton MoE scales ATOM still wraps in its layout objects
     manifest: Manifest | None = None  # the checkpoint's, and the rank installed (install_draft_weights reads them)
     rank: int = 0
     records: dict[str, TensorRecord] = dataclasses.field(default_factory=dict)  # the rank's tensors read, by name
@@ -314,7 +312,7 @@ def install_converted_weights(model: torch.nn.Module, model_dir: str | pathlib.P
     layers = mtp_layers(manifest.root)
     device = torch.device(device) if device is not None else _device_of(model)
     exact = manifest.target.rank_exact
-    report = AtomInstallReport([], [], {}, [], manifest=manifest, rank=engine.rank)
+    report = AtomInstallReport([], [], {}, manifest=manifest, rank=engine.rank)
     main = _Installer(model, report, "main")
     draft = _Installer(mtp_model, report, "draft") if mtp_model is not None else None
     for part in iter_rank_files(manifest.root, engine.rank, device, manifest=manifest):
