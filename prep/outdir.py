@@ -438,11 +438,14 @@ class OutputFolder:
 
     # ------------------------------------------------------------------ state
     def state(self) -> dict[str, Any] | None:
+        """The work folder's state; None where there is none, {} where it cannot be read as one
+        (read as a regular file only, under the JSON bound: a FIFO there held convert, lock and
+        all, forever)."""
         try:
-            return json.loads(self.state_path.read_bytes())
+            return json.loads(read_regular(self.state_path, MAX_JSON_BYTES))
         except FileNotFoundError:
             return None
-        except (OSError, ValueError):
+        except (OSError, ValueError, FileTooLargeError):
             return {}
 
     def recover(self) -> str | None:

@@ -150,6 +150,10 @@ def test_a_tensor_of_neither_model_is_named(ckpt, tmp_path):
     (out / "config.json").unlink()
     with pytest.raises(L.ManifestError, match="config.json: cannot read num_hidden_layers"):
         install_converted_weights(atom_like_model(cfg, tp=2), out, EngineConfig("asm", "ck", 2))
+    for bad in ("1", 1.5, [1]):  # prep-atom-serve --method mtp reads it too: one line, not a traceback
+        (out / "config.json").write_text(json.dumps(dict(cfg, num_nextn_predict_layers=bad)))
+        with pytest.raises(L.ManifestError, match="cannot read num_hidden_layers and num_nextn_predict_layers as counts"):
+            install_converted_weights(atom_like_model(cfg, tp=2), out, EngineConfig("asm", "ck", 2))
 
 
 def test_the_adapter_refuses_an_engine_that_would_misread(ckpt):

@@ -637,3 +637,19 @@ def test_an_output_its_filesystem_cannot_hold_is_refused_before_a_byte_is_writte
     r = CliRunner().invoke(main, ["convert", str(workspace / "src"), "-o", str(out), "--tp", "2", "--no-space-check"])
     assert r.exit_code == 0, r.output
     complete(out)
+
+
+def test_a_fifo_at_the_work_folders_state_does_not_hold_convert(sources, tmp_path):
+    # state.json is read as a regular file only: a FIFO there blocked the read forever, with the lock held.
+    out = tmp_path / "out"
+    work = tmp_path / ".out.prep"
+    work.mkdir()
+    os.mkfifo(work / "state.json")
+    p = prep("convert", sources["a"], "-o", out, "--tp", "2", wait=False)
+    try:
+        _, err = p.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        raise AssertionError("convert hung on a FIFO at .out.prep/state.json")
+    assert p.returncode == 0, err
+    assert prep("verify", out).returncode == 0

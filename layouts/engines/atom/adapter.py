@@ -132,11 +132,15 @@ def mtp_layers(root: pathlib.Path) -> range:
     path = root / "config.json"
     try:
         cfg = json.loads(path.read_text())
-        start = int(cfg["num_hidden_layers"])
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ManifestError(f"{path}: cannot read num_hidden_layers ({e!r}); it tells the main model's layers "
-                            "from the MTP layer: copy the source's config.json there or convert again") from None
-    return range(start, start + int(cfg.get("num_nextn_predict_layers") or 0))
+        start = cfg["num_hidden_layers"]
+        count = cfg.get("num_nextn_predict_layers") or 0
+        if type(start) is not int or type(count) is not int or start < 1 or count < 0:
+            raise ValueError(f"num_hidden_layers {start!r}, num_nextn_predict_layers {count!r}: not counts")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ManifestError(f"{path}: cannot read num_hidden_layers and num_nextn_predict_layers as counts ({e}); "
+                            "they tell the main model's layers from the MTP layer: copy the source's config.json "
+                            "there or convert again") from None
+    return range(start, start + count)
 
 
 # ---------------------------------------------------------------------------- installing
