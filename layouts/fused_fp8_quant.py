@@ -36,7 +36,7 @@ from typing import Optional
 
 import torch
 
-from .fused_quant import FusedQuantOutput, _aiter_probe, rms_norm_f32, select_backend
+from .fused_quant import FusedQuantOutput, _aiter_probe, check_rms_inputs, rms_norm_f32, select_backend
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 GROUP_SIZE = 128
@@ -65,19 +65,7 @@ def fp8_scale_shape(m: int, n1: int, group_size: Optional[int] = GROUP_SIZE) -> 
 
 
 def _check(x1, x1_weight, x2, x2_weight, res1, group_size, dtype) -> None:
-    if x1.dim() != 2:
-        raise ValueError(f"x1 must be [M, N1], got shape {tuple(x1.shape)}")
-    m, n1 = x1.shape
-    if tuple(x1_weight.shape) != (n1,):
-        raise ValueError(f"x1_weight must be [{n1}], got shape {tuple(x1_weight.shape)}")
-    if res1 is not None and tuple(res1.shape) != (m, n1):
-        raise ValueError(f"res1 must have x1's shape {(m, n1)}, got {tuple(res1.shape)}")
-    if x2 is not None:
-        if x2.dim() != 2 or x2.shape[0] != m:
-            raise ValueError(f"x2 must be [{m}, N2] (x1's rows), got shape {tuple(x2.shape)}")
-        if x2_weight is None or tuple(x2_weight.shape) != (x2.shape[1],):
-            raise ValueError(f"x2_weight must be [{x2.shape[1]}], got "
-                             f"{None if x2_weight is None else tuple(x2_weight.shape)}")
+    check_rms_inputs(x1, x1_weight, x2, x2_weight, res1)
     if group_size is not None and (group_size < 8 or group_size & (group_size - 1)):
         raise ValueError(f"group_size must be a power of two >= 8 or None (per token), got {group_size}")
     fp8_max(dtype)

@@ -118,6 +118,14 @@ def _scale_layout(s: torch.Tensor, shuffle: bool, padded: bool) -> torch.Tensor:
 def _check(x1, x1_weight, x2, x2_weight, res1) -> None:
     if x1.dim() != 2 or x1.shape[1] % 2:
         raise ValueError(f"x1 must be [M, N1] with N1 even, got shape {tuple(x1.shape)}")
+    check_rms_inputs(x1, x1_weight, x2, x2_weight, res1)
+
+
+def check_rms_inputs(x1, x1_weight, x2, x2_weight, res1) -> None:
+    """The shapes every fused RMSNorm + quant takes (ValueError naming the argument): x1 ``[M, N1]``,
+    its weight ``[N1]``, res1 x1's shape, x2 ``[M, N2]`` with its weight ``[N2]``."""
+    if x1.dim() != 2:
+        raise ValueError(f"x1 must be [M, N1], got shape {tuple(x1.shape)}")
     m, n1 = x1.shape
     if tuple(x1_weight.shape) != (n1,):
         raise ValueError(f"x1_weight must be [{n1}], got shape {tuple(x1_weight.shape)}")
