@@ -946,3 +946,17 @@ def test_two_ranks_files_swapped_by_renaming_are_refused_by_every_loader(made, t
         with pytest.raises(ManifestError, match="renamed or swapped"):
             list(L.iter_rank_files(out, rank))
     assert SafetensorsFile(made["out"] / r0[0].name).metadata["prep_file"] == r0[0].name
+
+
+def test_run_on_a_config_that_is_not_the_checkpoints_is_one_line_not_an_internal_error(made, tmp_path):
+    # `prep run` builds the model from config.json: a source's is checked against its tensors (as
+    # convert checks it), a converted folder's against the source's recorded hash.
+    src = copy(made["src"], tmp_path / "src")
+    cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps(dict(cfg, kv_lora_rank=1000)))
+    assert_one_line_error(run_cli("run", src, "--prompt-ids", "1,2", "--layers", "1"),
+                          "kv_a_proj_with_mqa", "config.json is not this checkpoint's")
+    out = copy(made["out"], tmp_path / "out")
+    (out / "config.json").write_text(json.dumps(dict(cfg, kv_lora_rank=1000)))
+    assert_one_line_error(run_cli("run", out, "--prompt-ids", "1,2", "--layers", "1"),
+                          "config.json", "changed since the conversion")

@@ -123,6 +123,10 @@ class ModelWeights:
         # What a make may hold beyond its own estimate: a stored tensor's position map being
         # derived (``layouts.dequant.read_overhead``; 0 for a source, which has none).
         self._read_headroom = read_headroom
+        # The checkpoint's own check of config.json against its tensors, run once the forward's
+        # checks of the values themselves passed (``check_config``); nothing for a converted folder,
+        # whose config.json the loader checked against the source's recorded hash.
+        self.check_config: Callable[[], Any] = lambda: None
         self.evictions = 0
 
     def __len__(self) -> int:
@@ -255,6 +259,8 @@ def load_weights(model_dir: str | pathlib.Path, assume_layout: str | None = None
 
 
 def _from_source(root: pathlib.Path, max_memory: int) -> ModelWeights:
+    from ..deepseek import check_complete
+
     src = SourceCheckpoint(root)
     linears: dict[str, Callable[[], torch.Tensor]] = {}
     linear_rows: dict[str, Callable[[slice], torch.Tensor]] = {}
@@ -276,16 +282,26 @@ def _from_source(root: pathlib.Path, max_memory: int) -> ModelWeights:
             tensors[name] = lambda name=name: src.read(name)
             rows[name] = lambda r, name=name: src.read(name, r)
             shapes[name] = tuple(info.shape)
-    return ModelWeights(src.config, linears, tensors, f"Quark source {root}", max_memory, shapes=shapes, rows=rows,
-                        linear_rows=linear_rows)
+    weights = ModelWeights(src.config, linears, tensors, f"Quark source {root}", max_memory, shapes=shapes, rows=rows,
+                           linear_rows=linear_rows)
+    # config.json against the tensors, as convert checks it (a kv_lora_rank that is not theirs: one line, not a crash)
+    weights.check_config = lambda: check_complete(src)
+    return weights
 
 
 def _from_converted(root: pathlib.Path, assume_layout: str | None, manifest: layouts.Manifest,
                     max_memory: int) -> ModelWeights:
     ranks = [layouts.load_rank(root, r, manifest=manifest) for r in range(manifest.tp)]  # mapped, not read
-    config = json.loads((root / "config.json").read_text())
     if manifest.source is None:
         raise PrepError(f"{root}: the manifest has no source tensor table; convert again")
+    recorded = manifest.source.files.get("config.json")
+    if recorded is not None and (root / "config.json").is_file():  # the model is built from it: the source's
+        from ..identity import side_file_changed
+
+        problem = side_file_changed(root / "config.json", recorded)
+        if problem:
+            raise PrepError(problem)
+    config = json.loads((root / "config.json").read_text())
     src_meta = manifest.source.tensors
     # For each source module: the (rank piece -> placement) steps that rebuild it.
     pieces: dict[str, list[Callable[[torch.Tensor], None]]] = {}
