@@ -114,6 +114,20 @@ class ConvertedCheckpoint:
             raise
         except (KeyError, ValueError):  # a dtype nbytes does not know
             raise PrepError(f"{self.root}: the manifest's source tensor table is malformed; convert again") from None
+        # The table against the tensor records, which the manifest holds beside it: each record's
+        # sources are in it, with the record's dtype (prep changes where bytes go, never their type).
+        # A table edited and resealed (an entry dropped, a dtype changed) made verify --source an
+        # internal error and revert write a tensor under the wrong dtype.
+        table = self.source_tensors
+        for rec in self.manifest.tensors:
+            for src in rec.source_names():
+                meta = table.get(src)
+                if meta is None:
+                    raise PrepError(f"{self.root}: tensor {rec.name} was made from {src}, which the source tensor "
+                                    "table does not hold; the folder was modified: convert again")
+                if meta.dtype != rec.dtype:
+                    raise PrepError(f"{self.root}: tensor {rec.name} is {rec.dtype}, but the source tensor table "
+                                    f"says its source {src} was {meta.dtype}; the folder was modified: convert again")
 
     def file(self, fname: str) -> ShardFile:
         """The opened output file ``fname`` (opened once)."""

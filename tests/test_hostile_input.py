@@ -960,3 +960,25 @@ def test_run_on_a_config_that_is_not_the_checkpoints_is_one_line_not_an_internal
     (out / "config.json").write_text(json.dumps(dict(cfg, kv_lora_rank=1000)))
     assert_one_line_error(run_cli("run", out, "--prompt-ids", "1,2", "--layers", "1"),
                           "config.json", "changed since the conversion")
+
+
+def _drop_entry(tensors):
+    del tensors["model.layers.1.mlp.gate.e_score_correction_bias"]
+
+
+def _retype_entry(tensors):
+    name = next(n for n in tensors if n.endswith("mlp.gate.weight"))
+    tensors[name]["dtype"] = "F16"  # same size as BF16: revert would write the bytes under another type
+
+
+@pytest.mark.parametrize("edit, says", [
+    (_drop_entry, "was made from model.layers.1.mlp.gate.e_score_correction_bias, which the source tensor table "
+                  "does not hold"),
+    (_retype_entry, "but the source tensor table says its source"),
+], ids=["entry-dropped", "dtype-changed"])
+def test_a_source_table_edited_and_resealed_is_checked_against_the_tensor_records(made, tmp_path, edit, says):
+    out = copy(made["out"], tmp_path / "out")
+    edit_source_table(out, edit)
+    for args in (["verify", out, "--source", made["src"]], ["revert", out, "-o", tmp_path / "rt"]):
+        assert_one_line_error(run_cli(*args), says, "the folder was modified: convert again")
+    assert not (tmp_path / "rt").exists()
