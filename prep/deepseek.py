@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import pathlib
 import re
 from typing import Any, Iterable, Iterator, Mapping
@@ -178,7 +179,9 @@ def expected_weights(cfg: dict[str, Any], ints: dict[str, int | None], mtp_prese
     load them only for speculative decoding."""
     n_layers, n_mtp, n_routed = ints["num_hidden_layers"], ints["num_nextn_predict_layers"], ints["n_routed_experts"]
     yield "model.embed_tokens", "every DeepSeek checkpoint has it"
-    for layer in [*range(n_layers), *sorted(i for i in mtp_present if n_layers <= i < n_layers + n_mtp)]:
+    # chained, not listed: a config of 1e8 layers made that list first (4 GB, 3 s) before the walk
+    # stopped at the first layer missing
+    for layer in itertools.chain(range(n_layers), sorted(i for i in mtp_present if n_layers <= i < n_layers + n_mtp)):
         p = f"model.layers.{layer}"
         why = f"config.json has num_hidden_layers={n_layers}" if layer < n_layers else \
             f"config.json has num_nextn_predict_layers={n_mtp}"

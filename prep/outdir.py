@@ -324,6 +324,10 @@ class OutputFolder:
         p = self.path
         if p.is_symlink() or (p.exists() and not p.is_dir()):
             raise PrepError(f"{self.flag} {self.given}: exists and is not a folder; choose another output folder")
+        if os.path.ismount(p):  # the new OUT is staged beside it and renamed over it: a mount point cannot be
+            raise PrepError(f"{self.flag} {self.given}: is a mount point; prep builds the output beside OUT and swaps "
+                            f"it in, which a mount point cannot take: write into a folder on it, e.g. "
+                            f"{self.flag} {os.path.join(str(self.given), 'OUT')}")
         if not p.exists() or not any(os.scandir(p)):
             return
         own = prep_files_in(p)

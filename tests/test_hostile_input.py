@@ -982,3 +982,18 @@ def test_a_source_table_edited_and_resealed_is_checked_against_the_tensor_record
     for args in (["verify", out, "--source", made["src"]], ["revert", out, "-o", tmp_path / "rt"]):
         assert_one_line_error(run_cli(*args), says, "the folder was modified: convert again")
     assert not (tmp_path / "rt").exists()
+
+
+def test_a_config_of_a_hundred_million_layers_is_refused_at_the_first_missing_one_in_bounded_memory(made, tmp_path):
+    # The walk of what config.json implies stops at the first tensor missing; it built a list of
+    # every layer index first (4 GB and 3 s for 1e8 layers before the one-line error).
+    src = copy(made["src"], tmp_path / "src")
+    cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps(dict(cfg, num_hidden_layers=100_000_000)))
+    code = ("import resource, sys\nfrom prep.cli import main\n"
+            "try:\n    main(['inspect', sys.argv[1]])\nexcept SystemExit as e:\n    code = e.code\n"
+            "print(code, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+    r = in_subprocess(code, src)
+    rc, peak_kib = r.stdout.split()[-2:]
+    assert rc == "1" and "model.layers.4.input_layernorm.weight is missing" in r.stderr, r.stderr
+    assert int(peak_kib) < 1 << 20, f"peak {int(peak_kib) >> 10} MiB"  # under 1 GiB (it was 4 GB)

@@ -653,3 +653,12 @@ def test_a_fifo_at_the_work_folders_state_does_not_hold_convert(sources, tmp_pat
         raise AssertionError("convert hung on a FIFO at .out.prep/state.json")
     assert p.returncode == 0, err
     assert prep("verify", out).returncode == 0
+
+
+@pytest.mark.skipif(not os.path.ismount("/proc"), reason="needs /proc mounted (Linux)")
+def test_a_mount_point_as_out_is_refused_before_any_work(sources):
+    # OUT is built beside itself and swapped in: a mount point cannot be (it staged the whole output on the
+    # parent filesystem, then failed the swap with EBUSY, keeping nothing).
+    for verb in (("convert", sources["a"], "-o", "/proc", "--force"),):
+        one_line_error(prep(*verb), "-o /proc: is a mount point", "-o /proc/OUT")
+    assert not os.path.lexists("/.proc.prep")
