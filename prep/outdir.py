@@ -591,7 +591,11 @@ class OutputFolder:
         write_json(self.state_path, {**(self.state() or {}), "phase": "swapping", "output_id": new_id})
         kill_point("swap-state-written")
         self._swap_in()
-        self._finish()
+        try:
+            self._finish()
+        except KeyboardInterrupt as e:  # the new output is in place, whatever state the clean-up reached
+            e.hint = self._swapped_note()
+            raise
 
     def _swap_in(self) -> None:
         p = self.path

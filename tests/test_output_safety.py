@@ -554,8 +554,9 @@ def test_ctrl_c_names_the_work_folder_and_resume_continues(workspace, sources):
     assert r.returncode == 0 and json.loads(r.stdout)["reused_files"] >= 1 and no_work_left(out)
 
 
-@pytest.mark.parametrize("verb", ["convert", "revert"])
-def test_ctrl_c_after_the_swap_says_the_new_output_is_in_place(workspace, verb):
+@pytest.mark.parametrize("verb, point", [("convert", "old-half-deleted"), ("revert", "old-half-deleted"),
+                                         ("convert", "final-state-removed"), ("revert", "final-state-removed")])
+def test_ctrl_c_after_the_swap_says_the_new_output_is_in_place(workspace, verb, point):
     # Stopped while the previous output's files are deleted (a 350 GiB one takes a while): the new
     # output is at OUT, complete; the message said "finished files are kept ... --resume" or
     # "nothing was written to DEST" before.
@@ -567,7 +568,7 @@ def test_ctrl_c_after_the_swap_says_the_new_output_is_in_place(workspace, verb):
         assert prep(*args).returncode == 0
         args.append("--force")
         old = json.loads((out / "prep-revert.json").read_text())["id"]
-    r = prep(*args, interrupt_at="old-half-deleted")
+    r = prep(*args, interrupt_at=point)  # final-state-removed: the last clean-up step, its state gone already
     assert r.returncode == 130, r.stderr
     line = r.stderr.strip().splitlines()[-1]
     assert line.startswith("interrupted: ") and "already holds the new output, complete" in line, r.stderr
