@@ -186,6 +186,13 @@ def test_the_folder_check_refuses_a_changed_side_file_and_a_common_bf16_conversi
     with pytest.raises(serve.ServeError, match=r"generation_config.json: 2 bytes, the source's had \d+; copy it"):
         serve.check_folder(out)
     shutil.copy(src / "generation_config.json", out / "generation_config.json")
+    raw = (out / "config.json").read_bytes()  # an edit at the same size: the manifest's hash tells it
+    digit = next(i for i, b in enumerate(raw) if chr(b).isdigit())
+    (out / "config.json").write_bytes(raw[:digit] + (b"7" if raw[digit:digit + 1] != b"7" else b"8") + raw[digit + 1:])
+    with pytest.raises(serve.ServeError, match=r"config.json: its bytes differ from the source's \(same size"):
+        serve.check_folder(out)
+    shutil.copy(src / "config.json", out / "config.json")
+    assert serve.check_folder(out).target.tp == 2
     common = tmp_path / "common"
     _convert_with_cli(src, common, "--tp", "2", "--common-bf16")
     with pytest.raises(serve.ServeError, match="converted with --common-bf16 .* convert again without --common-bf16"):

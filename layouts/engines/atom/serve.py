@@ -18,9 +18,9 @@ weights a rank holds in ways not checked (pipeline, data or context parallel, DP
 dummy weights, online quantization, another MoE back end), and an ATOM whose seams differ from
 the ATOM it was checked against (naming the version seen and what differs).
 
-ATOM's Triton MoE is refused too (``ATOM_USE_TRITON_MOE=1``, ATOM's default on gfx94x): serve a
-``--moe-layout ck`` conversion with ``ATOM_USE_TRITON_MOE=0``. ``prep convert`` and ``prep
-inspect`` print the command for a folder, switches included, e.g.
+ATOM's CK MoE reads a ``--moe-layout ck`` conversion, its Triton MoE (``ATOM_USE_TRITON_MOE=1``,
+ATOM's default on gfx94x) a ``triton`` one (``triton-gfx942`` on MI300). ``prep convert`` and
+``prep inspect`` print the command for a folder, switches included, e.g.
 
     ATOM_USE_TRITON_MOE=0 prep-atom-serve --model r1-tp8 --tensor-parallel-size 8 --method mtp
 
@@ -88,6 +88,18 @@ def converted_root(model: str | os.PathLike | None) -> pathlib.Path | None:
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 
 
+def _side_file_hash(path: pathlib.Path) -> str | None:
+    """The xxh3-128 of a (small) side file, or None where xxhash is not installed (layouts' ``hashes``
+    extra; ATOM's environment has it): the size check above still holds then."""
+    try:
+        import xxhash
+    except ImportError:
+        return None
+    from ...safe_files import read_regular
+
+    return xxhash.xxh3_128(read_regular(path)).hexdigest()
+
+
 def check_folder(root: pathlib.Path) -> Manifest:
     """The converted folder as a complete ``--model``: a sealed rank-exact conversion, and every
     side file the source had, here with the size it had."""
@@ -106,6 +118,9 @@ def check_folder(root: pathlib.Path) -> Manifest:
         if path.stat().st_size != f.size:
             raise ServeError(f"{path}: {path.stat().st_size} bytes, the source's had {f.size}; copy it from the "
                              "source or convert again")
+        if f.xxh3_128 is not None and _side_file_hash(path) not in (None, f.xxh3_128):
+            raise ServeError(f"{path}: its bytes differ from the source's (same size, another hash); ATOM would build "
+                             "from or tokenize with the edited file: copy it from the source or convert again")
     if not (root / "config.json").is_file():
         raise ServeError(f"{root}: no config.json; ATOM builds its models from it: copy the source's there")
     if not any((root / t).is_file() for t in TOKENIZER_FILES):
