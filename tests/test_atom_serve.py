@@ -284,12 +284,13 @@ def test_an_atom_whose_seams_differ_is_refused_naming_the_version_and_the_seam(t
 def test_atoms_triton_moe_with_a_scale_atom_keeps_raw_is_refused_naming_the_fix():
     # ATOM shuffles a Triton MoE scale only where N % 32 == 0 and K % 256 == 0; the triton layout
     # always does: where ATOM would keep it raw the door refuses, not serves other bytes.
-    from layouts.engines.atom.adapter import _triton_scale
-    from layouts.registry import MOE_TRITON
+    from layouts.engines.atom.adapter import _triton_label
+    from layouts.registry import MOE_TRITON, MOE_TRITON_GFX942
 
-    w, s = torch.zeros(2, 64, 64, dtype=torch.uint8), torch.zeros(2, 2, 8 * 32, dtype=torch.uint8)  # K = 128
+    w = torch.zeros(2, 64, 64, dtype=torch.uint8)  # K = 128
     with pytest.raises(layouts.ManifestError, match=r"ATOM keeps a \[64, 4\] expert scale raw .* --moe-layout ck"):
-        _triton_scale("model.layers.3.mlp.experts", "w2", w, s, MOE_TRITON)
+        _triton_label("model.layers.3.mlp.experts", "w2", w, MOE_TRITON)
+    assert _triton_label("model.layers.3.mlp.experts", "w2", w, MOE_TRITON_GFX942) is None  # raw on MI300 anyway
 
 
 def test_help_says_what_the_door_does_and_where_atom_is_missing_says_how_to_get_it():

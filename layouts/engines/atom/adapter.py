@@ -229,40 +229,39 @@ class _Installer:
 TRITON_MOE_LAYOUTS = (MOE_TRITON, MOE_TRITON_GFX942)
 
 
-def _triton_scale(module_name: str, proj: str, w: torch.Tensor, s: torch.Tensor,
-                  layout: Layout) -> tuple[torch.Tensor, torch.Tensor, str | None]:
-    """(the raw [E, N, K/32] scale, what ATOM holds as the scale, its swizzle label) of ``proj``."""
+def _triton_label(module_name: str, proj: str, w: torch.Tensor, layout: Layout) -> str | None:
+    """The swizzle label ATOM gives ``proj``'s scale, checking that ATOM shuffles it where the
+    checkpoint holds it shuffled (its condition on the raw weight ``w``, [E, N, K/2])."""
     n, k = w.shape[-2], w.shape[-1] * 2
     label = layout.runtime_attrs.get("scale_swizzle")
-    if label is None:
-        return s, s.transpose(-1, -2), None
-    if n % 32 or k % 256:
+    if label is not None and (n % 32 or k % 256):
         raise ManifestError(f"{module_name}.{proj}_weight_scale: ATOM keeps a [{n}, {k // 32}] expert scale raw "
                             f"(its shuffle needs N % 32 == 0 and K % 256 == 0), but the checkpoint holds it in "
                             f"{layout.name}; convert with --moe-layout {MOE_CK.name} and serve the CK MoE")
-    return layout.scale.inverse(s, (s.shape[0], n, k // 32)), s.transpose(-1, -2), label
+    return label
 
 
 def _hold_as_triton_moe(module: torch.nn.Module, module_name: str, layout: Layout) -> None:
     """Leave ``module`` (ATOM's FusedMoE, its files' bytes installed) as ATOM's Triton MoE leaves it
-    after loading (the comment above)."""
-    held: dict[str, Any] = {}
+    after loading (the comment above). Only the shared expert's slots are read back raw."""
+    held = {}
     for proj in ("w13", "w2"):
         w = getattr(module, f"{proj}_weight").data.view(torch.uint8)
-        raw, scale, label = _triton_scale(module_name, proj, w, getattr(module, f"{proj}_weight_scale").data, layout)
-        held[proj] = (w, raw, scale, label)
+        held[proj] = (w, getattr(module, f"{proj}_weight_scale").data, _triton_label(module_name, proj, w, layout))
     n_shared = int(getattr(module, "num_fused_shared_experts", 0) or 0)
     if n_shared > 0:
-        for proj, (w, raw, _, _) in held.items():
+        for proj, (w, s, label) in held.items():
+            tail = s[-n_shared:]
+            raw = tail if label is None else layout.scale.inverse(tail, (n_shared, w.shape[-2], w.shape[-1] * 2 // 32))
             setattr(module, f"shared_{proj}_weight", w[-n_shared:].contiguous())
-            setattr(module, f"shared_{proj}_weight_scale", raw[-n_shared:].contiguous())
+            setattr(module, f"shared_{proj}_weight_scale", raw.contiguous())
             bias = getattr(module, f"{proj}_bias", None)
             setattr(module, f"shared_{proj}_bias", None if bias is None else bias.data[-n_shared:].contiguous())
-    for proj, (w, _, scale, label) in held.items():
+    for proj, (w, s, label) in held.items():
         delattr(module, f"{proj}_weight")
         delattr(module, f"{proj}_weight_scale")
         setattr(module, f"{proj}_weight", w.transpose(-2, -1))
-        setattr(module, f"{proj}_weight_scale", scale)
+        setattr(module, f"{proj}_weight_scale", s.transpose(-1, -2))
         setattr(module, f"{proj}_swizzle_layout", label)
 
 
