@@ -33,7 +33,7 @@ from layouts.sizes import ceil_div
 
 __all__ = [
     "PRESETS", "VARIANTS", "Param", "SynthSpec", "build_config", "exclude_patterns", "is_excluded",
-    "plan_groups", "run_measured", "tensor_specs", "write_checkpoint",
+    "plan_groups", "run_measured", "tensor_specs", "write_checkpoint", "drop_tensors", "edit_at_same_size",
 ]
 
 VARIANTS = ("r1-0528", "v2")
@@ -501,6 +501,14 @@ def drop_tensors(folder: Path, gone: Callable[[str], bool]) -> None:
             save_file({n: t for n, t in tensors.items() if not gone(n)}, shard, metadata={"format": "pt"})
     index["weight_map"] = {n: f for n, f in index["weight_map"].items() if not gone(n)}
     _write_json(index_path, index)
+
+
+def edit_at_same_size(path: Path) -> None:
+    """A user's edit of a JSON side file that keeps its size: its first digit changed
+    (``"temperature": 0.6`` -> ``0.7``), which a check by size alone cannot tell."""
+    raw = Path(path).read_bytes()
+    digit = next(i for i, b in enumerate(raw) if chr(b).isdigit())
+    Path(path).write_bytes(raw[:digit] + (b"7" if raw[digit:digit + 1] != b"7" else b"8") + raw[digit + 1:])
 
 
 def as_format_3(folder: Path) -> bytes:

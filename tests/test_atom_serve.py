@@ -21,7 +21,7 @@ import aiter_oracle
 from conftest import _need, need_engine_sources
 from layouts.engines.atom import ENV_NON_SHUFFLE, ENV_TRITON_MOE, SERVED_MOE_BACKENDS
 from layouts.engines.atom import serve
-from prep.testing import PRESETS, drop_tensors, write_checkpoint
+from prep.testing import PRESETS, drop_tensors, edit_at_same_size, write_checkpoint
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
@@ -186,9 +186,7 @@ def test_the_folder_check_refuses_a_changed_side_file_and_a_common_bf16_conversi
     with pytest.raises(serve.ServeError, match=r"generation_config.json: 2 bytes, the source's had \d+; copy it"):
         serve.check_folder(out)
     shutil.copy(src / "generation_config.json", out / "generation_config.json")
-    raw = (out / "config.json").read_bytes()  # an edit at the same size: the manifest's hash tells it
-    digit = next(i for i, b in enumerate(raw) if chr(b).isdigit())
-    (out / "config.json").write_bytes(raw[:digit] + (b"7" if raw[digit:digit + 1] != b"7" else b"8") + raw[digit + 1:])
+    edit_at_same_size(out / "config.json")  # the manifest's hash tells it, the size cannot
     with pytest.raises(serve.ServeError, match=r"config.json: its bytes differ from the source's \(same size"):
         serve.check_folder(out)
     shutil.copy(src / "config.json", out / "config.json")

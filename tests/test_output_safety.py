@@ -21,7 +21,7 @@ import pytest
 from layouts.manifest import expand_names, load_manifest
 from prep.convert import convert
 from prep.deepseek import Target
-from prep.testing import SynthSpec, as_format_3, write_checkpoint
+from prep.testing import SynthSpec, as_format_3, edit_at_same_size, write_checkpoint
 
 ENV = {k: v for k, v in os.environ.items() if not k.startswith("PREP_TEST_")}
 
@@ -140,13 +140,6 @@ def test_force_never_deletes_a_file_named_like_a_side_file_the_source_did_not_ha
     assert snapshot(workspace) == before and no_work_left(out)
 
 
-def _same_size_edit(path: pathlib.Path) -> None:
-    """A user's tuning of a JSON side file that keeps its size ("temperature": 0.6 -> 0.7)."""
-    raw = path.read_bytes()
-    digit = next(i for i, b in enumerate(raw) if chr(b).isdigit())
-    path.write_bytes(raw[:digit] + (b"7" if raw[digit:digit + 1] != b"7" else b"8") + raw[digit + 1:])
-
-
 @pytest.mark.parametrize("edit", ["longer", "same size"])
 def test_force_never_deletes_a_side_file_edited_since_prep_copied_it(workspace, edit):
     out = workspace / "out"
@@ -154,7 +147,7 @@ def test_force_never_deletes_a_side_file_edited_since_prep_copied_it(workspace, 
     if edit == "longer":
         side.write_text(side.read_text() + "\n")  # tuned
     else:
-        _same_size_edit(side)  # the size alone cannot tell it: the manifest's hash does
+        edit_at_same_size(side)  # the size alone cannot tell it: the manifest's hash does
     before = snapshot(workspace)
     one_line_error(prep("convert", workspace / "src", "-o", out, "--force"), "'generation_config.json'",
                    "edited since prep wrote it")
@@ -163,7 +156,7 @@ def test_force_never_deletes_a_side_file_edited_since_prep_copied_it(workspace, 
 
 def test_verify_and_revert_refuse_a_side_file_edited_at_the_same_size(workspace, tmp_path):
     out = workspace / "out"
-    _same_size_edit(out / "config.json")
+    edit_at_same_size(out / "config.json")
     one_line_error(prep("verify", out), "config.json: its bytes differ from the source's", "put the source's")
     one_line_error(prep("revert", out, "-o", tmp_path / "rt"), "config.json: its bytes differ from the source's")
     assert not (tmp_path / "rt").exists()
@@ -172,7 +165,7 @@ def test_verify_and_revert_refuse_a_side_file_edited_at_the_same_size(workspace,
 def test_revert_force_never_deletes_a_side_file_edited_since_revert_wrote_it(workspace, tmp_path):
     rt = tmp_path / "rt"
     assert prep("revert", workspace / "out", "-o", rt).returncode == 0
-    _same_size_edit(rt / "config.json")  # the user's edit of the rebuilt checkpoint, any size
+    edit_at_same_size(rt / "config.json")  # the user's edit of the rebuilt checkpoint, any size
     before = snapshot(tmp_path)
     one_line_error(prep("revert", workspace / "out", "-o", rt, "--force"), "'config.json'", "prep did not write it")
     assert snapshot(tmp_path) == before
