@@ -280,3 +280,37 @@ def to_device(buf: torch.Tensor, device: torch.device) -> torch.Tensor:
     stream.synchronize()
     return out
 
+
+
+def side_file_problem(manifest: Manifest, engine: str, given_as: str = "the folder") -> str | None:
+    """Why ``manifest``'s folder would not give ``engine`` the source's side files (config.json with
+    its quantization_config, tokenizer files, generation config, chat template), which it reads from
+    the folder with the weights: one missing, of another size, or (where xxhash is installed, as
+    the ``hashes`` extra installs it) with other bytes than the manifest's hash of the source's.
+    One line naming the file and the fix (``given_as``: how the engine was given the folder, e.g.
+    ``--model``); None where every one is the source's."""
+    root = manifest.root
+    for name, f in sorted((manifest.source.files if manifest.source else {}).items()):
+        if name.endswith(".safetensors") or name.endswith(".index.json"):
+            continue  # weights: replaced by the rank files
+        path = root / name
+        if not path.is_file():
+            return (f"{path}: missing; the source had it ({f.size} bytes) and {engine} reads it from {given_as}: "
+                    "copy it from the source or convert again")
+        if path.stat().st_size != f.size:
+            return f"{path}: {path.stat().st_size} bytes, the source's had {f.size}; copy it from the source or convert again"
+        if f.xxh3_128 is not None and _xxh3_of(path) not in (None, f.xxh3_128):
+            return (f"{path}: its bytes differ from the source's (same size, another hash); {engine} would build from "
+                    "or tokenize with the edited file: copy it from the source or convert again")
+    return None
+
+
+def _xxh3_of(path: pathlib.Path) -> str | None:
+    """The xxh3-128 of a (small) side file, or None where xxhash is not installed."""
+    try:
+        import xxhash
+    except ImportError:
+        return None
+    from .safe_files import read_regular
+
+    return xxhash.xxh3_128(read_regular(path)).hexdigest()

@@ -997,3 +997,20 @@ def test_a_config_of_a_hundred_million_layers_is_refused_at_the_first_missing_on
     rc, peak_kib = r.stdout.split()[-2:]
     assert rc == "1" and "model.layers.4.input_layernorm.weight is missing" in r.stderr, r.stderr
     assert int(peak_kib) < 1 << 20, f"peak {int(peak_kib) >> 10} MiB"  # under 1 GiB (it was 4 GB)
+
+
+def test_the_doors_side_file_check_names_a_missing_resized_or_edited_file(made, tmp_path):
+    # What both doors run before their engine starts (ATOM's server, vLLM's loader): the source's
+    # side files, by size and, where xxhash is installed, by the manifest's hash of the source's.
+    from layouts.loader import side_file_problem
+    from prep.testing import edit_at_same_size
+
+    out = copy(made["out"], tmp_path / "out")
+    assert side_file_problem(L.load_manifest(out), "vLLM") is None
+    edit_at_same_size(out / "config.json")
+    assert "config.json: its bytes differ from the source's (same size, another hash); vLLM would build" in \
+        side_file_problem(L.load_manifest(out), "vLLM")
+    (out / "config.json").write_bytes((made["out"] / "config.json").read_bytes() + b" ")
+    assert "bytes, the source's had" in side_file_problem(L.load_manifest(out), "vLLM")
+    (out / "config.json").unlink()
+    assert "config.json: missing; the source had it" in side_file_problem(L.load_manifest(out), "vLLM")

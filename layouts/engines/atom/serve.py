@@ -60,6 +60,7 @@ from .. import _config
 from ...errors import LayoutsError
 from ...manifest import MANIFEST_NAME, Manifest, load_manifest
 from . import PROFILE
+from ...loader import side_file_problem
 from .adapter import AtomInstallReport, install_converted_weights, install_draft_weights
 
 CHECKED_ATOM = "ffdf3bb5"  # ROCm/ATOM commit whose seams this module was checked against
@@ -88,39 +89,17 @@ def converted_root(model: str | os.PathLike | None) -> pathlib.Path | None:
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 
 
-def _side_file_hash(path: pathlib.Path) -> str | None:
-    """The xxh3-128 of a (small) side file, or None where xxhash is not installed (layouts' ``hashes``
-    extra; ATOM's environment has it): the size check above still holds then."""
-    try:
-        import xxhash
-    except ImportError:
-        return None
-    from ...safe_files import read_regular
-
-    return xxhash.xxh3_128(read_regular(path)).hexdigest()
-
-
 def check_folder(root: pathlib.Path) -> Manifest:
     """The converted folder as a complete ``--model``: a sealed rank-exact conversion, and every
-    side file the source had, here with the size it had."""
+    side file the source had, here as the source had it (:func:`layouts.loader.side_file_problem`)."""
     manifest = load_manifest(root)  # format, completion marker, every file named
     if not manifest.target.rank_exact:
         raise ServeError(f"{root}: converted with --common-bf16 (manifest format 1: BF16 tensors whole, for an "
                          f"engine that slices them itself); {PROG} serves rank-exact conversions: convert again "
                          "without --common-bf16")
-    for name, f in sorted((manifest.source.files if manifest.source else {}).items()):
-        if name.endswith(".safetensors") or name.endswith(".index.json"):
-            continue  # weights: replaced by the rank files
-        path = root / name
-        if not path.is_file():
-            raise ServeError(f"{path}: missing; the source had it ({f.size} bytes) and ATOM's server reads it from "
-                             f"--model: copy it from the source or convert again")
-        if path.stat().st_size != f.size:
-            raise ServeError(f"{path}: {path.stat().st_size} bytes, the source's had {f.size}; copy it from the "
-                             "source or convert again")
-        if f.xxh3_128 is not None and _side_file_hash(path) not in (None, f.xxh3_128):
-            raise ServeError(f"{path}: its bytes differ from the source's (same size, another hash); ATOM would build "
-                             "from or tokenize with the edited file: copy it from the source or convert again")
+    problem = side_file_problem(manifest, "ATOM's server", "--model")
+    if problem:
+        raise ServeError(problem)
     if not (root / "config.json").is_file():
         raise ServeError(f"{root}: no config.json; ATOM builds its models from it: copy the source's there")
     if not any((root / t).is_file() for t in TOKENIZER_FILES):

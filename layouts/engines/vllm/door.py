@@ -184,6 +184,11 @@ def checked(folder: str, parallel_config: Any) -> tuple[Any, int]:
         check_compatibility(manifest, engine)
     except (CompatibilityError, ManifestError) as e:  # their messages name the folder
         raise DoorError(str(e)) from None
+    from ...loader import side_file_problem
+
+    problem = side_file_problem(manifest, "vLLM")  # it built the model from config.json already: say so
+    if problem:
+        raise DoorError(problem)
     return manifest, rank
 
 
