@@ -24,7 +24,8 @@ from .compat import EngineConfig, check_compatibility
 from .device_load import read_to_device
 from .manifest import COMPLETE_NAME, FILE_NAME_KEY, MANIFEST_NAME, Manifest, ManifestError, TensorRecord, load_manifest
 from .safe_files import read_regular
-from .safetensors_file import TORCH_DTYPES, SafetensorsFile, SafetensorsFileError, map_all, tensor_hash
+from .errors import LayoutsError
+from .safetensors_file import TORCH_DTYPES, SafetensorsFile, SafetensorsFileError, file_xxh3, map_all, tensor_hash
 
 if TYPE_CHECKING:  # activation imports the engine profiles, whose adapters import this module
     from .activation import ActivationQuantPlan
@@ -282,35 +283,45 @@ def to_device(buf: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 
-def side_file_problem(manifest: Manifest, engine: str, given_as: str = "the folder") -> str | None:
-    """Why ``manifest``'s folder would not give ``engine`` the source's side files (config.json with
-    its quantization_config, tokenizer files, generation config, chat template), which it reads from
-    the folder with the weights: one missing, of another size, or (where xxhash is installed, as
-    the ``hashes`` extra installs it) with other bytes than the manifest's hash of the source's.
-    One line naming the file and the fix (``given_as``: how the engine was given the folder, e.g.
-    ``--model``); None where every one is the source's."""
-    root = manifest.root
-    for name, f in sorted((manifest.source.files if manifest.source else {}).items()):
-        if name.endswith(".safetensors") or name.endswith(".index.json"):
-            continue  # weights: replaced by the rank files
-        path = root / name
-        if not path.is_file():
-            return (f"{path}: missing; the source had it ({f.size} bytes) and {engine} reads it from {given_as}: "
-                    "copy it from the source or convert again")
-        if path.stat().st_size != f.size:
-            return f"{path}: {path.stat().st_size} bytes, the source's had {f.size}; copy it from the source or convert again"
-        if f.xxh3_128 is not None and _xxh3_of(path) not in (None, f.xxh3_128):
-            return (f"{path}: its bytes differ from the source's (same size, another hash); {engine} would build from "
-                    "or tokenize with the edited file: copy it from the source or convert again")
+
+def side_file_difference(path: pathlib.Path, size: int, xxh3_128: str | None) -> tuple[str, int] | None:
+    """How the side file at ``path`` differs from the source's (its ``size`` and, where recorded
+    and xxhash is installed, its ``xxh3_128``): ``("missing", 0)``, ``("size", the file's size)``,
+    ``("bytes", size)`` (same size, another hash), or None where it is the source's. The one check
+    behind prep's verify, revert and run and the engines' doors; each words it for its reader."""
+    if not path.is_file():
+        return "missing", 0
+    have = path.stat().st_size
+    if have != size:
+        return "size", have
+    if xxh3_128 is not None:
+        try:
+            if file_xxh3(path) != xxh3_128:
+                return "bytes", have
+        except LayoutsError:  # xxhash not installed (the runtime's ``hashes`` extra): the size held
+            pass
     return None
 
 
-def _xxh3_of(path: pathlib.Path) -> str | None:
-    """The xxh3-128 of a (small) side file, or None where xxhash is not installed."""
-    try:
-        import xxhash
-    except ImportError:
-        return None
-    from .safe_files import read_regular
-
-    return xxhash.xxh3_128(read_regular(path)).hexdigest()
+def side_file_problem(manifest: Manifest, engine: str, given_as: str = "the folder") -> str | None:
+    """Why ``manifest``'s folder would not give ``engine`` the source's side files (config.json with
+    its quantization_config, tokenizer files, generation config, chat template), which it reads from
+    the folder with the weights (:func:`side_file_difference` of each). One line naming the file and
+    the fix (``given_as``: how the engine was given the folder, e.g. ``--model``); None where every
+    one is the source's."""
+    for name, f in sorted((manifest.source.files if manifest.source else {}).items()):
+        if name.endswith(".safetensors") or name.endswith(".index.json"):
+            continue  # weights: replaced by the rank files
+        path = manifest.root / name
+        diff = side_file_difference(path, f.size, f.xxh3_128)
+        if diff is None:
+            continue
+        kind, have = diff
+        if kind == "missing":
+            return (f"{path}: missing; the source had it ({f.size} bytes) and {engine} reads it from {given_as}: "
+                    "copy it from the source or convert again")
+        if kind == "size":
+            return f"{path}: {have} bytes, the source's had {f.size}; copy it from the source or convert again"
+        return (f"{path}: its bytes differ from the source's (same size, another hash); {engine} would build from "
+                "or tokenize with the edited file: copy it from the source or convert again")
+    return None

@@ -52,6 +52,16 @@ def _xxh3_128():
     return xxhash.xxh3_128
 
 
+def file_xxh3(path: str | os.PathLike) -> str:
+    """The xxh3-128 of a whole regular file (a side file: config, tokenizer), read 16 MiB at a time
+    through the descriptor checked to be a regular file; LayoutsError where xxhash is missing."""
+    h = _xxh3_128()()
+    with os.fdopen(open_regular(path), "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def tensor_hash(t: torch.Tensor) -> str:
     """The xxh3-128 hex digest of the tensor's bytes: what the manifest records per tensor."""
     return _xxh3_128()(tensor_bytes(t)).hexdigest()

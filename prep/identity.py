@@ -20,19 +20,6 @@ SAMPLES = 8
 SAMPLE_BYTES = 64 << 10
 
 
-def xxh3_file(path: pathlib.Path) -> str:
-    """The xxh3-128 of a whole (small: a side file) regular file, read 16 MiB at a time."""
-    import xxhash
-
-    from layouts.safe_files import open_regular
-
-    h = xxhash.xxh3_128()
-    with os.fdopen(open_regular(path), "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 24), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def file_identity(path: pathlib.Path) -> dict[str, Any]:
     """The identity of one file (safetensors or not: a small side file is hashed whole)."""
     import xxhash
@@ -69,13 +56,14 @@ def changed_files(recorded: dict[str, Any], current: dict[str, dict[str, Any]]) 
 
 def side_file_changed(path: pathlib.Path, recorded: Any) -> str | None:
     """Why the side file at ``path`` no longer holds what the conversion copied from the source
-    (``recorded``: its ``source.files`` entry, a size and, from this prep on, an xxh3-128), in one
-    line naming the fix; None where it still does."""
-    size = path.stat().st_size
-    if size != recorded.size:
-        return (f"{path}: {size} bytes, the source's was {recorded.size}: changed since the conversion; put the "
-                f"source's {path.name} back")
-    if recorded.xxh3_128 is not None and xxh3_file(path) != recorded.xxh3_128:
-        return (f"{path}: its bytes differ from the source's (same size, another hash): changed since the conversion; "
-                f"put the source's {path.name} back")
-    return None
+    (``recorded``: its ``source.files`` entry, a size and, from this prep on, an xxh3-128;
+    :func:`layouts.loader.side_file_difference`), in one line naming the fix; None where it still does."""
+    from layouts.loader import side_file_difference
+
+    diff = side_file_difference(path, recorded.size, recorded.xxh3_128)
+    if diff is None:
+        return None
+    kind, have = diff
+    what = {"missing": "missing", "size": f"{have} bytes, the source's was {recorded.size}",
+            "bytes": "its bytes differ from the source's (same size, another hash)"}[kind]
+    return f"{path}: {what}: changed since the conversion; put the source's {path.name} back"

@@ -167,14 +167,14 @@ def _unchanged(path: pathlib.Path, recorded: dict) -> bool:
     """Whether the side file at ``path`` still holds what prep wrote there: the size and the
     xxh3-128 that ``recorded`` gives (either may be absent: a manifest of an older prep records
     sizes only). A missing or irregular file is not prep's to delete."""
-    from .identity import xxh3_file
+    from layouts.safetensors_file import file_xxh3
 
     if "size" in recorded and _size(path) != recorded["size"]:
         return False
     if "xxh3_128" not in recorded:
         return _size(path) is not None
     try:
-        return xxh3_file(path) == recorded["xxh3_128"]
+        return file_xxh3(path) == recorded["xxh3_128"]
     except OSError:
         return False
 

@@ -13,12 +13,13 @@ import pathlib
 from typing import Callable
 
 from layouts.safe_files import member_problem
+from layouts.safetensors_file import file_xxh3
 
 from . import __version__
 from .convert import shard_names
 from .converted import ConvertedCheckpoint
 from .errors import PrepError
-from .identity import side_file_changed, xxh3_file
+from .identity import side_file_changed
 from .outdir import REVERT_MARKER, OutputFolder, copy_regular, write_json
 from .source import INDEX_NAME, SIDE_FILES
 from .safetensors_writer import TORCH_DTYPES, StreamingSafetensorsWriter, nbytes
@@ -61,7 +62,7 @@ def revert(out: str, dest: str | pathlib.Path, force: bool = False, verify: bool
                         raise PrepError(problem)
                     copy_regular(ck.root / f, folder.staging / f)
                     written.append(f)
-                    hashes[f] = xxh3_file(folder.staging / f)  # what was written, read back
+                    hashes[f] = file_xxh3(folder.staging / f)  # what was written, read back
             # Written last: says which files are prep's (what a later --force may replace: the side
             # files only while they hold these bytes).
             write_json(folder.staging / REVERT_MARKER, {

@@ -300,14 +300,14 @@ class SourceCheckpoint:
         """Where the source came from, and each file's size, with its xxh3-128 hash for every side
         file (a few MB: what a later ``--force``, ``verify`` and ``revert`` tell the user's edits
         by) and, on request, for the shards too."""
-        from .identity import xxh3_file
+        from layouts.safetensors_file import file_xxh3
 
         files = {}
         for fname in sorted(set(self.files) | {p.name for p in self.side_files()}):
             p = self.root / fname
             entry: dict[str, Any] = {"size": p.stat().st_size}
             if hash_files or fname not in self.files:
-                entry["xxh3_128"] = xxh3_file(p)
+                entry["xxh3_128"] = file_xxh3(p)
             files[fname] = entry
         return {**self.origin, "files": files}
 
