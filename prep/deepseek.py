@@ -16,7 +16,7 @@ import re
 from typing import Any, Iterable, Iterator, Mapping
 
 from layouts.compat import EngineConfig
-from layouts.engines import DEFAULT_ENGINE, EngineProfile, ShardingRules, get_engine
+from layouts.engines import DEFAULT_ENGINE, EngineProfile, ShardingRules, engine_names, get_engine
 from layouts.errors import LayoutsError
 from layouts.mxfp4 import BLOCK_SIZE
 from layouts.registry import Layout, get_layout
@@ -351,7 +351,9 @@ def _with_ep_fix(e: Exception, src: SourceCheckpoint, cls: Classified, target: T
         plan_groups(src, cls, dataclasses.replace(target, ep=target.tp))
     except (PrepError, LayoutsError):
         return e
-    return type(e)(f"{e}; with --ep {target.tp} (whole experts per rank) this converts")
+    fixed = type(e)(f"{e}; with --ep {target.tp} (whole experts per rank) this converts")
+    fixed.converts_with_ep = target.tp  # what `prep inspect` reports, without planning it again
+    return fixed
 
 
 def target_for(engine: str, **options: Any) -> Target:
@@ -367,17 +369,20 @@ def target_for(engine: str, **options: Any) -> Target:
     return Target(**{**defaults, **options, "engine": engine})
 
 
+def convertible_engines() -> list[EngineProfile]:
+    """The engines prep writes ranks' files for (those whose profile states sharding rules)."""
+    return [e for e in map(get_engine, engine_names()) if e.sharding is not None]
+
+
 def engine_of(name: str) -> EngineProfile:
     """The profile of engine ``name``, which a conversion is for; refused (naming the engines
     prep can convert for) when it is unknown or has no sharding rules."""
-    from layouts.engines import engine_names
-
     try:
         engine = get_engine(name)
     except KeyError as e:
         raise PrepError(str(e.args[0])) from None
     if engine.sharding is None:
-        able = [n for n in engine_names() if get_engine(n).sharding is not None]
+        able = [e.name for e in convertible_engines()]
         raise PrepError(f"engine {engine.name!r} states no sharding rules, so prep cannot write its ranks' files; "
                         f"convert with --engine {' or '.join(able)}")
     return engine

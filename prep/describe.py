@@ -16,17 +16,12 @@ from layouts.manifest import MANIFEST_NAME
 
 from .convert import plan_files
 from .converted import ConvertedCheckpoint
-from .deepseek import classify, plan_groups, split_bf16, target_for
+from .deepseek import classify, convertible_engines, plan_groups, split_bf16, target_for
 from .errors import PrepError
 from .safetensors_writer import nbytes
 from .source import SourceCheckpoint, hub_offline, looks_like_repo_id
 
 TP_CANDIDATES = (1, 2, 4, 8, 16)
-
-
-def convertible_engines() -> list[EngineProfile]:
-    """The engines prep writes ranks' files for (those whose profile states sharding rules)."""
-    return [e for e in map(get_engine, engine_names()) if e.sharding is not None]
 
 
 def inspect_path(src: str, revision: str | None = None, progress: Callable[[int], None] | None = None,
@@ -70,19 +65,14 @@ def _remote_repo(spec: str) -> bool:
 
 
 def _status(src: SourceCheckpoint, cls, engine: EngineProfile, layout: str, moe: str, tp: int) -> str:
-    """"ok", "ok with --ep N" (the MoE converts only with whole experts per rank), or why not."""
+    """"ok", "ok with --ep N" (the MoE converts only with whole experts per rank: the refusal says
+    so, :func:`prep.deepseek.plan_groups`), or why not."""
     try:
         plan_groups(src, cls, target_for(engine.name, layout=layout, moe_layout=moe, tp=tp))
         return "ok"
     except (PrepError, LayoutsError) as e:  # a constraint this target breaks: say which, and the fix
-        why = str(e)
-    if tp > 1:
-        try:
-            plan_groups(src, cls, target_for(engine.name, layout=layout, moe_layout=moe, tp=tp, ep=tp))
-            return f"ok with --ep {tp}"
-        except (PrepError, LayoutsError):
-            pass
-    return why
+        ep = getattr(e, "converts_with_ep", None)
+        return f"ok with --ep {ep}" if ep else str(e)
 
 
 def _describe_source(src: SourceCheckpoint, label: str, progress: Callable[[int], None] | None,
