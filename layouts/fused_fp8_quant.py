@@ -36,7 +36,7 @@ from typing import Optional
 
 import torch
 
-from .fused_quant import FusedQuantOutput, _aiter_probe, check_rms_inputs, rms_norm_f32, select_backend
+from .fused_quant import FusedQuantOutput, _aiter_probe, _unit_last, check_rms_inputs, rms_norm_f32, select_backend
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 GROUP_SIZE = 128
@@ -158,7 +158,7 @@ def fused_rms_fp8_quant(
                                              group_size=group_size, dtype=dtype, transpose_scale=transpose_scale)
     from . import _triton_fused_fp8_quant  # imported on first use: the module imports with torch alone
 
-    unit = [t if t is None or t.stride(-1) == 1 else t.contiguous() for t in (x1, x1_weight, x2, x2_weight, res1)]
+    unit = [_unit_last(t) for t in (x1, x1_weight, x2, x2_weight, res1)]  # the kernel indexes columns by 1
     return _triton_fused_fp8_quant.fused_rms_fp8_quant_triton(
         unit[0], unit[1], x1_epsilon, unit[2], unit[3], x2_epsilon, unit[4],
         group_size=group_size, dtype=dtype, transpose_scale=transpose_scale)
