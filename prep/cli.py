@@ -480,6 +480,8 @@ def revert(out, dest, force, verify, as_json, quiet):
         r = run(_existing_dir(out, _CONVERTED), dest, force=force, verify=verify, progress=bar, on_total=bar.total)
     finally:
         bar.close()
+    for line in r["notes"] if not as_json else ():
+        click.echo(f"note: {line}", err=True)
     _emit(r, as_json, [f"wrote {r['dest']}: {r['tensors']} tensors in {r['files']} files, {r['bytes'] / 2**30:.3f} GiB"])
 
 

@@ -393,8 +393,9 @@ def convert(
     key = run_key(state, jobs, src, idents)
     with folder.locked():
         note = folder.recover()
-        if note and notify:
-            notify(note)
+        for line in ([note] if note else []) + folder.notes if notify else ():
+            notify(line)
+        folder.notes.clear()
         if resume and _already_made(folder, key):
             folder.discard()  # whatever an interrupted run left: OUT is what it would have made
             if notify:
@@ -425,6 +426,8 @@ def convert(
                        schema.Completion(manifest_hash(raw), f"prep {__version__}", run=key).to_json())
             kill_point("marker-written")
             folder.commit()
+    for line in folder.notes if notify else ():
+        notify(line)
     return {**_summary(folder.given, jobs, src, sum(1 for r in records.values() if r.get("reused")), total),
             "workers": workers}
 

@@ -299,6 +299,7 @@ class OutputFolder:
         self.old = self.work / "old"
         self.state_path = self.work / "state.json"
         self._lock_fd = -1
+        self.notes: list[str] = []  # for the user, from the swap (see _give_back)
 
     # ------------------------------------------------------------------ checks
     def check(self, resuming: bool = False) -> None:
@@ -431,7 +432,7 @@ class OutputFolder:
             return
         try:
             self.state_path.with_name("state.json.tmp").unlink(missing_ok=True)  # a state never written (disk full)
-            if self.work.is_dir() and {e.name for e in os.scandir(self.work)} <= {"lock"}:
+            if self.work.is_dir() and {e.name for e in os.scandir(self.work)} <= {"lock"}:  # kept/: the user's
                 # Nothing left to resume or recover: remove the work folder, the lock last (while held).
                 os.unlink(self.work / "lock")
                 os.rmdir(self.work)
@@ -461,7 +462,7 @@ class OutputFolder:
         with the previous output deleted (a ``--resume`` finds the output already complete)."""
         st = self.state()
         if st is None:
-            left = {e.name for e in os.scandir(self.work)} - {"lock"} if self.work.is_dir() else set()
+            left = {e.name for e in os.scandir(self.work)} - {"lock", "kept"} if self.work.is_dir() else set()
             if left <= {"staging", "records", "state.json.tmp"}:
                 # What a run killed before its state was written leaves (or an earlier prep, which made
                 # staging first): only prep's own partial work, which nothing can resume. Discarded.
@@ -571,10 +572,14 @@ class OutputFolder:
         created by :meth:`_acquire` under a name of prep's), keeping the lock; the state last,
         so that a kill in between leaves a state that says what is left (``final``: the clean-up
         after a swap, whose state a ``--resume`` reads)."""
-        for p in (self.staging, self.records, self.old):
+        for p in (self.staging, self.records):
             shutil.rmtree(p, ignore_errors=True)
             if final and p is self.records:
                 kill_point("final-records-removed")
+        if self.old.exists() and not os.path.lexists(self.path):
+            # the previous OUT, moved aside by a swap that failed before the new one took its place:
+            # it goes back (never deleted here: only _delete_old deletes, and only prep's files)
+            os.rename(self.old, self.path)
         self.state_path.unlink(missing_ok=True)
         if final:
             kill_point("final-state-removed")
@@ -623,13 +628,47 @@ class OutputFolder:
         self.discard(final=True)
 
     def _delete_old(self) -> None:
+        """Delete the previous output, now in ``old``: only the files its own manifest or revert
+        marker names as prep's (side files only while they hold prep's bytes), those markers last
+        so that a kill in between leaves them to say what is left. Anything else was put into OUT
+        while prep worked (after its last check): it goes back into OUT beside the new output, or,
+        where the new output holds that name, stays in the work folder's ``kept/``; each says so."""
         if self.staging.exists():  # an exchange that was interrupted before the move to old/
             os.rename(self.staging, self.old)
-        if self.old.is_dir():
-            kill_point("old-moved")
-            for i, entry in enumerate(sorted(os.scandir(self.old), key=lambda e: e.name)):
-                if entry.is_file(follow_symlinks=False):  # what prep writes: flat files
-                    os.unlink(entry.path)
-                    if i == 0:
-                        kill_point("old-half-deleted")
-            shutil.rmtree(self.old, ignore_errors=True)
+        if not self.old.is_dir():
+            return
+        kill_point("old-moved")
+        markers = (MANIFEST_NAME, COMPLETE_NAME, REVERT_MARKER)
+        try:
+            own = prep_files_in(self.old)
+        except PrepError:
+            own = None
+        if own is None:  # killed between deleting the markers: they are all of prep's that is left
+            own = set(markers)
+        entries = sorted(os.scandir(self.old), key=lambda e: (e.name in markers, e.name == COMPLETE_NAME, e.name))
+        for i, entry in enumerate(entries):
+            if entry.name in own and entry.is_file(follow_symlinks=False):
+                os.unlink(entry.path)
+                if i == 0:
+                    kill_point("old-half-deleted")
+                if entry.name == MANIFEST_NAME:
+                    kill_point("old-manifest-deleted")  # only the completion marker left of it
+            elif entry.name.startswith(PROBE_PREFIX) and entry.is_file(follow_symlinks=False):
+                os.unlink(entry.path)  # our own write check, from a killed run
+            else:
+                self._give_back(entry.name)
+        os.rmdir(self.old)
+
+    def _give_back(self, name: str) -> None:
+        """Return ``name``, found in the previous output but not prep's, to OUT (or to ``kept/``
+        where the new output has that name), and say where it is."""
+        if not os.path.lexists(self.path / name):
+            os.rename(self.old / name, self.path / name)
+            self.notes.append(f"{name!r} was put into {self.given} while prep wrote it; kept there beside the new "
+                              "output")
+            return
+        kept = self.work / "kept"
+        kept.mkdir(exist_ok=True)
+        os.rename(self.old / name, kept / name)
+        self.notes.append(f"{name!r} was put into {self.given} while prep wrote it, and the new output has a file of "
+                          f"that name: kept at {kept / name}; move it where you want it")

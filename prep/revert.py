@@ -69,7 +69,8 @@ def revert(out: str, dest: str | pathlib.Path, force: bool = False, verify: bool
                 "id": f"revert:{ck.manifest_sha256}", "tool": f"prep {__version__}", "files": sorted(written),
                 "side_files": hashes})
             folder.commit()
-    return {"dest": str(dest), "tensors": len(weight_map), "files": len(shards), "bytes": total}
+    return {"dest": str(dest), "tensors": len(weight_map), "files": len(shards), "bytes": total,
+            "notes": folder.notes}
 
 
 def _write(ck: ConvertedCheckpoint, staging: pathlib.Path, shards, meta, progress) -> dict[str, str]:

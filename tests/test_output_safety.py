@@ -216,6 +216,39 @@ def test_non_empty_output_needs_force_and_force_replaces_only_prep_files(workspa
     assert {k: v for k, v in snapshot(workspace).items() if not k.startswith("out/")} == others
 
 
+@pytest.mark.parametrize("exchange", [True, False])
+def test_what_is_put_into_out_while_prep_converts_survives_the_swap_and_is_named(workspace, monkeypatch, exchange):
+    # After the last check under the lock, before the swap: a user's file and folder land in the
+    # previous output. Deleting that output deletes prep's files only; theirs go back into OUT,
+    # and one whose name the new output holds waits in the work folder's kept/.
+    from prep import outdir
+
+    out, real = workspace / "out", outdir.kill_point
+
+    def drop(name):
+        if name == "swap-state-written":
+            (out / "late.txt").write_text("written while prep converted")
+            (out / "late-dir").mkdir()
+            (out / "late-dir" / "x.bin").write_bytes(b"x" * 10)
+            (out / "model-tp2-rank1-00001-of-00001.safetensors").write_bytes(b"the user's, same name as a new file")
+        real(name)
+
+    monkeypatch.setattr(outdir, "kill_point", drop)
+    if not exchange:
+        monkeypatch.setenv("PREP_TEST_NO_EXCHANGE", "1")
+    notes = []
+    convert(str(workspace / "src"), out, Target(tp=2), force=True, notify=notes.append)
+    complete(out)
+    assert (out / "late.txt").read_text() == "written while prep converted"
+    assert (out / "late-dir" / "x.bin").read_bytes() == b"x" * 10
+    kept = out.with_name(".out.prep") / "kept" / "model-tp2-rank1-00001-of-00001.safetensors"
+    assert kept.read_bytes() == b"the user's, same name as a new file"
+    assert any("'late.txt'" in n and "kept there beside the new output" in n for n in notes), notes
+    assert any(str(kept) in n for n in notes), notes
+    # the next --force sees the user's files in OUT and refuses rather than deleting them
+    one_line_error(prep("convert", workspace / "src", "-o", out, "--force"), "prep did not write it")
+
+
 def test_force_replaces_a_previous_revert_output_and_an_empty_folder(workspace):
     rt = workspace / "rt"
     assert prep("revert", workspace / "out", "-o", rt).returncode == 0
@@ -235,8 +268,8 @@ def test_force_replaces_a_previous_revert_output_and_an_empty_folder(workspace):
 
 
 # ----------------------------------------------------------- kill -9 at every step of a write
-KILL_POINTS = ["file-written", "source-table-written", "marker-written", "swap-state-written", "exchanged", "old-moved", "old-half-deleted",
-               "final-records-removed", "final-state-removed"]
+KILL_POINTS = ["file-written", "source-table-written", "marker-written", "swap-state-written", "exchanged", "old-moved",
+               "old-half-deleted", "old-manifest-deleted", "final-records-removed", "final-state-removed"]
 
 
 @pytest.mark.parametrize("point", KILL_POINTS + ["moved-aside"])
@@ -251,8 +284,8 @@ def test_kill_at_any_step_of_a_forced_replace_leaves_old_or_new_complete_and_the
     if point == "moved-aside":  # the one instant with no OUT at its path: two renames, no exchange
         assert not out.exists()
     else:
-        assert complete(out) == old or point in ("exchanged", "old-moved", "old-half-deleted", "final-records-removed",
-                                                 "final-state-removed")
+        assert complete(out) == old or point in ("exchanged", "old-moved", "old-half-deleted", "old-manifest-deleted",
+                                                 "final-records-removed", "final-state-removed")
     r = prep("convert", workspace / "src", "-o", out, "--tp", "2", "--force", "--resume", "--json")
     assert r.returncode == 0, r.stderr
     summary = json.loads(r.stdout)
