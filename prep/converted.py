@@ -63,12 +63,26 @@ class ConvertedCheckpoint:
 
     def __init__(self, root: str | pathlib.Path, check_hashes: bool = False, streams: int = 1):
         self.root = pathlib.Path(root)
+        # Every file is read through the folder's open descriptor (/proc/self/fd/N/NAME), as
+        # layouts.loader.PinnedFolder reads a rank: a ``convert --force`` that swaps another folder in
+        # meanwhile makes the reads fail and :meth:`check_unmoved` say so, never mixes two outputs'
+        # files (revert --no-verify then rebuilt a source from both).
+        try:
+            self._fd = os.open(self.root, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+        except OSError as e:
+            raise PrepError(f"{self.root}: cannot be opened as a folder ({e.strerror})") from None
+        via = pathlib.Path(f"/proc/self/fd/{self._fd}")
+        self.via = via if via.is_dir() else self.root
         self.check_hashes = check_hashes
         # Bytes of a block: :data:`STREAM_BYTES`, shared out where ``streams`` units are inverted
         # at once (``verify --source``), so that what they hold together stays the same.
         self.stream_bytes = max(1, STREAM_BYTES // max(1, streams))
         self._hashing: dict[tuple[str, str], tuple[Any, int]] = {}  # (file, tensor) -> (hasher, bytes fed)
-        self.manifest = load_manifest(self.root)  # a ManifestError keeps its type: the CLI prints it
+        try:
+            self.manifest = load_manifest(self.via)  # a ManifestError keeps its type: the CLI prints it
+        except ManifestError as e:
+            raise ManifestError(self.shown(str(e))) from None
+        self.manifest.read_from(self.root)
         # load_manifest checked the marker's hash against the manifest's bytes.
         self.manifest_sha256 = self.manifest.sha256
         self._files: dict[str, ShardFile] = {}
@@ -130,14 +144,44 @@ class ConvertedCheckpoint:
                                     f"says its source {src} was {meta.dtype}; the folder was modified: convert again")
 
     def file(self, fname: str) -> ShardFile:
-        """The opened output file ``fname`` (opened once)."""
+        """The opened output file ``fname`` (opened once, through the pinned folder)."""
         f = self._files.get(fname)
         if f is None:
-            path = self.root / fname
-            if not path.is_file():
-                raise PrepError(f"{path}: listed in the manifest but missing; convert again")
-            f = self._files[fname] = ShardFile(path)
+            if not (self.via / fname).is_file():
+                self.check_unmoved()
+                raise PrepError(f"{self.root / fname}: listed in the manifest but missing; convert again")
+            try:
+                f = self._files[fname] = ShardFile(self.via / fname)
+            except Exception as e:
+                self.check_unmoved()
+                if e.args and not isinstance(e, OSError):
+                    e.args = (self.shown(str(e)),) + e.args[1:]
+                raise
         return f
+
+    def shown(self, message: str) -> str:
+        """``message`` naming the folder by its path, not the descriptor it is read through."""
+        return message.replace(str(self.via), str(self.root)) if self.via != self.root else message
+
+    def check_unmoved(self) -> None:
+        """Refuse a folder no longer at its path (replaced or removed since it was opened: what
+        was read came from the folder that was there when this object was made)."""
+        try:
+            now = os.stat(self.root)
+        except OSError:
+            now = None
+        then = os.fstat(self._fd)
+        if now is None or (now.st_dev, now.st_ino) != (then.st_dev, then.st_ino):
+            raise PrepError(f"{self.root}: replaced or removed while it was being read (a prep convert --force into "
+                            "it?); nothing was written from it: run again")
+
+    def close(self) -> None:
+        fd, self._fd = getattr(self, "_fd", -1), -1
+        if fd >= 0:
+            os.close(fd)
+
+    def __del__(self) -> None:
+        self.close()
 
     def read(self, fname: str, name: str) -> torch.Tensor:
         return self.read_rows(fname, name, None)

@@ -49,11 +49,18 @@ WORK_SUFFIX = ".prep"
 PROBE_PREFIX = ".prep-write-check-"  # the file --force makes and removes in OUT to see that it can delete there
 
 
-def copy_regular(src: pathlib.Path, dst: pathlib.Path) -> int:
+def copy_regular(src: pathlib.Path, dst: pathlib.Path, limit: int | None = None) -> int:
     """Copy regular file ``src`` to ``dst`` a MiB at a time (never whole in memory), through the
-    descriptor that was checked to be a regular file (a FIFO would block forever); its size."""
+    descriptor that was checked to be a regular file (a FIFO would block forever); its size.
+    ``limit``: copy at most that many bytes and one more (enough for the caller to see it grew)."""
     with os.fdopen(open_regular(src), "rb") as fin, open(dst, "wb") as fout:
-        shutil.copyfileobj(fin, fout, 1 << 20)
+        if limit is None:
+            shutil.copyfileobj(fin, fout, 1 << 20)
+        else:
+            left = limit + 1
+            while left > 0 and (block := fin.read(min(left, 1 << 20))):
+                fout.write(block)
+                left -= len(block)
         return fout.tell()
 
 

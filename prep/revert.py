@@ -53,14 +53,19 @@ def revert(out: str, dest: str | pathlib.Path, force: bool = False, verify: bool
             written, hashes = [fname for fname, _ in shards] + [INDEX_NAME], {}
             for f in SIDE_FILES:
                 recorded = ck.manifest.source.files.get(f)  # convert copied the source's side files as they were
-                if recorded is not None and (ck.root / f).is_file():
-                    problem = member_problem(ck.root, f)
+                if recorded is not None and (ck.via / f).is_file():
+                    problem = member_problem(ck.via, f)
                     if problem:  # e.g. a symlink out of the folder: never copy what it points at
                         raise PrepError(f"{ck.root}: {problem}; replace it with the file itself")
-                    problem = side_file_changed(ck.root / f, recorded)
+                    problem = side_file_changed(ck.via / f, recorded)
                     if problem:
-                        raise PrepError(problem)
-                    copy_regular(ck.root / f, folder.staging / f)
+                        raise PrepError(ck.shown(problem))
+                    # Copied through the pinned folder, then the copy is checked again: the bytes checked are
+                    # the bytes written, whatever replaced the file between the check and the read.
+                    copy_regular(ck.via / f, folder.staging / f, limit=recorded.size)
+                    problem = side_file_changed(folder.staging / f, recorded)
+                    if problem:
+                        raise PrepError(problem.replace(str(folder.staging / f), str(ck.root / f)))
                     written.append(f)
                     hashes[f] = file_xxh3(folder.staging / f)  # what was written, read back
             # Written last: says which files are prep's (what a later --force may replace: the side

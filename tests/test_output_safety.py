@@ -17,6 +17,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from layouts.manifest import expand_names, load_manifest
 from prep.convert import convert
@@ -477,6 +478,33 @@ def test_two_converts_started_together_one_wins_and_the_output_verifies(sources,
 
 
 # ----------------------------------------------------------------------------- 4. revert
+def test_revert_reads_one_folder_even_when_another_is_swapped_in_mid_read(sources, tmp_path):
+    # A `convert --force` into the folder a `revert --no-verify` reads swaps another output in
+    # under it: revert read the rest of the files from the new folder and rebuilt a source mixing
+    # both (4 of 16 runs). It now reads every file through the folder it opened (as load_rank
+    # does): the rebuild is the first folder's source, byte for byte.
+    from conftest import read_tensors
+    from prep.revert import revert
+
+    out, other = tmp_path / "out", tmp_path / "other"
+    convert(str(sources["a"]), out, Target(tp=2))
+    convert(str(sources["b"]), other, Target(tp=2))
+    swapped = []
+
+    def swap_once(_n):
+        if not swapped:
+            swapped.append(1)
+            os.rename(out, tmp_path / "aside")
+            os.rename(other, out)
+
+    rt = tmp_path / "rt"
+    revert(str(out), rt, verify=False, progress=swap_once)
+    assert swapped
+    want, got = read_tensors(sources["a"]), read_tensors(rt)
+    assert want.keys() == got.keys()
+    assert all(torch.equal(want[k].view(-1).view(torch.uint8), got[k].view(-1).view(torch.uint8)) for k in want)
+
+
 def test_revert_refuses_a_flipped_byte_and_writes_nothing(workspace):
     out, rt = workspace / "out", workspace / "rt"
     f = sorted(out.glob("model-tp1-rank0-*.safetensors"))[0]
