@@ -542,7 +542,10 @@ class OutputFolder:
     def discarded_on_error(self, keep_on_interrupt: bool, needed: str = "") -> Iterator[None]:
         """Run the write; on any error remove what it staged (on Ctrl-C too, unless
         ``keep_on_interrupt``: a resumable run keeps its finished files). A full disk becomes
-        one line saying so (``needed``: how much the whole output takes)."""
+        one line saying so (``needed``: how much the whole output takes). A resumable run keeps
+        its finished files on a full disk and on a refusal at the swap (a file put into OUT
+        meanwhile) as well, and says how to reuse them: an hour of converting is not thrown
+        away for a disk that can be freed or a file that can be moved."""
         try:
             yield
         except KeyboardInterrupt as e:
@@ -553,14 +556,22 @@ class OutputFolder:
             raise
         except BaseException as e:
             swapped = self.swapped_in()
-            if not swapped:
+            full = isinstance(e, OSError) and e.errno == errno.ENOSPC
+            keep = keep_on_interrupt and not swapped and (full or getattr(e, "keep_work", False))
+            if not swapped and not keep:
                 self.discard()
-            if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            if keep and self.state():
+                self._set_phase(self.state() or {}, "building")  # a refusal at the swap: staging is complete
+            kept = (f"; the finished files are kept in {self.work}: run the same command with --resume to reuse "
+                    f"them (or remove that folder)") if keep else ""
+            if full:
                 if swapped:
                     raise PrepError(f"{self.flag} {self.given}: disk full after the swap; {self._swapped_note()}") \
                         from None
                 raise PrepError(f"{self.flag} {self.given}: disk full while writing{needed}; free space or choose "
-                                "another output folder; partial output removed") from None
+                                "another output folder" + (kept or "; partial output removed")) from None
+            if keep:
+                raise PrepError(f"{e}{kept}") from None
             raise
 
     def swapped_in(self) -> bool:
@@ -596,7 +607,11 @@ class OutputFolder:
     def commit(self) -> None:
         """Put the finished ``staging`` (its manifest and marker written) in place of OUT,
         atomically, and delete the previous OUT."""
-        self.check_replaceable()  # again: a file may have been put into OUT while we converted
+        try:
+            self.check_replaceable()  # again: a file may have been put into OUT while we converted
+        except PrepError as e:
+            e.keep_work = True  # staging is complete: a --resume once it is moved away reuses every file
+            raise
         new_id = output_id(self.staging)
         if new_id is None:
             raise RuntimeError(f"{self.staging}: committed before its completion marker was written")
@@ -655,7 +670,12 @@ class OutputFolder:
         entries = sorted(os.scandir(self.old), key=lambda e: (e.name in markers, e.name == COMPLETE_NAME, e.name))
         for i, entry in enumerate(entries):
             if entry.name in own and entry.is_file(follow_symlinks=False):
-                os.unlink(entry.path)
+                try:
+                    os.unlink(entry.path)
+                except OSError as e:  # immutable, or a read-only mount: the new output is in place all the same
+                    raise PrepError(f"{self.given} holds the new output, complete; the previous output's "
+                                    f"{entry.name} cannot be deleted from {self.old} ({e.strerror}): make it "
+                                    f"deletable (e.g. chattr -i) and remove {self.old} yourself") from None
                 if i == 0:
                     kill_point("old-half-deleted")
                 if entry.name == MANIFEST_NAME:

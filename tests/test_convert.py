@@ -365,22 +365,33 @@ def test_existing_output_needs_force_and_force_never_deletes_a_file_prep_did_not
     assert run_cli("convert", str(sources["v2"]), "-o", str(out), "--force").exit_code == 0
 
 
-def test_disk_full_removes_partial_output(sources, tmp_path, monkeypatch):
+def test_disk_full_keeps_the_finished_files_for_resume(sources, tmp_path, monkeypatch):
+    # A full disk an hour into a conversion (or during a --resume of one) threw the finished files
+    # away. They are kept in the work folder, named, and a --resume once space is freed reuses them.
     import prep.directio as dio
 
-    real, calls = os.pwrite, []
+    real, calls, limit = os.pwrite, [], [None]
 
-    def full(fd, buf, offset):  # the disk fills up a few blocks into the conversion
+    def full(fd, buf, offset):  # the disk fills up part-way through the conversion
         calls.append(1)
-        if len(calls) > 3:
+        if limit[0] is not None and len(calls) > limit[0]:
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(fd, buf, offset)
 
     monkeypatch.setattr(dio, "STAGING_BYTES", 64 << 10)  # blocks small enough that the tiny model needs many
     monkeypatch.setattr(dio.os, "pwrite", full)
+    assert run_cli("convert", str(sources["v2"]), "-o", str(tmp_path / "probe"), "--tp", "2").exit_code == 0
+    limit[0], calls[:] = len(calls) * 2 // 3, []  # two thirds of what the whole conversion writes
     out = tmp_path / "out"
-    assert_one_line_error(run_cli("convert", str(sources["v2"]), "-o", str(out)), "disk full")
-    assert nothing_left(out) and len(calls) > 3
+    assert_one_line_error(run_cli("convert", str(sources["v2"]), "-o", str(out), "--tp", "2"), "disk full",
+                          "the finished files are kept in", "--resume")
+    assert not out.exists()
+    limit[0] = None  # space freed: --resume reuses what was finished and completes
+    r = run_cli("convert", str(sources["v2"]), "-o", str(out), "--tp", "2", "--resume", "--json")
+    assert r.exit_code == 0, r.output
+    summary = json.loads(r.output[r.output.index("{"):])
+    assert 1 <= summary["reused_files"] < summary["files"] and not (tmp_path / ".out.prep").exists()
+    L.load_manifest(out).verify_hashes()
 
 
 def test_verify_names_a_tampered_tensor(sources, tmp_path):

@@ -250,6 +250,59 @@ def test_what_is_put_into_out_while_prep_converts_survives_the_swap_and_is_named
     one_line_error(prep("convert", workspace / "src", "-o", out, "--force"), "prep did not write it")
 
 
+def test_a_refusal_at_the_swap_keeps_the_finished_output_for_resume(workspace, monkeypatch):
+    # A file put into OUT while prep converts makes the last check refuse the swap: the whole new
+    # output is finished in staging by then. It was thrown away; it is kept, and a --resume once
+    # the file is moved away swaps it in without converting anything again.
+    import prep.convert as pconvert
+    from prep.errors import PrepError
+
+    out, real = workspace / "out", pconvert.kill_point
+
+    def drop(name):
+        if name == "marker-written":
+            (out / "late.txt").write_text("mine")
+        real(name)
+
+    monkeypatch.setattr(pconvert, "kill_point", drop)
+    with pytest.raises(PrepError, match="'late.txt'.*the finished files are kept in .*--resume"):
+        convert(str(workspace / "src"), out, Target(tp=2), force=True)
+    monkeypatch.setattr(pconvert, "kill_point", real)
+    assert (out / "late.txt").read_text() == "mine"
+    (out / "late.txt").unlink()
+    r = prep("convert", workspace / "src", "-o", out, "--tp", "2", "--force", "--resume", "--json")
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout)
+    assert summary["reused_files"] == summary["files"] and no_work_left(out)
+    complete(out)
+
+
+def test_an_undeletable_file_of_the_previous_output_says_the_new_one_is_in_place(workspace, monkeypatch):
+    # An immutable file in the old output failed the clean-up after the swap, and every later
+    # --force, without saying that OUT already holds the new output.
+    from prep import outdir
+    from prep.errors import PrepError
+
+    out, real = workspace / "out", os.unlink
+    stuck = next(p.name for p in out.iterdir() if p.name.startswith("model-"))
+
+    def unlink(path, *a, **k):
+        if os.path.basename(path) == stuck and ".out.prep" in str(path):
+            raise PermissionError(1, "Operation not permitted")
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(outdir.os, "unlink", unlink)
+    for _ in range(2):  # the run that swapped, then the next one that finds the remains
+        with pytest.raises(PrepError, match=f"holds the new output, complete; the previous output's {stuck} cannot "
+                                            "be deleted .*Operation not permitted.*chattr -i"):
+            convert(str(workspace / "src"), out, Target(tp=2), force=True)
+        complete(out)
+        assert json.loads((out / "prep-manifest.json").read_text())["target"]["tp"] == 2
+    monkeypatch.setattr(outdir.os, "unlink", real)
+    assert prep("convert", workspace / "src", "-o", out, "--tp", "2", "--force").returncode == 0
+    assert no_work_left(out)
+
+
 def test_force_replaces_a_previous_revert_output_and_an_empty_folder(workspace):
     rt = workspace / "rt"
     assert prep("revert", workspace / "out", "-o", rt).returncode == 0
