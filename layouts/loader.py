@@ -23,7 +23,7 @@ import torch
 from .compat import EngineConfig, check_compatibility
 from .device_load import read_to_device
 from .manifest import COMPLETE_NAME, FILE_NAME_KEY, MANIFEST_NAME, Manifest, ManifestError, TensorRecord, load_manifest
-from .safe_files import read_regular
+from .safe_files import opened_outside, read_regular
 from .errors import LayoutsError
 from .safetensors_file import TORCH_DTYPES, SafetensorsFile, SafetensorsFileError, file_xxh3, map_all, tensor_hash
 
@@ -214,6 +214,10 @@ def _load_file(manifest: Manifest, fname: str, recs: list[TensorRecord], device:
     staged = device.type == "cuda" and not verify_hashes
     try:
         f = SafetensorsFile(via / fname)
+        outside = opened_outside(f.fd, manifest.root)
+        if outside is not None:  # replaced by a link out of the folder after the folder's check
+            raise ManifestError(f"{path}: opened as {outside}, outside the folder (a symlink put in its place); "
+                                "replace it with the file prep wrote, or convert again")
         named = f.metadata.get(FILE_NAME_KEY)
         if named is not None and named != fname:  # files of a prep before 2026-12-06 name none
             raise ManifestError(f"{path}: holds the tensors prep wrote as {str(named)[:200]!r}: the folder's files were "

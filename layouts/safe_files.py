@@ -43,6 +43,8 @@ def open_regular(path: str | os.PathLike) -> int:
 # (scripts/bench_manifest_bound.py, 2-core VM): 3.5 s and 1.36 GiB peak at 96 MiB, against 14.4 s
 # and 3.16 GiB at the 256 MiB this was before (7.0 GB with a costlier hostile shape).
 MAX_JSON_BYTES = 96 << 20
+MIN_BYTES_PER_CONTAINER = 16  # strict_json: see there
+MAX_CONTAINERS = 2_000_000
 
 
 class FileTooLargeError(ValueError):
@@ -81,6 +83,22 @@ def _container(root: pathlib.Path) -> str:
     if real.parent.name == "snapshots" and real.parent.parent.name.startswith("models--"):
         return str(real.parent.parent)
     return str(real)
+
+
+def opened_outside(fd: int, root: str | os.PathLike) -> str | None:
+    """Where the file open at ``fd`` lies when that is outside folder ``root`` (its container:
+    the repo's cache folder for a Hugging Face snapshot), else None. :func:`member_problem`
+    checks a name before it is opened; a symlink put in its place between that check and the
+    open is followed by the open, so what was opened is checked again, by the descriptor
+    (``/proc/self/fd/N``; None where the system has no such view)."""
+    try:
+        real = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return None
+    box = _container(pathlib.Path(root))
+    if not real.startswith("/") or os.path.commonpath([real, box]) == box:
+        return None
+    return real
 
 
 def member_problem(root: str | os.PathLike, name: Any) -> str | None:
@@ -145,6 +163,16 @@ def strict_json(raw: bytes) -> Any:
     The pause is process-wide but only ever ends where it began: a thread that found the
     collector paused leaves it to the one that paused it, and a caller's own ``gc.disable()``
     is kept."""
+    # Each object or array costs ~60-200 bytes parsed whatever its text: a file of empty ones
+    # ("[{},{},...]", 3 bytes each) within the size bound took 2.6 GiB to parse. What prep and
+    # safetensors write has one container per 27 bytes or more (a safetensors header entry; a
+    # manifest ~60), so fewer than 16 bytes per container is refused before parsing.
+    # And at most MAX_CONTAINERS (R1's TP 8 manifest, 20 MB, holds ~330k), so that no file within
+    # the bounds costs more than ~0.5 GiB parsed.
+    containers = raw.count(b"{") + raw.count(b"[")
+    if containers > min(MAX_CONTAINERS, max(1024, len(raw) // MIN_BYTES_PER_CONTAINER)):
+        raise ValueError(f"{containers} objects and arrays in {len(raw)} bytes (at most {MAX_CONTAINERS}, and "
+                         f"{MIN_BYTES_PER_CONTAINER} bytes each or more): not JSON that prep or safetensors writes")
     text = raw.decode("utf-8")
     with gc_paused():
         try:

@@ -183,7 +183,7 @@ def test_config_values_that_are_not_sane_integers_are_refused_naming_the_key(mad
     (b"[1, 2]", "config.json: a JSON list, not an object"),
     (b'{"a": 1, "a": 2}', "config.json: names 'a' twice"),
     ('{"architectures": ["DeepseekV3ForCausalLM"]}'.encode("utf-16"), "config.json: not valid UTF-8 JSON"),
-    (b'{"a":' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested too deeply"),
+    (b'{"pad":"' + b"x" * 3_200_000 + b'","a":' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested too deeply"),
     ("ARCH", "architecture [{'x': 1}] is not DeepSeek"),
     ("QUANT", "not a Quark checkpoint"),
 ], ids=["a-list", "duplicate-key", "utf-16", "nested", "architectures-of-objects", "quantization-config-a-string"])
@@ -476,7 +476,9 @@ def test_an_mtp_layer_may_be_absent_as_a_whole_but_not_in_part(made, tmp_path):
 
 # ------------------------------------------------------------------------------ 8: errors of the promised type
 def _nested(depth: int) -> bytes:
-    return b'{"a":' + b"[" * depth + b"]" * depth + b"}"
+    # padded with a string so that it passes strict_json's density check (16 bytes per container)
+    # and reaches the parser, whose depth limit is what this pins
+    return b'{"pad":"' + b"x" * (32 * depth) + b'","a":' + b"[" * depth + b"]" * depth + b"}"
 
 
 MANIFEST_CASES = {  # name: (edit of the parsed manifest, or bytes for the whole file; what the message says)
@@ -710,6 +712,46 @@ def test_a_json_file_larger_than_any_prep_reads_is_refused_before_it_is_read(mad
         with pytest.raises(ManifestError, match=f"{name}: 1099511627776 bytes, more than the"):
             L.load_manifest(folder)
         assert_one_line_error(run_cli("verify", folder), name, "more than the")
+
+
+def test_a_rank_file_swapped_for_a_symlink_out_of_the_folder_after_the_check_is_refused(made, tmp_path, monkeypatch):
+    # The folder's files are checked (regular, inside) when its manifest is read; one replaced by a
+    # link out of the folder after that check was followed by the open. What was opened is checked
+    # again by its descriptor: the same bytes outside the folder are refused, naming where they are.
+    import layouts.loader as loader
+
+    out = copy(made["out"], tmp_path / "out")
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    real = loader.SafetensorsFile
+    swapped = []
+
+    def swap_then_open(path):
+        name = pathlib.Path(path).name
+        if not swapped and name.startswith("model-"):
+            shutil.copyfile(out / name, outside / name)
+            (out / name).unlink()
+            (out / name).symlink_to(outside / name)
+            swapped.append(name)
+        return real(path)
+
+    monkeypatch.setattr(loader, "SafetensorsFile", swap_then_open)
+    with pytest.raises(ManifestError, match=r"opened as .*elsewhere.*outside the folder \(a symlink put in its place\)"):
+        L.load_rank(out, 0)
+    assert swapped
+
+
+def test_a_manifest_of_empty_objects_is_refused_before_it_is_parsed(made, tmp_path):
+    # Within the size bound, a resealed manifest padded with empty objects ("{}," is 3 bytes, ~230
+    # parsed) cost each rank load 2.6 GiB at 95 MiB (2.29 GiB measured for strict_json alone).
+    # Fewer than 16 bytes per object or array, or more than 2M of them, is not what prep writes.
+    out = copy(made["out"], tmp_path / "out")
+    raw = (out / "prep-manifest.json").read_bytes()
+    set_manifest(out, raw[:-1] + b',"padding":[' + b"{}," * 200_000 + b"{}]}")
+    with pytest.raises(ManifestError, match=r"prep-manifest.json: not valid UTF-8 JSON \(\d+ objects and arrays in "
+                                            r"\d+ bytes \(at most 2000000, and 16 bytes each or more\)"):
+        L.load_rank(out, 0)
+    assert_one_line_error(run_cli("verify", out), "prep-manifest.json", "objects and arrays")
 
 
 def test_a_safetensors_header_larger_than_any_real_checkpoint_needs_is_refused_before_it_is_read(made, tmp_path):
