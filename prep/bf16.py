@@ -244,8 +244,8 @@ class Bf16Group:
         return stack
 
 
-_ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4}
-_TORCH = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+_ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1}
+_TORCH = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F8_E4M3": torch.float8_e4m3fn}
 
 
 def _expand_stack(name: str, stack: StackRecord) -> tuple[Placement, ...]:
@@ -313,10 +313,15 @@ def plan_bf16_groups(tensors: dict[str, Any], config: dict[str, Any], tp: int, e
 
     def plain(name: str, info: Any, merges: list) -> None:  # merged, split by its rule, or whole
         module = name[:-len(".weight")] if len(info.shape) == 2 and name.endswith(".weight") else None
+        suffix = ".weight"
+        scale = _channel_scale(name, info, tensors)
+        if scale is not None:  # an FP8 weight's per-channel scale: held as a column [N, 1], its weight's rows
+            module, info, suffix = name[:-len(".weight_scale")], scale, ".weight_scale"
         if module is not None and (hit := _merge_part(module, merges)):
             layer, merge, key = hit
-            merged.setdefault(f"{layer}{merge.module}.weight", (merge, {}))[1][key] = (name, info)
-        elif module is not None and (split := rules.split_of(module)) != _WHOLE:
+            merged.setdefault(f"{layer}{merge.module}{suffix}", (merge, {}))[1][key] = (name, info)
+        elif module is not None and (split := rules.split_of(module)) != _WHOLE \
+                and not (suffix == ".weight_scale" and split == _COLS):  # a row-parallel layer's scale: whole
             dim = 1 if split == _COLS else 0
             for r in range(tp):
                 p = part(name, info, dim, r)
@@ -353,6 +358,27 @@ def plan_bf16_groups(tensors: dict[str, Any], config: dict[str, Any], tp: int, e
     for mlp, layer in experts.items():
         _plan_experts(mlp, layer, tp, ep, per_rank, rules)
     return per_rank, whole
+
+
+@dataclasses.dataclass(frozen=True)
+class _Column:
+    """A 1-D tensor planned as the column ``[N, 1]`` it is stored as (same bytes)."""
+
+    dtype: str
+    shape: tuple[int, int]
+
+
+def _channel_scale(name: str, info: Any, tensors: dict[str, Any]) -> _Column | None:
+    """``name``'s info as a column ``[N, 1]`` when it is the per-channel F32 scale of an FP8
+    linear (``X.weight_scale`` of an F8_E4M3 ``X.weight``; ATOM holds it as ``[N, 1]`` and splits
+    and merges it with the weight's rows), else None."""
+    if not name.endswith(".weight_scale") or info.dtype != "F32":
+        return None
+    w = tensors.get(name[:-len("_scale")])
+    if w is None or w.dtype != "F8_E4M3" or len(w.shape) != 2 or tuple(info.shape) not in ((w.shape[0],),
+                                                                                            (w.shape[0], 1)):
+        return None
+    return _Column(info.dtype, (w.shape[0], 1))
 
 
 def _merge_part(module: str, merges: list) -> tuple[str, Any, str] | None:

@@ -27,6 +27,12 @@ from .source import ShardFile
 STREAM_BYTES = int(os.environ.get("PREP_STREAM_BYTES") or 32 << 20)
 
 
+def as_planned(shape) -> tuple[int, ...]:
+    """A source tensor's shape as groups plan it: a 1-D tensor (an FP8 linear's per-channel
+    scale) as the column ``[N, 1]`` it is stored as, same bytes (``prep.bf16._channel_scale``)."""
+    return (shape[0], 1) if len(shape) == 1 else tuple(shape)
+
+
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether ``a`` and ``b`` hold the same bytes (dtype and shape aside: the caller checks
     those). Compared as integers, never as floats: ``torch.equal`` of BF16 calls -0.0 equal to
@@ -326,7 +332,7 @@ class ConvertedCheckpoint:
         g.check()  # its windows tile the stored tensor
         info = self.file(rec.file).tensors.get(g.name)
         bad = next((p.source for p in g.placements if p.source not in self.source_tensors
-                    or tuple(self.source_tensors[p.source].shape) != p.shape), None)
+                    or as_planned(self.source_tensors[p.source].shape) != p.shape), None)
         if info is None or tuple(info.shape) != g.shape or bad:
             raise PrepError(f"{self.root / rec.file}: {g.name} (rank {rec.rank}) does not match its group record"
                             + (f" (source {bad})" if bad else "") + "; the manifest is damaged: convert again")
@@ -366,13 +372,15 @@ class ConvertedCheckpoint:
             self._check_bf16(rec, g)
         for name in self._sources[unit]:
             meta = self.source_tensors[name]
+            planned = as_planned(meta.shape)  # a 1-D scale is assembled as its column, handed back 1-D
             for rows in row_blocks(tuple(meta.shape), ITEMSIZE[meta.dtype], self.stream_bytes):
-                tiles = _Tiles({name: SourceTensor(meta.dtype, (rows.stop - rows.start, *meta.shape[1:]), meta.file)})
+                tiles = _Tiles({name: SourceTensor(meta.dtype, (rows.stop - rows.start, *planned[1:]), meta.file)})
                 for rec, g in zip(recs, groups):
                     for local, cols, stored_rows in g.window_rows(name, rows):
                         tiles.place(name, local, cols, self.read_rows(rec.file, g.name, stored_rows), rec.rank)
                 tiles.check_complete(name)
-                yield name, rows, tiles.pop(name)
+                t = tiles.pop(name)
+                yield name, rows, t.reshape(-1) if len(meta.shape) == 1 else t
 
     def _expert_rows(self, fname: str, name: str, rows_per_expert: int, e0: int, n: int) -> torch.Tensor:
         """The stored bytes of experts [e0, e0 + n) of the stacked output ``name``: experts lead

@@ -64,7 +64,8 @@ class Classified:
     num_layers: int  # decoder layers, MTP excluded
     mtp_layers: list[int]
     modules: dict[str, str]  # MXFP4 module prefix -> kind
-    passthrough: list[str]  # tensor names copied unchanged
+    passthrough: list[str]  # tensor names copied unchanged (split and merged per rank where rank-exact)
+    fp8: list[str] = dataclasses.field(default_factory=list)  # FP8 per-channel linears (among the passthrough)
 
     @functools.cached_property
     def by_layer(self) -> dict[str, dict[str, str]]:
@@ -279,13 +280,27 @@ def classify(src: SourceCheckpoint) -> Classified:
     mtp = [n_layers + i for i in range(ints["num_nextn_predict_layers"])]
     modules: dict[str, str] = {}
     consumed: set[str] = set()
+    fp8: list[str] = []
     for name, info in src.tensors.items():
+        if name.endswith(".weight_scale_inv"):
+            raise PrepError(f"{name}: FP8 weights with 128x128 block scales (DeepSeek's own FP8 release) are not "
+                            "converted by prep yet; convert an MXFP4 checkpoint (amd/DeepSeek-R1-0528-MXFP4)")
         if not name.endswith(".weight_scale"):
             continue
         prefix = name[: -len(".weight_scale")]
         w = src.tensors.get(f"{prefix}.weight")
         if w is None:
             raise PrepError(f"{name}: scale without a {prefix}.weight tensor")
+        if w.dtype == "F8_E4M3":
+            # FP8 per output channel (Quark's per_channel override, e.g. of *self_attn*): the bytes are
+            # copied, split and merged as the engine holds them (prep.bf16: any dtype), the scale with
+            # its weight's rows
+            if len(w.shape) != 2 or info.dtype != "F32" or tuple(info.shape) not in ((w.shape[0],), (w.shape[0], 1)):
+                raise PrepError(f"{name}: an FP8 weight's scale must be F32 [N] or [N, 1], one per output channel "
+                                f"(got {info.dtype} {list(info.shape)} for weight {list(w.shape)}); per-tensor and "
+                                "block-scaled FP8 are not converted by prep yet")
+            fp8.append(prefix)
+            continue
         if w.dtype != "U8" or info.dtype != "U8":
             raise PrepError(f"{prefix}.weight: MXFP4 tensors must be U8 (got weight {w.dtype}, scale {info.dtype})")
         want = (w.shape[0], ceil_div(w.shape[1] * 2, BLOCK_SIZE)) if len(w.shape) == 2 else None
@@ -298,7 +313,7 @@ def classify(src: SourceCheckpoint) -> Classified:
     for n in passthrough:
         if src.tensors[n].dtype == "U8":
             raise PrepError(f"{n}: U8 tensor with no weight_scale; not an MXFP4 weight prep understands")
-    return Classified(arch, n_layers, mtp, modules, passthrough)
+    return Classified(arch, n_layers, mtp, modules, passthrough, fp8)
 
 
 def _dims(src: SourceCheckpoint, prefix: str) -> tuple[int, int]:

@@ -275,7 +275,8 @@ class SourceCheckpoint:
         if cols is None:
             return False
         shape = self.info(name).shape
-        return not (cols.start in (0, None) and cols.stop is not None and cols.stop >= (shape[-1] if shape else 1))
+        width = shape[-1] if len(shape) > 1 else 1  # a 1-D tensor is read as a column [N, 1] (see read)
+        return not (cols.start in (0, None) and cols.stop is not None and cols.stop >= width)
 
     def read(self, name: str, rows: slice | None = None, cols: slice | None = None,
              out: torch.Tensor | None = None) -> torch.Tensor:
@@ -285,8 +286,20 @@ class SourceCheckpoint:
         the bytes land there: read straight in when ``out`` is contiguous and all columns are
         wanted, else copied in. Returns ``out``."""
         info = self.info(name)
+        as_column = len(info.shape) == 1 and (cols is not None or (out is not None and out.dim() == 2))
         if not self.cuts_columns(name, cols):
             cols = None  # the whole width: a plain row read
+        if as_column:
+            # A 1-D tensor a group holds is planned as a column [N, 1] (an FP8 linear's per-channel
+            # scale, which the engine holds as [N, 1] and splits with its weight's rows): same bytes.
+            if out is not None and out.is_contiguous():
+                self._shards[info.file].read(info, rows, out.view(-1))
+                return out
+            t = self._shards[info.file].read(info, rows).unsqueeze(1)
+            if out is None:
+                return t
+            out.copy_(t)
+            return out
         if out is not None and cols is None and out.is_contiguous():
             return self._shards[info.file].read(info, rows, out)
         t = self._shards[info.file].read(info, rows)

@@ -36,9 +36,15 @@ __all__ = [
     "plan_groups", "run_measured", "tensor_specs", "write_checkpoint", "drop_tensors", "edit_at_same_size",
 ]
 
-VARIANTS = ("r1-0528", "v2")
+VARIANTS = ("r1-0528", "v2", "mtp-moefp4")
 """r1-0528: attention and the MTP layer BF16 (as amd/DeepSeek-R1-0528-MXFP4). v2: attention
-MXFP4 too, MTP layer quantized except its embedding and head."""
+MXFP4 too, MTP layer quantized except its embedding and head. mtp-moefp4: as v2, but every
+``*self_attn*`` linear (the MTP layer's too) FP8 per channel, Quark's ``layer_quant_config``
+override (as amd/DeepSeek-R1-0528-MXFP4-MTP-MoEFP4 and the AttnFP8 checkpoints): an F8_E4M3
+weight and one F32 ``weight_scale`` per output channel, activations quantized per token at run
+time."""
+
+FP8_MAX = 448.0  # e4m3fn's largest finite value
 
 
 @dataclass(frozen=True)
@@ -176,6 +182,25 @@ def _quant_spec(is_dynamic: bool) -> dict:
     }
 
 
+def _fp8_channel_spec(ch_axis: int, is_dynamic: bool) -> dict:
+    """Quark's FP8 per-channel spec (its ``ptpc_fp8`` scheme: weights per output channel, static;
+    activations per token, dynamic)."""
+    return {
+        "dtype": "fp8_e4m3", "qscheme": "per_channel", "ch_axis": ch_axis, "is_dynamic": is_dynamic,
+        "group_size": None, "symmetric": True, "round_method": "half_even", "scale_type": "float",
+        "observer_cls": "PerChannelMinMaxObserver", "scale_format": None, "scale_calculation_mode": None,
+        "mx_element_dtype": None,
+    }
+
+
+def layer_quant_config(spec: SynthSpec) -> dict:
+    """Quark's per-layer overrides of the variant (pattern -> spec)."""
+    if spec.variant != "mtp-moefp4":
+        return {}
+    return {"*self_attn*": {"weight": _fp8_channel_spec(0, False), "input_tensors": _fp8_channel_spec(1, True),
+                            "output_tensors": None, "bias": None}}
+
+
 def build_config(spec: SynthSpec) -> dict:
     """A DeepSeek-V3 ``config.json`` (as HF and Quark write it) for the spec's dims."""
     s = spec
@@ -226,7 +251,7 @@ def build_config(spec: SynthSpec) -> dict:
                 "weight": _quant_spec(False), "input_tensors": _quant_spec(True),
                 "output_tensors": None, "bias": None,
             },
-            "layer_quant_config": {},
+            "layer_quant_config": layer_quant_config(spec),
             "layer_type_quant_config": {},
             "exclude": exclude_patterns(spec),
             "export": {
@@ -242,8 +267,9 @@ def build_config(spec: SynthSpec) -> dict:
 @dataclass(frozen=True)
 class Param:
     """One module's stored tensors. ``kind``: "fp4" (weight U8 [N, K/2] + weight_scale U8
-    [N, ceil(K/32)] from the logical [N, K]), "bf16" (a BF16 weight), "norm" (BF16 around 1),
-    "bias" (float32 ``e_score_correction_bias``)."""
+    [N, ceil(K/32)] from the logical [N, K]), "fp8" (weight F8_E4M3 [N, K] + weight_scale F32
+    [N], one per output channel), "bf16" (a BF16 weight), "norm" (BF16 around 1), "bias"
+    (float32 ``e_score_correction_bias``)."""
 
     module: str
     shape: tuple[int, ...]
@@ -257,12 +283,15 @@ class Param:
                     f"{self.module}.weight_scale": ((n, ceil_div(k, 32)), torch.uint8)}
         if self.kind == "bias":
             return {f"{self.module}.e_score_correction_bias": (self.shape, torch.float32)}
+        if self.kind == "fp8":
+            return {f"{self.module}.weight": (self.shape, torch.float8_e4m3fn),
+                    f"{self.module}.weight_scale": ((self.shape[0],), torch.float32)}
         return {f"{self.module}.weight": (self.shape, torch.bfloat16)}
 
     def nbytes(self) -> int:
         total = 0
         for shape, dtype in self.tensors().values():
-            total += torch.Size(shape).numel() * (4 if dtype == torch.float32 else 2 if dtype == torch.bfloat16 else 1)
+            total += torch.Size(shape).numel() * dtype.itemsize
         return total
 
 
@@ -271,8 +300,13 @@ def _layer_params(spec: SynthSpec, layer: int, excluded: list[str]) -> list[Para
     p = f"model.layers.{layer}"
     mtp = layer == s.num_hidden_layers
 
+    overrides = layer_quant_config(spec)
+
     def linear(module: str, n: int, k: int) -> Param:
-        return Param(module, (n, k), "bf16" if is_excluded(module, excluded) else "fp4")
+        if is_excluded(module, excluded):
+            return Param(module, (n, k), "bf16")
+        fp8 = any(fnmatch.fnmatchcase(module, pat) for pat in overrides)  # the only override: FP8 per channel
+        return Param(module, (n, k), "fp8" if fp8 else "fp4")
 
     out = []
     if mtp:  # DeepSeek's MTP block: embed, two norms and eh_proj ahead of a normal decoder layer.
@@ -357,6 +391,15 @@ def _materialize(spec: SynthSpec, p: Param) -> dict[str, torch.Tensor]:
             out[rows] = (0.02 * torch.randn(out[rows].shape, generator=g)).to(torch.bfloat16)
         return {names[0]: out}
     n, k = p.shape
+    if p.kind == "fp8":  # per output channel: scale = row amax / 448, codes rounded to nearest even
+        w = torch.empty((n, k), dtype=torch.float8_e4m3fn)
+        scale = torch.empty((n,), dtype=torch.float32)
+        for rows in _row_blocks((n, k)):
+            x = (0.02 * torch.randn((rows.stop - rows.start, k), generator=g)).to(torch.bfloat16).float()
+            s = (x.abs().amax(dim=1) / FP8_MAX).clamp_min(1e-12)
+            w[rows] = (x / s[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+            scale[rows] = s
+        return {names[0]: w, names[1]: scale}
     if spec.random_bytes:
         return {names[0]: _random_uint8((n, k // 2), g), names[1]: _random_uint8((n, ceil_div(k, 32)), g, 118, 127)}
     # Rows spread over 2^-2..2^2 so scale bytes vary across rows, as in trained weights.

@@ -688,3 +688,70 @@ def test_streamed_inversion_refuses_a_piece_of_a_tensor_already_whole(sources, t
     ck._groups[unit] = ck._groups[unit] + [ck._groups[unit][0]]  # rank 0's record twice
     with pytest.raises(PrepError, match="already whole|replicated copies"):
         list(ck.iter_source_tensors(unit))
+
+
+# ------------------------------------------------------------- FP8 per-channel attention (issue 38)
+@pytest.fixture(scope="module")
+def fp8_attention(tmp_path_factory):
+    """A tiny DeepSeek-R1-0528-MXFP4-MTP-MoEFP4: MXFP4 experts, every *self_attn* linear FP8 per
+    channel (the MTP layer's too), as Quark's layer_quant_config override writes it."""
+    return write_checkpoint(SynthSpec(variant="mtp-moefp4"), tmp_path_factory.mktemp("fp8") / "src")
+
+
+@pytest.mark.parametrize("engine, tp, ep", [("atom", 1, 1), ("atom", 2, 1), ("atom", 8, 1), ("atom", 8, 8),
+                                            ("sglang", 2, 1), ("vllm", 2, 2)])
+def test_fp8_attention_is_split_and_merged_with_its_scales_and_round_trips(fp8_attention, tmp_path, engine, tp, ep):
+    # Each rank holds what ATOM's linears hold before processing: fused_qkv_a_proj = [q_a ; kv_a]
+    # rows with their scales concatenated, q_b / kv_b rows split with their scales ([N/tp, 1], as
+    # ATOM allocates a per-channel scale), o_proj columns split with its scale whole on every rank.
+    from prep.deepseek import target_for
+
+    src, out, back = fp8_attention, tmp_path / "out", tmp_path / "back"
+    convert(str(src), out, target_for(engine, tp=tp, ep=ep))
+    s = all_tensors(src)
+    m = json.loads((out / "prep-manifest.json").read_text())
+    for r in range(tp):
+        files = {t["file"] for t in m["tensors"] if t["rank"] == r}
+        rank = {k: v for f in files for k, v in load_file(out / f).items()}
+        for layer in (1, 3) if engine == "atom" else (1,):  # a decoder layer and (ATOM's drafter) the MTP layer
+            a = f"model.layers.{layer}.self_attn"
+            for proj in ("q_b_proj", "kv_b_proj"):
+                n = s[f"{a}.{proj}.weight"].shape[0] // tp
+                assert same_bytes(rank[f"{a}.{proj}.weight"], s[f"{a}.{proj}.weight"][r * n:(r + 1) * n])
+                assert rank[f"{a}.{proj}.weight_scale"].shape == (n, 1)
+                assert same_bytes(rank[f"{a}.{proj}.weight_scale"].view(-1), s[f"{a}.{proj}.weight_scale"][r * n:(r + 1) * n])
+            k = s[f"{a}.o_proj.weight"].shape[1] // tp
+            assert same_bytes(rank[f"{a}.o_proj.weight"], s[f"{a}.o_proj.weight"][:, r * k:(r + 1) * k])
+            assert same_bytes(rank[f"{a}.o_proj.weight_scale"].view(-1), s[f"{a}.o_proj.weight_scale"])
+            if engine == "atom":
+                fused = rank[f"{a}.fused_qkv_a_proj.weight"]
+                assert fused.dtype == torch.float8_e4m3fn
+                assert same_bytes(fused, torch.cat([s[f"{a}.q_a_proj.weight"], s[f"{a}.kv_a_proj_with_mqa.weight"]]))
+                assert same_bytes(rank[f"{a}.fused_qkv_a_proj.weight_scale"].view(-1),
+                                  torch.cat([s[f"{a}.q_a_proj.weight_scale"], s[f"{a}.kv_a_proj_with_mqa.weight_scale"]]))
+    verify(str(out), source=str(src))
+    revert(str(out), back)
+    rebuilt = all_tensors(back)
+    assert s.keys() == rebuilt.keys()
+    for name, t in s.items():
+        assert rebuilt[name].dtype == t.dtype and rebuilt[name].shape == t.shape and same_bytes(rebuilt[name], t), name
+
+
+def test_fp8_scales_of_another_shape_and_block_scaled_fp8_are_refused_in_one_line(fp8_attention, tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(fp8_attention, src)
+    name = "model.layers.1.self_attn.o_proj.weight_scale"
+    shard = next(f for f in sorted(src.glob("*.safetensors")) if name in load_file(f))
+    tensors = load_file(shard)
+    tensors[name] = tensors[name][:10]
+    save_file(tensors, shard, metadata={"format": "pt"})
+    with pytest.raises(PrepError, match=f"{name}: an FP8 weight's scale must be F32 \\[N\\] or \\[N, 1\\]"):
+        convert(str(src), tmp_path / "out", Target(tp=2))
+    tensors[name.replace("_scale", "_scale_inv")] = tensors.pop(name)
+    save_file(tensors, shard, metadata={"format": "pt"})
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    index["weight_map"][name.replace("_scale", "_scale_inv")] = index["weight_map"].pop(name)
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(PrepError, match="128x128 block scales .* are not converted by prep yet"):
+        convert(str(src), tmp_path / "out", Target(tp=2))
+    assert nothing_left(tmp_path / "out")
