@@ -60,6 +60,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import atom_on_cpu  # noqa: E402
+import stand_ins  # noqa: E402
 from layouts.engines.atom import (ASM, ENV_NON_SHUFFLE, ENV_TRITON_GEMM, ENV_TRITON_MOE, GFX95, PROFILE,  # noqa: E402
                                   TRITON_NON_SHUFFLE, TRITON_PRESHUFFLE, install_converted_weights)
 from layouts.errors import LayoutsError  # noqa: E402
@@ -500,12 +501,14 @@ def write_sources(work: pathlib.Path, specs: dict[str, SynthSpec]) -> dict[str, 
 def print_rank(r: dict) -> bool:
     """Print the rank's row and what went wrong; True when it failed."""
     print(row(r), flush=True)
-    notes = r["mismatches"][:10] + [f"stand-in called while loading: {s}" for s in r["stand_ins"]]
+    notes = r["mismatches"][:10] + [f"stand-in called while loading: {s}" for s in stand_ins.skipped(r["stand_ins"])]
+    used = stand_ins.computing(r["stand_ins"])
+    notes += [f"torch stand-ins computed for GPU kernels: {', '.join(used)}"] if used else []
     notes += [f"warning: {m[:200]}" for m in r["other_warnings"]]
     notes += ["ATOM's own load of the source warned too"] if r["ref_warned"] else []
     for line in notes:
         print(f"    {line}")
-    return bool(r["mismatches"] or r["warned"] or r["stand_ins"])
+    return bool(r["mismatches"] or r["warned"] or stand_ins.skipped(r["stand_ins"]))
 
 
 def main(argv: list[str] | None = None) -> int:

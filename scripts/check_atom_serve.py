@@ -66,6 +66,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path[:0] = [str(REPO), str(HERE)]
 import engine_sources  # noqa: E402
+import stand_ins  # noqa: E402
 
 NOT_LOADED = "were NOT loaded from checkpoint"  # ATOM's loading_core._report_coverage
 SERVER = "atom.entrypoints.openai_server"
@@ -346,7 +347,7 @@ def check(source: pathlib.Path, converted: pathlib.Path, trees: tuple[pathlib.Pa
                        f"{ref_fill['draft_head_shared']} in ATOM's load")
         if fill["runner"] != "ConvertedModelRunner":
             bad.append(f"the worker ran {fill['runner_module']}.{fill['runner']}, not the door's runner")
-        bad += [f"stand-in called while loading: {c}" for c in fill["stand_ins_while_loading"]]
+        bad += [f"stand-in called while loading: {c}" for c in stand_ins.skipped(fill["stand_ins_while_loading"])]
         if fill["load_model_calls"] != 1 + fill["draft"]:
             bad.append(f"ATOM's load_model ran {fill['load_model_calls']} times, not once per model")
         # ATOM's own load warns too where the source lacks a parameter its drafter then shares (an MTP
@@ -359,6 +360,9 @@ def check(source: pathlib.Path, converted: pathlib.Path, trees: tuple[pathlib.Pa
                          f"draft head {'shared' if fill['draft_head_shared'] else 'its own'}" if fill["draft"]
                          else "no MTP draft model") + f": {'ok' if rank_ok else 'FAIL'}")
         lines += [f"    {b}" for b in bad[:10]] + [f"    warning: {m[:200]}" for m in fill["not_loaded"][:3]]
+        used = stand_ins.computing(fill["stand_ins_while_loading"])
+        if used:  # torch math for a GPU kernel ATOM's start-up runs, on both sides alike: said, not hidden
+            lines.append(f"    torch stand-ins computed for GPU kernels: {', '.join(c[:-len(stand_ins.COMPUTING)] for c in used)}")
     if not door.get("listening"):
         ok = False
         lines.append("the door's start-up did not reach the server's uvicorn.run")

@@ -21,6 +21,17 @@ import types
 from typing import Callable
 
 CALLS: list[str] = []  # every call of a stand-in, by name, in order
+COMPUTING = " (torch stand-in)"  # the name's tail of a call of a stand-in that computes (not skipped work)
+
+
+def skipped(calls: list[str]) -> list[str]:
+    """The calls among ``calls`` of stand-ins that compute nothing (work a load would have skipped)."""
+    return sorted({c for c in calls if not c.endswith(COMPUTING)})
+
+
+def computing(calls: list[str]) -> list[str]:
+    """The calls among ``calls`` of the computing stand-ins (torch math for a GPU kernel)."""
+    return sorted({c for c in calls if c.endswith(COMPUTING)})
 
 # aiter's modules every harness loads from aiter's own files (the shuffles and the dtypes they
 # use); every other aiter module is a stand-in unless a harness names more.
@@ -108,6 +119,12 @@ def fill_aiter_stub(m: types.ModuleType, gpu_arch: Callable[[], str]) -> None:
         # import_module, not "from aiter.ops import enum": a stand-in package answers every name
         aiter_enum, dtypes = (importlib.import_module(n) for n in ("aiter.ops.enum", "aiter.utility.dtypes"))
         m.dtypes, m.QuantType, m.ActivationType = dtypes, aiter_enum.QuantType, aiter_enum.ActivationType
+        # Computing stand-ins for the two GPU kernels ATOM's start-up runs on an FP8 per-channel
+        # linear: MLA derives W_K / W_V from kv_b_proj by running the layer on an identity matrix
+        # (atom/model_ops/utils.py get_and_maybe_dequant_weights). Torch math, the same on both
+        # sides a check compares, so the derived bytes can be compared.
+        m.get_hip_quant = lambda qtype: _hip_quant(qtype, aiter_enum.QuantType)
+        m.gemm_a8w8_bpreshuffle = _gemm_a8w8_bpreshuffle
     elif m.__name__ == "aiter.ops.enum":
         fill_aiter_enums(m)
     elif m.__name__ == "aiter.utility.aiter_types":
@@ -119,6 +136,41 @@ def fill_aiter_stub(m: types.ModuleType, gpu_arch: Callable[[], str]) -> None:
         m.get_cu_num = lambda: 256
     elif m.__name__ == "aiter.ops.triton.utils._triton.arch_info":  # asks the Triton driver: the same answer
         m.get_arch = gpu_arch
+
+
+def _hip_quant(qtype, quant_types):
+    """aiter's ``get_hip_quant(qtype)`` for per-token quant (``per_token_quant_hip``: scale
+    ``[M, 1]`` = row amax / the dtype's max, 1 where the row is zero); any other type is a
+    recording stand-in, as before."""
+    if qtype != quant_types.per_Token:
+        return StandIn(f"aiter.get_hip_quant({qtype.name})")
+
+    def per_token_quant(x, scale=None, quant_dtype=None, **_):
+        import torch
+
+        if scale is not None:
+            raise ValueError("unsupported: static per token quant")
+        CALLS.append("aiter.per_token_quant_hip" + COMPUTING)
+        xf = x.float()
+        s = xf.abs().amax(dim=-1, keepdim=True) / torch.finfo(quant_dtype).max
+        s[s == 0] = 1
+        return (xf / s).clamp(torch.finfo(quant_dtype).min, torch.finfo(quant_dtype).max).to(quant_dtype), s
+
+    return per_token_quant
+
+
+def _gemm_a8w8_bpreshuffle(x, w, x_scale, w_scale, dtype=None, **_):
+    """aiter's ``gemm_a8w8_bpreshuffle`` (y = (x * x_scale) @ (w * w_scale)^T) in torch, the
+    weight taken back from aiter's (16, 16) shuffle (``shuffle_weight``: rows in 16s, columns in
+    32s as two 16-byte halves) where ATOM marked it shuffled."""
+    import torch
+
+    CALLS.append("aiter.gemm_a8w8_bpreshuffle" + COMPUTING)
+    n, k = w.shape
+    if getattr(w, "is_shuffled", False):
+        w = w.view(n // 16, k // 32, 2, 16, 16).permute(0, 3, 1, 2, 4).reshape(n, k)
+    y = (x.float() * x_scale.float()) @ (w.float() * w_scale.float().reshape(n, 1)).t()
+    return y.to(dtype or torch.bfloat16)
 
 
 def called_from(module: str) -> bool:

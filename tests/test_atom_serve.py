@@ -70,24 +70,30 @@ def _flip_last_byte(path: pathlib.Path) -> None:
     path.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("variant, moe_layout, mtp_head", [("r1-0528", "triton", False), ("v2", "ck", True)],
-                         ids=["r1-0528-triton-mtp-without-head", "v2-ck"])
-def test_the_door_leaves_atoms_models_as_atoms_own_start_up_on_the_source_at_tp2(variant, moe_layout, mtp_head,
+@pytest.mark.parametrize("variant, layout, moe_layout, mtp_head", [
+    ("r1-0528", "preshuffle", "triton", False), ("v2", "preshuffle", "ck", True),
+    ("mtp-moefp4", "non-shuffle", "triton", True)],
+    ids=["r1-0528-triton-mtp-without-head", "v2-ck", "mtp-moefp4-triton-non-shuffle"])
+def test_the_door_leaves_atoms_models_as_atoms_own_start_up_on_the_source_at_tp2(variant, layout, moe_layout, mtp_head,
                                                                                  tmp_path, oracle_trees):
     # R1-0528 on ATOM's Triton MoE under the seed's switches (both fusions), its MTP layer without its
     # own shared_head.head and embed_tokens (ATOM's drafter then shares the target's, warning "NOT
-    # loaded" once: the door must do as ATOM's own start-up does); v2 on the CK MoE, its MTP layer whole.
-    # (One start-up pair each covers both cases of a pair: the suite's time.)
+    # loaded" once: the door must do as ATOM's own start-up does); v2 on the CK MoE, its MTP layer whole;
+    # MTP-MoEFP4 (FP8 per-channel attention, the MTP layer's too) on the seed's non-shuffled cell: ATOM
+    # pads, shuffles and derives W_K / W_V from the FP8 kv_b_proj at load on both sides (its two FP8
+    # kernels torch stand-ins, named in the output). (One start-up pair each covers both cases of a
+    # pair: the suite's time.)
     src = write_checkpoint(dataclasses.replace(PRESETS["tiny"], variant=variant), tmp_path / "src")
     if not mtp_head:
         mtp = f"model.layers.{json.loads((src / 'config.json').read_text())['num_hidden_layers']}."
         drop_tensors(src, lambda n: n in (f"{mtp}shared_head.head.weight", f"{mtp}embed_tokens.weight"))
     out = tmp_path / "out"
-    summary = _convert_with_cli(src, out, "--tp", "2", "--moe-layout", moe_layout)
+    summary = _convert_with_cli(src, out, "--tp", "2", "--layout", layout, "--moe-layout", moe_layout)
     env = _switches(summary["serve"])  # the command prep convert printed: its switches and its flags
     if moe_layout == "triton":
         assert env == {ENV_TRITON_MOE: "1", "ATOM_ENABLE_DS_QKNORM_QUANT_FUSION": "1",
-                       "ATOM_ENABLE_DS_INPUT_RMSNORM_QUANT_FUSION": "1"}
+                       "ATOM_ENABLE_DS_INPUT_RMSNORM_QUANT_FUSION": "1",
+                       **({ENV_NON_SHUFFLE: "1"} if layout == "non-shuffle" else {})}
         assert summary["serve"].endswith(f"prep-atom-serve --model {out} --tensor-parallel-size 2 --kv_cache_dtype fp8")
     else:
         assert summary["serve"].endswith(f"prep-atom-serve --model {out} --tensor-parallel-size 2")
@@ -104,6 +110,8 @@ def test_the_door_leaves_atoms_models_as_atoms_own_start_up_on_the_source_at_tp2
     assert door["listening"] and door["workers"] == [0, 0]  # ATOM's server got to uvicorn; both workers loaded
     assert {f["runner"] for r in door["ranks"] for f in r["fills"]} == {"ConvertedModelRunner"}
 
+    if variant == "mtp-moefp4":  # ATOM's FP8 GEMM ran (as torch) on both sides to derive W_K / W_V: said
+        assert "torch stand-ins computed for GPU kernels: aiter.gemm_a8w8_bpreshuffle" in "\n".join(result["lines"])
     if variant == "v2":  # a flipped byte in one rank's file: the door installs it, the check sees it
         _flip_last_byte(sorted(out.glob("*rank1*.safetensors"))[-1])
         flipped = check_atom_serve.check(src, out, oracle_trees, tmp_path / "work", env=env, reuse_reference=True,

@@ -177,7 +177,12 @@ class _Installer:
             raise ManifestError(f"{shown}: the checkpoint has it but the {self.what} has no such parameter; "
                                 f"is this ATOM's {'DeepSeekMTP' if self.which == 'draft' else 'DeepSeek model'} "
                                 "with the same --tp/--ep?")
-        # Scales may be padded past ATOM's allocation; every other tensor is exactly the parameter.
+        # Scales may be padded past ATOM's allocation; every other tensor is exactly the parameter,
+        # up to dims of 1: a whole per-channel scale [N] goes into ATOM's [N, 1], as ATOM's loader
+        # reshapes it (atom/model_ops/linear.py weight_loader_process; a row-parallel layer's).
+        if rec.layout is None and tuple(param.shape) != tuple(t.shape) \
+                and [d for d in param.shape if d != 1] == [d for d in t.shape if d != 1]:
+            t = t.reshape(param.shape)
         if rec.role != "e8m0_scale" and tuple(param.shape) != tuple(t.shape):
             raise ManifestError(f"{shown}: the {self.what} allocates {list(param.shape)} but the checkpoint holds "
                                 f"{list(t.shape)}; the model config differs from the converted one")
