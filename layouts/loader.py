@@ -214,7 +214,7 @@ def _load_file(manifest: Manifest, fname: str, recs: list[TensorRecord], device:
     staged = device.type == "cuda" and not verify_hashes
     try:
         f = SafetensorsFile(via / fname)
-        outside = opened_outside(f.fd, manifest.root)
+        outside = opened_outside(f.fd, via)  # the pinned folder, wherever it is now
         if outside is not None:  # replaced by a link out of the folder after the folder's check
             raise ManifestError(f"{path}: opened as {outside}, outside the folder (a symlink put in its place); "
                                 "replace it with the file prep wrote, or convert again")
