@@ -83,6 +83,14 @@ def _quant_f32(y: torch.Tensor, group_size: Optional[int], dtype: torch.dtype) -
     return q, scale
 
 
+def fp8_quant(x: torch.Tensor, group_size: Optional[int] = None,
+              dtype: torch.dtype = torch.float8_e4m3fn) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic FP8 quant of a 2-D ``x`` without the norm (what an FP8 linear does to an input no
+    fused op quantized, ``per_token_quant_hip``): per token (``group_size=None``) or per group,
+    with the fused op's numerics. Returns ``(q, scale)``, scale ``[M, groups]`` float32."""
+    return _quant_f32(x.float(), group_size, dtype)
+
+
 def present_scale(scale: torch.Tensor, transpose_scale: bool) -> torch.Tensor:
     """A row-major ``[M, G]`` scale as the op returns it: itself, or (``transpose_scale``) the
     ``[G, M]`` transpose's bytes presented as ``[M, G]``."""

@@ -368,6 +368,12 @@ class _Column:
     shape: tuple[int, int]
 
 
+def as_planned(shape) -> tuple[int, ...]:
+    """A source tensor's shape as groups plan it: a 1-D tensor (an FP8 linear's per-channel
+    scale) as the column ``[N, 1]`` it is stored as, same bytes (:func:`_channel_scale`)."""
+    return (shape[0], 1) if len(shape) == 1 else tuple(shape)
+
+
 def _channel_scale(name: str, info: Any, tensors: dict[str, Any]) -> _Column | None:
     """``name``'s info as a column ``[N, 1]`` when it is the per-channel F32 scale of an FP8
     linear (``X.weight_scale`` of an F8_E4M3 ``X.weight``; ATOM holds it as ``[N, 1]`` and splits

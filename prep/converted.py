@@ -16,7 +16,7 @@ import torch
 from layouts.manifest import GroupRecord, ManifestError, SourceTensor, TensorRecord, load_manifest
 from layouts.safetensors_file import ITEMSIZE, TORCH_DTYPES
 
-from .bf16 import Bf16Group
+from .bf16 import Bf16Group, as_planned
 from .errors import PrepError
 from .groups import LinearGroup, MoEGroup, group_from_record
 from .source import ShardFile
@@ -25,12 +25,6 @@ from .source import ShardFile
 # rank, and every source tensor is read, compared and written in blocks of rows of at most this
 # much (an embedding is 1.8 GiB). PREP_STREAM_BYTES sets it (tests make it small).
 STREAM_BYTES = int(os.environ.get("PREP_STREAM_BYTES") or 32 << 20)
-
-
-def as_planned(shape) -> tuple[int, ...]:
-    """A source tensor's shape as groups plan it: a 1-D tensor (an FP8 linear's per-channel
-    scale) as the column ``[N, 1]`` it is stored as, same bytes (``prep.bf16._channel_scale``)."""
-    return (shape[0], 1) if len(shape) == 1 else tuple(shape)
 
 
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:

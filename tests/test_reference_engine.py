@@ -299,3 +299,34 @@ def test_prep_run_refuses_non_finite_logits_instead_of_reporting_their_argmax(so
     r = CliRunner().invoke(main, ["run", str(bad), "--prompt-ids", "1,5,9", "--save-logits", str(saved)])
     assert r.exit_code == 1 and "non-finite logits (NaN or inf) from position 0 of 3" in r.output, r.output
     assert "argmax" not in r.output and not saved.exists()
+
+
+def test_fp8_attention_is_computed_with_its_scales_and_every_conversion_gives_the_source_logits(tmp_path):
+    # MTP-MoEFP4: every *self_attn* linear FP8 with one scale per output channel. The reference
+    # multiplies each row's codes by its scale (it once read the codes alone: plausible logits,
+    # silently wrong), quantizes the input per token as ATOM's per_Token linears do, and reads the
+    # same numbers from every conversion (TP, EP, format-1, engines' holdings).
+    from prep.deepseek import target_for
+
+    src = write_checkpoint(SynthSpec(variant="mtp-moefp4"), tmp_path / "src")
+    w = load_weights(src)
+    q_b = "model.layers.1.self_attn.q_b_proj"
+    raw = load_file(next(f for f in sorted(src.glob("*.safetensors")) if f"{q_b}.weight" in load_file(f)))
+    assert torch.equal(w.linear(q_b), raw[f"{q_b}.weight"].float() * raw[f"{q_b}.weight_scale"].reshape(-1, 1))
+    want = run(src, IDS[:17])["logits"]
+    assert torch.isfinite(want).all() and not torch.equal(run(src, IDS[:17], act_quant=False)["logits"], want)
+    for i, target in enumerate([Target(tp=1), Target(tp=2, ep=2), Target(tp=4, rank_exact=False),
+                                target_for("vllm", tp=2, ep=2), target_for("sglang", tp=2)]):
+        out = tmp_path / f"out{i}"
+        convert(str(src), out, target)
+        assert torch.equal(run(out, IDS[:17])["logits"], want), target
+    # the scales are read: all of them 1.0 gives other logits
+    unscaled = tmp_path / "unscaled"
+    shutil.copytree(src, unscaled)
+    from safetensors.torch import save_file
+
+    for f in sorted(unscaled.glob("*.safetensors")):
+        t = load_file(f)
+        t.update({k: torch.ones_like(v) for k, v in t.items() if k.endswith("weight_scale") and v.dtype == torch.float32})
+        save_file(t, f, metadata={"format": "pt"})
+    assert (run(unscaled, IDS[:17])["logits"] - want).abs().max() > 0.1

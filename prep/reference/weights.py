@@ -44,7 +44,7 @@ import layouts
 from layouts.dequant import clear_position_maps, dequantize_expert, dequantize_stored_rows, read_overhead
 from layouts.safetensors_file import TORCH_DTYPES
 
-from ..bf16 import Bf16Group
+from ..bf16 import Bf16Group, as_planned
 from ..errors import PrepError
 from ..groups import LinearGroup, MoEGroup, group_from_record
 from ..source import SourceCheckpoint
@@ -107,8 +107,10 @@ class ModelWeights:
                  shapes: dict[str, tuple[int, ...]] | None = None,
                  rows: dict[str, Callable[[slice], torch.Tensor]] | None = None,
                  linear_rows: dict[str, Callable[[slice], torch.Tensor]] | None = None,
-                 mapped: list[torch.Tensor] | None = None, memo: dict | None = None, read_headroom: int = 0):
+                 mapped: list[torch.Tensor] | None = None, memo: dict | None = None, read_headroom: int = 0,
+                 fp8: set[str] | frozenset[str] = frozenset()):
         self.config = config
+        self._fp8 = dict.fromkeys(fp8, True)  # FP8 (F8_E4M3) weight tensors: scaled per output channel
         self._linears = linears  # MXFP4 module prefix -> makes its float32 matrix
         self._tensors = tensors  # tensor name -> reads it
         self._shapes = shapes or {}
@@ -207,7 +209,10 @@ class ModelWeights:
         make = self._linear_rows.get(prefix)
         if make is not None:
             return make(rows)
-        return self._read_rows(f"{prefix}.weight", rows).float()
+        w = self._read_rows(f"{prefix}.weight", rows).float()
+        if self.fp8(prefix):
+            w = w * self.tensor(f"{prefix}.weight_scale").float().reshape(-1, 1)[rows]
+        return w
 
     def _read_rows(self, name: str, rows: slice) -> torch.Tensor:
         read = self._rows.get(name)
@@ -221,10 +226,18 @@ class ModelWeights:
         make = self._linears.get(prefix)
         if make is not None:
             return self._get(prefix, make, need)
+        if self.fp8(prefix):  # FP8 per output channel: its codes times their row's scale
+            return self._get(f"{prefix}.weight:float32", lambda: self.tensor(f"{prefix}.weight").float()
+                             * self.tensor(f"{prefix}.weight_scale").float().reshape(-1, 1), need)
         return self._get(f"{prefix}.weight:float32", lambda: self.tensor(f"{prefix}.weight").float(), need)
 
     def mxfp4(self, prefix: str) -> bool:
         return prefix in self._linears
+
+    def fp8(self, prefix: str) -> bool:
+        """Whether ``prefix`` is an FP8 linear with one scale per output channel (Quark's
+        per-channel override; its input is quantized per token at run time)."""
+        return f"{prefix}.weight_scale" in self._tensors and self._fp8.get(f"{prefix}.weight", False)
 
     def tensor(self, name: str) -> torch.Tensor:
         read = self._tensors.get(name)
@@ -268,7 +281,7 @@ def _from_source(root: pathlib.Path, max_memory: int) -> ModelWeights:
     rows: dict[str, Callable[[slice], torch.Tensor]] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     for name, info in src.tensors.items():
-        if name.endswith(".weight_scale"):
+        if name.endswith(".weight_scale") and info.dtype == "U8":  # an MXFP4 scale: read with its weight
             continue
         prefix = name.removesuffix(".weight")
         if info.dtype == "U8" and f"{prefix}.weight_scale" in src.tensors:
@@ -283,7 +296,8 @@ def _from_source(root: pathlib.Path, max_memory: int) -> ModelWeights:
             rows[name] = lambda r, name=name: src.read(name, r)
             shapes[name] = tuple(info.shape)
     weights = ModelWeights(src.config, linears, tensors, f"Quark source {root}", max_memory, shapes=shapes, rows=rows,
-                           linear_rows=linear_rows)
+                           linear_rows=linear_rows,
+                           fp8={n for n, info in src.tensors.items() if info.dtype == "F8_E4M3"})
     # config.json against the tensors, as convert checks it (a kv_lora_rank that is not theirs: one line, not a crash)
     weights.check_config = lambda: check_complete(src)
     return weights
@@ -330,8 +344,9 @@ def _from_converted(root: pathlib.Path, assume_layout: str | None, manifest: lay
         together from its ranks' windows. Coverage is counted by windows, not by a mask of the
         tensor's size (an embedding is 1.8 GiB); a replicated window is taken once."""
         meta = src_meta[name]
+        planned = as_planned(meta.shape)  # a 1-D scale is held as its column [N, 1]
         rows = rs or slice(0, meta.shape[0])
-        out = torch.empty((rows.stop - rows.start, *meta.shape[1:]), dtype=TORCH_DTYPES[meta.dtype])
+        out = torch.empty((rows.stop - rows.start, *planned[1:]), dtype=TORCH_DTYPES[meta.dtype])
         placed: set[tuple[int, int, int, int]] = set()
         for g in split[name]:
             stored = ranks[g.rank][g.name]
@@ -347,9 +362,9 @@ def _from_converted(root: pathlib.Path, assume_layout: str | None, manifest: lay
                 if rect not in placed:
                     out[local, cols] = piece
                     placed.add(rect)
-        if not _covers(placed, out[:, 0].numel() * meta.shape[1]):
+        if not _covers(placed, out[:, 0].numel() * planned[1]):
             raise PrepError(f"{name}: no rank holds all of it; the converted checkpoint is incomplete")
-        return out
+        return out.reshape(-1) if len(meta.shape) == 1 else out
 
     def assemble(prefix: str, rs: slice | None = None) -> torch.Tensor:
         """An MXFP4 module's float32 matrix, or its rows ``rs``, from the rows of its ranks'
@@ -389,7 +404,8 @@ def _from_converted(root: pathlib.Path, assume_layout: str | None, manifest: lay
         what += f" read as {assume_layout}"
     mapped = [b for r in ranks for b in r.buffers]
     return ModelWeights(config, linears, tensors, what, max_memory, shapes=shapes, rows=rows, mapped=mapped,
-                        memo=memo, linear_rows=linear_rows, read_headroom=headroom)
+                        memo=memo, linear_rows=linear_rows, read_headroom=headroom,
+                        fp8={n for n, meta in src_meta.items() if meta.dtype == "F8_E4M3"})
 
 
 def _read_headroom(g: LinearGroup | MoEGroup, lay: layouts.Layout) -> int:
