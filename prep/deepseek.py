@@ -331,6 +331,11 @@ def plan_groups(src: SourceCheckpoint, cls: Classified, target: Target) -> list[
            or engine.target_refusal(tp, target.ep, target.moe_layout, target.fuse_shared_expert))  # what it can run
     if why:
         raise PrepError(why)
+    if cls.fp8 and not engine.fp8_channel_linears:
+        able = [e.display_name for e in convertible_engines() if e.fp8_channel_linears]
+        raise PrepError(f"{cls.fp8[0]}.weight: FP8 per-channel attention is not checked against {engine.display_name}'s "
+                        f"own load yet, so prep does not write it for {engine.display_name}; convert with --engine "
+                        f"{' or '.join(e.lower() for e in able)}")
     rules = engine.sharding
     heads = config_ints(src)["num_attention_heads"] or 1
     if heads % tp:

@@ -177,6 +177,25 @@ def test_triton_gemm_is_refused_for_mxfp4_attention_with_atoms_reason(ckpt):
     assert "unset ATOM_USE_TRITON_GEMM" in msg and "model config" not in msg
 
 
+def test_triton_gemm_is_refused_for_fp8_attention_with_atoms_reason(tmp_path):
+    # Under ATOM_USE_TRITON_GEMM=1 ATOM's fused q_a/kv_a path runs FP8 block-scale GEMMs whatever the
+    # linear's quant type; a per-channel FP8 weight is read wrong there (deepseek_v2.py, ffdf3bb5).
+    from prep.convert import convert
+    from prep.deepseek import Target
+    from prep.testing import SynthSpec, write_checkpoint
+
+    src = write_checkpoint(SynthSpec(variant="mtp-moefp4", num_hidden_layers=2), tmp_path / "src")
+    convert(str(src), tmp_path / "tp2", Target(tp=2))
+    cfg = json.loads((src / "config.json").read_text())
+    engine = EngineConfig.from_env(tp_size=2, rank=0, gpu_arch="gfx950", env=TRITON_GEMM)
+    with pytest.raises(L.CompatibilityError) as e:
+        L.check_compatibility(L.load_manifest(tmp_path / "tp2"), engine)
+    msg = str(e.value)
+    assert "attention is FP8 per channel (model.layers." in msg and "block-scale GEMMs" in msg and "\n" not in msg
+    assert "unset ATOM_USE_TRITON_GEMM" in msg
+    assert cfg["quantization_config"]["layer_quant_config"]["*self_attn*"]["weight"]["qscheme"] == "per_channel"
+
+
 def test_triton_gemm_with_bf16_attention_installs(r1_ckpt):
     # R1-0528 keeps attention BF16: ATOM's triton-GEMM attention path is never taken, the MLPs fit.
     out, cfg = r1_ckpt

@@ -305,7 +305,7 @@ def test_fp8_attention_is_computed_with_its_scales_and_every_conversion_gives_th
     # MTP-MoEFP4: every *self_attn* linear FP8 with one scale per output channel. The reference
     # multiplies each row's codes by its scale (it once read the codes alone: plausible logits,
     # silently wrong), quantizes the input per token as ATOM's per_Token linears do, and reads the
-    # same numbers from every conversion (TP, EP, format-1, engines' holdings).
+    # same numbers from every conversion (TP, EP, format-1, other layouts).
     from prep.deepseek import target_for
 
     src = write_checkpoint(SynthSpec(variant="mtp-moefp4"), tmp_path / "src")
@@ -316,7 +316,7 @@ def test_fp8_attention_is_computed_with_its_scales_and_every_conversion_gives_th
     want = run(src, IDS[:17])["logits"]
     assert torch.isfinite(want).all() and not torch.equal(run(src, IDS[:17], act_quant=False)["logits"], want)
     for i, target in enumerate([Target(tp=1), Target(tp=2, ep=2), Target(tp=4, rank_exact=False),
-                                target_for("vllm", tp=2, ep=2), target_for("sglang", tp=2)]):
+                                target_for("atom", tp=2, layout="non-shuffle", moe_layout="triton")]):
         out = tmp_path / f"out{i}"
         convert(str(src), out, target)
         assert torch.equal(run(out, IDS[:17])["logits"], want), target

@@ -107,6 +107,11 @@ class EngineProfile:
     checks: tuple[Check, ...]
     """:func:`check_compatibility <layouts.check_compatibility>`'s rules for this engine, in
     order; the first refusal is raised. ``layouts.compat`` has the rules every engine shares."""
+    fp8_channel_linears: bool = False
+    """Whether the engine's door is checked to serve FP8 per-channel linears (Quark's FP8
+    ``per_channel`` override of attention) stored as split source bytes, the engine processing
+    them at load as it does its source's; False: ``prep convert`` refuses a checkpoint holding
+    them, naming the engines that are."""
     sharding: ShardingRules | None = None
     """How the engine holds a DeepSeek checkpoint's linears per rank (merged modules, TP splits,
     the expert map): what ``prep convert --engine NAME`` writes each rank's files by. None: prep

@@ -131,9 +131,24 @@ def mxfp4_attention_group(manifest: Manifest) -> str | None:
     return None
 
 
+def fp8_attention_tensor(manifest: Manifest) -> str | None:
+    """The first FP8 (F8_E4M3) attention weight the checkpoint holds, or None."""
+    for t in manifest.tensors:
+        if t.dtype == "F8_E4M3" and ".self_attn." in t.name:
+            return t.name
+    return None
+
+
 def triton_gemm_needs_bf16_attention(manifest: Manifest, engine: EngineConfig) -> str | None:
     """The triton-preshuffle path is ATOM_USE_TRITON_GEMM=1; the dense layout fits it, but ATOM's
     attention under that switch expects a BF16 source (module docstring)."""
+    if engine.gemm_path == TRITON_PRESHUFFLE and (fp8 := fp8_attention_tensor(manifest)) is not None:
+        # ATOM's fused q_a/kv_a path under that switch runs its FP8 block-scale preshuffle GEMMs whatever
+        # the linear's quant type (atom/models/deepseek_v2.py:861-932, :2713-2733), while its per-channel
+        # linears keep the weight unshuffled with an [N, 1] scale there (atom/model_ops/linear.py:848-853)
+        return (f"attention is FP8 per channel ({fp8}) but with {ENV_TRITON_GEMM}=1 ATOM's fused q_a/kv_a path runs "
+                "its FP8 block-scale GEMMs on it, which read a per-channel weight wrong: unset "
+                f"{ENV_TRITON_GEMM} (ATOM then runs its per-channel FP8 GEMM, gemm_a8w8_bpreshuffle)")
     if engine.gemm_path == TRITON_PRESHUFFLE and (attn := mxfp4_attention_group(manifest)) is not None:
         return (f"attention is MXFP4 ({attn}) but with {ENV_TRITON_GEMM}=1 ATOM builds DeepSeek's attention for a "
                 "BF16 source (fused_qkv_a_proj/q_b_proj quantized at load, source_quant_dtype=bfloat16; kv_b_proj/o_proj "
@@ -217,6 +232,7 @@ class AtomProfile(EngineProfile):
     expert_parallel_switch = "--enable-expert-parallel"  # sets ep_size = tp_size
     mtp_draft_flags = "--method mtp"
     bf16_moe_layout = BF16_MOE_LAYOUT
+    fp8_channel_linears = True  # scripts/check_atom_serve.py on MTP-MoEFP4 (tests/test_atom_serve.py)
     sharding = SHARDING
     checks = (engine_matches, tp_matches, rank_in_range, ep_matches, dense_layout_matches,
               triton_gemm_needs_bf16_attention, s32x8_k_pad_usable, moe_layout_matches, bf16_moe_layout_matches,
