@@ -245,6 +245,9 @@ class Bf16Group:
 
 
 _ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1}
+# What an FP8 per-channel weight's scale is stored as: F32, or BF16 as amd-quark 0.13 exports it
+# (engines convert it to their F32 [N, 1] as they load it).
+FP8_SCALE_DTYPES = ("F32", "BF16")
 _TORCH = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F8_E4M3": torch.float8_e4m3fn}
 
 
@@ -378,7 +381,7 @@ def _channel_scale(name: str, info: Any, tensors: dict[str, Any]) -> _Column | N
     """``name``'s info as a column ``[N, 1]`` when it is the per-channel F32 scale of an FP8
     linear (``X.weight_scale`` of an F8_E4M3 ``X.weight``; ATOM holds it as ``[N, 1]`` and splits
     and merges it with the weight's rows), else None."""
-    if not name.endswith(".weight_scale") or info.dtype != "F32":
+    if not name.endswith(".weight_scale") or info.dtype not in FP8_SCALE_DTYPES:
         return None
     w = tensors.get(name[:-len("_scale")])
     if w is None or w.dtype != "F8_E4M3" or len(w.shape) != 2 or tuple(info.shape) not in ((w.shape[0],),

@@ -23,7 +23,7 @@ from layouts.registry import Layout, get_layout
 from layouts.sizes import ceil_div
 
 from .errors import PrepError
-from .bf16 import Bf16Group, plan_bf16_groups
+from .bf16 import FP8_SCALE_DTYPES, Bf16Group, plan_bf16_groups
 from .groups import LinearGroup, MoEGroup, Part
 from .source import SourceCheckpoint
 
@@ -295,8 +295,9 @@ def classify(src: SourceCheckpoint) -> Classified:
             # FP8 per output channel (Quark's per_channel override, e.g. of *self_attn*): the bytes are
             # copied, split and merged as the engine holds them (prep.bf16: any dtype), the scale with
             # its weight's rows
-            if len(w.shape) != 2 or info.dtype != "F32" or tuple(info.shape) not in ((w.shape[0],), (w.shape[0], 1)):
-                raise PrepError(f"{name}: an FP8 weight's scale must be F32 [N] or [N, 1], one per output channel "
+            if len(w.shape) != 2 or info.dtype not in FP8_SCALE_DTYPES or tuple(info.shape) not in ((w.shape[0],),
+                                                                                                (w.shape[0], 1)):
+                raise PrepError(f"{name}: an FP8 weight's scale must be F32 or BF16 [N] or [N, 1], one per output channel "
                                 f"(got {info.dtype} {list(info.shape)} for weight {list(w.shape)}); per-tensor and "
                                 "block-scaled FP8 are not converted by prep yet")
             fp8.append(prefix)

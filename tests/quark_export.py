@@ -55,11 +55,13 @@ def build_model(seed: int = 0, std: float = 0.05):
 
 
 def export(out: pathlib.Path, seed: int = 0, scheme: str = "mxfp4_weight_only",
-           exclude_layers: list[str] | None = None):
+           exclude_layers: list[str] | None = None, layer_config: dict[str, str] | None = None):
     """Quantize and export into ``out``; returns quark's quantized in-memory model. ``scheme``
     "mxfp4": weights and activations (dynamic), as amd/DeepSeek-R1-0528-MXFP4 is; with
     ``exclude_layers`` None there the deepseek_v3 template's own excludes (attention BF16, as
-    that checkpoint's card)."""
+    that checkpoint's card). ``layer_config``: per-pattern schemes, e.g. ``{"*self_attn*":
+    "ptpc_fp8"}``, the FP8 per-channel attention of MTP-MoEFP4 (quark 0.13 writes its scales as
+    BF16 ``[N]``)."""
     os.environ.setdefault("QUARK_LOG_LEVEL", "warning")
     from quark.torch import LLMTemplate, ModelQuantizer, export_safetensors
     from quark.torch.utils.llm import preprocess_for_quantization
@@ -70,7 +72,8 @@ def export(out: pathlib.Path, seed: int = 0, scheme: str = "mxfp4_weight_only",
     if exclude_layers is None and scheme == "mxfp4_weight_only":
         exclude_layers = ["*mlp.gate", "lm_head"]
     qcfg = LLMTemplate.get("deepseek_v3").get_config(
-        scheme=scheme, **({} if exclude_layers is None else {"exclude_layers": exclude_layers}))
+        scheme=scheme, **({} if exclude_layers is None else {"exclude_layers": exclude_layers}),
+        **({} if layer_config is None else {"layer_config": layer_config}))
     with torch.no_grad():  # dynamic activation scales: no calibration data either way
         model = ModelQuantizer(qcfg).quantize_model(model, None)
     export_safetensors(model, str(out), custom_mode="quark", weight_format="real_quantized", pack_method="reorder")

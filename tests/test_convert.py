@@ -756,7 +756,7 @@ def test_fp8_scales_of_another_shape_and_block_scaled_fp8_are_refused_in_one_lin
     tensors = load_file(shard)
     tensors[name] = tensors[name][:10]
     save_file(tensors, shard, metadata={"format": "pt"})
-    with pytest.raises(PrepError, match=f"{name}: an FP8 weight's scale must be F32 \\[N\\] or \\[N, 1\\]"):
+    with pytest.raises(PrepError, match=f"{name}: an FP8 weight's scale must be F32 or BF16 \\[N\\] or \\[N, 1\\]"):
         convert(str(src), tmp_path / "out", Target(tp=2))
     tensors[name.replace("_scale", "_scale_inv")] = tensors.pop(name)
     save_file(tensors, shard, metadata={"format": "pt"})
