@@ -128,13 +128,18 @@ class Plan(NamedTuple):
 def _plan(m: int, n1: int, group_size: int | None, on_gpu: bool, block_m: int | None,
           num_warps: int | None) -> Plan:
     """Launch plan for one shape (cached: at decode sizes the wrapper is much of a call's cost).
-    On a GPU, ~8k elements per program and ~16 per thread; the interpreter's cost is per program
-    and per operation, so it gets few large programs."""
+    On a GPU one row per program; 16 warps for a row of 4k elements or more (DeepSeek's input
+    norm, 7168), for a shorter row (q_a, 1536, with kv_a's 512 beside it) 4 warps up to M = 4096
+    and 1 above, where more programs in flight beat more threads per row. Measured on an H100
+    (docs/BENCHMARKS.md, every (rows, warps) pair swept): at q_a's site the earlier plan (4 rows,
+    16 warps) ran at 0.53-0.54 of a copy from M = 16384, this one at 0.92-0.99; at the input
+    norm's site 1 row and 16 warps was already best. The interpreter's cost is per program and
+    per operation, so it gets few large programs."""
     g = group_size if group_size is not None else min(128, triton.next_power_of_2(max(n1, 1)))
     ng = triton.next_power_of_2(max(1, -(-n1 // g)))
     if on_gpu:
-        bm = max(1, min(16, 8192 // (ng * g)))
-        warps = max(1, min(16, bm * ng * g // 512))
+        bm = 1
+        warps = 16 if ng * g >= 4096 else (4 if m < 4096 else 1)
     else:
         bm, warps = 32, 4
     if block_m is not None:
