@@ -175,6 +175,12 @@ class SourceCheckpoint:
         qc = self.quant_config
         if not isinstance(qc, dict):
             qc = {}  # refused just below, as not Quark
+        if qc.get("quant_method") == "fp8" and qc.get("weight_block_size"):
+            raise PrepError(
+                f"{self.root}: DeepSeek's own FP8 release (config.json quantization_config: quant_method 'fp8', "
+                f"weight_block_size {qc.get('weight_block_size')!r}: F8_E4M3 weights with 128x128 block scales) is "
+                "not converted by prep yet; convert the MXFP4 checkpoint AMD publishes of it "
+                "(e.g. amd/DeepSeek-R1-0528-MXFP4)")
         if qc.get("quant_method") != "quark":
             raise PrepError(
                 f"{self.root}: not a Quark checkpoint (config.json quantization_config.quant_method is "

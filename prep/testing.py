@@ -36,15 +36,19 @@ __all__ = [
     "plan_groups", "run_measured", "tensor_specs", "write_checkpoint", "drop_tensors", "edit_at_same_size",
 ]
 
-VARIANTS = ("r1-0528", "v2", "mtp-moefp4")
+VARIANTS = ("r1-0528", "v2", "mtp-moefp4", "fp8-block")
 """r1-0528: attention and the MTP layer BF16 (as amd/DeepSeek-R1-0528-MXFP4). v2: attention
 MXFP4 too, MTP layer quantized except its embedding and head. mtp-moefp4: as v2, but every
 ``*self_attn*`` linear (the MTP layer's too) FP8 per channel, Quark's ``layer_quant_config``
 override (as amd/DeepSeek-R1-0528-MXFP4-MTP-MoEFP4 and the AttnFP8 checkpoints): an F8_E4M3
 weight and one F32 ``weight_scale`` per output channel, activations quantized per token at run
-time."""
+time. fp8-block: DeepSeek's own FP8 release (DeepSeek-R1-0528 as released, V3): every linear
+F8_E4M3 with an F32 ``weight_scale_inv`` per 128x128 block, experts and the MTP layer included;
+the router, embeddings, heads, norms and the MTP layer's ``eh_proj`` BF16; no Quark config but
+DeepSeek's ``{"quant_method": "fp8", "weight_block_size": [128, 128], ...}``."""
 
 FP8_MAX = 448.0  # e4m3fn's largest finite value
+FP8_BLOCK = 128  # DeepSeek's FP8 release: one scale per 128x128 block of a weight
 
 
 @dataclass(frozen=True)
@@ -157,6 +161,9 @@ def exclude_patterns(spec: SynthSpec) -> list[str]:
     mtp = spec.num_hidden_layers
     if spec.variant == "r1-0528":
         return ["*self_attn*", "*mlp.gate.*", "lm_head", f"model.layers.{mtp}.*"]
+    if spec.variant == "fp8-block":  # not Quark's: what DeepSeek's FP8 release keeps in BF16
+        return ["*mlp.gate.*", "lm_head", f"model.layers.{mtp}.shared_head.head", f"model.layers.{mtp}.embed_tokens",
+                f"model.layers.{mtp}.eh_proj"]
     return ["*mlp.gate.*", "lm_head", f"model.layers.{mtp}.shared_head.head", f"model.layers.{mtp}.embed_tokens"]
 
 
@@ -203,6 +210,14 @@ def layer_quant_config(spec: SynthSpec) -> dict:
 
 def build_config(spec: SynthSpec) -> dict:
     """A DeepSeek-V3 ``config.json`` (as HF and Quark write it) for the spec's dims."""
+    config = _base_config(spec)
+    if spec.variant == "fp8-block":  # DeepSeek's own, as its FP8 release's config.json has it
+        config["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                         "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
+    return config
+
+
+def _base_config(spec: SynthSpec) -> dict:
     s = spec
     return {
         "architectures": ["DeepseekV3ForCausalLM"],
@@ -268,7 +283,8 @@ def build_config(spec: SynthSpec) -> dict:
 class Param:
     """One module's stored tensors. ``kind``: "fp4" (weight U8 [N, K/2] + weight_scale U8
     [N, ceil(K/32)] from the logical [N, K]), "fp8" (weight F8_E4M3 [N, K] + weight_scale F32
-    [N], one per output channel), "bf16" (a BF16 weight), "norm" (BF16 around 1), "bias"
+    [N], one per output channel), "fp8-block" (weight F8_E4M3 [N, K] + weight_scale_inv F32
+    [ceil(N/128), ceil(K/128)]), "bf16" (a BF16 weight), "norm" (BF16 around 1), "bias"
     (float32 ``e_score_correction_bias``)."""
 
     module: str
@@ -286,6 +302,10 @@ class Param:
         if self.kind == "fp8":
             return {f"{self.module}.weight": (self.shape, torch.float8_e4m3fn),
                     f"{self.module}.weight_scale": ((self.shape[0],), torch.float32)}
+        if self.kind == "fp8-block":
+            n, k = self.shape
+            return {f"{self.module}.weight": (self.shape, torch.float8_e4m3fn),
+                    f"{self.module}.weight_scale_inv": ((ceil_div(n, FP8_BLOCK), ceil_div(k, FP8_BLOCK)), torch.float32)}
         return {f"{self.module}.weight": (self.shape, torch.bfloat16)}
 
     def nbytes(self) -> int:
@@ -305,6 +325,8 @@ def _layer_params(spec: SynthSpec, layer: int, excluded: list[str]) -> list[Para
     def linear(module: str, n: int, k: int) -> Param:
         if is_excluded(module, excluded):
             return Param(module, (n, k), "bf16")
+        if spec.variant == "fp8-block":
+            return Param(module, (n, k), "fp8-block")
         fp8 = any(fnmatch.fnmatchcase(module, pat) for pat in overrides)  # the only override: FP8 per channel
         return Param(module, (n, k), "fp8" if fp8 else "fp4")
 
@@ -391,6 +413,19 @@ def _materialize(spec: SynthSpec, p: Param) -> dict[str, torch.Tensor]:
             out[rows] = (0.02 * torch.randn(out[rows].shape, generator=g)).to(torch.bfloat16)
         return {names[0]: out}
     n, k = p.shape
+    if p.kind == "fp8-block":  # per 128x128 block: scale_inv = block amax / 448, codes nearest even
+        w = torch.empty((n, k), dtype=torch.float8_e4m3fn)
+        nb, kb = ceil_div(n, FP8_BLOCK), ceil_div(k, FP8_BLOCK)
+        scale = torch.empty((nb, kb), dtype=torch.float32)
+        for r in range(nb):  # a band of 128 rows at a time: blocks never span bands
+            rows = slice(r * FP8_BLOCK, min(n, (r + 1) * FP8_BLOCK))
+            x = (0.02 * torch.randn((rows.stop - rows.start, k), generator=g)).to(torch.bfloat16).float()
+            for c in range(kb):
+                cols = slice(c * FP8_BLOCK, min(k, (c + 1) * FP8_BLOCK))
+                s = (x[:, cols].abs().amax() / FP8_MAX).clamp_min(1e-12)
+                w[rows, cols] = (x[:, cols] / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+                scale[r, c] = s
+        return {names[0]: w, names[1]: scale}
     if p.kind == "fp8":  # per output channel: scale = row amax / 448, codes rounded to nearest even
         w = torch.empty((n, k), dtype=torch.float8_e4m3fn)
         scale = torch.empty((n,), dtype=torch.float32)

@@ -5,7 +5,7 @@ Why: tests and benchmarks of `prep` need a faithful Quark checkpoint (names, sha
 MTP quirks) without downloading ~350 GiB. See prep/testing.py for what is written. Peak memory
 is about twice the largest shard: 4.1 GB for --preset real-dims, 1.3 GB for bench.
 
-    .venv/bin/python scripts/make_tiny_deepseek.py OUT [--preset tiny|bench] [--variant r1-0528|v2|mtp-moefp4]
+    .venv/bin/python scripts/make_tiny_deepseek.py OUT [--preset tiny|bench] [--variant r1-0528|v2|mtp-moefp4|fp8-block]
         [--shards N] [--layers N] [--experts N] [--hidden N] [--seed N] [--random-bytes]
 """
 
