@@ -222,8 +222,40 @@ def check_complete(src: SourceCheckpoint) -> dict[str, int | None]:
             raise PrepError(f"{src.root}: tensor {module}.weight is missing ({why}); the checkpoint is incomplete "
                             "or config.json is not its own: re-download it")
     ints = config_ints(src)
-    _check_sizes(src, ints)
+    _check_sizes(src, ints)  # first: a config.json that is not the checkpoint's says so, not "unknown module"
+    _check_known(src, ints, mtp_present)
     return ints
+
+
+# What an MTP layer holds beside a decoder layer's modules (DeepSeek's modeling code; every engine's
+# DeepSeekMTP): its own embedding and head (which engines may share with the target's), the two norms
+# of its inputs, the projection of their concatenation, and the head's norm.
+_MTP_MODULES = ("embed_tokens", "enorm", "hnorm", "eh_proj", "shared_head.norm", "shared_head.head")
+# A module's tensors prep knows (weight_scale_inv: DeepSeek's FP8 blocks, refused by classify with its reason)
+_KNOWN_SUFFIXES = ("weight", "weight_scale", "weight_scale_inv", "e_score_correction_bias")
+
+
+def _check_known(src: SourceCheckpoint, ints: dict[str, int | None], mtp_present: set[int]) -> None:
+    """Refuse a tensor of a module DeepSeek-V2/V3's modeling code does not build for this config
+    (a DeepSeek-V3.2 indexer, a vision tower, a stray export): no engine profile says how a rank
+    holds it, and copying it whole to every rank (what prep did) let ``prep run`` compute without it
+    and engines fail or ignore it. Named in one line, before anything is written."""
+    known = {module for module, _ in expected_weights(src.config, ints, mtp_present)}
+    for name in src.tensors:
+        module, _, suffix = name.rpartition(".")
+        if suffix not in _KNOWN_SUFFIXES or (suffix == "e_score_correction_bias" and not module.endswith(".mlp.gate")):
+            raise PrepError(f"{name}: a tensor {suffix!r} of {module} is not one prep knows (a module holds its "
+                            "weight, and an MXFP4 or FP8 one its weight_scale; the router its e_score_correction_bias); "
+                            "prep does not copy an unknown tensor to every rank: re-export the checkpoint without it")
+        layer, _, rest = module.partition(".layers.")
+        # an MTP layer's own modules: wherever config.json puts that layer (a transformers-5 config
+        # may count it among the decoder layers); an engine that does not build them there says so
+        mtp_own = layer == "model" and rest.partition(".")[2] in _MTP_MODULES
+        if module not in known and not mtp_own:
+            raise PrepError(f"{name}: no module of DeepSeek-V2/V3 as config.json builds it (architecture "
+                            f"{src.config.get('architectures')}) is named {module}; prep does not know how an engine "
+                            "holds it and does not copy an unknown tensor to every rank (DeepSeek-V3.2's indexer and "
+                            "multimodal towers are not supported yet)")
 
 
 def _check_sizes(src: SourceCheckpoint, ints: dict[str, int | None]) -> None:

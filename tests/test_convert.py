@@ -790,3 +790,31 @@ def test_deepseeks_own_fp8_release_is_generated_as_released_and_refused_in_one_l
                                         r"checkpoint AMD publishes"):
         convert(str(src), tmp_path / "out", Target(tp=2))
     assert nothing_left(tmp_path / "out")
+
+
+@pytest.mark.parametrize("extra", ["model.layers.1.self_attn.indexer.wk.weight", "vision_tower.blocks.0.attn.qkv.weight",
+                                   "model.layers.1.self_attn.o_proj.bias"],
+                         ids=["v3.2-indexer", "vision-tower", "a-bias-deepseek-has-not"])
+def test_a_tensor_of_a_module_deepseek_does_not_build_is_refused_naming_it(sources, tmp_path, extra):
+    # A module no DeepSeek-V2/V3 config builds was copied whole to every rank (an "other" tensor):
+    # a V3.2 checkpoint converted with its indexer replicated, and `prep run` computed without it.
+    # Now refused in one line before anything is written, by convert and by the reference engine.
+    from safetensors.torch import save_file
+
+    from prep.reference.run import run
+
+    src = tmp_path / "src"
+    shutil.copytree(sources["v2"], src)
+    save_file({extra: torch.zeros(16, 256, dtype=torch.bfloat16)}, src / "model-extra.safetensors", metadata={"format": "pt"})
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    index["weight_map"][extra] = "model-extra.safetensors"
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    module = extra.rpartition(".")[0]
+    said = (f"{extra}: a tensor 'bias' of {module} is not one prep knows" if extra.endswith(".bias") else
+            f"{extra}: no module of DeepSeek-V2/V3 as config.json builds it .* is named {module}; prep does not know "
+            "how an engine holds it")
+    with pytest.raises(PrepError, match=said):
+        convert(str(src), tmp_path / "out", Target(tp=2))
+    assert nothing_left(tmp_path / "out")
+    with pytest.raises(PrepError, match=f"{extra}: "):
+        run(src, [1, 2, 3])
