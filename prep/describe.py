@@ -99,6 +99,7 @@ def _describe_source(src: SourceCheckpoint, label: str, progress: Callable[[int]
         "mtp_layers": cls.mtp_layers, "files": len(src.files), "tensors": len(src.tensors), "bytes": src.nbytes(),
         "mxfp4_modules_by_kind": dict(sorted(kinds.items())), "passthrough_by_dtype": dict(sorted(bf16.items())),
         "exclude": src.quant_config.get("exclude", []), "layouts_by_tp": support,
+        "fp8_channel_linears": len(cls.fp8),
     }
     # As the user named it, as every other line of prep does (a repo id: and where its snapshot is).
     if src.origin.get("kind") == "hf":
@@ -119,6 +120,13 @@ def _describe_source(src: SourceCheckpoint, label: str, progress: Callable[[int]
              "  MXFP4 GEMM weights by module kind: " + ", ".join(f"{k} {v}" for k, v in sorted(kinds.items())),
              "  not MXFP4 (bytes unchanged, split per rank as the engine holds them): "
              + ", ".join(f"{v} {k}" for k, v in sorted(bf16.items()))]
+    if cls.fp8:  # Quark's FP8 per-channel override (MTP-MoEFP4, the AttnFP8 checkpoints)
+        able = [e.display_name for e in engines if e.fp8_channel_linears]
+        unable = [e.display_name for e in engines if not e.fp8_channel_linears]
+        lines.append(f"  FP8 per-channel linears: {len(cls.fp8)} ({cls.fp8[0]}, ...), each weight_scale split with its "
+                     "weight's rows; the engine pads and shuffles them at load"
+                     + (f"; served by {', '.join(able)}" if able else "")
+                     + (f"; not by {', '.join(unable)} yet (refused: convert for --engine atom)" if unable else ""))
     for engine in engines:
         lines.append(f"  {engine.display_name} (--engine {engine.name}), layouts by TP size:")
         for combo, row in support[engine.name].items():

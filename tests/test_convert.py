@@ -746,6 +746,9 @@ def test_fp8_attention_is_refused_for_an_engine_whose_door_is_not_checked_with_i
                                         r".*'s own load yet.*convert with --engine atom"):
         convert(str(fp8_attention), tmp_path / "out", target_for(engine, tp=2, ep=2))
     assert nothing_left(tmp_path / "out")
+    r = CliRunner().invoke(main, ["inspect", str(fp8_attention), "--engine", engine])
+    assert r.exit_code == 0 and "FP8 per-channel linears: 20 " in r.output and "yet (refused: convert for --engine atom)" \
+        in r.output, r.output
 
 
 def test_fp8_scales_of_another_shape_and_block_scaled_fp8_are_refused_in_one_line(fp8_attention, tmp_path):
