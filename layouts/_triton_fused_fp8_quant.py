@@ -84,7 +84,7 @@ def _fused_rms_fp8_kernel(
     if HAS_RES:
         x += tl.load(res1_ptr + r3 * res1_stride + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(out_res1_ptr + r3 * N1 + cols, x.to(out_res1_ptr.dtype.element_ty), mask=mask)
-    ss = tl.sum(tl.reshape(x * x, (BLOCK_M, NG * G)), axis=1)  # one flat reduction (one cross-warp step)
+    ss = tl.sum(tl.sum(x * x, axis=2), axis=1)
     ms = tl.math.div_rn(ss, tl.full(ss.shape, N1, tl.float32))
     rstd = tl.math.div_rn(tl.full(ss.shape, 1.0, tl.float32), tl.math.sqrt_rn(ms + eps1))
     w = tl.load(w1_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
