@@ -79,6 +79,7 @@ class SynthSpec:
     num_hidden_layers: int = 3
     vocab_size: int = 1024
     variant: str = "r1-0528"
+    model_type: str = "deepseek_v3"  # config.json's; Kimi-K2 says "kimi_k2" with the same architecture
     num_shards: int = 4
     seed: int = 0
     random_bytes: bool = False
@@ -130,6 +131,15 @@ PRESETS["bench-large"] = replace(PRESETS["bench"], num_hidden_layers=40, num_sha
 PRESETS["bench-r1"] = replace(
     PRESETS["bench"], hidden_size=256, q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=128, qk_rope_head_dim=64,
     v_head_dim=128, num_attention_heads=128, intermediate_size=2048, moe_intermediate_size=2048, vocab_size=32768,
+)
+
+# kimi-k2: Kimi-K2's shape where it differs from R1 (Kimi-K2-Thinking / K2.5 MXFP4, ATOM's
+# recipes/Kimi-K2.md): 384 routed experts of which 8 are chosen, one expert group, 64 attention heads
+# (8 per rank at TP 8, which ATOM's MLA repeats to 16), model_type "kimi_k2" on DeepSeek-V3's
+# architecture; the tiny widths otherwise (24 MB).
+PRESETS["kimi-k2"] = replace(
+    PRESETS["tiny"], n_routed_experts=384, num_experts_per_tok=8, n_group=1, topk_group=1, num_attention_heads=64,
+    model_type="kimi_k2",
 )
 
 # real-dims: DeepSeek-V3/R1's real widths (hidden 7168, 128 heads, q/kv LoRA 1536/512, dense
@@ -221,7 +231,7 @@ def _base_config(spec: SynthSpec) -> dict:
     s = spec
     return {
         "architectures": ["DeepseekV3ForCausalLM"],
-        "model_type": "deepseek_v3",
+        "model_type": s.model_type,
         "attention_bias": False,
         "attention_dropout": 0.0,
         "bos_token_id": 0,

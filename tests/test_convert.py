@@ -821,3 +821,25 @@ def test_a_tensor_of_a_module_deepseek_does_not_build_is_refused_naming_it(sourc
     assert nothing_left(tmp_path / "out")
     with pytest.raises(PrepError, match=f"{extra}: "):
         run(src, [1, 2, 3])
+
+
+def test_kimi_k2s_shape_converts_with_48_experts_a_rank_under_ep8_and_inverts_exactly(tmp_path):
+    # Kimi-K2 (the kimi-k2 preset: 384 routed experts, 8 chosen, one group, 64 heads, model_type
+    # kimi_k2 on DeepSeek-V3's architecture) converts as DeepSeek-V3 does: at TP 8 each rank holds
+    # 8 heads' rows; with --ep 8 each holds 48 whole experts and the shared one after them.
+    import dataclasses
+
+    from prep.testing import PRESETS
+
+    src = write_checkpoint(dataclasses.replace(PRESETS["kimi-k2"], variant="v2", num_hidden_layers=2, random_bytes=True),
+                           tmp_path / "src")
+    assert json.loads((src / "config.json").read_text())["model_type"] == "kimi_k2"
+    out = tmp_path / "out"
+    convert(str(src), out, Target(tp=8, ep=8))
+    m = json.loads((out / "prep-manifest.json").read_text())
+    w13 = sorted((t for t in m["tensors"] if t["name"] == "model.layers.1.mlp.experts.w13_weight"), key=lambda t: t["rank"])
+    assert [t["runtime_attrs"]["global_routed_experts"] for t in w13] == [[48 * r, 48 * (r + 1)] for r in range(8)]
+    assert all(t["shape"][0] == 49 for t in w13)  # 48 routed + the shared expert
+    q_b = [t for t in m["tensors"] if t["name"] == "model.layers.1.self_attn.q_b_proj.weight"]
+    assert {tuple(t["shape"]) for t in q_b} == {(8 * 48, 64)}  # 8 of 64 heads, (nope 32 + rope 16) rows each
+    verify(str(out), source=str(src))
