@@ -80,6 +80,7 @@ class SynthSpec:
     vocab_size: int = 1024
     variant: str = "r1-0528"
     model_type: str = "deepseek_v3"  # config.json's; Kimi-K2 says "kimi_k2" with the same architecture
+    mtp: bool = True  # the MTP layer (DeepSeek's num_nextn_predict_layers = 1); Kimi-K2 has none
     num_shards: int = 4
     seed: int = 0
     random_bytes: bool = False
@@ -136,10 +137,10 @@ PRESETS["bench-r1"] = replace(
 # kimi-k2: Kimi-K2's shape where it differs from R1 (Kimi-K2-Thinking / K2.5 MXFP4, ATOM's
 # recipes/Kimi-K2.md): 384 routed experts of which 8 are chosen, one expert group, 64 attention heads
 # (8 per rank at TP 8, which ATOM's MLA repeats to 16), model_type "kimi_k2" on DeepSeek-V3's
-# architecture; the tiny widths otherwise (24 MB).
+# architecture, no MTP layer; the tiny widths otherwise.
 PRESETS["kimi-k2"] = replace(
     PRESETS["tiny"], n_routed_experts=384, num_experts_per_tok=8, n_group=1, topk_group=1, num_attention_heads=64,
-    model_type="kimi_k2",
+    model_type="kimi_k2", mtp=False,
 )
 
 # real-dims: DeepSeek-V3/R1's real widths (hidden 7168, 128 heads, q/kv LoRA 1536/512, dense
@@ -253,7 +254,7 @@ def _base_config(spec: SynthSpec) -> dict:
         "num_experts_per_tok": s.num_experts_per_tok,
         "num_hidden_layers": s.num_hidden_layers,
         "num_key_value_heads": s.num_attention_heads,
-        "num_nextn_predict_layers": 1,
+        "num_nextn_predict_layers": 1 if s.mtp else 0,
         "q_lora_rank": s.q_lora_rank,
         "qk_nope_head_dim": s.qk_nope_head_dim,
         "qk_rope_head_dim": s.qk_rope_head_dim,
@@ -387,7 +388,8 @@ def plan_groups(spec: SynthSpec) -> list[list[Param]]:
     groups += [_layer_params(spec, layer, excluded) for layer in range(spec.num_hidden_layers)]
     lm_head = "bf16" if is_excluded("lm_head", excluded) else "fp4"
     groups.append([Param("model.norm", (h,), "norm"), Param("lm_head", (spec.vocab_size, h), lm_head)])
-    groups.append(_layer_params(spec, spec.num_hidden_layers, excluded))
+    if spec.mtp:
+        groups.append(_layer_params(spec, spec.num_hidden_layers, excluded))
     return groups
 
 

@@ -283,10 +283,13 @@ def start(kind: str, model: pathlib.Path, argv: list[str], env: dict[str, str], 
 
 
 def server_argv(converted: pathlib.Path, mtp: bool = True, extra: list[str] = ()) -> list[str]:
-    """ATOM's server options for the check (``--model`` aside): TP/EP from the manifest."""
+    """ATOM's server options for the check (``--model`` aside): TP/EP from the manifest; the MTP
+    draft where the checkpoint's config.json has an MTP layer (Kimi-K2's has none)."""
     from layouts import load_manifest
+    from layouts.engines.atom.adapter import mtp_layers
 
     target = load_manifest(converted).target
+    mtp = mtp and len(mtp_layers(pathlib.Path(converted))) > 0
     return ["--tensor-parallel-size", str(target.tp), *(["--enable-expert-parallel"] if target.ep > 1 else []),
             *TEST_PLAN, *(MTP if mtp else []), *extra]
 
