@@ -185,23 +185,36 @@ class PinnedFolder:
                                 "into it?); what was read is discarded: load it again")
 
     def shown(self, message: str) -> str:
-        return message.replace(str(self.via), str(self.path))
+        """``message`` naming the folder by its path, not the descriptor it is read through."""
+        return message.replace(str(self.via), str(self.path)) if self.via != self.path else message
+
+    def close(self) -> None:
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
 
 
-@contextlib.contextmanager
-def pinned_folder(path: str | pathlib.Path) -> Iterator[PinnedFolder]:
-    """Open converted folder ``path`` for one load (:class:`PinnedFolder`)."""
+def open_pinned(path: str | pathlib.Path) -> PinnedFolder:
+    """Converted folder ``path`` opened for reading (:class:`PinnedFolder`); the caller closes it
+    (:meth:`PinnedFolder.close`), or uses :func:`pinned_folder`."""
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
         raise ManifestError(f"{path}: no such folder") from None
     except OSError as e:
         raise ManifestError(f"{path}: cannot be opened as a folder ({e.strerror})") from None
+    via = pathlib.Path(f"/proc/self/fd/{fd}")
+    return PinnedFolder(path, fd, via if via.is_dir() else pathlib.Path(path))
+
+
+@contextlib.contextmanager
+def pinned_folder(path: str | pathlib.Path) -> Iterator[PinnedFolder]:
+    """Open converted folder ``path`` for one load (:class:`PinnedFolder`)."""
+    folder = open_pinned(path)
     try:
-        via = pathlib.Path(f"/proc/self/fd/{fd}")
-        yield PinnedFolder(path, fd, via if via.is_dir() else pathlib.Path(path))
+        yield folder
     finally:
-        os.close(fd)
+        folder.close()
 
 
 def _load_file(manifest: Manifest, fname: str, recs: list[TensorRecord], device: torch.device, out: RankTensors,

@@ -13,6 +13,7 @@ from typing import Any, Iterator, Mapping
 
 import torch
 
+from layouts.loader import open_pinned
 from layouts.manifest import GroupRecord, ManifestError, SourceTensor, TensorRecord, load_manifest
 from layouts.safetensors_file import ITEMSIZE, TORCH_DTYPES
 
@@ -63,16 +64,12 @@ class ConvertedCheckpoint:
 
     def __init__(self, root: str | pathlib.Path, check_hashes: bool = False, streams: int = 1):
         self.root = pathlib.Path(root)
-        # Every file is read through the folder's open descriptor (/proc/self/fd/N/NAME), as
-        # layouts.loader.PinnedFolder reads a rank: a ``convert --force`` that swaps another folder in
-        # meanwhile makes the reads fail and :meth:`check_unmoved` say so, never mixes two outputs'
+        # Every file is read through the folder's open descriptor (/proc/self/fd/N/NAME), as a rank
+        # load reads it (layouts.loader.PinnedFolder): a ``convert --force`` that swaps another folder
+        # in meanwhile makes the reads fail and the folder's check say so, never mixes two outputs'
         # files (revert --no-verify then rebuilt a source from both).
-        try:
-            self._fd = os.open(self.root, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
-        except OSError as e:
-            raise PrepError(f"{self.root}: cannot be opened as a folder ({e.strerror})") from None
-        via = pathlib.Path(f"/proc/self/fd/{self._fd}")
-        self.via = via if via.is_dir() else self.root
+        self._folder = open_pinned(self.root)
+        self.via = self._folder.via
         self.check_hashes = check_hashes
         # Bytes of a block: :data:`STREAM_BYTES`, shared out where ``streams`` units are inverted
         # at once (``verify --source``), so that what they hold together stays the same.
@@ -161,24 +158,16 @@ class ConvertedCheckpoint:
 
     def shown(self, message: str) -> str:
         """``message`` naming the folder by its path, not the descriptor it is read through."""
-        return message.replace(str(self.via), str(self.root)) if self.via != self.root else message
+        return self._folder.shown(message)
 
     def check_unmoved(self) -> None:
-        """Refuse a folder no longer at its path (replaced or removed since it was opened: what
-        was read came from the folder that was there when this object was made)."""
-        try:
-            now = os.stat(self.root)
-        except OSError:
-            now = None
-        then = os.fstat(self._fd)
-        if now is None or (now.st_dev, now.st_ino) != (then.st_dev, then.st_ino):
-            raise PrepError(f"{self.root}: replaced or removed while it was being read (a prep convert --force into "
-                            "it?); nothing was written from it: run again")
+        """Refuse a folder no longer at its path (replaced or removed since it was opened)."""
+        self._folder.check()
 
     def close(self) -> None:
-        fd, self._fd = getattr(self, "_fd", -1), -1
-        if fd >= 0:
-            os.close(fd)
+        folder = getattr(self, "_folder", None)
+        if folder is not None:
+            folder.close()
 
     def __del__(self) -> None:
         self.close()
