@@ -79,6 +79,7 @@ def test_the_door_leaves_atoms_models_as_atoms_own_start_up_on_the_source_at_tp2
     # R1-0528 on ATOM's Triton MoE under the seed's switches (both fusions), its MTP layer without its
     # own shared_head.head and embed_tokens (ATOM's drafter then shares the target's, warning "NOT
     # loaded" once: the door must do as ATOM's own start-up does); v2 on the CK MoE, its MTP layer whole;
+    # v2's rank 1 file with a byte flipped, which the check must find and nothing else;
     # MTP-MoEFP4 (FP8 per-channel attention, the MTP layer's too) on the seed's non-shuffled cell: ATOM
     # pads, shuffles and derives W_K / W_V from the FP8 kv_b_proj at load on both sides (its two FP8
     # kernels torch stand-ins, named in the output). (One start-up pair each covers both cases of a
@@ -97,9 +98,21 @@ def test_the_door_leaves_atoms_models_as_atoms_own_start_up_on_the_source_at_tp2
         assert summary["serve"].endswith(f"prep-atom-serve --model {out} --tensor-parallel-size 2 --kv_cache_dtype fp8")
     else:
         assert summary["serve"].endswith(f"prep-atom-serve --model {out} --tensor-parallel-size 2")
+    flipped = variant == "v2"  # a flipped byte in rank 1's file: the door installs it, the check sees only it
+    if flipped:
+        _flip_last_byte(sorted(out.glob("*rank1*.safetensors"))[-1])
     result = check_atom_serve.check(src, out, oracle_trees, tmp_path / "work", env=env)
-    assert result["ok"], "\n".join(result["lines"])
-    ranks = [line for line in result["lines"] if line.startswith("rank ")]
+    lines = result["lines"]
+    ranks = [line for line in lines if line.startswith("rank ")]
+    if flipped:
+        assert not result["ok"] and ranks[0].endswith(": ok") and ranks[1].endswith(": FAIL"), "\n".join(lines)
+        said = lines[lines.index(ranks[1]) + 1:]
+        said = said[:next((i for i, x in enumerate(said) if not x.startswith("    ")), len(said))]
+        assert len(said) == 2 and all("1 of" in x and "bytes differ" in x for x in said), "\n".join(lines)
+        assert said[0].split(":")[1] == said[1].split(":")[1]  # one tensor, under both fills
+        ranks[1] = ranks[1][:-len("FAIL")] + "ok"  # otherwise as rank 0: every other byte equal
+    else:
+        assert result["ok"], "\n".join(lines)
     assert [line.endswith(": ok") for line in ranks] == [True, True]
     if mtp_head:
         assert all("0 NOT-loaded warnings (ATOM's own: 0), draft head its own" in line for line in ranks)
@@ -112,13 +125,6 @@ def test_the_door_leaves_atoms_models_as_atoms_own_start_up_on_the_source_at_tp2
 
     if variant == "mtp-moefp4":  # ATOM's FP8 GEMM ran (as torch) on both sides to derive W_K / W_V: said
         assert "torch stand-ins computed for GPU kernels: aiter.gemm_a8w8_bpreshuffle" in "\n".join(result["lines"])
-    if variant == "v2":  # a flipped byte in one rank's file: the door installs it, the check sees it
-        _flip_last_byte(sorted(out.glob("*rank1*.safetensors"))[-1])
-        flipped = check_atom_serve.check(src, out, oracle_trees, tmp_path / "work", env=env, reuse_reference=True,
-                                         door_name="door-flipped")
-        assert not flipped["ok"]
-        assert flipped["lines"][0].endswith(": ok") and "FAIL" in flipped["lines"][1], "\n".join(flipped["lines"])
-        assert "1 of" in flipped["lines"][2] and "bytes differ" in flipped["lines"][2]
 
 
 def test_a_switch_that_does_not_read_the_layout_is_refused_before_any_weight_is_allocated(tmp_path, oracle_trees):
