@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 import torch
 
@@ -317,7 +317,7 @@ def plan_bf16_groups(tensors: dict[str, Any], config: dict[str, Any], tp: int, e
     def plain(name: str, info: Any, merges: list) -> None:  # merged, split by its rule, or whole
         module = name[:-len(".weight")] if len(info.shape) == 2 and name.endswith(".weight") else None
         suffix = ".weight"
-        scale = _channel_scale(name, info, tensors)
+        scale = channel_scale(name, info, tensors)
         if scale is not None:  # an FP8 weight's per-channel scale: held as a column [N, 1], its weight's rows
             module, info, suffix = name[:-len(".weight_scale")], scale, ".weight_scale"
         if module is not None and (hit := _merge_part(module, merges)):
@@ -373,14 +373,15 @@ class _Column:
 
 def as_planned(shape) -> tuple[int, ...]:
     """A source tensor's shape as groups plan it: a 1-D tensor (an FP8 linear's per-channel
-    scale) as the column ``[N, 1]`` it is stored as, same bytes (:func:`_channel_scale`)."""
+    scale) as the column ``[N, 1]`` it is stored as, same bytes (:func:`channel_scale`)."""
     return (shape[0], 1) if len(shape) == 1 else tuple(shape)
 
 
-def _channel_scale(name: str, info: Any, tensors: dict[str, Any]) -> _Column | None:
-    """``name``'s info as a column ``[N, 1]`` when it is the per-channel F32 scale of an FP8
-    linear (``X.weight_scale`` of an F8_E4M3 ``X.weight``; ATOM holds it as ``[N, 1]`` and splits
-    and merges it with the weight's rows), else None."""
+def channel_scale(name: str, info: Any, tensors: Mapping[str, Any]) -> _Column | None:
+    """``name``'s info as a column ``[N, 1]`` when it is the per-channel scale of an FP8 linear
+    (``X.weight_scale``, F32 or BF16, ``[N]`` or ``[N, 1]``, of an F8_E4M3 ``X.weight`` ``[N, K]``;
+    ATOM holds it as ``[N, 1]`` and splits and merges it with the weight's rows), else None. The
+    one statement of that rule: ``prep.deepseek.classify`` refuses an FP8 weight's scale it rejects."""
     if not name.endswith(".weight_scale") or info.dtype not in FP8_SCALE_DTYPES:
         return None
     w = tensors.get(name[:-len("_scale")])

@@ -23,7 +23,7 @@ from layouts.registry import Layout, get_layout
 from layouts.sizes import ceil_div
 
 from .errors import PrepError
-from .bf16 import FP8_SCALE_DTYPES, Bf16Group, plan_bf16_groups
+from .bf16 import Bf16Group, channel_scale, plan_bf16_groups
 from .groups import LinearGroup, MoEGroup, Part
 from .source import SourceCheckpoint
 
@@ -217,13 +217,15 @@ def check_complete(src: SourceCheckpoint) -> dict[str, int | None]:
     tensors = src.tensors
     layers = {name.split(".", 3)[2] for name in tensors if name.startswith("model.layers.")}
     mtp_present = {int(i) for i in layers if i.isdigit() and int(i) >= ints["num_hidden_layers"]}
+    known: set[str] = set()  # every module the config implies, each found: what _check_known holds the tensors to
     for module, why in expected_weights(src.config, ints, mtp_present):
         if f"{module}.weight" not in tensors:
             raise PrepError(f"{src.root}: tensor {module}.weight is missing ({why}); the checkpoint is incomplete "
                             "or config.json is not its own: re-download it")
+        known.add(module)
     ints = config_ints(src)
     _check_sizes(src, ints)  # first: a config.json that is not the checkpoint's says so, not "unknown module"
-    _check_known(src, ints, mtp_present)
+    _check_known(src, known)
     return ints
 
 
@@ -235,12 +237,12 @@ _MTP_MODULES = ("embed_tokens", "enorm", "hnorm", "eh_proj", "shared_head.norm",
 _KNOWN_SUFFIXES = ("weight", "weight_scale", "weight_scale_inv", "e_score_correction_bias")
 
 
-def _check_known(src: SourceCheckpoint, ints: dict[str, int | None], mtp_present: set[int]) -> None:
+def _check_known(src: SourceCheckpoint, known: set[str]) -> None:
     """Refuse a tensor of a module DeepSeek-V2/V3's modeling code does not build for this config
-    (a DeepSeek-V3.2 indexer, a vision tower, a stray export): no engine profile says how a rank
-    holds it, and copying it whole to every rank (what prep did) let ``prep run`` compute without it
-    and engines fail or ignore it. Named in one line, before anything is written."""
-    known = {module for module, _ in expected_weights(src.config, ints, mtp_present)}
+    (``known``: :func:`expected_weights`' modules; a DeepSeek-V3.2 indexer, a vision tower, a stray
+    export): no engine profile says how a rank holds it, and copying it whole to every rank (what
+    prep did) let ``prep run`` compute without it and engines fail or ignore it. Named in one line,
+    before anything is written."""
     for name in src.tensors:
         module, _, suffix = name.rpartition(".")
         if suffix not in _KNOWN_SUFFIXES or (suffix == "e_score_correction_bias" and not module.endswith(".mlp.gate")):
@@ -327,8 +329,7 @@ def classify(src: SourceCheckpoint) -> Classified:
             # FP8 per output channel (Quark's per_channel override, e.g. of *self_attn*): the bytes are
             # copied, split and merged as the engine holds them (prep.bf16: any dtype), the scale with
             # its weight's rows
-            if len(w.shape) != 2 or info.dtype not in FP8_SCALE_DTYPES or tuple(info.shape) not in ((w.shape[0],),
-                                                                                                (w.shape[0], 1)):
+            if channel_scale(name, info, src.tensors) is None:
                 raise PrepError(f"{name}: an FP8 weight's scale must be F32 or BF16 [N] or [N, 1], one per output channel "
                                 f"(got {info.dtype} {list(info.shape)} for weight {list(w.shape)}); per-tensor and "
                                 "block-scaled FP8 are not converted by prep yet")
@@ -365,10 +366,10 @@ def plan_groups(src: SourceCheckpoint, cls: Classified, target: Target) -> list[
     if why:
         raise PrepError(why)
     if cls.fp8 and not engine.fp8_channel_linears:
-        able = [e.display_name for e in convertible_engines() if e.fp8_channel_linears]
+        able = [e.name for e in convertible_engines() if e.fp8_channel_linears]
         raise PrepError(f"{cls.fp8[0]}.weight: FP8 per-channel attention is not checked against {engine.display_name}'s "
                         f"own load yet, so prep does not write it for {engine.display_name}; convert with --engine "
-                        f"{' or '.join(e.lower() for e in able)}")
+                        f"{' or '.join(able)}")
     rules = engine.sharding
     heads = config_ints(src)["num_attention_heads"] or 1
     if heads % tp:
