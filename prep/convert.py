@@ -392,8 +392,8 @@ def convert(
     idents = {f: file_identity(src.root / f) for f in src.files}
     key = run_key(state, jobs, src, idents)
     with folder.locked():
-        note = folder.recover()
-        for line in ([note] if note else []) + folder.notes if notify else ():
+        folder.recover()
+        for line in folder.notes if notify else ():
             notify(line)
         folder.notes.clear()
         if resume and _already_made(folder, key):

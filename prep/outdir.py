@@ -460,9 +460,9 @@ class OutputFolder:
         except (OSError, ValueError, FileTooLargeError):
             return {}
 
-    def recover(self) -> str | None:
+    def recover(self) -> None:
         """Settle what a killed run left (under the lock), so that OUT holds one complete output
-        and the work folder one known phase. Returns a note for the user, or None.
+        and the work folder one known phase; what the user should hear goes to :attr:`notes`.
 
         ``swapping`` killed before the new output reached OUT goes back to ``building`` (staging
         is complete: a ``--resume`` reuses every file); killed after, it becomes ``swapped``
@@ -474,7 +474,7 @@ class OutputFolder:
                 # What a run killed before its state was written leaves (or an earlier prep, which made
                 # staging first): only prep's own partial work, which nothing can resume. Discarded.
                 self.discard()
-                return None
+                return
             raise PrepError(f"{self.work}: holds {sorted(left)} but no state.json, so prep cannot tell what they are; "
                             "remove that folder yourself and run again")
         if st.get("phase") == "swapping":
@@ -482,21 +482,20 @@ class OutputFolder:
             if want is not None and output_id(self.path) == want:
                 self._set_phase(st, "swapped")
                 self._delete_old()
-                return None
+                return
             elif want is not None and output_id(self.staging) == want:
                 if not self.path.exists() and self.old.is_dir():
                     os.rename(self.old, self.path)  # two renames, killed between: the previous OUT goes back
                 self._set_phase(st, "building")
-                return None
+                return
             else:
                 raise PrepError(f"{self.work}: an interrupted swap left the new output neither at {self.path} nor "
                                 "in staging; remove that folder yourself and convert again")
         if st.get("phase") == "swapped":
             self._delete_old()
-            return None
+            return
         if self.old.exists():  # cannot be, outside a swap; be safe: keep it for the user to look at
             raise PrepError(f"{self.old}: left by an interrupted run; remove it yourself and run again")
-        return None
 
     def _set_phase(self, st: dict[str, Any], phase: str) -> None:
         write_json(self.state_path, {**st, "phase": phase})
@@ -560,8 +559,6 @@ class OutputFolder:
             keep = keep_on_interrupt and not swapped and (full or getattr(e, "keep_work", False))
             if not swapped and not keep:
                 self.discard()
-            if keep and self.state():
-                self._set_phase(self.state() or {}, "building")  # a refusal at the swap: staging is complete
             kept = (f"; the finished files are kept in {self.work}: run the same command with --resume to reuse "
                     f"them (or remove that folder)") if keep else ""
             if full:

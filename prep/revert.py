@@ -57,17 +57,18 @@ def revert(out: str, dest: str | pathlib.Path, force: bool = False, verify: bool
                     problem = member_problem(ck.via, f)
                     if problem:  # e.g. a symlink out of the folder: never copy what it points at
                         raise PrepError(f"{ck.root}: {problem}; replace it with the file itself")
-                    problem = side_file_changed(ck.via / f, recorded)
-                    if problem:
-                        raise PrepError(ck.shown(problem))
-                    # Copied through the pinned folder, then the copy is checked again: the bytes checked are
-                    # the bytes written, whatever replaced the file between the check and the read.
+                    if (ck.via / f).stat().st_size != recorded.size:  # refused by size, unread (a sparse 1 TiB one)
+                        raise PrepError(ck.shown(side_file_changed(ck.via / f, recorded)))
+                    # Copied through the pinned folder, then the copy is checked: the bytes checked are the bytes
+                    # written, whatever replaced the file between the size check and the read.
                     copy_regular(ck.via / f, folder.staging / f, limit=recorded.size)
                     problem = side_file_changed(folder.staging / f, recorded)
                     if problem:
                         raise PrepError(problem.replace(str(folder.staging / f), str(ck.root / f)))
                     written.append(f)
-                    hashes[f] = file_xxh3(folder.staging / f)  # what was written, read back
+                    # what was written: the hash the check just matched, or (a manifest of an older prep
+                    # records none) the copy's, read back
+                    hashes[f] = recorded.xxh3_128 or file_xxh3(folder.staging / f)
             # Written last: says which files are prep's (what a later --force may replace: the side
             # files only while they hold these bytes).
             write_json(folder.staging / REVERT_MARKER, {
