@@ -299,8 +299,6 @@ def to_device(buf: torch.Tensor, device: torch.device) -> torch.Tensor:
     return out
 
 
-
-
 def side_file_difference(path: pathlib.Path, size: int, xxh3_128: str | None) -> tuple[str, int] | None:
     """How the side file at ``path`` differs from the source's (its ``size`` and, where recorded
     and xxhash is installed, its ``xxh3_128``): ``("missing", 0)``, ``("size", the file's size)``,

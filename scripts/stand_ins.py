@@ -161,14 +161,16 @@ def _hip_quant(qtype, quant_types):
 
 def _gemm_a8w8_bpreshuffle(x, w, x_scale, w_scale, dtype=None, **_):
     """aiter's ``gemm_a8w8_bpreshuffle`` (y = (x * x_scale) @ (w * w_scale)^T) in torch, the
-    weight taken back from aiter's (16, 16) shuffle (``shuffle_weight``: rows in 16s, columns in
-    32s as two 16-byte halves) where ATOM marked it shuffled."""
+    weight taken back from aiter's (16, 16) shuffle where ATOM marked it shuffled: on one-byte
+    elements the same byte order as the ``preshuffle`` layout's (``layouts.shuffle``)."""
     import torch
 
+    from layouts.shuffle import unshuffle_weight
+
     CALLS.append("aiter.gemm_a8w8_bpreshuffle" + COMPUTING)
-    n, k = w.shape
+    n = w.shape[0]
     if getattr(w, "is_shuffled", False):
-        w = w.view(n // 16, k // 32, 2, 16, 16).permute(0, 3, 1, 2, 4).reshape(n, k)
+        w = unshuffle_weight(w.view(torch.uint8)).view(w.dtype)
     y = (x.float() * x_scale.float()) @ (w.float() * w_scale.float().reshape(n, 1)).t()
     return y.to(dtype or torch.bfloat16)
 

@@ -110,7 +110,7 @@ class ModelWeights:
                  mapped: list[torch.Tensor] | None = None, memo: dict | None = None, read_headroom: int = 0,
                  fp8: set[str] | frozenset[str] = frozenset()):
         self.config = config
-        self._fp8 = dict.fromkeys(fp8, True)  # FP8 (F8_E4M3) weight tensors: scaled per output channel
+        self._fp8 = frozenset(fp8)  # FP8 (F8_E4M3) weight tensors: scaled per output channel
         self._linears = linears  # MXFP4 module prefix -> makes its float32 matrix
         self._tensors = tensors  # tensor name -> reads it
         self._shapes = shapes or {}
@@ -237,7 +237,7 @@ class ModelWeights:
     def fp8(self, prefix: str) -> bool:
         """Whether ``prefix`` is an FP8 linear with one scale per output channel (Quark's
         per-channel override; its input is quantized per token at run time)."""
-        return f"{prefix}.weight_scale" in self._tensors and self._fp8.get(f"{prefix}.weight", False)
+        return f"{prefix}.weight" in self._fp8 and f"{prefix}.weight_scale" in self._tensors
 
     def tensor(self, name: str) -> torch.Tensor:
         read = self._tensors.get(name)
