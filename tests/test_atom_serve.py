@@ -71,19 +71,18 @@ def _flip_last_byte(path: pathlib.Path) -> None:
 
 
 @pytest.mark.parametrize("variant, layout, moe_layout, mtp_head", [
-    ("r1-0528", "preshuffle", "triton", False), ("v2", "preshuffle", "ck", True),
-    ("mtp-moefp4", "non-shuffle", "triton", True)],
-    ids=["r1-0528-triton-mtp-without-head", "v2-ck", "mtp-moefp4-triton-non-shuffle"])
+    ("r1-0528", "preshuffle", "triton", False), ("mtp-moefp4", "preshuffle", "ck", True)],
+    ids=["r1-0528-triton-mtp-without-head", "mtp-moefp4-ck"])
 def test_the_door_leaves_atoms_models_as_atoms_own_start_up_on_the_source_at_tp2(variant, layout, moe_layout, mtp_head,
                                                                                  tmp_path, oracle_trees):
     # R1-0528 on ATOM's Triton MoE under the seed's switches (both fusions), its MTP layer without its
     # own shared_head.head and embed_tokens (ATOM's drafter then shares the target's, warning "NOT
-    # loaded" once: the door must do as ATOM's own start-up does); v2 on the CK MoE, its MTP layer whole;
-    # v2's rank 1 file with a byte flipped, which the check must find and nothing else;
-    # MTP-MoEFP4 (FP8 per-channel attention, the MTP layer's too) on the seed's non-shuffled cell: ATOM
-    # pads, shuffles and derives W_K / W_V from the FP8 kv_b_proj at load on both sides (its two FP8
-    # kernels torch stand-ins, named in the output). (One start-up pair each covers both cases of a
-    # pair: the suite's time.)
+    # loaded" once: the door must do as ATOM's own start-up does); MTP-MoEFP4 (MXFP4 MLPs and experts,
+    # FP8 per-channel attention, the MTP layer quantized and whole) on the CK MoE: ATOM pads, shuffles
+    # and derives W_K / W_V from the FP8 kv_b_proj at load on both sides (its two FP8 kernels torch
+    # stand-ins, named in the output), with rank 1's file holding a flipped byte, which the check must
+    # find and nothing else. (One start-up pair each covers several cases: the suite's time. v2's MXFP4
+    # attention and the other seed cells are run by hand: scripts/check_atom_serve.py, docs/engines.md.)
     src = write_checkpoint(dataclasses.replace(PRESETS["tiny"], variant=variant), tmp_path / "src")
     if not mtp_head:
         mtp = f"model.layers.{json.loads((src / 'config.json').read_text())['num_hidden_layers']}."
@@ -98,7 +97,7 @@ def test_the_door_leaves_atoms_models_as_atoms_own_start_up_on_the_source_at_tp2
         assert summary["serve"].endswith(f"prep-atom-serve --model {out} --tensor-parallel-size 2 --kv_cache_dtype fp8")
     else:
         assert summary["serve"].endswith(f"prep-atom-serve --model {out} --tensor-parallel-size 2")
-    flipped = variant == "v2"  # a flipped byte in rank 1's file: the door installs it, the check sees only it
+    flipped = variant == "mtp-moefp4"  # a flipped byte in rank 1's file: the door installs it, the check sees only it
     if flipped:
         _flip_last_byte(sorted(out.glob("*rank1*.safetensors"))[-1])
     result = check_atom_serve.check(src, out, oracle_trees, tmp_path / "work", env=env)
@@ -107,7 +106,8 @@ def test_the_door_leaves_atoms_models_as_atoms_own_start_up_on_the_source_at_tp2
     if flipped:
         assert not result["ok"] and ranks[0].endswith(": ok") and ranks[1].endswith(": FAIL"), "\n".join(lines)
         said = lines[lines.index(ranks[1]) + 1:]
-        said = said[:next((i for i, x in enumerate(said) if not x.startswith("    ")), len(said))]
+        said = [x for x in said[:next((i for i, x in enumerate(said) if not x.startswith("    ")), len(said))]
+                if "torch stand-ins computed" not in x]  # what the rank's line reports beside its differences
         assert len(said) == 2 and all("1 of" in x and "bytes differ" in x for x in said), "\n".join(lines)
         assert said[0].split(":")[1] == said[1].split(":")[1]  # one tensor, under both fills
         ranks[1] = ranks[1][:-len("FAIL")] + "ok"  # otherwise as rank 0: every other byte equal
