@@ -149,7 +149,7 @@ def ep_matches(manifest: Manifest, engine: EngineConfig) -> str | None:
 
 def dense_layout_matches(manifest: Manifest, engine: EngineConfig) -> str | None:
     want = engine.expected_dense_layout()
-    if manifest.layout != want:
+    if manifest.layout != want and "linear" in manifest.group_kinds:  # no MXFP4 linear: none in the layout
         return engine.profile.dense_fix(manifest.layout, engine.gemm_path) or (
             f"checkpoint layout {manifest.layout!r} but the {engine.gemm_path} GEMM reads {want!r}: "
             f"convert with --layout {want}")
@@ -158,7 +158,7 @@ def dense_layout_matches(manifest: Manifest, engine: EngineConfig) -> str | None
 
 def moe_layout_matches(manifest: Manifest, engine: EngineConfig) -> str | None:
     want = engine.expected_moe_layout()
-    if manifest.moe_layout != want:
+    if manifest.moe_layout != want and "moe" in manifest.group_kinds:  # no MXFP4 experts: none in the layout
         fix = engine.profile.moe_fix(manifest.moe_layout, engine)
         return (f"MoE experts are in the {manifest.moe_layout!r} layout but the engine's {engine.moe_backend} MoE "
                 f"on {engine.gpu_arch} reads {want!r}; it would compute garbage: "

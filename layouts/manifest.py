@@ -14,6 +14,7 @@ writes. The format, field by field, and its versioning rule: docs/manifest.md.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import pathlib
 import re
 from collections.abc import Mapping
@@ -611,7 +612,10 @@ class Placement:
                 "stop": self.stop, "dest_row": self.dest_row, "slot": self.slot}
 
 
-STACK_PROJECTIONS = ("gate", "up", "down")  # an expert's source tensors: ``...{proj}_proj.weight``
+STACK_PROJECTIONS = ("gate", "up", "down")  # an expert's source tensors: ``...{proj}_proj.{tensor}``
+# Which tensor of each projection a stack holds: its weight, or the 128x128 block scales of an FP8
+# block-quantized one (DeepSeek's own FP8 release names them ``weight_scale_inv``)
+STACK_TENSORS = ("weight", "weight_scale_inv")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -658,11 +662,15 @@ class StackRecord:
     experts: tuple[tuple[int, int], ...]
     shared: bool
     windows: tuple[WindowRecord, ...]
+    tensor: str = "weight"  # of each projection (STACK_TENSORS); written only when not "weight"
 
     @classmethod
     def from_json(cls, s: Any) -> "StackRecord":
         s = _object(s, "stack")
         experts, shared, windows = s.get("experts"), s.get("shared"), s.get("windows")
+        tensor = s.get("tensor", "weight")
+        if tensor not in STACK_TENSORS:
+            raise ManifestError(f"stack: tensor is {tensor!r}, not one of {', '.join(STACK_TENSORS)}")
         ranges = experts if type(experts) is list and experts else [None]
         if not all(type(r) is list and len(r) == 2 and _is_count(r[0]) and _is_count(r[1], r[0] + 1) for r in ranges):
             raise ManifestError(f"stack: experts is {experts!r}, not a non-empty list of [start, stop) ranges")
@@ -675,7 +683,7 @@ class StackRecord:
         wins = tuple(WindowRecord.from_json(w) for w in windows)
         if len({w.proj for w in wins}) != len(wins):
             raise ManifestError(f"stack: windows name a projection twice: {[w.proj for w in wins]}")
-        return cls(tuple(tuple(r) for r in ranges), shared, wins)
+        return cls(tuple(tuple(r) for r in ranges), shared, wins, tensor)
 
     @property
     def slots(self) -> int:
@@ -688,8 +696,9 @@ class StackRecord:
                 max(w.out_shape[1] for w in self.windows))
 
     def to_json(self) -> dict[str, Any]:
-        return {"experts": [list(r) for r in self.experts], "shared": self.shared,
-                "windows": [w.to_json() for w in self.windows]}
+        out = {"experts": [list(r) for r in self.experts], "shared": self.shared,
+               "windows": [w.to_json() for w in self.windows]}
+        return out if self.tensor == "weight" else {**out, "tensor": self.tensor}
 
 
 _GROUP_KINDS = ("linear", "moe", "bf16")
@@ -906,6 +915,13 @@ class Manifest:
     tp = property(lambda self: self.target.tp)
     ep = property(lambda self: self.target.ep)
     arch = property(lambda self: self.target.arch)
+
+    @functools.cached_property
+    def group_kinds(self) -> frozenset[str]:
+        """The kinds of group it holds: "linear" (MXFP4 dense linears), "moe" (MXFP4 experts),
+        "bf16" (split source bytes). A checkpoint without MXFP4 experts (DeepSeek's FP8 release)
+        has nothing the MoE layout names, whatever MoE back end reads it."""
+        return frozenset(g.kind for g in self.groups)
 
     @classmethod
     def from_json(cls, raw: Any, root: pathlib.Path | None = None) -> "Manifest":

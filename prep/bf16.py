@@ -237,8 +237,9 @@ class Bf16Group:
                 ranges[-1][1] += 1
             else:
                 ranges.append([e, e + 1])
-        stack = StackRecord.from_json({"experts": ranges, "shared": shared, "windows": windows})
-        if _expand_stack(self.name, stack) != self.placements:
+        tensor = _EXPERT.match(self.placements[0].source).group(4)  # weight or FP8 block scales: the check
+        stack = StackRecord.from_json({"experts": ranges, "shared": shared, "windows": windows, "tensor": tensor})
+        if _expand_stack(self.name, stack) != self.placements:  # below finds a stack of both
             raise PrepError(f"{self.name} (rank {self.rank}): its experts do not all take the same windows; "
                             "re-download the checkpoint (its BF16 experts differ in shape)")
         return stack
@@ -263,7 +264,7 @@ def _expand_stack(name: str, stack: StackRecord) -> tuple[Placement, ...]:
     mlp = name[:at + len(".mlp.")]
     ids: list[int | None] = [e for a, b in stack.experts for e in range(a, b)]
     experts = [f"{mlp}experts.{e}." for e in ids] + ([f"{mlp}shared_experts."] if stack.shared else [])
-    return tuple(Placement(f"{expert}{w.proj}_proj.weight", w.shape, w.dim, w.start, w.stop, w.dest_row, slot)
+    return tuple(Placement(f"{expert}{w.proj}_proj.{stack.tensor}", w.shape, w.dim, w.start, w.stop, w.dest_row, slot)
                  for slot, expert in enumerate(experts) for w in stack.windows)
 
 
@@ -278,7 +279,7 @@ def group_from_record(rec: "GroupRecord", layout_of: Callable[[str], layouts.Lay
 
 
 # ---------------------------------------------------------------------------------- planning
-_EXPERT = re.compile(r"^(.*\.mlp\.)(?:experts\.(\d+)|shared_experts)\.(gate|up|down)_proj\.weight$")
+_EXPERT = re.compile(r"^(.*\.mlp\.)(?:experts\.(\d+)|shared_experts)\.(gate|up|down)_proj\.(weight|weight_scale_inv)$")
 
 
 def plan_bf16_groups(tensors: dict[str, Any], config: dict[str, Any], tp: int, ep: int = 1,
@@ -296,11 +297,14 @@ def plan_bf16_groups(tensors: dict[str, Any], config: dict[str, Any], tp: int, e
     per_rank: list[list[Bf16Group]] = [[] for _ in range(tp)]
     whole: list[str] = []
     merged: dict[str, tuple[Any, dict[str, tuple[str, Any]]]] = {}  # engine name -> (its Merge, {part: info})
-    experts: dict[str, dict[int | None, dict[str, tuple[str, Any]]]] = {}  # "...mlp." -> expert (None: shared)
+    # ("...mlp.", the projections' tensor: weight or weight_scale_inv) -> expert (None: shared) -> proj
+    experts: dict[tuple[str, str], dict[int | None, dict[str, tuple[str, Any]]]] = {}
 
     def part(name, info, dim, rank):
         if tp == 1:
             return Placement.whole(name, info.shape)
+        if isinstance(info, _BlockScale):  # first: its weight's split says more than its few rows of scales
+            info.check_split(name, dim, tp)
         size = info.shape[dim]
         if size % tp:
             raise PrepError(f"{name}: dim {dim} of {size} does not split over tp={tp} (the engine splits it and pads "
@@ -317,25 +321,33 @@ def plan_bf16_groups(tensors: dict[str, Any], config: dict[str, Any], tp: int, e
     def plain(name: str, info: Any, merges: list) -> None:  # merged, split by its rule, or whole
         module = name[:-len(".weight")] if len(info.shape) == 2 and name.endswith(".weight") else None
         suffix = ".weight"
-        scale = channel_scale(name, info, tensors)
-        if scale is not None:  # an FP8 weight's per-channel scale: held as a column [N, 1], its weight's rows
-            module, info, suffix = name[:-len(".weight_scale")], scale, ".weight_scale"
+        channel = channel_scale(name, info, tensors)
+        block = block_scale(name, info, tensors)
+        if channel is not None:  # an FP8 weight's per-channel scale: held as a column [N, 1], its weight's rows
+            module, info, suffix = name[:-len(".weight_scale")], channel, ".weight_scale"
+        elif block is not None:  # an FP8 weight's 128x128 block scales: its weight's blocks, under the engine's name
+            module, info, suffix = name[:-len(".weight_scale_inv")], block, f".{rules.fp8_block_scale}"
+        stored = name if module is None else f"{module}{suffix}"
         if module is not None and (hit := _merge_part(module, merges)):
             layer, merge, key = hit
             merged.setdefault(f"{layer}{merge.module}{suffix}", (merge, {}))[1][key] = (name, info)
         elif module is not None and (split := rules.split_of(module)) != _WHOLE \
-                and not (suffix == ".weight_scale" and split == _COLS):  # a row-parallel layer's scale: whole
+                and not (channel is not None and split == _COLS):  # a row-parallel layer's channel scale: whole
             dim = 1 if split == _COLS else 0
             for r in range(tp):
                 p = part(name, info, dim, r)
-                per_rank[r].append(Bf16Group(name, r, tp, info.dtype, (p,)))
+                per_rank[r].append(Bf16Group(stored, r, tp, info.dtype, (p,)))
+        elif stored != name:  # whole, under the engine's name: in each rank's files
+            for r in range(tp):
+                per_rank[r].append(Bf16Group(stored, r, tp, info.dtype, (Placement.whole(name, info.shape),)))
         else:
             whole.append(name)
 
     for name, info in tensors.items():
-        if len(info.shape) == 2 and (m := _EXPERT.match(name)):
+        block = block_scale(name, info, tensors)
+        if len(info.shape) == 2 and (m := _EXPERT.match(name)) and (m.group(4) == "weight" or block is not None):
             e = None if m.group(2) is None else int(m.group(2))
-            experts.setdefault(m.group(1), {}).setdefault(e, {})[m.group(3)] = (name, info)
+            experts.setdefault((m.group(1), m.group(4)), {}).setdefault(e, {})[m.group(3)] = (name, block or info)
         else:
             plain(name, info, merges)
     # A shared expert the engine does not stack with the routed ones is an MLP of its own, held as
@@ -350,6 +362,12 @@ def plan_bf16_groups(tensors: dict[str, Any], config: dict[str, Any], tp: int, e
             raise PrepError(f"{parts[next(iter(parts))][0]}: its partner of {target} is missing or not BF16; "
                             "the engine merges the two, so both must be BF16 (re-download the checkpoint)")
         column = merge.split == _ROWS  # MergedColumnParallelLinear; a WHOLE merge is replicated
+        for key in merge.parts[:-1]:  # the engine finds a part's block scales at ceil(rows before it / 128)
+            name, info = parts[key]
+            if isinstance(info, _BlockScale) and not column and info.weight[0] % FP8_BLOCK:
+                raise PrepError(f"{name}: its weight's {info.weight[0]} rows are not whole 128-row blocks, so its "
+                                f"block scales cannot be stacked with the next part's in {target} as the engine reads "
+                                "them; prep does not convert this checkpoint")
         for r in range(tp):
             row, ps = 0, []
             for key in merge.parts:
@@ -358,8 +376,8 @@ def plan_bf16_groups(tensors: dict[str, Any], config: dict[str, Any], tp: int, e
                 ps.append(dataclasses.replace(p, dest_row=row))
                 row += p.out_shape[0]
             per_rank[r].append(Bf16Group(target, r, tp, parts[merge.parts[0]][1].dtype, tuple(ps)))
-    for mlp, layer in experts.items():
-        _plan_experts(mlp, layer, tp, ep, per_rank, rules)
+    for (mlp, tensor), layer in experts.items():
+        _plan_experts(mlp, tensor, layer, tp, ep, per_rank, rules)
     return per_rank, whole
 
 
@@ -391,6 +409,45 @@ def channel_scale(name: str, info: Any, tensors: Mapping[str, Any]) -> _Column |
     return _Column(info.dtype, (w.shape[0], 1))
 
 
+FP8_BLOCK = 128  # DeepSeek's FP8 release: one F32 scale per 128x128 block of a weight
+
+
+@dataclasses.dataclass(frozen=True)
+class _BlockScale:
+    """An FP8 linear's block scales ``[ceil(N/128), ceil(K/128)]`` (F32), planned with its
+    weight's ``[N, K]``: a rank's part of the weight must be whole blocks."""
+
+    dtype: str
+    shape: tuple[int, int]
+    weight: tuple[int, int]
+
+    def check_split(self, name: str, dim: int, tp: int) -> None:
+        """Refuse a split of the weight's ``dim`` over ``tp`` ranks that cuts a block: the engines
+        split the scales by whole blocks (ATOM's loaders narrow them by ``ceil(part / 128)``
+        without checking, so a cut block would be read with its neighbour's scale)."""
+        size = self.weight[dim]
+        if size % (FP8_BLOCK * tp):
+            raise PrepError(f"{name}: over tp={tp} a rank holds {size}/{tp} {'rows' if dim == 0 else 'columns'} of "
+                            f"its weight, not whole 128x128 blocks of these scales; the engine splits the scales by "
+                            "whole blocks: choose a tp (or --ep) that keeps each rank's part a multiple of 128")
+
+
+def block_scale(name: str, info: Any, tensors: Mapping[str, Any]) -> _BlockScale | None:
+    """``name``'s info with its weight's shape when it is the block scales of an FP8 linear
+    (``X.weight_scale_inv``, F32 ``[ceil(N/128), ceil(K/128)]``, of an F8_E4M3 ``X.weight``
+    ``[N, K]``: DeepSeek's own FP8 release), else None. The one statement of that rule:
+    ``prep.deepseek.classify`` refuses a ``weight_scale_inv`` it rejects."""
+    if not name.endswith(".weight_scale_inv") or info.dtype != "F32" or len(info.shape) != 2:
+        return None
+    w = tensors.get(name[:-len("_scale_inv")])
+    if w is None or w.dtype != "F8_E4M3" or len(w.shape) != 2:
+        return None
+    n, k = w.shape
+    if tuple(info.shape) != (-(-n // FP8_BLOCK), -(-k // FP8_BLOCK)):
+        return None
+    return _BlockScale(info.dtype, tuple(info.shape), (n, k))
+
+
 def _merge_part(module: str, merges: list) -> tuple[str, Any, str] | None:
     """``(layer prefix, merge, part)`` when ``module`` is a part of one of ``merges`` (a part is
     named relative to its layer: ``...layers.3.`` + ``mlp.gate_proj``), else None."""
@@ -401,12 +458,14 @@ def _merge_part(module: str, merges: list) -> tuple[str, Any, str] | None:
     return None
 
 
-def _plan_experts(mlp: str, layer: dict, tp: int, ep: int, per_rank: list[list[Bf16Group]],
+def _plan_experts(mlp: str, tensor: str, layer: dict, tp: int, ep: int, per_rank: list[list[Bf16Group]],
                   rules: "layouts.engines.ShardingRules") -> None:
-    """One MoE layer's BF16 experts as the engine stacks them: ``w13 [E, 2 I/tp, H]`` (gate rows,
-    then up rows) and ``w2 [E, H, I/tp]``; under expert parallel whole experts, rank r the
-    routed block the engine's expert map gives it (``rules.expert_block``); the
-    shared expert, when fused, in the slot after the routed ones on every rank."""
+    """One MoE layer's BF16 (or FP8) experts as the engine stacks them: ``w13 [E, 2 I/tp, H]``
+    (gate rows, then up rows) and ``w2 [E, H, I/tp]``; under expert parallel whole experts, rank
+    r the routed block the engine's expert map gives it (``rules.expert_block``); the
+    shared expert, when fused, in the slot after the routed ones on every rank. ``tensor``: the
+    projections' ``weight``, or FP8 experts' block scales (``weight_scale_inv``), stacked alike by
+    blocks: ``w13_weight_scale [E, 2 I/tp/128, H/128]``."""
     routed = sorted(e for e in layer if e is not None)  # a shared expert is here only if fused
     if not routed:  # a BF16 shared expert beside MXFP4 routed ones: planned as an MLP of its own
         return
@@ -424,14 +483,20 @@ def _plan_experts(mlp: str, layer: dict, tp: int, ep: int, per_rank: list[list[B
     shared = None in layer
     size = layer[0]["gate"][1].shape[0]
     inter = size if ep > 1 else size // tp
-    if rules.bf16_moe_inter_align is not None and (ep > 1 or size % tp == 0):  # else _moe_split refuses
+    dtype = layer[0]["gate"][1].dtype
+    if rules.bf16_moe_inter_align is not None and dtype == "BF16" and (ep > 1 or size % tp == 0):
         limit, small, large = rules.bf16_moe_inter_align
         align = small if inter <= limit else large
         if inter % align:
             raise PrepError(f"{layer[0]['gate'][0]}: a rank's intermediate of {inter} is padded to a multiple of "
                             f"{align} by the engine's BF16 MoE, which prep does not write; choose another --tp "
                             "(or --ep equal to --tp)")
-    dtype = layer[0]["gate"][1].dtype
+    moe_tp = 1 if ep > 1 else tp
+    for e in (0, None) if None in layer else (0,):  # every expert has the shapes of expert 0 (checked by _stack)
+        for proj, dim in (("gate", 0), ("up", 0), ("down", 1)):
+            name, info = layer[e][proj]
+            if isinstance(info, _BlockScale):
+                info.check_split(name, dim, moe_tp)
     for r in range(tp):
         if ep > 1:
             start, stop = rules.expert_block(len(routed), ep, r)
@@ -453,8 +518,9 @@ def _plan_experts(mlp: str, layer: dict, tp: int, ep: int, per_rank: list[list[B
             w2.append(Placement(name, tuple(info.shape), 1, moe_rank * k, (moe_rank + 1) * k, 0, slot)
                       if moe_tp > 1 else Placement.whole(name, info.shape, 0, slot))
         stack = f"{mlp[:-len('mlp.')]}{rules.experts}"  # the engine's experts module ("mlp.experts")
-        per_rank[r].append(Bf16Group(f"{stack}.w13_weight", r, tp, dtype, tuple(w13)))
-        per_rank[r].append(Bf16Group(f"{stack}.w2_weight", r, tp, dtype, tuple(w2)))
+        what = "weight" if tensor == "weight" else rules.fp8_block_scale
+        per_rank[r].append(Bf16Group(f"{stack}.w13_{what}", r, tp, dtype, tuple(w13)))
+        per_rank[r].append(Bf16Group(f"{stack}.w2_{what}", r, tp, dtype, tuple(w2)))
 
 
 def _moe_split(name: str, size: int, tp: int) -> int:

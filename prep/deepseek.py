@@ -23,7 +23,7 @@ from layouts.registry import Layout, get_layout
 from layouts.sizes import ceil_div
 
 from .errors import PrepError
-from .bf16 import Bf16Group, channel_scale, plan_bf16_groups
+from .bf16 import Bf16Group, block_scale, channel_scale, plan_bf16_groups
 from .groups import LinearGroup, MoEGroup, Part
 from .source import SourceCheckpoint
 
@@ -66,6 +66,7 @@ class Classified:
     modules: dict[str, str]  # MXFP4 module prefix -> kind
     passthrough: list[str]  # tensor names copied unchanged (split and merged per rank where rank-exact)
     fp8: list[str] = dataclasses.field(default_factory=list)  # FP8 per-channel linears (among the passthrough)
+    fp8_block: list[str] = dataclasses.field(default_factory=list)  # FP8 128x128-block linears (among the passthrough)
 
     @functools.cached_property
     def by_layer(self) -> dict[str, dict[str, str]]:
@@ -315,10 +316,18 @@ def classify(src: SourceCheckpoint) -> Classified:
     modules: dict[str, str] = {}
     consumed: set[str] = set()
     fp8: list[str] = []
+    fp8_block: list[str] = []
     for name, info in src.tensors.items():
         if name.endswith(".weight_scale_inv"):
-            raise PrepError(f"{name}: FP8 weights with 128x128 block scales (DeepSeek's own FP8 release) are not "
-                            "converted by prep yet; convert an MXFP4 checkpoint (amd/DeepSeek-R1-0528-MXFP4)")
+            # FP8 per 128x128 block (DeepSeek's own FP8 release): copied, split and merged by whole
+            # blocks with its weight as the engine holds them (prep.bf16), processed by the engine
+            if block_scale(name, info, src.tensors) is None:
+                w = src.tensors.get(name[:-len("_scale_inv")])
+                raise PrepError(f"{name}: block scales must be F32 [ceil(N/128), ceil(K/128)] of an F8_E4M3 weight "
+                                f"[N, K] (got {info.dtype} {list(info.shape)} for weight "
+                                f"{f'{w.dtype} {list(w.shape)}' if w else 'none'}); re-download the checkpoint")
+            fp8_block.append(name[:-len(".weight_scale_inv")])
+            continue
         if not name.endswith(".weight_scale"):
             continue
         prefix = name[: -len(".weight_scale")]
@@ -347,7 +356,11 @@ def classify(src: SourceCheckpoint) -> Classified:
     for n in passthrough:
         if src.tensors[n].dtype == "U8":
             raise PrepError(f"{n}: U8 tensor with no weight_scale; not an MXFP4 weight prep understands")
-    return Classified(arch, n_layers, mtp, modules, passthrough, fp8)
+    for n in passthrough:  # an FP8 weight carries its scales: per channel or per block, never none
+        if src.tensors[n].dtype == "F8_E4M3" and n.endswith(".weight") and n[:-len(".weight")] not in (*fp8, *fp8_block):
+            raise PrepError(f"{n}: an F8_E4M3 weight with no weight_scale or weight_scale_inv; per-tensor FP8 is "
+                            "not converted by prep: re-download the checkpoint")
+    return Classified(arch, n_layers, mtp, modules, passthrough, fp8, fp8_block)
 
 
 def _dims(src: SourceCheckpoint, prefix: str) -> tuple[int, int]:
@@ -365,6 +378,11 @@ def plan_groups(src: SourceCheckpoint, cls: Classified, target: Target) -> list[
            or engine.target_refusal(tp, target.ep, target.moe_layout, target.fuse_shared_expert))  # what it can run
     if why:
         raise PrepError(why)
+    if cls.fp8_block and not engine.fp8_block_linears:
+        able = [e.name for e in convertible_engines() if e.fp8_block_linears]
+        raise PrepError(f"{cls.fp8_block[0]}.weight: FP8 with 128x128 block scales is not checked against "
+                        f"{engine.display_name}'s own load yet, so prep does not write it for {engine.display_name}; "
+                        f"convert with --engine {' or '.join(able)}")
     if cls.fp8 and not engine.fp8_channel_linears:
         able = [e.name for e in convertible_engines() if e.fp8_channel_linears]
         raise PrepError(f"{cls.fp8[0]}.weight: FP8 per-channel attention is not checked against {engine.display_name}'s "
@@ -564,7 +582,9 @@ def plan_bf16(src: SourceCheckpoint, cls: Classified, target: Target
                                               engine_of(target.engine).sharding)
     if target.bf16_moe_layout:
         stacked = get_layout(target.bf16_moe_layout)
-        per_rank = [[g.with_layout(stacked) if g.stacked else g for g in groups] for groups in per_rank]
+        # BF16 experts only: the engine processes FP8 experts (and their scales) at load itself
+        per_rank = [[g.with_layout(stacked) if g.stacked and g.dtype == "BF16" else g for g in groups]
+                    for groups in per_rank]
     for groups in per_rank:
         for g in groups:
             g.check()

@@ -120,7 +120,7 @@ class SourceCheckpoint:
         self.origin = origin or {"kind": "directory", "path": str(root)}
         self.config = self._read_config()
         self.quant_config = self.config.get("quantization_config") or {}
-        self._check_quark_mxfp4()
+        self._check_quantization()
         self.files = self._shard_files()
         self._shards = {fname: ShardFile(self.root / fname) for fname in self.files}
         self.tensors: dict[str, TensorInfo] = {}
@@ -171,16 +171,20 @@ class SourceCheckpoint:
                             "is this a Hugging Face checkpoint folder?")
         return cfg
 
-    def _check_quark_mxfp4(self) -> None:
+    def _check_quantization(self) -> None:
+        """Refuse a checkpoint prep does not convert: AMD Quark MXFP4 (its FP8 overrides included)
+        and DeepSeek's own FP8 release are converted."""
         qc = self.quant_config
         if not isinstance(qc, dict):
             qc = {}  # refused just below, as not Quark
-        if qc.get("quant_method") == "fp8" and qc.get("weight_block_size"):
-            raise PrepError(
-                f"{self.root}: DeepSeek's own FP8 release (config.json quantization_config: quant_method 'fp8', "
-                f"weight_block_size {qc.get('weight_block_size')!r}: F8_E4M3 weights with 128x128 block scales) is "
-                "not converted by prep yet; convert the MXFP4 checkpoint AMD publishes of it "
-                "(e.g. amd/DeepSeek-R1-0528-MXFP4)")
+        if qc.get("quant_method") == "fp8" and "weight_block_size" in qc:  # DeepSeek's own FP8 release
+            block = qc.get("weight_block_size")
+            if block != [128, 128] or qc.get("activation_scheme", "dynamic") != "dynamic":
+                raise PrepError(
+                    f"{self.root}: an FP8 checkpoint with weight_block_size {block!r} and activation_scheme "
+                    f"{qc.get('activation_scheme')!r}; prep converts DeepSeek's FP8 release (weight_block_size "
+                    "[128, 128], dynamic activations) and AMD Quark MXFP4 checkpoints")
+            return
         if qc.get("quant_method") != "quark":
             raise PrepError(
                 f"{self.root}: not a Quark checkpoint (config.json quantization_config.quant_method is "

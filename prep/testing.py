@@ -143,6 +143,16 @@ PRESETS["kimi-k2"] = replace(
     model_type="kimi_k2", mtp=False,
 )
 
+# r1-0528-fp8: DeepSeek-R1-0528 as DeepSeek released it (the fp8-block variant) at tiny widths but
+# R1's head dims (128 nope, 64 rope, 128 v) over 16 heads and a dense intermediate of 1024, so
+# that at TP 2 every rank's part of every FP8 linear is whole 128x128 blocks, as R1's are up to
+# TP 8 (the default tiny's q_b_proj of 8 x 48 rows would cut a block, and prep refuses that);
+# its experts (intermediate 256) split into whole blocks at TP 2, and at TP 4 and 8 with --ep.
+PRESETS["r1-0528-fp8"] = replace(
+    PRESETS["tiny"], variant="fp8-block", num_attention_heads=16, qk_nope_head_dim=128, qk_rope_head_dim=64,
+    v_head_dim=128, intermediate_size=1024,
+)
+
 # real-dims: DeepSeek-V3/R1's real widths (hidden 7168, 128 heads, q/kv LoRA 1536/512, dense
 # intermediate 18432, 256 experts of 2048, vocab 129,280) with one dense layer and the MTP layer
 # (MoE) only, v2 (the MTP layer quantized but its embedding and head): 13.0 GiB in 16 shards of

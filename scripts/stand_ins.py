@@ -125,6 +125,9 @@ def fill_aiter_stub(m: types.ModuleType, gpu_arch: Callable[[], str]) -> None:
         # sides a check compares, so the derived bytes can be compared.
         m.get_hip_quant = lambda qtype: _hip_quant(qtype, aiter_enum.QuantType)
         m.gemm_a8w8_bpreshuffle = _gemm_a8w8_bpreshuffle
+        # and the two an FP8 block-scaled (128x128) kv_b_proj runs there, preshuffled or not
+        m.gemm_a8w8_blockscale_bpreshuffle = _gemm_a8w8_blockscale
+        m.gemm_a8w8_blockscale = _gemm_a8w8_blockscale
     elif m.__name__ == "aiter.ops.enum":
         fill_aiter_enums(m)
     elif m.__name__ == "aiter.utility.aiter_types":
@@ -140,8 +143,10 @@ def fill_aiter_stub(m: types.ModuleType, gpu_arch: Callable[[], str]) -> None:
 
 def _hip_quant(qtype, quant_types):
     """aiter's ``get_hip_quant(qtype)`` for per-token quant (``per_token_quant_hip``: scale
-    ``[M, 1]`` = row amax / the dtype's max, 1 where the row is zero); any other type is a
-    recording stand-in, as before."""
+    ``[M, 1]`` = row amax / the dtype's max, 1 where the row is zero) and per 1x128 group
+    (:func:`_per_group_quant`); any other type is a recording stand-in, as before."""
+    if qtype == quant_types.per_1x128:
+        return _per_group_quant
     if qtype != quant_types.per_Token:
         return StandIn(f"aiter.get_hip_quant({qtype.name})")
 
@@ -173,6 +178,49 @@ def _gemm_a8w8_bpreshuffle(x, w, x_scale, w_scale, dtype=None, **_):
         w = unshuffle_weight(w.view(torch.uint8)).view(w.dtype)
     y = (x.float() * x_scale.float()) @ (w.float() * w_scale.float().reshape(n, 1)).t()
     return y.to(dtype or torch.bfloat16)
+
+
+def _per_group_quant(x, scale=None, quant_dtype=None, group_size=128, transpose_scale=False, **_):
+    """aiter's ``per_group_quant_hip`` (``csrc/kernels/quant_kernels.cu``) per (row, 128-group):
+    scale = max(amax, 1e-10) * (1 / the dtype's max) in F32, codes x * (1 / scale); the scale
+    ``[M, K/128]`` in column-major memory (``transpose_scale``, what the preshuffled GEMM reads),
+    still shaped ``[M, K/128]``, as aiter returns it."""
+    import torch
+
+    if scale is not None:
+        raise ValueError("unsupported: static per group quant")
+    CALLS.append("aiter.per_group_quant_hip" + COMPUTING)
+    m, k = x.shape
+    g = x.float().reshape(m, k // group_size, group_size)
+    inv_max = torch.tensor(1.0 / torch.finfo(quant_dtype).max, dtype=torch.float32)
+    s = g.abs().amax(dim=-1).clamp_min(1e-10) * inv_max
+    q = (g * (1.0 / s).unsqueeze(-1)).reshape(m, k).to(quant_dtype)
+    return q, (s.t().contiguous().reshape(m, k // group_size) if transpose_scale else s)
+
+
+def _gemm_a8w8_blockscale(x, w, x_scale, w_scale, dtype=None, out=None, **_):
+    """aiter's ``gemm_a8w8_blockscale[_bpreshuffle]`` in torch: y[m, n] = sum over 128-groups g
+    of (x * x_scale[m, g]) . (w * w_scale[n / 128, g]), F32 accumulation, BF16 out; the weight
+    taken back from aiter's (16, 16) shuffle where ATOM marked it shuffled, and the activation
+    scale read in the column-major memory the preshuffled GEMM takes (:func:`_per_group_quant`)."""
+    import torch
+
+    from layouts.shuffle import unshuffle_weight
+
+    CALLS.append("aiter.gemm_a8w8_blockscale" + COMPUTING)
+    (m, k), n = x.shape, w.shape[0]
+    shuffled = getattr(w, "is_shuffled", False)
+    if shuffled:
+        w = unshuffle_weight(w.view(torch.uint8)).view(w.dtype)
+    groups = k // 128
+    xs = x_scale.reshape(-1).view(groups, m).t() if shuffled else x_scale.reshape(m, groups)
+    xd = (x.float().reshape(m, groups, 128) * xs.float().unsqueeze(-1)).reshape(m, k)
+    ws = w_scale.float().repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
+    y = (xd @ (w.float() * ws).t()).to(dtype or torch.bfloat16)
+    if out is not None:
+        out.copy_(y)
+        return None
+    return y
 
 
 def called_from(module: str) -> bool:

@@ -751,7 +751,7 @@ def test_fp8_attention_is_refused_for_an_engine_whose_door_is_not_checked_with_i
         in r.output, r.output
 
 
-def test_fp8_scales_of_another_shape_and_block_scaled_fp8_are_refused_in_one_line(fp8_attention, tmp_path):
+def test_fp8_scales_of_another_shape_are_refused_in_one_line(fp8_attention, tmp_path):
     src = tmp_path / "src"
     shutil.copytree(fp8_attention, src)
     name = "model.layers.1.self_attn.o_proj.weight_scale"
@@ -766,31 +766,8 @@ def test_fp8_scales_of_another_shape_and_block_scaled_fp8_are_refused_in_one_lin
     index = json.loads((src / "model.safetensors.index.json").read_text())
     index["weight_map"][name.replace("_scale", "_scale_inv")] = index["weight_map"].pop(name)
     (src / "model.safetensors.index.json").write_text(json.dumps(index))
-    with pytest.raises(PrepError, match="128x128 block scales .* are not converted by prep yet"):
-        convert(str(src), tmp_path / "out", Target(tp=2))
-    assert nothing_left(tmp_path / "out")
-
-
-def test_deepseeks_own_fp8_release_is_generated_as_released_and_refused_in_one_line(tmp_path):
-    # prep.testing's fp8-block variant is DeepSeek-R1-0528 as DeepSeek released it: every linear
-    # F8_E4M3 with an F32 weight_scale_inv per 128x128 block (experts and the MTP layer too), the
-    # router, embeddings, heads, norms and eh_proj BF16, DeepSeek's own quantization_config. Each
-    # block's scale is its amax / 448, so its largest code is +-448 exactly. Not converted yet:
-    # refused before anything is written, naming what it is and what to convert instead.
-    src = write_checkpoint(SynthSpec(variant="fp8-block"), tmp_path / "src")
-    qc = json.loads((src / "config.json").read_text())["quantization_config"]
-    assert qc == {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
-    t = all_tensors(src)
-    w, s = t["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"], t["model.layers.0.self_attn.kv_a_proj_with_mqa.weight_scale_inv"]
-    assert w.dtype == torch.float8_e4m3fn and w.shape == (144, 256) and s.dtype == torch.float32 and s.shape == (2, 2)
-    for r in range(2):
-        for c in range(2):
-            assert w[r * 128:(r + 1) * 128, c * 128:(c + 1) * 128].float().abs().max() == 448
-    assert t["model.layers.1.mlp.experts.0.down_proj.weight"].dtype == torch.float8_e4m3fn
-    assert all(t[n].dtype == torch.bfloat16 for n in ("lm_head.weight", "model.layers.1.mlp.gate.weight",
-                                                       "model.layers.3.eh_proj.weight", "model.embed_tokens.weight"))
-    with pytest.raises(PrepError, match=r"DeepSeek's own FP8 release .* is not converted by prep yet; convert the MXFP4 "
-                                        r"checkpoint AMD publishes"):
+    with pytest.raises(PrepError, match=r"_scale_inv: block scales must be F32 \[ceil\(N/128\), ceil\(K/128\)\] of an "
+                                        r"F8_E4M3 weight \[N, K\] \(got F32 \[10\]"):
         convert(str(src), tmp_path / "out", Target(tp=2))
     assert nothing_left(tmp_path / "out")
 

@@ -112,6 +112,9 @@ class EngineProfile:
     ``per_channel`` override of attention) stored as split source bytes, the engine processing
     them at load as it does its source's; False: ``prep convert`` refuses a checkpoint holding
     them, naming the engines that are."""
+    fp8_block_linears: bool = False
+    """The same for FP8 linears and experts with 128x128 block scales (DeepSeek's own FP8
+    release), their scales split and merged by whole blocks."""
     sharding: ShardingRules | None = None
     """How the engine holds a DeepSeek checkpoint's linears per rank (merged modules, TP splits,
     the expert map): what ``prep convert --engine NAME`` writes each rank's files by. None: prep

@@ -91,6 +91,10 @@ class ShardingRules:
     ``revert``, instead of a split copy in every rank's files."""
     constants: tuple[Constant, ...] = ()
     """Tensors of every decoder layer the engine's model holds that no checkpoint has."""
+    fp8_block_scale: str = "weight_scale_inv"
+    """What the engine's module calls the 128x128 block scales of an FP8 linear (DeepSeek's FP8
+    release names them ``weight_scale_inv``; ATOM's loader renames them ``weight_scale``, its
+    stacked experts' ``w13_weight_scale``): a rank's files hold them under that name."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_compiled", tuple((re.compile(p), s) for p, s in self.splits))

@@ -104,6 +104,9 @@ BF16_MOE_LAYOUT = MOE_BF16.name
 SHARDING = ShardingRules(
     merges=deepseek_merges("self_attn.fused_qkv_a_proj"),
     splits=DEEPSEEK_SPLITS,
+    # atom/model_loader/weight_names.py renames every weight_scale_inv; LinearBase allocates
+    # weight_scale [ceil(N/128), ceil(K/128)], Fp8MoEMethod w13_weight_scale / w2_weight_scale
+    fp8_block_scale="weight_scale",
 )
 
 # ---------------------------------------------------------------------------- refusals
@@ -233,6 +236,7 @@ class AtomProfile(EngineProfile):
     mtp_draft_flags = "--method mtp"
     bf16_moe_layout = BF16_MOE_LAYOUT
     fp8_channel_linears = True  # scripts/check_atom_serve.py on MTP-MoEFP4 (tests/test_atom_serve.py)
+    fp8_block_linears = True  # scripts/check_atom_serve.py on the fp8-block variant (tests/test_atom_serve.py)
     sharding = SHARDING
     checks = (engine_matches, tp_matches, rank_in_range, ep_matches, dense_layout_matches,
               triton_gemm_needs_bf16_attention, s32x8_k_pad_usable, moe_layout_matches, bf16_moe_layout_matches,
