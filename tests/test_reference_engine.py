@@ -4,6 +4,7 @@ forward itself agrees with transformers' DeepseekV3 (an independent implementati
 
 import json
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
@@ -330,3 +331,30 @@ def test_fp8_attention_is_computed_with_its_scales_and_every_conversion_gives_th
         t.update({k: torch.ones_like(v) for k, v in t.items() if k.endswith("weight_scale") and v.dtype == torch.float32})
         save_file(t, f, metadata={"format": "pt"})
     assert (run(unscaled, IDS[:17])["logits"] - want).abs().max() > 0.1
+
+
+def test_fp8_blocks_are_computed_with_their_scales_and_every_conversion_gives_the_source_logits(tmp_path):
+    # DeepSeek's own FP8 release: every linear and expert FP8 with one scale per 128x128 block. The
+    # reference multiplies each block's codes by its scale (a block of rows that starts inside a
+    # block, as the row-block reader makes, included), quantizes the input per token and 128
+    # columns as ATOM's per_1x128 linears do, and reads the same numbers from every conversion.
+    from prep.deepseek import target_for
+    from prep.testing import PRESETS
+
+    src = write_checkpoint(replace(PRESETS["r1-0528-fp8"], num_hidden_layers=2), tmp_path / "src")
+    w = load_weights(src)
+    raw = {}
+    for f in sorted(src.glob("*.safetensors")):
+        raw.update(load_file(f))
+    for prefix in ("model.layers.1.self_attn.kv_a_proj_with_mqa", "model.layers.1.mlp.experts.3.down_proj"):
+        codes, scale = raw[f"{prefix}.weight"].float(), raw[f"{prefix}.weight_scale_inv"]
+        blocks = torch.kron(scale, torch.ones(128, 128))[:codes.shape[0], :codes.shape[1]]
+        assert torch.equal(w.linear(prefix), codes * blocks), prefix
+        assert torch.equal(w._make_rows(prefix, slice(100, 140)), (codes * blocks)[100:140]), prefix
+    want = run(src, IDS[:17])["logits"]
+    assert torch.isfinite(want).all() and not torch.equal(run(src, IDS[:17], act_quant=False)["logits"], want)
+    for i, target in enumerate([target_for("atom", tp=2), target_for("atom", tp=4, ep=4),
+                                target_for("atom", tp=2, rank_exact=False)]):
+        out = tmp_path / f"out{i}"
+        convert(str(src), out, target)
+        assert torch.equal(run(out, IDS[:17])["logits"], want), target

@@ -154,12 +154,18 @@ class DeepseekV3:
     def linear(self, x: torch.Tensor, prefix: str) -> torch.Tensor:
         """``x @ W.T`` for a BF16 input: MXFP4 weights quantize the input first (aiter's dynamic
         quant, raw scale layout), FP8 per-channel weights per token (as ATOM's per_Token linears),
-        BF16 weights multiply it as is."""
+        FP8 block-scaled weights per token and 128 columns (ATOM's per_1x128), BF16 weights
+        multiply it as is."""
         if self.w.fp8(prefix) and self.opt.act_quant:  # FP8 per channel: the input quantized per token
             from layouts.fused_fp8_quant import fp8_quant
 
             q, s = fp8_quant(x)
             return self._gemm(q.float() * s, prefix)
+        if self.w.fp8_block(prefix) and self.opt.act_quant:  # FP8 blocks: per token and 128 columns (per_1x128)
+            from layouts.fused_fp8_quant import fp8_quant
+
+            q, s = fp8_quant(x, group_size=128)
+            return self._gemm((q.float().reshape(*s.shape, -1) * s.unsqueeze(-1)).reshape(x.shape), prefix)
         if self.w.mxfp4(prefix) and self.opt.act_quant:
             q, s = layouts.quantize(x.float(), layouts.AITER_TRITON)
             if self._on_stored(prefix):  # the kernel reads the scale laid out as its path quantizes it

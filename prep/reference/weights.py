@@ -212,6 +212,8 @@ class ModelWeights:
         w = self._read_rows(f"{prefix}.weight", rows).float()
         if self.fp8(prefix):
             w = w * self.tensor(f"{prefix}.weight_scale").float().reshape(-1, 1)[rows]
+        elif self.fp8_block(prefix):
+            w = w * _block_scales(self.tensor(f"{prefix}.weight_scale_inv"), rows, w.shape[1])
         return w
 
     def _read_rows(self, name: str, rows: slice) -> torch.Tensor:
@@ -229,6 +231,9 @@ class ModelWeights:
         if self.fp8(prefix):  # FP8 per output channel: its codes times their row's scale
             return self._get(f"{prefix}.weight:float32", lambda: self.tensor(f"{prefix}.weight").float()
                              * self.tensor(f"{prefix}.weight_scale").float().reshape(-1, 1), need)
+        if self.fp8_block(prefix):  # FP8 per 128x128 block: its codes times their block's scale
+            return self._get(f"{prefix}.weight:float32", lambda: self.tensor(f"{prefix}.weight").float()
+                             * _block_scales(self.tensor(f"{prefix}.weight_scale_inv"), slice(0, n), k), need)
         return self._get(f"{prefix}.weight:float32", lambda: self.tensor(f"{prefix}.weight").float(), need)
 
     def mxfp4(self, prefix: str) -> bool:
@@ -238,6 +243,11 @@ class ModelWeights:
         """Whether ``prefix`` is an FP8 linear with one scale per output channel (Quark's
         per-channel override; its input is quantized per token at run time)."""
         return f"{prefix}.weight" in self._fp8 and f"{prefix}.weight_scale" in self._tensors
+
+    def fp8_block(self, prefix: str) -> bool:
+        """Whether ``prefix`` is an FP8 linear with one scale per 128x128 block (DeepSeek's own
+        FP8 release; its input is quantized per token and 128-column group at run time)."""
+        return f"{prefix}.weight" in self._fp8 and f"{prefix}.weight_scale_inv" in self._tensors
 
     def tensor(self, name: str) -> torch.Tensor:
         read = self._tensors.get(name)
@@ -257,6 +267,14 @@ class ModelWeights:
 
     def has(self, name: str) -> bool:
         return name in self._tensors or name.removesuffix(".weight") in self._linears
+
+
+def _block_scales(scale_inv: torch.Tensor, rows: slice, k: int) -> torch.Tensor:
+    """The per-element scales of rows ``rows`` of a ``[N, k]`` FP8 weight whose 128x128 blocks
+    each have one (``weight_scale_inv [ceil(N/128), ceil(k/128)]``; the last blocks may be partial)."""
+    s = scale_inv.float()[rows.start // 128:(rows.stop + 127) // 128].repeat_interleave(128, 0).repeat_interleave(128, 1)
+    first = rows.start - (rows.start // 128) * 128
+    return s[first:first + rows.stop - rows.start, :k]
 
 
 def load_weights(model_dir: str | pathlib.Path, assume_layout: str | None = None,
