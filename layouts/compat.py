@@ -147,9 +147,16 @@ def ep_matches(manifest: Manifest, engine: EngineConfig) -> str | None:
     return None
 
 
+def _none_of(manifest: Manifest, kind: str) -> bool:
+    """Whether the checkpoint's groups hold no group of ``kind`` ("linear": MXFP4 linears, "moe":
+    MXFP4 experts), so that nothing is in the layout the target names for them (DeepSeek's FP8
+    release has neither, and any GEMM path or MoE back end reads its FP8 bytes)."""
+    return bool(manifest.groups) and kind not in manifest.group_kinds
+
+
 def dense_layout_matches(manifest: Manifest, engine: EngineConfig) -> str | None:
     want = engine.expected_dense_layout()
-    if manifest.layout != want and "linear" in manifest.group_kinds:  # no MXFP4 linear: none in the layout
+    if manifest.layout != want and not _none_of(manifest, "linear"):
         return engine.profile.dense_fix(manifest.layout, engine.gemm_path) or (
             f"checkpoint layout {manifest.layout!r} but the {engine.gemm_path} GEMM reads {want!r}: "
             f"convert with --layout {want}")
@@ -158,7 +165,7 @@ def dense_layout_matches(manifest: Manifest, engine: EngineConfig) -> str | None
 
 def moe_layout_matches(manifest: Manifest, engine: EngineConfig) -> str | None:
     want = engine.expected_moe_layout()
-    if manifest.moe_layout != want and "moe" in manifest.group_kinds:  # no MXFP4 experts: none in the layout
+    if manifest.moe_layout != want and not _none_of(manifest, "moe"):
         fix = engine.profile.moe_fix(manifest.moe_layout, engine)
         return (f"MoE experts are in the {manifest.moe_layout!r} layout but the engine's {engine.moe_backend} MoE "
                 f"on {engine.gpu_arch} reads {want!r}; it would compute garbage: "
