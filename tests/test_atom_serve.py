@@ -71,8 +71,9 @@ def _flip_last_byte(path: pathlib.Path) -> None:
 
 
 @pytest.mark.parametrize("variant, layout, moe_layout, mtp_head", [
-    ("r1-0528", "preshuffle", "triton", False), ("mtp-moefp4", "preshuffle", "ck", True)],
-    ids=["r1-0528-triton-mtp-without-head", "mtp-moefp4-ck"])
+    ("r1-0528", "preshuffle", "triton", False), ("mtp-moefp4", "preshuffle", "ck", True),
+    ("fp8-block", "preshuffle", "triton", True)],
+    ids=["r1-0528-triton-mtp-without-head", "mtp-moefp4-ck", "r1-0528-fp8-block-gfx942"])
 def test_the_door_leaves_atoms_models_as_atoms_own_start_up_on_the_source_at_tp2(variant, layout, moe_layout, mtp_head,
                                                                                  tmp_path, oracle_trees):
     # R1-0528 on ATOM's Triton MoE under the seed's switches (both fusions), its MTP layer without its
@@ -83,7 +84,13 @@ def test_the_door_leaves_atoms_models_as_atoms_own_start_up_on_the_source_at_tp2
     # stand-ins, named in the output), with rank 1's file holding a flipped byte, which the check must
     # find and nothing else. (One start-up pair each covers several cases: the suite's time. v2's MXFP4
     # attention and the other seed cells are run by hand: scripts/check_atom_serve.py, docs/engines.md.)
-    src = write_checkpoint(dataclasses.replace(PRESETS["tiny"], variant=variant), tmp_path / "src")
+    # R1-0528 as DeepSeek released it (FP8 per 128x128 block, experts too) under the seed's command,
+    # on gfx942: ATOM converts e4m3fn to e4m3fnuz (each block scale doubled), shuffles every weight and
+    # expert and derives W_K / W_V with its block-scale GEMM (a torch stand-in) at load on both sides;
+    # its Triton MoE switch does nothing for FP8 experts.
+    fp8_block = variant == "fp8-block"
+    spec = PRESETS["r1-0528-fp8"] if fp8_block else dataclasses.replace(PRESETS["tiny"], variant=variant)
+    src = write_checkpoint(spec, tmp_path / "src")
     if not mtp_head:
         mtp = f"model.layers.{json.loads((src / 'config.json').read_text())['num_hidden_layers']}."
         drop_tensors(src, lambda n: n in (f"{mtp}shared_head.head.weight", f"{mtp}embed_tokens.weight"))
@@ -100,7 +107,8 @@ def test_the_door_leaves_atoms_models_as_atoms_own_start_up_on_the_source_at_tp2
     flipped = variant == "mtp-moefp4"  # a flipped byte in rank 1's file: the door installs it, the check sees only it
     if flipped:
         _flip_last_byte(sorted(out.glob("*rank1*.safetensors"))[-1])
-    result = check_atom_serve.check(src, out, oracle_trees, tmp_path / "work", env=env)
+    result = check_atom_serve.check(src, out, oracle_trees, tmp_path / "work", env=env,
+                                    gpu_arch="gfx942" if fp8_block else "gfx950")
     lines = result["lines"]
     ranks = [line for line in lines if line.startswith("rank ")]
     if flipped:
@@ -125,6 +133,9 @@ def test_the_door_leaves_atoms_models_as_atoms_own_start_up_on_the_source_at_tp2
 
     if variant == "mtp-moefp4":  # ATOM's FP8 GEMM ran (as torch) on both sides to derive W_K / W_V: said
         assert "torch stand-ins computed for GPU kernels: aiter.gemm_a8w8_bpreshuffle" in "\n".join(result["lines"])
+    if fp8_block:
+        assert "torch stand-ins computed for GPU kernels: aiter.gemm_a8w8_blockscale, aiter.per_group_quant_hip" \
+            in "\n".join(result["lines"])
 
 
 def test_a_switch_that_does_not_read_the_layout_is_refused_before_any_weight_is_allocated(tmp_path, oracle_trees):
