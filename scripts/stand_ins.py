@@ -191,6 +191,8 @@ def _per_group_quant(x, scale=None, quant_dtype=None, group_size=128, transpose_
         raise ValueError("unsupported: static per group quant")
     CALLS.append("aiter.per_group_quant_hip" + COMPUTING)
     m, k = x.shape
+    if k % group_size:  # DeepSeek's are 512 (kv_lora_rank) and up
+        raise ValueError(f"per_group_quant_hip stand-in: K={k} is not a multiple of the group size {group_size}")
     g = x.float().reshape(m, k // group_size, group_size)
     inv_max = torch.tensor(1.0 / torch.finfo(quant_dtype).max, dtype=torch.float32)
     s = g.abs().amax(dim=-1).clamp_min(1e-10) * inv_max

@@ -135,10 +135,14 @@ def mxfp4_attention_group(manifest: Manifest) -> str | None:
 
 
 def fp8_attention_tensor(manifest: Manifest) -> str | None:
-    """The first FP8 (F8_E4M3) attention weight the checkpoint holds, or None."""
+    """The first FP8 (F8_E4M3) attention weight the checkpoint holds with one scale per output
+    channel (its ``weight_scale`` has its rows), or None: block-scaled FP8 attention (DeepSeek's
+    own release, one scale per 128x128 block) is what ATOM's block-scale GEMMs read."""
+    weights = {(t.rank, t.name): t for t in manifest.tensors if t.dtype == "F8_E4M3" and ".self_attn." in t.name}
     for t in manifest.tensors:
-        if t.dtype == "F8_E4M3" and ".self_attn." in t.name:
-            return t.name
+        w = weights.get((t.rank, t.name[:-len("_scale")])) if t.name.endswith(".weight_scale") else None
+        if w is not None and t.shape[0] == w.shape[0]:
+            return w.name
     return None
 
 
