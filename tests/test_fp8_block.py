@@ -167,3 +167,23 @@ def test_block_scales_of_another_shape_or_without_a_scale_are_refused_in_one_lin
     with pytest.raises(PrepError, match=r"an FP8 checkpoint with weight_block_size \[64, 64\].*prep converts DeepSeek's "
                                         r"FP8 release \(weight_block_size \[128, 128\]"):
         convert(str(src), tmp_path / "out", target_for("atom", tp=2))
+
+
+def test_atoms_triton_gemm_takes_block_scaled_fp8_attention_where_per_channel_is_refused(fp8_block, tmp_path):
+    # ATOM's fused q_a/kv_a path under ATOM_USE_TRITON_GEMM=1 runs its block-scale GEMMs: right for
+    # DeepSeek's blocks (checked on ATOM's start-up by hand, docs/engines.md), wrong for Quark's
+    # per-channel FP8, which the door refuses. The two are told apart by the scale's rows. And the
+    # MoE layout the target names does not matter where no expert is MXFP4: ATOM's Triton MoE
+    # switch does nothing for FP8 experts.
+    import layouts
+    from layouts.engines.atom import TRITON_PRESHUFFLE, fp8_attention_tensor
+
+    out = tmp_path / "out"
+    convert(str(fp8_block), out, target_for("atom", tp=2))
+    manifest = layouts.load_manifest(out)
+    assert fp8_attention_tensor(manifest) is None
+    for gemm_path, backend in ((TRITON_PRESHUFFLE, "ck"), ("asm", "triton")):
+        layouts.check_compatibility(manifest, layouts.EngineConfig(gemm_path, backend, tp_size=2))
+    channel = tmp_path / "channel"
+    convert(str(write_checkpoint(SynthSpec(variant="mtp-moefp4"), tmp_path / "src")), channel, target_for("atom", tp=2))
+    assert ".self_attn." in fp8_attention_tensor(layouts.load_manifest(channel))
