@@ -25,6 +25,7 @@ ck-3d           moe      W16 per expert ``[E, N, K/2]``  the same bytes held ``[
 triton          moe      raw ``[E, N, K/2]``             per-expert S32x8 ``[E, N/32, pad8(K/32)*32]``
 triton-gfx942   moe      raw                             raw ``[E, N, K/32]``
 bf16-preshuffle bf16-moe W16 of 16-bit values per expert none (BF16 experts ``[E, N, K]``)
+fp8-preshuffle  fp8      W16 of FP8 bytes (per expert)   none: its own tensor, as the source holds it
 =============== ======== =============================== =============================================
 """
 
@@ -48,6 +49,11 @@ Shape = tuple[int, ...]
 BF16_MOE = "bf16-moe"
 """The kind of a layout of stacked BF16 experts ``[E, N, K]`` (an unquantized MoE): a weight
 transform and no scale."""
+
+FP8 = "fp8"
+"""The kind of a layout of FP8 (F8_E4M3) weights, a linear's ``[N, K]`` or stacked experts'
+``[E, N, K]``: a weight transform and no scale (an FP8 weight's scales are a tensor of their own,
+kept as the source holds them)."""
 
 LEGACY_S32X8_PAD = E8M0_ONE
 """The S32x8 pad byte of layout version 1 (0x7F, scale 1.0), and what a recorded S32x8 transform
@@ -166,6 +172,24 @@ class WeightPreshuffle16Bit(Transform):
 
     def inverse(self, t: torch.Tensor, shape: Shape) -> torch.Tensor:
         return _sh.unshuffle_weight_16bit(t)
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightPreshuffle8Bit(WeightPreshuffle):
+    """aiter ``shuffle_weight(x, (16, 16))`` on one-byte values ``[..., N, K]`` (FP8): W16 of the
+    bytes, N % 16 and K % 32 (aiter's condition for a one-byte dtype); leading dims are experts."""
+
+    name = "w16-8bit"
+
+    def violations(self, shape: Shape) -> list[str]:
+        if len(shape) < 2:
+            return ["tensor is [..., N, K]"]
+        out = []
+        if shape[-2] % _sh.W16_ROWS:
+            out.append(f"N % 16 == 0 (N = {shape[-2]})")
+        if shape[-1] % _sh.W16_KBYTES:
+            out.append(f"K % {_sh.W16_KBYTES} == 0 (K = {shape[-1]})")
+        return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -328,7 +352,7 @@ class Layout:
 
     name: str
     version: int
-    kind: str  # "dense" (2-D linears), "moe" (stacked experts, [E, N, K/2]) or BF16_MOE ([E, N, K] BF16)
+    kind: str  # "dense" (2-D linears), "moe" (stacked experts, [E, N, K/2]), BF16_MOE ([E, N, K] BF16) or FP8
     weight: Transform
     scale: Transform
     runtime_attrs: Mapping[str, Any]
@@ -337,17 +361,17 @@ class Layout:
     @property
     def has_scale(self) -> bool:
         """Whether the weight comes with an E8M0 scale (MXFP4); a BF16 layout's does not."""
-        return self.kind != BF16_MOE
+        return self.kind not in (BF16_MOE, FP8)
 
     def violations(self, weight_shape: Shape, scale_shape: Shape | None) -> list[str]:
         """Every constraint the pair of shapes breaks, weight first (``scale_shape`` None: no scale)."""
-        dims = 2 if self.kind == "dense" else 3
-        found = [f"weight is {dims}-D"] if len(weight_shape) != dims else []
+        dims = {"dense": (2,), FP8: (2, 3)}.get(self.kind, (3,))  # FP8: a linear or stacked experts
+        found = [f"weight is {' or '.join(map(str, dims))}-D"] if len(weight_shape) not in dims else []
         found += [f"weight: {v}" for v in self.weight.violations(tuple(weight_shape))]
         if self.has_scale and scale_shape is None:
             found.append("a weight_scale")
         elif not self.has_scale and scale_shape is not None:
-            found.append("no scale (BF16 weights)")
+            found.append("no scale (its scales are a tensor of their own)" if self.kind == FP8 else "no scale (BF16 weights)")
         elif scale_shape is not None:
             found += [f"scale: {v}" for v in self.scale.violations(tuple(scale_shape))]
         return found
@@ -512,4 +536,9 @@ MOE_TRITON_GFX942 = register_layout(Layout(
 MOE_BF16 = register_layout(Layout(
     "bf16-preshuffle", 1, BF16_MOE, WeightPreshuffle16Bit(), Identity(), {"is_shuffled": True},
     "aiter shuffle_weight (16, 16) per expert on BF16 w13/w2, as ATOM's unquantized FusedMoE holds them",
+))
+FP8_PRESHUFFLE = register_layout(Layout(
+    "fp8-preshuffle", 1, FP8, WeightPreshuffle8Bit(), Identity(), {"is_shuffled": True},
+    "aiter shuffle_weight (16, 16) of FP8 weights, a linear's or each expert's, as ATOM's block-scale FP8 linears "
+    "and MoE hold them after loading; their scales as the source holds them",
 ))
