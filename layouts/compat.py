@@ -21,7 +21,7 @@ from . import engines
 from .engines import DEFAULT_ENGINE, EngineProfile
 from .errors import LayoutsError
 from .manifest import Manifest
-from .registry import BF16_MOE
+from .registry import BF16_MOE, FP8
 
 
 class CompatibilityError(LayoutsError):
@@ -43,7 +43,10 @@ class EngineConfig:
     gpu_arch: str | None = None  # e.g. gfx942 (MI300) or gfx950 (MI355): MoE scale layouts differ by arch
     input_norm_quant_fusion: bool = True
     qknorm_quant_fusion: bool = True
-    engine: str = DEFAULT_ENGINE  # whose profile (layouts/engines/<engine>.py) says what the rest means
+    engine: str = DEFAULT_ENGINE
+    # The fp8 layout it reads FP8 block-scaled weights in ("" : its profile's; None: the source's
+    # bytes, which it processes at load: ATOM with ATOM_FP8_BLOCKSCALE_WEIGHT_PRESHUFFLE=0)
+    fp8_layout: str | None = ""  # whose profile (layouts/engines/<engine>.py) says what the rest means
 
     def __post_init__(self) -> None:
         try:
@@ -52,6 +55,8 @@ class EngineConfig:
             raise CompatibilityError(e.args[0]) from None
         fill = {"gemm_path": profile.default_gemm_path, "moe_backend": profile.default_moe_backend,
                 "gpu_arch": profile.default_gpu_arch}
+        if self.fp8_layout == "":
+            object.__setattr__(self, "fp8_layout", profile.fp8_layout)
         for field, default in fill.items():
             if getattr(self, field) is None:
                 object.__setattr__(self, field, default)  # frozen: set once, here
@@ -106,6 +111,10 @@ class EngineConfig:
     def expected_moe_layout(self) -> str:
         """The MoE layout this configuration's MoE back end reads on its GPU."""
         return self.profile.moe_layout(self.moe_backend, self.gpu_arch)
+
+    def expected_fp8_layout(self) -> str | None:
+        """The ``fp8`` layout this configuration holds FP8 block-scaled weights in after loading."""
+        return self.fp8_layout
 
     def expected_bf16_moe_layout(self) -> str | None:
         """The layout the engine's unquantized MoE holds BF16 experts in (None: none known)."""
@@ -186,8 +195,21 @@ def bf16_moe_layout_matches(manifest: Manifest, engine: EngineConfig) -> str | N
     return None
 
 
+def fp8_layout_matches(manifest: Manifest, engine: EngineConfig) -> str | None:
+    # Like the BF16 experts': FP8 weights stored in a layout name it (the manifest's ``layouts``); stored
+    # as the source holds them they are processed by the engine at load and not checked here.
+    want = engine.expected_fp8_layout()
+    for name, record in manifest.layouts.items():
+        if record.kind == FP8 and name != want:
+            reads = f"reads {want!r}" if want else "reads them as the source holds them (it shuffles them at load)"
+            fix = engine.profile.fp8_layout_fix
+            return (f"FP8 weights are in the {name!r} layout but the {engine.engine} engine as configured {reads}; "
+                    f"it would compute garbage: {fix or f'convert for {engine.engine} again'}")
+    return None
+
+
 SHARED_CHECKS = (engine_matches, tp_matches, rank_in_range, ep_matches, dense_layout_matches, moe_layout_matches,
-                 bf16_moe_layout_matches)
+                 bf16_moe_layout_matches, fp8_layout_matches)
 """The rules every engine has, in the order a profile without rules of its own runs them."""
 
 

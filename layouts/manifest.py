@@ -157,6 +157,10 @@ class Target:
     # The engine whose per-rank holding the files follow (merged modules, splits, expert map:
     # its profile's ``sharding``). Absent (manifests before it was recorded): "atom".
     engine: str = "atom"
+    # Rank-exact only: the registered ``fp8`` layout of FP8 block-scaled weights (DeepSeek's own FP8
+    # release), the one the engine holds them in after loading; None (absent): as the source holds
+    # them, the engine processing them at load.
+    fp8_layout: str | None = None
 
     @classmethod
     def from_options(cls, options: dict[str, Any], arch: str) -> "Target":
@@ -201,14 +205,17 @@ class Target:
         engine = t.get("engine", "atom")
         if type(engine) is not str or not 0 < len(engine) <= 64 or not all(c.isalnum() or c in "-_." for c in engine):
             raise ManifestError(f"target.engine is {engine!r}, not an engine name")
-        return cls(layout, moe_layout, tp, ep, fuse, *pads, rank_exact, bf16_moe, arch, engine)
+        fp8 = t.get("fp8_layout") if rank_exact else None  # format 1 keeps FP8 whole, as the source has it
+        if fp8 is not None and type(fp8) is not str:
+            raise ManifestError(f"target.fp8_layout is {fp8!r}, not a string")
+        return cls(layout, moe_layout, tp, ep, fuse, *pads, rank_exact, bf16_moe, arch, engine, fp8)
 
     def to_json(self) -> dict[str, Any]:
         return {"layout": self.layout, "moe_layout": self.moe_layout, "tp": self.tp, "ep": self.ep,
                 "fuse_shared_expert": self.fuse_shared_expert, "inter_pad_to": self.inter_pad_to,
                 "hidden_pad_to": self.hidden_pad_to, **({"rank_exact": True} if self.rank_exact else {}),
                 **({"bf16_moe_layout": self.bf16_moe_layout} if self.bf16_moe_layout else {}), "arch": self.arch,
-                "engine": self.engine}
+                "engine": self.engine, **({"fp8_layout": self.fp8_layout} if self.fp8_layout else {})}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1186,13 +1193,14 @@ def _check_whole(target: "Target", groups: list["GroupRecord"], records: list["T
     """The manifest's records checked against each other, not only each by itself (an edited and
     resealed manifest passed every check one record at a time): each tensor in a file of its own
     rank (a common file for a common tensor), no tensor twice on a rank, each group's layout one
-    the target holds (dense, MoE, BF16 experts), each tensor in its group's layout, and the runtime
+    the target holds (dense, MoE, BF16 experts, FP8 weights), each tensor in its group's layout, and the runtime
     attributes a registered layout states (``is_shuffled``, the scale swizzle) as it states them:
     an engine sets them on its parameters and its kernels read the bytes by them."""
     from .registry import get_layout  # the registry imports nothing of the manifest
     from .safetensors_file import TORCH_DTYPES  # imports torch; this module stays torch-free until here
 
-    allowed = {"linear": {target.layout}, "moe": {target.moe_layout}, "bf16": {None, target.bf16_moe_layout}}
+    allowed = {"linear": {target.layout}, "moe": {target.moe_layout},
+               "bf16": {None, target.bf16_moe_layout, target.fp8_layout}}
     group_layout: dict[tuple[str, int], str | None] = {}
     for g in groups:
         if g.kind in allowed and g.layout not in allowed[g.kind]:

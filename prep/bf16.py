@@ -96,17 +96,17 @@ class Bf16Group:
         try:
             layout.check(self.shape, None, self.name)
         except layouts.LayoutConstraintError as e:
-            raise PrepError(f"{e} (rank {self.rank}); the engine shuffles these BF16 experts the same way and "
+            raise PrepError(f"{e} (rank {self.rank}); the engine shuffles these weights the same way and "
                             "would fail too: choose a smaller --tp, or --ep") from None
         return dataclasses.replace(self, layout=layout)
 
     def to_layout(self, block: torch.Tensor) -> torch.Tensor:
         """A block of whole stored experts put in the group's layout, in place (whole experts
-        transform independently in every BF16 MoE layout: the registry checks it)."""
+        transform independently in every BF16 MoE and FP8 layout: the registry checks it)."""
         return self.layout.weight.forward(block, block) if self.layout else block
 
     def from_layout(self, block: torch.Tensor) -> torch.Tensor:
-        """A block of whole stored experts back in source order."""
+        """A block of whole stored experts (or an unstacked tensor, whole) back in source order."""
         return self.layout.weight.inverse(block, tuple(block.shape)) if self.layout else block
 
     def check(self) -> None:
@@ -152,15 +152,21 @@ class Bf16Group:
             return
         n, k = shape
         step = max(1, chunk_bytes // max(1, k * itemsize)) if chunk_bytes else n
+        if self.layout:  # blocks of whole row bands of the layout (a linear's FP8 weight: 16 rows)
+            band = self.layout.weight.row_block
+            step = max(band, step // band * band)
         for r0 in range(0, n, step):
             r1 = min(n, r0 + step)
             out = self._room(alloc, (r1 - r0, k))
+            rows = out if self.layout is None else torch.empty((r1 - r0, k), dtype=_TORCH[self.dtype])
             for p in self.placements:
                 lo, hi = max(r0, p.dest_row), min(r1, p.dest_row + p.out_shape[0])
                 if lo >= hi:
                     continue
                 first = p.rows.start + lo - p.dest_row
-                read(p.source, slice(first, first + hi - lo), p.cols, out=out[lo - r0:hi - r0])
+                read(p.source, slice(first, first + hi - lo), p.cols, out=rows[lo - r0:hi - r0])
+            if self.layout:
+                self.layout.weight.forward(rows, out=out)
             yield self.name, out
 
     def _room(self, alloc, shape: tuple[int, ...]) -> torch.Tensor:
@@ -179,6 +185,17 @@ class Bf16Group:
         for p in self.placements:
             slot = t if p.slot is None else t[p.slot]
             yield p.source, (p.rows, p.cols), slot[p.dest_row:p.dest_row + p.out_shape[0]]
+
+    def stored_rows(self, read: Callable[[slice], torch.Tensor], rows: slice) -> torch.Tensor:
+        """Rows ``rows`` of the (unstacked) stored tensor in source order, given ``read`` of a
+        range of its stored rows: those rows where the group has no layout, else the whole row
+        bands of its layout around them, taken back (a band holds its own rows only)."""
+        if self.layout is None:
+            return read(rows)
+        band = self.layout.weight.row_block
+        lo, hi = rows.start // band * band, min(self.shape[0], -(-rows.stop // band) * band)
+        held = read(slice(lo, hi))
+        return self.layout.weight.inverse(held, tuple(held.shape))[rows.start - lo:rows.stop - lo]
 
     def window_rows(self, source: str, rows: slice) -> Iterator[tuple[slice, slice, slice]]:
         """For a block ``rows`` of source tensor ``source``: each part of it this group holds, as
@@ -204,7 +221,7 @@ class Bf16Group:
                                         "rank": self.rank} for p in self.placements if p.dim is not None]
         if len(self.placements) > 1:
             chain.append({"op": "concat_rows", "parts": self.sources()})
-        return chain
+        return chain + ([{"op": "layout", **self.layout.describe()}] if self.layout else [])
 
     def record(self) -> dict[str, Any]:
         head = {"kind": self.kind, "name": self.name, "rank": self.rank, "tp": self.tp, "dtype": self.dtype,

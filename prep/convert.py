@@ -556,7 +556,9 @@ def build_manifest(src: SourceCheckpoint, target: Target, jobs: list[FileJob],
             origin={k: v for k, v in fingerprint.items() if k != "files"},
             files={n: schema.SourceFile.from_json(f) for n, f in fingerprint["files"].items()},
             tensors={n: schema.SourceTensor(t.dtype, tuple(t.shape), t.file) for n, t in src.tensors.items()}),
-        target=schema.Target.from_options(dataclasses.asdict(target), info["arch"]),
+        # the FP8 layout is recorded where it is used (a checkpoint without FP8 blocks: as before it existed)
+        target=schema.Target.from_options({**dataclasses.asdict(target), "fp8_layout": target.fp8_layout
+                                           if target.fp8_layout in used_layouts else None}, info["arch"]),
         layouts={n: schema.LayoutRecord.from_json(layouts.get_layout(n).describe()) for n in sorted(used_layouts)},
         files={j.name: schema.FileRecord(j.rank, records[j.name]["size"], len(j.entries)) for j in jobs},
         groups=groups,

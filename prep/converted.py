@@ -360,7 +360,8 @@ class ConvertedCheckpoint:
                 tiles = _Tiles({name: SourceTensor(meta.dtype, (rows.stop - rows.start, *planned[1:]), meta.file)})
                 for rec, g in zip(recs, groups):
                     for local, cols, stored_rows in g.window_rows(name, rows):
-                        tiles.place(name, local, cols, self.read_rows(rec.file, g.name, stored_rows), rec.rank)
+                        held = g.stored_rows(lambda r, rec=rec, g=g: self.read_rows(rec.file, g.name, r), stored_rows)
+                        tiles.place(name, local, cols, held, rec.rank)
                 tiles.check_complete(name)
                 t = tiles.pop(name)
                 yield name, rows, t.reshape(-1) if len(meta.shape) == 1 else t

@@ -54,6 +54,9 @@ class Target:
     # The engine whose per-rank holding the files follow (its profile's ``sharding``: merged
     # modules, TP splits, expert map); recorded in the manifest and checked at load.
     engine: str = DEFAULT_ENGINE
+    # FP8 block-scaled weights (DeepSeek's own FP8 release), rank-exact only: the layout the engine
+    # holds them in after loading, so that it need not shuffle them; None: the source's bytes.
+    fp8_layout: str | None = _DEFAULT_ENGINE.expected_fp8_layout()
 
 
 @dataclasses.dataclass
@@ -436,7 +439,8 @@ def target_for(engine: str, **options: Any) -> Target:
     rules = engine_of(engine).sharding
     cfg = EngineConfig(engine=engine)
     defaults = {"layout": cfg.expected_dense_layout(), "moe_layout": cfg.expected_moe_layout(),
-                "bf16_moe_layout": cfg.expected_bf16_moe_layout(), "inter_pad_to": rules.moe_pad_to[0],
+                "bf16_moe_layout": cfg.expected_bf16_moe_layout(), "fp8_layout": cfg.expected_fp8_layout(),
+                "inter_pad_to": rules.moe_pad_to[0],
                 "hidden_pad_to": rules.moe_pad_to[1], "fuse_shared_expert": rules.fuse_shared_expert}
     return Target(**{**defaults, **options, "engine": engine})
 
@@ -585,6 +589,10 @@ def plan_bf16(src: SourceCheckpoint, cls: Classified, target: Target
         # BF16 experts only: the engine processes FP8 experts (and their scales) at load itself
         per_rank = [[g.with_layout(stacked) if g.stacked and g.dtype == "BF16" else g for g in groups]
                     for groups in per_rank]
+    if target.fp8_layout and cls.fp8_block:  # FP8 block-scaled weights as the engine holds them once loaded
+        fp8, block = get_layout(target.fp8_layout), {f"{m}.weight" for m in cls.fp8_block}
+        per_rank = [[g.with_layout(fp8) if g.dtype == "F8_E4M3" and all(s in block for s in g.sources()) else g
+                     for g in groups] for groups in per_rank]
     for groups in per_rank:
         for g in groups:
             g.check()

@@ -112,6 +112,13 @@ class EngineProfile:
     ``per_channel`` override of attention) stored as split source bytes, the engine processing
     them at load as it does its source's; False: ``prep convert`` refuses a checkpoint holding
     them, naming the engines that are."""
+    fp8_layout: str | None = None
+    """The ``fp8`` layout the engine holds FP8 block-scaled weights in once loaded (linears and
+    experts), which prep writes so that the engine need not shuffle them at load; None: the
+    source's bytes, the engine processing them as it loads them."""
+    fp8_layout_fix: str = ""
+    """What makes the engine read its ``fp8_layout`` again where its configuration reads FP8
+    weights otherwise (a switch to unset), named when it refuses a checkpoint."""
     fp8_block_linears: bool = False
     """The same for FP8 linears and experts with 128x128 block scales (DeepSeek's own FP8
     release), their scales split and merged by whole blocks."""

@@ -31,7 +31,7 @@ import shlex
 from typing import Mapping
 
 from ..compat import (CompatibilityError, EngineConfig, bf16_moe_layout_matches, dense_layout_matches,
-                       engine_matches, ep_matches, moe_layout_matches, rank_in_range, tp_matches)
+                engine_matches, ep_matches, fp8_layout_matches, moe_layout_matches, rank_in_range, tp_matches)
 from ..registry import MOE_CK_3D, NON_SHUFFLE
 from . import _config
 from . import (DEEPSEEK_SPLITS, NEVER, Constant, EngineProfile, GemmPathRule, GpuArch, ShardingRules, current_gpu_arch,
@@ -70,7 +70,7 @@ class SglangProfile(EngineProfile):
     expert_parallel_switch = "--ep-size"
     sharding = SHARDING
     checks = (engine_matches, tp_matches, rank_in_range, ep_matches, dense_layout_matches, moe_layout_matches,
-              bf16_moe_layout_matches)
+              bf16_moe_layout_matches, fp8_layout_matches)
 
     def config_from_env(self, env: Mapping[str, str], *, tp_size: int, rank: int, ep_size: int,
                         gpu_arch: str | None) -> EngineConfig:

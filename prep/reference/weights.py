@@ -374,7 +374,8 @@ def _from_converted(root: pathlib.Path, assume_layout: str | None, manifest: lay
                     expert = g.from_layout(stored[p.slot:p.slot + 1])[0]
                     windows.append((p.rows, p.cols, expert[p.dest_row:p.dest_row + p.out_shape[0]]))
             else:
-                windows = [(local, cols, stored[at]) for local, cols, at in g.window_rows(name, rows)]
+                windows = [(local, cols, g.stored_rows(lambda r, stored=stored: stored[r], at))
+                           for local, cols, at in g.window_rows(name, rows)]
             for local, cols, piece in windows:
                 rect = (local.start, local.stop, cols.start, cols.stop)
                 if rect not in placed:

@@ -50,10 +50,10 @@ import shlex
 from typing import Mapping
 
 from ...compat import (CompatibilityError, EngineConfig, bf16_moe_layout_matches, dense_layout_matches,
-                       engine_matches, ep_matches, moe_layout_matches, rank_in_range, tp_matches)
+                       engine_matches, ep_matches, fp8_layout_matches, moe_layout_matches, rank_in_range, tp_matches)
 from ...manifest import Manifest
 from ...errors import LayoutsError
-from ...registry import MOE_BF16, MOE_CK, MOE_TRITON, MOE_TRITON_GFX942, NON_SHUFFLE, PRESHUFFLE, recorded_layout
+from ...registry import FP8_PRESHUFFLE, MOE_BF16, MOE_CK, MOE_TRITON, MOE_TRITON_GFX942, NON_SHUFFLE, PRESHUFFLE, recorded_layout
 from ...shuffle import S8_COLS, pad_to
 from .. import (DEEPSEEK_SPLITS, NEVER, EngineProfile, GemmPathRule, GpuArch, ShardingRules, _config,
                 current_gpu_arch, deepseek_merges)
@@ -65,6 +65,9 @@ ENV_INPUT_FUSION = "ATOM_ENABLE_DS_INPUT_RMSNORM_QUANT_FUSION"
 ENV_QKNORM_FUSION = "ATOM_ENABLE_DS_QKNORM_QUANT_FUSION"
 ENV_GU_INTERLEAVE = "ATOM_MOE_GU_ITLV"
 ENV_TRITON_MOE_DECODE = "ATOM_USE_TRITON_MOE_DECODE"
+# 1 (ATOM's default): aiter's (16, 16) shuffle of every FP8 block-scaled weight at load, which the
+# fp8-preshuffle layout writes; 0: unshuffled, bar fused_qkv_a_proj (atom/model_ops/linear.py:858-869)
+ENV_FP8_PRESHUFFLE = "ATOM_FP8_BLOCKSCALE_WEIGHT_PRESHUFFLE"
 
 # ---------------------------------------------------------------------------- paths and layouts
 ASM, TRITON_PRESHUFFLE, TRITON_NON_SHUFFLE = "asm", "triton-preshuffle", "triton-non-shuffle"
@@ -239,12 +242,16 @@ class AtomProfile(EngineProfile):
     expert_parallel_switch = "--enable-expert-parallel"  # sets ep_size = tp_size
     mtp_draft_flags = "--method mtp"
     bf16_moe_layout = BF16_MOE_LAYOUT
+    # LinearBase / Fp8MoEMethod.process_weights_after_loading (per_1x128): shuffle_weights (16, 16) of
+    # every block-scaled FP8 weight and expert, the scales untouched (ATOM_FP8_BLOCKSCALE_WEIGHT_PRESHUFFLE=1)
+    fp8_layout = FP8_PRESHUFFLE.name
+    fp8_layout_fix = f"unset {ENV_FP8_PRESHUFFLE} (ATOM's default, 1, holds them in this layout)"
     fp8_channel_linears = True  # scripts/check_atom_serve.py on MTP-MoEFP4 (tests/test_atom_serve.py)
     fp8_block_linears = True  # scripts/check_atom_serve.py on the fp8-block variant (tests/test_atom_serve.py)
     sharding = SHARDING
     checks = (engine_matches, tp_matches, rank_in_range, ep_matches, dense_layout_matches,
               triton_gemm_needs_bf16_attention, s32x8_k_pad_usable, moe_layout_matches, bf16_moe_layout_matches,
-              expert_parallel_needs_ck_moe)
+              fp8_layout_matches, expert_parallel_needs_ck_moe)
 
     def config_from_env(self, env: Mapping[str, str], *, tp_size: int, rank: int, ep_size: int,
                         gpu_arch: str | None) -> EngineConfig:
@@ -277,7 +284,8 @@ class AtomProfile(EngineProfile):
         else:  # ATOM's own choice when the switch is unset
             moe = TRITON if arch.startswith(GFX94.prefix) or (arch.startswith(GFX95.prefix) and triton_gemm) else CK
         return EngineConfig(gemm_path, moe, tp_size, rank, ep_size, arch,
-                            on(ENV_INPUT_FUSION, "1"), on(ENV_QKNORM_FUSION, "1"), engine=self.name)
+                            on(ENV_INPUT_FUSION, "1"), on(ENV_QKNORM_FUSION, "1"), engine=self.name,
+                            fp8_layout="" if on(ENV_FP8_PRESHUFFLE, "1") else None)
 
     def dense_fix(self, layout: str, gemm_path: str) -> str | None:
         return _DENSE_FIX.get((layout, gemm_path))

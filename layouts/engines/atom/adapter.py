@@ -54,7 +54,7 @@ import torch
 from ...compat import EngineConfig, check_compatibility
 from ...loader import iter_rank_files
 from ...manifest import Manifest, ManifestError, TensorRecord, load_manifest
-from ...registry import MOE_CK, MOE_TRITON, MOE_TRITON_GFX942, Layout, get_layout
+from ...registry import FP8, MOE_CK, MOE_TRITON, MOE_TRITON_GFX942, Layout, get_layout
 from .._sharding import layer_index
 
 
@@ -169,6 +169,7 @@ class _Installer:
         self.installed: list[str] = []
         self.groups: dict[str, dict[str, Any]] = {}
         self.triton_moe: dict[str, Layout] = {}  # MoE modules ATOM runs on its Triton MoE: their layout
+        self.fp8: set[str] = set()  # modules whose FP8 weights the files hold as ATOM holds them once loaded
 
     def put(self, ckpt_name: str, name: str, t: torch.Tensor, rec: TensorRecord) -> None:
         param = self.params.get(name)
@@ -204,12 +205,16 @@ class _Installer:
         layout = get_layout(rec.layout)
         if layout in TRITON_MOE_LAYOUTS:
             self.triton_moe[name.rpartition(".")[0]] = layout
+        if layout.kind == FP8:
+            self.fp8.add(name.rpartition(".")[0])
 
     def finish(self, exact: bool) -> list[str]:
         """Skip the filled modules' processing; on a rank-exact checkpoint, report what is unfilled."""
         for module_name, method_attrs in self.groups.items():
             if module_name in self.triton_moe:
                 _hold_as_triton_moe(self.modules[module_name], module_name, self.triton_moe[module_name])
+            if module_name in self.fp8:
+                _fnuz_as_atom_does(self.modules[module_name])
             _skip_processing(self.modules[module_name], module_name, method_attrs)
             self.report.skipped_processing.append(module_name)
         if exact:
@@ -268,6 +273,22 @@ def _hold_as_triton_moe(module: torch.nn.Module, module_name: str, layout: Layou
         setattr(module, f"{proj}_weight", w.transpose(-2, -1))
         setattr(module, f"{proj}_weight_scale", s.transpose(-1, -2))
         setattr(module, f"{proj}_swizzle_layout", label)
+
+
+def _fnuz_as_atom_does(module: torch.nn.Module) -> None:
+    """What ATOM's processing of FP8 weights does on gfx942, where it allocates them e4m3fnuz (the
+    processing skipped, the door does it): e4m3fn's -0 (0x80, NaN in e4m3fnuz) becomes 0 and each
+    scale is doubled, the same bits being half the value in e4m3fnuz (ROCm/ATOM ffdf3bb5
+    atom/model_ops/utils.py normalize_e4m3fn_to_e4m3fnuz, from linear.py:821-824 and moe.py:2354).
+    A byte per value, so it commutes with the shuffle the files hold. Nothing on gfx950 (e4m3fn)."""
+    for weight in ("weight", "w13_weight", "w2_weight"):
+        w = getattr(module, weight, None)
+        if w is None or w.dtype != torch.float8_e4m3fnuz:
+            continue
+        codes = w.data.view(torch.int8)
+        codes[codes == -128] = 0
+        scale = getattr(module, f"{weight}_scale")
+        scale.data = scale.data * 2.0
 
 
 def _skip_processing(module: torch.nn.Module, module_name: str, method_attrs: dict[str, Any]) -> None:

@@ -33,7 +33,7 @@ import shlex
 from typing import Mapping
 
 from ...compat import (CompatibilityError, EngineConfig, bf16_moe_layout_matches, dense_layout_matches,
-                      engine_matches, ep_matches, moe_layout_matches, rank_in_range, tp_matches)
+                 engine_matches, ep_matches, fp8_layout_matches, moe_layout_matches, rank_in_range, tp_matches)
 from ...registry import MOE_BF16, MOE_CK_3D, NON_SHUFFLE_T, PRESHUFFLE_UNPADDED
 from .. import (DEEPSEEK_SPLITS, NEVER, EngineProfile, GemmPathRule, GpuArch, ShardingRules, _config,
                 current_gpu_arch, deepseek_merges)
@@ -79,7 +79,7 @@ class VllmProfile(EngineProfile):
     expert_parallel_switch = "--enable-expert-parallel"
     sharding = SHARDING
     checks = (engine_matches, tp_matches, rank_in_range, ep_matches, dense_layout_matches, moe_layout_matches,
-              bf16_moe_layout_matches)
+              bf16_moe_layout_matches, fp8_layout_matches)
 
     def config_from_env(self, env: Mapping[str, str], *, tp_size: int, rank: int, ep_size: int,
                         gpu_arch: str | None) -> EngineConfig:
