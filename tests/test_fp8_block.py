@@ -16,6 +16,7 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
+import layouts
 from prep.cli import main
 from prep.convert import convert
 from prep.converted import same_bytes
@@ -79,14 +80,22 @@ def test_fp8_block_scales_follow_their_weights_by_whole_blocks_and_round_trip(fp
     # with its scale's columns, fused_qkv_a_proj = [q_a ; kv_a] with their scale rows stacked,
     # gate_up likewise per rank, and the experts stacked w13 = [gate ; up], the shared expert last,
     # their scales stacked the same way: w13_weight_scale [E, 2 I/tp/128, H/128].
+    # Every FP8 weight is stored as ATOM holds it once loaded: aiter's (16, 16) shuffle (fp8-preshuffle,
+    # is_shuffled), taken back here to compare; the scales as the source holds them.
     src, out, back = fp8_block, tmp_path / "out", tmp_path / "back"
     convert(str(src), out, target_for("atom", tp=tp, ep=ep))
     s = all_tensors(src)
     m = json.loads((out / "prep-manifest.json").read_text())
+    assert m["target"]["fp8_layout"] == "fp8-preshuffle"
+    for t in m["tensors"]:
+        fp8 = t["dtype"] == "F8_E4M3"
+        assert (t.get("layout"), t.get("runtime_attrs", {})) == (("fp8-preshuffle", {"is_shuffled": True}) if fp8 else (None, {})), t
     n_routed = 8
+    unshuffle = layouts.get_layout("fp8-preshuffle").weight
     for r in range(tp):
         files = {t["file"] for t in m["tensors"] if t["rank"] == r}
-        rank = {k: v for f in files for k, v in load_file(out / f).items()}
+        rank = {k: unshuffle.inverse(v, tuple(v.shape)) if v.dtype == torch.float8_e4m3fn else v
+                for f in files for k, v in load_file(out / f).items()}
         assert not any(k.endswith("_scale_inv") for k in rank)  # ATOM's names
         for layer in (1, 3):  # a decoder layer and the MTP layer (ATOM's drafter)
             a = f"model.layers.{layer}.self_attn"
@@ -175,7 +184,6 @@ def test_atoms_triton_gemm_takes_block_scaled_fp8_attention_where_per_channel_is
     # per-channel FP8, which the door refuses. The two are told apart by the scale's rows. And the
     # MoE layout the target names does not matter where no expert is MXFP4: ATOM's Triton MoE
     # switch does nothing for FP8 experts.
-    import layouts
     from layouts.engines.atom import TRITON_PRESHUFFLE, fp8_attention_tensor
 
     out = tmp_path / "out"
@@ -187,3 +195,25 @@ def test_atoms_triton_gemm_takes_block_scaled_fp8_attention_where_per_channel_is
     channel = tmp_path / "channel"
     convert(str(write_checkpoint(SynthSpec(variant="mtp-moefp4"), tmp_path / "src")), channel, target_for("atom", tp=2))
     assert ".self_attn." in fp8_attention_tensor(layouts.load_manifest(channel))
+
+
+def test_atom_configured_to_leave_fp8_weights_unshuffled_is_refused_naming_the_switch(fp8_block, tmp_path):
+    # ATOM_FP8_BLOCKSCALE_WEIGHT_PRESHUFFLE=0: ATOM keeps its FP8 weights unshuffled (fused_qkv_a
+    # aside) and its non-preshuffled block-scale GEMM would read the shuffled files as garbage.
+    profile = layouts.get_engine("atom")
+    out = tmp_path / "out"
+    convert(str(fp8_block), out, target_for("atom", tp=2))
+    manifest = layouts.load_manifest(out)
+    for env in ({}, {"ATOM_FP8_BLOCKSCALE_WEIGHT_PRESHUFFLE": "1"}):
+        layouts.check_compatibility(manifest, profile.config_from_env(env, tp_size=2, rank=0, ep_size=1, gpu_arch=None))
+    off = profile.config_from_env({"ATOM_FP8_BLOCKSCALE_WEIGHT_PRESHUFFLE": "0"}, tp_size=2, rank=0, ep_size=1,
+                                  gpu_arch=None)
+    with pytest.raises(layouts.CompatibilityError, match=r"FP8 weights are in the 'fp8-preshuffle' layout but the atom "
+                                                         r"engine as configured reads them as the source holds them.*"
+                                                         r"unset ATOM_FP8_BLOCKSCALE_WEIGHT_PRESHUFFLE"):
+        layouts.check_compatibility(manifest, off)
+    # an MXFP4 checkpoint has no FP8 weight: the switch does not matter to it, nor is fp8_layout recorded
+    mx = tmp_path / "mx"
+    convert(str(write_checkpoint(SynthSpec(), tmp_path / "mxsrc")), mx, target_for("atom", tp=2))
+    assert "fp8_layout" not in json.loads((mx / "prep-manifest.json").read_text())["target"]
+    layouts.check_compatibility(layouts.load_manifest(mx), off)

@@ -31,7 +31,7 @@ import shlex
 from typing import Mapping
 
 from ..compat import (CompatibilityError, EngineConfig, bf16_moe_layout_matches, dense_layout_matches,
-                engine_matches, ep_matches, fp8_layout_matches, moe_layout_matches, rank_in_range, tp_matches)
+                      engine_matches, ep_matches, fp8_layout_matches, moe_layout_matches, rank_in_range, tp_matches)
 from ..registry import MOE_CK_3D, NON_SHUFFLE
 from . import _config
 from . import (DEEPSEEK_SPLITS, NEVER, Constant, EngineProfile, GemmPathRule, GpuArch, ShardingRules, current_gpu_arch,
