@@ -16,7 +16,7 @@ from layouts.manifest import MANIFEST_NAME
 
 from .convert import plan_files
 from .converted import ConvertedCheckpoint
-from .deepseek import classify, convertible_engines, plan_groups, split_bf16, target_for
+from .deepseek import classify, convertible_engines, plan_bf16, plan_groups, split_bf16, target_for
 from .errors import PrepError
 from .safetensors_writer import nbytes
 from .source import SourceCheckpoint, hub_offline, looks_like_repo_id
@@ -64,15 +64,35 @@ def _remote_repo(spec: str) -> bool:
     return not pathlib.Path(spec).expanduser().exists() and looks_like_repo_id(spec) and not hub_offline()
 
 
-def _status(src: SourceCheckpoint, cls, engine: EngineProfile, layout: str, moe: str, tp: int) -> str:
+def _status(src: SourceCheckpoint, cls, engine: EngineProfile, layout: str, moe: str, tp: int,
+            split: dict[tuple[str, int], str]) -> str:
     """"ok", "ok with --ep N" (the MoE converts only with whole experts per rank: the refusal says
-    so, :func:`prep.deepseek.plan_groups`), or why not."""
+    so, :func:`prep.deepseek.plan_groups`), or why not. FP8 block-scaled weights split by whole
+    blocks (:func:`prep.deepseek.plan_bf16`, the same for every layout: ``split`` remembers it per
+    engine and TP size)."""
     try:
         plan_groups(src, cls, target_for(engine.name, layout=layout, moe_layout=moe, tp=tp))
-        return "ok"
     except (PrepError, LayoutsError) as e:  # a constraint this target breaks: say which, and the fix
         ep = getattr(e, "converts_with_ep", None)
         return f"ok with --ep {ep}" if ep else str(e)
+    if not cls.fp8_block:
+        return "ok"
+    if (engine.name, tp) not in split:
+        split[engine.name, tp] = _block_status(src, cls, engine, tp)
+    return split[engine.name, tp]
+
+
+def _block_status(src: SourceCheckpoint, cls, engine: EngineProfile, tp: int) -> str:
+    """Whether FP8 block-scaled weights split over ``tp`` by whole blocks, else with whole experts."""
+    try:
+        plan_bf16(src, cls, target_for(engine.name, tp=tp))
+        return "ok"
+    except PrepError as e:
+        try:
+            plan_bf16(src, cls, target_for(engine.name, tp=tp, ep=tp))
+            return f"ok with --ep {tp}"
+        except PrepError:
+            return str(e)
 
 
 def _describe_source(src: SourceCheckpoint, label: str, progress: Callable[[int], None] | None,
@@ -86,20 +106,21 @@ def _describe_source(src: SourceCheckpoint, label: str, progress: Callable[[int]
     if on_total:
         on_total(sum(map(len, targets.values())) * len(TP_CANDIDATES))
     support: dict[str, dict[str, dict[str, str]]] = {}
+    split: dict[tuple[str, int], str] = {}
     for engine in engines:
         table = support[engine.name] = {}
         for layout, moe in targets[engine.name]:
             row = table[f"{layout}+{moe}"] = {}
             for tp in TP_CANDIDATES:
-                row[str(tp)] = _status(src, cls, engine, layout, moe, tp)
+                row[str(tp)] = _status(src, cls, engine, layout, moe, tp, split)
                 if progress:
                     progress(1)
     result = {
-        "path": str(src.root), "format": "quark-mxfp4", "arch": cls.arch, "num_layers": cls.num_layers,
+        "path": str(src.root), "format": "deepseek-fp8" if cls.fp8_block else "quark-mxfp4", "arch": cls.arch, "num_layers": cls.num_layers,
         "mtp_layers": cls.mtp_layers, "files": len(src.files), "tensors": len(src.tensors), "bytes": src.nbytes(),
         "mxfp4_modules_by_kind": dict(sorted(kinds.items())), "passthrough_by_dtype": dict(sorted(bf16.items())),
         "exclude": src.quant_config.get("exclude", []), "layouts_by_tp": support,
-        "fp8_channel_linears": len(cls.fp8),
+        "fp8_channel_linears": len(cls.fp8), "fp8_block_linears": len(cls.fp8_block),
     }
     # As the user named it, as every other line of prep does (a repo id: and where its snapshot is).
     if src.origin.get("kind") == "hf":
@@ -115,11 +136,17 @@ def _describe_source(src: SourceCheckpoint, label: str, progress: Callable[[int]
     # What each engine would read from config.json otherwise than the checkpoint means (its profile's notes).
     notes = {e.display_name: e.source_notes(src.config) for e in map(get_engine, engine_names())}
     result["engine_notes"] = {k: v for k, v in notes.items() if v}
-    lines = [f"{label}: Quark MXFP4, {cls.arch}, {cls.num_layers} layers{mtp}",
+    what = "DeepSeek FP8 (128x128 block scales)" if cls.fp8_block else "Quark MXFP4"
+    lines = [f"{label}: {what}, {cls.arch}, {cls.num_layers} layers{mtp}",
              f"  {len(src.files)} shards, {len(src.tensors)} tensors, {src.nbytes() / 2**30:.3f} GiB",
-             "  MXFP4 GEMM weights by module kind: " + ", ".join(f"{k} {v}" for k, v in sorted(kinds.items())),
-             "  not MXFP4 (bytes unchanged, split per rank as the engine holds them): "
+             "  MXFP4 GEMM weights by module kind: " + (", ".join(f"{k} {v}" for k, v in sorted(kinds.items())) or "none"),
+             "  not MXFP4 (split per rank as the engine holds them): "
              + ", ".join(f"{v} {k}" for k, v in sorted(bf16.items()))]
+    if cls.fp8_block:  # DeepSeek's own FP8 release
+        able = [e.display_name for e in engines if e.fp8_block_linears]
+        lines.append(f"  FP8 block-scaled linears and experts: {len(cls.fp8_block)} ({cls.fp8_block[0]}, ...), each "
+                     "weight_scale_inv split by whole 128x128 blocks with its weight, the weights in the engine's "
+                     "FP8 layout" + (f"; served by {', '.join(able)}" if able else "; no engine's door serves them yet"))
     if cls.fp8:  # Quark's FP8 per-channel override (MTP-MoEFP4, the AttnFP8 checkpoints)
         able = [e.display_name for e in engines if e.fp8_channel_linears]
         unable = [e.display_name for e in engines if not e.fp8_channel_linears]

@@ -217,3 +217,12 @@ def test_atom_configured_to_leave_fp8_weights_unshuffled_is_refused_naming_the_s
     convert(str(write_checkpoint(SynthSpec(), tmp_path / "mxsrc")), mx, target_for("atom", tp=2))
     assert "fp8_layout" not in json.loads((mx / "prep-manifest.json").read_text())["target"]
     layouts.check_compatibility(layouts.load_manifest(mx), off)
+
+
+def test_inspect_names_deepseeks_fp8_release_and_the_tp_sizes_it_splits_over(fp8_block):
+    r = CliRunner().invoke(main, ["inspect", str(fp8_block), "--engine", "atom"])
+    assert r.exit_code == 0, r.output
+    lines = r.output.splitlines()
+    assert lines[0].endswith(": DeepSeek FP8 (128x128 block scales), deepseek_v3, 3 layers + MTP [3]")
+    assert any(x.startswith("  FP8 block-scaled linears and experts: 104 ") and x.endswith("served by ATOM") for x in lines)
+    assert "    preshuffle+ck: tp 1, 2, 4 (with --ep 4), 8 (with --ep 8); tp 16 refused: " in r.output
