@@ -15,7 +15,7 @@ from layouts import manifest as schema
 from layouts.manifest import Manifest, ManifestError, load_manifest
 from prep.convert import convert
 from prep.deepseek import Target
-from prep.testing import SynthSpec, as_format_3, write_checkpoint
+from prep.testing import PRESETS, SynthSpec, as_format_3, write_checkpoint
 
 DOC = pathlib.Path(__file__).resolve().parent.parent / "docs" / "manifest.md"
 
@@ -26,6 +26,7 @@ CONVERSIONS = {
     "v2-ep2": ("v2", Target("preshuffle", "ck", 2, ep=2)),
     "r1-ep2": ("r1-0528", Target("preshuffle", "ck", 2, ep=2)),
     "v2-tp2-format1": ("v2", Target("preshuffle", "ck", 2, rank_exact=False)),  # --common-bf16
+    "fp8-block-tp2": ("r1-0528-fp8", Target("preshuffle", "ck", 2)),  # DeepSeek's FP8 release: fp8_layout, stacks of scales
 }
 
 
@@ -34,6 +35,7 @@ def converted(tmp_path_factory):
     root = tmp_path_factory.mktemp("schema")
     for variant in ("v2", "r1-0528"):  # random bytes: the manifest's shape is what matters here
         write_checkpoint(SynthSpec(variant=variant, random_bytes=True), root / f"src-{variant}")
+    write_checkpoint(dataclasses.replace(PRESETS["r1-0528-fp8"], random_bytes=True), root / "src-r1-0528-fp8")
     outs = {}
     for name, (variant, target) in CONVERSIONS.items():
         convert(str(root / f"src-{variant}"), root / name, target)
@@ -64,8 +66,9 @@ def test_reading_and_writing_back_a_real_manifest_gives_its_bytes(converted, nam
     for rec in [m.target, m.tool, *m.files.values(), *m.groups, *m.layouts.values(), *m.tensors]:
         assert type(rec).from_json(rec.to_json()) == rec, rec
     variant, target = CONVERSIONS[name]
-    # fp8_layout is recorded only where FP8 weights are stored in it (these MXFP4 checkpoints have none)
-    assert m.target == schema.Target.from_options({**dataclasses.asdict(target), "fp8_layout": None}, "deepseek_v3")
+    # fp8_layout is recorded only where FP8 weights are stored in it (the MXFP4 checkpoints have none)
+    fp8 = target.fp8_layout if variant == "r1-0528-fp8" else None
+    assert m.target == schema.Target.from_options({**dataclasses.asdict(target), "fp8_layout": fp8}, "deepseek_v3")
     assert (m.tp, m.ep, m.layout, m.moe_layout) == (target.tp, target.ep, target.layout, target.moe_layout)
 
 
