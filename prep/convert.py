@@ -433,8 +433,10 @@ def convert(
 
 
 def _summary(out: str, jobs: list[FileJob], src: SourceCheckpoint, reused: int, total: int) -> dict[str, Any]:
+    # the layouts the files hold tensors in (a checkpoint without MXFP4 holds none of the dense/MoE ones)
+    held = sorted({g.layout.name for j in jobs for g in j.groups if g.layout})
     return {"out": out, "files": len(jobs), "reused_files": reused, "bytes": total,
-            "tensors": sum(len(j.entries) for j in jobs), "source_tensors": len(src.tensors)}
+            "tensors": sum(len(j.entries) for j in jobs), "source_tensors": len(src.tensors), "layouts_held": held}
 
 
 def run_key(state: dict[str, Any], jobs: list[FileJob], src: SourceCheckpoint,
