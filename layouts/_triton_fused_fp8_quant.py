@@ -65,7 +65,7 @@ def _fused_rms_fp8_kernel(
     N1: tl.constexpr, N2: tl.constexpr, G: tl.constexpr, NG: tl.constexpr, GROUPS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N2: tl.constexpr,
     HAS_RES: tl.constexpr, HAS_X2: tl.constexpr, PER_TOKEN: tl.constexpr, FNUZ: tl.constexpr,
-    FP8_MAX: tl.constexpr, AMAX_MIN: tl.constexpr,
+    FP8_MAX: tl.constexpr, AMAX_MIN: tl.constexpr, NATIVE_CAST: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -97,7 +97,11 @@ def _fused_rms_fp8_kernel(
     scale = tl.math.div_rn(amax, tl.full(amax.shape, FP8_MAX, tl.float32))
     recip = tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), scale)
     v = tl.minimum(tl.maximum(y * recip[:, :, None], -FP8_MAX), FP8_MAX)
-    tl.store(q_ptr + r3 * N1 + cols, _fp8_byte(v, FNUZ).to(tl.uint8), mask=mask)
+    if NATIVE_CAST:  # the GPU's own conversion: nearest, ties to even, as _fp8_byte
+        code = v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    else:
+        code = _fp8_byte(v, FNUZ).to(tl.uint8)
+    tl.store(q_ptr + r3 * N1 + cols, code, mask=mask)
     if PER_TOKEN:
         tl.store(scale_ptr + rows64[:, None] * scale_row_stride, scale, mask=row_ok[:, None])
     else:
@@ -151,6 +155,13 @@ def _plan(m: int, n1: int, group_size: int | None, on_gpu: bool, block_m: int | 
     return Plan(g, ng, bm, warps)
 
 
+def _native(asked: bool | None, dev: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the FP8 bytes come from the GPU's own conversion (``native_cast``)."""
+    if INTERPRETED or dev.type != "cuda" or dtype != torch.float8_e4m3fn or not torch.version.cuda:
+        return False
+    return bool(asked)  # off unless asked: scripts/bench_fused_fp8_quant.py --ab-cast measures it first
+
+
 def fused_rms_fp8_quant_triton(
     x1: torch.Tensor,
     x1_weight: torch.Tensor,
@@ -165,10 +176,14 @@ def fused_rms_fp8_quant_triton(
     transpose_scale: bool = False,
     block_m: int | None = None,
     num_warps: int | None = None,
+    native_cast: bool | None = None,
 ):
     """Our Triton back end of :func:`layouts.fused_fp8_quant.fused_rms_fp8_quant` (same contract;
     inputs with a unit last stride). ``block_m`` / ``num_warps`` override the launch plan
-    (benchmarks and tests only)."""
+    (benchmarks and tests only). ``native_cast``: encode the FP8 bytes with the GPU's own
+    conversion instead of :func:`_fp8_byte`, on a CUDA GPU for e4m3fn (its conversion rounds to
+    nearest even as ``_fp8_byte`` does; never interpreted, where the cast rounds some ties away
+    from zero). Off by default until a GPU run shows it the same bytes and faster."""
     m, n1 = x1.shape
     n2 = x2.shape[1] if x2 is not None else 0
     dev = x1.device
@@ -195,6 +210,6 @@ def fused_rms_fp8_quant_triton(
         BLOCK_N2=triton.next_power_of_2(max(n2, 1)),
         HAS_RES=res1 is not None, HAS_X2=x2 is not None, PER_TOKEN=group_size is None,
         FNUZ=dtype == torch.float8_e4m3fnuz, FP8_MAX=fp8_max(dtype), AMAX_MIN=AMAX_FLOOR,
-        num_warps=plan.warps,
+        NATIVE_CAST=_native(native_cast, dev, dtype), num_warps=plan.warps,
     )
     return (q, scale), out2, out_res1

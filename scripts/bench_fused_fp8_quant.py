@@ -108,6 +108,9 @@ def main() -> None:
     ap.add_argument("--ms", default="1,16,256,4096,16384,65536")
     ap.add_argument("--out", default=None)
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--ab-cast", action="store_true",
+                    help="also time our kernel with the FP8 bytes from _fp8_byte against the GPU's own conversion, "
+                         "alternating, and check both")
     args = ap.parse_args()
     lines: list[str] = []
 
@@ -147,6 +150,19 @@ def main() -> None:
             t_copy = copy_us(nbytes)
             say(f"{site:22} {m:>6} {t_ours:>9.2f} {t_aiter:>9.2f} {t_copy:>8.2f} {nbytes / t_ours / 1e3:>10.0f} "
                 f"{t_copy / t_ours:>6.2f} {t_copy / t_aiter:>10.2f} {t_aiter / t_ours:>10.2f}")
+            if args.ab_cast:
+                variants = {c: (lambda c=c: fused_rms_fp8_quant_triton(**a, **kw, native_cast=c)) for c in (False, True)}
+                outs = {c: f() for c, f in variants.items()}
+                same = torch.equal(outs[False][0][0].view(torch.uint8), outs[True][0][0].view(torch.uint8))
+                say("    cast check " + "; ".join(check(o, want, f"native={c}") for c, o in outs.items())
+                    + f"; the two casts' bytes {'identical' if same else 'DIFFER'}")
+                times = {c: [] for c in variants}
+                for _ in range(3):  # alternating: the machine drifts
+                    for c, f in variants.items():
+                        times[c].append(cuda_timing.time_graph_us(f, 200))
+                med = {c: sorted(v)[1] for c, v in times.items()}
+                say(f"    cast A/B (median of 3, us): _fp8_byte {med[False]:.2f}, native {med[True]:.2f}, "
+                    f"native / _fp8_byte {med[True] / med[False]:.3f}")
             if args.sweep:
                 plan = _plan(m, n1, 128, True, None, None)
                 best = []
