@@ -5,9 +5,9 @@ with the source experts' product: the consumer check of the ``triton`` / ``trito
 layouts, as ``tests/test_consumer_kernels.py`` is of the dense ones.
 
     .venv/bin/python scripts/check_triton_moe.py --source SRC --converted OUT [--oracles DIR]
-        [--work DIR] [--layer N] [--tokens M]
+        [--work DIR] [--layer N] [--rank R] [--tokens M]
 
-For every rank of OUT, one MoE layer (the first, or ``--layer``): the rank's ``w13`` / ``w2``
+For every rank of OUT (or ``--rank``), one MoE layer (the first, or ``--layer``): the rank's ``w13`` / ``w2``
 bytes and scales read as ATOM holds them after loading (transposed views; the scale swizzle label
 the layout states, ``CDNA4_SCALE`` or none), aiter's ``routing`` on random logits, then
 ``moe_gemm_a16w4`` (BF16 activations) and ``moe_gemm_a4w4`` (MXFP4 activations from aiter's own
@@ -152,7 +152,7 @@ def check_rank(mods, src, manifest, rank: int, layer: int | None, tokens: int, s
 
 
 def check(source: pathlib.Path, converted: pathlib.Path, aiter_dir: pathlib.Path, layer: int | None = None,
-          tokens: int = 16, seed: int = 0) -> tuple[bool, list[str]]:
+          tokens: int = 16, seed: int = 0, ranks: list[int] | None = None) -> tuple[bool, list[str]]:
     import layouts
     from prep.source import SourceCheckpoint
 
@@ -160,7 +160,7 @@ def check(source: pathlib.Path, converted: pathlib.Path, aiter_dir: pathlib.Path
     manifest = layouts.load_manifest(converted)
     src = SourceCheckpoint(source)
     lines, ok = [], True
-    for rank in range(manifest.tp):
+    for rank in range(manifest.tp) if ranks is None else ranks:
         good, line = check_rank(mods, src, manifest, rank, layer, tokens, seed + rank)
         ok &= good
         lines.append(line)
@@ -174,11 +174,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--oracles", type=pathlib.Path, help="ATOM's and aiter's pinned sources (default: engine_sources.py)")
     p.add_argument("--work", type=pathlib.Path, help="where tarballs are unpacked (default: a temporary folder)")
     p.add_argument("--layer", type=int, help="the MoE layer to check (default: the first)")
+    p.add_argument("--rank", type=int, action="append", help="a rank to check (repeatable; default: every rank)")
     p.add_argument("--tokens", type=int, default=16)
     args = p.parse_args(argv)
     scratch = engine_sources.Scratch(args.work, "triton-moe-check-")
     _, aiter_dir = engine_sources.trees(args.oracles or engine_sources.require(), scratch.path)
-    ok, lines = check(args.source, args.converted, aiter_dir, args.layer, args.tokens)
+    ok, lines = check(args.source, args.converted, aiter_dir, args.layer, args.tokens, ranks=args.rank)
     print("\n".join(lines))
     left = scratch.done(ok)
     if left:
