@@ -216,7 +216,7 @@ def _quiet_option(fn: Callable) -> Callable:
 @click.version_option(__version__, prog_name="prep")
 @click.option("--debug", is_flag=True, help="Show the traceback of an error (also: PREP_DEBUG=1).")
 def main(debug: bool) -> None:
-    """Rewrite MXFP4 (AMD Quark) DeepSeek checkpoints into the exact layouts AMD's kernels read.
+    """Rewrite MXFP4 (AMD Quark) and FP8 DeepSeek checkpoints into the exact layouts AMD's kernels read.
 
     \b
     Typical use:
@@ -314,7 +314,9 @@ def convert(src, out, layout, moe_layout, tp, ep, fuse_shared_expert, engine, co
     processing: TP split, merged fused_qkv_a_proj / gate_up_proj, experts stacked into w13/w2
     (intermediate padded to 256), then shuffled. BF16 tensors are split and merged the same way
     (bytes unchanged) and the replicated ones copied into every rank's files, so a rank reads
-    only its own files. prep-manifest.json records every tensor; prep-complete.json is written last.
+    only its own files. FP8 linears (Quark's per-channel attention; DeepSeek's own FP8 release,
+    128x128 block scales, split by whole blocks and shuffled as the engine holds them) likewise.
+    prep-manifest.json records every tensor; prep-complete.json is written last.
 
     Memory stays flat whatever the checkpoint's size: each file is built in blocks of whole
     experts or rows of about 32 MiB and written through six 40 MiB buffers, four writes in
