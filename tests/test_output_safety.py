@@ -60,7 +60,21 @@ def prep(*args, kill_at=None, interrupt_at=None, no_exchange=False, cwd=None, wa
     if wait:
         return _ZYGOTE["z"].run(args, env, str(cwd) if cwd else None)
     cmd = [sys.executable, "-m", "prep.cli", *args]
+    env["PYTHONFAULTHANDLER"] = "1"  # SIGABRT (finish) prints every thread's stack
     return subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(p: subprocess.Popen, timeout: float = 300) -> tuple[int, str]:
+    """A ``prep(..., wait=False)`` process's exit status and stderr, its pipes read as it runs
+    (``wait`` with full pipes would hang both sides); one that does not finish is stopped with
+    SIGABRT and the test fails with the stacks its threads were in."""
+    try:
+        _, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.send_signal(signal.SIGABRT)
+        _, err = p.communicate()
+        raise AssertionError(f"{' '.join(map(str, p.args))} did not finish in {timeout} s; its threads:\n{err[-8000:]}")
+    return p.returncode, err
 
 
 def snapshot(root: pathlib.Path) -> dict[str, str]:
@@ -519,7 +533,7 @@ def test_a_second_convert_into_the_same_output_is_refused_at_once_naming_the_hol
 def test_two_converts_started_together_one_wins_and_the_output_verifies(sources, tmp_path):
     out = tmp_path / "out"
     procs = [prep("convert", sources[k], "-o", out, "--tp", "2", wait=False) for k in ("a", "b")]
-    results = [(p.wait(timeout=300), p.stderr.read()) for p in procs]
+    results = [finish(p) for p in procs]
     codes = sorted(code for code, _ in results)
     assert codes[0] == 0, results
     # The second is refused while the first holds the lock, or, when the first has already
