@@ -5,8 +5,12 @@ Why: tests and benchmarks of `prep` need a faithful Quark checkpoint (names, sha
 MTP quirks) without downloading ~350 GiB. See prep/testing.py for what is written. Peak memory
 is about twice the largest shard: 4.1 GB for --preset real-dims, 1.3 GB for bench.
 
-    .venv/bin/python scripts/make_tiny_deepseek.py OUT [--preset tiny|bench] [--variant r1-0528|v2|mtp-moefp4|fp8-block]
+    .venv/bin/python scripts/make_tiny_deepseek.py OUT [--preset tiny|bench|r1-0528-fp8|...] [--variant r1-0528|v2|mtp-moefp4|fp8-block]
         [--shards N] [--layers N] [--experts N] [--hidden N] [--seed N] [--random-bytes]
+
+DeepSeek's own FP8 release (``--variant fp8-block``) converts at TP 2 from ``--preset r1-0528-fp8``
+(R1's head dims): the default tiny's ``q_b_proj`` leaves a rank part of a 128x128 block, which
+prep refuses.
 """
 
 from __future__ import annotations
