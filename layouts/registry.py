@@ -131,15 +131,20 @@ class WeightPreshuffle(Transform):
 
     name = "w16"
     row_block = _sh.W16_ROWS
+    # aiter's conditions, N % 16 and K % 32 bytes, as the values it counts: packed MXFP4 holds two
+    # per byte (K % 64), a 16-bit value takes two bytes (K % 32 values), an FP8 one one (K % 32)
+    shape_text: ClassVar[str] = "[..., N, K/2]"
+    values_per_column: ClassVar[int] = 2
+    k_multiple: ClassVar[int] = 2 * _sh.W16_KBYTES
 
     def violations(self, shape: Shape) -> list[str]:
         if len(shape) < 2:
-            return ["tensor is [..., N, K/2]"]
+            return [f"tensor is {self.shape_text}"]
         out = []
         if shape[-2] % _sh.W16_ROWS:
             out.append(f"N % 16 == 0 (N = {shape[-2]})")
-        if shape[-1] % _sh.W16_KBYTES:
-            out.append(f"K % 64 == 0 (K = {2 * shape[-1]})")
+        if (shape[-1] * self.values_per_column) % self.k_multiple:
+            out.append(f"K % {self.k_multiple} == 0 (K = {shape[-1] * self.values_per_column})")
         return out
 
     def forward(self, t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -150,22 +155,14 @@ class WeightPreshuffle(Transform):
 
 
 @dataclasses.dataclass(frozen=True)
-class WeightPreshuffle16Bit(Transform):
+class WeightPreshuffle16Bit(WeightPreshuffle):
     """aiter ``shuffle_weight(x, (16, 16))`` on 16-bit values ``[..., N, K]``: W16 of the bytes,
     N % 16 and K % 32 (values); leading dims are experts, each shuffled inside its own rows."""
 
     name = "w16-16bit"
-    row_block = _sh.W16_ROWS
-
-    def violations(self, shape: Shape) -> list[str]:
-        if len(shape) < 2:
-            return ["tensor is [..., N, K]"]
-        out = []
-        if shape[-2] % _sh.W16_ROWS:
-            out.append(f"N % 16 == 0 (N = {shape[-2]})")
-        if shape[-1] % _sh.W16_K_VALUES_16BIT:
-            out.append(f"K % 32 == 0 (K = {shape[-1]})")
-        return out
+    shape_text = "[..., N, K]"
+    values_per_column = 1
+    k_multiple = _sh.W16_K_VALUES_16BIT
 
     def forward(self, t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         return _sh.preshuffle_weight_16bit(t, out)
@@ -180,16 +177,9 @@ class WeightPreshuffle8Bit(WeightPreshuffle):
     bytes, N % 16 and K % 32 (aiter's condition for a one-byte dtype); leading dims are experts."""
 
     name = "w16-8bit"
-
-    def violations(self, shape: Shape) -> list[str]:
-        if len(shape) < 2:
-            return ["tensor is [..., N, K]"]
-        out = []
-        if shape[-2] % _sh.W16_ROWS:
-            out.append(f"N % 16 == 0 (N = {shape[-2]})")
-        if shape[-1] % _sh.W16_KBYTES:
-            out.append(f"K % {_sh.W16_KBYTES} == 0 (K = {shape[-1]})")
-        return out
+    shape_text = "[..., N, K]"
+    values_per_column = 1
+    k_multiple = _sh.W16_KBYTES
 
 
 @dataclasses.dataclass(frozen=True)
