@@ -727,12 +727,7 @@ def test_fp8_attention_is_split_and_merged_with_its_scales_and_round_trips(fp8_a
             assert same_bytes(fused, torch.cat([s[f"{a}.q_a_proj.weight"], s[f"{a}.kv_a_proj_with_mqa.weight"]]))
             assert same_bytes(rank[f"{a}.fused_qkv_a_proj.weight_scale"].view(-1),
                               torch.cat([s[f"{a}.q_a_proj.weight_scale"], s[f"{a}.kv_a_proj_with_mqa.weight_scale"]]))
-    verify(str(out), source=str(src))
-    revert(str(out), back)
-    rebuilt = all_tensors(back)
-    assert s.keys() == rebuilt.keys()
-    for name, t in s.items():
-        assert rebuilt[name].dtype == t.dtype and rebuilt[name].shape == t.shape and same_bytes(rebuilt[name], t), name
+    assert_verifies_and_reverts(out, src, back)
 
 
 @pytest.mark.parametrize("engine", ["sglang", "vllm"])

@@ -22,9 +22,9 @@ from prep.convert import convert
 from prep.converted import same_bytes
 from prep.deepseek import target_for
 from prep.errors import PrepError
-from prep.revert import revert
 from prep.testing import PRESETS, SynthSpec, write_checkpoint
-from prep.verify import verify
+
+from conftest import assert_verifies_and_reverts
 
 B = 128  # DeepSeek's FP8 block
 
@@ -124,12 +124,7 @@ def test_fp8_block_scales_follow_their_weights_by_whole_blocks_and_round_trip(fp
                           torch.cat([rows(s[f"{d}.gate_proj.weight_scale_inv"], r, tp), rows(s[f"{d}.up_proj.weight_scale_inv"], r, tp)]))
         assert rank[f"{d}.gate_up_proj.weight_scale"].shape == (2 * 1024 // tp // B, 256 // B)
         assert same_bytes(rank[f"{d}.down_proj.weight_scale"], cols(s[f"{d}.down_proj.weight_scale_inv"], r, tp))
-    verify(str(out), source=str(src))
-    revert(str(out), back)
-    rebuilt = all_tensors(back)
-    assert s.keys() == rebuilt.keys()
-    for name, t in s.items():
-        assert rebuilt[name].dtype == t.dtype and rebuilt[name].shape == t.shape and same_bytes(rebuilt[name], t), name
+    assert_verifies_and_reverts(out, src, back)
 
 
 def test_a_tp_that_cuts_a_128_block_is_refused_naming_the_scales(fp8_block, tmp_path):
