@@ -283,3 +283,20 @@ def test_tensors_go_into_the_parameters_atom_allocated_not_beside_them(exact_ckp
     moved = {n for n, p in model.named_parameters() if p.data_ptr() != before[n][0]}
     assert moved and all(report.records[n].role == "e8m0_scale" for n in moved)
     assert all(tuple(p.shape) != before[n][1] for n, p in model.named_parameters() if n in moved)
+
+
+def test_the_doors_e4m3fnuz_step_sets_minus_zero_to_zero_a_block_at_a_time_as_atom_does_at_once():
+    # On gfx942 the door does ATOM's normalize_e4m3fn_to_e4m3fnuz for the FP8 weights it skipped the
+    # processing of: every 0x80 byte (e4m3fn's -0, e4m3fnuz's NaN) becomes 0x00, nothing else changes;
+    # in blocks of rows, so that no mask the size of a layer's experts is made.
+    from layouts.engines.atom.adapter import fnuz_zero_in_place
+
+    g = torch.Generator().manual_seed(0)
+    for shape in ((3, 40, 64), (37, 96), (1000,)):
+        raw = torch.randint(0, 256, shape, dtype=torch.uint8, generator=g)
+        raw.view(-1)[::7] = 0x80
+        want = raw.clone()
+        want[want == 0x80] = 0  # ATOM's, on the whole tensor
+        w = raw.clone().view(torch.float8_e4m3fnuz)
+        fnuz_zero_in_place(w, block_bytes=100)  # several blocks, one not whole
+        assert torch.equal(w.view(torch.uint8), want), shape

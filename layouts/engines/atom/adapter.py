@@ -285,10 +285,20 @@ def _fnuz_as_atom_does(module: torch.nn.Module) -> None:
         w = getattr(module, weight, None)
         if w is None or w.dtype != torch.float8_e4m3fnuz:
             continue
-        codes = w.data.view(torch.int8)
-        codes[codes == -128] = 0
+        fnuz_zero_in_place(w.data)
         scale = getattr(module, f"{weight}_scale")
         scale.data = scale.data * 2.0
+
+
+def fnuz_zero_in_place(w: torch.Tensor, block_bytes: int = 64 << 20) -> None:
+    """e4m3fn's -0 (byte 0x80) set to 0 in ``w`` (one byte per value), in place, a block of
+    leading rows at a time: ATOM's ``weight[weight == -128] = 0`` makes a mask the size of the
+    weight, 1.4 GB for one layer's experts of R1 on a TP 8 rank, while this holds 64 MiB at most."""
+    codes = w.view(torch.int8).reshape(-1, w.shape[-1]) if w.dim() > 1 else w.view(torch.int8).reshape(1, -1)
+    step = max(1, block_bytes // max(1, codes.shape[1]))
+    for r0 in range(0, codes.shape[0], step):
+        block = codes[r0:r0 + step]
+        block.masked_fill_(block == -128, 0)
 
 
 def _skip_processing(module: torch.nn.Module, module_name: str, method_attrs: dict[str, Any]) -> None:
