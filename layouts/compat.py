@@ -116,6 +116,11 @@ class EngineConfig:
         """The ``fp8`` layout this configuration holds FP8 block-scaled weights in after loading."""
         return self.fp8_layout
 
+    def expected_fp8_layouts(self) -> frozenset[str]:
+        """Every ``fp8`` layout this configuration reads: the block-scaled weights' and the
+        per-channel linears' (weight and scale)."""
+        return frozenset(n for n in (self.fp8_layout, *(self.profile.fp8_channel_layouts or ())) if n)
+
     def expected_bf16_moe_layout(self) -> str | None:
         """The layout the engine's unquantized MoE holds BF16 experts in (None: none known)."""
         return self.profile.bf16_moe_layout
@@ -198,11 +203,13 @@ def bf16_moe_layout_matches(manifest: Manifest, engine: EngineConfig) -> str | N
 def fp8_layout_matches(manifest: Manifest, engine: EngineConfig) -> str | None:
     # Like the BF16 experts': FP8 weights stored in a layout name it (the manifest's ``layouts``); stored
     # as the source holds them they are processed by the engine at load and not checked here.
-    want = engine.expected_fp8_layout()
+    want, known = engine.expected_fp8_layout(), engine.expected_fp8_layouts()
     for name, record in manifest.layouts.items():
-        if record.kind == FP8 and name != want:
-            reads = f"reads {want!r}" if want else "reads them as the source holds them (it shuffles them at load)"
-            fix = engine.profile.fp8_layout_fix
+        if record.kind == FP8 and name not in known:
+            block = name == engine.profile.fp8_layout  # the block layout, which a switch turns off
+            reads = "reads them as the source holds them (it shuffles them at load)" if block and not want else \
+                f"reads {sorted(known)}"
+            fix = engine.profile.fp8_layout_fix if block else ""
             return (f"FP8 weights are in the {name!r} layout but the {engine.engine} engine as configured {reads}; "
                     f"it would compute garbage: {fix or f'convert for {engine.engine} again'}")
     return None

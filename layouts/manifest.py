@@ -161,6 +161,9 @@ class Target:
     # release), the one the engine holds them in after loading; None (absent): as the source holds
     # them, the engine processing them at load.
     fp8_layout: str | None = None
+    # Rank-exact only: the registered ``fp8`` layouts (weight, scale) of FP8 per-channel linears
+    # (Quark's per-channel attention), as the engine holds them once loaded; None: the source's bytes.
+    fp8_channel_layouts: tuple[str, str] | None = None
 
     @classmethod
     def from_options(cls, options: dict[str, Any], arch: str) -> "Target":
@@ -208,14 +211,20 @@ class Target:
         fp8 = t.get("fp8_layout") if rank_exact else None  # format 1 keeps FP8 whole, as the source has it
         if fp8 is not None and type(fp8) is not str:
             raise ManifestError(f"target.fp8_layout is {fp8!r}, not a string")
-        return cls(layout, moe_layout, tp, ep, fuse, *pads, rank_exact, bf16_moe, arch, engine, fp8)
+        channel = t.get("fp8_channel_layouts") if rank_exact else None
+        if channel is not None and (type(channel) not in (list, tuple) or len(channel) != 2
+                                    or not all(type(n) is str for n in channel)):
+            raise ManifestError(f"target.fp8_channel_layouts is {channel!r}, not a [weight, scale] pair of layout names")
+        return cls(layout, moe_layout, tp, ep, fuse, *pads, rank_exact, bf16_moe, arch, engine, fp8,
+                   None if channel is None else tuple(channel))
 
     def to_json(self) -> dict[str, Any]:
         return {"layout": self.layout, "moe_layout": self.moe_layout, "tp": self.tp, "ep": self.ep,
                 "fuse_shared_expert": self.fuse_shared_expert, "inter_pad_to": self.inter_pad_to,
                 "hidden_pad_to": self.hidden_pad_to, **({"rank_exact": True} if self.rank_exact else {}),
                 **({"bf16_moe_layout": self.bf16_moe_layout} if self.bf16_moe_layout else {}), "arch": self.arch,
-                "engine": self.engine, **({"fp8_layout": self.fp8_layout} if self.fp8_layout else {})}
+                "engine": self.engine, **({"fp8_layout": self.fp8_layout} if self.fp8_layout else {}),
+                **({"fp8_channel_layouts": list(self.fp8_channel_layouts)} if self.fp8_channel_layouts else {})}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1200,7 +1209,7 @@ def _check_whole(target: "Target", groups: list["GroupRecord"], records: list["T
     from .safetensors_file import TORCH_DTYPES  # imports torch; this module stays torch-free until here
 
     allowed = {"linear": {target.layout}, "moe": {target.moe_layout},
-               "bf16": {None, target.bf16_moe_layout, target.fp8_layout}}
+               "bf16": {None, target.bf16_moe_layout, target.fp8_layout, *(target.fp8_channel_layouts or ())}}
     group_layout: dict[tuple[str, int], str | None] = {}
     for g in groups:
         if g.kind in allowed and g.layout not in allowed[g.kind]:

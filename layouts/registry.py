@@ -26,6 +26,10 @@ triton          moe      raw ``[E, N, K/2]``             per-expert S32x8 ``[E, 
 triton-gfx942   moe      raw                             raw ``[E, N, K/32]``
 bf16-preshuffle bf16-moe W16 of 16-bit values per expert none (BF16 experts ``[E, N, K]``)
 fp8-preshuffle  fp8      W16 of FP8 bytes (per expert)   none: its own tensor, as the source holds it
+fp8-channel-    fp8      rows padded to 128 with 0, W16  none: its own tensor (fp8-channel-scale)
+ preshuffle
+fp8-channel-    fp8      a per-channel scale ``[N, 1]``, rows padded to 128 with 1.0
+ scale
 =============== ======== =============================== =============================================
 """
 
@@ -180,6 +184,61 @@ class WeightPreshuffle8Bit(WeightPreshuffle):
     shape_text = "[..., N, K]"
     values_per_column = 1
     k_multiple = _sh.W16_KBYTES
+
+
+@dataclasses.dataclass(frozen=True)
+class PadRowsPreshuffle8Bit(WeightPreshuffle8Bit):
+    """FP8 rows padded with zero rows to a multiple of ``rows``, then W16: what ATOM does to a
+    per-token FP8 linear at load (``_maybe_pad_a8w8_preshuffle_output``, its GEMM's 128-row tile,
+    then ``shuffle_weights``). The pad rows are the last, so any N is taken."""
+
+    name = "pad-w16-8bit"
+    rows: int = 128
+
+    def violations(self, shape: Shape) -> list[str]:
+        return [v for v in super().violations(shape) if not v.startswith("N ")]
+
+    def output_shape(self, shape: Shape) -> Shape:
+        return (*shape[:-2], pad_to(shape[-2], self.rows), shape[-1])
+
+    def forward(self, t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        padded = torch.zeros(self.output_shape(tuple(t.shape)), dtype=torch.uint8)
+        padded[..., :t.shape[-2], :] = t.view(torch.uint8)
+        return _sh.preshuffle_weight(padded.view(t.dtype), out)
+
+    def inverse(self, t: torch.Tensor, shape: Shape) -> torch.Tensor:
+        return _sh.unshuffle_weight(t)[..., :shape[-2], :].contiguous()
+
+    def pad_mismatches(self, t: torch.Tensor, shape: Shape) -> int:
+        return int(_sh.unshuffle_weight(t).view(torch.uint8)[..., shape[-2]:, :].count_nonzero())
+
+
+@dataclasses.dataclass(frozen=True)
+class PadRowsOnes(Transform):
+    """A per-output-channel scale ``[N, 1]`` with rows of 1.0 to a multiple of ``rows``: what
+    ATOM gives the pad rows of a per-token FP8 linear's weight (``_maybe_pad_a8w8_preshuffle_output``)."""
+
+    name = "pad-rows-ones"
+    rows: int = 128
+
+    def violations(self, shape: Shape) -> list[str]:
+        return [] if len(shape) == 2 and shape[-1] == 1 else ["a scale [N, 1]"]
+
+    def output_shape(self, shape: Shape) -> Shape:
+        return (pad_to(shape[0], self.rows), *shape[1:])
+
+    def forward(self, t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        padded = torch.cat([t, t.new_ones((self.output_shape(tuple(t.shape))[0] - t.shape[0], *t.shape[1:]))])
+        if out is None:
+            return padded
+        _sh.check_rows_out(out, padded)
+        return out.copy_(padded)
+
+    def inverse(self, t: torch.Tensor, shape: Shape) -> torch.Tensor:
+        return t[:shape[0]].contiguous()
+
+    def pad_mismatches(self, t: torch.Tensor, shape: Shape) -> int:
+        return int((t[shape[0]:] != 1).sum())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -531,4 +590,13 @@ FP8_PRESHUFFLE = register_layout(Layout(
     "fp8-preshuffle", 1, FP8, WeightPreshuffle8Bit(), Identity(), {"is_shuffled": True},
     "aiter shuffle_weight (16, 16) of FP8 weights, a linear's or each expert's, as ATOM's block-scale FP8 linears "
     "and MoE hold them after loading; their scales as the source holds them",
+))
+FP8_CHANNEL_PRESHUFFLE = register_layout(Layout(
+    "fp8-channel-preshuffle", 1, FP8, PadRowsPreshuffle8Bit(), Identity(), {"is_shuffled": True},
+    "FP8 per-channel weights with zero rows to a multiple of 128, then aiter's shuffle_weight (16, 16): ATOM's "
+    "per-token FP8 linears once loaded (their scales in fp8-channel-scale)",
+))
+FP8_CHANNEL_SCALE = register_layout(Layout(
+    "fp8-channel-scale", 1, FP8, PadRowsOnes(), Identity(), {},
+    "the per-channel scale [N, 1] of an fp8-channel-preshuffle weight, its pad rows 1.0, as ATOM holds it",
 ))

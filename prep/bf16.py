@@ -77,6 +77,12 @@ class Bf16Group:
             return max(p.slot for p in self.placements) + 1, rows, width.pop()
         return rows, width.pop()
 
+    @property
+    def stored_shape(self) -> tuple[int, ...]:
+        """The stored tensor's shape: :attr:`shape`, or what the group's layout makes of it (an
+        FP8 per-channel weight's rows padded to 128)."""
+        return tuple(self.layout.weight.output_shape(self.shape)) if self.layout else self.shape
+
     def sources(self) -> list[str]:
         return [p.source for p in self.placements]
 
@@ -88,7 +94,7 @@ class Bf16Group:
         return [self.sources()]
 
     def outputs(self) -> list[tuple[str, str, tuple[int, ...]]]:
-        return [(self.name, "bf16_shard", self.shape)]
+        return [(self.name, "bf16_shard", self.stored_shape)]
 
     def with_layout(self, layout: layouts.Layout) -> "Bf16Group":
         """This group stored in ``layout`` (a BF16 MoE layout), refused (naming the tensor) where
@@ -105,9 +111,10 @@ class Bf16Group:
         transform independently in every BF16 MoE and FP8 layout: the registry checks it)."""
         return self.layout.weight.forward(block, block) if self.layout else block
 
-    def from_layout(self, block: torch.Tensor) -> torch.Tensor:
-        """A block of whole stored experts (or an unstacked tensor, whole) back in source order."""
-        return self.layout.weight.inverse(block, tuple(block.shape)) if self.layout else block
+    def from_layout(self, block: torch.Tensor, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        """A block of whole stored experts (or an unstacked tensor, whole, of source ``shape``)
+        back in source order."""
+        return self.layout.weight.inverse(block, shape or tuple(block.shape)) if self.layout else block
 
     def check(self) -> None:
         slots: dict[int | None, list[tuple[int, int]]] = {}
@@ -151,9 +158,15 @@ class Bf16Group:
                 yield self.name, out if direct else self.to_layout(out)
             return
         n, k = shape
+        if self.stored_shape != shape:  # a layout that pads (an FP8 per-channel linear): built whole
+            rows = torch.empty(shape, dtype=_TORCH[self.dtype])
+            for p in self.placements:
+                read(p.source, p.rows, p.cols, out=rows[p.dest_row:p.dest_row + p.out_shape[0]])
+            yield self.name, self.layout.weight.forward(rows, out=self._room(alloc, self.stored_shape))
+            return
         step = max(1, chunk_bytes // max(1, k * itemsize)) if chunk_bytes else n
         if self.layout:  # blocks of whole row bands of the layout (a linear's FP8 weight: 16 rows)
-            band = self.layout.weight.row_block
+            band = self.layout.weight.row_block or 1
             step = max(band, step // band * band)
         for r0 in range(0, n, step):
             r1 = min(n, r0 + step)
@@ -178,10 +191,10 @@ class Bf16Group:
 
     def invert(self, tensors: list[torch.Tensor]) -> Iterator[Piece]:
         (t,) = tensors
-        if tuple(t.shape) != self.shape:
+        if tuple(t.shape) != self.stored_shape:
             raise PrepError(f"{self.name} (rank {self.rank}): stored shape {list(t.shape)}, expected "
-                            f"{list(self.shape)}; the file is not this manifest's: convert again")
-        t = self.from_layout(t)
+                            f"{list(self.stored_shape)}; the file is not this manifest's: convert again")
+        t = self.from_layout(t, None if self.stacked else self.shape)
         for p in self.placements:
             slot = t if p.slot is None else t[p.slot]
             yield p.source, (p.rows, p.cols), slot[p.dest_row:p.dest_row + p.out_shape[0]]
@@ -192,8 +205,8 @@ class Bf16Group:
         bands of its layout around them, taken back (a band holds its own rows only)."""
         if self.layout is None:
             return read(rows)
-        band = self.layout.weight.row_block
-        lo, hi = rows.start // band * band, min(self.shape[0], -(-rows.stop // band) * band)
+        band = self.layout.weight.row_block or 1
+        lo, hi = rows.start // band * band, min(self.stored_shape[0], -(-rows.stop // band) * band)
         held = read(slice(lo, hi))
         return self.layout.weight.inverse(held, tuple(held.shape))[rows.start - lo:rows.stop - lo]
 

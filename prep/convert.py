@@ -388,7 +388,8 @@ def convert(
         notify(line)
     total = sum(j.nbytes for j in jobs)
     state = {"kind": "convert", "tool": f"prep {__version__}",
-             "options": {**dataclasses.asdict(target), "revision": revision}}
+             # as the state file holds them (a pair of layout names as a list), for --resume to compare
+             "options": json.loads(json.dumps({**dataclasses.asdict(target), "revision": revision}))}
     idents = {f: file_identity(src.root / f) for f in src.files}
     key = run_key(state, jobs, src, idents)
     with folder.locked():
@@ -559,8 +560,11 @@ def build_manifest(src: SourceCheckpoint, target: Target, jobs: list[FileJob],
             files={n: schema.SourceFile.from_json(f) for n, f in fingerprint["files"].items()},
             tensors={n: schema.SourceTensor(t.dtype, tuple(t.shape), t.file) for n, t in src.tensors.items()}),
         # the FP8 layout is recorded where it is used (a checkpoint without FP8 blocks: as before it existed)
-        target=schema.Target.from_options({**dataclasses.asdict(target), "fp8_layout": target.fp8_layout
-                                           if target.fp8_layout in used_layouts else None}, info["arch"]),
+        target=schema.Target.from_options({
+            **dataclasses.asdict(target),
+            "fp8_layout": target.fp8_layout if target.fp8_layout in used_layouts else None,
+            "fp8_channel_layouts": target.fp8_channel_layouts
+            if target.fp8_channel_layouts and target.fp8_channel_layouts[0] in used_layouts else None}, info["arch"]),
         layouts={n: schema.LayoutRecord.from_json(layouts.get_layout(n).describe()) for n in sorted(used_layouts)},
         files={j.name: schema.FileRecord(j.rank, records[j.name]["size"], len(j.entries)) for j in jobs},
         groups=groups,

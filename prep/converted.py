@@ -316,7 +316,7 @@ class ConvertedCheckpoint:
         info = self.file(rec.file).tensors.get(g.name)
         bad = next((p.source for p in g.placements if p.source not in self.source_tensors
                     or as_planned(self.source_tensors[p.source].shape) != p.shape), None)
-        if info is None or tuple(info.shape) != g.shape or bad:
+        if info is None or tuple(info.shape) != g.stored_shape or bad:
             raise PrepError(f"{self.root / rec.file}: {g.name} (rank {rec.rank}) does not match its group record"
                             + (f" (source {bad})" if bad else "") + "; the manifest is damaged: convert again")
 

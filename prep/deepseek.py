@@ -57,6 +57,9 @@ class Target:
     # FP8 block-scaled weights (DeepSeek's own FP8 release), rank-exact only: the layout the engine
     # holds them in after loading, so that it need not shuffle them; None: the source's bytes.
     fp8_layout: str | None = _DEFAULT_ENGINE.expected_fp8_layout()
+    # FP8 per-channel linears (Quark's per-channel attention), rank-exact only: the layouts (weight,
+    # scale) the engine holds them in after loading, padded and shuffled; None: the source's bytes.
+    fp8_channel_layouts: tuple[str, str] | None = _DEFAULT_ENGINE.profile.fp8_channel_layouts
 
 
 @dataclasses.dataclass
@@ -440,6 +443,7 @@ def target_for(engine: str, **options: Any) -> Target:
     cfg = EngineConfig(engine=engine)
     defaults = {"layout": cfg.expected_dense_layout(), "moe_layout": cfg.expected_moe_layout(),
                 "bf16_moe_layout": cfg.expected_bf16_moe_layout(), "fp8_layout": cfg.expected_fp8_layout(),
+                "fp8_channel_layouts": cfg.profile.fp8_channel_layouts,
                 "inter_pad_to": rules.moe_pad_to[0],
                 "hidden_pad_to": rules.moe_pad_to[1], "fuse_shared_expert": rules.fuse_shared_expert}
     return Target(**{**defaults, **options, "engine": engine})
@@ -577,6 +581,29 @@ def split_bf16(tensors: Mapping[str, Any], config: dict[str, Any], num_layers: i
     return per_rank, replicated, unread
 
 
+def _as_channel_layouts(groups: list[Bf16Group], modules: list[str], names: tuple[str, str]) -> list[Bf16Group]:
+    """One rank's groups with the FP8 per-channel weights and their scales in the engine's layouts
+    (``names``: weight, scale). A weight the layout pads needs its scale padded with it: a whole
+    scale (a row-parallel linear's, in every rank's files as the source has it) cannot be, so such
+    a linear is refused (DeepSeek's o_proj has the hidden size's rows, a multiple of 128)."""
+    weight_layout, scale_layout = get_layout(names[0]), get_layout(names[1])
+    weights, scales = {f"{m}.weight" for m in modules}, {f"{m}.weight_scale" for m in modules}
+    out, scaled = [], set()
+    for g in groups:
+        if g.dtype == "F8_E4M3" and all(s in weights for s in g.sources()):
+            g = g.with_layout(weight_layout)
+        elif all(s in scales for s in g.sources()):
+            g = g.with_layout(scale_layout)
+            scaled.add(g.name)
+        out.append(g)
+    for g in out:
+        if g.layout is weight_layout and g.stored_shape != g.shape and f"{g.name}_scale" not in scaled:
+            raise PrepError(f"{g.name} (rank {g.rank}): the engine pads its {g.shape[0]} rows to "
+                            f"{g.stored_shape[0]} with their scales, but its scale is held whole on every rank; "
+                            "prep does not convert this checkpoint")
+    return out
+
+
 def plan_bf16(src: SourceCheckpoint, cls: Classified, target: Target
               ) -> tuple[list[list[Bf16Group]], list[str], list[str]]:
     """:func:`split_bf16` of a source's non-MXFP4 tensors for ``target``, the stacked BF16
@@ -593,6 +620,8 @@ def plan_bf16(src: SourceCheckpoint, cls: Classified, target: Target
         fp8, block = get_layout(target.fp8_layout), {f"{m}.weight" for m in cls.fp8_block}
         per_rank = [[g.with_layout(fp8) if g.dtype == "F8_E4M3" and all(s in block for s in g.sources()) else g
                      for g in groups] for groups in per_rank]
+    if target.fp8_channel_layouts and cls.fp8:  # FP8 per-channel linears padded and shuffled as the engine holds them
+        per_rank = [_as_channel_layouts(groups, cls.fp8, target.fp8_channel_layouts) for groups in per_rank]
     for groups in per_rank:
         for g in groups:
             g.check()

@@ -700,15 +700,28 @@ def fp8_attention(tmp_path_factory):
 
 @pytest.mark.parametrize("engine, tp, ep", [("atom", 1, 1), ("atom", 2, 1), ("atom", 8, 1), ("atom", 8, 8)])
 def test_fp8_attention_is_split_and_merged_with_its_scales_and_round_trips(fp8_attention, tmp_path, engine, tp, ep):
-    # Each rank holds what ATOM's linears hold before processing: fused_qkv_a_proj = [q_a ; kv_a]
-    # rows with their scales concatenated, q_b / kv_b rows split with their scales ([N/tp, 1], as
-    # ATOM allocates a per-channel scale), o_proj columns split with its scale whole on every rank.
+    # Each rank holds what ATOM's per-token FP8 linears hold after loading: fused_qkv_a_proj =
+    # [q_a ; kv_a] rows with their scales concatenated, q_b / kv_b rows split with their scales
+    # ([N/tp, 1], as ATOM allocates a per-channel scale), o_proj columns split with its scale whole
+    # on every rank; then, as ATOM's processing leaves them, rows padded to a multiple of 128 (zero
+    # weight rows, scale 1.0) and the weight shuffled (fp8-channel-preshuffle / fp8-channel-scale).
     from prep.deepseek import target_for
+    from layouts.shuffle import unshuffle_weight
+
+    def held(t: torch.Tensor, n: int) -> torch.Tensor:
+        assert t.shape[0] == -(-n // 128) * 128, (t.shape, n)
+        if t.dtype == torch.float8_e4m3fn:
+            t = unshuffle_weight(t)
+            assert not t[n:].view(torch.uint8).any()
+        else:
+            assert bool((t[n:] == 1).all())
+        return t[:n]
 
     src, out, back = fp8_attention, tmp_path / "out", tmp_path / "back"
     convert(str(src), out, target_for(engine, tp=tp, ep=ep))
     s = all_tensors(src)
     m = json.loads((out / "prep-manifest.json").read_text())
+    assert m["target"]["fp8_channel_layouts"] == ["fp8-channel-preshuffle", "fp8-channel-scale"]
     for r in range(tp):
         files = {t["file"] for t in m["tensors"] if t["rank"] == r}
         rank = {k: v for f in files for k, v in load_file(out / f).items()}
@@ -716,16 +729,18 @@ def test_fp8_attention_is_split_and_merged_with_its_scales_and_round_trips(fp8_a
             a = f"model.layers.{layer}.self_attn"
             for proj in ("q_b_proj", "kv_b_proj"):
                 n = s[f"{a}.{proj}.weight"].shape[0] // tp
-                assert same_bytes(rank[f"{a}.{proj}.weight"], s[f"{a}.{proj}.weight"][r * n:(r + 1) * n])
-                assert rank[f"{a}.{proj}.weight_scale"].shape == (n, 1)
-                assert same_bytes(rank[f"{a}.{proj}.weight_scale"].view(-1), s[f"{a}.{proj}.weight_scale"][r * n:(r + 1) * n])
+                assert same_bytes(held(rank[f"{a}.{proj}.weight"], n), s[f"{a}.{proj}.weight"][r * n:(r + 1) * n])
+                scale = held(rank[f"{a}.{proj}.weight_scale"], n)
+                assert scale.shape == (n, 1)
+                assert same_bytes(scale.view(-1), s[f"{a}.{proj}.weight_scale"][r * n:(r + 1) * n])
             k = s[f"{a}.o_proj.weight"].shape[1] // tp
-            assert same_bytes(rank[f"{a}.o_proj.weight"], s[f"{a}.o_proj.weight"][:, r * k:(r + 1) * k])
+            o = s[f"{a}.o_proj.weight"]
+            assert same_bytes(held(rank[f"{a}.o_proj.weight"], o.shape[0]), o[:, r * k:(r + 1) * k])
             assert same_bytes(rank[f"{a}.o_proj.weight_scale"].view(-1), s[f"{a}.o_proj.weight_scale"])
-            fused = rank[f"{a}.fused_qkv_a_proj.weight"]
-            assert fused.dtype == torch.float8_e4m3fn
-            assert same_bytes(fused, torch.cat([s[f"{a}.q_a_proj.weight"], s[f"{a}.kv_a_proj_with_mqa.weight"]]))
-            assert same_bytes(rank[f"{a}.fused_qkv_a_proj.weight_scale"].view(-1),
+            want = torch.cat([s[f"{a}.q_a_proj.weight"], s[f"{a}.kv_a_proj_with_mqa.weight"]])
+            fused = held(rank[f"{a}.fused_qkv_a_proj.weight"], want.shape[0])
+            assert fused.dtype == torch.float8_e4m3fn and same_bytes(fused, want)
+            assert same_bytes(held(rank[f"{a}.fused_qkv_a_proj.weight_scale"], want.shape[0]).view(-1),
                               torch.cat([s[f"{a}.q_a_proj.weight_scale"], s[f"{a}.kv_a_proj_with_mqa.weight_scale"]]))
     assert_verifies_and_reverts(out, src, back)
 

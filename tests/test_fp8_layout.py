@@ -46,3 +46,24 @@ def test_a_shape_aiter_cannot_shuffle_is_refused_naming_the_tensor(aiter_shuffle
         FP8_PRESHUFFLE.apply(rand8(24, 48, seed=0), None, "q")
     with pytest.raises(AssertionError):  # aiter refuses it too
         aiter_shuffle.shuffle_weight(rand8(24, 48, seed=0), layout=(16, 16))
+
+
+def test_fp8_channel_layouts_pad_as_atom_does_then_shuffle_with_aiter(aiter_shuffle):
+    # ATOM's per-token FP8 linears at load (atom/model_ops/linear.py _maybe_pad_a8w8_preshuffle_output,
+    # then shuffle_weights): N padded to a multiple of 128 with zero rows and scale 1.0, then aiter's
+    # shuffle. R1's fused_qkv_a_proj (2112 rows -> 2176) and a TP 2 q_b of the tiny preset (192 -> 256).
+    from layouts.registry import FP8_CHANNEL_PRESHUFFLE, FP8_CHANNEL_SCALE
+
+    for n, k in ((2112, 7168), (192, 128), (256, 256)):
+        w = rand8(n, k, seed=n)
+        pad = -(-n // 128) * 128 - n
+        want = aiter_shuffle.shuffle_weight(torch.nn.functional.pad(w.view(torch.uint8), (0, 0, 0, pad)).view(w.dtype),
+                                            layout=(16, 16))
+        got, _ = FP8_CHANNEL_PRESHUFFLE.apply(w, None, "w")
+        assert same(got, want) and FP8_CHANNEL_PRESHUFFLE.weight.pad_mismatches(got, (n, k)) == 0
+        assert same(FP8_CHANNEL_PRESHUFFLE.invert(got, None, (n, k), None)[0], w)
+        for dtype in (torch.float32, torch.bfloat16):  # amd-quark 0.13 writes the scales BF16
+            scale = torch.rand(n, 1).to(dtype)
+            padded, _ = FP8_CHANNEL_SCALE.apply(scale, None, "s")
+            assert padded.shape == (n + pad, 1) and torch.equal(padded[:n], scale) and bool((padded[n:] == 1).all())
+            assert torch.equal(FP8_CHANNEL_SCALE.invert(padded, None, (n, 1), None)[0], scale)

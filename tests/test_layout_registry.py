@@ -20,6 +20,8 @@ def sample(layout, shape):
     for ``layout``: BF16 experts (the same bits as 16-bit values, [.., N, K/4]) and FP8 weights
     (one byte each, [.., N, K/2]) have no scale of the layout's."""
     w = rand_u8(*shape, seed=sum(shape))
+    if isinstance(layout.weight, L.registry.PadRowsOnes):  # a per-channel scale [N, 1]
+        return torch.rand(shape[-2], 1, generator=torch.Generator().manual_seed(1)), None
     if not layout.has_scale:
         return w.view(torch.float8_e4m3fn if layout.kind == L.registry.FP8 else torch.bfloat16), None
     return w, torch.randint(100, 140, (*shape[:-1], shape[-1] // 16), dtype=torch.uint8)
@@ -29,7 +31,7 @@ def test_registry_lists_dense_moe_and_bf16_moe_layouts():
     assert L.layout_names("dense") == ["non-shuffle", "non-shuffle-t", "preshuffle", "preshuffle-unpadded"]
     assert L.layout_names("moe") == ["ck", "ck-3d", "triton", "triton-gfx942"]
     assert L.layout_names("bf16-moe") == ["bf16-preshuffle"]
-    assert L.layout_names("fp8") == ["fp8-preshuffle"]
+    assert L.layout_names("fp8") == ["fp8-channel-preshuffle", "fp8-channel-scale", "fp8-preshuffle"]
 
 
 @pytest.mark.parametrize("name", L.layout_names())
@@ -44,7 +46,8 @@ def test_every_layout_inverts_exactly_and_predicts_its_output_shapes(name):
     assert (bs is None and s is None) or torch.equal(bs, s)
 
 
-@pytest.mark.parametrize("name", L.layout_names("moe") + L.layout_names("bf16-moe") + L.layout_names("fp8"))
+@pytest.mark.parametrize("name", L.layout_names("moe") + L.layout_names("bf16-moe")
+                         + [n for n in L.layout_names("fp8") if n != "fp8-channel-scale"])  # that one: a linear's
 def test_moe_layouts_transform_each_expert_on_its_own(name):
     # prep convert builds stacked experts in blocks: with 256 rows per expert the blocks' outputs,
     # laid end to end, must be the whole tensor's output byte for byte.
@@ -142,7 +145,7 @@ def test_layout_description_is_json_for_the_manifest():
 
 
 def test_unknown_layout_lists_the_known_ones():
-    with pytest.raises(KeyError, match="known: bf16-preshuffle, ck, ck-3d, fp8-preshuffle, non-shuffle, non-shuffle-t, preshuffle"):
+    with pytest.raises(KeyError, match="known: bf16-preshuffle, ck, ck-3d, fp8-channel-preshuffle, fp8-channel-scale, fp8-preshuffle, non-shuffle, non-shuffle-t, preshuffle"):
         L.get_layout("shuffled")
 
 

@@ -27,6 +27,7 @@ CONVERSIONS = {
     "r1-ep2": ("r1-0528", Target("preshuffle", "ck", 2, ep=2)),
     "v2-tp2-format1": ("v2", Target("preshuffle", "ck", 2, rank_exact=False)),  # --common-bf16
     "fp8-block-tp2": ("r1-0528-fp8", Target("preshuffle", "ck", 2)),  # DeepSeek's FP8 release: fp8_layout, stacks of scales
+    "fp8-channel-tp2": ("mtp-moefp4", Target("preshuffle", "ck", 2)),  # FP8 attention: fp8_channel_layouts
 }
 
 
@@ -36,6 +37,7 @@ def converted(tmp_path_factory):
     for variant in ("v2", "r1-0528"):  # random bytes: the manifest's shape is what matters here
         write_checkpoint(SynthSpec(variant=variant, random_bytes=True), root / f"src-{variant}")
     write_checkpoint(dataclasses.replace(PRESETS["r1-0528-fp8"], random_bytes=True), root / "src-r1-0528-fp8")
+    write_checkpoint(SynthSpec(variant="mtp-moefp4", random_bytes=True), root / "src-mtp-moefp4")
     outs = {}
     for name, (variant, target) in CONVERSIONS.items():
         convert(str(root / f"src-{variant}"), root / name, target)
@@ -68,7 +70,9 @@ def test_reading_and_writing_back_a_real_manifest_gives_its_bytes(converted, nam
     variant, target = CONVERSIONS[name]
     # fp8_layout is recorded only where FP8 weights are stored in it (the MXFP4 checkpoints have none)
     fp8 = target.fp8_layout if variant == "r1-0528-fp8" else None
-    assert m.target == schema.Target.from_options({**dataclasses.asdict(target), "fp8_layout": fp8}, "deepseek_v3")
+    channel = target.fp8_channel_layouts if variant == "mtp-moefp4" else None
+    assert m.target == schema.Target.from_options({**dataclasses.asdict(target), "fp8_layout": fp8,
+                                                   "fp8_channel_layouts": channel}, "deepseek_v3")
     assert (m.tp, m.ep, m.layout, m.moe_layout) == (target.tp, target.ep, target.layout, target.moe_layout)
 
 

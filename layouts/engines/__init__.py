@@ -116,6 +116,10 @@ class EngineProfile:
     """The ``fp8`` layout the engine holds FP8 block-scaled weights in once loaded (linears and
     experts), which prep writes so that the engine need not shuffle them at load; None: the
     source's bytes, the engine processing them as it loads them."""
+    fp8_channel_layouts: tuple[str, str] | None = None
+    """The ``fp8`` layouts (weight, scale) the engine holds FP8 per-channel linears in once
+    loaded (Quark's per-channel attention), which prep writes so that the engine need not pad and
+    shuffle them at load; None: the source's bytes, the engine processing them as it loads them."""
     fp8_layout_fix: str = ""
     """What makes the engine read its ``fp8_layout`` again where its configuration reads FP8
     weights otherwise (a switch to unset), named when it refuses a checkpoint."""

@@ -53,7 +53,7 @@ from ...compat import (CompatibilityError, EngineConfig, bf16_moe_layout_matches
                        engine_matches, ep_matches, fp8_layout_matches, moe_layout_matches, rank_in_range, tp_matches)
 from ...manifest import Manifest
 from ...errors import LayoutsError
-from ...registry import FP8_PRESHUFFLE, MOE_BF16, MOE_CK, MOE_TRITON, MOE_TRITON_GFX942, NON_SHUFFLE, PRESHUFFLE, recorded_layout
+from ...registry import FP8_CHANNEL_PRESHUFFLE, FP8_CHANNEL_SCALE, FP8_PRESHUFFLE, MOE_BF16, MOE_CK, MOE_TRITON, MOE_TRITON_GFX942, NON_SHUFFLE, PRESHUFFLE, recorded_layout
 from ...shuffle import S8_COLS, pad_to
 from .. import (DEEPSEEK_SPLITS, NEVER, EngineProfile, GemmPathRule, GpuArch, ShardingRules, _config,
                 current_gpu_arch, deepseek_merges)
@@ -245,6 +245,9 @@ class AtomProfile(EngineProfile):
     # LinearBase / Fp8MoEMethod.process_weights_after_loading (per_1x128): shuffle_weights (16, 16) of
     # every block-scaled FP8 weight and expert, the scales untouched (ATOM_FP8_BLOCKSCALE_WEIGHT_PRESHUFFLE=1)
     fp8_layout = FP8_PRESHUFFLE.name
+    # LinearBase.process_weights_after_loading (per_Token FP8, every path this door serves it on):
+    # N padded to 128 (zero rows, scale 1.0, is_output_padded) and shuffle_weights (16, 16)
+    fp8_channel_layouts = (FP8_CHANNEL_PRESHUFFLE.name, FP8_CHANNEL_SCALE.name)
     fp8_layout_fix = f"unset {ENV_FP8_PRESHUFFLE} (ATOM's default, 1, holds them in this layout)"
     fp8_channel_linears = True  # scripts/check_atom_serve.py on MTP-MoEFP4 (tests/test_atom_serve.py)
     fp8_block_linears = True  # scripts/check_atom_serve.py on the fp8-block variant (tests/test_atom_serve.py)

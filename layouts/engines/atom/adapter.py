@@ -153,6 +153,9 @@ def _put(param: torch.nn.Parameter, t: torch.Tensor) -> None:
             param.data.view(torch.uint8).copy_(t.view(torch.uint8))
         else:  # BF16 as stored; the F32 router bias into ATOM's BF16 parameter
             param.data.copy_(t)
+    elif param.dtype != t.dtype and param.dtype.is_floating_point and t.dtype.is_floating_point and \
+            param.dtype.itemsize != t.dtype.itemsize:  # a padded BF16 scale into ATOM's F32, as its loader casts
+        param.data = t.to(param.device, param.dtype, copy=True)
     else:
         param.data = _as_param_dtype(t, param).to(param.device, copy=True)
 
@@ -184,14 +187,23 @@ class _Installer:
         if rec.layout is None and tuple(param.shape) != tuple(t.shape) \
                 and [d for d in param.shape if d != 1] == [d for d in t.shape if d != 1]:
             t = t.reshape(param.shape)
-        if rec.role != "e8m0_scale" and tuple(param.shape) != tuple(t.shape):
+        layout = get_layout(rec.layout) if rec.layout else None
+        # ATOM pads an FP8 per-channel linear's rows (weight and scale) to 128 as it processes it: the
+        # files hold them padded, in place of the parameter ATOM allocated unpadded
+        padded = layout is not None and layout.kind == FP8 and tuple(param.shape[1:]) == tuple(t.shape[1:]) \
+            and t.shape[0] > param.shape[0]
+        if rec.role != "e8m0_scale" and tuple(param.shape) != tuple(t.shape) and not padded:
             raise ManifestError(f"{shown}: the {self.what} allocates {list(param.shape)} but the checkpoint holds "
                                 f"{list(t.shape)}; the model config differs from the converted one")
         if param.dtype.itemsize != t.dtype.itemsize and not (param.dtype.is_floating_point and t.dtype.is_floating_point):
             raise ManifestError(f"{shown}: the {self.what} allocates {param.dtype}, which cannot hold the "
                                 f"checkpoint's {t.dtype}")
+        rows = param.shape[0]
         _put(param, t)
         self.installed.append(name)
+        if padded and t.dtype.itemsize == 1:  # the weight: what ATOM's padding leaves on the module
+            module = self.modules[name.rpartition(".")[0]]
+            module.is_output_padded, module._output_size_before_padding = True, rows
         if rec.layout is None:  # source bytes, already split: ATOM's own processing still runs on them
             return
         # is_shuffled goes on weights only, as ATOM sets it (ROCm/ATOM ffdf3bb5 atom/model_ops/utils.py:168
@@ -202,7 +214,6 @@ class _Installer:
                 setattr(param, k, v)
         self.groups.setdefault(name.rpartition(".")[0], {}).update(
             {k: v for k, v in rec.runtime_attrs.items() if k in ("hidden_pad", "intermediate_pad")})
-        layout = get_layout(rec.layout)
         if layout in TRITON_MOE_LAYOUTS:
             self.triton_moe[name.rpartition(".")[0]] = layout
         if layout.kind == FP8:
@@ -287,7 +298,10 @@ def _fnuz_as_atom_does(module: torch.nn.Module) -> None:
             continue
         fnuz_zero_in_place(w.data)
         scale = getattr(module, f"{weight}_scale")
-        scale.data = scale.data * 2.0
+        doubled = scale.data * 2.0
+        if getattr(module, "is_output_padded", False):  # ATOM doubles before it pads: its pad rows stay 1.0
+            doubled[module._output_size_before_padding:] = scale.data[module._output_size_before_padding:]
+        scale.data = doubled
 
 
 def fnuz_zero_in_place(w: torch.Tensor, block_bytes: int = 64 << 20) -> None:
