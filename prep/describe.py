@@ -152,7 +152,7 @@ def _describe_source(src: SourceCheckpoint, label: str, progress: Callable[[int]
         unable = [e.display_name for e in engines if not e.fp8_channel_linears]
         fix = " or ".join(f"--engine {e.name}" for e in convertible_engines() if e.fp8_channel_linears)
         lines.append(f"  FP8 per-channel linears: {len(cls.fp8)} ({cls.fp8[0]}, ...), each weight_scale split with its "
-                     "weight's rows; the engine pads and shuffles them at load"
+                     "weight's rows, padded and shuffled as the engine holds them"
                      + (f"; served by {', '.join(able)}" if able else "")
                      + (f"; not by {', '.join(unable)} yet (refused: convert for {fix})" if unable else ""))
     for engine in engines:
