@@ -43,10 +43,10 @@ class EngineConfig:
     gpu_arch: str | None = None  # e.g. gfx942 (MI300) or gfx950 (MI355): MoE scale layouts differ by arch
     input_norm_quant_fusion: bool = True
     qknorm_quant_fusion: bool = True
-    engine: str = DEFAULT_ENGINE
+    engine: str = DEFAULT_ENGINE  # whose profile (layouts/engines/<engine>.py) says what the rest means
     # The fp8 layout it reads FP8 block-scaled weights in ("" : its profile's; None: the source's
     # bytes, which it processes at load: ATOM with ATOM_FP8_BLOCKSCALE_WEIGHT_PRESHUFFLE=0)
-    fp8_layout: str | None = ""  # whose profile (layouts/engines/<engine>.py) says what the rest means
+    fp8_layout: str | None = ""
 
     def __post_init__(self) -> None:
         try:

@@ -530,10 +530,9 @@ def _plan_experts(mlp: str, tensor: str, layer: dict, tp: int, ep: int, per_rank
     for r in range(tp):
         if ep > 1:
             start, stop = rules.expert_block(len(routed), ep, r)
-            local = routed[start:stop]
-            moe_tp, moe_rank = 1, 0
+            local, moe_rank = routed[start:stop], 0
         else:
-            local, moe_tp, moe_rank = routed, tp, r
+            local, moe_rank = routed, r
         ids = [*local, None] if shared else local
         w13, w2 = [], []
         for slot, e in enumerate(ids):

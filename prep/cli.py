@@ -373,8 +373,8 @@ def convert(src, out, layout, moe_layout, tp, ep, fuse_shared_expert, engine, co
     draft = profile.mtp_draft_hint(manifest, config) if serve else None
     s = {**s, "tp": tp, "ep": ep, "layout": layout, "moe_layout": moe_layout, "serve": serve,
          "serve_mtp_draft": profile.mtp_draft_flags if serve and profile.mtp_draft(manifest, config) else None}
-    held = s.get("layouts_held")
-    what = f"layout {layout}, MoE layout {moe_layout}" if held is None or {layout, moe_layout} & set(held) \
+    held = s["layouts_held"]
+    what = f"layout {layout}, MoE layout {moe_layout}" if {layout, moe_layout} & set(held) \
         else f"no MXFP4 tensor, layouts {', '.join(held) or 'none'}"
     lines = [f"wrote {s['out']}: TP {tp}, EP {ep}, {what}: {s['tensors']} tensors "
              f"from {s['source_tensors']} source tensors, {s['files']} files ({s['reused_files']} reused), "

@@ -31,6 +31,8 @@ from safetensors.torch import save_file
 import layouts
 from layouts.sizes import ceil_div
 
+from .bf16 import FP8_BLOCK  # DeepSeek's FP8 release: one scale per 128x128 block of a weight
+
 __all__ = [
     "PRESETS", "VARIANTS", "Param", "SynthSpec", "build_config", "exclude_patterns", "is_excluded",
     "plan_groups", "run_measured", "tensor_specs", "write_checkpoint", "drop_tensors", "edit_at_same_size",
@@ -48,7 +50,6 @@ the router, embeddings, heads, norms and the MTP layer's ``eh_proj`` BF16; no Qu
 DeepSeek's ``{"quant_method": "fp8", "weight_block_size": [128, 128], ...}``."""
 
 FP8_MAX = 448.0  # e4m3fn's largest finite value
-FP8_BLOCK = 128  # DeepSeek's FP8 release: one scale per 128x128 block of a weight
 
 
 @dataclass(frozen=True)

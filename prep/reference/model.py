@@ -27,6 +27,7 @@ import torch
 import layouts
 from layouts.dequant import dequantize_activation
 
+from ..bf16 import FP8_BLOCK
 from .weights import ModelWeights
 
 BF16 = torch.bfloat16
@@ -156,15 +157,11 @@ class DeepseekV3:
         quant, raw scale layout), FP8 per-channel weights per token (as ATOM's per_Token linears),
         FP8 block-scaled weights per token and 128 columns (ATOM's per_1x128), BF16 weights
         multiply it as is."""
-        if self.w.fp8(prefix) and self.opt.act_quant:  # FP8 per channel: the input quantized per token
+        if (self.w.fp8(prefix) or self.w.fp8_block(prefix)) and self.opt.act_quant:
             from layouts.fused_fp8_quant import fp8_quant
 
-            q, s = fp8_quant(x)
-            return self._gemm(q.float() * s, prefix)
-        if self.w.fp8_block(prefix) and self.opt.act_quant:  # FP8 blocks: per token and 128 columns (per_1x128)
-            from layouts.fused_fp8_quant import fp8_quant
-
-            q, s = fp8_quant(x, group_size=128)
+            # per token for a per-channel weight, per token and block of columns for a block-scaled one
+            q, s = fp8_quant(x, group_size=None if self.w.fp8(prefix) else FP8_BLOCK)  # s: [M, groups]
             return self._gemm((q.float().reshape(*s.shape, -1) * s.unsqueeze(-1)).reshape(x.shape), prefix)
         if self.w.mxfp4(prefix) and self.opt.act_quant:
             q, s = layouts.quantize(x.float(), layouts.AITER_TRITON)

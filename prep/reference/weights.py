@@ -44,7 +44,7 @@ import layouts
 from layouts.dequant import clear_position_maps, dequantize_expert, dequantize_stored_rows, read_overhead
 from layouts.safetensors_file import TORCH_DTYPES
 
-from ..bf16 import Bf16Group, as_planned
+from ..bf16 import FP8_BLOCK, Bf16Group, as_planned
 from ..errors import PrepError
 from ..groups import LinearGroup, MoEGroup, group_from_record
 from ..source import SourceCheckpoint
@@ -272,8 +272,9 @@ class ModelWeights:
 def _block_scales(scale_inv: torch.Tensor, rows: slice, k: int) -> torch.Tensor:
     """The per-element scales of rows ``rows`` of a ``[N, k]`` FP8 weight whose 128x128 blocks
     each have one (``weight_scale_inv [ceil(N/128), ceil(k/128)]``; the last blocks may be partial)."""
-    s = scale_inv.float()[rows.start // 128:(rows.stop + 127) // 128].repeat_interleave(128, 0).repeat_interleave(128, 1)
-    first = rows.start - (rows.start // 128) * 128
+    b = FP8_BLOCK
+    s = scale_inv.float()[rows.start // b:-(-rows.stop // b)].repeat_interleave(b, 0).repeat_interleave(b, 1)
+    first = rows.start - rows.start // b * b
     return s[first:first + rows.stop - rows.start, :k]
 
 
