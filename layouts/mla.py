@@ -104,7 +104,40 @@ def absorbed_kv_b_of_rank(rank: Mapping[str, torch.Tensor], records: Mapping[str
     if name not in rank:
         raise LayoutsError(f"{name}: not in this rank's tensors")
     rec = records.get(name)
+    if rank[name].dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
+        return absorbed_kv_b(_fp8_matrix(rank, records, name, (shape.rows, shape.kv_lora_rank)), shape)
     if rec is None or rec.role != "mxfp4_weight":
         return absorbed_kv_b(rank[name], shape)
     return absorbed_kv_b(rank[name], shape, scale=rank[f"{name}_scale"], layout=rec.layout,
                          heads_per_block=heads_per_block)
+
+
+def _fp8_matrix(rank: Mapping[str, torch.Tensor], records: Mapping[str, Any], name: str,
+                shape: tuple[int, int]) -> torch.Tensor:
+    """An FP8 linear's ``[N, K]`` weight as float32 (each code times its scale, the product exact
+    in float32) from a loaded rank: the weight and its ``weight_scale`` read back through the
+    layouts the manifest records (a padded and shuffled per-channel weight, a padded scale), the
+    scale one per row (Quark's per-channel ``[N]`` or ``[N, 1]``) or per 128x128 block (DeepSeek's
+    own FP8, ``[ceil(N/128), ceil(K/128)]``)."""
+    def logical(key: str, rows_cols: tuple[int, ...]) -> torch.Tensor:
+        t, rec = rank[key], records.get(key)
+        layout = get_layout(rec.layout) if rec is not None and rec.layout else None
+        return t if layout is None else layout.weight.inverse(t, rows_cols)
+
+    n, k = shape
+    scale_name = next((f"{name}_scale{x}" for x in ("", "_inv") if f"{name}_scale{x}" in rank), None)
+    if scale_name is None:
+        raise LayoutsError(f"{name}: an FP8 weight without its weight_scale in this rank's tensors")
+    w = logical(name, shape)
+    scale = rank[scale_name]
+    fp8_block = 128
+    if scale.shape[0] >= n and scale.numel() == scale.shape[0]:  # one per row (the rows past n: padding)
+        s = logical(scale_name, (n, *scale.shape[1:])).reshape(n, 1).float()
+    elif tuple(scale.shape) == (ceil_div(n, fp8_block), ceil_div(k, fp8_block)):
+        s = scale.float().repeat_interleave(fp8_block, 0)[:n].repeat_interleave(fp8_block, 1)[:, :k]
+    else:
+        raise LayoutsError(f"{scale_name}: {list(scale.shape)} is neither one scale per row of {name} [{n}, {k}] "
+                           "nor one per 128x128 block")
+    if tuple(w.shape) != (n, k):
+        raise LayoutsError(f"{name}: weight {list(w.shape)}, the config says {[n, k]}")
+    return w.float() * s

@@ -391,9 +391,9 @@ def plan_groups(src: SourceCheckpoint, cls: Classified, target: Target) -> list[
                         f"convert with --engine {' or '.join(able)}")
     if cls.fp8 and not engine.fp8_channel_linears:
         able = [e.name for e in convertible_engines() if e.fp8_channel_linears]
-        raise PrepError(f"{cls.fp8[0]}.weight: FP8 per-channel attention is not checked against {engine.display_name}'s "
-                        f"own load yet, so prep does not write it for {engine.display_name}; convert with --engine "
-                        f"{' or '.join(able)}")
+        why = engine.fp8_channel_refusal or f"it is not checked against {engine.display_name}'s own load yet"
+        raise PrepError(f"{cls.fp8[0]}.weight: FP8 per-channel attention: {why}, so prep does not write it for "
+                        f"{engine.display_name}; convert with --engine {' or '.join(able)}")
     rules = engine.sharding
     heads = config_ints(src)["num_attention_heads"] or 1
     if heads % tp:

@@ -152,9 +152,10 @@ def _describe_source(src: SourceCheckpoint, label: str, progress: Callable[[int]
         unable = [e.display_name for e in engines if not e.fp8_channel_linears]
         fix = " or ".join(f"--engine {e.name}" for e in convertible_engines() if e.fp8_channel_linears)
         lines.append(f"  FP8 per-channel linears: {len(cls.fp8)} ({cls.fp8[0]}, ...), each weight_scale split with its "
-                     "weight's rows, padded and shuffled as the engine holds them"
+                     "weight's rows, padded and shuffled as the engine holds them where it has FP8 layouts (else the "
+                     "source's bytes, which its door lays out)"
                      + (f"; served by {', '.join(able)}" if able else "")
-                     + (f"; not by {', '.join(unable)} yet (refused: convert for {fix})" if unable else ""))
+                     + (f"; not by {', '.join(unable)} (refused: convert for {fix})" if unable else ""))
     for engine in engines:
         lines.append(f"  {engine.display_name} (--engine {engine.name}), layouts by TP size:")
         for combo, row in support[engine.name].items():

@@ -43,6 +43,8 @@ ENGINE_PYTHON = {"sglang": REPO / ".venv-sglang" / "bin" / "python", "vllm": REP
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
+import stand_ins  # noqa: E402
+
 # Stand-ins SGLang calls while building its model, each used only in the forward pass (so a
 # stand-in skips no loading work); any other stand-in call fails the check.
 SGLANG_BUILD_ONLY = {
@@ -118,6 +120,14 @@ def _rank_row(rank: int, ref: dict, bad: list[str], *more: int) -> bool:
     return not bad
 
 
+def _computed(calls: list[str]) -> None:
+    """Name the computing stand-ins the rank's loads ran (torch math for a GPU kernel, the same in
+    both loads: MLA's derivation from an FP8 kv_b_proj runs the layer on an identity)."""
+    used = stand_ins.computing(calls)
+    if used:
+        print(f"    torch stand-ins computed for GPU kernels: {', '.join(c.removesuffix(stand_ins.COMPUTING) for c in used)}")
+
+
 def check_sglang(src: pathlib.Path, out: pathlib.Path, work: pathlib.Path, aiter_src: pathlib.Path) -> bool:
     import sglang_on_cpu as s
 
@@ -161,7 +171,7 @@ def check_vllm(src: pathlib.Path, out: pathlib.Path, work: pathlib.Path, aiter_s
     if asm_tuned:
         v.force_asm_tuned()
         print("aiter's tuned-shape probes answer yes for every shape (--asm-tuned): vLLM runs each dense linear whose "
-              "scale it can swizzle on the ASM FP4 GEMM")
+              "scale it can swizzle on the ASM FP4 GEMM, each FP8 per-channel linear on aiter's preshuffled FP8 GEMM")
     elif not v.TABLES["present"]:
         print("aiter's tuned-shape tables: none given ($PREP_AITER_TABLES), so vLLM shuffles no dense linear "
               "(what aiter answers for every tiny shape)")
@@ -193,9 +203,10 @@ def check_vllm(src: pathlib.Path, out: pathlib.Path, work: pathlib.Path, aiter_s
         bad += [f"{n}: is_shuffled {ref_flags[n]} in vLLM's own load, {got_flags.get(n)} through the door"
                 for n in ref_flags if ref_flags[n] != got_flags.get(n)]
         bad += [f"vLLM loaded OUT with {loader.__name__}, not prep's loader"] * (loader.__name__ != "PrepModelLoader")
-        called = sorted({c for c in v.CALLS if not c.startswith(VLLM_ALLOWED)})
+        called = [c for c in stand_ins.skipped(v.CALLS) if not c.startswith(VLLM_ALLOWED)]
         bad += [f"stand-in called while loading: {c}" for c in called]
         ok &= _rank_row(rank, ref, bad, sum(k.startswith("draft:") for k in ref))
+        _computed(v.CALLS)
     return ok
 
 

@@ -124,7 +124,7 @@ def fill_aiter_stub(m: types.ModuleType, gpu_arch: Callable[[], str]) -> None:
         # (atom/model_ops/utils.py get_and_maybe_dequant_weights). Torch math, the same on both
         # sides a check compares, so the derived bytes can be compared.
         m.get_hip_quant = lambda qtype: _hip_quant(qtype, aiter_enum.QuantType)
-        m.gemm_a8w8_bpreshuffle = _gemm_a8w8_bpreshuffle
+        m.gemm_a8w8_bpreshuffle = gemm_a8w8_bpreshuffle
         # and the two an FP8 block-scaled (128x128) kv_b_proj runs there, preshuffled or not
         m.gemm_a8w8_blockscale_bpreshuffle = _gemm_a8w8_blockscale
         m.gemm_a8w8_blockscale = _gemm_a8w8_blockscale
@@ -151,33 +151,51 @@ def _hip_quant(qtype, quant_types):
         return StandIn(f"aiter.get_hip_quant({qtype.name})")
 
     def per_token_quant(x, scale=None, quant_dtype=None, **_):
-        import torch
-
         if scale is not None:
             raise ValueError("unsupported: static per token quant")
         CALLS.append("aiter.per_token_quant_hip" + COMPUTING)
-        xf = x.float()
-        s = xf.abs().amax(dim=-1, keepdim=True) / torch.finfo(quant_dtype).max
-        s[s == 0] = 1
-        return (xf / s).clamp(torch.finfo(quant_dtype).min, torch.finfo(quant_dtype).max).to(quant_dtype), s
+        return _per_token(x, quant_dtype)
 
     return per_token_quant
 
 
-def _gemm_a8w8_bpreshuffle(x, w, x_scale, w_scale, dtype=None, **_):
-    """aiter's ``gemm_a8w8_bpreshuffle`` (y = (x * x_scale) @ (w * w_scale)^T) in torch, the
-    weight taken back from aiter's (16, 16) shuffle where ATOM marked it shuffled: on one-byte
-    elements the same byte order as the ``preshuffle`` layout's (``layouts.shuffle``)."""
+def _per_token(x, quant_dtype):
+    """Per-token quant as aiter's HIP kernels do it: scale ``[M, 1]`` = row amax / the dtype's
+    max (1 where the row is zero), codes x / scale clamped to the dtype's range."""
+    import torch
+
+    xf = x.float()
+    s = xf.abs().amax(dim=-1, keepdim=True) / torch.finfo(quant_dtype).max
+    s[s == 0] = 1
+    return (xf / s).clamp(torch.finfo(quant_dtype).min, torch.finfo(quant_dtype).max).to(quant_dtype), s
+
+
+def dynamic_per_token_scaled_quant(out, x, scale, scale_ub=None, shuffle_scale=False, num_rows=None, **_):
+    """aiter's ``dynamic_per_token_scaled_quant`` (``aiter.ops.quant``, in place into ``out`` and
+    ``scale``), which vLLM's per-token FP8 quant op calls: :func:`_per_token`."""
+    if scale_ub is not None or shuffle_scale or num_rows is not None:
+        raise ValueError("dynamic_per_token_scaled_quant stand-in: scale_ub, shuffle_scale and num_rows unsupported")
+    CALLS.append("aiter.dynamic_per_token_scaled_quant" + COMPUTING)
+    q, s = _per_token(x.reshape(-1, x.shape[-1]), out.dtype)
+    out.copy_(q.reshape(out.shape))
+    scale.copy_(s.reshape(scale.shape))
+
+
+def gemm_a8w8_bpreshuffle(x, w, x_scale, w_scale, bias=None, dtype=None, check=False, *, shuffled=None, **_):
+    """aiter's ``gemm_a8w8_bpreshuffle`` (y = (x * x_scale) @ (w * w_scale)^T + bias) in torch, the
+    weight taken back from aiter's (16, 16) shuffle where ATOM marked it shuffled (``shuffled``:
+    whether it is, where the caller's weights carry no mark): on one-byte elements the same byte
+    order as the ``preshuffle`` layout's (``layouts.shuffle``)."""
     import torch
 
     from layouts.shuffle import unshuffle_weight
 
     CALLS.append("aiter.gemm_a8w8_bpreshuffle" + COMPUTING)
     n = w.shape[0]
-    if getattr(w, "is_shuffled", False):
+    if getattr(w, "is_shuffled", False) if shuffled is None else shuffled:
         w = unshuffle_weight(w.view(torch.uint8)).view(w.dtype)
     y = (x.float() * x_scale.float()) @ (w.float() * w_scale.float().reshape(n, 1)).t()
-    return y.to(dtype or torch.bfloat16)
+    return (y if bias is None else y + bias.float()).to(dtype or torch.bfloat16)
 
 
 def _per_group_quant(x, scale=None, quant_dtype=None, group_size=128, transpose_scale=False, **_):

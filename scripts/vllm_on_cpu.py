@@ -31,6 +31,7 @@ Stand-ins (each call recorded in :data:`CALLS`):
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import importlib.abc
 import importlib.machinery
@@ -139,6 +140,9 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         if n == "aiter":
             aiter_enum, dtypes = (importlib.import_module(x) for x in ("aiter.ops.enum", "aiter.utility.dtypes"))
             m.dtypes, m.QuantType, m.ActivationType = dtypes, aiter_enum.QuantType, aiter_enum.ActivationType
+            # the preshuffled per-token FP8 GEMM (an FP8 per-channel kv_b_proj on it, which MLA runs on
+            # an identity at load): torch math; its weight is always shuffled (vLLM marks none)
+            m.gemm_a8w8_bpreshuffle = functools.partial(stand_ins.gemm_a8w8_bpreshuffle, shuffled=True)
         elif n == "aiter.ops.enum":
             fill_aiter_enums(m)
         elif n == "aiter.utility.aiter_types":  # the tree lacks csrc/include/aiter_enum.h, which it parses
@@ -152,6 +156,8 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             m.AITER_CONFIGS = types.SimpleNamespace(AITER_CONFIG_GEMM_A4W4_FILE=str(_a4w4_tuned_csv()))
             m.AITER_LOG_TUNED_CONFIG = 0
             m.AITER_TRITON_CONFIGS_PATH = str(AITER_FULL_DIR / "aiter/ops/triton/configs")
+        elif n == "aiter.ops.quant":  # vLLM's per-token FP8 quant (FP8 per-channel linears): torch math
+            m.dynamic_per_token_scaled_quant = stand_ins.dynamic_per_token_scaled_quant
         elif n == "amdsmi":
             _fill_amdsmi(m)
 
@@ -272,17 +278,26 @@ def install(aiter_dir: str | os.PathLike | None = None) -> None:
     # vLLM registers its aiter MXFP4 GEMM op for the platform's dispatch key (CUDA): the same function for the CPU
     _LIBS.append(torch.library.Library("vllm", "IMPL"))
     _LIBS[-1].impl("gemm_with_dynamic_quant", vk.gemm_with_dynamic_quant, "CPU")
+    # and its per-token FP8 quant (vLLM's own op body, which calls aiter's kernel: a stand-in)
+    from vllm import _aiter_ops
+
+    _LIBS[-1].impl("rocm_aiter_per_token_quant", _aiter_ops._rocm_aiter_per_token_quant_impl, "CPU")
+    _LIBS[-1].impl("_rocm_aiter_preshuffled_per_token_w8a8_gemm",
+                   _aiter_ops._rocm_aiter_preshuffled_per_token_w8a8_gemm_impl, "CPU")
     if not TABLES["present"]:  # no aiter tables: no shape is tuned (module docstring)
         from vllm._aiter_ops import rocm_aiter_ops
 
         def untuned(probe: str):
-            def answer(n: int, k: int) -> bool:
+            def answer(n: int, k: int, *dtype) -> bool:  # the a8w8 probes take the weight dtype too
                 CALLS.append(f"aiter tuned-shape table (absent): {probe}")
                 return False
             return staticmethod(answer)
 
         rocm_aiter_ops.is_asm_fp4_gemm_tuned = untuned("is_asm_fp4_gemm_tuned")
         rocm_aiter_ops.is_triton_gemm_afp4wfp4_presh_ws_tuned = untuned("is_triton_gemm_afp4wfp4_presh_ws_tuned")
+        # the FP8 per-channel linears' (Quark's FP8 attention): aiter's CK a8w8 GEMMs, shuffled or not
+        rocm_aiter_ops.is_shuffled_per_token_w8a8_gemm_tuned = untuned("is_shuffled_per_token_w8a8_gemm_tuned")
+        rocm_aiter_ops.is_per_token_w8a8_gemm_tuned = untuned("is_per_token_w8a8_gemm_tuned")
 
 
 
@@ -436,14 +451,16 @@ def default_load(src, tp: int, rank: int, ep: int = 1, fill: int = 0xA5, **kw) -
 # ---------------------------------------------------------------- what vLLM chose, per module
 
 def force_asm_tuned(on: bool = True) -> None:
-    """Make vLLM's two tuned-shape probes answer True for every (N, K), so the tiny linears take
-    the ASM/preshuffle branch of AiterMxfp4LinearKernel (to see that branch's bytes)."""
+    """Make vLLM's tuned-shape probes answer True for every (N, K), so the tiny linears take the
+    ASM/preshuffle branch of AiterMxfp4LinearKernel and the FP8 per-channel ones aiter's
+    preshuffled per-token GEMM (to see those branches' bytes)."""
     install()
     from vllm._aiter_ops import rocm_aiter_ops
 
     if on:
         rocm_aiter_ops.is_asm_fp4_gemm_tuned = staticmethod(lambda n, k: True)
         rocm_aiter_ops.is_triton_gemm_afp4wfp4_presh_ws_tuned = staticmethod(lambda n, k: True)
+        rocm_aiter_ops.is_shuffled_per_token_w8a8_gemm_tuned = staticmethod(lambda n, k, dtype: True)
 
 
 def choices(model) -> dict:

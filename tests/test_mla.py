@@ -20,7 +20,7 @@ from prep.testing import SynthSpec, write_checkpoint
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory):
     root = tmp_path_factory.mktemp("src")
-    return {v: write_checkpoint(SynthSpec(variant=v), root / v) for v in ("r1-0528", "v2")}
+    return {v: write_checkpoint(SynthSpec(variant=v), root / v) for v in ("r1-0528", "v2", "mtp-moefp4", "fp8-block")}
 
 
 def source_tensor(src, name: str) -> torch.Tensor:
@@ -33,6 +33,11 @@ def source_kv_b(src, layer: int) -> torch.Tensor:
     """float32 [heads * (nope + v), kv_lora] of the source's kv_b_proj."""
     name = f"model.layers.{layer}.self_attn.kv_b_proj.weight"
     w = source_tensor(src, name)
+    if w.dtype == torch.float8_e4m3fn:  # Quark's per-channel scale [N], or DeepSeek's per 128x128 block
+        if name + "_scale" in json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]:
+            return w.float() * source_tensor(src, f"{name}_scale").float().reshape(-1, 1)
+        s = source_tensor(src, f"{name}_scale_inv").float()
+        return w.float() * s.repeat_interleave(128, 0)[:w.shape[0]].repeat_interleave(128, 1)[:, :w.shape[1]]
     if w.dtype != torch.uint8:
         return w.float()
     s = source_tensor(src, f"{name}_scale")
@@ -41,7 +46,7 @@ def source_kv_b(src, layer: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("variant, layout, tp", [
     ("v2", "preshuffle", 1), ("v2", "preshuffle", 2), ("v2", "non-shuffle", 2), ("v2", "preshuffle", 4),
-    ("r1-0528", "preshuffle", 2),
+    ("r1-0528", "preshuffle", 2), ("mtp-moefp4", "preshuffle", 2), ("fp8-block", "preshuffle", 1),
 ])
 def test_each_ranks_w_uk_and_w_uv_are_the_source_kv_b_proj_cut_per_head(sources, tmp_path, variant, layout, tp):
     src = sources[variant]
@@ -62,8 +67,11 @@ def test_each_ranks_w_uk_and_w_uv_are_the_source_kv_b_proj_cut_per_head(sources,
             assert w_uk.shape == (shape.heads, nope, shape.kv_lora_rank)
             assert w_uv.shape == (shape.heads, shape.v_head_dim, shape.kv_lora_rank)
             assert torch.equal(w_uk, mine[:, :nope]) and torch.equal(w_uv, mine[:, nope:]), (rank, layer)
-    # What the case exercises: MXFP4 in the layout asked for (v2), BF16 split by heads (R1-0528).
-    assert stored == ({("mxfp4_weight", layout)} if variant == "v2" else {("bf16_shard", None)}), stored
+    # What the case exercises: MXFP4 in the layout asked for (v2), BF16 split by heads (R1-0528),
+    # FP8 per channel padded and shuffled with its padded scale, FP8 blocks shuffled (ATOM's).
+    assert stored == {"v2": {("mxfp4_weight", layout)}, "r1-0528": {("bf16_shard", None)},
+                      "mtp-moefp4": {("bf16_shard", "fp8-channel-preshuffle")},
+                      "fp8-block": {("bf16_shard", "fp8-preshuffle")}}[variant], stored
 
 
 def test_reading_a_shuffled_kv_b_proj_as_another_layout_gives_other_values(sources, tmp_path):

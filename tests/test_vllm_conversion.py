@@ -177,3 +177,53 @@ def test_a_model_a_plugin_put_in_place_of_vllms_own_is_refused_naming_the_switch
         check_own_model(cls("atom.plugin.vllm.model_wrapper"))
     with pytest.raises(DoorError, match="a vLLM plugin replaced vLLM's own: serve without that plugin$"):
         check_own_model(cls("someplugin.models"))
+
+
+@pytest.mark.parametrize("tuned", [False, True], ids=["untuned-fp8-transposed", "tuned-fp8-preshuffled"])
+def test_fp8_attention_checkpoints_load_through_vllms_door_as_vllm_loads_the_source(tmp_path, tuned):
+    # MTP-MoEFP4's shape: Quark's FP8 per-channel self-attention beside MXFP4 experts. prep writes
+    # the FP8 linears as the source's bytes, split and merged; vLLM holds each transposed (a view
+    # of the same memory) with its scale [N, 1], or, where aiter has tuned its preshuffled per-token
+    # FP8 GEMM for the shape (every shape "tuned" here: --asm-tuned), shuffled (16, 16), which the
+    # door does on the way. vLLM's MLA derives W_UK_T / W_UV from the FP8 kv_b_proj by running it
+    # on an identity (aiter's per-token quant and FP8 GEMM as torch stand-ins, named per rank).
+    import dataclasses
+
+    from prep.testing import write_checkpoint
+
+    src = write_checkpoint(dataclasses.replace(PRESETS["tiny"], variant="mtp-moefp4"), tmp_path / "mtp")
+    out = tmp_path / "out"
+    r = CliRunner().invoke(main, ["convert", str(src), "-o", str(out), "--engine", "vllm", "--tp", "1"])
+    assert r.exit_code == 0, r.output
+    rows, report = engine_check_rows("vllm", src, out, tmp_path / "work", *(["--asm-tuned"] * tuned))
+    assert [(row[0], row[-1]) for row in rows] == [("0", "ok")], report
+    gemm = ", aiter.gemm_a8w8_bpreshuffle" if tuned else ""
+    assert f"torch stand-ins computed for GPU kernels: aiter.dynamic_per_token_scaled_quant{gemm}\n" in report + "\n"
+    if not tuned:  # the same files either way
+        assert_verifies_and_reverts(out, src, tmp_path / "back")
+
+
+def test_an_fp8_weight_is_copied_into_the_memory_of_vllms_transposed_view():
+    # A square one, where the shapes alone cannot say which way round the bytes go.
+    from layouts.engines.vllm.door import _copy_into
+
+    src = torch.randint(0, 256, (32, 32), dtype=torch.uint8).view(torch.float8_e4m3fn)
+    held = torch.empty(32, 32, dtype=torch.float8_e4m3fn).t()  # vLLM's processed weight.t()
+    _copy_into(held, src, "x.weight", "OUT")
+    assert torch.equal(held.t().view(torch.uint8), src.view(torch.uint8))
+    scale = torch.empty(32, 1)
+    _copy_into(scale, torch.arange(32, dtype=torch.bfloat16), "x.weight_scale", "OUT")
+    assert torch.equal(scale, torch.arange(32, dtype=torch.float32).reshape(32, 1))
+
+
+def test_sglang_refuses_fp8_attention_in_one_line_naming_why_and_the_engines_that_serve_it(tmp_path):
+    import dataclasses
+
+    from prep.testing import write_checkpoint
+
+    src = write_checkpoint(dataclasses.replace(PRESETS["tiny"], variant="mtp-moefp4"), tmp_path / "mtp")
+    r = CliRunner().invoke(main, ["convert", str(src), "-o", str(tmp_path / "o"), "--engine", "sglang", "--tp", "2"])
+    assert r.exit_code == 1 and r.output.count("\n") == 1 and not (tmp_path / "o").exists(), r.output
+    assert r.output.startswith("error: model.layers.0.self_attn.kv_a_proj_with_mqa.weight: FP8 per-channel attention: "
+                               "SGLang's sharded_state load"), r.output
+    assert r.output.endswith("convert with --engine atom or vllm\n"), r.output

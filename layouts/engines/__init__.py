@@ -112,6 +112,9 @@ class EngineProfile:
     ``per_channel`` override of attention) stored as split source bytes, the engine processing
     them at load as it does its source's; False: ``prep convert`` refuses a checkpoint holding
     them, naming the engines that are."""
+    fp8_channel_refusal: str = ""
+    """Why the engine's door cannot serve FP8 per-channel linears, where it is known (said when
+    ``prep convert`` refuses them for this engine); empty: not checked against its load yet."""
     fp8_layout: str | None = None
     """The ``fp8`` layout the engine holds FP8 block-scaled weights in once loaded (linears and
     experts), which prep writes so that the engine need not shuffle them at load; None: the
@@ -345,9 +348,11 @@ def get_engine(name: str = DEFAULT_ENGINE) -> EngineProfile:
 
 
 def engine_names() -> list[str]:
-    """Every engine with a profile: this package's modules and those registered from outside."""
+    """Every engine with a profile: this package's modules (in name order, however they were
+    imported) and then those registered from outside, in registration order."""
     _load_all()
-    return list(_PROFILES)
+    builtin = _builtin_modules()
+    return [n for n in builtin if n in _PROFILES] + [n for n in _PROFILES if n not in builtin]
 
 
 def gemm_path_rule(gemm_path: str) -> GemmPathRule:

@@ -71,6 +71,13 @@ class SglangProfile(EngineProfile):
     sharding = SHARDING
     checks = (engine_matches, tp_matches, rank_in_range, ep_matches, dense_layout_matches, moe_layout_matches,
               bf16_moe_layout_matches, fp8_layout_matches)
+    # ShardedStateLoader runs post_load_weights after processing: on an FP8 kv_b_proj that is the
+    # transposed [K, N] weight against its [N, 1] scale, and SGLang 0.5.23 raises (its own
+    # save_sharded_state refuses those transposed weights before that); its default loader, which
+    # runs post_load_weights first, serves the source (docs/engines.md "SGLang").
+    fp8_channel_refusal = ("SGLang's sharded_state load (the door prep writes SGLang's files for) derives MLA's "
+                           "w_kc/w_vc from kv_b_proj after processing it, and SGLang 0.5.23 fails on a processed FP8 "
+                           "kv_b_proj")
 
     def config_from_env(self, env: Mapping[str, str], *, tp_size: int, rank: int, ep_size: int,
                         gpu_arch: str | None) -> EngineConfig:

@@ -35,6 +35,7 @@ sixteenth of their bytes). The experts, the bulk of the model, are neither shuff
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -212,7 +213,7 @@ def install(model: Any, folder: str, manifest: Any, rank: int, first_mtp: int, d
                         "checkpoint without one, or by a prep before 2026-12-05); convert again with --engine vllm, "
                         "or serve without --speculative-config")
     params = model.state_dict(keep_vars=True)
-    written, seen, relaid = [], set(), set()
+    written, seen, relaid, shuffled_fp8 = [], set(), set(), set()
     for part in iter_rank_files(folder, rank, "cpu", manifest=manifest, names=set(mine)):
         for name, t in part.items():
             held = draft_name(name) if draft else name
@@ -223,16 +224,21 @@ def install(model: Any, folder: str, manifest: Any, rank: int, first_mtp: int, d
             if _on_asm_gemm(model, held):
                 t = _as_asm_gemm_holds(t, name, mine[name], folder)
                 relaid.add(held.rsplit(".", 1)[0])
+            elif _on_shuffled_fp8_gemm(model, held):
+                t = _as_shuffled_fp8_gemm_holds(t, name, mine[name], folder)
+                shuffled_fp8.add(held.rsplit(".", 1)[0])
             _copy_into(p.data, t, name, folder)
             written.append(held)
             seen.add(p.data.untyped_storage().data_ptr())
+    log = logging.getLogger(__name__)
     if relaid:
-        import logging
-
-        logging.getLogger(__name__).info(
-            "prep: %d dense linears of rank %d run on aiter's ASM FP4 GEMM (aiter has tuned it for their shapes on this "
-            "GPU): their non-shuffle-t bytes were laid out as vLLM holds them for it (preshuffle-unpadded) at load",
-            len(relaid), rank)
+        log.info("prep: %d dense linears of rank %d run on aiter's ASM FP4 GEMM (aiter has tuned it for their shapes on "
+                 "this GPU): their non-shuffle-t bytes were laid out as vLLM holds them for it (preshuffle-unpadded) at "
+                 "load", len(relaid), rank)
+    if shuffled_fp8:
+        log.info("prep: %d FP8 per-channel linears of rank %d run on aiter's preshuffled per-token FP8 GEMM (tuned for "
+                 "their shapes on this GPU): their weights were shuffled (16, 16) at load, as vLLM's processing does",
+                 len(shuffled_fp8), rank)
     skip = ENGINE_OWNED + (DRAFT_SHARED if draft else ())
     left = [n for n, p in params.items() if p.data.untyped_storage().data_ptr() not in seen and not n.endswith(skip)]
     if left:
@@ -272,11 +278,48 @@ def _as_asm_gemm_holds(t: Any, name: str, layout: str | None, folder: str) -> An
     return PRESHUFFLE_UNPADDED.weight.forward(NON_SHUFFLE_T.weight.inverse(t, tuple(t.shape)))
 
 
+def _on_shuffled_fp8_gemm(model: Any, param: str) -> bool:
+    """Whether ``param`` is the weight of an FP8 per-channel linear (Quark's FP8 attention) that
+    vLLM runs on one of aiter's preshuffled per-token GEMMs (``bpreshuffle``, or hipBLASLt's with
+    ``VLLM_ROCM_USE_AITER_LINEAR_HIPBMM=1``): vLLM chooses them at processing, per linear, where
+    aiter has tuned them for its (N, K) on this GPU, and shuffles that weight (16, 16)."""
+    if not param.endswith(".weight"):
+        return False
+    try:
+        module = model.get_submodule(param.rsplit(".", 1)[0])
+    except AttributeError:
+        return False
+    kernel = getattr(getattr(module, "scheme", None), "fp8_linear", None)
+    return type(kernel).__name__ in ("AiterPreshuffledPerTokenFp8ScaledMMLinearKernel",
+                                     "AiterHipbMMPerTokenFp8ScaledMMLinearKernel")
+
+
+def _as_shuffled_fp8_gemm_holds(t: Any, name: str, layout: str | None, folder: str) -> Any:
+    """An FP8 per-channel weight as prep wrote it for vLLM (the source's bytes, split) in aiter's
+    (16, 16) shuffle, as vLLM holds it for its preshuffled per-token GEMMs: the registry's
+    ``fp8-preshuffle`` forward (exact; which linears take those GEMMs depends on the aiter
+    installed where vLLM runs, not known when converting)."""
+    from ...registry import FP8_PRESHUFFLE
+
+    if layout is not None:
+        raise DoorError(f"{folder}: {name} is in layout {layout!r}, but vLLM runs its linear on aiter's preshuffled "
+                        "FP8 GEMM and prep lays out only the source's bytes for it; convert again with --engine vllm")
+    return FP8_PRESHUFFLE.weight.forward(t)
+
+
 def _copy_into(dst: Any, t: Any, name: str, folder: str) -> None:
     """``t`` into vLLM's parameter ``dst``: floating point cast as vLLM's own loading casts (the
-    router bias F32 -> BF16); MXFP4 bytes as they are (vLLM views them as ``float4_e2m1fn_x2``)."""
+    router bias F32 -> BF16; an FP8 per-channel scale BF16 -> F32); MXFP4 and FP8 bytes as they
+    are (vLLM views MXFP4 as ``float4_e2m1fn_x2``). Two parameters vLLM's processing leaves in
+    another shape than the checkpoint's, with the same bytes in memory: an FP8 per-channel weight
+    ``[N, K]`` transposed (a view ``[K, N]`` of its memory, which the file's bytes fill in order)
+    and its scale ``[N]`` as ``[N, 1]``."""
     import torch
 
+    if dst.dim() == 2 and not dst.is_contiguous() and dst.t().is_contiguous() and t.dtype == dst.dtype:
+        dst = dst.t()  # the processed weight.t() of an FP8 linear: its memory is [N, K] in order
+    if dst.dim() == t.dim() + 1 and dst.shape[-1] == 1 and tuple(dst.shape[:-1]) == tuple(t.shape):
+        t = t.unsqueeze(-1)  # a per-channel scale [N] held [N, 1]
     if tuple(dst.shape) != tuple(t.shape):
         raise DoorError(f"{folder}: {name} is {list(t.shape)} but vLLM holds {list(dst.shape)}; convert again with "
                         "this prep for this vLLM (--engine vllm)")
