@@ -51,6 +51,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--aiter-dir", default=None, help="unpacked amd-aiter files (default .cache/aiter-oracle)")
     ap.add_argument("--out", default=None, help="also write the report here")
     ap.add_argument("--sweep", action="store_true", help="also time launch configs around our default plan")
+    ap.add_argument("--sweep-ms", default=None, help="comma-separated M values of the sweep (default: 1,16,16384,65536)")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile contender")
     ap.add_argument("--ms", default=None, help="comma-separated M values (default: 1,16,256,4096,16384,65536)")
     ap.add_argument("--time-limit", type=float, default=240,
@@ -455,10 +456,12 @@ X2IN, X2OWN, FLAT, TILES = dict(x2_main=True), dict(x2_main=False), dict(flat_su
 SWEEP = {  # (rows per program, warps, row split, plan options) around the defaults
     "input_layernorm+res": {"small": [(1, 4, 1, {}), (1, 4, 7, FLAT), (1, 4, 7, TILES), (1, 8, 7, FLAT),
                                       (1, 2, 7, FLAT), (1, 4, 14, FLAT), (1, 8, 14, FLAT), (1, 8, 4, FLAT)],
-                            "large": [(1, 2, 1, {}), (1, 4, 1, {}), (1, 8, 1, {})]},
+                            "large": [(1, 2, 1, {}), (1, 4, 1, {}), (1, 8, 1, {}), (1, 16, 1, {}), (2, 4, 1, {}),
+                                      (2, 8, 1, {}), (2, 16, 1, {})]},
     "q_a+kv_a_layernorm": {"small": [(1, 1, 1, X2IN), (1, 2, 3, FLAT), (1, 2, 3, TILES), (1, 1, 3, FLAT),
                                      (1, 4, 3, FLAT), (1, 1, 6, FLAT)],
-                           "large": [(1, 1, 1, X2IN), (1, 1, 1, X2OWN), (1, 2, 1, X2IN), (2, 1, 1, X2IN)]},
+                           "large": [(1, 1, 1, X2IN), (1, 1, 1, X2OWN), (1, 2, 1, X2IN), (1, 4, 1, X2IN),
+                                     (2, 1, 1, X2IN), (2, 2, 1, X2IN), (4, 2, 1, X2IN), (4, 4, 1, X2IN)]},
 }
 
 
@@ -595,7 +598,8 @@ def main() -> None:
     say("%copy: against the faster copy (torch copy_ or the Triton copy kernel) of the op's own bytes; %best: "
         "against the best copy of the run (GB/s); x old / x aiter: their time / ours")
     if ARGS.sweep:
-        sweep([1, 33] if ARGS.cpu_smoke else [1, 16, 16384, 65536], t_start)
+        sweep([int(v) for v in ARGS.sweep_ms.split(",")] if ARGS.sweep_ms else
+              [1, 33] if ARGS.cpu_smoke else [1, 16, 16384, 65536], t_start)
     say(f"(total {time.time() - t_start:.0f} s)")
 
 

@@ -16,6 +16,10 @@ What vLLM holds (read in its source and run on the CPU, docs/engines.md "vLLM"):
   ``mlp.experts.routed_experts``; the intermediate padded to a multiple of 128, the hidden to 256;
   the shared expert not fused (``VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS`` off by default);
 * ``fused_qkv_a_proj`` = [q_a; kv_a] replicated and ``gate_up_proj``, split as ATOM's;
+* FP8 per-channel linears (Quark's FP8 attention: MTP-MoEFP4, the AttnFP8 checkpoints): the
+  weight ``[N, K]`` as its transpose (a view of the same memory) with the scale ``[N, 1]``, or
+  shuffled (16, 16) where aiter's preshuffled per-token FP8 GEMM is tuned for ``(N, K)``: prep
+  writes the source's bytes and the door copies them in that way (:mod:`.door`);
 * the MTP layer only in its draft model (``DeepSeekMTP``, ``--speculative-config '{"method":
   "mtp", ...}'``), built and loaded after the main model through the same loader, at the same TP
   and EP: its decoder layer under ``model.layers.{L}.mtp_block``, split and merged as the main

@@ -16,8 +16,11 @@ What the loader does, in vLLM's own order (``BaseModelLoader.load_model``), and 
    holds after processing, so nothing is processed twice, except a dense linear vLLM runs on
    aiter's ASM FP4 GEMM (where the aiter installed has a tuned GEMM for its shape on this GPU,
    which prep cannot know when converting): its bytes are laid out from ``non-shuffle-t`` into
-   ``preshuffle-unpadded`` on the way (:func:`_as_asm_gemm_holds`, exact). A name vLLM's model
-   lacks, a tensor of another shape and a parameter left unwritten are refused, naming the fix.
+   ``preshuffle-unpadded`` on the way (:func:`_as_asm_gemm_holds`, exact), and an FP8
+   per-channel weight, written as the source's bytes: copied into the memory of vLLM's
+   transposed view, or shuffled (16, 16) on the way where vLLM runs it on aiter's preshuffled
+   FP8 GEMM (:func:`_as_shuffled_fp8_gemm_holds`). A name vLLM's model lacks, a tensor of another
+   shape and a parameter left unwritten are refused, naming the fix.
 4. ``finalize_model_weights`` derives ``W_UK_T`` / ``W_UV`` from the ``kv_b_proj`` just copied in.
 
 The MTP draft (``--speculative-config '{"method": "mtp", ...}'``) is a second model vLLM loads
