@@ -51,6 +51,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--aiter-dir", default=None, help="unpacked amd-aiter files (default .cache/aiter-oracle)")
     ap.add_argument("--out", default=None, help="also write the report here")
     ap.add_argument("--sweep", action="store_true", help="also time launch configs around our default plan")
+    ap.add_argument("--ab-flags", action="store_true",
+                    help="only time ours with the scale shuffled + padded, row-major padded and row-major, "
+                         "alternating twice in this process (what the shuffle costs)")
     ap.add_argument("--sweep-ms", default=None, help="comma-separated M values of the sweep (default: 1,16,16384,65536)")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile contender")
     ap.add_argument("--ms", default=None, help="comma-separated M values (default: 1,16,256,4096,16384,65536)")
@@ -495,10 +498,31 @@ def sweep(ms: list[int], t_start: float) -> None:
                 torch.cuda.empty_cache()
 
 
+def ab_flags(ms: list[int]) -> None:
+    """Ours with each scale flag setting, alternating (two rounds), at each site and M."""
+    flags = {"shuffled+padded": (True, True), "row-major padded": (False, True), "row-major": (False, False)}
+    say("== ours by scale flags (CUDA-graph us per call, two alternating rounds) ==")
+    for site, (n1, res, n2) in SITES.items():
+        for m in ms:
+            args = make_inputs(m, n1, res, n2)
+            times = {k: [] for k in flags}
+            for _ in range(2):
+                for k, (sh, pad) in flags.items():
+                    times[k].append(time_graph_us(lambda: fused_rms_mxfp4_quant_triton(
+                        **args, shuffle=sh, scale_shuffle_padding=pad), 40))
+            say(f"{site} M={m}: " + "  ".join(f"{k} {' / '.join(f'{t:.1f}' for t in v)}" for k, v in times.items()))
+            del args
+            if not ARGS.cpu_smoke:
+                torch.cuda.empty_cache()
+
+
 def main() -> None:
     if not torch.cuda.is_available() and not ARGS.cpu_smoke:
         sys.exit("needs a CUDA device")
     t_start = time.time()
+    if ARGS.ab_flags:
+        ab_flags([int(v) for v in ARGS.ms.split(",")] if ARGS.ms else [33] if ARGS.cpu_smoke else [4096, 65536])
+        return
     import triton
 
     name = "CPU smoke test (interpreter)" if ARGS.cpu_smoke else torch.cuda.get_device_name()
