@@ -25,12 +25,21 @@ if str(REPO) not in sys.path:
 
 
 def matrix():
+    """(variant, engine, dense layout, MoE layout, tp, ep): ATOM's layouts on both MXFP4 variants,
+    each engine's own conversion, the FP8 variants, and Kimi-K2's shape (384 experts, 64 heads)."""
     for variant in ("r1-0528", "v2"):
         for layout in ("preshuffle", "non-shuffle"):
             for moe in ("ck", "triton"):
                 for tp in (1, 2, 4):
-                    yield variant, layout, moe, tp, 1
-            yield variant, layout, "ck", 2, 2
+                    yield variant, "atom", layout, moe, tp, 1
+            yield variant, "atom", layout, "ck", 2, 2
+        yield variant, "sglang", "non-shuffle", "ck-3d", 2, 1
+        yield variant, "vllm", "non-shuffle-t", "ck-3d", 2, 2
+    yield "mtp-moefp4", "atom", "preshuffle", "ck", 2, 1
+    yield "mtp-moefp4", "vllm", "non-shuffle-t", "ck-3d", 2, 2
+    yield "fp8-block", "atom", "preshuffle", "ck", 1, 1
+    yield "kimi-k2", "atom", "preshuffle", "ck", 2, 1
+    yield "kimi-k2", "vllm", "non-shuffle-t", "ck-3d", 2, 2
 
 
 def main() -> None:
@@ -40,22 +49,25 @@ def main() -> None:
     args = ap.parse_args()
 
     from prep.convert import convert
-    from prep.deepseek import Target
-    from prep.testing import SynthSpec, write_checkpoint
+    from prep.deepseek import target_for
+
+    def target(engine, layout, moe, tp, ep):
+        return target_for(engine, layout=layout, moe_layout=moe, tp=tp, ep=ep)
+    from prep.testing import PRESETS, SynthSpec, write_checkpoint
 
     work = args.workdir.resolve()
     work.mkdir(parents=True, exist_ok=True)
     srcs = {}
-    for v in ("r1-0528", "v2"):
+    for v in ("r1-0528", "v2", "mtp-moefp4", "fp8-block", "kimi-k2"):
         srcs[v] = work / f"src-{v}"
         if not (srcs[v] / "config.json").is_file():
-            write_checkpoint(SynthSpec(variant=v), srcs[v])
+            write_checkpoint(PRESETS[v] if v in PRESETS else SynthSpec(variant=v), srcs[v])
     table = {}
-    for variant, layout, moe, tp, ep in matrix():
-        name = f"{variant}-{layout}-{moe}-tp{tp}-ep{ep}"
+    for variant, engine, layout, moe, tp, ep in matrix():
+        name = f"{variant}-{engine}-{layout}-{moe}-tp{tp}-ep{ep}"
         out = work / name
         shutil.rmtree(out, ignore_errors=True)
-        convert(str(srcs[variant]), out, Target(layout, moe, tp, ep))
+        convert(str(srcs[variant]), out, target(engine, layout, moe, tp, ep))
         files = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(out.iterdir())}
         table[name] = files
         whole = hashlib.sha256("".join(f"{k} {v}\n" for k, v in files.items()).encode()).hexdigest()
