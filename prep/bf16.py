@@ -28,6 +28,7 @@ import torch
 
 import layouts
 from layouts.engines import COLS as _COLS, ROWS as _ROWS, WHOLE as _WHOLE
+from layouts.families import family_of
 
 from .errors import PrepError
 from .groups import Reader
@@ -313,17 +314,19 @@ _EXPERT = re.compile(r"^(.*\.mlp\.)(?:experts\.(\d+)|shared_experts)\.(gate|up|d
 
 
 def plan_bf16_groups(tensors: dict[str, Any], config: dict[str, Any], tp: int, ep: int = 1,
-                     fuse_shared_expert: bool = True, rules: "layouts.engines.ShardingRules | None" = None
-                     ) -> tuple[list[list[Bf16Group]], list[str]]:
+                     fuse_shared_expert: bool = True, rules: "layouts.engines.ShardingRules | None" = None,
+                     family: "layouts.families.Family | None" = None) -> tuple[list[list[Bf16Group]], list[str]]:
     """For each rank, the BF16 groups it holds, and the names left whole (replicated: every rank
     holds all of them). ``tensors``: the source's non-MXFP4 tensors, name -> info with ``dtype``
     and ``shape``, in source order. Expert parallel (``ep`` = ``tp``) splits the BF16 experts
     only: whole experts in blocks, as for the MXFP4 ones; everything else is split by ``tp``.
-    ``rules``: the engine's (its profile's ``sharding``; default: the default engine's) splits,
-    merged modules and expert map.
+    ``rules``: the engine's (its profile's ``sharding``; default: the default engine's) merged
+    modules, expert map and any departure from the TP splits of ``family`` (the checkpoint's model
+    family; default: config.json's).
 
     Refuses (naming the tensor and the fix) a split that does not divide: ATOM pads nothing."""
     rules = rules or layouts.get_engine().sharding
+    family = family or family_of(config)
     per_rank: list[list[Bf16Group]] = [[] for _ in range(tp)]
     whole: list[str] = []
     merged: dict[str, tuple[Any, dict[str, tuple[str, Any]]]] = {}  # engine name -> (its Merge, {part: info})
@@ -361,7 +364,7 @@ def plan_bf16_groups(tensors: dict[str, Any], config: dict[str, Any], tp: int, e
         if module is not None and (hit := _merge_part(module, merges)):
             layer, merge, key = hit
             merged.setdefault(f"{layer}{merge.module}{suffix}", (merge, {}))[1][key] = (name, info)
-        elif module is not None and (split := rules.split_of(module)) != _WHOLE \
+        elif module is not None and (split := rules.split_of(module, family)) != _WHOLE \
                 and not (channel is not None and split == _COLS):  # a row-parallel layer's channel scale: whole
             dim = 1 if split == _COLS else 0
             for r in range(tp):

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 import pathlib
 import re
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Iterable, Mapping
 
 from layouts.compat import EngineConfig
 from layouts.engines import DEFAULT_ENGINE, EngineProfile, ShardingRules, engine_names, get_engine
 from layouts.errors import LayoutsError
+from layouts.families import Family, family_of
 from layouts.mxfp4 import BLOCK_SIZE
 from layouts.registry import Layout, get_layout
 from layouts.sizes import ceil_div
@@ -67,6 +67,7 @@ class Classified:
     """Every source tensor assigned: to a quantized module (by kind) or to pass-through."""
 
     arch: str
+    family: Family  # resolved once, from config.json: what every module is and how TP splits it
     num_layers: int  # decoder layers, MTP excluded
     mtp_layers: list[int]
     modules: dict[str, str]  # MXFP4 module prefix -> kind
@@ -96,27 +97,17 @@ def arch_of(config: dict[str, Any]) -> str:
                     "prep knows DeepseekV3ForCausalLM (V3, R1) and DeepseekV2ForCausalLM")
 
 
-_KINDS = [  # routed experts first: they are nearly all of the ~30k modules
-    (r"mlp\.experts\.\d+\.(gate|up|down)_proj$", "routed_expert"),
-    (r"self_attn\.q_a_proj$", "q_a_proj"), (r"self_attn\.kv_a_proj_with_mqa$", "kv_a_proj"),
-    (r"self_attn\.q_b_proj$", "q_b_proj"), (r"self_attn\.q_proj$", "q_proj"),
-    (r"self_attn\.kv_b_proj$", "kv_b_proj"), (r"self_attn\.o_proj$", "o_proj"),
-    (r"mlp\.shared_experts\.(gate|up|down)_proj$", "shared_expert"),
-    (r"mlp\.(gate|up|down)_proj$", "dense_mlp"),
-    (r"eh_proj$", "mtp_eh_proj"),
-]
-
-
-_KIND_RES = [(re.compile(p), kind) for p, kind in _KINDS]
 _NUMBERS = re.compile(r"(\d+)")
 _LAYER = re.compile(r"(.*?layers\.\d+\.)")
 
 
-def module_kind(prefix: str) -> str:
-    for pattern, kind in _KIND_RES:
-        if pattern.search(prefix):
-            return kind
-    return "other"
+def source_family(config: Mapping[str, Any]) -> Family:
+    """The model family of a source's config.json (:func:`layouts.families.family_of`), refused
+    in one line naming what prep knows."""
+    try:
+        return family_of(config)
+    except LayoutsError as e:
+        raise PrepError(str(e)) from None
 
 
 # config.json values that size loops and lists, read as what they must be: JSON integers (a
@@ -174,79 +165,35 @@ def check_config_ints(cfg: dict[str, Any], root: pathlib.Path, tensors: int | No
     return out
 
 
-def expected_weights(cfg: dict[str, Any], ints: dict[str, int | None], mtp_present=()) -> Iterator[tuple[str, str]]:
-    """(module, the config.json value that implies it) for every module whose ``.weight`` a
-    DeepSeek V2/V3 checkpoint of this config holds, lazily (a config of 1e9 layers must fail at
-    the first layer missing, not build a list first). As DeepSeek's modeling code builds them:
-    MLA attention (``q_proj`` without a q LoRA), dense MLP before ``first_k_dense_replace`` and
-    off the ``moe_layer_freq`` beat, else a router, the routed and the shared experts. The MTP
-    layers (``num_nextn_predict_layers``) follow the decoder layers and are built alike, but an
-    MTP layer may be absent as a whole (``mtp_present``: the MTP layer indices the checkpoint
-    has any tensor of): transformers builds no MTP layer, so an amd-quark export of its
-    DeepseekV3 has none while its config still says ``num_nextn_predict_layers: 1``; engines
-    load them only for speculative decoding."""
-    n_layers, n_mtp, n_routed = ints["num_hidden_layers"], ints["num_nextn_predict_layers"], ints["n_routed_experts"]
-    yield "model.embed_tokens", "every DeepSeek checkpoint has it"
-    # chained, not listed: a config of 1e8 layers made that list first (4 GB, 3 s) before the walk
-    # stopped at the first layer missing
-    for layer in itertools.chain(range(n_layers), sorted(i for i in mtp_present if n_layers <= i < n_layers + n_mtp)):
-        p = f"model.layers.{layer}"
-        why = f"config.json has num_hidden_layers={n_layers}" if layer < n_layers else \
-            f"config.json has num_nextn_predict_layers={n_mtp}"
-        yield f"{p}.input_layernorm", why
-        a = f"{p}.self_attn"
-        q = ("q_a_proj", "q_a_layernorm", "q_b_proj") if ints["q_lora_rank"] is not None else ("q_proj",)
-        for m in (*q, "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj"):
-            yield f"{a}.{m}", why
-        yield f"{p}.post_attention_layernorm", why
-        if n_routed is not None and layer >= ints["first_k_dense_replace"] and layer % ints["moe_layer_freq"] == 0:
-            yield f"{p}.mlp.gate", why
-            for e in range(n_routed):
-                for proj in ("gate_proj", "up_proj", "down_proj"):
-                    yield f"{p}.mlp.experts.{e}.{proj}", f"config.json has n_routed_experts={n_routed}"
-            if ints["n_shared_experts"]:
-                for proj in ("gate_proj", "up_proj", "down_proj"):
-                    yield f"{p}.mlp.shared_experts.{proj}", f"config.json has n_shared_experts={ints['n_shared_experts']}"
-        else:
-            for proj in ("gate_proj", "up_proj", "down_proj"):
-                yield f"{p}.mlp.{proj}", f"config.json has first_k_dense_replace={ints['first_k_dense_replace']}"
-    yield "model.norm", "every DeepSeek checkpoint has it"
-    if not cfg.get("tie_word_embeddings"):
-        yield "lm_head", "config.json does not tie it to the embedding"
-
-
-def check_complete(src: SourceCheckpoint) -> dict[str, int | None]:
+def check_complete(src: SourceCheckpoint, family: Family | None = None) -> dict[str, int | None]:
     """Refuse a checkpoint that lacks a tensor its config.json implies, naming the first one
     missing (a weight counts in any dtype: MXFP4 or not). Returns the checked config values.
     The walk stops at the first name missing, so it is bounded by the tensors present whatever
     the config says; the counts are bounded by them too once it passed."""
+    family = family or source_family(src.config)
     ints = config_ints(src, bounded=False)
     tensors = src.tensors
     layers = {name.split(".", 3)[2] for name in tensors if name.startswith("model.layers.")}
     mtp_present = {int(i) for i in layers if i.isdigit() and int(i) >= ints["num_hidden_layers"]}
     known: set[str] = set()  # every module the config implies, each found: what _check_known holds the tensors to
-    for module, why in expected_weights(src.config, ints, mtp_present):
+    for module, why in family.expected(src.config, ints, mtp_present):
         if f"{module}.weight" not in tensors:
             raise PrepError(f"{src.root}: tensor {module}.weight is missing ({why}); the checkpoint is incomplete "
                             "or config.json is not its own: re-download it")
         known.add(module)
     ints = config_ints(src)
     _check_sizes(src, ints)  # first: a config.json that is not the checkpoint's says so, not "unknown module"
-    _check_known(src, known)
+    _check_known(src, known, family)
     return ints
 
 
-# What an MTP layer holds beside a decoder layer's modules (DeepSeek's modeling code; every engine's
-# DeepSeekMTP): its own embedding and head (which engines may share with the target's), the two norms
-# of its inputs, the projection of their concatenation, and the head's norm.
-_MTP_MODULES = ("embed_tokens", "enorm", "hnorm", "eh_proj", "shared_head.norm", "shared_head.head")
 # A module's tensors prep knows (weight_scale_inv: DeepSeek's FP8 blocks, refused by classify with its reason)
 _KNOWN_SUFFIXES = ("weight", "weight_scale", "weight_scale_inv", "e_score_correction_bias")
 
 
-def _check_known(src: SourceCheckpoint, known: set[str]) -> None:
-    """Refuse a tensor of a module DeepSeek-V2/V3's modeling code does not build for this config
-    (``known``: :func:`expected_weights`' modules; a DeepSeek-V3.2 indexer, a vision tower, a stray
+def _check_known(src: SourceCheckpoint, known: set[str], family: Family) -> None:
+    """Refuse a tensor of a module the family's modeling code does not build for this config
+    (``known``: :meth:`Family.expected`'s modules; a DeepSeek-V3.2 indexer, a vision tower, a stray
     export): no engine profile says how a rank holds it, and copying it whole to every rank (what
     prep did) let ``prep run`` compute without it and engines fail or ignore it. Named in one line,
     before anything is written."""
@@ -256,12 +203,10 @@ def _check_known(src: SourceCheckpoint, known: set[str]) -> None:
             raise PrepError(f"{name}: a tensor {suffix!r} of {module} is not one prep knows (a module holds its "
                             "weight, and an MXFP4 or FP8 one its weight_scale; the router its e_score_correction_bias); "
                             "prep does not copy an unknown tensor to every rank: re-export the checkpoint without it")
-        layer, _, rest = module.partition(".layers.")
         # an MTP layer's own modules: wherever config.json puts that layer (a transformers-5 config
         # may count it among the decoder layers); an engine that does not build them there says so
-        mtp_own = layer == "model" and rest.partition(".")[2] in _MTP_MODULES
-        if module not in known and not mtp_own:
-            raise PrepError(f"{name}: no module of DeepSeek-V2/V3 as config.json builds it (architecture "
+        if module not in known and not family.is_mtp_own(module):
+            raise PrepError(f"{name}: no module of {family.label} as config.json builds it (architecture "
                             f"{src.config.get('architectures')}) is named {module}; prep does not know how an engine "
                             "holds it and does not copy an unknown tensor to every rank (DeepSeek-V3.2's indexer and "
                             "multimodal towers are not supported yet)")
@@ -316,7 +261,8 @@ def _check_sizes(src: SourceCheckpoint, ints: dict[str, int | None]) -> None:
 def classify(src: SourceCheckpoint) -> Classified:
     cfg = src.config
     arch = arch_of(cfg)
-    ints = check_complete(src)
+    family = source_family(cfg)
+    ints = check_complete(src, family)
     n_layers = ints["num_hidden_layers"]
     mtp = [n_layers + i for i in range(ints["num_nextn_predict_layers"])]
     modules: dict[str, str] = {}
@@ -356,7 +302,7 @@ def classify(src: SourceCheckpoint) -> Classified:
         if len(info.shape) != 2 or info.shape != want:
             raise PrepError(f"{prefix}.weight_scale: shape {list(info.shape)} does not match weight "
                             f"{list(w.shape)} (expected [N, ceil(K/32)] for packed [N, K/2])")
-        modules[prefix] = module_kind(prefix)
+        modules[prefix] = family.kind_of(prefix)
         consumed.update((name, f"{prefix}.weight"))
     passthrough = [n for n in src.tensors if n not in consumed]
     for n in passthrough:
@@ -366,7 +312,7 @@ def classify(src: SourceCheckpoint) -> Classified:
         if src.tensors[n].dtype == "F8_E4M3" and n.endswith(".weight") and n[:-len(".weight")] not in (*fp8, *fp8_block):
             raise PrepError(f"{n}: an F8_E4M3 weight with no weight_scale or weight_scale_inv; per-tensor FP8 is "
                             "not converted by prep: re-download the checkpoint")
-    return Classified(arch, n_layers, mtp, modules, passthrough, fp8, fp8_block)
+    return Classified(arch, family, n_layers, mtp, modules, passthrough, fp8, fp8_block)
 
 
 def _dims(src: SourceCheckpoint, prefix: str) -> tuple[int, int]:
@@ -409,7 +355,7 @@ def plan_groups(src: SourceCheckpoint, cls: Classified, target: Target) -> list[
     for layer, mods in cls.by_layer.items():
         experts = _layer_experts(layer, mods, target, src)  # the same for every rank: checked once
         for rank in range(tp):
-            per_rank[rank] += _layer_groups(layer, mods, rank, target, rules, part, experts, lays)
+            per_rank[rank] += _layer_groups(layer, mods, rank, target, rules, cls.family, part, experts, lays)
     try:
         for groups in per_rank:
             for g in groups:
@@ -512,7 +458,7 @@ def _layer_experts(layer: str, mods: dict[str, str], target: Target, src: Source
     return _LayerExperts(srcs, len(experts), fuse, inter, hidden)
 
 
-def _layer_groups(layer, mods, rank, target, rules: ShardingRules, part, experts: _LayerExperts | None,
+def _layer_groups(layer, mods, rank, target, rules: ShardingRules, family: Family, part, experts: _LayerExperts | None,
                   lays: tuple[Layout, Layout]) -> list[LinearGroup | MoEGroup]:
     """Rank ``rank``'s groups of one layer, as the engine's ``rules`` hold its modules: merged
     modules (those after the experts only in a layer with stacked experts), the stacked experts
@@ -548,7 +494,7 @@ def _layer_groups(layer, mods, rank, target, rules: ShardingRules, part, experts
 
     for prefix in mods:
         if prefix not in done:
-            linear(prefix, [part(prefix, rules.split_of(prefix))])
+            linear(prefix, [part(prefix, rules.split_of(prefix, family))])
     return out
 
 
@@ -565,7 +511,7 @@ def mtp_replaced(names: Iterable[str], num_hidden_layers: int, rules: ShardingRu
 
 
 def split_bf16(tensors: Mapping[str, Any], config: dict[str, Any], num_layers: int, tp: int, ep: int,
-               fuse_shared_expert: bool, rules: ShardingRules | None = None
+               fuse_shared_expert: bool, rules: ShardingRules | None = None, family: Family | None = None
                ) -> tuple[list[list[Bf16Group]], list[str], list[str]]:
     """Where each non-MXFP4 tensor of ``tensors`` (name -> its dtype and shape) goes in a
     rank-exact conversion: per rank, the BF16 groups it holds (split as ATOM holds them,
@@ -577,7 +523,7 @@ def split_bf16(tensors: Mapping[str, Any], config: dict[str, Any], num_layers: i
     rules = rules or get_engine(DEFAULT_ENGINE).sharding
     unread = mtp_replaced(tensors, num_layers, rules)
     rest = {n: info for n, info in tensors.items() if n not in unread}
-    per_rank, replicated = plan_bf16_groups(rest, config, tp, ep, fuse_shared_expert, rules)
+    per_rank, replicated = plan_bf16_groups(rest, config, tp, ep, fuse_shared_expert, rules, family)
     return per_rank, replicated, unread
 
 
@@ -610,7 +556,7 @@ def plan_bf16(src: SourceCheckpoint, cls: Classified, target: Target
     experts in the target's BF16 MoE layout, every group checked."""
     per_rank, replicated, unread = split_bf16({n: src.tensors[n] for n in cls.passthrough}, src.config,
                                               cls.num_layers, target.tp, target.ep, target.fuse_shared_expert,
-                                              engine_of(target.engine).sharding)
+                                              engine_of(target.engine).sharding, cls.family)
     if target.bf16_moe_layout:
         stacked = get_layout(target.bf16_moe_layout)
         # BF16 experts only: the engine processes FP8 experts (and their scales) at load itself

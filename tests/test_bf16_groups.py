@@ -197,10 +197,10 @@ def test_without_a_q_lora_kv_a_is_held_whole_and_a_lone_merge_part_is_refused():
 
     kv_a = "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"
     tensors = {kv_a: SimpleNamespace(dtype="BF16", shape=(96, 64))}
-    per_rank, whole = plan_bf16_groups(tensors, {"q_lora_rank": None}, 2)
+    per_rank, whole = plan_bf16_groups(tensors, {"q_lora_rank": None, "model_type": "deepseek_v2"}, 2)
     assert whole == [kv_a] and per_rank == [[], []]
     with pytest.raises(PrepError, match="its partner of model.layers.0.self_attn.fused_qkv_a_proj.weight"):
-        plan_bf16_groups(tensors, {"q_lora_rank": 32}, 2)
+        plan_bf16_groups(tensors, {"q_lora_rank": 32, "model_type": "deepseek_v2"}, 2)
 
 
 @pytest.fixture(scope="module")

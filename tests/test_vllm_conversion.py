@@ -214,16 +214,3 @@ def test_an_fp8_weight_is_copied_into_the_memory_of_vllms_transposed_view():
     scale = torch.empty(32, 1)
     _copy_into(scale, torch.arange(32, dtype=torch.bfloat16), "x.weight_scale", "OUT")
     assert torch.equal(scale, torch.arange(32, dtype=torch.float32).reshape(32, 1))
-
-
-def test_sglang_refuses_fp8_attention_in_one_line_naming_why_and_the_engines_that_serve_it(tmp_path):
-    import dataclasses
-
-    from prep.testing import write_checkpoint
-
-    src = write_checkpoint(dataclasses.replace(PRESETS["tiny"], variant="mtp-moefp4"), tmp_path / "mtp")
-    r = CliRunner().invoke(main, ["convert", str(src), "-o", str(tmp_path / "o"), "--engine", "sglang", "--tp", "2"])
-    assert r.exit_code == 1 and r.output.count("\n") == 1 and not (tmp_path / "o").exists(), r.output
-    assert r.output.startswith("error: model.layers.0.self_attn.kv_a_proj_with_mqa.weight: FP8 per-channel attention: "
-                               "SGLang's sharded_state load"), r.output
-    assert r.output.endswith("convert with --engine atom or vllm\n"), r.output

@@ -25,7 +25,7 @@ import importlib
 import pkgutil
 from typing import TYPE_CHECKING, Callable, Mapping, Optional
 
-from ._sharding import (COLS, DEEPSEEK_SPLITS, ROWS, WHOLE, Constant, Merge, ShardingRules, deepseek_merges,
+from ._sharding import (COLS, ROWS, WHOLE, Constant, Merge, ShardingRules, deepseek_merges,
                         layer_index)
 
 if TYPE_CHECKING:  # compat imports this package: the names are only for annotations here
@@ -378,7 +378,7 @@ def current_gpu_arch() -> str | None:
 
 
 __all__ = [
-    "COLS", "DEEPSEEK_SPLITS", "DEFAULT_ENGINE", "NEVER", "ROWS", "WHOLE", "Check", "Constant", "EngineProfile",
+    "COLS", "DEFAULT_ENGINE", "NEVER", "ROWS", "WHOLE", "Check", "Constant", "EngineProfile",
     "GemmPathRule", "GpuArch", "Merge", "ShardingRules", "deepseek_merges",
     "current_gpu_arch", "engine_names", "gemm_path_rule", "get_engine", "register_engine",
 ]

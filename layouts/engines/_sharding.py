@@ -14,9 +14,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-ROWS, COLS, WHOLE = "rows", "cols", "none"
-"""A module's TP split: its output rows (column parallel), its input columns (row parallel), or
-none (every rank holds it whole)."""
+from ..families import COLS, ROWS, WHOLE, Family
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,10 +58,11 @@ class ShardingRules:
 
     merges: tuple[Merge, ...]
     """The engine's merged modules, in the order a rank's files hold them within a layer."""
-    splits: tuple[tuple[str, str], ...]
-    """``(pattern, split)``: the first pattern found in a module's full name (``re.search``) gives
-    its split; a module no pattern finds is held whole. Embeddings and heads split by rows are
-    vocabulary parallel."""
+    splits: tuple[tuple[str, str], ...] = ()
+    """The engine's own departures from its model family's TP splits (the family's table says how
+    every module is split, :mod:`layouts.families`): ``(pattern, split)``, the first pattern found
+    in a module's full name (``re.search``) wins. None for the engines profiled here: ATOM, SGLang
+    and vLLM hold DeepSeek's modules as the family's table says."""
     experts: str = "mlp.experts"
     """The stacked experts' module, relative to the layer."""
     fuse_shared_expert: bool = True
@@ -99,12 +98,13 @@ class ShardingRules:
     def __post_init__(self) -> None:
         object.__setattr__(self, "_compiled", tuple((re.compile(p), s) for p, s in self.splits))
 
-    def split_of(self, module: str) -> str:
-        """How TP splits ``module`` (a full name, e.g. ``model.layers.3.self_attn.o_proj``)."""
+    def split_of(self, module: str, family: Family) -> str:
+        """How the engine splits ``module`` of a ``family`` checkpoint over TP (a full name, e.g.
+        ``model.layers.3.self_attn.o_proj``): the family's split unless the engine departs from it."""
         for pattern, split in self._compiled:  # type: ignore[attr-defined]
             if pattern.search(module):
                 return split
-        return WHOLE
+        return family.split_of(module)
 
     @staticmethod
     def expert_block(n_routed: int, ep: int, rank: int) -> tuple[int, int]:
@@ -113,19 +113,6 @@ class ShardingRules:
         parallel for DeepSeek does this; a profile with another map overrides it)."""
         per = n_routed // ep
         return rank * per, n_routed if rank == ep - 1 else (rank + 1) * per
-
-
-# DeepSeek's TP splits as every engine profiled here holds them (ATOM, SGLang 0.5.23, vLLM 0.34.0:
-# read in each one's DeepSeek model code and checked against its real load): embeddings and heads
-# vocabulary parallel (rows; the MTP layer's own ones too), q_b / q_proj / kv_b column parallel
-# (rows), o_proj and down row parallel (columns), gate and up column parallel (rows).
-DEEPSEEK_SPLITS = (
-    (r"^(model\.embed_tokens|lm_head|model\.layers\.\d+\.(embed_tokens|shared_head\.head))$", ROWS),
-    (r"\.self_attn\.(q_b_proj|q_proj|kv_b_proj)$", ROWS),
-    (r"\.self_attn\.o_proj$", COLS),
-    (r"\.mlp\.(shared_experts\.)?down_proj$", COLS),
-    (r"\.mlp\.(shared_experts\.)?(gate|up)_proj$", ROWS),
-)
 
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")

@@ -34,7 +34,7 @@ from ..compat import (CompatibilityError, EngineConfig, bf16_moe_layout_matches,
                       engine_matches, ep_matches, fp8_layout_matches, moe_layout_matches, rank_in_range, tp_matches)
 from ..registry import MOE_CK_3D, NON_SHUFFLE
 from . import _config
-from . import (DEEPSEEK_SPLITS, NEVER, Constant, EngineProfile, GemmPathRule, GpuArch, ShardingRules, current_gpu_arch,
+from . import (NEVER, Constant, EngineProfile, GemmPathRule, GpuArch, ShardingRules, current_gpu_arch,
                deepseek_merges)
 
 ENV_AITER = "SGLANG_USE_AITER"
@@ -46,7 +46,6 @@ GFX95 = GpuArch("gfx95", "gfx950", "gfx95x (MI355)")
 
 SHARDING = ShardingRules(
     merges=deepseek_merges("self_attn.fused_qkv_a_proj_with_mqa"),
-    splits=DEEPSEEK_SPLITS,
     # SGLang fuses by default for DeepSeek-V3/R1's 256 routed experts on gfx942+; the serve
     # command states prep's choice either way (--enforce / --disable-shared-experts-fusion).
     fuse_shared_expert=True,

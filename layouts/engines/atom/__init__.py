@@ -55,7 +55,7 @@ from ...manifest import Manifest
 from ...errors import LayoutsError
 from ...registry import FP8_CHANNEL_PRESHUFFLE, FP8_CHANNEL_SCALE, FP8_PRESHUFFLE, MOE_BF16, MOE_CK, MOE_TRITON, MOE_TRITON_GFX942, NON_SHUFFLE, PRESHUFFLE, recorded_layout
 from ...shuffle import S8_COLS, pad_to
-from .. import (DEEPSEEK_SPLITS, NEVER, EngineProfile, GemmPathRule, GpuArch, ShardingRules, _config,
+from .. import (NEVER, EngineProfile, GemmPathRule, GpuArch, ShardingRules, _config,
                 current_gpu_arch, deepseek_merges)
 
 ENV_NON_SHUFFLE = "ATOM_USE_FP4_NON_SHUFFLE_TRITON_GEMM"
@@ -106,7 +106,6 @@ BF16_MOE_LAYOUT = MOE_BF16.name
 # checks every rank against ATOM's real load.
 SHARDING = ShardingRules(
     merges=deepseek_merges("self_attn.fused_qkv_a_proj"),
-    splits=DEEPSEEK_SPLITS,
     # atom/model_loader/weight_names.py renames every weight_scale_inv; LinearBase allocates
     # weight_scale [ceil(N/128), ceil(K/128)], Fp8MoEMethod w13_weight_scale / w2_weight_scale
     fp8_block_scale="weight_scale",

@@ -39,7 +39,7 @@ from typing import Mapping
 from ...compat import (CompatibilityError, EngineConfig, bf16_moe_layout_matches, dense_layout_matches,
                        engine_matches, ep_matches, fp8_layout_matches, moe_layout_matches, rank_in_range, tp_matches)
 from ...registry import MOE_BF16, MOE_CK_3D, NON_SHUFFLE_T, PRESHUFFLE_UNPADDED
-from .. import (DEEPSEEK_SPLITS, NEVER, EngineProfile, GemmPathRule, GpuArch, ShardingRules, _config,
+from .. import (NEVER, EngineProfile, GemmPathRule, GpuArch, ShardingRules, _config,
                 current_gpu_arch, deepseek_merges)
 
 ENV_AITER = "VLLM_ROCM_USE_AITER"
@@ -57,7 +57,6 @@ GFX95 = GpuArch("gfx95", "gfx950", "gfx95x (MI355)")
 
 SHARDING = ShardingRules(
     merges=deepseek_merges("self_attn.fused_qkv_a_proj"),
-    splits=DEEPSEEK_SPLITS,
     experts="mlp.experts.routed_experts",
     fuse_shared_expert=False,
     moe_pad_to=(128, 256),

@@ -1,0 +1,221 @@
+"""Model families: for every module a family's checkpoint holds, what it is, when a layer has it,
+whether it is attention, and how tensor parallel splits it.
+
+A family is a table (one :class:`Module` row per module), not code: prep's reader checks a
+checkpoint against it (every tensor a module of a row, every row a config.json implies present),
+and the planners and the engines' doors ask it how a module is split. What differs between
+engines (the names of merged modules, the stacked experts' name, padding) stays in each engine's
+profile; what the checkpoint is, is here, once. The family is resolved once, from config.json
+(:func:`family_of`), and passed on as the object.
+
+A new family is one module of this package with its table, registered with :func:`register_family`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+from typing import Any, Iterator, Mapping
+
+from ..errors import LayoutsError
+
+ROWS, COLS, WHOLE = "rows", "cols", "none"
+"""A module's TP split: its output rows (column parallel; an embedding or head: vocabulary
+parallel), its input columns (row parallel), or none (every rank holds it whole, or the MoE
+planner stacks it)."""
+
+# When a decoder layer holds a module (Module.when), decided from config.json's integers:
+ALWAYS = "always"
+Q_LORA = "q_lora"  # q_lora_rank set: q_a_proj, its norm and q_b_proj
+NO_Q_LORA = "no_q_lora"  # no q LoRA (DeepSeek-V2-Lite): q_proj
+MOE = "moe"  # a MoE layer (from first_k_dense_replace, on the moe_layer_freq beat): the router
+EXPERTS = "experts"  # a MoE layer's routed experts, one row per expert ("{e}" in the name)
+SHARED = "shared"  # a MoE layer with shared experts (n_shared_experts)
+DENSE = "dense"  # a layer before first_k_dense_replace or off the beat: the dense MLP
+_WHEN = (ALWAYS, Q_LORA, NO_Q_LORA, MOE, EXPERTS, SHARED, DENSE)
+
+
+@dataclasses.dataclass(frozen=True)
+class Module:
+    """One module of a family: ``name`` relative to its decoder layer (``self_attn.q_a_proj``;
+    ``{e}`` stands for a routed expert's index) or, outside the layers, the whole name
+    (``model.embed_tokens``); ``kind`` says what it is (``q_b_proj``, ``routed_expert``,
+    ``norm``, ``router``, ``embedding``, ``head``, ...)."""
+
+    name: str
+    kind: str
+    split: str = WHOLE
+    attention: bool = False
+    when: str = ALWAYS
+
+    def __post_init__(self) -> None:
+        if self.split not in (ROWS, COLS, WHOLE):
+            raise ValueError(f"module {self.name}: split {self.split!r} is not rows, cols or none")
+        if self.when not in _WHEN:
+            raise ValueError(f"module {self.name}: when {self.when!r} is not one of {', '.join(_WHEN)}")
+        if ("{e}" in self.name) != (self.when == EXPERTS):
+            raise ValueError(f"module {self.name}: a routed expert's row, and only one, has {{e}} and when=experts")
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """A model family's table (module docstring). ``before`` / ``after``: the modules outside the
+    layers, in the order a checkpoint lists them; ``layer``: a decoder layer's, in order;
+    ``mtp``: what an MTP layer holds beside a decoder layer's modules (its own embedding, norms,
+    projection and head), wherever config.json puts that layer."""
+
+    name: str
+    label: str
+    architectures: tuple[str, ...]
+    model_types: tuple[str, ...]
+    before: tuple[Module, ...]
+    layer: tuple[Module, ...]
+    after: tuple[Module, ...]
+    mtp: tuple[Module, ...] = ()
+    tied_head: str = "lm_head"
+    """The module config.json's ``tie_word_embeddings`` leaves out (the embedding stands in)."""
+    twist: str = ""
+    """What sets the family apart from DeepSeek-V3, said where prep names the family."""
+
+    def __post_init__(self) -> None:
+        seen: set[str] = set()
+        for m in (*self.before, *self.layer, *self.after, *self.mtp):
+            if m.name in seen:
+                raise ValueError(f"family {self.name}: module {m.name} has two rows")
+            seen.add(m.name)
+
+    # ------------------------------------------------------------------ lookups by full name
+    @functools.cached_property
+    def _rows(self) -> dict[str, Module]:
+        rows = {m.name: m for m in (*self.before, *self.after)}
+        rows.update({f"layer.{m.name}": m for m in (*self.layer, *self.mtp)})
+        return rows
+
+    def module(self, name: str) -> Module | None:
+        """The row of module ``name`` (a full name, e.g. ``model.layers.3.mlp.experts.7.up_proj``),
+        None where the family has none."""
+        m = _IN_LAYER.match(name)
+        key = f"layer.{_EXPERT.sub('.experts.{e}.', '.' + m.group(2))[1:]}" if m else name
+        return self._rows.get(key)
+
+    def row(self, name: str) -> Module:
+        """:meth:`module`, refusing a module the family has no row for (nothing is split or
+        replicated by default)."""
+        m = self.module(name)
+        if m is None:
+            raise LayoutsError(f"{name}: no module of {self.label} is named so; prep does not know how an engine "
+                               "holds it")
+        return m
+
+    def split_of(self, name: str) -> str:
+        """How TP splits module ``name`` (:data:`ROWS`, :data:`COLS` or :data:`WHOLE`)."""
+        return self.row(name).split
+
+    def kind_of(self, name: str) -> str:
+        return self.row(name).kind
+
+    def is_mtp_own(self, name: str) -> bool:
+        """Whether ``name`` is one of an MTP layer's own modules (in any layer: a transformers-5
+        config may count the MTP layer among the decoder layers)."""
+        m = _IN_LAYER.match(name)
+        return bool(m) and m.group(2) in {x.name for x in self.mtp}
+
+    # ------------------------------------------------------------------ what config.json implies
+    def expected(self, config: Mapping[str, Any], ints: Mapping[str, int | None],
+                 mtp_present: Any = ()) -> Iterator[tuple[str, str]]:
+        """(module, why) for every module whose ``.weight`` a checkpoint of this family and
+        config holds, lazily and in checkpoint order (a config of 1e9 layers must fail at the
+        first layer missing, not build a list first). The MTP layers follow the decoder layers;
+        one may be absent as a whole (``mtp_present``: the MTP layer indices the checkpoint has
+        any tensor of): transformers builds none, so an amd-quark export has none while its
+        config still says ``num_nextn_predict_layers: 1``."""
+        import itertools
+
+        n_layers, n_mtp = ints["num_hidden_layers"], ints["num_nextn_predict_layers"]
+        for m in self.before:
+            yield m.name, f"every {self.label} checkpoint has it"
+        for layer in itertools.chain(range(n_layers),
+                                     sorted(i for i in mtp_present if n_layers <= i < n_layers + n_mtp)):
+            p = f"model.layers.{layer}"
+            why = f"config.json has num_hidden_layers={n_layers}" if layer < n_layers else \
+                f"config.json has num_nextn_predict_layers={n_mtp}"
+            for m in self.layer:
+                if m.when == EXPERTS:
+                    if _holds(MOE, layer, ints):
+                        for e in range(ints["n_routed_experts"]):
+                            yield f"{p}.{m.name.format(e=e)}", f"config.json has n_routed_experts={ints['n_routed_experts']}"
+                elif _holds(m.when, layer, ints):
+                    yield f"{p}.{m.name}", _WHY.get(m.when, lambda i: why)(ints)
+        for m in self.after:
+            if m.name != self.tied_head or not config.get("tie_word_embeddings"):
+                yield m.name, (f"every {self.label} checkpoint has it" if m.name != self.tied_head
+                               else "config.json does not tie it to the embedding")
+
+
+_IN_LAYER = re.compile(r"^(model\.layers\.\d+)\.(.+)$")
+_EXPERT = re.compile(r"\.experts\.\d+\.")
+_WHY = {SHARED: lambda i: f"config.json has n_shared_experts={i['n_shared_experts']}",
+        DENSE: lambda i: f"config.json has first_k_dense_replace={i['first_k_dense_replace']}"}
+
+
+def _holds(when: str, layer: int, ints: Mapping[str, int | None]) -> bool:
+    moe = (ints["n_routed_experts"] is not None and layer >= ints["first_k_dense_replace"]
+           and layer % ints["moe_layer_freq"] == 0)
+    return {ALWAYS: True, Q_LORA: ints["q_lora_rank"] is not None, NO_Q_LORA: ints["q_lora_rank"] is None,
+            MOE: moe, EXPERTS: moe, SHARED: moe and bool(ints["n_shared_experts"]), DENSE: not moe}[when]
+
+
+# ---------------------------------------------------------------------- the registry
+_FAMILIES: dict[str, Family] = {}
+
+
+def register_family(family: Family) -> Family:
+    """Add ``family`` to those :func:`family_of` resolves (a model type names one family)."""
+    if family.name in _FAMILIES:
+        raise ValueError(f"family {family.name!r} is already registered")
+    for other in _FAMILIES.values():
+        both = set(other.model_types) & set(family.model_types)
+        if both:
+            raise ValueError(f"families {other.name!r} and {family.name!r} both claim model_type {sorted(both)}")
+    _FAMILIES[family.name] = family
+    return family
+
+
+def family_names() -> list[str]:
+    _load()
+    return list(_FAMILIES)
+
+
+def get_family(name: str) -> Family:
+    _load()
+    try:
+        return _FAMILIES[name]
+    except KeyError:
+        raise KeyError(f"unknown family {name!r}; known: {', '.join(_FAMILIES)}") from None
+
+
+def family_of(config: Mapping[str, Any]) -> Family:
+    """The family of a checkpoint's config.json: by its ``model_type`` where a family claims it,
+    else by its ``architectures``; :class:`LayoutsError` naming what prep knows otherwise."""
+    _load()
+    model_type = config.get("model_type")
+    for f in _FAMILIES.values():
+        if isinstance(model_type, str) and model_type in f.model_types:
+            return f
+    archs = config.get("architectures")
+    for a in archs if isinstance(archs, list) else []:  # a number or a list of objects: no family, not a crash
+        for f in _FAMILIES.values():
+            if isinstance(a, str) and a in f.architectures:
+                return f
+    known = "; ".join(f"{f.label} ({', '.join(f.architectures)})" for f in _FAMILIES.values())
+    raise LayoutsError(f"config.json: architecture {archs} (model_type {model_type!r}) is no family prep knows: "
+                       f"{known}")
+
+
+def _load() -> None:
+    from . import deepseek  # noqa: F401  (registers its families)
+
+
+__all__ = ["ALWAYS", "COLS", "DENSE", "EXPERTS", "Family", "MOE", "Module", "NO_Q_LORA", "Q_LORA", "ROWS", "SHARED",
+           "WHOLE", "family_names", "family_of", "get_family", "register_family"]

@@ -1,0 +1,68 @@
+"""The DeepSeek-V3 family's table: DeepSeek-V2/V3/R1 (MLA attention, DeepSeek MoE with a shared
+expert and a grouped router, the MTP layer after the decoder layers), and Kimi-K2, which is that
+model at other sizes (384 routed experts, 64 heads, no MTP layer) under its own model type.
+
+The TP splits are what every engine profiled here holds (ATOM, SGLang 0.5.23, vLLM 0.34.0: read
+in each one's DeepSeek model code and checked against its real load): embeddings and heads
+vocabulary parallel (rows; the MTP layer's own too), q_b / q_proj / kv_b column parallel (rows),
+o_proj and down row parallel (columns), gate and up column parallel (rows). q_a and kv_a are held
+whole (every engine merges them into one replicated module); the routed experts are stacked by the
+MoE planner, not split here.
+"""
+
+from __future__ import annotations
+
+from . import (ALWAYS, COLS, DENSE, EXPERTS, MOE, NO_Q_LORA, Q_LORA, ROWS, SHARED, WHOLE, Family, Module,
+               register_family)
+
+_ATTN = dict(attention=True)
+
+LAYER = (
+    Module("input_layernorm", "norm"),
+    Module("self_attn.q_a_proj", "q_a_proj", WHOLE, when=Q_LORA, **_ATTN),
+    Module("self_attn.q_a_layernorm", "norm", when=Q_LORA, **_ATTN),
+    Module("self_attn.q_b_proj", "q_b_proj", ROWS, when=Q_LORA, **_ATTN),
+    Module("self_attn.q_proj", "q_proj", ROWS, when=NO_Q_LORA, **_ATTN),
+    Module("self_attn.kv_a_proj_with_mqa", "kv_a_proj", WHOLE, **_ATTN),
+    Module("self_attn.kv_a_layernorm", "norm", **_ATTN),
+    Module("self_attn.kv_b_proj", "kv_b_proj", ROWS, **_ATTN),
+    Module("self_attn.o_proj", "o_proj", COLS, **_ATTN),
+    Module("post_attention_layernorm", "norm"),
+    Module("mlp.gate", "router", when=MOE),
+    Module("mlp.experts.{e}.gate_proj", "routed_expert", when=EXPERTS),
+    Module("mlp.experts.{e}.up_proj", "routed_expert", when=EXPERTS),
+    Module("mlp.experts.{e}.down_proj", "routed_expert", when=EXPERTS),
+    Module("mlp.shared_experts.gate_proj", "shared_expert", ROWS, when=SHARED),
+    Module("mlp.shared_experts.up_proj", "shared_expert", ROWS, when=SHARED),
+    Module("mlp.shared_experts.down_proj", "shared_expert", COLS, when=SHARED),
+    Module("mlp.gate_proj", "dense_mlp", ROWS, when=DENSE),
+    Module("mlp.up_proj", "dense_mlp", ROWS, when=DENSE),
+    Module("mlp.down_proj", "dense_mlp", COLS, when=DENSE),
+)
+
+# What an MTP layer holds beside a decoder layer's modules (DeepSeek's modeling code; every engine's
+# DeepSeekMTP): its own embedding and head (which engines may share with the target's), the two norms
+# of its inputs, the projection of their concatenation, and the head's norm.
+MTP = (
+    Module("embed_tokens", "embedding", ROWS),
+    Module("enorm", "norm"),
+    Module("hnorm", "norm"),
+    Module("eh_proj", "mtp_eh_proj"),
+    Module("shared_head.norm", "norm"),
+    Module("shared_head.head", "head", ROWS),
+)
+
+BEFORE = (Module("model.embed_tokens", "embedding", ROWS),)
+AFTER = (Module("model.norm", "norm"), Module("lm_head", "head", ROWS))
+
+DEEPSEEK_V3 = register_family(Family(
+    "deepseek-v3", "DeepSeek-V2/V3", ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM"), ("deepseek_v3", "deepseek_v2"),
+    BEFORE, LAYER, AFTER, MTP, twist="MLA attention, DeepSeek MoE, the MTP layer",
+))
+
+KIMI_K2 = register_family(Family(
+    "kimi-k2", "Kimi-K2", (), ("kimi_k2",), BEFORE, LAYER, AFTER, MTP,
+    twist="DeepSeek-V3's modules at 384 routed experts and 64 heads",
+))
+
+__all__ = ["DEEPSEEK_V3", "KIMI_K2"]
