@@ -137,7 +137,12 @@ def _describe_source(src: SourceCheckpoint, label: str, progress: Callable[[int]
     notes = {e.display_name: e.source_notes(src.config) for e in map(get_engine, engine_names())}
     result["engine_notes"] = {k: v for k, v in notes.items() if v}
     what = "DeepSeek FP8 (128x128 block scales)" if cls.fp8_block else "Quark MXFP4"
-    lines = [f"{label}: {what}, {cls.arch}, {cls.num_layers} layers{mtp}",
+    fam = cls.family
+    sizes = ", ".join(f"{v} {k}" for k, v in (("routed experts", src.config.get("n_routed_experts")),
+                                             ("heads", src.config.get("num_attention_heads"))) if v)
+    result["family"] = fam.name
+    lines = [f"{label}: {what}, {fam.label} ({', '.join(x for x in (sizes, fam.twist) if x)}), {cls.arch}, "
+             f"{cls.num_layers} layers{mtp}",
              f"  {len(src.files)} shards, {len(src.tensors)} tensors, {src.nbytes() / 2**30:.3f} GiB",
              "  MXFP4 GEMM weights by module kind: " + (", ".join(f"{k} {v}" for k, v in sorted(kinds.items())) or "none"),
              "  not MXFP4 (split per rank as the engine holds them): "

@@ -218,6 +218,7 @@ def test_inspect_names_deepseeks_fp8_release_and_the_tp_sizes_it_splits_over(fp8
     r = CliRunner().invoke(main, ["inspect", str(fp8_block), "--engine", "atom"])
     assert r.exit_code == 0, r.output
     lines = r.output.splitlines()
-    assert lines[0].endswith(": DeepSeek FP8 (128x128 block scales), deepseek_v3, 3 layers + MTP [3]")
+    assert lines[0].endswith(": DeepSeek FP8 (128x128 block scales), DeepSeek-V2/V3 (8 routed experts, 16 heads), "
+                             "deepseek_v3, 3 layers + MTP [3]"), lines[0]
     assert any(x.startswith("  FP8 block-scaled linears and experts: 104 ") and x.endswith("served by ATOM") for x in lines)
     assert "    preshuffle+ck: tp 1, 2, 4 (with --ep 4), 8 (with --ep 8); tp 16 refused: " in r.output

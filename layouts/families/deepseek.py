@@ -57,12 +57,11 @@ AFTER = (Module("model.norm", "norm"), Module("lm_head", "head", ROWS))
 
 DEEPSEEK_V3 = register_family(Family(
     "deepseek-v3", "DeepSeek-V2/V3", ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM"), ("deepseek_v3", "deepseek_v2"),
-    BEFORE, LAYER, AFTER, MTP, twist="MLA attention, DeepSeek MoE, the MTP layer",
+    BEFORE, LAYER, AFTER, MTP,
 ))
 
 KIMI_K2 = register_family(Family(
     "kimi-k2", "Kimi-K2", (), ("kimi_k2",), BEFORE, LAYER, AFTER, MTP,
-    twist="DeepSeek-V3's modules at 384 routed experts and 64 heads",
 ))
 
 __all__ = ["DEEPSEEK_V3", "KIMI_K2"]
