@@ -27,7 +27,9 @@ from .bf16 import Bf16Group, block_scale, channel_scale, plan_bf16_groups
 from .groups import LinearGroup, MoEGroup, Part
 from .source import SourceCheckpoint
 
-ARCHS = {"DeepseekV3ForCausalLM": "deepseek_v3", "DeepseekV2ForCausalLM": "deepseek_v2"}
+# The architecture a manifest records (``target.arch``), by config.json's ``architectures``
+ARCHS = {"DeepseekV3ForCausalLM": "deepseek_v3", "DeepseekV2ForCausalLM": "deepseek_v2",
+         "DeepseekV32ForCausalLM": "deepseek_v32"}
 
 # A plain `prep convert` targets what the default engine reads in its default configuration
 # (ATOM with no switches on gfx950: the ASM/CK GEMM and the CK MoE).
@@ -87,14 +89,17 @@ class Classified:
 
 
 def arch_of(config: dict[str, Any]) -> str:
+    """The architecture a conversion's manifest records for config.json (a model of no family prep
+    knows is refused, naming the families)."""
+    source_family(config)
     archs = config.get("architectures")
     for a in archs if isinstance(archs, list) else []:  # a number or a list of objects: not DeepSeek, not a crash
         if isinstance(a, str) and a in ARCHS:
             return ARCHS[a]
     if config.get("model_type") in ARCHS.values():
         return config["model_type"]
-    raise PrepError(f"config.json: architecture {config.get('architectures')} is not DeepSeek V2/V3; "
-                    "prep knows DeepseekV3ForCausalLM (V3, R1) and DeepseekV2ForCausalLM")
+    raise PrepError(f"config.json: architecture {config.get('architectures')} is not one prep records; "
+                    f"prep knows {', '.join(ARCHS)}")
 
 
 _NUMBERS = re.compile(r"(\d+)")
@@ -187,8 +192,6 @@ def check_complete(src: SourceCheckpoint, family: Family | None = None) -> dict[
     return ints
 
 
-# A module's tensors prep knows (weight_scale_inv: DeepSeek's FP8 blocks, refused by classify with its reason)
-_KNOWN_SUFFIXES = ("weight", "weight_scale", "weight_scale_inv", "e_score_correction_bias")
 
 
 def _check_known(src: SourceCheckpoint, known: set[str], family: Family) -> None:
@@ -199,7 +202,7 @@ def _check_known(src: SourceCheckpoint, known: set[str], family: Family) -> None
     before anything is written."""
     for name in src.tensors:
         module, _, suffix = name.rpartition(".")
-        if suffix not in _KNOWN_SUFFIXES or (suffix == "e_score_correction_bias" and not module.endswith(".mlp.gate")):
+        if not family.knows_tensor(name):
             raise PrepError(f"{name}: a tensor {suffix!r} of {module} is not one prep knows (a module holds its "
                             "weight, and an MXFP4 or FP8 one its weight_scale; the router its e_score_correction_bias); "
                             "prep does not copy an unknown tensor to every rank: re-export the checkpoint without it")
@@ -260,8 +263,8 @@ def _check_sizes(src: SourceCheckpoint, ints: dict[str, int | None]) -> None:
 
 def classify(src: SourceCheckpoint) -> Classified:
     cfg = src.config
-    arch = arch_of(cfg)
     family = source_family(cfg)
+    arch = arch_of(cfg)
     ints = check_complete(src, family)
     n_layers = ints["num_hidden_layers"]
     mtp = [n_layers + i for i in range(ints["num_nextn_predict_layers"])]
@@ -330,6 +333,11 @@ def plan_groups(src: SourceCheckpoint, cls: Classified, target: Target) -> list[
            or engine.target_refusal(tp, target.ep, target.moe_layout, target.fuse_shared_expert))  # what it can run
     if why:
         raise PrepError(why)
+    if cls.family.name not in engine.families:
+        able = [e.name for e in convertible_engines() if cls.family.name in e.families]
+        raise PrepError(f"config.json: {cls.family.label} ({cls.family.twist}) is not checked against "
+                        f"{engine.display_name}'s own load yet, so prep does not write it for {engine.display_name}; "
+                        f"convert with --engine {' or '.join(able)}")
     if cls.fp8_block and not engine.fp8_block_linears:
         able = [e.name for e in convertible_engines() if e.fp8_block_linears]
         raise PrepError(f"{cls.fp8_block[0]}.weight: FP8 with 128x128 block scales is not checked against "

@@ -82,6 +82,11 @@ class SynthSpec:
     variant: str = "r1-0528"
     model_type: str = "deepseek_v3"  # config.json's; Kimi-K2 says "kimi_k2" with the same architecture
     mtp: bool = True  # the MTP layer (DeepSeek's num_nextn_predict_layers = 1); Kimi-K2 has none
+    # DeepSeek-V3.2's sparse-attention indexer in every layer (0: none): its heads, their size, and
+    # how many cached tokens each query's attention reads
+    index_n_heads: int = 0
+    index_head_dim: int = 32
+    index_topk: int = 4
     num_shards: int = 4
     seed: int = 0
     random_bytes: bool = False
@@ -92,7 +97,8 @@ class SynthSpec:
         if self.variant not in VARIANTS:
             problems.append(f"variant must be one of {VARIANTS}, got {self.variant!r}")
         for name, value in asdict(self).items():
-            if isinstance(value, int) and not isinstance(value, bool) and name not in ("seed", "first_k_dense_replace") and value < 1:
+            if isinstance(value, int) and not isinstance(value, bool) and name not in ("seed", "first_k_dense_replace",
+                                                                                        "index_n_heads") and value < 1:
                 problems.append(f"{name} must be >= 1, got {value}")
         # Every linear's K must be even to pack two E2M1 codes per byte.
         ks = {"hidden_size": self.hidden_size, "q_lora_rank": self.q_lora_rank, "kv_lora_rank": self.kv_lora_rank,
@@ -178,6 +184,12 @@ PRESETS["r1-count"] = replace(
 )
 
 
+# v3.2: DeepSeek-V3.2 as AMD's MXFP4 export has it (amd/DeepSeek-V3.2-mxfp4: every self_attn module,
+# the indexer's too, and the MTP layer left BF16; the experts and MLPs MXFP4), its indexer at tiny
+# widths: 4 index heads of 32 (V3.2: 64 of 128), 4 tokens per query (V3.2: 2048).
+PRESETS["v3.2"] = replace(PRESETS["tiny"], model_type="deepseek_v32", index_n_heads=4)
+
+
 def exclude_patterns(spec: SynthSpec) -> list[str]:
     """The Quark ``exclude`` list of the variant (L = the MTP layer's index)."""
     mtp = spec.num_hidden_layers
@@ -233,6 +245,9 @@ def layer_quant_config(spec: SynthSpec) -> dict:
 def build_config(spec: SynthSpec) -> dict:
     """A DeepSeek-V3 ``config.json`` (as HF and Quark write it) for the spec's dims."""
     config = _base_config(spec)
+    if spec.index_n_heads:  # DeepSeek-V3.2's own architecture and its indexer's sizes
+        config.update(architectures=["DeepseekV32ForCausalLM"], index_n_heads=spec.index_n_heads,
+                      index_head_dim=spec.index_head_dim, index_topk=spec.index_topk)
     if spec.variant == "fp8-block":  # DeepSeek's own, as its FP8 release's config.json has it
         config["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                                          "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
@@ -321,6 +336,8 @@ class Param:
                     f"{self.module}.weight_scale": ((n, ceil_div(k, 32)), torch.uint8)}
         if self.kind == "bias":
             return {f"{self.module}.e_score_correction_bias": (self.shape, torch.float32)}
+        if self.kind == "norm-bias":  # a LayerNorm's bias (DeepSeek-V3.2's indexer k_norm)
+            return {f"{self.module}.bias": (self.shape, torch.bfloat16)}
         if self.kind == "fp8":
             return {f"{self.module}.weight": (self.shape, torch.float8_e4m3fn),
                     f"{self.module}.weight_scale": ((self.shape[0],), torch.float32)}
@@ -369,8 +386,14 @@ def _layer_params(spec: SynthSpec, layer: int, excluded: list[str]) -> list[Para
         Param(f"{a}.kv_a_layernorm", (s.kv_lora_rank,), "norm"),
         linear(f"{a}.kv_b_proj", heads * (s.qk_nope_head_dim + s.v_head_dim), s.kv_lora_rank),
         linear(f"{a}.o_proj", h, heads * s.v_head_dim),
-        Param(f"{p}.post_attention_layernorm", (h,), "norm"),
     ]
+    if s.index_n_heads:  # DeepSeek-V3.2's indexer (self_attn.indexer.*), the MTP layer's too
+        i = f"{a}.indexer"
+        out += [linear(f"{i}.wq_b", s.index_n_heads * s.index_head_dim, s.q_lora_rank),
+                linear(f"{i}.wk", s.index_head_dim, h),
+                Param(f"{i}.k_norm", (s.index_head_dim,), "norm"), Param(f"{i}.k_norm", (s.index_head_dim,), "norm-bias"),
+                Param(f"{i}.weights_proj", (s.index_n_heads, h), "bf16")]  # never quantized (every engine: BF16)
+    out += [Param(f"{p}.post_attention_layernorm", (h,), "norm")]
 
     def mlp(prefix: str, inter: int) -> list[Param]:
         return [linear(f"{prefix}.gate_proj", inter, h), linear(f"{prefix}.up_proj", inter, h),
@@ -424,12 +447,14 @@ def _random_uint8(shape: tuple[int, ...], g: torch.Generator, low: int = 0, high
 
 
 def _materialize(spec: SynthSpec, p: Param) -> dict[str, torch.Tensor]:
-    g = _generator(spec, p.module + ("#bias" if p.kind == "bias" else ""))
+    g = _generator(spec, p.module + ("#bias" if p.kind in ("bias", "norm-bias") else ""))
     names = list(p.tensors())
     if p.kind == "norm":
         return {names[0]: (1.0 + 0.05 * torch.randn(p.shape, generator=g)).to(torch.bfloat16)}
     if p.kind == "bias":
         return {names[0]: 0.01 * torch.randn(p.shape, generator=g)}
+    if p.kind == "norm-bias":
+        return {names[0]: (0.01 * torch.randn(p.shape, generator=g)).to(torch.bfloat16)}
     if p.kind == "bf16":
         out = torch.empty(p.shape, dtype=torch.bfloat16)
         for rows in _row_blocks(p.shape):

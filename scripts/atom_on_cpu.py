@@ -144,7 +144,14 @@ def install(atom_dir: pathlib.Path, aiter_dir: pathlib.Path, gpu_arch: str = "gf
     sys.meta_path.insert(0, _AiterFinder(aiter_dir))
     import atom.utils.custom_register as custom_register
 
-    custom_register.direct_register_custom_op = lambda *a, **k: None
+    def register(op_name, op_func, mutates_args=(), fake_impl=None, target_lib=None, **_):
+        # not defined with torch (its schema has stand-in defaults); looked up at build time by the
+        # modules that call it in forward (DeepSeek-V3.2's sparse_attn_indexer): a recording stand-in
+        ns = getattr(torch.ops, (target_lib or custom_register.aiter_lib).ns)
+        if op_name not in vars(ns):
+            setattr(ns, op_name, stand_ins.StandIn(f"torch.ops.{ns.name}.{op_name}"))
+
+    custom_register.direct_register_custom_op = register
     for name in ATOM_MODULES:  # imported outside on_cpu: class bodies read the real torch.cuda.Stream
         importlib.import_module(name)
 

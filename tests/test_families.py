@@ -4,6 +4,7 @@ checkpoint has a row (its kind and TP split), and what no row names is refused."
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 
 import pytest
 from click.testing import CliRunner
@@ -26,7 +27,7 @@ def test_the_family_is_resolved_from_config_json(config, family):
 
 def test_a_config_of_no_known_family_is_refused_naming_the_families_prep_knows():
     with pytest.raises(LayoutsError, match=r"architecture \['LlamaForCausalLM'\] \(model_type 'llama'\) is no family "
-                                           r"prep knows: DeepSeek-V2/V3 \(DeepseekV3ForCausalLM, .*Kimi-K2"):
+                                           r"prep knows: DeepSeek-V2/V3 \(DeepseekV3ForCausalLM, .*Kimi-K2 \(model_type kimi_k2\)"):
         family_of({"architectures": ["LlamaForCausalLM"], "model_type": "llama"})
     with pytest.raises(LayoutsError):
         family_of({"architectures": 3})  # not a list: no family, not a crash
@@ -74,3 +75,103 @@ def test_inspect_names_the_family_and_its_sizes_first(tmp_path):
     assert r.exit_code == 0, r.output
     assert r.output.splitlines()[0] == (f"{src}: Quark MXFP4, Kimi-K2 (384 routed experts, 64 heads), deepseek_v3, "
                                         "3 layers, no MTP layer")
+
+
+# ------------------------------------------------------------------------------ DeepSeek-V3.2
+@pytest.fixture(scope="module")
+def v32(tmp_path_factory):
+    return write_checkpoint(PRESETS["v3.2"], tmp_path_factory.mktemp("v32") / "src")
+
+
+def _atom_install_check(src, out, work) -> str:
+    """scripts/check_engine_install.py --engine atom (ATOM's own load of SRC against its door's
+    install of OUT, both models, on ATOM's real code on the CPU): its output, exit status 0 or not."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import need_engine_sources
+
+    cmd = [sys.executable, "scripts/check_engine_install.py", "--engine", "atom", "--source", str(src), "--converted",
+           str(out), "--work", str(work), "--oracles", str(need_engine_sources())]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=pathlib.Path(__file__).resolve().parent.parent)
+    return f"rc={r.returncode}\n{r.stdout}"
+
+
+def test_deepseek_v32_is_its_own_family_with_the_indexer_in_every_layer(v32):
+    src = SourceCheckpoint(v32)
+    family = family_of(src.config)
+    assert family.name == "deepseek-v3.2" and src.config["architectures"] == ["DeepseekV32ForCausalLM"]
+    indexer = sorted(n for n in src.tensors if ".indexer." in n and n.startswith("model.layers.3."))  # the MTP layer's
+    assert indexer == [f"model.layers.3.self_attn.indexer.{m}" for m in
+                       ("k_norm.bias", "k_norm.weight", "weights_proj.weight", "wk.weight", "wq_b.weight")]
+    assert all(family.knows_tensor(n) for n in src.tensors)
+    r = CliRunner().invoke(main, ["inspect", str(v32)])
+    assert r.output.splitlines()[0].endswith(": Quark MXFP4, DeepSeek-V3.2 (8 routed experts, 8 heads, sparse-attention "
+                                             "indexer), deepseek_v32, 3 layers + MTP [3]"), r.output
+
+
+@pytest.mark.parametrize("tp, ep", [(1, 1), (2, 1), (2, 2), (8, 1), (8, 8)])
+def test_deepseek_v32_converts_for_atom_with_the_indexer_whole_on_every_rank_and_reverts(v32, tmp_path, tp, ep):
+    import layouts
+    from conftest import assert_verifies_and_reverts
+    from prep.convert import convert
+    from prep.deepseek import target_for
+
+    out = tmp_path / "out"
+    convert(str(v32), out, target_for("atom", tp=tp, ep=ep))
+    m = layouts.load_manifest(out)
+    wq_b = "model.layers.1.self_attn.indexer.wq_b.weight"  # whole (4 heads of 32 over q_lora 128) on every rank
+    assert [{t.name: t.shape for t in m.rank_tensors(r)}[wq_b] for r in range(tp)] == [(4 * 32, 128)] * tp
+    assert_verifies_and_reverts(out, v32, tmp_path / "back")
+
+
+def test_deepseek_v32_through_atoms_door_equals_atoms_own_load_and_a_flipped_indexer_byte_fails(v32, tmp_path):
+    # ATOM builds V3.2's indexer (wq_b, wk, k_norm in float32, weights_proj) in every layer and the
+    # MTP draft's, replicated: its door's install of each rank equals its own load of the source;
+    # the forward's sparse_attn_indexer op is a recording stand-in that is never called.
+    import json
+    import shutil
+    import struct
+
+    from prep.convert import convert
+    from prep.deepseek import target_for
+
+    out = tmp_path / "out"
+    convert(str(v32), out, target_for("atom", tp=2))
+    report = _atom_install_check(v32, out, tmp_path / "work")
+    rows = [line.split() for line in report.splitlines() if line.startswith("source ")]
+    assert report.startswith("rc=0") and rows and all(row[-1] == "ok" for row in rows), report
+    flipped = tmp_path / "flipped"
+    shutil.copytree(out, flipped)
+    name = "model.layers.1.self_attn.indexer.wk.weight"
+    for f in sorted(flipped.glob("model-tp2-rank1-*.safetensors")):
+        with open(f, "r+b") as fh:
+            n = struct.unpack("<Q", fh.read(8))[0]
+            header = json.loads(fh.read(n))
+            if name in header:  # one bit of the tensor's second byte
+                fh.seek(8 + n + header[name]["data_offsets"][0] + 1)
+                b = fh.read(1)
+                fh.seek(-1, 1)
+                fh.write(bytes([b[0] ^ 0x40]))
+                break
+    else:
+        raise AssertionError(f"{name} is in no file of rank 1")
+    report = _atom_install_check(v32, flipped, tmp_path / "work")
+    assert not report.startswith("rc=0") and "indexer.wk" in report, report
+
+
+def test_deepseek_v32_is_refused_for_the_engines_whose_door_is_not_checked_with_it(v32, tmp_path):
+    for engine, ep in (("vllm", "2"), ("sglang", "1")):
+        r = CliRunner().invoke(main, ["convert", str(v32), "-o", str(tmp_path / engine), "--engine", engine,
+                                      "--tp", "2", "--ep", ep])
+        assert r.exit_code == 1 and r.output.count("\n") == 1 and not (tmp_path / engine).exists(), r.output
+        assert r.output.startswith("error: config.json: DeepSeek-V3.2 (sparse-attention indexer) is not checked "
+                                   "against ") and r.output.endswith("convert with --engine atom\n"), r.output
+
+
+def test_the_reference_engine_refuses_deepseek_v32_rather_than_skip_its_indexer(v32):
+    r = CliRunner().invoke(main, ["run", str(v32), "--prompt-ids", "1,2,3"])
+    assert r.exit_code == 1 and "prep's reference engine does not compute its sparse-attention indexer" in r.output, \
+        r.output

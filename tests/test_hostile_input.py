@@ -184,7 +184,7 @@ def test_config_values_that_are_not_sane_integers_are_refused_naming_the_key(mad
     (b'{"a": 1, "a": 2}', "config.json: names 'a' twice"),
     ('{"architectures": ["DeepseekV3ForCausalLM"]}'.encode("utf-16"), "config.json: not valid UTF-8 JSON"),
     (b'{"pad":"' + b"x" * 3_200_000 + b'","a":' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested too deeply"),
-    ("ARCH", "architecture [{'x': 1}] is not DeepSeek"),
+    ("ARCH", "architecture [{'x': 1}] (model_type None) is no family prep knows"),
     ("QUANT", "not a Quark checkpoint"),
 ], ids=["a-list", "duplicate-key", "utf-16", "nested", "architectures-of-objects", "quantization-config-a-string"])
 def test_a_config_json_that_is_not_a_plain_object_is_refused_in_one_line(made, tmp_path, config, says):

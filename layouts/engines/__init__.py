@@ -107,6 +107,10 @@ class EngineProfile:
     checks: tuple[Check, ...]
     """:func:`check_compatibility <layouts.check_compatibility>`'s rules for this engine, in
     order; the first refusal is raised. ``layouts.compat`` has the rules every engine shares."""
+    families: tuple[str, ...] = ("deepseek-v3",)
+    """The model families (:mod:`layouts.families`) whose checkpoints the engine's door is checked
+    with, on the engine's real code; ``prep convert`` refuses another family's for this engine,
+    naming the engines that serve it."""
     fp8_channel_linears: bool = False
     """Whether the engine's door is checked to serve FP8 per-channel linears (Quark's FP8
     ``per_channel`` override of attention) stored as split source bytes, the engine processing

@@ -48,6 +48,9 @@ class Module:
     split: str = WHOLE
     attention: bool = False
     when: str = ALWAYS
+    extra: tuple[str, ...] = ()
+    """Its tensors beside ``weight`` (and a quantized weight's ``weight_scale`` /
+    ``weight_scale_inv``): the router's ``e_score_correction_bias``, a LayerNorm's ``bias``."""
 
     def __post_init__(self) -> None:
         if self.split not in (ROWS, COLS, WHOLE):
@@ -77,6 +80,9 @@ class Family:
     """The module config.json's ``tie_word_embeddings`` leaves out (the embedding stands in)."""
     twist: str = ""
     """What sets the family apart from DeepSeek-V3, said where prep names the family."""
+    not_computed: str = ""
+    """What of the family prep's reference engine (``prep run`` / ``compare``) does not compute,
+    said when it refuses the family; empty: it computes every module."""
 
     def __post_init__(self) -> None:
         seen: set[str] = set()
@@ -114,6 +120,15 @@ class Family:
 
     def kind_of(self, name: str) -> str:
         return self.row(name).kind
+
+    def knows_tensor(self, name: str) -> bool:
+        """Whether tensor ``name`` is one a module of the family holds: its weight (with a
+        quantized weight's scales) or one of the row's ``extra`` tensors."""
+        module, _, suffix = name.rpartition(".")
+        if suffix in ("weight", "weight_scale", "weight_scale_inv"):
+            return True
+        m = self.module(module)
+        return m is not None and suffix in m.extra
 
     def is_mtp_own(self, name: str) -> bool:
         """Whether ``name`` is one of an MTP layer's own modules (in any layer: a transformers-5
@@ -208,7 +223,8 @@ def family_of(config: Mapping[str, Any]) -> Family:
         for f in _FAMILIES.values():
             if isinstance(a, str) and a in f.architectures:
                 return f
-    known = "; ".join(f"{f.label} ({', '.join(f.architectures)})" for f in _FAMILIES.values())
+    known = ", ".join(f"{f.label} ({', '.join(f.architectures) or 'model_type ' + ', '.join(f.model_types)})"
+                      for f in _FAMILIES.values())
     raise LayoutsError(f"config.json: architecture {archs} (model_type {model_type!r}) is no family prep knows: "
                        f"{known}")
 

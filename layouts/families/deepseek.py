@@ -1,6 +1,7 @@
-"""The DeepSeek-V3 family's table: DeepSeek-V2/V3/R1 (MLA attention, DeepSeek MoE with a shared
-expert and a grouped router, the MTP layer after the decoder layers), and Kimi-K2, which is that
-model at other sizes (384 routed experts, 64 heads, no MTP layer) under its own model type.
+"""The DeepSeek-V3 family's tables: DeepSeek-V2/V3/R1 (MLA attention, DeepSeek MoE with a shared
+expert and a grouped router, the MTP layer after the decoder layers); Kimi-K2, which is that
+model at other sizes (384 routed experts, 64 heads, no MTP layer) under its own model type; and
+DeepSeek-V3.2, which adds a sparse-attention indexer to every layer.
 
 The TP splits are what every engine profiled here holds (ATOM, SGLang 0.5.23, vLLM 0.34.0: read
 in each one's DeepSeek model code and checked against its real load): embeddings and heads
@@ -28,7 +29,7 @@ LAYER = (
     Module("self_attn.kv_b_proj", "kv_b_proj", ROWS, **_ATTN),
     Module("self_attn.o_proj", "o_proj", COLS, **_ATTN),
     Module("post_attention_layernorm", "norm"),
-    Module("mlp.gate", "router", when=MOE),
+    Module("mlp.gate", "router", when=MOE, extra=("e_score_correction_bias",)),
     Module("mlp.experts.{e}.gate_proj", "routed_expert", when=EXPERTS),
     Module("mlp.experts.{e}.up_proj", "routed_expert", when=EXPERTS),
     Module("mlp.experts.{e}.down_proj", "routed_expert", when=EXPERTS),
@@ -55,6 +56,17 @@ MTP = (
 BEFORE = (Module("model.embed_tokens", "embedding", ROWS),)
 AFTER = (Module("model.norm", "norm"), Module("lm_head", "head", ROWS))
 
+# DeepSeek-V3.2's sparse-attention indexer, in every layer and the MTP layer's: it scores the
+# cached tokens for each query (index_n_heads heads of index_head_dim) and attention reads only the
+# index_topk best. ATOM, vLLM 0.34.0 and SGLang 0.5.23 all hold it whole on every rank (replicated
+# linears; ATOM and vLLM merge wk with weights_proj at load, SGLang on ROCm keeps them apart).
+INDEXER = (
+    Module("self_attn.indexer.wq_b", "indexer", **_ATTN),
+    Module("self_attn.indexer.wk", "indexer", **_ATTN),
+    Module("self_attn.indexer.k_norm", "norm", extra=("bias",), **_ATTN),
+    Module("self_attn.indexer.weights_proj", "indexer", **_ATTN),
+)
+
 DEEPSEEK_V3 = register_family(Family(
     "deepseek-v3", "DeepSeek-V2/V3", ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM"), ("deepseek_v3", "deepseek_v2"),
     BEFORE, LAYER, AFTER, MTP,
@@ -64,4 +76,10 @@ KIMI_K2 = register_family(Family(
     "kimi-k2", "Kimi-K2", (), ("kimi_k2",), BEFORE, LAYER, AFTER, MTP,
 ))
 
-__all__ = ["DEEPSEEK_V3", "KIMI_K2"]
+DEEPSEEK_V32 = register_family(Family(
+    "deepseek-v3.2", "DeepSeek-V3.2", ("DeepseekV32ForCausalLM",), ("deepseek_v32",), BEFORE,
+    (*LAYER[:9], *INDEXER, *LAYER[9:]), AFTER, MTP, twist="sparse-attention indexer",
+    not_computed="its sparse-attention indexer (which cached tokens each query attends to)",
+))
+
+__all__ = ["DEEPSEEK_V3", "DEEPSEEK_V32", "KIMI_K2"]

@@ -10,7 +10,7 @@ import math
 import pathlib
 from typing import Any
 
-from ..deepseek import check_config_ints
+from ..deepseek import check_config_ints, source_family
 from ..errors import PrepError
 
 
@@ -31,6 +31,10 @@ def _positive_float(cfg: dict[str, Any], key: str, where: pathlib.Path, default:
 def check_model_config(cfg: dict[str, Any], root: pathlib.Path, tensors: int) -> None:
     """Refuse (one line, naming the key) a config.json the DeepSeek forward cannot compute with."""
     where = root / "config.json"
+    family = source_family(cfg)
+    if family.not_computed:  # an answer that skipped a module would pass for the model's
+        raise PrepError(f"{where}: {family.label}: prep's reference engine does not compute {family.not_computed}; "
+                        "compare this model on an engine")
     ints = check_config_ints(cfg, root, tensors)
     for key in ("hidden_size", "num_attention_heads", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                 "kv_lora_rank", "vocab_size"):
