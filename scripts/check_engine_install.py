@@ -188,15 +188,20 @@ def check_vllm(src: pathlib.Path, out: pathlib.Path, work: pathlib.Path, aiter_s
     def load(folder: pathlib.Path, load_format: str, fill: int) -> tuple[dict, dict, type]:
         model, loader = v.build_and_load(folder, t.tp, rank, t.ep, load_format, fill=fill, draft=draft, **kw)
         held, flags = v._state_dict(model), _shuffled(model)
+        kernels.update(v.dense_kernels(model))
         if draft:
             m = v.MODEL.pop("draft")
             held.update({f"draft:{k}": x for k, x in v._state_dict(m).items()})
             flags.update({f"draft:{k}": x for k, x in _shuffled(m).items()})
+            kernels.update({f"draft {k}": n for k, n in v.dense_kernels(m).items()})
         return held, flags, type(loader)
 
     for rank in range(t.tp):
         v.CALLS.clear()
+        kernels: dict[str, int] = {}
         ref, ref_flags, _ = load(src, "auto", 0xA5)
+        ref_kernels = dict(kernels)
+        kernels.clear()
         got, got_flags, loader = load(out, LOAD_FORMAT, 0x5A)
         v.MODEL.clear()
         bad = _compare(ref, got)
@@ -205,7 +210,9 @@ def check_vllm(src: pathlib.Path, out: pathlib.Path, work: pathlib.Path, aiter_s
         bad += [f"vLLM loaded OUT with {loader.__name__}, not prep's loader"] * (loader.__name__ != "PrepModelLoader")
         called = [c for c in stand_ins.skipped(v.CALLS) if not c.startswith(VLLM_ALLOWED)]
         bad += [f"stand-in called while loading: {c}" for c in called]
+        bad += [f"vLLM chose other GEMMs for OUT ({kernels}) than for SRC ({ref_kernels})"] * (kernels != ref_kernels)
         ok &= _rank_row(rank, ref, bad, sum(k.startswith("draft:") for k in ref))
+        print(f"    dense linears by vLLM's GEMM: {', '.join(f'{k} {n}' for k, n in ref_kernels.items()) or 'none'}")
         _computed(v.CALLS)
     return ok
 

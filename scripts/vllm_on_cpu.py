@@ -451,16 +451,18 @@ def default_load(src, tp: int, rank: int, ep: int = 1, fill: int = 0xA5, **kw) -
 # ---------------------------------------------------------------- what vLLM chose, per module
 
 def force_asm_tuned(on: bool = True) -> None:
-    """Make vLLM's tuned-shape probes answer True for every (N, K), so the tiny linears take the
-    ASM/preshuffle branch of AiterMxfp4LinearKernel and the FP8 per-channel ones aiter's
-    preshuffled per-token GEMM (to see those branches' bytes)."""
+    """Make vLLM's tuned-shape probes answer True for every (N, K), so the tiny MXFP4 linears take
+    the ASM/preshuffle branch of AiterMxfp4LinearKernel, and the FP8 per-channel ones whose N is a
+    multiple of 128 aiter's preshuffled per-token GEMM (to see those branches' bytes)."""
     install()
     from vllm._aiter_ops import rocm_aiter_ops
 
     if on:
         rocm_aiter_ops.is_asm_fp4_gemm_tuned = staticmethod(lambda n, k: True)
         rocm_aiter_ops.is_triton_gemm_afp4wfp4_presh_ws_tuned = staticmethod(lambda n, k: True)
-        rocm_aiter_ops.is_shuffled_per_token_w8a8_gemm_tuned = staticmethod(lambda n, k, dtype: True)
+        # FP8 per channel: where N is a multiple of 128 only, so that a checkpoint's FP8 linears take
+        # both of vLLM's FP8 layouts in one load (the preshuffled GEMM's, and the transposed view)
+        rocm_aiter_ops.is_shuffled_per_token_w8a8_gemm_tuned = staticmethod(lambda n, k, dtype: n % 128 == 0)
 
 
 def choices(model) -> dict:
@@ -495,6 +497,23 @@ def choices(model) -> dict:
                     d[a + ".is_shuffled"] = bool(getattr(t, "is_shuffled", False))
         out[name] = d
     return out
+
+
+def dense_kernels(model) -> dict[str, int]:
+    """How many of ``model``'s quantized dense linears vLLM runs on each GEMM (MXFP4: aiter's ASM
+    GEMM on shuffled bytes, or its Triton GEMM on raw ones; FP8 per channel: its linear kernel's
+    class), as vLLM chose them at processing."""
+    from collections import Counter
+
+    out: Counter = Counter()
+    for _, mod in model.named_modules():
+        sch = getattr(mod, "scheme", None)
+        mx, fp8 = getattr(sch, "ocp_mx_linear", None), getattr(sch, "fp8_linear", None)
+        if mx is not None:
+            out["MXFP4 " + ("ASM GEMM (shuffled)" if getattr(mx, "use_asm_gemm", False) else "Triton GEMM (raw)")] += 1
+        elif fp8 is not None:
+            out[f"FP8 {type(fp8).__name__}"] += 1
+    return dict(sorted(out.items()))
 
 
 def aliases(model) -> dict:

@@ -112,21 +112,33 @@ def test_vllms_load_through_the_door_equals_its_own_load_of_the_source(tiny_r1, 
                                                           for row in rows), report
 
 
-def test_linears_vllm_runs_on_aiters_asm_gemm_are_laid_out_by_the_door_as_vllm_holds_them(tmp_path):
-    # Where the aiter vLLM runs with has tuned its ASM FP4 GEMM for a dense linear's shape (not
-    # known when converting), vLLM holds it W16 with the scale [N, K/32] swizzled: the door lays
-    # the non-shuffle-t bytes out so on the way; both loads made with every shape "tuned". Tiny v2
-    # (MXFP4 attention and MTP layer): 9 of the model's linears and 3 of the draft's qualify.
+def test_linears_vllm_runs_on_tuned_aiter_gemms_are_laid_out_by_the_door_as_vllm_holds_them(tmp_path):
+    # Which GEMM vLLM runs a dense linear on depends on aiter's tuned tables where it runs (not
+    # known when converting). Both loads made with aiter's probes answering "tuned" (--asm-tuned):
+    # for every MXFP4 shape (vLLM holds such a linear W16 with the scale [N, K/32] swizzled), and for
+    # the FP8 ones whose N is a multiple of 128 (aiter's preshuffled per-token GEMM: the weight
+    # shuffled (16, 16)); the other FP8 linears stay on torch's row-wise GEMM, the weight a
+    # transposed view of its memory with the scale [N, 1]. The door lays prep's bytes out so on
+    # the way. Tiny MTP-MoEFP4 (Quark's FP8 per-channel attention beside MXFP4 MLPs and experts),
+    # whose MLA kv_b_proj vLLM runs on an identity (aiter's per-token quant and FP8 GEMM as torch
+    # stand-ins, named per rank): all three in the model and in its MTP draft.
     import dataclasses
 
     from prep.testing import write_checkpoint
 
-    src = write_checkpoint(dataclasses.replace(PRESETS["tiny"], variant="v2"), tmp_path / "v2")
+    src = write_checkpoint(dataclasses.replace(PRESETS["tiny"], variant="mtp-moefp4"), tmp_path / "mtp")
     out = tmp_path / "out"
     r = CliRunner().invoke(main, ["convert", str(src), "-o", str(out), "--engine", "vllm", "--tp", "1"])
     assert r.exit_code == 0, r.output
     rows, report = engine_check_rows("vllm", src, out, tmp_path / "work", "--asm-tuned")
-    assert "--asm-tuned" in report and [(row[0], row[-1]) for row in rows] == [("0", "ok")], report
+    assert [(row[0], row[-1]) for row in rows] == [("0", "ok")], report
+    assert ("dense linears by vLLM's GEMM: FP8 AiterPreshuffledPerTokenFp8ScaledMMLinearKernel 9, FP8 "
+            "RowWiseTorchFP8ScaledMMLinearKernel 3, MXFP4 ASM GEMM (shuffled) 6, draft FP8 "
+            "AiterPreshuffledPerTokenFp8ScaledMMLinearKernel 3, draft FP8 RowWiseTorchFP8ScaledMMLinearKernel 1, "
+            "draft MXFP4 ASM GEMM (shuffled) 2\n") in report, report
+    assert "torch stand-ins computed for GPU kernels: aiter.dynamic_per_token_scaled_quant, aiter.gemm_a8w8_bpreshuffle\n" \
+        in report, report
+    assert_verifies_and_reverts(out, src, tmp_path / "back")
 
 
 def test_the_asm_gemm_layout_is_the_registrys_from_the_written_one():
@@ -177,30 +189,6 @@ def test_a_model_a_plugin_put_in_place_of_vllms_own_is_refused_naming_the_switch
         check_own_model(cls("atom.plugin.vllm.model_wrapper"))
     with pytest.raises(DoorError, match="a vLLM plugin replaced vLLM's own: serve without that plugin$"):
         check_own_model(cls("someplugin.models"))
-
-
-@pytest.mark.parametrize("tuned", [False, True], ids=["untuned-fp8-transposed", "tuned-fp8-preshuffled"])
-def test_fp8_attention_checkpoints_load_through_vllms_door_as_vllm_loads_the_source(tmp_path, tuned):
-    # MTP-MoEFP4's shape: Quark's FP8 per-channel self-attention beside MXFP4 experts. prep writes
-    # the FP8 linears as the source's bytes, split and merged; vLLM holds each transposed (a view
-    # of the same memory) with its scale [N, 1], or, where aiter has tuned its preshuffled per-token
-    # FP8 GEMM for the shape (every shape "tuned" here: --asm-tuned), shuffled (16, 16), which the
-    # door does on the way. vLLM's MLA derives W_UK_T / W_UV from the FP8 kv_b_proj by running it
-    # on an identity (aiter's per-token quant and FP8 GEMM as torch stand-ins, named per rank).
-    import dataclasses
-
-    from prep.testing import write_checkpoint
-
-    src = write_checkpoint(dataclasses.replace(PRESETS["tiny"], variant="mtp-moefp4"), tmp_path / "mtp")
-    out = tmp_path / "out"
-    r = CliRunner().invoke(main, ["convert", str(src), "-o", str(out), "--engine", "vllm", "--tp", "1"])
-    assert r.exit_code == 0, r.output
-    rows, report = engine_check_rows("vllm", src, out, tmp_path / "work", *(["--asm-tuned"] * tuned))
-    assert [(row[0], row[-1]) for row in rows] == [("0", "ok")], report
-    gemm = ", aiter.gemm_a8w8_bpreshuffle" if tuned else ""
-    assert f"torch stand-ins computed for GPU kernels: aiter.dynamic_per_token_scaled_quant{gemm}\n" in report + "\n"
-    if not tuned:  # the same files either way
-        assert_verifies_and_reverts(out, src, tmp_path / "back")
 
 
 def test_an_fp8_weight_is_copied_into_the_memory_of_vllms_transposed_view():
