@@ -128,7 +128,8 @@ def _computed(calls: list[str]) -> None:
         print(f"    torch stand-ins computed for GPU kernels: {', '.join(c.removesuffix(stand_ins.COMPUTING) for c in used)}")
 
 
-def check_sglang(src: pathlib.Path, out: pathlib.Path, work: pathlib.Path, aiter_src: pathlib.Path) -> bool:
+def check_sglang(src: pathlib.Path, out: pathlib.Path, work: pathlib.Path, aiter_src: pathlib.Path,
+                 ranks: list[int] | None = None) -> bool:
     import sglang_on_cpu as s
 
     t = _manifest(out, "sglang", "SGLang").target
@@ -141,7 +142,7 @@ def check_sglang(src: pathlib.Path, out: pathlib.Path, work: pathlib.Path, aiter
     pattern = json.dumps({"pattern": f"model-tp{t.tp}-rank{{rank}}-{{part}}.safetensors"})
     print(f"{'rank':>4} {'tensors':>7} {'bytes':>10} {'w_kc/w_vc':>9}  result")
     ok = True
-    for rank in range(t.tp):
+    for rank in ranks if ranks is not None else range(t.tp):
         s.CALLS.clear()
         ref = s.default_load(src, t.tp, rank, ep=t.ep, **kw)
         ref_extra = dict(s.EXTRAS)
@@ -156,7 +157,7 @@ def check_sglang(src: pathlib.Path, out: pathlib.Path, work: pathlib.Path, aiter
 
 
 def check_vllm(src: pathlib.Path, out: pathlib.Path, work: pathlib.Path, aiter_src: pathlib.Path,
-               asm_tuned: bool = False) -> bool:
+               asm_tuned: bool = False, ranks: list[int] | None = None) -> bool:
     import vllm_on_cpu as v
     from layouts.engines.vllm.door import LOAD_FORMAT
 
@@ -196,7 +197,7 @@ def check_vllm(src: pathlib.Path, out: pathlib.Path, work: pathlib.Path, aiter_s
             kernels.update({f"draft {k}": n for k, n in v.dense_kernels(m).items()})
         return held, flags, type(loader)
 
-    for rank in range(t.tp):
+    for rank in ranks if ranks is not None else range(t.tp):
         v.CALLS.clear()
         kernels: dict[str, int] = {}
         ref, ref_flags, _ = load(src, "auto", 0xA5)
@@ -218,7 +219,7 @@ def check_vllm(src: pathlib.Path, out: pathlib.Path, work: pathlib.Path, aiter_s
 
 
 def check_atom(src: pathlib.Path, out: pathlib.Path, work: pathlib.Path, atom_dir: pathlib.Path,
-               aiter_src: pathlib.Path) -> bool:
+               aiter_src: pathlib.Path, ranks: list[int] | None = None) -> bool:
     import check_atom_install as c
     from layouts.engines.atom import PROFILE
 
@@ -235,7 +236,7 @@ def check_atom(src: pathlib.Path, out: pathlib.Path, work: pathlib.Path, atom_di
         else None
     print(c.HEADER)
     failed = False
-    for rank in range(t.tp):
+    for rank in ranks if ranks is not None else range(t.tp):
         failed |= c.print_rank(c.check_rank(case, src, out, rank, derive))
     return not failed
 
@@ -248,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--oracles", type=pathlib.Path,
                     help="folder with ATOM's and aiter's pinned sources (default: scripts/engine_sources.py finds it)")
     ap.add_argument("--work", type=pathlib.Path, help="scratch folder (default: a temporary one)")
+    ap.add_argument("--ranks", type=lambda v: [int(x) for x in v.split(",")],
+                    help="comma-separated ranks to check (default: every rank)")
     ap.add_argument("--asm-tuned", action="store_true",
                     help="vllm: both loads as where aiter has tuned its ASM FP4 GEMM for every dense linear's shape "
                          "(vLLM's two probes answer yes), so vLLM runs each on it and the door lays it out at load")
@@ -267,11 +270,11 @@ def main(argv: list[str] | None = None) -> int:
     work = scratch.path
     atom_dir, aiter_src = engine_sources.trees(args.oracles or engine_sources.require(), work)
     if args.engine == "sglang":
-        ok = check_sglang(args.source, args.converted, work, aiter_src)
+        ok = check_sglang(args.source, args.converted, work, aiter_src, args.ranks)
     elif args.engine == "vllm":
-        ok = check_vllm(args.source, args.converted, work, aiter_src, args.asm_tuned)
+        ok = check_vllm(args.source, args.converted, work, aiter_src, args.asm_tuned, args.ranks)
     else:
-        ok = check_atom(args.source, args.converted, work, atom_dir, aiter_src)
+        ok = check_atom(args.source, args.converted, work, atom_dir, aiter_src, args.ranks)
     note = scratch.done(ok)
     if note:
         print(note)
