@@ -428,6 +428,10 @@ def build_and_load(model_path, tp: int, rank: int, ep: int = 1, load_format: str
 
     set_groups(tp, rank, ep)
     loader = get_model_loader(vc.load_config)
+    from vllm.v1.worker import workspace
+
+    if workspace._manager is None:  # GPUModelRunner makes it; DeepSeek-V3.2's sparse MLA asks for it at build
+        workspace.init_workspace_manager(torch.device("cpu"))
     with set_current_vllm_config(vc), on_cpu(fill):
         model = loader.load_model(vllm_config=vc, model_config=vc.model_config)
         if draft:

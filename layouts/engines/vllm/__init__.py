@@ -39,7 +39,7 @@ from typing import Mapping
 from ...compat import (CompatibilityError, EngineConfig, bf16_moe_layout_matches, dense_layout_matches,
                        engine_matches, ep_matches, fp8_layout_matches, moe_layout_matches, rank_in_range, tp_matches)
 from ...registry import MOE_BF16, MOE_CK_3D, NON_SHUFFLE_T, PRESHUFFLE_UNPADDED
-from .. import (NEVER, EngineProfile, GemmPathRule, GpuArch, ShardingRules, _config,
+from .. import (NEVER, WHOLE, EngineProfile, Merge, GemmPathRule, GpuArch, ShardingRules, _config,
                 current_gpu_arch, deepseek_merges)
 
 ENV_AITER = "VLLM_ROCM_USE_AITER"
@@ -56,7 +56,11 @@ AITER = "aiter"  # vLLM's MoE back end AITER_MXFP4_MXFP4: aiter's CK fused_moe
 GFX95 = GpuArch("gfx95", "gfx950", "gfx95x (MI355)")
 
 SHARDING = ShardingRules(
-    merges=deepseek_merges("self_attn.fused_qkv_a_proj"),
+    # DeepSeek-V3.2's indexer: wk and weights_proj one replicated BF16 linear (deepseek_v32's
+    # MergedColumnParallelLinear(..., disable_tp=True)), [wk; weights_proj] by rows
+    merges=(*deepseek_merges("self_attn.fused_qkv_a_proj"),
+            Merge("self_attn.indexer.wk_weights_proj", ("self_attn.indexer.wk", "self_attn.indexer.weights_proj"),
+                  WHOLE)),
     experts="mlp.experts.routed_experts",
     fuse_shared_expert=False,
     moe_pad_to=(128, 256),
@@ -82,7 +86,7 @@ class VllmProfile(EngineProfile):
     expert_parallel_switch = "--enable-expert-parallel"
     sharding = SHARDING
     fp8_channel_linears = True  # the door lays them out (door._copy_into, _as_shuffled_fp8_gemm_holds): tests/test_vllm_conversion.py
-    families = ("deepseek-v3", "kimi-k2")  # check_engine_install.py on tiny kimi-k2 (docs/engines.md)
+    families = ("deepseek-v3", "kimi-k2", "deepseek-v3.2")  # check_engine_install.py on tiny kimi-k2, v3.2
     checks = (engine_matches, tp_matches, rank_in_range, ep_matches, dense_layout_matches, moe_layout_matches,
               bf16_moe_layout_matches, fp8_layout_matches)
 
