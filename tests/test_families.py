@@ -202,7 +202,20 @@ def test_a_family_an_engines_door_is_not_checked_with_is_refused_naming_the_engi
                         "own load yet, so prep does not write it for vLLM; convert with --engine atom or sglang\n")
 
 
-def test_the_reference_engine_refuses_deepseek_v32_rather_than_skip_its_indexer(v32):
-    r = CliRunner().invoke(main, ["run", str(v32), "--prompt-ids", "1,2,3"])
-    assert r.exit_code == 1 and "prep's reference engine does not compute its sparse-attention indexer" in r.output, \
-        r.output
+def test_the_reference_engine_computes_deepseek_v32_where_its_indexer_keeps_every_token_and_refuses_past(v32,
+                                                                                                      tmp_path):
+    # Up to index_topk positions the indexer keeps every cached token, so attention is dense: the
+    # reference engine computes it exactly without the indexer (the source's and an ATOM
+    # conversion's logits bit for bit); past it the indexer chooses, which it does not compute.
+    from prep.convert import convert
+    from prep.deepseek import target_for
+
+    out = tmp_path / "out"
+    convert(str(v32), out, target_for("atom", tp=2))
+    r = CliRunner().invoke(main, ["compare", str(v32), str(out), "--prompt-ids", "1,2,3,4"])
+    assert r.exit_code == 0 and "(identical bit for bit)" in r.output, r.output
+    r = CliRunner().invoke(main, ["run", str(v32), "--prompt-ids", "1,2,3", "--generate", "2"])
+    assert r.exit_code == 1 and r.output.count("\n") == 1, r.output
+    assert r.output.endswith("DeepSeek-V3.2's indexer keeps 4 cached tokens per query (index_topk); up to that many "
+                             "positions attention is dense and prep's reference engine computes it, but this prompt "
+                             "and generation take 5: give at most 4\n"), r.output

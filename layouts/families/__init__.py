@@ -83,6 +83,11 @@ class Family:
     not_computed: str = ""
     """What of the family prep's reference engine (``prep run`` / ``compare``) does not compute,
     said when it refuses the family; empty: it computes every module."""
+    dense_up_to: str = ""
+    """The config.json key of the number of cached tokens a sparse attention's indexer keeps per
+    query (DeepSeek-V3.2's ``index_topk``): up to that many positions it keeps every one, so
+    attention is dense and the reference engine computes it exactly without the indexer; it
+    refuses a longer sequence. Empty: attention is dense at any length."""
 
     def __post_init__(self) -> None:
         seen: set[str] = set()

@@ -78,8 +78,7 @@ KIMI_K2 = register_family(Family(
 
 DEEPSEEK_V32 = register_family(Family(
     "deepseek-v3.2", "DeepSeek-V3.2", ("DeepseekV32ForCausalLM",), ("deepseek_v32",), BEFORE,
-    (*LAYER[:9], *INDEXER, *LAYER[9:]), AFTER, MTP, twist="sparse-attention indexer",
-    not_computed="its sparse-attention indexer (which cached tokens each query attends to)",
+    (*LAYER[:9], *INDEXER, *LAYER[9:]), AFTER, MTP, twist="sparse-attention indexer", dense_up_to="index_topk",
 ))
 
 __all__ = ["DEEPSEEK_V3", "DEEPSEEK_V32", "KIMI_K2"]

@@ -28,13 +28,23 @@ def _positive_float(cfg: dict[str, Any], key: str, where: pathlib.Path, default:
     return float(v)
 
 
-def check_model_config(cfg: dict[str, Any], root: pathlib.Path, tensors: int) -> None:
-    """Refuse (one line, naming the key) a config.json the DeepSeek forward cannot compute with."""
+def check_model_config(cfg: dict[str, Any], root: pathlib.Path, tensors: int, positions: int = 0) -> None:
+    """Refuse (one line, naming the key) a config.json the DeepSeek forward cannot compute with,
+    or ``positions`` (the prompt and what is generated) it cannot compute exactly for this family."""
     where = root / "config.json"
     family = source_family(cfg)
     if family.not_computed:  # an answer that skipped a module would pass for the model's
         raise PrepError(f"{where}: {family.label}: prep's reference engine does not compute {family.not_computed}; "
                         "compare this model on an engine")
+    if family.dense_up_to:
+        keep = cfg.get(family.dense_up_to)
+        if type(keep) is not int or keep < 1:
+            raise PrepError(f"{where}: {family.dense_up_to} is {keep!r}, not a positive integer; {family.label} "
+                            "needs it (re-download config.json)")
+        if positions > keep:  # past it the indexer chooses, which the reference engine does not compute
+            raise PrepError(f"{where}: {family.label}'s indexer keeps {keep} cached tokens per query "
+                            f"({family.dense_up_to}); up to that many positions attention is dense and prep's reference "
+                            f"engine computes it, but this prompt and generation take {positions}: give at most {keep}")
     ints = check_config_ints(cfg, root, tensors)
     for key in ("hidden_size", "num_attention_heads", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                 "kv_lora_rank", "vocab_size"):

@@ -103,7 +103,7 @@ def run(model_dir: str | pathlib.Path, prompt_ids: list[int], *, layers: int | N
         getattr(bars.get("check"), "close", lambda: None)()  # done before the forward's bar starts below it
     t0 = time.perf_counter()
     weights = load_weights(root, assume_layout, manifest, max_memory=max_memory)
-    check_model_config(weights.config, root, len(weights))  # before the model is built
+    check_model_config(weights.config, root, len(weights), len(ids) + generate)  # before the model is built
     weights.check_config()
     if device != "cpu":
         weights.to(device)
