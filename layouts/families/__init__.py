@@ -80,9 +80,6 @@ class Family:
     """The module config.json's ``tie_word_embeddings`` leaves out (the embedding stands in)."""
     twist: str = ""
     """What sets the family apart from DeepSeek-V3, said where prep names the family."""
-    not_computed: str = ""
-    """What of the family prep's reference engine (``prep run`` / ``compare``) does not compute,
-    said when it refuses the family; empty: it computes every module."""
     dense_up_to: str = ""
     """The config.json key of the number of cached tokens a sparse attention's indexer keeps per
     query (DeepSeek-V3.2's ``index_topk``): up to that many positions it keeps every one, so
@@ -135,11 +132,15 @@ class Family:
         m = self.module(module)
         return m is not None and suffix in m.extra
 
+    @functools.cached_property
+    def _mtp_names(self) -> frozenset[str]:
+        return frozenset(m.name for m in self.mtp)
+
     def is_mtp_own(self, name: str) -> bool:
         """Whether ``name`` is one of an MTP layer's own modules (in any layer: a transformers-5
         config may count the MTP layer among the decoder layers)."""
         m = _IN_LAYER.match(name)
-        return bool(m) and m.group(2) in {x.name for x in self.mtp}
+        return bool(m) and m.group(2) in self._mtp_names
 
     # ------------------------------------------------------------------ what config.json implies
     def expected(self, config: Mapping[str, Any], ints: Mapping[str, int | None],
