@@ -23,6 +23,18 @@ from .sizes import ceil_div
 
 Shape = tuple[int, ...]
 
+FP8_BLOCK = 128  # DeepSeek's FP8 release: one F32 scale per 128x128 block of a weight
+
+
+def fp8_block_scales(scale_inv: torch.Tensor, rows: slice, k: int) -> torch.Tensor:
+    """The per-element float32 scales of rows ``rows`` of an ``[N, k]`` FP8 weight whose 128x128
+    blocks each have one (``weight_scale_inv [ceil(N/128), ceil(k/128)]``; the last blocks may be
+    partial, and ``rows`` may start inside a block)."""
+    b = FP8_BLOCK
+    s = scale_inv.float()[rows.start // b:-(-rows.stop // b)].repeat_interleave(b, 0).repeat_interleave(b, 1)
+    first = rows.start - rows.start // b * b
+    return s[first:first + rows.stop - rows.start, :k]
+
 
 _POSITIONS: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
 POSITIONS_CACHE_BYTES = 512 << 20  # int64 maps are 8 bytes per stored byte: keep only recent ones

@@ -23,7 +23,7 @@ from typing import Any, Mapping
 
 import torch
 
-from .dequant import dequantize_stored_rows
+from .dequant import FP8_BLOCK, dequantize_stored_rows, fp8_block_scales
 from .errors import LayoutsError
 from .registry import Layout, get_layout
 from .sizes import ceil_div
@@ -130,11 +130,10 @@ def _fp8_matrix(rank: Mapping[str, torch.Tensor], records: Mapping[str, Any], na
         raise LayoutsError(f"{name}: an FP8 weight without its weight_scale in this rank's tensors")
     w = logical(name, shape)
     scale = rank[scale_name]
-    fp8_block = 128
     if scale.shape[0] >= n and scale.numel() == scale.shape[0]:  # one per row (the rows past n: padding)
         s = logical(scale_name, (n, *scale.shape[1:])).reshape(n, 1).float()
-    elif tuple(scale.shape) == (ceil_div(n, fp8_block), ceil_div(k, fp8_block)):
-        s = scale.float().repeat_interleave(fp8_block, 0)[:n].repeat_interleave(fp8_block, 1)[:, :k]
+    elif tuple(scale.shape) == (ceil_div(n, FP8_BLOCK), ceil_div(k, FP8_BLOCK)):
+        s = fp8_block_scales(scale, slice(0, n), k)
     else:
         raise LayoutsError(f"{scale_name}: {list(scale.shape)} is neither one scale per row of {name} [{n}, {k}] "
                            "nor one per 128x128 block")

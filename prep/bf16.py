@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 import torch
 
 import layouts
+from layouts.dequant import FP8_BLOCK
 from layouts.engines import COLS as _COLS, ROWS as _ROWS, WHOLE as _WHOLE
 from layouts.families import family_of
 
@@ -442,7 +443,6 @@ def channel_scale(name: str, info: Any, tensors: Mapping[str, Any]) -> _Column |
     return _Column(info.dtype, (w.shape[0], 1))
 
 
-FP8_BLOCK = 128  # DeepSeek's FP8 release: one F32 scale per 128x128 block of a weight
 
 
 @dataclasses.dataclass(frozen=True)

@@ -89,9 +89,8 @@ class Classified:
 
 
 def arch_of(config: dict[str, Any]) -> str:
-    """The architecture a conversion's manifest records for config.json (a model of no family prep
-    knows is refused, naming the families)."""
-    source_family(config)
+    """The architecture a conversion's manifest records for config.json (of a family prep knows:
+    :func:`classify` resolves it first)."""
     archs = config.get("architectures")
     for a in archs if isinstance(archs, list) else []:  # a number or a list of objects: not DeepSeek, not a crash
         if isinstance(a, str) and a in ARCHS:

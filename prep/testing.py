@@ -29,9 +29,8 @@ import torch
 from safetensors.torch import save_file
 
 import layouts
+from layouts.dequant import FP8_BLOCK  # DeepSeek's FP8 release: one scale per 128x128 block of a weight
 from layouts.sizes import ceil_div
-
-from .bf16 import FP8_BLOCK  # DeepSeek's FP8 release: one scale per 128x128 block of a weight
 
 __all__ = [
     "PRESETS", "VARIANTS", "Param", "SynthSpec", "build_config", "exclude_patterns", "is_excluded",

@@ -502,8 +502,8 @@ def print_rank(r: dict) -> bool:
     """Print the rank's row and what went wrong; True when it failed."""
     print(row(r), flush=True)
     notes = r["mismatches"][:10] + [f"stand-in called while loading: {s}" for s in stand_ins.skipped(r["stand_ins"])]
-    used = stand_ins.computing(r["stand_ins"])
-    notes += [f"torch stand-ins computed for GPU kernels: {', '.join(used)}"] if used else []
+    note = stand_ins.computed_note(r["stand_ins"])
+    notes += [note] if note else []
     notes += [f"warning: {m[:200]}" for m in r["other_warnings"]]
     notes += ["ATOM's own load of the source warned too"] if r["ref_warned"] else []
     for line in notes:

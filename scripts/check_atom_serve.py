@@ -363,9 +363,9 @@ def check(source: pathlib.Path, converted: pathlib.Path, trees: tuple[pathlib.Pa
                          f"draft head {'shared' if fill['draft_head_shared'] else 'its own'}" if fill["draft"]
                          else "no MTP draft model") + f": {'ok' if rank_ok else 'FAIL'}")
         lines += [f"    {b}" for b in bad[:10]] + [f"    warning: {m[:200]}" for m in fill["not_loaded"][:3]]
-        used = stand_ins.computing(fill["stand_ins_while_loading"])
-        if used:  # torch math for a GPU kernel ATOM's start-up runs, on both sides alike: said, not hidden
-            lines.append(f"    torch stand-ins computed for GPU kernels: {', '.join(c[:-len(stand_ins.COMPUTING)] for c in used)}")
+        note = stand_ins.computed_note(fill["stand_ins_while_loading"])  # torch math ATOM's start-up ran
+        if note:
+            lines.append(f"    {note}")
     if not door.get("listening"):
         ok = False
         lines.append("the door's start-up did not reach the server's uvicorn.run")

@@ -120,14 +120,6 @@ def _rank_row(rank: int, ref: dict, bad: list[str], *more: int) -> bool:
     return not bad
 
 
-def _computed(calls: list[str]) -> None:
-    """Name the computing stand-ins the rank's loads ran (torch math for a GPU kernel, the same in
-    both loads: MLA's derivation from an FP8 kv_b_proj runs the layer on an identity)."""
-    used = stand_ins.computing(calls)
-    if used:
-        print(f"    torch stand-ins computed for GPU kernels: {', '.join(c.removesuffix(stand_ins.COMPUTING) for c in used)}")
-
-
 def check_sglang(src: pathlib.Path, out: pathlib.Path, work: pathlib.Path, aiter_src: pathlib.Path,
                  ranks: list[int] | None = None) -> bool:
     import sglang_on_cpu as s
@@ -214,7 +206,9 @@ def check_vllm(src: pathlib.Path, out: pathlib.Path, work: pathlib.Path, aiter_s
         bad += [f"vLLM chose other GEMMs for OUT ({kernels}) than for SRC ({ref_kernels})"] * (kernels != ref_kernels)
         ok &= _rank_row(rank, ref, bad, sum(k.startswith("draft:") for k in ref))
         print(f"    dense linears by vLLM's GEMM: {', '.join(f'{k} {n}' for k, n in ref_kernels.items()) or 'none'}")
-        _computed(v.CALLS)
+        note = stand_ins.computed_note(v.CALLS)  # torch math for a GPU kernel, the same in both loads
+        if note:
+            print(f"    {note}")
     return ok
 
 

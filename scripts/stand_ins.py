@@ -33,6 +33,14 @@ def computing(calls: list[str]) -> list[str]:
     """The calls among ``calls`` of the computing stand-ins (torch math for a GPU kernel)."""
     return sorted({c for c in calls if c.endswith(COMPUTING)})
 
+
+def computed_note(calls: list[str]) -> str | None:
+    """The line a check prints for the computing stand-ins among ``calls`` (the same on both
+    sides it compares: said, not hidden), None where none ran."""
+    used = computing(calls)
+    return f"torch stand-ins computed for GPU kernels: {', '.join(c.removesuffix(COMPUTING) for c in used)}" \
+        if used else None
+
 # aiter's modules every harness loads from aiter's own files (the shuffles and the dtypes they
 # use); every other aiter module is a stand-in unless a harness names more.
 REAL_AITER = ("aiter.ops.shuffle", "aiter.utility.dtypes", "aiter.utility.fp4_utils", "aiter.utility.mx_types",
@@ -225,6 +233,7 @@ def _gemm_a8w8_blockscale(x, w, x_scale, w_scale, dtype=None, out=None, **_):
     scale read in the column-major memory the preshuffled GEMM takes (:func:`_per_group_quant`)."""
     import torch
 
+    from layouts.dequant import fp8_block_scales
     from layouts.shuffle import unshuffle_weight
 
     CALLS.append("aiter.gemm_a8w8_blockscale" + COMPUTING)
@@ -235,7 +244,7 @@ def _gemm_a8w8_blockscale(x, w, x_scale, w_scale, dtype=None, out=None, **_):
     groups = k // 128
     xs = x_scale.reshape(-1).view(groups, m).t() if shuffled else x_scale.reshape(m, groups)
     xd = (x.float().reshape(m, groups, 128) * xs.float().unsqueeze(-1)).reshape(m, k)
-    ws = w_scale.float().repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
+    ws = fp8_block_scales(w_scale, slice(0, n), k)
     y = (xd @ (w.float() * ws).t()).to(dtype or torch.bfloat16)
     if out is not None:
         out.copy_(y)

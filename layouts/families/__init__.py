@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import re
 from typing import Any, Iterator, Mapping
 
@@ -151,11 +152,11 @@ class Family:
         one may be absent as a whole (``mtp_present``: the MTP layer indices the checkpoint has
         any tensor of): transformers builds none, so an amd-quark export has none while its
         config still says ``num_nextn_predict_layers: 1``."""
-        import itertools
-
         n_layers, n_mtp = ints["num_hidden_layers"], ints["num_nextn_predict_layers"]
         for m in self.before:
             yield m.name, f"every {self.label} checkpoint has it"
+        # chained, not listed: a config of 1e8 layers made that list first (4 GB, 3 s) before the
+        # walk stopped at the first layer missing
         for layer in itertools.chain(range(n_layers),
                                      sorted(i for i in mtp_present if n_layers <= i < n_layers + n_mtp)):
             p = f"model.layers.{layer}"

@@ -25,9 +25,8 @@ from typing import Any
 import torch
 
 import layouts
-from layouts.dequant import dequantize_activation
+from layouts.dequant import FP8_BLOCK, dequantize_activation
 
-from ..bf16 import FP8_BLOCK
 from .weights import ModelWeights
 
 BF16 = torch.bfloat16

@@ -41,10 +41,11 @@ from typing import Any, Callable
 import torch
 
 import layouts
-from layouts.dequant import clear_position_maps, dequantize_expert, dequantize_stored_rows, read_overhead
+from layouts.dequant import (clear_position_maps, dequantize_expert, dequantize_stored_rows, fp8_block_scales,
+                             read_overhead)
 from layouts.safetensors_file import TORCH_DTYPES
 
-from ..bf16 import FP8_BLOCK, Bf16Group, as_planned
+from ..bf16 import Bf16Group, as_planned
 from ..errors import PrepError
 from ..groups import LinearGroup, MoEGroup, group_from_record
 from ..source import SourceCheckpoint
@@ -213,7 +214,7 @@ class ModelWeights:
         if self.fp8(prefix):
             w = w * self.tensor(f"{prefix}.weight_scale").float().reshape(-1, 1)[rows]
         elif self.fp8_block(prefix):
-            w = w * _block_scales(self.tensor(f"{prefix}.weight_scale_inv"), rows, w.shape[1])
+            w = w * fp8_block_scales(self.tensor(f"{prefix}.weight_scale_inv"), rows, w.shape[1])
         return w
 
     def _read_rows(self, name: str, rows: slice) -> torch.Tensor:
@@ -233,7 +234,7 @@ class ModelWeights:
                              * self.tensor(f"{prefix}.weight_scale").float().reshape(-1, 1), need)
         if self.fp8_block(prefix):  # FP8 per 128x128 block: its codes times their block's scale
             return self._get(f"{prefix}.weight:float32", lambda: self.tensor(f"{prefix}.weight").float()
-                             * _block_scales(self.tensor(f"{prefix}.weight_scale_inv"), slice(0, n), k), need)
+                             * fp8_block_scales(self.tensor(f"{prefix}.weight_scale_inv"), slice(0, n), k), need)
         return self._get(f"{prefix}.weight:float32", lambda: self.tensor(f"{prefix}.weight").float(), need)
 
     def mxfp4(self, prefix: str) -> bool:
@@ -267,15 +268,6 @@ class ModelWeights:
 
     def has(self, name: str) -> bool:
         return name in self._tensors or name.removesuffix(".weight") in self._linears
-
-
-def _block_scales(scale_inv: torch.Tensor, rows: slice, k: int) -> torch.Tensor:
-    """The per-element scales of rows ``rows`` of a ``[N, k]`` FP8 weight whose 128x128 blocks
-    each have one (``weight_scale_inv [ceil(N/128), ceil(k/128)]``; the last blocks may be partial)."""
-    b = FP8_BLOCK
-    s = scale_inv.float()[rows.start // b:-(-rows.stop // b)].repeat_interleave(b, 0).repeat_interleave(b, 1)
-    first = rows.start - rows.start // b * b
-    return s[first:first + rows.stop - rows.start, :k]
 
 
 def load_weights(model_dir: str | pathlib.Path, assume_layout: str | None = None,

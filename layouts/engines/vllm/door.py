@@ -257,12 +257,7 @@ def _on_asm_gemm(model: Any, param: str) -> bool:
     linear's (N, K) on this GPU, vLLM's ``AiterMxfp4LinearKernel`` chooses it at processing."""
     if not param.endswith((".weight", ".weight_scale")):
         return False
-    try:
-        module = model.get_submodule(param.rsplit(".", 1)[0])
-    except AttributeError:
-        return False
-    kernel = getattr(getattr(module, "scheme", None), "ocp_mx_linear", None)
-    return bool(getattr(kernel, "use_asm_gemm", False))
+    return bool(getattr(_linear_kernel(model, param, "ocp_mx_linear"), "use_asm_gemm", False))
 
 
 def _as_asm_gemm_holds(t: Any, name: str, layout: str | None, folder: str) -> Any:
@@ -288,13 +283,18 @@ def _on_shuffled_fp8_gemm(model: Any, param: str) -> bool:
     aiter has tuned them for its (N, K) on this GPU, and shuffles that weight (16, 16)."""
     if not param.endswith(".weight"):
         return False
+    return type(_linear_kernel(model, param, "fp8_linear")).__name__ in (
+        "AiterPreshuffledPerTokenFp8ScaledMMLinearKernel", "AiterHipbMMPerTokenFp8ScaledMMLinearKernel")
+
+
+def _linear_kernel(model: Any, param: str, attr: str) -> Any:
+    """The linear kernel vLLM chose at processing for the module holding ``param`` (its Quark
+    scheme's ``attr``: ``ocp_mx_linear`` for MXFP4, ``fp8_linear`` for FP8), None where it has none."""
     try:
         module = model.get_submodule(param.rsplit(".", 1)[0])
     except AttributeError:
-        return False
-    kernel = getattr(getattr(module, "scheme", None), "fp8_linear", None)
-    return type(kernel).__name__ in ("AiterPreshuffledPerTokenFp8ScaledMMLinearKernel",
-                                     "AiterHipbMMPerTokenFp8ScaledMMLinearKernel")
+        return None
+    return getattr(getattr(module, "scheme", None), attr, None)
 
 
 def _as_shuffled_fp8_gemm_holds(t: Any, name: str, layout: str | None, folder: str) -> Any:
