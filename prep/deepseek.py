@@ -29,7 +29,7 @@ from .source import SourceCheckpoint
 
 # The architecture a manifest records (``target.arch``), by config.json's ``architectures``
 ARCHS = {"DeepseekV3ForCausalLM": "deepseek_v3", "DeepseekV2ForCausalLM": "deepseek_v2",
-         "DeepseekV32ForCausalLM": "deepseek_v32"}
+         "DeepseekV32ForCausalLM": "deepseek_v32", "GlmMoeDsaForCausalLM": "glm_moe_dsa"}
 
 # A plain `prep convert` targets what the default engine reads in its default configuration
 # (ATOM with no switches on gfx950: the ASM/CK GEMM and the CK MoE).
@@ -334,9 +334,10 @@ def plan_groups(src: SourceCheckpoint, cls: Classified, target: Target) -> list[
         raise PrepError(why)
     if cls.family.name not in engine.families:
         able = [e.name for e in convertible_engines() if cls.family.name in e.families]
+        fix = f"convert with --engine {' or '.join(able)}" if able else "no engine's is yet"
         raise PrepError(f"config.json: {cls.family.label} ({cls.family.twist}) is not checked against "
                         f"{engine.display_name}'s own load yet, so prep does not write it for {engine.display_name}; "
-                        f"convert with --engine {' or '.join(able)}")
+                        f"{fix}")
     if cls.fp8_block and not engine.fp8_block_linears:
         able = [e.name for e in convertible_engines() if e.fp8_block_linears]
         raise PrepError(f"{cls.fp8_block[0]}.weight: FP8 with 128x128 block scales is not checked against "

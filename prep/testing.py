@@ -37,7 +37,7 @@ __all__ = [
     "plan_groups", "run_measured", "tensor_specs", "write_checkpoint", "drop_tensors", "edit_at_same_size",
 ]
 
-VARIANTS = ("r1-0528", "v2", "mtp-moefp4", "fp8-block")
+VARIANTS = ("r1-0528", "v2", "mtp-moefp4", "fp8-block", "moe-only")
 """r1-0528: attention and the MTP layer BF16 (as amd/DeepSeek-R1-0528-MXFP4). v2: attention
 MXFP4 too, MTP layer quantized except its embedding and head. mtp-moefp4: as v2, but every
 ``*self_attn*`` linear (the MTP layer's too) FP8 per channel, Quark's ``layer_quant_config``
@@ -46,7 +46,9 @@ weight and one F32 ``weight_scale`` per output channel, activations quantized pe
 time. fp8-block: DeepSeek's own FP8 release (DeepSeek-R1-0528 as released, V3): every linear
 F8_E4M3 with an F32 ``weight_scale_inv`` per 128x128 block, experts and the MTP layer included;
 the router, embeddings, heads, norms and the MTP layer's ``eh_proj`` BF16; no Quark config but
-DeepSeek's ``{"quant_method": "fp8", "weight_block_size": [128, 128], ...}``."""
+DeepSeek's ``{"quant_method": "fp8", "weight_block_size": [128, 128], ...}``. moe-only: only the
+routed experts MXFP4 (amd/GLM-5-MXFP4's recipe: attention, the router, the dense MLPs, the shared
+experts and the head excluded)."""
 
 FP8_MAX = 448.0  # e4m3fn's largest finite value
 
@@ -79,7 +81,8 @@ class SynthSpec:
     num_hidden_layers: int = 3
     vocab_size: int = 1024
     variant: str = "r1-0528"
-    model_type: str = "deepseek_v3"  # config.json's; Kimi-K2 says "kimi_k2" with the same architecture
+    model_type: str = "deepseek_v3"  # config.json's; Kimi-K2 says "kimi_k2" with the same architecture;
+    # "glm_moe_dsa": GLM-5's architecture, config keys and MTP layer (no embedding or head of its own)
     mtp: bool = True  # the MTP layer (DeepSeek's num_nextn_predict_layers = 1); Kimi-K2 has none
     # DeepSeek-V3.2's sparse-attention indexer in every layer (0: none): its heads, their size, and
     # how many cached tokens each query's attention reads
@@ -188,12 +191,22 @@ PRESETS["r1-count"] = replace(
 # widths: 4 index heads of 32 (V3.2: 64 of 128), 4 tokens per query (V3.2: 2048).
 PRESETS["v3.2"] = replace(PRESETS["tiny"], model_type="deepseek_v32", index_n_heads=4)
 
+# glm-5: GLM-5 as amd/GLM-5-MXFP4 has it (only the routed experts MXFP4: "MOE-only"), at tiny
+# widths with GLM's shape where it differs from DeepSeek's: one expert group, attention heads whose
+# value is wider than their no-rope query part (GLM: 192 and 256; here 48 and 64), the indexer in
+# every layer (4 heads of 32; GLM: 32 of 128), the MTP layer without embedding or head.
+PRESETS["glm-5"] = replace(PRESETS["tiny"], model_type="glm_moe_dsa", variant="moe-only", index_n_heads=4,
+                           n_group=1, topk_group=1, qk_nope_head_dim=48, v_head_dim=64)
+
 
 def exclude_patterns(spec: SynthSpec) -> list[str]:
     """The Quark ``exclude`` list of the variant (L = the MTP layer's index)."""
     mtp = spec.num_hidden_layers
     if spec.variant == "r1-0528":
         return ["*self_attn*", "*mlp.gate.*", "lm_head", f"model.layers.{mtp}.*"]
+    if spec.variant == "moe-only":  # amd/GLM-5-MXFP4's exclude_layers
+        return ["*self_attn*", "*mlp.gate", "*lm_head", "*mlp.gate_proj", "*mlp.up_proj", "*mlp.down_proj",
+                "*shared_experts*"]
     if spec.variant == "fp8-block":  # not Quark's: what DeepSeek's FP8 release keeps in BF16
         return ["*mlp.gate.*", "lm_head", f"model.layers.{mtp}.shared_head.head", f"model.layers.{mtp}.embed_tokens",
                 f"model.layers.{mtp}.eh_proj"]
@@ -247,6 +260,13 @@ def build_config(spec: SynthSpec) -> dict:
     if spec.index_n_heads:  # DeepSeek-V3.2's own architecture and its indexer's sizes
         config.update(architectures=["DeepseekV32ForCausalLM"], index_n_heads=spec.index_n_heads,
                       index_head_dim=spec.index_head_dim, index_topk=spec.index_topk)
+    if spec.model_type == "glm_moe_dsa":  # GLM-5's config.json (transformers 5's GlmMoeDsaConfig keys)
+        for key in ("rope_theta", "rope_scaling", "torch_dtype"):
+            del config[key]
+        config.update(architectures=["GlmMoeDsaForCausalLM"], dtype="bfloat16", head_dim=spec.qk_rope_head_dim,
+                      qk_head_dim=spec.qk_nope_head_dim + spec.qk_rope_head_dim, rope_interleave=True,
+                      indexer_rope_interleave=True, rope_parameters={"rope_theta": 1000000.0, "rope_type": "default"},
+                      rms_norm_eps=1e-5, transformers_version="5.0.2.dev0")
     if spec.variant == "fp8-block":  # DeepSeek's own, as its FP8 release's config.json has it
         config["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                                          "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
@@ -369,8 +389,11 @@ def _layer_params(spec: SynthSpec, layer: int, excluded: list[str]) -> list[Para
         return Param(module, (n, k), "fp8" if fp8 else "fp4")
 
     out = []
+    glm = s.model_type == "glm_moe_dsa"  # GLM-5's MTP layer: no embedding or head of its own
+    if mtp and not glm:
+        out.append(Param(f"{p}.embed_tokens", (s.vocab_size, h), "bf16"))
     if mtp:  # DeepSeek's MTP block: embed, two norms and eh_proj ahead of a normal decoder layer.
-        out += [Param(f"{p}.embed_tokens", (s.vocab_size, h), "bf16"), Param(f"{p}.enorm", (h,), "norm"),
+        out += [Param(f"{p}.enorm", (h,), "norm"),
                 Param(f"{p}.hnorm", (h,), "norm"),
                 # The real quirk: eh_proj is BF16 without weight_scale even where not excluded.
                 Param(f"{p}.eh_proj", (h, 2 * h), "bf16")]
@@ -407,8 +430,9 @@ def _layer_params(spec: SynthSpec, layer: int, excluded: list[str]) -> list[Para
             out += mlp(f"{p}.mlp.experts.{e}", s.moe_intermediate_size)
         out += mlp(f"{p}.mlp.shared_experts", s.moe_intermediate_size * s.n_shared_experts)
     if mtp:
-        out += [Param(f"{p}.shared_head.norm", (h,), "norm"),
-                linear(f"{p}.shared_head.head", s.vocab_size, h)]
+        out.append(Param(f"{p}.shared_head.norm", (h,), "norm"))
+    if mtp and not glm:
+        out.append(linear(f"{p}.shared_head.head", s.vocab_size, h))
     return out
 
 

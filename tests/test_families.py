@@ -20,6 +20,8 @@ from prep.testing import PRESETS, build_config, tensor_specs, write_checkpoint
     ({"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3"}, "deepseek-v3"),
     ({"architectures": ["DeepseekV2ForCausalLM"]}, "deepseek-v3"),
     ({"architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2"}, "kimi-k2"),  # the type decides
+    ({"architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa"}, "glm-5"),
+    ({"model_type": "glm_moe_dsa", "indexer_types": ["full", "full"]}, "glm-5"),  # GLM-5.1 written by transformers 5
 ])
 def test_the_family_is_resolved_from_config_json(config, family):
     assert family_of(config).name == family
@@ -40,11 +42,19 @@ def kimi(tmp_path_factory):
                             tmp_path_factory.mktemp("kimi") / "src")
 
 
-@pytest.mark.parametrize("preset", ["tiny", "kimi-k2", "v3.2"])
+def test_a_variant_of_a_family_prep_does_not_read_yet_is_refused_in_one_line():
+    # GLM-5.2's IndexShare: layers marked "shared" hold no indexer and reuse another layer's top-k
+    with pytest.raises(LayoutsError, match=r"^config.json: indexer_types is not all 'full': GLM-5.2's layers that "
+                                           r"share another layer's indexer, which prep does not read yet$"):
+        family_of({"architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa",
+                   "indexer_types": ["full", "full", "full", "shared"]})
+
+
+@pytest.mark.parametrize("preset", ["tiny", "kimi-k2", "v3.2", "glm-5"])
 def test_every_tensor_a_generated_checkpoint_holds_is_known_to_its_familys_table(preset):
     spec = PRESETS[preset]
     family = family_of(build_config(spec))
-    assert family.name == {"tiny": "deepseek-v3", "kimi-k2": "kimi-k2", "v3.2": "deepseek-v3.2"}[preset]
+    assert family.name == {"tiny": "deepseek-v3", "kimi-k2": "kimi-k2", "v3.2": "deepseek-v3.2", "glm-5": "glm-5"}[preset]
     for name in tensor_specs(spec):
         module = name.rsplit(".", 1)[0]
         assert family.knows_tensor(name) and (family.module(module) is not None or family.is_mtp_own(module)), name
@@ -219,3 +229,104 @@ def test_the_reference_engine_computes_deepseek_v32_where_its_indexer_keeps_ever
     assert r.output.endswith("DeepSeek-V3.2's indexer keeps 4 cached tokens per query (index_topk); up to that many "
                              "positions attention is dense and prep's reference engine computes it, but this prompt "
                              "and generation take 5: give at most 4\n"), r.output
+
+
+# ------------------------------------------------------------------------------ GLM-5
+@pytest.fixture(scope="module")
+def glm(tmp_path_factory):
+    return write_checkpoint(PRESETS["glm-5"], tmp_path_factory.mktemp("glm") / "src")
+
+
+def test_glm5_is_its_own_family_with_an_mtp_layer_that_has_no_embedding_or_head(glm):
+    src = SourceCheckpoint(glm)
+    family = family_of(src.config)
+    assert family.name == "glm-5" and src.config["architectures"] == ["GlmMoeDsaForCausalLM"]
+    assert sorted(n.split(".", 3)[3] for n in src.tensors if n.startswith("model.layers.3.") and "mlp" not in n
+                  and "attn" not in n) == ["eh_proj.weight", "enorm.weight", "hnorm.weight", "input_layernorm.weight",
+                                           "post_attention_layernorm.weight", "shared_head.norm.weight"]
+    r = CliRunner().invoke(main, ["inspect", str(glm)])
+    assert r.output.splitlines()[0].endswith(": Quark MXFP4, GLM-5 (8 routed experts, 8 heads, sparse-attention "
+                                             "indexer), glm_moe_dsa, 3 layers + MTP [3]"), r.output
+
+
+@pytest.mark.parametrize("engine, tp, ep", [("atom", 1, 1), ("atom", 2, 1), ("atom", 8, 8), ("vllm", 2, 2),
+                                            ("sglang", 8, 1)])
+def test_glm5_converts_with_the_embedding_as_each_engine_holds_it_and_reverts(glm, tmp_path, engine, tp, ep):
+    # ATOM holds GLM-5's embedding whole on every rank (ReplicatedEmbedding, its default
+    # ATOM_REPLICATE_VOCAB_EMBED=1 with an untied head), its head vocabulary parallel; SGLang and
+    # vLLM hold both vocabulary parallel.
+    import layouts
+    from conftest import assert_verifies_and_reverts
+    from prep.convert import convert
+    from prep.deepseek import target_for
+
+    out = tmp_path / "out"
+    convert(str(glm), out, target_for(engine, tp=tp, ep=ep))
+    m = layouts.load_manifest(out)
+    shapes = [{t.name: t.shape for t in m.rank_tensors(r)} for r in range(tp)]
+    embed = 1024 if engine == "atom" else 1024 // tp
+    assert [(s["model.embed_tokens.weight"], s["lm_head.weight"]) for s in shapes] == [((embed, 256), (1024 // tp, 256))] * tp
+    assert_verifies_and_reverts(out, glm, tmp_path / "back")
+
+
+def test_glm5_through_atoms_door_equals_atoms_own_load_and_a_flipped_embedding_byte_fails(glm, tmp_path):
+    # ATOM's GlmMoeDsaForCausalLM (its DeepSeek model) and DeepSeekMTP draft, which holds no
+    # embedding or head of its own: ATOM's drafter shares the target's after the load, and warns
+    # of the head it could not load from the checkpoint, on its own load as on the door's.
+    import json
+    import shutil
+    import struct
+
+    from prep.convert import convert
+    from prep.deepseek import target_for
+
+    out = tmp_path / "out"
+    convert(str(glm), out, target_for("atom", tp=2))
+    report = _atom_install_check(glm, out, tmp_path / "work")
+    rows = [line.split() for line in report.splitlines() if line.startswith("source ")]
+    assert report.startswith("rc=0") and len(rows) == 2 and all(row[-1] == "ok" and row[-3] == "same" for row in rows), \
+        report
+    flipped = tmp_path / "flipped"
+    shutil.copytree(out, flipped)
+    name = "model.embed_tokens.weight"  # rank 1's whole table: a byte past rank 0's half of the vocabulary
+    for f in sorted(flipped.glob("model-tp2-rank1-*.safetensors")):
+        with open(f, "r+b") as fh:
+            n = struct.unpack("<Q", fh.read(8))[0]
+            header = json.loads(fh.read(n))
+            if name in header:
+                start, stop = header[name]["data_offsets"]
+                fh.seek(8 + n + stop - 2)
+                b = fh.read(1)
+                fh.seek(-1, 1)
+                fh.write(bytes([b[0] ^ 0x40]))
+                break
+    else:
+        raise AssertionError(f"{name} is in no file of rank 1")
+    report = _atom_install_check(glm, flipped, tmp_path / "work")
+    assert not report.startswith("rc=0") and "embed_tokens" in report, report
+
+
+@pytest.mark.parametrize("engine, ep, tensors", [("sglang", "1", "72"), ("vllm", "2", "123")])
+def test_glm5_through_sglangs_and_vllms_doors_equals_their_own_loads(glm, tmp_path, engine, ep, tensors):
+    # SGLang's GlmMoeDsaForCausalLM and vLLM's (DeepSeek-V3.2's model on ROCm), vLLM's MTP draft
+    # too (no embedding or head of its own: its proposer shares the target's); rank 1 here.
+    from conftest import engine_check_rows
+
+    out = tmp_path / "out"
+    r = CliRunner().invoke(main, ["convert", str(glm), "-o", str(out), "--engine", engine, "--tp", "2", "--ep", ep, "-q"])
+    assert r.exit_code == 0, r.output
+    rows, report = engine_check_rows(engine, glm, out, tmp_path / "work", "--ranks", "1")
+    assert [(row[0], row[1], row[-1]) for row in rows] == [("1", tensors, "ok")], report
+
+
+def test_the_reference_engine_computes_glm5_with_its_rope_parameters(glm, tmp_path):
+    # GLM-5's RoPE is in transformers 5's rope_parameters (theta 1e6; the layer-by-layer agreement
+    # with transformers' GlmMoeDsa is in test_reference_engine.py): an ATOM conversion's logits
+    # are the source's bit for bit.
+    from prep.convert import convert
+    from prep.deepseek import target_for
+
+    out = tmp_path / "out"
+    convert(str(glm), out, target_for("atom", tp=2))
+    r = CliRunner().invoke(main, ["compare", str(glm), str(out), "--prompt-ids", "1,2,3,4"])
+    assert r.exit_code == 0 and "(identical bit for bit)" in r.output, r.output

@@ -18,7 +18,7 @@ from prep.errors import PrepError
 from prep.reference.model import DeepseekV3, ForwardOptions, rope_tables
 from prep.reference.run import compare, run
 from prep.reference.weights import load_weights
-from prep.testing import SynthSpec, write_checkpoint
+from prep.testing import PRESETS, SynthSpec, write_checkpoint
 from conftest import _need
 
 IDS = [1, 5, 9, 200, 17, 3, 44, 900, 12, 7, 33, 512, 1000, 2, 8, 64, 99, 31, 250, 600,
@@ -113,9 +113,10 @@ def _transformers_model(src, w, **overrides):
     cfg = json.loads((src / "config.json").read_text())
     cfg.pop("quantization_config")
     cfg.update(overrides)
-    config = transformers.DeepseekV3Config(**cfg)
+    glm = cfg["model_type"] == "glm_moe_dsa"  # transformers' own GLM-5 (its indexer included)
+    config = (transformers.GlmMoeDsaConfig if glm else transformers.DeepseekV3Config)(**cfg)
     config._attn_implementation = "eager"
-    model = transformers.DeepseekV3ForCausalLM(config).eval()
+    model = (transformers.GlmMoeDsaForCausalLM if glm else transformers.DeepseekV3ForCausalLM)(config).eval()
     state = {}
     for n, p in model.named_parameters():  # our dequantized weights, in transformers' names
         pre = n.rsplit(".", 1)[0]
@@ -136,17 +137,20 @@ def _transformers_model(src, w, **overrides):
     return model
 
 
-@pytest.mark.parametrize("variant", ["r1-0528", "v2"])
-def test_each_decoder_layer_agrees_with_transformers_deepseek_v3(sources, variant):
+@pytest.mark.parametrize("variant", ["r1-0528", "v2", "glm-5"])
+def test_each_decoder_layer_agrees_with_transformers_deepseek_v3(sources, variant, tmp_path):
     # Weight-only emulation (activations BF16) against transformers 5's DeepseekV3 in float32,
     # layer by layer on transformers' own layer inputs. Tolerance: 2% of the layer output's
     # largest magnitude: we round activations to BF16 between modules as the kernels do,
     # transformers keeps float32 (seen: <= 0.9%). Random experts score within a hair of each
     # other, so that rounding can flip a token's expert choice: the routing must agree for 90%
-    # of tokens, and the outputs are compared on the tokens routed alike.
-    src = sources[variant]
+    # of tokens, and the outputs are compared on the tokens routed alike. GLM-5 against
+    # transformers' GlmMoeDsa, its indexer run with index_topk = the 33 tokens (it keeps every
+    # one, so its attention is the dense attention the reference engine computes there) and its
+    # RoPE from rope_parameters (theta 1e6).
+    src = sources[variant] if variant in sources else write_checkpoint(PRESETS[variant], tmp_path / variant)
     w = load_weights(src)
-    model = _transformers_model(src, w)
+    model = _transformers_model(src, w, **({"index_topk": len(IDS)} if variant == "glm-5" else {}))
     ids = torch.tensor(IDS)
     ins, outs, routes = {}, {}, {}
     for i, layer in enumerate(model.model.layers):

@@ -58,11 +58,12 @@ class ShardingRules:
 
     merges: tuple[Merge, ...]
     """The engine's merged modules, in the order a rank's files hold them within a layer."""
-    splits: tuple[tuple[str, str], ...] = ()
-    """The engine's own departures from its model family's TP splits (the family's table says how
-    every module is split, :mod:`layouts.families`): ``(pattern, split)``, the first pattern found
-    in a module's full name (``re.search``) wins. None for the engines profiled here: ATOM, SGLang
-    and vLLM hold DeepSeek's modules as the family's table says."""
+    splits: tuple[tuple[str, str, str], ...] = ()
+    """The engine's own departures from its model families' TP splits (a family's table says how
+    every module is split, :mod:`layouts.families`): ``(family, pattern, split)``, for modules of
+    that family's checkpoints; the first pattern found in a module's full name (``re.search``)
+    wins. ATOM holds GLM-5's embedding whole on every rank; otherwise ATOM, SGLang and vLLM hold
+    the modules as the family's table says."""
     experts: str = "mlp.experts"
     """The stacked experts' module, relative to the layer."""
     fuse_shared_expert: bool = True
@@ -96,13 +97,13 @@ class ShardingRules:
     stacked experts' ``w13_weight_scale``): a rank's files hold them under that name."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "_compiled", tuple((re.compile(p), s) for p, s in self.splits))
+        object.__setattr__(self, "_compiled", tuple((f, re.compile(p), s) for f, p, s in self.splits))
 
     def split_of(self, module: str, family: Family) -> str:
         """How the engine splits ``module`` of a ``family`` checkpoint over TP (a full name, e.g.
         ``model.layers.3.self_attn.o_proj``): the family's split unless the engine departs from it."""
-        for pattern, split in self._compiled:  # type: ignore[attr-defined]
-            if pattern.search(module):
+        for name, pattern, split in self._compiled:  # type: ignore[attr-defined]
+            if name == family.name and pattern.search(module):
                 return split
         return family.split_of(module)
 

@@ -68,7 +68,7 @@ class SglangProfile(EngineProfile):
     expert_parallel_backends = (AITER,)
     expert_parallel_switch = "--ep-size"
     sharding = SHARDING
-    families = ("deepseek-v3", "kimi-k2", "deepseek-v3.2")  # check_engine_install.py on tiny kimi-k2, v3.2 (tests/test_families.py)
+    families = ("deepseek-v3", "kimi-k2", "deepseek-v3.2", "glm-5")  # check_engine_install.py on tiny kimi-k2, v3.2, glm-5 (tests/test_families.py)
     checks = (engine_matches, tp_matches, rank_in_range, ep_matches, dense_layout_matches, moe_layout_matches,
               bf16_moe_layout_matches, fp8_layout_matches)
     # ShardedStateLoader runs post_load_weights after processing: on an FP8 kv_b_proj that is the

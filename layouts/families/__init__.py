@@ -87,12 +87,24 @@ class Family:
     attention is dense and the reference engine computes it exactly without the indexer; it
     refuses a longer sequence. Empty: attention is dense at any length."""
 
+    not_read: tuple[tuple[str, str, str], ...] = ()
+    """``(key, value, what)``: a config.json whose list ``key`` holds anything but ``value`` is a
+    variant of the family prep does not read yet (``what`` names it); refused in one line by
+    :meth:`check_config` rather than read as the family's table says."""
+
     def __post_init__(self) -> None:
         seen: set[str] = set()
         for m in (*self.before, *self.layer, *self.after, *self.mtp):
             if m.name in seen:
                 raise ValueError(f"family {self.name}: module {m.name} has two rows")
             seen.add(m.name)
+
+    def check_config(self, config: Mapping[str, Any]) -> None:
+        """Refuse (:class:`LayoutsError`, one line) a config.json of a variant in :attr:`not_read`."""
+        for key, value, what in self.not_read:
+            got = config.get(key)
+            if got is not None and (not isinstance(got, list) or any(v != value for v in got)):
+                raise LayoutsError(f"config.json: {key} is not all {value!r}: {what}, which prep does not read yet")
 
     # ------------------------------------------------------------------ lookups by full name
     @functools.cached_property
@@ -224,11 +236,13 @@ def family_of(config: Mapping[str, Any]) -> Family:
     model_type = config.get("model_type")
     for f in _FAMILIES.values():
         if isinstance(model_type, str) and model_type in f.model_types:
+            f.check_config(config)
             return f
     archs = config.get("architectures")
     for a in archs if isinstance(archs, list) else []:  # a number or a list of objects: no family, not a crash
         for f in _FAMILIES.values():
             if isinstance(a, str) and a in f.architectures:
+                f.check_config(config)
                 return f
     known = ", ".join(f"{f.label} ({', '.join(f.architectures) or 'model_type ' + ', '.join(f.model_types)})"
                       for f in _FAMILIES.values())

@@ -1,7 +1,9 @@
 """The DeepSeek-V3 family's tables: DeepSeek-V2/V3/R1 (MLA attention, DeepSeek MoE with a shared
 expert and a grouped router, the MTP layer after the decoder layers); Kimi-K2, which is that
-model at other sizes (384 routed experts, 64 heads, no MTP layer) under its own model type; and
-DeepSeek-V3.2, which adds a sparse-attention indexer to every layer.
+model at other sizes (384 routed experts, 64 heads, no MTP layer) under its own model type;
+DeepSeek-V3.2, which adds a sparse-attention indexer to every layer; and GLM-5, V3.2's layers
+under Zhipu's model type, at its own sizes, with an MTP layer that has no embedding or head of its
+own.
 
 The TP splits are what every engine profiled here holds (ATOM, SGLang 0.5.23, vLLM 0.34.0: read
 in each one's DeepSeek model code and checked against its real load): embeddings and heads
@@ -81,4 +83,19 @@ DEEPSEEK_V32 = register_family(Family(
     (*LAYER[:9], *INDEXER, *LAYER[9:]), AFTER, MTP, twist="sparse-attention indexer", dense_up_to="index_topk",
 ))
 
-__all__ = ["DEEPSEEK_V3", "DEEPSEEK_V32", "KIMI_K2"]
+# GLM-5 / GLM-5.1 (GlmMoeDsaForCausalLM, model_type glm_moe_dsa): DeepSeek-V3.2's modules under the
+# same names, the indexer in every layer, and an MTP layer (model.layers.78 in GLM-5) that holds no
+# embedding and no shared_head.head: every engine's draft uses the target's (transformers'
+# modeling_glm_moe_dsa; ATOM's drafter, SGLang's NextN and vLLM's proposer share them). ATOM holds
+# GLM's embedding whole on every rank (its own choice, in its profile), the others vocabulary
+# parallel. GLM-5.2's layers that share the last full layer's indexer (indexer_types "shared": no
+# indexer tensors) are not read yet.
+GLM_MTP = tuple(m for m in MTP if m.name not in ("embed_tokens", "shared_head.head"))
+
+GLM_5 = register_family(Family(
+    "glm-5", "GLM-5", ("GlmMoeDsaForCausalLM",), ("glm_moe_dsa",), BEFORE, DEEPSEEK_V32.layer, AFTER, GLM_MTP,
+    twist="sparse-attention indexer", dense_up_to="index_topk",
+    not_read=(("indexer_types", "full", "GLM-5.2's layers that share another layer's indexer"),),
+))
+
+__all__ = ["DEEPSEEK_V3", "DEEPSEEK_V32", "GLM_5", "KIMI_K2"]

@@ -28,6 +28,17 @@ def _positive_float(cfg: dict[str, Any], key: str, where: pathlib.Path, default:
     return float(v)
 
 
+def rope_config(cfg: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None, str]:
+    """Where config.json keeps its RoPE: (the object holding ``rope_theta``, the scaling object or
+    None, its name). DeepSeek's transformers-4 configs have ``rope_theta`` and ``rope_scaling`` at
+    the top; transformers 5 (GLM-5's config) writes one ``rope_parameters`` object with both, whose
+    ``rope_type`` "default" means no scaling."""
+    rp = cfg.get("rope_parameters")
+    if isinstance(rp, dict) and "rope_theta" not in cfg:
+        return rp, (rp if rp.get("type", rp.get("rope_type")) not in (None, "default") else None), "rope_parameters"
+    return cfg, cfg.get("rope_scaling"), "rope_scaling"
+
+
 def check_model_config(cfg: dict[str, Any], root: pathlib.Path, tensors: int, positions: int = 0) -> None:
     """Refuse (one line, naming the key) a config.json the DeepSeek forward cannot compute with,
     or ``positions`` (the prompt and what is generated) it cannot compute exactly for this family."""
@@ -64,18 +75,24 @@ def check_model_config(cfg: dict[str, Any], root: pathlib.Path, tensors: int, po
             raise PrepError(f"{where}: n_group {groups} leaves fewer than 2 experts per group; DeepSeek's group score "
                             "sums each group's top 2")
     _positive_float(cfg, "rms_norm_eps", where, 1e-6)
-    _positive_float(cfg, "rope_theta", where, 10000.0, at_least=1.0)
+    holder, rs, name = rope_config(cfg)
+    _positive_float(holder, "rope_theta", where, 10000.0, at_least=1.0, within="" if holder is cfg else f"{name}.")
     _positive_float(cfg, "routed_scaling_factor", where, 1.0)
-    rs = cfg.get("rope_scaling")
+    if cfg.get("rope_interleave", True) is not True:  # GLM-5 states it; DeepSeek's checkpoints are interleaved
+        raise PrepError(f"{where}: rope_interleave is {cfg['rope_interleave']!r}; prep's reference engine computes "
+                        "the interleaved RoPE of DeepSeek's and GLM-5's checkpoints only")
     if rs is not None and not isinstance(rs, dict):
-        raise PrepError(f"{where}: rope_scaling is {rs!r}, not an object or null")
+        raise PrepError(f"{where}: {name} is {rs!r}, not an object or null")
     if rs and rs.get("type", rs.get("rope_type")) == "yarn":
-        _positive_float(rs, "factor", where, None, at_least=1.0, strictly=False, within="rope_scaling.")
+        _positive_float(rs, "factor", where, None, at_least=1.0, strictly=False, within=f"{name}.")
         if rs.get("factor") is None:
-            raise PrepError(f"{where}: rope_scaling (yarn) has no factor")
+            raise PrepError(f"{where}: {name} (yarn) has no factor")
         orig = rs.get("original_max_position_embeddings")
         if type(orig) is not int or orig < 1:
-            raise PrepError(f"{where}: rope_scaling.original_max_position_embeddings is {orig!r}, not a positive "
+            raise PrepError(f"{where}: {name}.original_max_position_embeddings is {orig!r}, not a positive "
                             "integer")
         for key in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
-            _positive_float(rs, key, where, None, strictly=False, within="rope_scaling.")
+            _positive_float(rs, key, where, None, strictly=False, within=f"{name}.")
+    elif rs and rs.get("type", rs.get("rope_type")) not in (None, "default"):
+        raise PrepError(f"{where}: {name} has rope_type {rs.get('type', rs.get('rope_type'))!r}; prep's reference "
+                        "engine computes default and yarn RoPE only")

@@ -27,6 +27,7 @@ import torch
 import layouts
 from layouts.dequant import FP8_BLOCK, dequantize_activation
 
+from .config import rope_config
 from .weights import ModelWeights
 
 BF16 = torch.bfloat16
@@ -51,10 +52,11 @@ class ForwardOptions:
 
 def rope_tables(cfg: dict[str, Any], positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
     """cos, sin ``[T, rope_dim]`` and the softmax scale's mscale factor (YaRN when configured)."""
-    dim, base = cfg["qk_rope_head_dim"], float(cfg.get("rope_theta", 10000.0))
+    holder, rs, _ = rope_config(cfg)
+    dim, base = cfg["qk_rope_head_dim"], float(holder.get("rope_theta", 10000.0))
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
     mscale = 1.0
-    rs = cfg.get("rope_scaling") or {}
+    rs = rs or {}
     if rs.get("type", rs.get("rope_type")) == "yarn":
         factor, orig = float(rs["factor"]), float(rs["original_max_position_embeddings"])
         beta_fast, beta_slow = float(rs.get("beta_fast", 32)), float(rs.get("beta_slow", 1))

@@ -53,6 +53,7 @@ from ...compat import (CompatibilityError, EngineConfig, bf16_moe_layout_matches
                        engine_matches, ep_matches, fp8_layout_matches, moe_layout_matches, rank_in_range, tp_matches)
 from ...manifest import Manifest
 from ...errors import LayoutsError
+from ...families import WHOLE
 from ...registry import FP8_CHANNEL_PRESHUFFLE, FP8_CHANNEL_SCALE, FP8_PRESHUFFLE, MOE_BF16, MOE_CK, MOE_TRITON, MOE_TRITON_GFX942, NON_SHUFFLE, PRESHUFFLE, recorded_layout
 from ...shuffle import S8_COLS, pad_to
 from .. import (NEVER, EngineProfile, GemmPathRule, GpuArch, ShardingRules, _config,
@@ -109,6 +110,9 @@ SHARDING = ShardingRules(
     # atom/model_loader/weight_names.py renames every weight_scale_inv; LinearBase allocates
     # weight_scale [ceil(N/128), ceil(K/128)], Fp8MoEMethod w13_weight_scale / w2_weight_scale
     fp8_block_scale="weight_scale",
+    # use_replicated_vocab_embed: with ATOM_REPLICATE_VOCAB_EMBED (default 1) and an untied head,
+    # GLM-5's embedding is a ReplicatedEmbedding, the whole table on every rank
+    splits=(("glm-5", r"^model\.embed_tokens$", WHOLE),),
 )
 
 # ---------------------------------------------------------------------------- refusals
@@ -252,7 +256,7 @@ class AtomProfile(EngineProfile):
     fp8_block_linears = True  # scripts/check_atom_serve.py on the fp8-block variant (tests/test_atom_serve.py)
     sharding = SHARDING
     # scripts/check_atom_serve.py on tiny kimi-k2 and v3.2 (the indexer replicated; tests/test_atom_serve.py)
-    families = ("deepseek-v3", "kimi-k2", "deepseek-v3.2")
+    families = ("deepseek-v3", "kimi-k2", "deepseek-v3.2", "glm-5")
     checks = (engine_matches, tp_matches, rank_in_range, ep_matches, dense_layout_matches,
               triton_gemm_needs_bf16_attention, s32x8_k_pad_usable, moe_layout_matches, bf16_moe_layout_matches,
               fp8_layout_matches, expert_parallel_needs_ck_moe)
