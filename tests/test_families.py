@@ -330,3 +330,18 @@ def test_the_reference_engine_computes_glm5_with_its_rope_parameters(glm, tmp_pa
     convert(str(glm), out, target_for("atom", tp=2))
     r = CliRunner().invoke(main, ["compare", str(glm), str(out), "--prompt-ids", "1,2,3,4"])
     assert r.exit_code == 0 and "(identical bit for bit)" in r.output, r.output
+
+
+def test_prep_atom_serve_refuses_glm5_when_atom_would_split_its_embedding(glm, tmp_path):
+    import layouts
+    from layouts.engines.atom import serve
+    from prep.convert import convert
+    from prep.deepseek import target_for
+
+    out = tmp_path / "out"
+    convert(str(glm), out, target_for("atom", tp=2))
+    manifest = layouts.load_manifest(out)
+    serve.check_vocab_embed(manifest, {})  # ATOM's default: the whole table on every rank
+    with pytest.raises(serve.ServeError, match=r"^ATOM_REPLICATE_VOCAB_EMBED=0: ATOM then splits GLM-5's embedding .* "
+                                               r"unset ATOM_REPLICATE_VOCAB_EMBED$"):
+        serve.check_vocab_embed(manifest, {"ATOM_REPLICATE_VOCAB_EMBED": "0"})

@@ -145,6 +145,18 @@ def check_options(args: Any) -> None:
                          "or give the draft its own checkpoint with --draft-model")
 
 
+ENV_REPLICATE_VOCAB_EMBED = "ATOM_REPLICATE_VOCAB_EMBED"
+
+
+def check_vocab_embed(manifest: Manifest, env: Mapping[str, str]) -> None:
+    """GLM-5's embedding is whole on every rank of an ATOM conversion (ATOM's default,
+    use_replicated_vocab_embed); with ``ATOM_REPLICATE_VOCAB_EMBED=0`` ATOM splits it by vocabulary."""
+    if manifest.arch == "glm_moe_dsa" and env.get(ENV_REPLICATE_VOCAB_EMBED, "1") != "1":
+        raise ServeError(f"{ENV_REPLICATE_VOCAB_EMBED}={env[ENV_REPLICATE_VOCAB_EMBED]}: ATOM then splits GLM-5's "
+                         "embedding by vocabulary over the ranks, but this folder holds it whole on every rank, as "
+                         f"ATOM's default does; unset {ENV_REPLICATE_VOCAB_EMBED}")
+
+
 def check_draft(args: Any, manifest: Manifest) -> None:
     """``--method mtp`` needs the MTP layer in the folder (ATOM's draft model loads it from there)."""
     if getattr(args, "method", None) != "mtp":
@@ -445,6 +457,7 @@ def check_start(argv: list[str], env: Mapping[str, str] | None = None,
     check_options(args)
     check_draft(args, manifest)
     env = os.environ if env is None else env
+    check_vocab_embed(manifest, env)
     # The server process asks no GPU (ATOM's does not import aiter, whose import builds its HIP
     # modules): without ``gpu_arch`` a rank passes here if some arch ATOM runs on reads the folder,
     # and each worker checks its own arch, as aiter reports it, before it allocates anything.
