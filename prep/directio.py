@@ -221,19 +221,21 @@ class AlignedFileWriter:
 
     def _stop(self) -> None:
         """Let the threads finish what is queued, and wait for them."""
-        for q, t in zip(self._queues, self._threads):
-            if t.is_alive():
-                q.put(None)
-        for t in self._threads:
-            t.join()
+        self._end_threads(self._queues, self._threads)
 
     def _cancel_threads(self) -> None:
         """Make the threads drop what is queued and end, and wait for them."""
         self._cancelled = True
-        threads = getattr(self, "_threads", ())
-        for q, t in zip(getattr(self, "_queues", ()), threads):
-            if t.is_alive():
-                q.put(None)
+        self._end_threads(getattr(self, "_queues", ()), getattr(self, "_threads", ()))
+
+    @staticmethod
+    def _end_threads(queues: list[queue.Queue], threads: list[threading.Thread]) -> None:
+        # One end marker per thread, alive or not: the writers share one queue, so a marker put
+        # for one may end another; skipping the threads already ended (as this once did) then
+        # left a live one without its marker, and join() waited forever (seen under load). A
+        # marker no thread takes is harmless.
+        for q in queues:
+            q.put(None)
         for t in threads:
             t.join()
 

@@ -225,3 +225,42 @@ def test_closing_before_a_span_is_complete_is_an_error(tmp_path):
     w.write(_pieces([50])[0])
     with pytest.raises(RuntimeError, match="before the end of t"):
         w.close()
+
+
+def test_writers_sharing_a_queue_all_get_their_end_marker_whoever_takes_which():
+    # The write threads share one queue, so the marker put for one may end another. Here B takes
+    # the first marker and ends before its own is looked at, while A has not read the queue yet:
+    # ending only the threads still alive then gave A no marker, and close() waited forever.
+    import queue
+    import threading
+
+    shared = queue.Queue()
+    a_may_read = threading.Event()
+
+    def read_until_marker():
+        while shared.get() is not None:
+            pass
+
+    a = threading.Thread(target=lambda: (a_may_read.wait(), read_until_marker()), daemon=True)
+    b = threading.Thread(target=read_until_marker, daemon=True)
+
+    class B:  # B, looked at only once it has taken the first marker and ended
+        def is_alive(self):
+            threading.Thread.join(b, timeout=5)
+            return b.is_alive()
+
+        def join(self):
+            threading.Thread.join(b, timeout=5)
+
+    class A:
+        def is_alive(self):
+            return a.is_alive()
+
+        def join(self):
+            a_may_read.set()
+            threading.Thread.join(a, timeout=5)
+
+    a.start()
+    b.start()
+    AlignedFileWriter._end_threads([shared, shared], [A(), B()])
+    assert not a.is_alive() and not b.is_alive()
