@@ -89,9 +89,18 @@ class SynthSpec:
     index_n_heads: int = 0
     index_head_dim: int = 32
     index_topk: int = 4
+    # GLM-5.2's IndexShare (1: every layer has its own indexer): layer i has one where
+    # max(i - offset + 1, 0) % freq == 0 (transformers' GlmMoeDsaConfig), config.json's indexer_types
+    index_topk_freq: int = 1
+    index_skip_topk_offset: int = 2
     num_shards: int = 4
     seed: int = 0
     random_bytes: bool = False
+
+    def has_indexer(self, layer: int) -> bool:
+        """Whether ``layer`` holds a sparse-attention indexer (the MTP layer always does)."""
+        return bool(self.index_n_heads) and (layer >= self.num_hidden_layers or max(
+            layer - self.index_skip_topk_offset + 1, 0) % self.index_topk_freq == 0)
 
     def __post_init__(self) -> None:
         """Refuse specs a DeepSeek-V3 engine could not load, before writing anything."""
@@ -197,6 +206,9 @@ PRESETS["v3.2"] = replace(PRESETS["tiny"], model_type="deepseek_v32", index_n_he
 # every layer (4 heads of 32; GLM: 32 of 128), the MTP layer without embedding or head.
 PRESETS["glm-5"] = replace(PRESETS["tiny"], model_type="glm_moe_dsa", variant="moe-only", index_n_heads=4,
                            n_group=1, topk_group=1, qk_nope_head_dim=48, v_head_dim=64)
+# glm-5.2: GLM-5.2's IndexShare on glm-5: layers 0 and 2 (and the MTP layer) have an indexer, layer 1
+# reuses layer 0's top-k and holds none (GLM-5.2: 0-2, then every fourth: index_topk_freq 4, offset 3).
+PRESETS["glm-5.2"] = replace(PRESETS["glm-5"], index_topk_freq=2, index_skip_topk_offset=1)
 
 
 def exclude_patterns(spec: SynthSpec) -> list[str]:
@@ -260,6 +272,10 @@ def build_config(spec: SynthSpec) -> dict:
     if spec.index_n_heads:  # DeepSeek-V3.2's own architecture and its indexer's sizes
         config.update(architectures=["DeepseekV32ForCausalLM"], index_n_heads=spec.index_n_heads,
                       index_head_dim=spec.index_head_dim, index_topk=spec.index_topk)
+    if spec.index_topk_freq > 1:  # GLM-5.2's IndexShare, with the indexer_types transformers 5 writes
+        config.update(index_topk_freq=spec.index_topk_freq, index_skip_topk_offset=spec.index_skip_topk_offset,
+                      indexer_types=["full" if spec.has_indexer(i) else "shared"
+                                     for i in range(spec.num_hidden_layers)])
     if spec.model_type == "glm_moe_dsa":  # GLM-5's config.json (transformers 5's GlmMoeDsaConfig keys)
         for key in ("rope_theta", "rope_scaling", "torch_dtype"):
             del config[key]
@@ -409,7 +425,7 @@ def _layer_params(spec: SynthSpec, layer: int, excluded: list[str]) -> list[Para
         linear(f"{a}.kv_b_proj", heads * (s.qk_nope_head_dim + s.v_head_dim), s.kv_lora_rank),
         linear(f"{a}.o_proj", h, heads * s.v_head_dim),
     ]
-    if s.index_n_heads:  # DeepSeek-V3.2's indexer (self_attn.indexer.*), the MTP layer's too
+    if s.has_indexer(layer):  # DeepSeek-V3.2's indexer (self_attn.indexer.*), the MTP layer's too
         i = f"{a}.indexer"
         out += [linear(f"{i}.wq_b", s.index_n_heads * s.index_head_dim, s.q_lora_rank),
                 linear(f"{i}.wk", s.index_head_dim, h),

@@ -42,19 +42,25 @@ def kimi(tmp_path_factory):
                             tmp_path_factory.mktemp("kimi") / "src")
 
 
-def test_a_variant_of_a_family_prep_does_not_read_yet_is_refused_in_one_line():
-    # GLM-5.2's IndexShare: layers marked "shared" hold no indexer and reuse another layer's top-k
-    with pytest.raises(LayoutsError, match=r"^config.json: indexer_types is not all 'full': GLM-5.2's layers that "
-                                           r"share another layer's indexer, which prep does not read yet$"):
-        family_of({"architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa",
-                   "indexer_types": ["full", "full", "full", "shared"]})
+@pytest.mark.parametrize("config, says", [
+    ({"indexer_types": ["full", "sparse", "full"]}, "indexer_types must list 'full' or 'shared' for each of the "
+                                                     "num_hidden_layers=3 decoder layers"),
+    ({"indexer_types": ["full", "shared"]}, "indexer_types must list"),
+    ({"index_topk_freq": 4}, "index_topk_freq is 4 without indexer_types, so which layers share an indexer is each "
+                             "engine's own reading; add indexer_types"),
+])
+def test_a_config_whose_layers_indexers_prep_cannot_tell_is_refused_in_one_line(config, says):
+    with pytest.raises(LayoutsError, match="^config.json: " + says.replace("(", r"\(").replace(")", r"\)")):
+        family_of({"architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa", "num_hidden_layers": 3,
+                   **config})
 
 
-@pytest.mark.parametrize("preset", ["tiny", "kimi-k2", "v3.2", "glm-5"])
+@pytest.mark.parametrize("preset", ["tiny", "kimi-k2", "v3.2", "glm-5", "glm-5.2"])
 def test_every_tensor_a_generated_checkpoint_holds_is_known_to_its_familys_table(preset):
     spec = PRESETS[preset]
     family = family_of(build_config(spec))
-    assert family.name == {"tiny": "deepseek-v3", "kimi-k2": "kimi-k2", "v3.2": "deepseek-v3.2", "glm-5": "glm-5"}[preset]
+    assert family.name == {"tiny": "deepseek-v3", "kimi-k2": "kimi-k2", "v3.2": "deepseek-v3.2", "glm-5": "glm-5",
+                           "glm-5.2": "glm-5"}[preset]
     for name in tensor_specs(spec):
         module = name.rsplit(".", 1)[0]
         assert family.knows_tensor(name) and (family.module(module) is not None or family.is_mtp_own(module)), name
@@ -345,3 +351,46 @@ def test_prep_atom_serve_refuses_glm5_when_atom_would_split_its_embedding(glm, t
     with pytest.raises(serve.ServeError, match=r"^ATOM_REPLICATE_VOCAB_EMBED=0: ATOM then splits GLM-5's embedding .* "
                                                r"unset ATOM_REPLICATE_VOCAB_EMBED$"):
         serve.check_vocab_embed(manifest, {"ATOM_REPLICATE_VOCAB_EMBED": "0"})
+
+
+# ------------------------------------------------------------------------------ GLM-5.2 (IndexShare)
+@pytest.fixture(scope="module")
+def glm52(tmp_path_factory):
+    return write_checkpoint(PRESETS["glm-5.2"], tmp_path_factory.mktemp("glm52") / "src")
+
+
+def test_glm52_layers_that_share_an_indexer_hold_none_and_a_checkpoint_missing_a_full_layers_is_refused(glm52,
+                                                                                                   tmp_path):
+    import shutil
+
+    from prep.testing import drop_tensors
+
+    src = SourceCheckpoint(glm52)
+    assert src.config["indexer_types"] == ["full", "shared", "full"]
+    assert sorted({int(n.split(".")[2]) for n in src.tensors if ".indexer." in n}) == [0, 2, 3]  # 3: the MTP layer's
+    bad = tmp_path / "bad"
+    shutil.copytree(glm52, bad)
+    drop_tensors(bad, lambda n: n == "model.layers.2.self_attn.indexer.wk.weight")
+    r = CliRunner().invoke(main, ["convert", str(bad), "-o", str(tmp_path / "o"), "--tp", "2"])
+    assert r.exit_code == 1 and "model.layers.2.self_attn.indexer.wk" in r.output and not (tmp_path / "o").exists(), \
+        r.output
+
+
+@pytest.mark.parametrize("engine, ep, tensors", [("atom", "1", None), ("vllm", "2", "119")])
+def test_glm52_through_atoms_and_vllms_doors_equals_their_own_loads(glm52, tmp_path, engine, ep, tensors):
+    # ATOM builds no indexer in a layer its indexer_types marks "shared" (_indexer_weights_shared),
+    # vLLM none in the layers compute_skip_topk_layers returns; each one's load of prep's files,
+    # which hold none there either, equals its own load of the source (ATOM both ranks, vLLM rank 1).
+    from conftest import engine_check_rows
+
+    out = tmp_path / "out"
+    r = CliRunner().invoke(main, ["convert", str(glm52), "-o", str(out), "--engine", engine, "--tp", "2", "--ep", ep,
+                                  "-q"])
+    assert r.exit_code == 0, r.output
+    if engine == "atom":
+        report = _atom_install_check(glm52, out, tmp_path / "work")
+        rows = [line.split() for line in report.splitlines() if line.startswith("source ")]
+        assert report.startswith("rc=0") and len(rows) == 2 and all(row[-1] == "ok" for row in rows), report
+    else:
+        rows, report = engine_check_rows(engine, glm52, out, tmp_path / "work", "--ranks", "1")
+        assert [(row[0], row[1], row[-1]) for row in rows] == [("1", tensors, "ok")], report

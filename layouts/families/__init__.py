@@ -26,7 +26,7 @@ ROWS, COLS, WHOLE = "rows", "cols", "none"
 parallel), its input columns (row parallel), or none (every rank holds it whole, or the MoE
 planner stacks it)."""
 
-# When a decoder layer holds a module (Module.when), decided from config.json's integers:
+# When a decoder layer holds a module (Module.when), decided from config.json's integers (and its indexer_types):
 ALWAYS = "always"
 Q_LORA = "q_lora"  # q_lora_rank set: q_a_proj, its norm and q_b_proj
 NO_Q_LORA = "no_q_lora"  # no q LoRA (DeepSeek-V2-Lite): q_proj
@@ -34,7 +34,9 @@ MOE = "moe"  # a MoE layer (from first_k_dense_replace, on the moe_layer_freq be
 EXPERTS = "experts"  # a MoE layer's routed experts, one row per expert ("{e}" in the name)
 SHARED = "shared"  # a MoE layer with shared experts (n_shared_experts)
 DENSE = "dense"  # a layer before first_k_dense_replace or off the beat: the dense MLP
-_WHEN = (ALWAYS, Q_LORA, NO_Q_LORA, MOE, EXPERTS, SHARED, DENSE)
+INDEXED = "indexed"  # a layer with a sparse-attention indexer of its own: every one but those config.json's
+# indexer_types marks "shared" (GLM-5.2's IndexShare: they reuse the last full layer's top-k)
+_WHEN = (ALWAYS, Q_LORA, NO_Q_LORA, MOE, EXPERTS, SHARED, DENSE, INDEXED)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,11 +89,6 @@ class Family:
     attention is dense and the reference engine computes it exactly without the indexer; it
     refuses a longer sequence. Empty: attention is dense at any length."""
 
-    not_read: tuple[tuple[str, str, str], ...] = ()
-    """``(key, value, what)``: a config.json whose list ``key`` holds anything but ``value`` is a
-    variant of the family prep does not read yet (``what`` names it); refused in one line by
-    :meth:`check_config` rather than read as the family's table says."""
-
     def __post_init__(self) -> None:
         seen: set[str] = set()
         for m in (*self.before, *self.layer, *self.after, *self.mtp):
@@ -100,11 +97,22 @@ class Family:
             seen.add(m.name)
 
     def check_config(self, config: Mapping[str, Any]) -> None:
-        """Refuse (:class:`LayoutsError`, one line) a config.json of a variant in :attr:`not_read`."""
-        for key, value, what in self.not_read:
-            got = config.get(key)
-            if got is not None and (not isinstance(got, list) or any(v != value for v in got)):
-                raise LayoutsError(f"config.json: {key} is not all {value!r}: {what}, which prep does not read yet")
+        """Refuse (:class:`LayoutsError`, one line) a config.json whose layers' indexers prep cannot
+        tell: ``indexer_types`` (transformers 5 writes it: one ``"full"`` or ``"shared"`` per decoder
+        layer) malformed, or an ``index_topk_freq`` above 1 without it, where the engines read the
+        shared layers differently (vLLM derives them, ATOM builds an indexer in every layer)."""
+        if not any(m.when == INDEXED for m in self.layer):
+            return
+        types, layers = config.get("indexer_types"), config.get("num_hidden_layers")
+        if types is not None:
+            if not isinstance(types, list) or any(t not in ("full", "shared") for t in types) or \
+                    (type(layers) is int and len(types) != layers):
+                raise LayoutsError(f"config.json: indexer_types must list 'full' or 'shared' for each of the "
+                                   f"num_hidden_layers={layers} decoder layers; config.json is damaged")
+        elif config.get("index_topk_freq", 1) != 1:
+            raise LayoutsError(f"config.json: index_topk_freq is {config['index_topk_freq']!r} without indexer_types, "
+                               "so which layers share an indexer is each engine's own reading; add indexer_types "
+                               "(transformers 5's config writes it)")
 
     # ------------------------------------------------------------------ lookups by full name
     @functools.cached_property
@@ -179,6 +187,9 @@ class Family:
                     if _holds(MOE, layer, ints):
                         for e in range(ints["n_routed_experts"]):
                             yield f"{p}.{m.name.format(e=e)}", f"config.json has n_routed_experts={ints['n_routed_experts']}"
+                elif m.when == INDEXED:
+                    if _indexed(layer, config):
+                        yield f"{p}.{m.name}", why
                 elif _holds(m.when, layer, ints):
                     yield f"{p}.{m.name}", _WHY.get(m.when, lambda i: why)(ints)
         for m in self.after:
@@ -191,6 +202,13 @@ _IN_LAYER = re.compile(r"^(model\.layers\.\d+)\.(.+)$")
 _EXPERT = re.compile(r"\.experts\.\d+\.")
 _WHY = {SHARED: lambda i: f"config.json has n_shared_experts={i['n_shared_experts']}",
         DENSE: lambda i: f"config.json has first_k_dense_replace={i['first_k_dense_replace']}"}
+
+
+def _indexed(layer: int, config: Mapping[str, Any]) -> bool:
+    """Whether decoder (or MTP) layer ``layer`` has an indexer of its own (:data:`INDEXED`); an MTP
+    layer, past indexer_types, always has one."""
+    types = config.get("indexer_types")
+    return not types or layer >= len(types) or types[layer] == "full"
 
 
 def _holds(when: str, layer: int, ints: Mapping[str, int | None]) -> bool:
@@ -254,5 +272,5 @@ def _load() -> None:
     from . import deepseek  # noqa: F401  (registers its families)
 
 
-__all__ = ["ALWAYS", "COLS", "DENSE", "EXPERTS", "Family", "MOE", "Module", "NO_Q_LORA", "Q_LORA", "ROWS", "SHARED",
+__all__ = ["ALWAYS", "COLS", "DENSE", "EXPERTS", "Family", "INDEXED", "MOE", "Module", "NO_Q_LORA", "Q_LORA", "ROWS", "SHARED",
            "WHOLE", "family_names", "family_of", "get_family", "register_family"]

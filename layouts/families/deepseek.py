@@ -15,7 +15,7 @@ MoE planner, not split here.
 
 from __future__ import annotations
 
-from . import (ALWAYS, COLS, DENSE, EXPERTS, MOE, NO_Q_LORA, Q_LORA, ROWS, SHARED, WHOLE, Family, Module,
+from . import (ALWAYS, COLS, DENSE, EXPERTS, INDEXED, MOE, NO_Q_LORA, Q_LORA, ROWS, SHARED, WHOLE, Family, Module,
                register_family)
 
 _ATTN = dict(attention=True)
@@ -63,10 +63,10 @@ AFTER = (Module("model.norm", "norm"), Module("lm_head", "head", ROWS))
 # index_topk best. ATOM, vLLM 0.34.0 and SGLang 0.5.23 all hold it whole on every rank (replicated
 # linears; ATOM and vLLM merge wk with weights_proj at load, SGLang on ROCm keeps them apart).
 INDEXER = (
-    Module("self_attn.indexer.wq_b", "indexer", **_ATTN),
-    Module("self_attn.indexer.wk", "indexer", **_ATTN),
-    Module("self_attn.indexer.k_norm", "norm", extra=("bias",), **_ATTN),
-    Module("self_attn.indexer.weights_proj", "indexer", **_ATTN),
+    Module("self_attn.indexer.wq_b", "indexer", when=INDEXED, **_ATTN),
+    Module("self_attn.indexer.wk", "indexer", when=INDEXED, **_ATTN),
+    Module("self_attn.indexer.k_norm", "norm", extra=("bias",), when=INDEXED, **_ATTN),
+    Module("self_attn.indexer.weights_proj", "indexer", when=INDEXED, **_ATTN),
 )
 
 DEEPSEEK_V3 = register_family(Family(
@@ -88,14 +88,13 @@ DEEPSEEK_V32 = register_family(Family(
 # embedding and no shared_head.head: every engine's draft uses the target's (transformers'
 # modeling_glm_moe_dsa; ATOM's drafter, SGLang's NextN and vLLM's proposer share them). ATOM holds
 # GLM's embedding whole on every rank (its own choice, in its profile), the others vocabulary
-# parallel. GLM-5.2's layers that share the last full layer's indexer (indexer_types "shared": no
-# indexer tensors) are not read yet.
+# parallel. GLM-5.2 (IndexShare) gives an indexer only to the layers its indexer_types marks "full"
+# (every fourth after the first three); the others reuse the last full layer's top-k and hold none.
 GLM_MTP = tuple(m for m in MTP if m.name not in ("embed_tokens", "shared_head.head"))
 
 GLM_5 = register_family(Family(
     "glm-5", "GLM-5", ("GlmMoeDsaForCausalLM",), ("glm_moe_dsa",), BEFORE, DEEPSEEK_V32.layer, AFTER, GLM_MTP,
     twist="sparse-attention indexer", dense_up_to="index_topk",
-    not_read=(("indexer_types", "full", "GLM-5.2's layers that share another layer's indexer"),),
 ))
 
 __all__ = ["DEEPSEEK_V3", "DEEPSEEK_V32", "GLM_5", "KIMI_K2"]
