@@ -20,12 +20,12 @@ import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
-from .errors import LayoutsError
-from .safe_files import (MAX_JSON_BYTES, FileTooLargeError, gc_paused, member_problem, plain_name_problem,
+from ..errors import LayoutsError
+from ..safe_files import (MAX_JSON_BYTES, FileTooLargeError, gc_paused, member_problem, plain_name_problem,
                          read_regular, strict_json)
 
 if TYPE_CHECKING:
-    from .registry import Layout
+    from ..registry import Layout
 
 MANIFEST_NAME = "prep-manifest.json"
 COMPLETE_NAME = "prep-complete.json"
@@ -1083,7 +1083,7 @@ class Manifest:
         and transform parameters, :func:`layouts.registry.recorded_layout`), which is what its
         bytes must be read as. Raises :class:`ManifestError` for a layout the manifest does not
         record, :class:`LayoutsError` for one this layouts cannot read."""
-        from .registry import recorded_layout  # the registry imports nothing of the manifest
+        from ..registry import recorded_layout  # the registry imports nothing of the manifest
 
         rec = self.layouts.get(name)
         if rec is None:
@@ -1109,7 +1109,7 @@ class Manifest:
         which revert needs: its file's hash and every entry (format 4)."""
         import threading
 
-        from .safetensors_file import SafetensorsFile, SafetensorsFileError
+        from ..safetensors_file import SafetensorsFile, SafetensorsFileError
 
         if rank is None and select is None and self.source is not None:
             next(iter(self.source.tensors), None)  # iterating reads, parses and checks the table
@@ -1205,8 +1205,8 @@ def _check_whole(target: "Target", groups: list["GroupRecord"], records: list["T
     the target holds (dense, MoE, BF16 experts, FP8 weights), each tensor in its group's layout, and the runtime
     attributes a registered layout states (``is_shuffled``, the scale swizzle) as it states them:
     an engine sets them on its parameters and its kernels read the bytes by them."""
-    from .registry import get_layout  # the registry imports nothing of the manifest
-    from .safetensors_file import TORCH_DTYPES  # imports torch; this module stays torch-free until here
+    from ..registry import get_layout  # the registry imports nothing of the manifest
+    from ..safetensors_file import TORCH_DTYPES  # imports torch; this module stays torch-free until here
 
     allowed = {"linear": {target.layout}, "moe": {target.moe_layout},
                "bf16": {None, target.bf16_moe_layout, target.fp8_layout, *(target.fp8_channel_layouts or ())}}
