@@ -11,11 +11,20 @@ and ``to_json``; ``FORMAT`` and ``FORMAT_VERSION`` say which format this package
 writes. The format, field by field, and its versioning rule: docs/manifest.md.
 """
 
-from .manifest import (COMPLETE_NAME, FILE_NAME_KEY, FORMAT, FORMAT_VERSION, MANIFEST_NAME, MAX_TP, READ_VERSIONS,
-                       SOURCE_TABLE_FORMAT, SOURCE_TABLE_NAME, STACK_PROJECTIONS, STACK_TENSORS, Completion, FileRecord,
-                       GroupRecord, LayoutRecord, Manifest, ManifestError, PartRecord, Placement, Source, SourceFile,
-                       SourceTableRef, SourceTensor, SourceTensors, StackRecord, Target, TensorRecord, Tool,
-                       WindowRecord, compress_names, expand_names, load_manifest, manifest_hash, source_table_json)
+# One module a job, imported bottom up (none imports this package, so no import circle):
+# format (file names, versions, ManifestError), names (expert runs compressed), values (a JSON
+# value's type), records and groups (the typed records), hashing (manifest sha256, tensor xxh3),
+# reading (a folder's JSON, the completion marker), source (the source section and tensor
+# table), check (the records against each other), manifest (Manifest, load_manifest).
+from .format import (COMPLETE_NAME, FILE_NAME_KEY, FORMAT, FORMAT_VERSION, MANIFEST_NAME, MAX_TP, READ_VERSIONS,
+                     SOURCE_TABLE_FORMAT, SOURCE_TABLE_NAME, ManifestError)
+from .groups import STACK_PROJECTIONS, STACK_TENSORS, GroupRecord, PartRecord, Placement, StackRecord, WindowRecord
+from .hashing import manifest_hash
+from .manifest import Manifest, load_manifest
+from .names import compress_names, expand_names
+from .reading import Completion
+from .records import FileRecord, LayoutRecord, Target, TensorRecord, Tool
+from .source import Source, SourceFile, SourceTableRef, SourceTensor, SourceTensors, source_table_json
 
 __all__ = [
     "MANIFEST_NAME", "COMPLETE_NAME", "FILE_NAME_KEY", "SOURCE_TABLE_NAME", "SOURCE_TABLE_FORMAT", "FORMAT",
