@@ -46,7 +46,7 @@ from .mxfp4 import E8M0_ONE
 from .shuffle import S32X8_PAD, LayoutConstraintError, pad_to
 
 if TYPE_CHECKING:
-    from .manifest import LayoutRecord  # the manifest imports the registry at call time only
+    from .manifest.records import LayoutRecord  # for its type only: no manifest module is imported here
 
 Shape = tuple[int, ...]
 

@@ -1,4 +1,4 @@
-"""The manifest's typed schema (layouts/manifest.py) against real conversions and against its
+"""The manifest's typed schema (layouts/manifest/) against real conversions and against its
 description (docs/manifest.md): reading a manifest and writing it back gives the same bytes,
 and every key written is documented, every key documented exists."""
 
