@@ -223,7 +223,7 @@ def test_a_second_engine_with_its_own_sharding_rules_gets_ranks_files_of_its_own
     from prep.deepseek import Target
     from prep.testing import SynthSpec, write_checkpoint
 
-    toy.sharding = ShardingRules(SHARDING.merges, ((r"\.self_attn\.o_proj$", WHOLE),), experts="mlp.moe")
+    toy.sharding = ShardingRules(SHARDING.merges, (("deepseek-v3", r"\.self_attn\.o_proj$", WHOLE),), experts="mlp.moe")
     toy.bf16_moe_layout = None
     src = write_checkpoint(SynthSpec(variant="v2"), tmp_path / "src")
     raw = layouts.registry.source_order_layout("dense").name
