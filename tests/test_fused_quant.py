@@ -267,8 +267,9 @@ def test_triton_kernel_result_does_not_depend_on_row_split(m, n1, with_x2, with_
         assert_matches_reference(out, want, args)
 
 
-@pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch-next-rows", "pipeliner-loop"])
-@pytest.mark.parametrize("n1,with_x2,with_res", [(7168, False, True), (1536, True, False), (1000, True, True)])
+@pytest.mark.parametrize("n1,with_x2,with_res,prefetch", [(7168, False, True, True), (1536, True, False, False),
+                                                          (1000, True, True, True)],
+                         ids=["input-norm-prefetch", "q_a-kv_a-pipeliner-loop", "partial-block-prefetch"])
 def test_persistent_row_programs_write_the_bytes_of_one_program_per_row_block(n1, with_x2, with_res, prefetch):
     # Persistent programs take row blocks in turn (3 programs over 10 blocks of 4 rows: two take
     # 3, one takes 4, the last block partial), prefetching the next block's rows while they
