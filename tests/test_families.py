@@ -149,41 +149,6 @@ def test_deepseek_v32_converts_for_atom_with_the_indexer_whole_on_every_rank_and
     assert_verifies_and_reverts(out, v32, tmp_path / "back")
 
 
-def test_deepseek_v32_through_atoms_door_equals_atoms_own_load_and_a_flipped_indexer_byte_fails(v32, tmp_path):
-    # ATOM builds V3.2's indexer (wq_b, wk, k_norm in float32, weights_proj) in every layer and the
-    # MTP draft's, replicated: its door's install of each rank equals its own load of the source;
-    # the forward's sparse_attn_indexer op is a recording stand-in that is never called.
-    import json
-    import shutil
-    import struct
-
-    from prep.convert import convert
-    from prep.deepseek import target_for
-
-    out = tmp_path / "out"
-    convert(str(v32), out, target_for("atom", tp=2))
-    report = _atom_install_check(v32, out, tmp_path / "work")
-    rows = [line.split() for line in report.splitlines() if line.startswith("source ")]
-    assert report.startswith("rc=0") and rows and all(row[-1] == "ok" for row in rows), report
-    flipped = tmp_path / "flipped"
-    shutil.copytree(out, flipped)
-    name = "model.layers.1.self_attn.indexer.wk.weight"
-    for f in sorted(flipped.glob("model-tp2-rank1-*.safetensors")):
-        with open(f, "r+b") as fh:
-            n = struct.unpack("<Q", fh.read(8))[0]
-            header = json.loads(fh.read(n))
-            if name in header:  # one bit of the tensor's second byte
-                fh.seek(8 + n + header[name]["data_offsets"][0] + 1)
-                b = fh.read(1)
-                fh.seek(-1, 1)
-                fh.write(bytes([b[0] ^ 0x40]))
-                break
-    else:
-        raise AssertionError(f"{name} is in no file of rank 1")
-    report = _atom_install_check(v32, flipped, tmp_path / "work")
-    assert not report.startswith("rc=0") and "indexer.wk" in report, report
-
-
 def test_a_family_an_engines_door_is_not_checked_with_is_refused_naming_the_engines_that_serve_it(v32, tmp_path,
                                                                                               monkeypatch):
     import layouts
@@ -233,8 +198,7 @@ def test_glm5_is_its_own_family_with_an_mtp_layer_that_has_no_embedding_or_head(
                                              "indexer), glm_moe_dsa, 3 layers + MTP [3]"), r.output
 
 
-@pytest.mark.parametrize("engine, tp, ep", [("atom", 1, 1), ("atom", 2, 1), ("atom", 8, 8), ("vllm", 2, 2),
-                                            ("sglang", 8, 1)])
+@pytest.mark.parametrize("engine, tp, ep", [("atom", 8, 8), ("vllm", 2, 2), ("sglang", 8, 1)])
 def test_glm5_converts_with_the_embedding_as_each_engine_holds_it_and_reverts(glm, tmp_path, engine, tp, ep):
     # ATOM holds GLM-5's embedding whole on every rank (ReplicatedEmbedding, its default
     # ATOM_REPLICATE_VOCAB_EMBED=1 with an untied head), its head vocabulary parallel; SGLang and
@@ -256,7 +220,9 @@ def test_glm5_converts_with_the_embedding_as_each_engine_holds_it_and_reverts(gl
 def test_glm5_through_atoms_door_equals_atoms_own_load_and_a_flipped_embedding_byte_fails(glm, tmp_path):
     # ATOM's GlmMoeDsaForCausalLM (its DeepSeek model) and DeepSeekMTP draft, which holds no
     # embedding or head of its own: ATOM's drafter shares the target's after the load, and warns
-    # of the head it could not load from the checkpoint, on its own load as on the door's.
+    # of the head it could not load from the checkpoint, on its own load as on the door's. ATOM
+    # loads DeepSeek-V3.2 with the same model (GLM's subclasses it): this check stands for V3.2's
+    # door too, the indexer included (scripts/check_engine_install.py on the v3.2 preset).
     import json
     import shutil
     import struct

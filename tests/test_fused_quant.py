@@ -267,12 +267,12 @@ def test_triton_kernel_result_does_not_depend_on_row_split(m, n1, with_x2, with_
         assert_matches_reference(out, want, args)
 
 
-@pytest.mark.parametrize("n1,with_x2,with_res,prefetch", [(7168, False, True, True), (1536, True, False, False),
+@pytest.mark.parametrize("n1,with_x2,with_res,prefetch", [(2016, False, True, True), (1536, True, False, False),
                                                           (1000, True, True, True)],
                          ids=["input-norm-prefetch", "q_a-kv_a-pipeliner-loop", "partial-block-prefetch"])
 def test_persistent_row_programs_write_the_bytes_of_one_program_per_row_block(n1, with_x2, with_res, prefetch):
     # Persistent programs take row blocks in turn (3 programs over 10 blocks of 4 rows: two take
-    # 3, one takes 4, the last block partial), prefetching the next block's rows while they
+    # 3, one takes 4, the last block partial; 2016 = 63 blocks: three tiles), prefetching the next block's rows while they
     # quantize this one; the pad and fill programs follow them. The bytes must be those of one
     # program per block, which sums each row in the same order.
     from layouts._triton_fused_quant import _plan, fused_rms_mxfp4_quant_triton
