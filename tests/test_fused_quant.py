@@ -182,7 +182,7 @@ def test_triton_kernel_matches_torch_reference(m, n1, extras, flags):
 
 
 @pytest.mark.parametrize("x2_main", [True, False], ids=["x2-in-row-programs", "x2-own-programs"])
-@pytest.mark.parametrize("block_m", [1, 2, 8])
+@pytest.mark.parametrize("block_m", [1, 8])
 def test_triton_kernel_result_does_not_depend_on_rows_per_program(block_m, x2_main):
     # The launch plan picks BLOCK_M per shape (1 on the GPU for small M, 32 in the interpreter),
     # and whether x2 rows ride in the row programs; every choice must write the same bytes, pad
