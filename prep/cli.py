@@ -72,6 +72,13 @@ def _fail_cleanly(fn: Callable) -> Callable:
             else:
                 click.echo(f"interrupted: {msg}", err=True)
             sys.exit(130)
+        except BrokenPipeError:
+            # Whoever read prep's output went away (`prep inspect X | head -1`): no error line about
+            # "a file", but the quiet end of a process its reader closed: 128 + SIGPIPE, and the
+            # rest of its output (and Python's flush at exit) into nothing.
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            sys.exit(141)
         except Exception as e:
             if _DEBUG["on"]:
                 raise
