@@ -440,87 +440,60 @@ def _persistent_kernel(
     after ``n_prog`` are the main kernel's pad and fill programs (x2 always rides in the rows)."""
     pid = tl.program_id(0)
     if pid < n_prog:
-        rb = tl.arange(0, BLOCK_M)
-        step = n_prog * BLOCK_M
         RAW: tl.constexpr = not HAS_RES
         if PREFETCH:
-            rows = pid * BLOCK_M + rb
-            row_ok = rows < M
-            rows64 = rows.to(tl.int64)
-            x_rows = x1_ptr + (rows64 * x1_stride)[:, None, None, None]
-            r_rows = res1_ptr + (rows64 * res1_stride)[:, None, None, None] if HAS_RES else res1_ptr
-            xa0, _, ra0, _ = _tile_fetch(x_rows, r_rows, row_ok, 0, T0, N1, SCALE_COLS, HAS_RES, True, True)
-            if T1 > 0:
-                xa1, _, ra1, _ = _tile_fetch(x_rows, r_rows, row_ok, T0, T1, N1, SCALE_COLS, HAS_RES, True, True)
-            if T2 > 0:
-                xa2, _, ra2, _ = _tile_fetch(x_rows, r_rows, row_ok, T0 + T1, T2, N1, SCALE_COLS, HAS_RES, True,
-                                             True)
-            if HAS_X2:
-                x2v, m2 = _x2_fetch(x2_ptr, rows, row_ok, x2_stride, N2, BLOCK_N2)
+            rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+            xa0, ra0, xa1, ra1, xa2, ra2, x2v, m2 = _rows_fetch(
+                x1_ptr, res1_ptr, x2_ptr, rows, M, x1_stride, res1_stride, x2_stride, N1, N2, SCALE_COLS, T0, T1, T2,
+                BLOCK_N2, HAS_RES, HAS_X2)
             for _ in range(pid, n_blocks, n_prog):
-                nrows = rows + step
-                nrow_ok = nrows < M
-                nrows64 = nrows.to(tl.int64)
-                nx_rows = x1_ptr + (nrows64 * x1_stride)[:, None, None, None]
-                nr_rows = res1_ptr + (nrows64 * res1_stride)[:, None, None, None] if HAS_RES else res1_ptr
-                nxa0, _, nra0, _ = _tile_fetch(nx_rows, nr_rows, nrow_ok, 0, T0, N1, SCALE_COLS, HAS_RES, True,
-                                               True)
-                if T1 > 0:
-                    nxa1, _, nra1, _ = _tile_fetch(nx_rows, nr_rows, nrow_ok, T0, T1, N1, SCALE_COLS, HAS_RES,
-                                                   True, True)
-                if T2 > 0:
-                    nxa2, _, nra2, _ = _tile_fetch(nx_rows, nr_rows, nrow_ok, T0 + T1, T2, N1, SCALE_COLS,
-                                                   HAS_RES, True, True)
-                if HAS_X2:
-                    nx2v, nm2 = _x2_fetch(x2_ptr, nrows, nrow_ok, x2_stride, N2, BLOCK_N2)
-                _rows_finish(xa0, ra0, xa1 if T1 > 0 else xa0, ra1 if T1 > 0 else ra0,
-                             xa2 if T2 > 0 else xa0, ra2 if T2 > 0 else ra0,
-                             x2v if HAS_X2 else xa0, m2 if HAS_X2 else row_ok,
-                             rows, row_ok, out_res1_ptr, q_ptr, w1_ptr, scale_ptr, w2_ptr, out2_ptr, eps1, eps2,
-                             N1, N2, SCALE_COLS, SCALE_COLS_PAD, T0, T1, T2, BLOCK_N2, HAS_RES, HAS_X2, SHUFFLE,
-                             PAD, RAW, W_PAIRED, RZ_ASM)
+                nrows = rows + n_prog * BLOCK_M
+                nxa0, nra0, nxa1, nra1, nxa2, nra2, nx2v, nm2 = _rows_fetch(
+                    x1_ptr, res1_ptr, x2_ptr, nrows, M, x1_stride, res1_stride, x2_stride, N1, N2, SCALE_COLS, T0,
+                    T1, T2, BLOCK_N2, HAS_RES, HAS_X2)
+                _rows_finish(xa0, ra0, xa1, ra1, xa2, ra2, x2v, m2, rows, rows < M, out_res1_ptr, q_ptr, w1_ptr,
+                             scale_ptr, w2_ptr, out2_ptr, eps1, eps2, N1, N2, SCALE_COLS, SCALE_COLS_PAD, T0, T1,
+                             T2, BLOCK_N2, HAS_RES, HAS_X2, SHUFFLE, PAD, RAW, W_PAIRED, RZ_ASM)
                 rows = nrows
-                row_ok = nrow_ok
-                xa0 = nxa0
-                if HAS_RES:
-                    ra0 = nra0
-                if T1 > 0:
-                    xa1 = nxa1
-                    if HAS_RES:
-                        ra1 = nra1
-                if T2 > 0:
-                    xa2 = nxa2
-                    if HAS_RES:
-                        ra2 = nra2
-                if HAS_X2:
-                    x2v = nx2v
-                    m2 = nm2
+                xa0, ra0, xa1, ra1, xa2, ra2, x2v, m2 = nxa0, nra0, nxa1, nra1, nxa2, nra2, nx2v, nm2
         else:
             for b in tl.range(pid, n_blocks, n_prog, num_stages=STAGES):
-                rows = b * BLOCK_M + rb
-                row_ok = rows < M
-                rows64 = rows.to(tl.int64)
-                x_rows = x1_ptr + (rows64 * x1_stride)[:, None, None, None]
-                r_rows = res1_ptr + (rows64 * res1_stride)[:, None, None, None] if HAS_RES else res1_ptr
-                xa0, _, ra0, _ = _tile_fetch(x_rows, r_rows, row_ok, 0, T0, N1, SCALE_COLS, HAS_RES, True, True)
-                if T1 > 0:
-                    xa1, _, ra1, _ = _tile_fetch(x_rows, r_rows, row_ok, T0, T1, N1, SCALE_COLS, HAS_RES, True,
-                                                 True)
-                if T2 > 0:
-                    xa2, _, ra2, _ = _tile_fetch(x_rows, r_rows, row_ok, T0 + T1, T2, N1, SCALE_COLS, HAS_RES,
-                                                 True, True)
-                if HAS_X2:
-                    x2v, m2 = _x2_fetch(x2_ptr, rows, row_ok, x2_stride, N2, BLOCK_N2)
-                _rows_finish(xa0, ra0, xa1 if T1 > 0 else xa0, ra1 if T1 > 0 else ra0,
-                             xa2 if T2 > 0 else xa0, ra2 if T2 > 0 else ra0,
-                             x2v if HAS_X2 else xa0, m2 if HAS_X2 else row_ok,
-                             rows, row_ok, out_res1_ptr, q_ptr, w1_ptr, scale_ptr, w2_ptr, out2_ptr, eps1, eps2,
-                             N1, N2, SCALE_COLS, SCALE_COLS_PAD, T0, T1, T2, BLOCK_N2, HAS_RES, HAS_X2, SHUFFLE,
-                             PAD, RAW, W_PAIRED, RZ_ASM)
+                rows = b * BLOCK_M + tl.arange(0, BLOCK_M)
+                xa0, ra0, xa1, ra1, xa2, ra2, x2v, m2 = _rows_fetch(
+                    x1_ptr, res1_ptr, x2_ptr, rows, M, x1_stride, res1_stride, x2_stride, N1, N2, SCALE_COLS, T0,
+                    T1, T2, BLOCK_N2, HAS_RES, HAS_X2)
+                _rows_finish(xa0, ra0, xa1, ra1, xa2, ra2, x2v, m2, rows, rows < M, out_res1_ptr, q_ptr, w1_ptr,
+                             scale_ptr, w2_ptr, out2_ptr, eps1, eps2, N1, N2, SCALE_COLS, SCALE_COLS_PAD, T0, T1,
+                             T2, BLOCK_N2, HAS_RES, HAS_X2, SHUFFLE, PAD, RAW, W_PAIRED, RZ_ASM)
     else:
         _other_programs(pid - n_prog + n_blocks, scale_ptr, x2_ptr, w2_ptr, out2_ptr, M, x2_stride, eps2, n_blocks,
                         n_blocks, n_main, n_x2, fill_start, fill_end, N2, SCALE_COLS_PAD, NB_PAD, BLOCK_M, BLOCK_M,
                         BLOCK_N2, HAS_X2, SHUFFLE, FILL_BLOCK)
+
+
+@triton.jit
+def _rows_fetch(x1_ptr, res1_ptr, x2_ptr, rows, M, x1_stride, res1_stride, x2_stride, N1: tl.constexpr,
+                N2: tl.constexpr, SCALE_COLS: tl.constexpr, T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr,
+                BLOCK_N2: tl.constexpr, HAS_RES: tl.constexpr, HAS_X2: tl.constexpr):
+    """Issue the loads of rows ``rows`` (paired bf16 x1 tiles, res1's, x2): ``(xa0, ra0, xa1, ra1,
+    xa2, ra2, x2v, m2)``, a one-element stand-in for each the shape leaves out (a tile past T0, res1,
+    x2), so that a loop can carry the set at the cost of one register each."""
+    none = tl.zeros([1], tl.int32)
+    row_ok = rows < M
+    rows64 = rows.to(tl.int64)
+    x_rows = x1_ptr + (rows64 * x1_stride)[:, None, None, None]
+    r_rows = res1_ptr + (rows64 * res1_stride)[:, None, None, None] if HAS_RES else res1_ptr
+    xa0, _, ra0, _ = _tile_fetch(x_rows, r_rows, row_ok, 0, T0, N1, SCALE_COLS, HAS_RES, True, True)
+    xa1, ra1, xa2, ra2, x2v, m2 = none, none, none, none, none, none
+    if T1 > 0:
+        xa1, _, ra1, _ = _tile_fetch(x_rows, r_rows, row_ok, T0, T1, N1, SCALE_COLS, HAS_RES, True, True)
+    if T2 > 0:
+        xa2, _, ra2, _ = _tile_fetch(x_rows, r_rows, row_ok, T0 + T1, T2, N1, SCALE_COLS, HAS_RES, True, True)
+    if HAS_X2:
+        x2v, m2 = _x2_fetch(x2_ptr, rows, row_ok, x2_stride, N2, BLOCK_N2)
+    if not HAS_RES:
+        ra0, ra1, ra2 = none, none, none
+    return xa0, ra0, xa1, ra1, xa2, ra2, x2v, m2
 
 
 @triton.jit
