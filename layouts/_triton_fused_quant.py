@@ -417,121 +417,6 @@ def _other_programs(pid, scale_ptr, x2_ptr, w2_ptr, out2_ptr, M, x2_stride, eps2
         tl.store(scale_ptr + offs, tl.full((FILL_BLOCK,), E8M0_PAD, tl.uint8), mask=offs < fill_end)
 
 
-@triton.jit
-def _persistent_kernel(
-    x1_ptr, w1_ptr, res1_ptr, out_res1_ptr, q_ptr, scale_ptr,
-    x2_ptr, w2_ptr, out2_ptr,
-    M, x1_stride, res1_stride, x2_stride,
-    eps1, eps2,
-    n_prog, n_blocks, n_main, n_x2, fill_start, fill_end,
-    N1: tl.constexpr, N2: tl.constexpr,
-    SCALE_COLS: tl.constexpr, SCALE_COLS_PAD: tl.constexpr, NB_PAD: tl.constexpr,
-    T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N2: tl.constexpr,
-    HAS_RES: tl.constexpr, HAS_X2: tl.constexpr, SHUFFLE: tl.constexpr, PAD: tl.constexpr,
-    W_PAIRED: tl.constexpr, RZ_ASM: tl.constexpr, PREFETCH: tl.constexpr, STAGES: tl.constexpr,
-    FILL_BLOCK: tl.constexpr,
-):
-    """The row programs of the main kernel's unsplit path, persistent: ``n_prog`` programs take the
-    ``n_blocks`` row blocks in turn (``pid``, ``pid + n_prog``, ...). With ``PREFETCH`` each issues
-    the next block's loads before it quantizes the block it holds (two blocks in registers), so
-    its loads stay in flight through the sum -> quant -> store chain; else with ``STAGES`` the
-    loop is left to Triton's pipeliner. bf16 x1 (and res1) as int32 pairs only. The programs
-    after ``n_prog`` are the main kernel's pad and fill programs (x2 always rides in the rows)."""
-    pid = tl.program_id(0)
-    if pid < n_prog:
-        RAW: tl.constexpr = not HAS_RES
-        if PREFETCH:
-            rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
-            xa0, ra0, xa1, ra1, xa2, ra2, x2v, m2 = _rows_fetch(
-                x1_ptr, res1_ptr, x2_ptr, rows, M, x1_stride, res1_stride, x2_stride, N1, N2, SCALE_COLS, T0, T1, T2,
-                BLOCK_N2, HAS_RES, HAS_X2)
-            for _ in range(pid, n_blocks, n_prog):
-                nrows = rows + n_prog * BLOCK_M
-                nxa0, nra0, nxa1, nra1, nxa2, nra2, nx2v, nm2 = _rows_fetch(
-                    x1_ptr, res1_ptr, x2_ptr, nrows, M, x1_stride, res1_stride, x2_stride, N1, N2, SCALE_COLS, T0,
-                    T1, T2, BLOCK_N2, HAS_RES, HAS_X2)
-                _rows_finish(xa0, ra0, xa1, ra1, xa2, ra2, x2v, m2, rows, rows < M, out_res1_ptr, q_ptr, w1_ptr,
-                             scale_ptr, w2_ptr, out2_ptr, eps1, eps2, N1, N2, SCALE_COLS, SCALE_COLS_PAD, T0, T1,
-                             T2, BLOCK_N2, HAS_RES, HAS_X2, SHUFFLE, PAD, RAW, W_PAIRED, RZ_ASM)
-                rows = nrows
-                xa0, ra0, xa1, ra1, xa2, ra2, x2v, m2 = nxa0, nra0, nxa1, nra1, nxa2, nra2, nx2v, nm2
-        else:
-            for b in tl.range(pid, n_blocks, n_prog, num_stages=STAGES):
-                rows = b * BLOCK_M + tl.arange(0, BLOCK_M)
-                xa0, ra0, xa1, ra1, xa2, ra2, x2v, m2 = _rows_fetch(
-                    x1_ptr, res1_ptr, x2_ptr, rows, M, x1_stride, res1_stride, x2_stride, N1, N2, SCALE_COLS, T0,
-                    T1, T2, BLOCK_N2, HAS_RES, HAS_X2)
-                _rows_finish(xa0, ra0, xa1, ra1, xa2, ra2, x2v, m2, rows, rows < M, out_res1_ptr, q_ptr, w1_ptr,
-                             scale_ptr, w2_ptr, out2_ptr, eps1, eps2, N1, N2, SCALE_COLS, SCALE_COLS_PAD, T0, T1,
-                             T2, BLOCK_N2, HAS_RES, HAS_X2, SHUFFLE, PAD, RAW, W_PAIRED, RZ_ASM)
-    else:
-        _other_programs(pid - n_prog + n_blocks, scale_ptr, x2_ptr, w2_ptr, out2_ptr, M, x2_stride, eps2, n_blocks,
-                        n_blocks, n_main, n_x2, fill_start, fill_end, N2, SCALE_COLS_PAD, NB_PAD, BLOCK_M, BLOCK_M,
-                        BLOCK_N2, HAS_X2, SHUFFLE, FILL_BLOCK)
-
-
-@triton.jit
-def _rows_fetch(x1_ptr, res1_ptr, x2_ptr, rows, M, x1_stride, res1_stride, x2_stride, N1: tl.constexpr,
-                N2: tl.constexpr, SCALE_COLS: tl.constexpr, T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr,
-                BLOCK_N2: tl.constexpr, HAS_RES: tl.constexpr, HAS_X2: tl.constexpr):
-    """Issue the loads of rows ``rows`` (paired bf16 x1 tiles, res1's, x2): ``(xa0, ra0, xa1, ra1,
-    xa2, ra2, x2v, m2)``, a one-element stand-in for each the shape leaves out (a tile past T0, res1,
-    x2), so that a loop can carry the set at the cost of one register each."""
-    none = tl.zeros([1], tl.int32)
-    row_ok = rows < M
-    rows64 = rows.to(tl.int64)
-    x_rows = x1_ptr + (rows64 * x1_stride)[:, None, None, None]
-    r_rows = res1_ptr + (rows64 * res1_stride)[:, None, None, None] if HAS_RES else res1_ptr
-    xa0, _, ra0, _ = _tile_fetch(x_rows, r_rows, row_ok, 0, T0, N1, SCALE_COLS, HAS_RES, True, True)
-    xa1, ra1, xa2, ra2, x2v, m2 = none, none, none, none, none, none
-    if T1 > 0:
-        xa1, _, ra1, _ = _tile_fetch(x_rows, r_rows, row_ok, T0, T1, N1, SCALE_COLS, HAS_RES, True, True)
-    if T2 > 0:
-        xa2, _, ra2, _ = _tile_fetch(x_rows, r_rows, row_ok, T0 + T1, T2, N1, SCALE_COLS, HAS_RES, True, True)
-    if HAS_X2:
-        x2v, m2 = _x2_fetch(x2_ptr, rows, row_ok, x2_stride, N2, BLOCK_N2)
-    if not HAS_RES:
-        ra0, ra1, ra2 = none, none, none
-    return xa0, ra0, xa1, ra1, xa2, ra2, x2v, m2
-
-
-@triton.jit
-def _rows_finish(xa0, ra0, xa1, ra1, xa2, ra2, x2v, m2, rows, row_ok, out_res1_ptr, q_ptr, w1_ptr, scale_ptr,
-                 w2_ptr, out2_ptr, eps1, eps2, N1: tl.constexpr, N2: tl.constexpr, SCALE_COLS: tl.constexpr,
-                 SCALE_COLS_PAD: tl.constexpr, T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr,
-                 BLOCK_N2: tl.constexpr, HAS_RES: tl.constexpr, HAS_X2: tl.constexpr, SHUFFLE: tl.constexpr,
-                 PAD: tl.constexpr, RAW: tl.constexpr, W_PAIRED: tl.constexpr, RZ_ASM: tl.constexpr):
-    """Sum, normalise, quantize and store fetched rows (paired bf16 tiles; the unsplit path)."""
-    rows64 = rows.to(tl.int64)
-    o_rows = out_res1_ptr + (rows64 * (N1 // 2))[:, None, None, None] if HAS_RES else out_res1_ptr
-    q_rows = q_ptr + (rows64 * (N1 // 2))[:, None, None, None]
-    a0, b0, ss = _tile_sum(xa0, xa0, ra0, ra0, o_rows, row_ok, 0, T0, N1, SCALE_COLS, HAS_RES, True, True, HAS_RES)
-    if T1 > 0:
-        a1, b1, ss1 = _tile_sum(xa1, xa1, ra1, ra1, o_rows, row_ok, T0, T1, N1, SCALE_COLS, HAS_RES, True, True,
-                                HAS_RES)
-        ss += ss1
-    if T2 > 0:
-        a2, b2, ss2 = _tile_sum(xa2, xa2, ra2, ra2, o_rows, row_ok, T0 + T1, T2, N1, SCALE_COLS, HAS_RES, True,
-                                True, HAS_RES)
-        ss += ss2
-    ms = tl.math.div_rn(ss, tl.full(ss.shape, N1, tl.float32))
-    rstd = tl.math.div_rn(tl.full(ss.shape, 1.0, tl.float32), tl.math.sqrt_rn(ms + eps1))
-    we, wo = _tile_weight(w1_ptr, 0, T0, N1, SCALE_COLS, W_PAIRED)
-    _tile_quant(a0, b0, rstd, we, wo, rows, row_ok, q_rows, scale_ptr, 0, T0, N1, SCALE_COLS, SCALE_COLS_PAD,
-                SHUFFLE, PAD, RAW, RZ_ASM)
-    if T1 > 0:
-        we, wo = _tile_weight(w1_ptr, T0, T1, N1, SCALE_COLS, W_PAIRED)
-        _tile_quant(a1, b1, rstd, we, wo, rows, row_ok, q_rows, scale_ptr, T0, T1, N1, SCALE_COLS, SCALE_COLS_PAD,
-                    SHUFFLE, PAD, RAW, RZ_ASM)
-    if T2 > 0:
-        we, wo = _tile_weight(w1_ptr, T0 + T1, T2, N1, SCALE_COLS, W_PAIRED)
-        _tile_quant(a2, b2, rstd, we, wo, rows, row_ok, q_rows, scale_ptr, T0 + T1, T2, N1, SCALE_COLS,
-                    SCALE_COLS_PAD, SHUFFLE, PAD, RAW, RZ_ASM)
-    if HAS_X2:
-        _x2_norm(x2v, m2, rows, w2_ptr, out2_ptr, eps2, N2, BLOCK_N2)
-
-
 # triton.jit picked interpreter or compiler when the kernel above was defined (at import).
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -580,17 +465,12 @@ class Plan(NamedTuple):
     ts: int
     x2_main: bool
     flat_sum: bool
-    n_prog: int = 0
-    """Persistent row programs (0: one program per row block); see :func:`_persistent_kernel`."""
-    prefetch: bool = True
-    stages: int = 1
 
 
 @functools.lru_cache(maxsize=4096)
 def _plan(m: int, n1: int, n2: int, padded: bool, raw: bool, on_gpu: bool, sms: int,
           block_m: int | None, num_warps: int | None, split: int | None = None,
-          x2_main: bool | None = None, flat_sum: bool | None = None, per_sm: int | None = None,
-          prefetch: bool = True, stages: int = 1) -> Plan:
+          x2_main: bool | None = None, flat_sum: bool | None = None) -> Plan:
     """Launch plan for one shape: everything the wrapper needs besides pointers (cached: the
     wrapper is the whole cost of a decode-size call, so it must stay a dict lookup). ``raw``:
     x1 is paired bf16 without a residual (kept packed in registers).
@@ -670,13 +550,8 @@ def _plan(m: int, n1: int, n2: int, padded: bool, raw: bool, on_gpu: bool, sms: 
     n_x2 = -(-m // bm2) if n2 and not x2_main else 0
     n_fill = -(-(fill_end - fill_start) // _FILL_BLOCK)
     grid = (n_main + n_x2 + n_fill,)
-    # Persistent row programs: per_sm of them per multiprocessor (the interpreter counts one).
-    n_prog = 0
-    if per_sm and nsplit == 1 and (x2_main or not n2):
-        n_prog = min(real_blocks, per_sm * max(sms, 1))
-        grid = (n_prog + n_main - n_split + n_fill,)
     return Plan(grid, rows_pad, cols, cols_pad, tiles, bm, bm2, nb2, warps, n_split, n_main, n_x2, fill_start,
-                fill_end, nsplit, ts, x2_main, flat_sum, n_prog, prefetch, stages)
+                fill_end, nsplit, ts, x2_main, flat_sum)
 
 
 def _paired(t: torch.Tensor) -> bool:
@@ -700,9 +575,6 @@ def fused_rms_mxfp4_quant_triton(
     split: int | None = None,
     x2_main: bool | None = None,
     flat_sum: bool | None = None,
-    per_sm: int | None = None,
-    prefetch: bool = True,
-    stages: int = 1,
 ):
     """Our Triton back end of :func:`layouts.fused_quant.fused_rms_mxfp4_quant` (same contract).
 
@@ -722,7 +594,7 @@ def fused_rms_mxfp4_quant_triton(
     sms = _num_sms(dev.index if dev.index is not None else torch.cuda.current_device()) if on_gpu else 0
     x_paired = _paired(x1)
     plan = _plan(m, n1, n2, padded, x_paired and res1 is None, on_gpu, sms, block_m, num_warps, split,
-                 x2_main, flat_sum, per_sm, prefetch, stages)
+                 x2_main, flat_sum)
     grid, rows_pad, cols_pad, tiles = plan.grid, plan.rows_pad, plan.cols_pad, plan.tiles
 
     q = torch.empty((m, n1 // 2), dtype=torch.uint8, device=dev)
@@ -741,20 +613,6 @@ def fused_rms_mxfp4_quant_triton(
     if res1 is not None:
         res1_arg, res1_stride = (res1.view(torch.int32), res1.stride(0) // 2) if r_paired else (res1, res1.stride(0))
     out_res1_arg = out_res1.view(torch.int32) if out_res1 is not None and x_paired else out_res1
-    if plan.n_prog and x_paired and (res1 is None or r_paired):
-        _persistent_kernel[grid](
-            x1_arg, w1_arg, res1_arg, out_res1_arg, q, scale,
-            x2, x2_weight, out2,
-            m, x1_stride, res1_stride, x2.stride(0) if x2 is not None else 0,
-            float(x1_epsilon), float(x2_epsilon),
-            plan.n_prog, plan.n_split, plan.n_main, plan.n_x2, plan.fill_start, plan.fill_end,
-            N1=n1, N2=n2, SCALE_COLS=plan.cols, SCALE_COLS_PAD=cols_pad, NB_PAD=triton.next_power_of_2(cols_pad),
-            T0=tiles[0], T1=tiles[1], T2=tiles[2], BLOCK_M=plan.bm, BLOCK_N2=plan.nb2,
-            HAS_RES=res1 is not None, HAS_X2=x2 is not None, SHUFFLE=bool(shuffle), PAD=padded,
-            W_PAIRED=w_paired, RZ_ASM=on_gpu, PREFETCH=plan.prefetch, STAGES=plan.stages,
-            FILL_BLOCK=_FILL_BLOCK, num_warps=plan.warps,
-        )
-        return (q, scale), out2, out_res1
     _fused_rms_mxfp4_kernel[grid](
         x1_arg, w1_arg, res1_arg, out_res1_arg, q, scale,
         x2, x2_weight, out2,

@@ -267,27 +267,6 @@ def test_triton_kernel_result_does_not_depend_on_row_split(m, n1, with_x2, with_
         assert_matches_reference(out, want, args)
 
 
-@pytest.mark.parametrize("n1,with_x2,with_res,prefetch", [(2016, False, True, True), (1536, True, False, False),
-                                                          (1000, True, True, True)],
-                         ids=["input-norm-prefetch", "q_a-kv_a-pipeliner-loop", "partial-block-prefetch"])
-def test_persistent_row_programs_write_the_bytes_of_one_program_per_row_block(n1, with_x2, with_res, prefetch):
-    # Persistent programs take row blocks in turn (3 programs over 10 blocks of 4 rows: two take
-    # 3, one takes 4, the last block partial; 2016 = 63 blocks: three tiles), prefetching the next block's rows while they
-    # quantize this one; the pad and fill programs follow them. The bytes must be those of one
-    # program per block, which sums each row in the same order.
-    from layouts._triton_fused_quant import _plan, fused_rms_mxfp4_quant_triton
-
-    assert _plan(37, n1, 512 if with_x2 else 0, True, not with_res, False, 0, 4, None, per_sm=3).n_prog == 3
-    args = make_inputs(37, n1, x2=with_x2, res=with_res, seed=n1)
-    for shuffle, padding in ((True, True), (False, False)):
-        want = fused_rms_mxfp4_quant_triton(**args, shuffle=shuffle, scale_shuffle_padding=padding, block_m=4)
-        out = fused_rms_mxfp4_quant_triton(**args, shuffle=shuffle, scale_shuffle_padding=padding, block_m=4,
-                                           per_sm=3, prefetch=prefetch, stages=2)
-        for got, exp in zip((out[0][0], out[0][1], out[1], out[2]), (want[0][0], want[0][1], want[1], want[2])):
-            assert (got is None and exp is None) or torch.equal(got, exp)
-        assert_matches_reference(out, reference(args, shuffle, padding), args)
-
-
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_triton_kernel_handles_fp16_and_fp32_inputs(dtype):
     # Only bf16 takes the paired-load fast path; other dtypes load elements one by one.
