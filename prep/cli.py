@@ -374,9 +374,9 @@ def convert(src, out, layout, moe_layout, tp, ep, fuse_shared_expert, engine, co
 
     profile = get_engine(engine)
     config = folder_config(s["out"])
+    manifest = None if common_bf16 else load_manifest(s["out"])
     serve = None if common_bf16 else profile.serve_command(s["out"], tp, ep, layout, moe_layout,
-                                                           target.fuse_shared_expert, config)
-    manifest = load_manifest(s["out"]) if serve else None
+                                                           manifest.shared_expert_stacked, config)
     draft = profile.mtp_draft_hint(manifest, config) if serve else None
     s = {**s, "tp": tp, "ep": ep, "layout": layout, "moe_layout": moe_layout, "serve": serve,
          "serve_mtp_draft": profile.mtp_draft_flags if serve and profile.mtp_draft(manifest, config) else None}

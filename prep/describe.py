@@ -228,7 +228,7 @@ def _inspect_converted(path: str) -> tuple[dict[str, Any], list[str]]:
     except KeyError:  # converted for an engine this prep has no profile of: nothing to serve it with
         engine = None
     config = folder_config(path)
-    serve = engine.serve_command(path, t.tp, t.ep, t.layout, t.moe_layout, t.fuse_shared_expert,
+    serve = engine.serve_command(path, t.tp, t.ep, t.layout, t.moe_layout, m.shared_expert_stacked,
                                  config) if engine and t.rank_exact else None
     result["serve"] = serve
     draft = engine.mtp_draft_hint(m, config) if serve else None

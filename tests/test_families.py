@@ -333,3 +333,15 @@ def test_glm52_through_atoms_door_equals_atoms_own_load(glm52, tmp_path):
     report = _atom_install_check(glm52, out, tmp_path / "work", "--ranks", "1")
     rows = [line.split() for line in report.splitlines() if line.startswith("source ")]
     assert report.startswith("rc=0") and len(rows) == 1 and rows[0][-1] == "ok", report
+
+
+def test_sglangs_serve_command_says_the_shared_expert_fusion_the_files_hold(glm, tmp_path):
+    # GLM-5-MXFP4's shared expert is BF16 beside MXFP4 routed experts: SGLang (and ATOM) keep it
+    # apart whatever the switch says, and prep writes it apart, so the command says so.
+    r = CliRunner().invoke(main, ["convert", str(glm), "-o", str(tmp_path / "o"), "--engine", "sglang", "--tp", "2",
+                                  "--json"])
+    assert r.exit_code == 0, r.output
+    import json
+
+    serve = json.loads(r.stdout)["serve"]
+    assert "--disable-shared-experts-fusion" in serve and "--enforce-shared-experts-fusion" not in serve

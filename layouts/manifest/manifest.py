@@ -56,6 +56,17 @@ class Manifest:
         has nothing the MoE layout names, whatever MoE back end reads it."""
         return frozenset(g.kind for g in self.groups)
 
+    @functools.cached_property
+    def shared_expert_stacked(self) -> bool:
+        """Whether the files hold the shared expert stacked after the routed ones: the target's
+        ``fuse_shared_expert`` where its experts could be, but never a BF16 shared expert beside
+        MXFP4 routed ones (GLM-5-MXFP4's: engines keep those apart, and prep writes them so)."""
+        moe = [g for g in self.groups if g.kind == "moe" or (g.kind == "bf16" and g.stack is not None)]
+        if not moe:
+            return self.target.fuse_shared_expert
+        return any(g.stack.shared if g.stack is not None else any("shared_experts" in e for e in g.experts)
+                   for g in moe)
+
     @classmethod
     def from_json(cls, raw: Any, root: pathlib.Path | None = None) -> "Manifest":
         """The manifest of the parsed JSON ``raw`` (of folder ``root``, whose file names are then
