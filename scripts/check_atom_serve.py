@@ -56,6 +56,7 @@ import os
 import pathlib
 import pickle
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -204,6 +205,33 @@ def _head_shared(runner) -> bool | None:
 
 
 # ---------------------------------------------------------------------------- the server process
+START_TIMEOUT_S = 600  # one start-up of a tiny checkpoint takes ~10 s; a TP 8 one on bench-r1 a few minutes
+
+
+def _fork_worker(setup: dict, env: dict[str, str]) -> int:
+    """A TP worker process (:func:`worker`), forked from the server process, which has imported
+    ATOM and torch already: a worker started as a new interpreter spent ~6.5 s of CPU importing
+    them again (6 such processes made most of a TP 2 check's 43 s). ``env`` is the worker's own
+    (ATOM reads its switches when it uses them). Returns the child's pid."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 1
+    try:
+        os.environ.update(env)
+        code = worker(setup)
+    except BaseException:  # noqa: BLE001 - reported, then the child's exit status says it failed
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
 def server(setup: dict, argv: list[str]) -> int:
     """ATOM's server process: the door's main (``kind`` door) or ``python -m
     atom.entrypoints.openai_server`` (``kind`` atom) on ``argv``, with ATOM's engine-core
@@ -227,12 +255,9 @@ def server(setup: dict, argv: list[str]) -> int:
             config.parallel_config.data_parallel_rank = config.parallel_config.data_parallel_rank_local = 0
             path = out / "config.pkl"
             path.write_bytes(pickle.dumps(config))
-            procs = []
-            for rank in range(config.tp_world_size):
-                w = dict(setup, rank=rank, config=str(path))
-                procs.append(subprocess.Popen([sys.executable, __file__, "_worker", json.dumps(w)],
-                                              env={**os.environ, **setup.get("worker_env", {})}))
-            codes = [p.wait() for p in procs]
+            pids = [_fork_worker(dict(setup, rank=rank, config=str(path)), setup.get("worker_env", {}))
+                    for rank in range(config.tp_world_size)]
+            codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
             state["workers"] = codes
             if any(codes):
                 raise RuntimeError("Failed to start all EngineCore processes")  # as ATOM's CoreManager says
@@ -273,11 +298,19 @@ def start(kind: str, model: pathlib.Path, argv: list[str], env: dict[str, str], 
     setup = {"kind": kind, "out": str(out), "fills": fills, "atom_dir": str(trees[0]), "aiter_dir": str(trees[1]),
              "gpu_arch": gpu_arch, "worker_env": worker_env or {}}
     t0 = time.monotonic()
-    p = subprocess.run([sys.executable, __file__, "_server", json.dumps(setup), "--model", str(model), *argv],
-                       env={**os.environ, **env}, capture_output=True, text=True)
-    (out / "server.log").write_text(p.stdout + p.stderr)
+    # A session of its own: a start-up that hangs (a forked worker, say) is ended with its workers.
+    p = subprocess.Popen([sys.executable, __file__, "_server", json.dumps(setup), "--model", str(model), *argv],
+                         env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    try:
+        stdout, stderr = p.communicate(timeout=START_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        stdout, stderr = p.communicate()
+        stderr += f"\nthe start-up did not end within {START_TIMEOUT_S} s: killed with its workers"
+    (out / "server.log").write_text(stdout + stderr)
     record = json.loads((out / "server.json").read_text()) if (out / "server.json").is_file() else {"rc": p.returncode}
-    record["returncode"], record["seconds"], record["stderr"] = p.returncode, time.monotonic() - t0, p.stderr
+    record["returncode"], record["seconds"], record["stderr"] = p.returncode, time.monotonic() - t0, stderr
     record["ranks"] = [json.loads(f.read_text()) for f in sorted(out.glob("rank*.json"))]
     return record
 
