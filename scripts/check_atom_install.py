@@ -3,7 +3,8 @@
 (rank-exact) checkpoint, installed with ``layouts.engines.atom.install_converted_weights``,
 must leave ATOM's ``DeepseekV3ForCausalLM`` and its ``DeepSeekMTP`` draft model byte for byte
 as ATOM's own loader leaves them from the source checkpoint, and ATOM's "NOT loaded" warning
-must not fire.
+must not fire but where ATOM's own load gives it for the same parameters (GLM-5's draft, whose
+checkpoint holds no head: ATOM's drafter then shares the target's).
 
     .venv/bin/python scripts/check_atom_install.py --atom-dir ATOM_TREE --aiter-dir AITER_TREE [--work DIR]
         [--only TEXT] [--preset NAME [--layers N]] [--gpu-arch gfx950|gfx942]
@@ -35,8 +36,8 @@ path a stand-in for ``gemm_a4w4``), where the kernel takes ``kv_lora_rank`` as K
 (:func:`mla_gemm_runs`: the tiny v2's 128 only on the non-shuffle path, hence ``v2-wide``);
 elsewhere that one step is skipped in both loads alike.
 
-Prints one row per rank and exits 1 on any mismatch, any warning, or any stand-in called while
-loading (work a stand-in would have skipped).
+Prints one row per rank and exits 1 on any mismatch, any warning ATOM's own load does not give,
+or any stand-in called while loading (work a stand-in would have skipped).
 """
 
 from __future__ import annotations
