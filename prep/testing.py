@@ -37,7 +37,7 @@ __all__ = [
     "plan_groups", "run_measured", "tensor_specs", "write_checkpoint", "drop_tensors", "edit_at_same_size",
 ]
 
-VARIANTS = ("r1-0528", "v2", "mtp-moefp4", "fp8-block", "moe-only")
+VARIANTS = ("r1-0528", "v2", "mtp-moefp4", "fp8-block", "moe-only", "experts")
 """r1-0528: attention and the MTP layer BF16 (as amd/DeepSeek-R1-0528-MXFP4). v2: attention
 MXFP4 too, MTP layer quantized except its embedding and head. mtp-moefp4: as v2, but every
 ``*self_attn*`` linear (the MTP layer's too) FP8 per channel, Quark's ``layer_quant_config``
@@ -48,7 +48,8 @@ F8_E4M3 with an F32 ``weight_scale_inv`` per 128x128 block, experts and the MTP 
 the router, embeddings, heads, norms and the MTP layer's ``eh_proj`` BF16; no Quark config but
 DeepSeek's ``{"quant_method": "fp8", "weight_block_size": [128, 128], ...}``. moe-only: only the
 routed experts MXFP4 (amd/GLM-5-MXFP4's recipe: attention, the router, the dense MLPs, the shared
-experts and the head excluded)."""
+experts and the head excluded). experts: the routed and the shared experts MXFP4, and the MTP
+layer's ``eh_proj`` (amd/GLM-5.1-MXFP4's)."""
 
 FP8_MAX = 448.0  # e4m3fn's largest finite value
 
@@ -209,6 +210,8 @@ PRESETS["glm-5"] = replace(PRESETS["tiny"], model_type="glm_moe_dsa", variant="m
 # glm-5.2: GLM-5.2's IndexShare on glm-5: layers 0 and 2 (and the MTP layer) have an indexer, layer 1
 # reuses layer 0's top-k and holds none (GLM-5.2: 0-2, then every fourth: index_topk_freq 4, offset 3).
 PRESETS["glm-5.2"] = replace(PRESETS["glm-5"], index_topk_freq=2, index_skip_topk_offset=1)
+# glm-5.1: amd/GLM-5.1-MXFP4's recipe on glm-5: the shared experts MXFP4 too, and the MTP eh_proj.
+PRESETS["glm-5.1"] = replace(PRESETS["glm-5"], variant="experts")
 
 
 def exclude_patterns(spec: SynthSpec) -> list[str]:
@@ -216,9 +219,9 @@ def exclude_patterns(spec: SynthSpec) -> list[str]:
     mtp = spec.num_hidden_layers
     if spec.variant == "r1-0528":
         return ["*self_attn*", "*mlp.gate.*", "lm_head", f"model.layers.{mtp}.*"]
-    if spec.variant == "moe-only":  # amd/GLM-5-MXFP4's exclude_layers
+    if spec.variant in ("moe-only", "experts"):  # amd/GLM-5-MXFP4's exclude_layers (5.1: experts shared too)
         return ["*self_attn*", "*mlp.gate", "*lm_head", "*mlp.gate_proj", "*mlp.up_proj", "*mlp.down_proj",
-                "*shared_experts*"]
+                *(["*shared_experts*"] if spec.variant == "moe-only" else [])]
     if spec.variant == "fp8-block":  # not Quark's: what DeepSeek's FP8 release keeps in BF16
         return ["*mlp.gate.*", "lm_head", f"model.layers.{mtp}.shared_head.head", f"model.layers.{mtp}.embed_tokens",
                 f"model.layers.{mtp}.eh_proj"]
@@ -411,8 +414,9 @@ def _layer_params(spec: SynthSpec, layer: int, excluded: list[str]) -> list[Para
     if mtp:  # DeepSeek's MTP block: embed, two norms and eh_proj ahead of a normal decoder layer.
         out += [Param(f"{p}.enorm", (h,), "norm"),
                 Param(f"{p}.hnorm", (h,), "norm"),
-                # The real quirk: eh_proj is BF16 without weight_scale even where not excluded.
-                Param(f"{p}.eh_proj", (h, 2 * h), "bf16")]
+                # The real quirk: eh_proj is BF16 without weight_scale even where not excluded
+                # (but in amd/GLM-5.1-MXFP4, which quantizes it: ATOM's deepseek_mtp.py says so).
+                Param(f"{p}.eh_proj", (h, 2 * h), "fp4" if s.variant == "experts" else "bf16")]
     heads, qk = s.num_attention_heads, s.qk_nope_head_dim + s.qk_rope_head_dim
     a = f"{p}.self_attn"
     out += [

@@ -345,3 +345,18 @@ def test_sglangs_serve_command_says_the_shared_expert_fusion_the_files_hold(glm,
 
     serve = json.loads(r.stdout)["serve"]
     assert "--disable-shared-experts-fusion" in serve and "--enforce-shared-experts-fusion" not in serve
+
+
+def test_vllm_serves_glm51_without_its_draft_naming_the_quantized_eh_proj(tmp_path):
+    # amd/GLM-5.1-MXFP4 quantizes its MTP layer's eh_proj; vLLM 0.34's MTP layer holds eh_proj as a
+    # plain nn.Linear, so its own load of the source fails with the draft: prep's serve hint says
+    # to serve without speculative decoding, and why (ATOM and SGLang hold it quantized).
+    src = write_checkpoint(PRESETS["glm-5.1"], tmp_path / "src")
+    r = CliRunner().invoke(main, ["convert", str(src), "-o", str(tmp_path / "o"), "--engine", "vllm", "--tp", "2",
+                                  "--ep", "2"])
+    assert r.exit_code == 0, r.output
+    assert ("its MTP layer is not served as vLLM's draft model: model.layers.3.eh_proj.weight is quantized, and "
+            "vLLM's MTP layer holds eh_proj unquantized (its own load of the source fails); serve it without "
+            "speculative decoding") in r.output and "--speculative-config" not in r.output
+    r = CliRunner().invoke(main, ["convert", str(src), "-o", str(tmp_path / "a"), "--engine", "atom", "--tp", "2"])
+    assert r.exit_code == 0 and "add: --method mtp" in r.output, r.output

@@ -249,11 +249,16 @@ class EngineProfile:
         layers = config.get("num_hidden_layers")
         if not isinstance(layers, int) or self.sharding is None:
             return None
-        served = bool(self.mtp_draft_flags and self.sharding.holds_mtp)
+        served = bool(self.mtp_draft_flags and self.sharding.holds_mtp) and not self.mtp_draft_refusal(manifest, config)
         for t in manifest.tensors:
             layer = layer_index(t.name)
             if layer is not None and layer >= layers and (t.role != "unread" or not served):
                 return served
+        return None
+
+    def mtp_draft_refusal(self, manifest: "Manifest", config: Mapping) -> str | None:
+        """Why the engine's own draft model cannot hold this conversion's MTP layer (its own load of
+        the source fails too), or None."""
         return None
 
     def mtp_draft_hint(self, manifest: "Manifest", config: Mapping) -> str | None:
@@ -266,6 +271,10 @@ class EngineProfile:
             return None
         if served:
             return f"with its MTP layer as the draft model (speculative decoding), add: {self.mtp_draft_flags}"
+        why = self.mtp_draft_refusal(manifest, config)
+        if why:
+            return f"its MTP layer is not served as {self.display_name}'s draft model: {why}; serve it without " \
+                   "speculative decoding"
         return (f"its MTP layer is not served as {self.display_name}'s draft model from this folder yet "
                 "(docs/engines.md): serve it without speculative decoding")
 

@@ -40,7 +40,7 @@ from ...compat import (CompatibilityError, EngineConfig, bf16_moe_layout_matches
                        engine_matches, ep_matches, fp8_layout_matches, moe_layout_matches, rank_in_range, tp_matches)
 from ...registry import MOE_BF16, MOE_CK_3D, NON_SHUFFLE_T, PRESHUFFLE_UNPADDED
 from .. import (NEVER, WHOLE, EngineProfile, Merge, GemmPathRule, GpuArch, ShardingRules, _config,
-                current_gpu_arch, deepseek_merges)
+                current_gpu_arch, deepseek_merges, layer_index)
 
 ENV_AITER = "VLLM_ROCM_USE_AITER"
 ENV_FUSE_SHARED = "VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS"
@@ -79,6 +79,19 @@ class VllmProfile(EngineProfile):
                   AITER_ASM_UNPADDED: GemmPathRule(PRESHUFFLE_UNPADDED.name, 32, 32)}
     moe_layouts = {(AITER, GFX95.prefix): MOE_CK_3D.name}
     mtp_draft_flags = "--speculative-config '{\"method\": \"mtp\", \"num_speculative_tokens\": 1}'"
+
+    def mtp_draft_refusal(self, manifest, config):
+        # vLLM 0.34's MTP layer (DeepSeekMultiTokenPredictorLayer) builds eh_proj as a plain
+        # nn.Linear: an MXFP4 eh_proj (GLM-5.1-MXFP4's) fails its own load of the source too
+        # ("Attempted to load weight (torch.Size([256, 256])) into parameter (torch.Size([256, 512]))")
+        layers = config.get("num_hidden_layers")
+        for t in manifest.tensors:
+            layer = layer_index(t.name)
+            if layer is not None and isinstance(layers, int) and layer >= layers and \
+                    t.name.endswith(".eh_proj.weight_scale"):
+                return (f"{t.name.removesuffix('_scale')} is quantized, and vLLM's MTP layer holds eh_proj "
+                        "unquantized (its own load of the source fails)")
+        return None
     bf16_moe_layout = MOE_BF16.name  # bf16-preshuffle: aiter's shuffle_weight (16, 16), vLLM's unquantized aiter MoE
     gpu_archs = (GFX95,)
     default_gpu_arch = GFX95.example
