@@ -386,22 +386,10 @@ def _fused_rms_mxfp4_kernel(
                             SCALE_COLS, SCALE_COLS_PAD, SHUFFLE, PAD, RAW, RZ_ASM)
             if X2_MAIN:
                 _x2_norm(x2v, m2, rows, w2_ptr, out2_ptr, eps2, N2, BLOCK_N2)
-    else:
-        _other_programs(pid, scale_ptr, x2_ptr, w2_ptr, out2_ptr, M, x2_stride, eps2, n_split // SPLIT, n_split,
-                        n_main, n_x2, fill_start, fill_end, N2, SCALE_COLS_PAD, NB_PAD, BLOCK_M, BLOCK_M2, BLOCK_N2,
-                        HAS_X2, SHUFFLE, FILL_BLOCK)
-
-
-@triton.jit
-def _other_programs(pid, scale_ptr, x2_ptr, w2_ptr, out2_ptr, M, x2_stride, eps2, n_blocks, n_split, n_main,
-                    n_x2, fill_start, fill_end, N2: tl.constexpr, SCALE_COLS_PAD: tl.constexpr,
-                    NB_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
-                    HAS_X2: tl.constexpr, SHUFFLE: tl.constexpr, FILL_BLOCK: tl.constexpr):
-    """The programs after the row programs (``pid >= n_split``; ``n_blocks`` row blocks there)."""
-    if pid < n_main:
+    elif pid < n_main:
         # A block of scale pad rows inside the last partial 32-row band (padded mode only), after
         # the rows the programs above cover.
-        rows = (n_blocks + pid - n_split) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rows = (n_split // SPLIT + pid - n_split) * BLOCK_M + tl.arange(0, BLOCK_M)
         blk = tl.arange(0, NB_PAD)
         pad = tl.full((BLOCK_M, NB_PAD), E8M0_PAD, tl.uint8)
         tl.store(scale_ptr + _scale_offsets(rows, blk, SCALE_COLS_PAD, SHUFFLE), pad,
