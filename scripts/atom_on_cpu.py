@@ -129,6 +129,9 @@ def missing_deps() -> list[str]:
     return [m for m in ATOM_CPU_DEPS if importlib.util.find_spec(m) is None]
 
 
+_INSTALLED: dict[str, tuple] = {}  # the trees install() put on the path, once per process
+
+
 def install(atom_dir: pathlib.Path, aiter_dir: pathlib.Path, gpu_arch: str = "gfx950") -> None:
     """Make ``import atom`` work here: ATOM's tree first on the path, aiter as described above.
     ATOM's custom-op registration (for torch.compile of the forward, which never runs here) is
@@ -139,6 +142,9 @@ def install(atom_dir: pathlib.Path, aiter_dir: pathlib.Path, gpu_arch: str = "gf
                          "`bash scripts/setup_env.sh --atom`")
     if not (aiter_dir / "aiter" / "ops" / "shuffle.py").is_file():
         raise SystemExit(f"{aiter_dir}: no aiter/ops/shuffle.py; pass --aiter-dir an aiter source tree")
+    if _INSTALLED.get("trees") == (atom_dir, aiter_dir, gpu_arch):
+        return  # a TP worker forked from check_atom_serve's server process, which installed them
+    _INSTALLED["trees"] = (atom_dir, aiter_dir, gpu_arch)
     GPU_ARCH["name"] = gpu_arch
     sys.path.insert(0, str(atom_dir))
     sys.meta_path.insert(0, _AiterFinder(aiter_dir))

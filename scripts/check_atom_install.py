@@ -448,21 +448,17 @@ class _Warnings(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-_ATOM_COVERAGE = []  # ATOM's own _report_coverage, kept at the first check
-
-
-def _coverage_on_every_rank(*args, **kw):
-    return _ATOM_COVERAGE[0](*args, **{**kw, "is_rank0": lambda: True})
-
-
 def check_rank(case: Case, src: pathlib.Path, out: pathlib.Path, rank: int,
                kernels: types.ModuleType | None = None) -> dict:
     """One rank's row; ``kernels``: aiter's Triton MXFP4 GEMMs where ATOM's MXFP4 ``W_K``/``W_V``
     derivation is to run (:func:`mla_from_mxfp4`), None to skip it in both loads."""
     from atom.model_loader import loading_core
 
-    if not _ATOM_COVERAGE:
-        _ATOM_COVERAGE.append(loading_core._report_coverage)
+    atoms_coverage = loading_core._report_coverage
+
+    def coverage_on_every_rank(*args, **kw):
+        return atoms_coverage(*args, **{**kw, "is_rank0": lambda: True})
+
     atom_on_cpu.set_tp(rank, case.tp)
     log, caught = logging.getLogger("atom"), _Warnings()
     log.addHandler(caught)
@@ -470,7 +466,7 @@ def check_rank(case: Case, src: pathlib.Path, out: pathlib.Path, rank: int,
         # ATOM reads its switches when it uses them; it warns of unloaded parameters on rank 0 only,
         # asked here on every rank (as the converted load's is: atom_post_load)
         with mock.patch.dict(os.environ, PATHS[case.path]), mla_from_mxfp4(kernels), \
-                mock.patch.object(loading_core, "_report_coverage", _coverage_on_every_rank):
+                mock.patch.object(loading_core, "_report_coverage", coverage_on_every_rank):
             atom_on_cpu.CALLS.clear()
             ref = [load_reference(src, case, fill) for fill in (0x00, 0xFF)]
             ref_warned = {m for m in caught.messages if NOT_LOADED in m}

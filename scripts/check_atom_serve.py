@@ -412,8 +412,6 @@ def _tail(record: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["_worker"]:
-        return worker(json.loads(argv[1]))
     if argv[:1] == ["_server"]:
         return server(json.loads(argv[1]), argv[2:])
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
