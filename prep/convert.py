@@ -558,7 +558,8 @@ def build_manifest(src: SourceCheckpoint, target: Target, jobs: list[FileJob],
         source=schema.Source(
             origin={k: v for k, v in fingerprint.items() if k != "files"},
             files={n: schema.SourceFile.from_json(f) for n, f in fingerprint["files"].items()},
-            tensors={n: schema.SourceTensor(t.dtype, tuple(t.shape), t.file) for n, t in src.tensors.items()}),
+            tensors={n: schema.SourceTensor(t.dtype, tuple(t.shape), t.file) for n, t in src.tensors.items()},
+            wrapper=src.wrapper),
         # the FP8 layout is recorded where it is used (a checkpoint without FP8 blocks: as before it existed)
         target=schema.Target.from_options({
             **dataclasses.asdict(target),
@@ -569,4 +570,5 @@ def build_manifest(src: SourceCheckpoint, target: Target, jobs: list[FileJob],
         files={j.name: schema.FileRecord(j.rank, records[j.name]["size"], len(j.entries)) for j in jobs},
         groups=groups,
         tensors=tensors,
+        format_version=schema.WRAPPED_VERSION if src.wrapper else schema.FORMAT_VERSION,
     )

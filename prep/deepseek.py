@@ -29,7 +29,8 @@ from .source import SourceCheckpoint
 
 # The architecture a manifest records (``target.arch``), by config.json's ``architectures``
 ARCHS = {"DeepseekV3ForCausalLM": "deepseek_v3", "DeepseekV2ForCausalLM": "deepseek_v2",
-         "DeepseekV32ForCausalLM": "deepseek_v32", "GlmMoeDsaForCausalLM": "glm_moe_dsa"}
+         "DeepseekV32ForCausalLM": "deepseek_v32", "GlmMoeDsaForCausalLM": "glm_moe_dsa",
+         "KimiK25ForConditionalGeneration": "kimi_k25"}
 
 # A plain `prep convert` targets what the default engine reads in its default configuration
 # (ATOM with no switches on gfx950: the ASM/CK GEMM and the CK MoE).
@@ -76,6 +77,7 @@ class Classified:
     passthrough: list[str]  # tensor names copied unchanged (split and merged per rank where rank-exact)
     fp8: list[str] = dataclasses.field(default_factory=list)  # FP8 per-channel linears (among the passthrough)
     fp8_block: list[str] = dataclasses.field(default_factory=list)  # FP8 128x128-block linears (among the passthrough)
+    outside: list[str] = dataclasses.field(default_factory=list)  # outside the language model (a vision tower): copied, read by no rank
 
     @functools.cached_property
     def by_layer(self) -> dict[str, dict[str, str]]:
@@ -174,7 +176,7 @@ def check_complete(src: SourceCheckpoint, family: Family | None = None) -> dict[
     missing (a weight counts in any dtype: MXFP4 or not). Returns the checked config values.
     The walk stops at the first name missing, so it is bounded by the tensors present whatever
     the config says; the counts are bounded by them too once it passed."""
-    family = family or source_family(src.config)
+    family = family or source_family(src.file_config)
     ints = config_ints(src, bounded=False)
     tensors = src.tensors
     layers = {name.split(".", 3)[2] for name in tensors if name.startswith("model.layers.")}
@@ -199,19 +201,22 @@ def _check_known(src: SourceCheckpoint, known: set[str], family: Family) -> None
     export): no engine profile says how a rank holds it, and copying it whole to every rank (what
     prep did) let ``prep run`` compute without it and engines fail or ignore it. Named in one line,
     before anything is written."""
+    outside = family.wrapper.is_outside if family.wrapper else lambda name: False
+    shown = src.source_name  # as the source names it (language_model.model... in a multimodal one)
     for name in src.tensors:
+        if outside(name):
+            continue  # a vision tower's: copied as it is
         module, _, suffix = name.rpartition(".")
         if not family.knows_tensor(name):
-            raise PrepError(f"{name}: a tensor {suffix!r} of {module} is not one prep knows (a module holds its "
+            raise PrepError(f"{shown(name)}: a tensor {suffix!r} of {module} is not one prep knows (a module holds its "
                             "weight, and an MXFP4 or FP8 one its weight_scale; the router its e_score_correction_bias); "
                             "prep does not copy an unknown tensor to every rank: re-export the checkpoint without it")
         # an MTP layer's own modules: wherever config.json puts that layer (a transformers-5 config
         # may count it among the decoder layers); an engine that does not build them there says so
         if module not in known and not family.is_mtp_own(module):
-            raise PrepError(f"{name}: no module of {family.label} as config.json builds it (architecture "
-                            f"{src.config.get('architectures')}) is named {module}; prep does not know how an engine "
-                            "holds it and does not copy an unknown tensor to every rank (DeepSeek-V3.2's indexer and "
-                            "multimodal towers are not supported yet)")
+            raise PrepError(f"{shown(name)}: no module of {family.label} as config.json builds it (architecture "
+                            f"{src.file_config.get('architectures')}) is named {shown(module)}; prep does not know how "
+                            "an engine holds it and does not copy an unknown tensor to every rank")
 
 
 def _check_sizes(src: SourceCheckpoint, ints: dict[str, int | None]) -> None:
@@ -261,9 +266,8 @@ def _check_sizes(src: SourceCheckpoint, ints: dict[str, int | None]) -> None:
 
 
 def classify(src: SourceCheckpoint) -> Classified:
-    cfg = src.config
-    family = source_family(cfg)
-    arch = arch_of(cfg)
+    family = source_family(src.file_config)
+    arch = arch_of(src.file_config)
     ints = check_complete(src, family)
     n_layers = ints["num_hidden_layers"]
     mtp = [n_layers + i for i in range(ints["num_nextn_predict_layers"])]
@@ -307,6 +311,7 @@ def classify(src: SourceCheckpoint) -> Classified:
         modules[prefix] = family.kind_of(prefix)
         consumed.update((name, f"{prefix}.weight"))
     passthrough = [n for n in src.tensors if n not in consumed]
+    outside = [n for n in passthrough if family.wrapper and family.wrapper.is_outside(n)]
     for n in passthrough:
         if src.tensors[n].dtype == "U8":
             raise PrepError(f"{n}: U8 tensor with no weight_scale; not an MXFP4 weight prep understands")
@@ -314,7 +319,7 @@ def classify(src: SourceCheckpoint) -> Classified:
         if src.tensors[n].dtype == "F8_E4M3" and n.endswith(".weight") and n[:-len(".weight")] not in (*fp8, *fp8_block):
             raise PrepError(f"{n}: an F8_E4M3 weight with no weight_scale or weight_scale_inv; per-tensor FP8 is "
                             "not converted by prep: re-download the checkpoint")
-    return Classified(arch, family, n_layers, mtp, modules, passthrough, fp8, fp8_block)
+    return Classified(arch, family, n_layers, mtp, modules, passthrough, fp8, fp8_block, outside)
 
 
 def _dims(src: SourceCheckpoint, prefix: str) -> tuple[int, int]:
@@ -527,9 +532,11 @@ def split_bf16(tensors: Mapping[str, Any], config: dict[str, Any], num_layers: i
     ``eh_proj``; a replicated ``fused_qkv_a_proj``'s parts are a group); and the tensors no rank
     reads: those of the MTP layer that the engine's drafter replaces by the target model's after
     loading (:func:`mtp_replaced`; ``docs/rank-exact.md``), kept whole only so that ``revert`` is
-    exact. What ``convert`` writes and what ``inspect`` says a format-1 rank keeps."""
+    exact; and those outside the language model of a multimodal checkpoint (its vision tower: the
+    engines served text only). What ``convert`` writes and what ``inspect`` says a format-1 rank keeps."""
     rules = rules or get_engine(DEFAULT_ENGINE).sharding
-    unread = mtp_replaced(tensors, num_layers, rules)
+    outside = family.wrapper.is_outside if family and family.wrapper else lambda name: False
+    unread = mtp_replaced(tensors, num_layers, rules) + [n for n in tensors if outside(n)]
     rest = {n: info for n, info in tensors.items() if n not in unread}
     per_rank, replicated = plan_bf16_groups(rest, config, tp, ep, fuse_shared_expert, rules, family)
     return per_rank, replicated, unread

@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 from layouts.engines import EngineProfile, engine_names, get_engine
 from layouts.errors import LayoutsError
+from layouts.families import language_config
 from layouts.manifest import MANIFEST_NAME
 
 from .convert import plan_files
@@ -262,7 +263,7 @@ def _kept_bytes(ck: ConvertedCheckpoint) -> list[int] | None:
     if m.target.rank_exact:
         return own
     try:
-        config = json.loads((ck.root / "config.json").read_text())
+        config = language_config(json.loads((ck.root / "config.json").read_text()))
         common = {t.name: m.source.tensors[t.name] for t in m.tensors if t.rank is None and t.role == "passthrough"}
         split, whole, _ = split_bf16(common, config, config["num_hidden_layers"], m.tp, m.ep,
                                      m.target.fuse_shared_expert, get_engine(m.target.engine).sharding)

@@ -47,7 +47,7 @@ def revert(out: str, dest: str | pathlib.Path, force: bool = False, verify: bool
         folder.begin({"kind": "revert", "tool": f"prep {__version__}", "options": {}}, resume=False)
         with folder.discarded_on_error(keep_on_interrupt=False):
             weight_map = _write(ck, folder.staging, shards, meta, progress)
-            total = sum(size(n) for n in weight_map)
+            total = sum(n for _, n in units)
             (folder.staging / INDEX_NAME).write_text(
                 json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
             written, hashes = [fname for fname, _ in shards] + [INDEX_NAME], {}
@@ -80,9 +80,12 @@ def revert(out: str, dest: str | pathlib.Path, force: bool = False, verify: bool
 
 
 def _write(ck: ConvertedCheckpoint, staging: pathlib.Path, shards, meta, progress) -> dict[str, str]:
+    """Every source tensor, under the source's own name (a multimodal source's language model
+    tensors are recorded under its family's names)."""
     weight_map = {}
+    named = ck.manifest.source.source_name
     for fname, chunk in shards:
-        entries = [(n, meta[n].dtype, meta[n].shape) for _, names in chunk for n in names]
+        entries = [(named(n), meta[n].dtype, meta[n].shape) for _, names in chunk for n in names]
         with StreamingSafetensorsWriter(staging / fname, entries) as w:
             for unit, names in chunk:
                 # In ``names`` order, each tensor in blocks of rows (experts inverted a block at a
@@ -94,8 +97,8 @@ def _write(ck: ConvertedCheckpoint, staging: pathlib.Path, shards, meta, progres
                     if tuple(t.shape) != want:
                         raise PrepError(f"{n}: rebuilt rows {rows} are {list(t.shape)}, the manifest says "
                                         f"{list(want)}; manifest and files disagree")
-                    w.write(n, t)
-                    weight_map[n] = fname
+                    w.write(named(n), t)
+                    weight_map[named(n)] = fname
                     if progress:
                         progress(t.numel() * t.element_size())
     return weight_map

@@ -1,6 +1,11 @@
 """Reading a source checkpoint: resolve it (local folder or Hugging Face repo id), check that it
 is a Quark MXFP4 checkpoint whose shards are all present and whole, and read tensors lazily.
 
+A multimodal checkpoint (a family with a :class:`~layouts.families.Wrapper`, Kimi-K2.5) is read as
+its language model: ``config`` is the language model's config, and ``tensors`` names each of its
+tensors as the family does (``language_model.`` taken off); the tensors outside it (a vision
+tower) keep their names.
+
 Tensors are read with ``pread`` into fresh buffers, a block of rows at a time: no shard is
 loaded whole, and nothing is memory-mapped (mapped pages that were read would stay resident).
 """
@@ -14,6 +19,8 @@ from typing import Any
 
 import torch
 
+from layouts.errors import LayoutsError
+from layouts.families import Wrapper, wrapper_of
 from layouts.manifest import MANIFEST_NAME
 from layouts.safe_files import (MAX_JSON_BYTES, DuplicateKeyError, FileTooLargeError, member_problem, read_regular,
                                 strict_json)
@@ -113,12 +120,18 @@ def _hub_problem(e: Exception, revision: str | None) -> str:
 
 
 class SourceCheckpoint:
-    """An opened Quark MXFP4 checkpoint: its config, tensor table and lazy readers."""
+    """An opened Quark MXFP4 checkpoint: its config, tensor table and lazy readers (of a
+    multimodal one, its language model's: module docstring)."""
 
     def __init__(self, root: pathlib.Path, origin: dict[str, Any] | None = None):
         self.root = root
         self.origin = origin or {"kind": "directory", "path": str(root)}
-        self.config = self._read_config()
+        self.file_config = self._read_config()  # config.json as it is
+        self.wrapper: Wrapper | None = wrapper_of(self.file_config)
+        try:
+            self.config = self.wrapper.language_config(self.file_config) if self.wrapper else self.file_config
+        except LayoutsError as e:
+            raise PrepError(f"{self.root / 'config.json'}: {str(e).removeprefix('config.json: ')}") from None
         self.quant_config = self.config.get("quantization_config") or {}
         self._check_quantization()
         self.files = self._shard_files()
@@ -127,6 +140,8 @@ class SourceCheckpoint:
         for shard in self._shards.values():
             self.tensors.update(shard.tensors)
         self._check_shards_agree()
+        if self.wrapper:
+            self.tensors = self._language_names(self.tensors)
         self.side_files()  # refused now, before a conversion writes anything, not when they are copied
 
     @classmethod
@@ -250,6 +265,25 @@ class SourceCheckpoint:
                 where = f"it is in {info.file}" if info is not None else "no shard holds it"
                 raise PrepError(f"{self.root / INDEX_NAME}: lists tensor {_show(name)} in {fname} but {where}; the index "
                                 "and the shards disagree: re-download the checkpoint")
+
+    def source_name(self, name: str) -> str:
+        """The source's own name of ``name`` (a key of :attr:`tensors`), for messages and ``revert``."""
+        return self.wrapper.source_name(name) if self.wrapper else name
+
+    def _language_names(self, tensors: dict[str, TensorInfo]) -> dict[str, TensorInfo]:
+        """``tensors`` under the family's names (:meth:`Wrapper.inner_name`), in the same order; a
+        name without the prefix keeps it (no module names it: refused with the others later), and
+        one that would then be two tensors' is refused here."""
+        out: dict[str, TensorInfo] = {}
+        for name, info in tensors.items():
+            inner = self.wrapper.inner_name(name)
+            key = name if inner is None else inner
+            if key in out:
+                raise PrepError(f"{self.root}: tensor {_show(out[key].name)} and {_show(name)} are the same tensor of "
+                                f"the language model, with and without {self.wrapper.prefix!r}; re-export the "
+                                "checkpoint without the stray one")
+            out[key] = info
+        return out
 
     def _converted_from(self) -> str:
         """`` of PATH`` for a folder prep converted (its manifest's source path), else ``""``."""

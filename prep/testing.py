@@ -94,6 +94,9 @@ class SynthSpec:
     # max(i - offset + 1, 0) % freq == 0 (transformers' GlmMoeDsaConfig), config.json's indexer_types
     index_topk_freq: int = 1
     index_skip_topk_offset: int = 2
+    # Kimi-K2.5's multimodal checkpoint: the language model under "language_model.", its config under
+    # text_config, and a small MoonViT vision tower and projector beside it (BF16, as Quark leaves them)
+    multimodal: bool = False
     num_shards: int = 4
     seed: int = 0
     random_bytes: bool = False
@@ -162,6 +165,12 @@ PRESETS["kimi-k2"] = replace(
     model_type="kimi_k2", mtp=False,
 )
 
+# kimi-k2.5: Kimi-K2.5 as amd/Kimi-K2.5-MXFP4 has it: kimi-k2's language model inside the
+# multimodal checkpoint (KimiK25ForConditionalGeneration: language_model.model.layers..., the config
+# under text_config, quantization_config at the top), a 2-block vision tower of width 32 (K2.5: 27
+# of 1152) and its projector beside it, all BF16 (AMD's exclude list: *mm_projector* *vision_tower*).
+PRESETS["kimi-k2.5"] = replace(PRESETS["kimi-k2"], multimodal=True)
+
 # r1-0528-fp8: DeepSeek-R1-0528 as DeepSeek released it (the fp8-block variant) at tiny widths but
 # R1's head dims (128 nope, 64 rope, 128 v) over 16 heads and a dense intermediate of 1024, so
 # that at TP 2 every rank's part of every FP8 linear is whole 128x128 blocks, as R1's are up to
@@ -217,6 +226,8 @@ PRESETS["glm-5.1"] = replace(PRESETS["glm-5"], variant="experts")
 def exclude_patterns(spec: SynthSpec) -> list[str]:
     """The Quark ``exclude`` list of the variant (L = the MTP layer's index)."""
     mtp = spec.num_hidden_layers
+    if spec.multimodal:  # amd/Kimi-K2.5-MXFP4's exclude_layers
+        return ["*self_attn*", "*mlp.gate", "*lm_head", "*mm_projector*", "*vision_tower*"]
     if spec.variant == "r1-0528":
         return ["*self_attn*", "*mlp.gate.*", "lm_head", f"model.layers.{mtp}.*"]
     if spec.variant in ("moe-only", "experts"):  # amd/GLM-5-MXFP4's exclude_layers (5.1: experts shared too)
@@ -289,6 +300,20 @@ def build_config(spec: SynthSpec) -> dict:
     if spec.variant == "fp8-block":  # DeepSeek's own, as its FP8 release's config.json has it
         config["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                                          "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
+    if spec.multimodal:  # Kimi-K2.5's: the language model's keys under text_config, Quark's config at the top
+        quant = config.pop("quantization_config")
+        config = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
+                  "bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"],
+                  "media_placeholder_token_id": config["vocab_size"] - 2, "pad_token_id": config["vocab_size"] - 1,
+                  "text_config": config, "vision_config": {
+                      "patch_size": VT_PATCH, "init_pos_emb_height": VT_POS, "init_pos_emb_width": VT_POS,
+                      "init_pos_emb_time": 4, "pos_emb_type": "divided_fixed", "vt_num_attention_heads": VT_HEADS,
+                      "vt_num_hidden_layers": VT_BLOCKS, "vt_hidden_size": VT_HIDDEN,
+                      "vt_intermediate_size": VT_INTERMEDIATE, "merge_kernel_size": [2, 2],
+                      "video_attn_type": "spatial_temporal", "merge_type": "sd2_tpool",
+                      "mm_projector_type": "patchmerger", "mm_hidden_size": VT_HIDDEN, "projector_hidden_act": "gelu",
+                      "projector_ln_eps": 1e-5, "text_hidden_size": spec.hidden_size},
+                  "quantization_config": quant, "tie_word_embeddings": False, "transformers_version": "4.57.1"}
     return config
 
 
@@ -467,6 +492,34 @@ def plan_groups(spec: SynthSpec) -> list[list[Param]]:
     groups.append([Param("model.norm", (h,), "norm"), Param("lm_head", (spec.vocab_size, h), lm_head)])
     if spec.mtp:
         groups.append(_layer_params(spec, spec.num_hidden_layers, excluded))
+    if spec.multimodal:
+        groups = [[replace(p, module=LANGUAGE_MODEL + p.module) for p in g] for g in groups] + _vision_params(spec.hidden_size)
+    return groups
+
+
+LANGUAGE_MODEL = "language_model."  # Kimi-K2.5's prefix of every language-model tensor
+# The multimodal preset's vision tower (MoonViT, Kimi-K2.5's names and shapes at tiny widths)
+VT_HIDDEN, VT_INTERMEDIATE, VT_BLOCKS, VT_HEADS, VT_PATCH, VT_POS = 32, 64, 2, 2, 14, 4
+
+
+def _vision_params(text_hidden: int) -> list[list[Param]]:
+    """MoonViT's tensors and the patch-merger projector's (Kimi-K2.5: ``vision_tower.*``,
+    ``mm_projector.*``, every linear and LayerNorm with its bias), one group each."""
+    def with_bias(module: str, shape: tuple[int, ...], kind: str = "bf16") -> list[Param]:
+        return [Param(module, shape, kind), Param(module, (shape[0],), "norm-bias")]
+
+    h, merged = VT_HIDDEN, VT_HIDDEN * 4  # the projector reads 2x2 merged patches
+    vt = "vision_tower"
+    groups = [with_bias(f"{vt}.patch_embed.proj", (h, 3, VT_PATCH, VT_PATCH))
+              + [Param(f"{vt}.patch_embed.pos_emb", (VT_POS, VT_POS, h), "bf16")]]
+    for b in range(VT_BLOCKS):
+        p = f"{vt}.encoder.blocks.{b}"
+        groups.append(with_bias(f"{p}.norm0", (h,), "norm") + with_bias(f"{p}.wqkv", (3 * h, h))
+                      + with_bias(f"{p}.wo", (h, h)) + with_bias(f"{p}.norm1", (h,), "norm")
+                      + with_bias(f"{p}.mlp.fc0", (VT_INTERMEDIATE, h)) + with_bias(f"{p}.mlp.fc1", (h, VT_INTERMEDIATE)))
+    groups.append(with_bias(f"{vt}.encoder.final_layernorm", (h,), "norm")
+                  + with_bias("mm_projector.pre_norm", (h,), "norm") + with_bias("mm_projector.proj.0", (merged, merged))
+                  + with_bias("mm_projector.proj.2", (text_hidden, merged)))
     return groups
 
 

@@ -4,6 +4,7 @@ checkpoint has a row (its kind and TP split), and what no row names is refused."
 from __future__ import annotations
 
 import dataclasses
+import json
 import pathlib
 
 import pytest
@@ -33,13 +34,6 @@ def test_a_config_of_no_known_family_is_refused_naming_the_families_prep_knows()
         family_of({"architectures": ["LlamaForCausalLM"], "model_type": "llama"})
     with pytest.raises(LayoutsError):
         family_of({"architectures": 3})  # not a list: no family, not a crash
-
-
-@pytest.fixture(scope="module")
-def kimi(tmp_path_factory):
-    # random bytes: the same names, shapes and dtypes as the quantized preset, in a fraction of the time
-    return write_checkpoint(dataclasses.replace(PRESETS["kimi-k2"], random_bytes=True),
-                            tmp_path_factory.mktemp("kimi") / "src")
 
 
 @pytest.mark.parametrize("config, says", [
@@ -92,11 +86,95 @@ def test_a_family_table_is_checked_as_it_is_written():
         register_family(dataclasses.replace(f, name="copy"))
 
 
-def test_inspect_names_the_family_and_its_sizes_first(kimi):
+# ------------------------------------------------------------------------------ Kimi-K2.5
+@pytest.fixture(scope="module")
+def kimi(tmp_path_factory):
+    # Kimi-K2.5: Kimi-K2's language model (384 experts, 64 heads, no MTP layer) under "language_model.",
+    # a vision tower and projector beside it. Random bytes: the same names, shapes and dtypes as the
+    # quantized preset, in a fraction of the time.
+    return write_checkpoint(dataclasses.replace(PRESETS["kimi-k2.5"], random_bytes=True),
+                            tmp_path_factory.mktemp("kimi") / "src")
+
+
+def test_kimi_k25_is_read_as_kimi_k2_under_its_prefix_with_the_vision_tower_kept_aside(kimi):
+    src = SourceCheckpoint(kimi)
+    family = family_of(src.file_config)
+    assert family.name == "kimi-k2.5" and src.wrapper is family.wrapper
+    assert src.config["model_type"] == "kimi_k2" and src.config["n_routed_experts"] == 384
+    assert src.config["quantization_config"]["quant_method"] == "quark"  # from the top level, where AMD's export has it
+    assert "model.layers.1.mlp.experts.383.down_proj.weight" in src.tensors and "lm_head.weight" in src.tensors
+    assert src.tensors["lm_head.weight"].name == "language_model.lm_head.weight"  # read from the source's own tensor
+    outside = [n for n in src.tensors if not n.startswith(("model.", "lm_head."))]
+    assert outside and all(n.startswith(("vision_tower.", "mm_projector.")) for n in outside)
+    assert src.source_name("model.norm.weight") == "language_model.model.norm.weight"
     r = CliRunner().invoke(main, ["inspect", str(kimi)])
     assert r.exit_code == 0, r.output
-    assert r.output.splitlines()[0] == (f"{kimi}: Quark MXFP4, Kimi-K2 (384 routed experts, 64 heads), deepseek_v3, "
-                                        "3 layers, no MTP layer")
+    assert r.output.splitlines()[0] == (f"{kimi}: Quark MXFP4, Kimi-K2.5 (384 routed experts, 64 heads, multimodal: "
+                                        "Kimi-K2 under language_model., a vision tower beside it), kimi_k25, 3 layers, "
+                                        "no MTP layer")
+
+
+@pytest.mark.parametrize("tp, ep", [(1, 1), (2, 1), (8, 8)])
+def test_kimi_k25_converts_for_atom_with_the_vision_tower_read_by_no_rank_and_reverts_under_the_sources_names(
+        kimi, tmp_path, tp, ep):
+    import layouts
+    from conftest import assert_verifies_and_reverts, read_tensors
+    from prep.convert import convert
+    from prep.deepseek import target_for
+
+    out = tmp_path / "out"
+    convert(str(kimi), out, target_for("atom", tp=tp, ep=ep))
+    m = layouts.load_manifest(out)
+    assert m.format_version == 5 and m.source.wrapper.prefix == "language_model."
+    vision = [t for t in m.tensors if t.name.startswith(("vision_tower.", "mm_projector."))]
+    assert len(vision) == 35 and {(t.rank, t.role) for t in vision} == {(None, "unread")}  # the common file only
+    for r in range(tp):  # each rank's files: the language model under the family's names, as ATOM's door installs it
+        names = {t.name for t in m.rank_tensors(r)}
+        assert "model.embed_tokens.weight" in names and not any(n.startswith(("language_model.", "vision_tower."))
+                                                                for n in names)
+    assert_verifies_and_reverts(out, kimi, tmp_path / "back")  # every source name and byte back
+    assert "language_model.lm_head.weight" in read_tensors(tmp_path / "back")
+    raw = json.loads((out / layouts.manifest.MANIFEST_NAME).read_text())
+    with pytest.raises(layouts.ManifestError, match="format_version 4 with source.wrapper: a multimodal source's "
+                                                    "manifest, and only one, is version 5"):
+        layouts.manifest.Manifest.from_json({**raw, "format_version": 4}, out)  # what a reader before 5 would misread
+    if tp == 2:  # prep's reference engine runs the language model the same from the source and from the conversion
+        r = CliRunner().invoke(main, ["compare", str(kimi), str(out), "--prompt-ids", "1,5,7,9"])
+        assert r.exit_code == 0 and "identical bit for bit" in r.output, r.output
+
+
+def test_kimi_k25_is_refused_for_engines_whose_door_does_not_resolve_its_language_model(kimi, tmp_path):
+    r = CliRunner().invoke(main, ["convert", str(kimi), "-o", str(tmp_path / "o"), "--engine", "sglang", "--tp", "2"])
+    assert r.exit_code == 1 and r.output.count("\n") == 1 and not (tmp_path / "o").exists(), r.output
+    assert r.output.startswith("error: config.json: Kimi-K2.5 (multimodal: Kimi-K2 under language_model., a vision "
+                               "tower beside it) is not checked against SGLang's own load yet"), r.output
+
+
+def test_a_multimodal_checkpoint_with_a_language_model_tensor_twice_or_one_no_module_names_is_refused(kimi, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    bad = tmp_path / "bad"
+    shutil.copytree(kimi, bad)
+    index = json.loads((bad / "model.safetensors.index.json").read_text())
+    shard = bad / index["weight_map"]["vision_tower.encoder.final_layernorm.weight"]
+    tensors = load_file(shard)
+    # nvidia's Kimi-K2.5 export names layers language_model.layers.N (no .model.): no module of the family
+    tensors["language_model.layers.0.input_layernorm.weight"] = tensors["vision_tower.encoder.final_layernorm.weight"].clone()
+    index["weight_map"]["language_model.layers.0.input_layernorm.weight"] = shard.name
+    save_file(tensors, shard, metadata={"format": "pt"})
+    (bad / "model.safetensors.index.json").write_text(json.dumps(index))
+    r = CliRunner().invoke(main, ["convert", str(bad), "-o", str(tmp_path / "o")])
+    assert r.exit_code == 1 and not (tmp_path / "o").exists(), r.output
+    assert r.output.startswith("error: language_model.layers.0.input_layernorm.weight: no module of Kimi-K2.5"), r.output
+    tensors["model.norm.weight"] = tensors.pop("language_model.layers.0.input_layernorm.weight")  # also with its prefix
+    index["weight_map"]["model.norm.weight"] = index["weight_map"].pop("language_model.layers.0.input_layernorm.weight")
+    save_file(tensors, shard, metadata={"format": "pt"})
+    (bad / "model.safetensors.index.json").write_text(json.dumps(index))
+    r = CliRunner().invoke(main, ["inspect", str(bad)])
+    assert r.exit_code == 1 and r.output.count("\n") == 1, r.output
+    assert "are the same tensor of the language model, with and without 'language_model.'" in r.output, r.output
 
 
 # ------------------------------------------------------------------------------ DeepSeek-V3.2

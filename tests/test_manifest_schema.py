@@ -165,8 +165,8 @@ def test_the_documented_example_is_a_manifest_in_the_order_prep_writes(converted
 
 
 def test_another_format_version_is_refused_naming_the_fix():
-    with pytest.raises(ManifestError, match="format_version 5 is not supported .*reads 1, 2, 3, 4.*upgrade prep/layouts"):
-        Manifest.from_json({"format": schema.FORMAT, "format_version": 5, "target": {}, "tensors": []})
+    with pytest.raises(ManifestError, match="format_version 6 is not supported .*reads 1, 2, 3, 4, 5.*upgrade prep/layouts"):
+        Manifest.from_json({"format": schema.FORMAT, "format_version": 6, "target": {}, "tensors": []})
 
 
 def test_a_version_3_manifest_holding_its_source_table_still_verifies_and_reverts(converted, tmp_path):

@@ -8,6 +8,10 @@ engines (the names of merged modules, the stacked experts' name, padding) stays 
 profile; what the checkpoint is, is here, once. The family is resolved once, from config.json
 (:func:`family_of`), and passed on as the object.
 
+A family may wrap its language model in a multimodal checkpoint (:class:`Wrapper`: Kimi-K2.5's
+``language_model.`` prefix, its config under ``text_config``, a vision tower beside it): prep reads
+the language model under the family's own names and keeps the rest as the source has it.
+
 A new family is one module of this package with its table, registered with :func:`register_family`.
 """
 
@@ -65,6 +69,55 @@ class Module:
 
 
 @dataclasses.dataclass(frozen=True)
+class Wrapper:
+    """A multimodal checkpoint around a family's language model: every language-model tensor is
+    named ``prefix`` + the family's name for it (``language_model.model.layers.0...``), its
+    config.json keys are under ``config_key`` (the quantization config may stay at the top, as in
+    AMD's Quark exports, which ATOM reads there), and the tensors under ``outside`` (a vision tower,
+    its projector) are no module of the family: prep copies them through as they are, for
+    ``revert``, and no rank of an engine that serves text only reads them."""
+
+    prefix: str
+    config_key: str
+    outside: tuple[str, ...]
+
+    def language_config(self, config: Mapping[str, Any]) -> dict[str, Any]:
+        """The language model's config: ``config[config_key]``, with the top level's
+        ``quantization_config`` where it has none of its own."""
+        inner = config.get(self.config_key)
+        if not isinstance(inner, dict):
+            raise LayoutsError(f"config.json: {self.config_key} is {type(inner).__name__}, not the language model's "
+                               "config object; config.json is damaged: re-download it")
+        if "quantization_config" in config and "quantization_config" not in inner:
+            inner = {**inner, "quantization_config": config["quantization_config"]}
+        return dict(inner)
+
+    def is_outside(self, name: str) -> bool:
+        return name.startswith(self.outside)
+
+    def inner_name(self, name: str) -> str | None:
+        """The family's name of source tensor ``name`` (its prefix taken off), None where it is
+        outside the language model or has no prefix (a tensor no module names: refused later)."""
+        return name[len(self.prefix):] if name.startswith(self.prefix) else None
+
+    def source_name(self, name: str) -> str:
+        """The source's name of a tensor prep names ``name`` (:meth:`inner_name`'s inverse)."""
+        return name if self.is_outside(name) else self.prefix + name
+
+    def to_json(self) -> dict[str, Any]:
+        return {"prefix": self.prefix, "config_key": self.config_key, "outside": list(self.outside)}
+
+    @classmethod
+    def from_json(cls, raw: Any) -> "Wrapper":
+        """A manifest's record of it; ValueError naming what is wrong."""
+        if not isinstance(raw, dict) or type(raw.get("prefix")) is not str or not raw["prefix"] or \
+                type(raw.get("config_key")) is not str or not isinstance(raw.get("outside"), list) or \
+                not all(type(o) is str and o for o in raw["outside"]):
+            raise ValueError(f"{raw!r} is not {{prefix, config_key, outside: [name prefixes]}}")
+        return cls(raw["prefix"], raw["config_key"], tuple(raw["outside"]))
+
+
+@dataclasses.dataclass(frozen=True)
 class Family:
     """A model family's table (module docstring). ``before`` / ``after``: the modules outside the
     layers, in the order a checkpoint lists them; ``layer``: a decoder layer's, in order;
@@ -88,6 +141,9 @@ class Family:
     query (DeepSeek-V3.2's ``index_topk``): up to that many positions it keeps every one, so
     attention is dense and the reference engine computes it exactly without the indexer; it
     refuses a longer sequence. Empty: attention is dense at any length."""
+    wrapper: Wrapper | None = None
+    """Where a multimodal checkpoint holds the language model (:class:`Wrapper`); None: the
+    checkpoint is the language model."""
 
     def __post_init__(self) -> None:
         seen: set[str] = set()
@@ -95,6 +151,11 @@ class Family:
             if m.name in seen:
                 raise ValueError(f"family {self.name}: module {m.name} has two rows")
             seen.add(m.name)
+
+    def language_config(self, config: Mapping[str, Any]) -> dict[str, Any]:
+        """The language model's config.json keys (a :class:`Wrapper`'s ``config_key`` object, else
+        ``config`` itself): what sizes the family's modules."""
+        return self.wrapper.language_config(config) if self.wrapper else dict(config)
 
     def check_config(self, config: Mapping[str, Any]) -> None:
         """Refuse (:class:`LayoutsError`, one line) a config.json whose layers' indexers prep cannot
@@ -254,13 +315,13 @@ def family_of(config: Mapping[str, Any]) -> Family:
     model_type = config.get("model_type")
     for f in _FAMILIES.values():
         if isinstance(model_type, str) and model_type in f.model_types:
-            f.check_config(config)
+            f.check_config(f.language_config(config))
             return f
     archs = config.get("architectures")
     for a in archs if isinstance(archs, list) else []:  # a number or a list of objects: no family, not a crash
         for f in _FAMILIES.values():
             if isinstance(a, str) and a in f.architectures:
-                f.check_config(config)
+                f.check_config(f.language_config(config))
                 return f
     known = ", ".join(f"{f.label} ({', '.join(f.architectures) or 'model_type ' + ', '.join(f.model_types)})"
                       for f in _FAMILIES.values())
@@ -268,9 +329,26 @@ def family_of(config: Mapping[str, Any]) -> Family:
                        f"{known}")
 
 
+def wrapper_of(config: Mapping[str, Any]) -> Wrapper | None:
+    """The :class:`Wrapper` of the family config.json names, where that family has one (no
+    family, or one without: None; :func:`family_of` refuses what is wrong with it later)."""
+    try:
+        return family_of(config).wrapper
+    except LayoutsError:
+        return None
+
+
+def language_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """config.json's language-model keys: a multimodal checkpoint's (:meth:`Wrapper.language_config`),
+    else ``config`` itself. What a converted folder's readers size the model by (the folder keeps
+    the source's config.json, so that ``revert`` is exact)."""
+    wrapper = wrapper_of(config)
+    return wrapper.language_config(config) if wrapper else dict(config)
+
+
 def _load() -> None:
     from . import deepseek  # noqa: F401  (registers its families)
 
 
 __all__ = ["ALWAYS", "COLS", "DENSE", "EXPERTS", "Family", "INDEXED", "MOE", "Module", "NO_Q_LORA", "Q_LORA", "ROWS", "SHARED",
-           "WHOLE", "family_names", "family_of", "get_family", "register_family"]
+           "WHOLE", "Wrapper", "family_names", "family_of", "get_family", "language_config", "register_family", "wrapper_of"]

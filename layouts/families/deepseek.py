@@ -1,7 +1,8 @@
 """The DeepSeek-V3 family's tables: DeepSeek-V2/V3/R1 (MLA attention, DeepSeek MoE with a shared
 expert and a grouped router, the MTP layer after the decoder layers); Kimi-K2, which is that
 model at other sizes (384 routed experts, 64 heads, no MTP layer) under its own model type;
-DeepSeek-V3.2, which adds a sparse-attention indexer to every layer; and GLM-5, V3.2's layers
+Kimi-K2.5, Kimi-K2 inside a multimodal checkpoint (``language_model.`` before every text tensor, a
+vision tower and its projector beside them); DeepSeek-V3.2, which adds a sparse-attention indexer to every layer; and GLM-5, V3.2's layers
 under Zhipu's model type, at its own sizes, with an MTP layer that has no embedding or head of its
 own.
 
@@ -16,7 +17,7 @@ MoE planner, not split here.
 from __future__ import annotations
 
 from . import (ALWAYS, COLS, DENSE, EXPERTS, INDEXED, MOE, NO_Q_LORA, Q_LORA, ROWS, SHARED, WHOLE, Family, Module,
-               register_family)
+               Wrapper, register_family)
 
 _ATTN = dict(attention=True)
 
@@ -78,6 +79,17 @@ KIMI_K2 = register_family(Family(
     "kimi-k2", "Kimi-K2", (), ("kimi_k2",), BEFORE, LAYER, AFTER, MTP,
 ))
 
+# Kimi-K2.5 (KimiK25ForConditionalGeneration, model_type kimi_k25): Kimi-K2's language model under
+# "language_model." (language_model.model.layers.N..., language_model.lm_head), its config.json keys
+# under text_config (AMD's Quark exports keep quantization_config at the top, where ATOM reads it), and
+# MoonViT's vision tower and the patch-merger projector beside it (vision_tower.*, mm_projector.*: BF16,
+# Quark excludes both). ATOM serves the text only and skips those (its kimi_k25.py skip_weight_prefixes).
+KIMI_K25 = register_family(Family(
+    "kimi-k2.5", "Kimi-K2.5", ("KimiK25ForConditionalGeneration",), ("kimi_k25",), BEFORE, LAYER, AFTER, MTP,
+    twist="multimodal: Kimi-K2 under language_model., a vision tower beside it",
+    wrapper=Wrapper("language_model.", "text_config", ("vision_tower.", "mm_projector.")),
+))
+
 DEEPSEEK_V32 = register_family(Family(
     "deepseek-v3.2", "DeepSeek-V3.2", ("DeepseekV32ForCausalLM",), ("deepseek_v32",), BEFORE,
     (*LAYER[:9], *INDEXER, *LAYER[9:]), AFTER, MTP, twist="sparse-attention indexer", dense_up_to="index_topk",
@@ -97,4 +109,4 @@ GLM_5 = register_family(Family(
     twist="sparse-attention indexer", dense_up_to="index_topk",
 ))
 
-__all__ = ["DEEPSEEK_V3", "DEEPSEEK_V32", "GLM_5", "KIMI_K2"]
+__all__ = ["DEEPSEEK_V3", "DEEPSEEK_V32", "GLM_5", "KIMI_K2", "KIMI_K25"]

@@ -17,7 +17,7 @@ writes. The format, field by field, and its versioning rule: docs/manifest.md.
 # reading (a folder's JSON, the completion marker), source (the source section and tensor
 # table), check (the records against each other), manifest (Manifest, load_manifest).
 from .format import (COMPLETE_NAME, FILE_NAME_KEY, FORMAT, FORMAT_VERSION, MANIFEST_NAME, MAX_TP, READ_VERSIONS,
-                     SOURCE_TABLE_FORMAT, SOURCE_TABLE_NAME, ManifestError)
+                     SOURCE_TABLE_FORMAT, SOURCE_TABLE_NAME, WRAPPED_VERSION, ManifestError)
 from .groups import STACK_PROJECTIONS, STACK_TENSORS, GroupRecord, PartRecord, Placement, StackRecord, WindowRecord
 from .hashing import manifest_hash
 from .manifest import Manifest, load_manifest
@@ -28,7 +28,7 @@ from .source import Source, SourceFile, SourceTableRef, SourceTensor, SourceTens
 
 __all__ = [
     "MANIFEST_NAME", "COMPLETE_NAME", "FILE_NAME_KEY", "SOURCE_TABLE_NAME", "SOURCE_TABLE_FORMAT", "FORMAT",
-    "FORMAT_VERSION", "READ_VERSIONS", "MAX_TP", "ManifestError",
+    "FORMAT_VERSION", "READ_VERSIONS", "WRAPPED_VERSION", "MAX_TP", "ManifestError",
     "compress_names", "expand_names", "manifest_hash",
     "Target", "Tool", "LayoutRecord", "FileRecord", "TensorRecord",
     "PartRecord", "Placement", "STACK_PROJECTIONS", "STACK_TENSORS", "WindowRecord", "StackRecord", "GroupRecord",

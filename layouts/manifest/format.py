@@ -22,13 +22,17 @@ FORMAT = "prep-manifest"
 # that changes meaning, goes away or must be understood to read the bytes); readers refuse any
 # version but their own. docs/manifest.md states the rule in full.
 FORMAT_VERSION = 4
+# A multimodal source's (source.wrapper): a reader before it would revert the language model's
+# tensors under the family's names, not the source's; prep writes it for those sources only.
+WRAPPED_VERSION = 5
 # Versions this module reads. 1: every non-MXFP4 tensor whole in common files every rank reads.
 # 2 (rank-exact): split BF16 tensors (role "bf16_shard", group kind "bf16"), replicated tensors in
 # every rank's files, and role "unread" for what no rank reads (kept for revert). 3: a conversion
 # for an engine other than ATOM (target.engine, which an older reader would take for ATOM's);
 # 4: the source tensor table in SOURCE_TABLE_NAME, named and hashed by source.tensors_file (a
-# reader before it finds no source.tensors and calls the manifest damaged). prep writes 4.
-READ_VERSIONS = (1, 2, 3, 4)
+# reader before it finds no source.tensors and calls the manifest damaged). 5: source.wrapper, a
+# multimodal source (WRAPPED_VERSION). prep writes 4, or 5 for a multimodal source.
+READ_VERSIONS = (1, 2, 3, 4, 5)
 MAX_TP = 1 << 16  # no engine runs more ranks: a larger tp is a damaged manifest
 
 

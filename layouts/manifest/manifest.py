@@ -12,7 +12,8 @@ from typing import Any, Callable
 from ..registry import Layout, recorded_layout
 from ..safe_files import gc_paused, member_problem
 from .check import _check_stacks, _check_whole
-from .format import FORMAT, FORMAT_VERSION, MANIFEST_NAME, SOURCE_TABLE_NAME, ManifestError, _format_problem
+from .format import (FORMAT, FORMAT_VERSION, MANIFEST_NAME, SOURCE_TABLE_NAME, WRAPPED_VERSION, ManifestError,
+                     _format_problem)
 from .groups import GroupRecord
 from .hashing import check_tensor_files
 from .reading import _load_raw
@@ -133,6 +134,10 @@ class Manifest:
             except ManifestError as e:
                 raise ManifestError(f"layouts[{name!r}]: {e}") from None
         source = Source.from_json(raw["source"], root) if raw.get("source") is not None else None
+        version_ = raw.get("format_version", FORMAT_VERSION)
+        if source is not None and (source.wrapper is not None) != (version_ == WRAPPED_VERSION):
+            raise ManifestError(f"format_version {version_} with{'' if source.wrapper else 'out'} source.wrapper: "
+                                f"a multimodal source's manifest, and only one, is version {WRAPPED_VERSION}; convert again")
         tool = Tool.from_json(raw["tool"]) if raw.get("tool") is not None else None
         version = raw.get("layouts_version")
         if version is not None and type(version) is not str:

@@ -10,6 +10,7 @@ import re
 from collections.abc import Mapping
 from typing import Any, Iterator
 
+from ..families import Wrapper
 from ..safe_files import gc_paused, member_problem
 from .format import SOURCE_TABLE_FORMAT, SOURCE_TABLE_NAME, ManifestError
 from .hashing import manifest_hash
@@ -186,12 +187,19 @@ class Source:
     origin: dict[str, Any]
     files: dict[str, SourceFile]  # every shard and side file, by name
     tensors: Mapping[str, SourceTensor]  # every source tensor, by name, in source order
+    # A multimodal source (format 5): its tensors are named here as its language model's family
+    # names them, and the source names them wrapper.source_name(name) (what revert writes)
+    wrapper: Wrapper | None = None
+
+    def source_name(self, name: str) -> str:
+        """The source's own name of tensor ``name`` (a key of :attr:`tensors`)."""
+        return self.wrapper.source_name(name) if self.wrapper else name
 
     @classmethod
     def from_json(cls, s: Any, root: pathlib.Path | None = None) -> "Source":
         """``root``: the folder whose ``prep-source.json`` holds the tensors (format 4)."""
         s = _object(s, "source")
-        origin = {k: v for k, v in s.items() if k not in ("files", "tensors", "tensors_file")}
+        origin = {k: v for k, v in s.items() if k not in ("files", "tensors", "tensors_file", "wrapper")}
         if type(origin.get("kind")) is not str:
             raise ManifestError(f"source.kind is {origin.get('kind')!r}, not a string")
         files = {}
@@ -204,7 +212,13 @@ class Source:
             tensors = SourceTensors(root=root, ref=SourceTableRef.from_json(s["tensors_file"]))
         else:
             tensors = SourceTensors(_object(s.get("tensors"), "source.tensors"))
-        return cls(origin, files, tensors)
+        wrapper = None
+        if s.get("wrapper") is not None:
+            try:
+                wrapper = Wrapper.from_json(s["wrapper"])
+            except ValueError as e:
+                raise ManifestError(f"source.wrapper: {e}") from None
+        return cls(origin, files, tensors, wrapper)
 
     @property
     def table(self) -> SourceTableRef | None:
@@ -225,4 +239,6 @@ class Source:
             out["tensors_file"] = table.to_json()
         else:
             out["tensors"] = {n: t.to_json() for n, t in self.tensors.items()}
+        if self.wrapper is not None:
+            out["wrapper"] = self.wrapper.to_json()
         return out

@@ -12,6 +12,7 @@ from typing import Any, Mapping
 import torch
 
 import layouts
+from layouts.families import language_config
 
 from ..errors import PrepError
 from .config import check_model_config
@@ -98,7 +99,7 @@ def run(model_dir: str | pathlib.Path, prompt_ids: list[int], *, layers: int | N
     bars = progress or {}
     hashed = None
     if manifest is not None and verify:
-        n_layers = json.loads((root / "config.json").read_text())["num_hidden_layers"]
+        n_layers = language_config(json.loads((root / "config.json").read_text()))["num_hidden_layers"]
         hashed = verify_tensors_read(manifest, n_layers if layers is None else min(layers, n_layers), bars.get("check"))
         getattr(bars.get("check"), "close", lambda: None)()  # done before the forward's bar starts below it
     t0 = time.perf_counter()

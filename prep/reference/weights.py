@@ -43,6 +43,7 @@ import torch
 import layouts
 from layouts.dequant import (clear_position_maps, dequantize_expert, dequantize_stored_rows, fp8_block_scales,
                              read_overhead)
+from layouts.families import language_config
 from layouts.safetensors_file import TORCH_DTYPES
 
 from ..bf16 import Bf16Group, as_planned
@@ -326,7 +327,7 @@ def _from_converted(root: pathlib.Path, assume_layout: str | None, manifest: lay
         problem = side_file_changed(root / "config.json", recorded)
         if problem:
             raise PrepError(problem)
-    config = json.loads((root / "config.json").read_text())
+    config = language_config(json.loads((root / "config.json").read_text()))
     src_meta = manifest.source.tensors
     # For each source module: the (rank piece -> placement) steps that rebuild it.
     pieces: dict[str, list[Callable[[torch.Tensor], None]]] = {}

@@ -256,7 +256,7 @@ class AtomProfile(EngineProfile):
     fp8_block_linears = True  # scripts/check_atom_serve.py on the fp8-block variant (tests/test_atom_serve.py)
     sharding = SHARDING
     # scripts/check_atom_serve.py on tiny kimi-k2 and v3.2 (the indexer replicated; tests/test_atom_serve.py)
-    families = ("deepseek-v3", "kimi-k2", "deepseek-v3.2", "glm-5")
+    families = ("deepseek-v3", "kimi-k2", "kimi-k2.5", "deepseek-v3.2", "glm-5")
     checks = (engine_matches, tp_matches, rank_in_range, ep_matches, dense_layout_matches,
               triton_gemm_needs_bf16_attention, s32x8_k_pad_usable, moe_layout_matches, bf16_moe_layout_matches,
               fp8_layout_matches, expert_parallel_needs_ck_moe)

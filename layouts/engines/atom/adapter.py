@@ -52,6 +52,8 @@ from typing import Any
 import torch
 
 from ...compat import EngineConfig, check_compatibility
+from ...errors import LayoutsError
+from ...families import language_config
 from ...loader import iter_rank_files
 from ...manifest import Manifest, ManifestError, TensorRecord, load_manifest
 from ...registry import FP8, MOE_CK, MOE_TRITON, MOE_TRITON_GFX942, Layout, get_layout
@@ -131,12 +133,12 @@ def mtp_layers(root: pathlib.Path) -> range:
     (the manifest does not hold the model's shape). ATOM builds its models from that file too."""
     path = root / "config.json"
     try:
-        cfg = json.loads(path.read_text())
+        cfg = language_config(json.loads(path.read_text()))
         start = cfg["num_hidden_layers"]
         count = cfg.get("num_nextn_predict_layers") or 0
         if type(start) is not int or type(count) is not int or start < 1 or count < 0:
             raise ValueError(f"num_hidden_layers {start!r}, num_nextn_predict_layers {count!r}: not counts")
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, LayoutsError) as e:
         raise ManifestError(f"{path}: cannot read num_hidden_layers and num_nextn_predict_layers as counts ({e}); "
                             "they tell the main model's layers from the MTP layer: copy the source's config.json "
                             "there or convert again") from None
@@ -366,6 +368,9 @@ def install_converted_weights(model: torch.nn.Module, model_dir: str | pathlib.P
     device = torch.device(device) if device is not None else _device_of(model)
     exact = manifest.target.rank_exact
     report = AtomInstallReport([], [], {}, manifest=manifest, rank=engine.rank)
+    # ATOM's model of a multimodal checkpoint (kimi_k25.py) holds the language model as
+    # ``language_model``, so its parameters have the source's names; prep's files the family's
+    held = manifest.source.source_name if manifest.source is not None else str
     main = _Installer(model, report, "main")
     draft = _Installer(mtp_model, report, "draft") if mtp_model is not None else None
     for part in iter_rank_files(manifest.root, engine.rank, device, manifest=manifest):
@@ -381,9 +386,9 @@ def install_converted_weights(model: torch.nn.Module, model_dir: str | pathlib.P
                 else:
                     report.mtp_pending.append(name)
             elif whole:
-                report.passthrough[name] = t
+                report.passthrough[held(name)] = t
             else:
-                main.put(name, name, t, rec)
+                main.put(name, held(name), t, rec)
                 if exact and draft is not None and name == _TARGET_EMBED:
                     draft.put(name, _TARGET_EMBED, t, rec)  # ATOM's drafter shares the target's embedding
         del part  # its file's buffer goes here, unless a format-1 pass-through tensor still views it

@@ -58,6 +58,7 @@ from typing import Any, Callable, Mapping
 from ...compat import CompatibilityError, EngineConfig, check_compatibility
 from .. import _config
 from ...errors import LayoutsError
+from ...families import language_config
 from ...manifest import MANIFEST_NAME, Manifest, load_manifest
 from . import PROFILE
 from ...loader import side_file_problem
@@ -391,8 +392,8 @@ def complete_hf_config(root: pathlib.Path, config: Any) -> dict:
     commands pass as an override (layouts.engines._config). config.json stays the source's, so
     that ``revert`` is exact. Returns what was set."""
     try:
-        raw = json.loads((root / "config.json").read_text())
-    except (OSError, ValueError):
+        raw = language_config(json.loads((root / "config.json").read_text()))  # ATOM's hf_config: the text model's
+    except (OSError, ValueError, LayoutsError):
         return {}  # check_folder has refused a folder without its config already
     missing = _config.missing_keys(raw)
     for hf in (getattr(config, "hf_config", None), getattr(config, "draft_model_hf_config", None)):
