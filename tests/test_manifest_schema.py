@@ -28,6 +28,7 @@ CONVERSIONS = {
     "v2-tp2-format1": ("v2", Target("preshuffle", "ck", 2, rank_exact=False)),  # --common-bf16
     "fp8-block-tp2": ("r1-0528-fp8", Target("preshuffle", "ck", 2)),  # DeepSeek's FP8 release: fp8_layout, stacks of scales
     "fp8-channel-tp2": ("mtp-moefp4", Target("preshuffle", "ck", 2)),  # FP8 attention: fp8_channel_layouts
+    "kimi-k2.5-tp2": ("kimi-k2.5", Target("preshuffle", "ck", 2)),  # a multimodal source: source.wrapper, version 5
 }
 
 
@@ -38,6 +39,8 @@ def converted(tmp_path_factory):
         write_checkpoint(SynthSpec(variant=variant, random_bytes=True), root / f"src-{variant}")
     write_checkpoint(dataclasses.replace(PRESETS["r1-0528-fp8"], random_bytes=True), root / "src-r1-0528-fp8")
     write_checkpoint(SynthSpec(variant="mtp-moefp4", random_bytes=True), root / "src-mtp-moefp4")
+    write_checkpoint(dataclasses.replace(PRESETS["kimi-k2.5"], num_hidden_layers=2, random_bytes=True),
+                     root / "src-kimi-k2.5")
     outs = {}
     for name, (variant, target) in CONVERSIONS.items():
         convert(str(root / f"src-{variant}"), root / name, target)
@@ -72,7 +75,8 @@ def test_reading_and_writing_back_a_real_manifest_gives_its_bytes(converted, nam
     fp8 = target.fp8_layout if variant == "r1-0528-fp8" else None
     channel = target.fp8_channel_layouts if variant == "mtp-moefp4" else None
     assert m.target == schema.Target.from_options({**dataclasses.asdict(target), "fp8_layout": fp8,
-                                                   "fp8_channel_layouts": channel}, "deepseek_v3")
+                                                   "fp8_channel_layouts": channel},
+                                                  "kimi_k25" if variant == "kimi-k2.5" else "deepseek_v3")
     assert (m.tp, m.ep, m.layout, m.moe_layout) == (target.tp, target.ep, target.layout, target.moe_layout)
 
 
