@@ -1,32 +1,37 @@
-#!/usr/bin/env python3
 """CPU time of building groups from sources held in memory: the build's own work (each source
 window read into place, the pads zeroed, the layout applied), without the disk or the writer.
 
-    PYTHONPATH=TREE python scripts/bench_build.py [--repeat 3]
-
 One thread; DeepSeek-V3 sizes (H 7168, I 2048) for 12 experts of a MoE layer under ck and
-triton at TP 1 and 8, and the merged [q_a ; kv_a] linear. Run it with PYTHONPATH naming two
-trees in turn (before and after a change, alternated: this machine is noisy) and compare.
+triton at TP 1 and 8, and the merged [q_a ; kv_a] linear, alternated, CPU seconds of this
+process (``time.process_time``). Baseline: none inside one process; run it with PYTHONPATH
+naming two trees in turn (before and after a change, alternated: this machine is noisy) and
+compare the tables (no ratio column: the baseline is the other run).
+
+Example:
+    PYTHONPATH=TREE python scripts/bench.py build --repeat 3
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
 
+from .common.args import add_repeat
+from .common.table import Table
+from .common.timing import alternate
+
 H, I, E = 7168, 2048, 12
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--repeat", type=int, default=3)
-    args = ap.parse_args()
-    torch.set_num_threads(1)
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    add_repeat(ap, 3)
 
-    import layouts
+
+def run(args: argparse.Namespace) -> None:
+    torch.set_num_threads(1)
+    import layouts  # after PYTHONPATH is in effect: the tree being measured
     import prep.groups as pg
     from prep.groups import LinearGroup, MoEGroup, Part
 
@@ -54,21 +59,17 @@ def main() -> None:
         out.copy_(t)
         return out
 
-    cases: dict[str, object] = {f"moe {lay} tp{tp}": MoEGroup("x", 0, tp, experts, I, H, layouts.get_layout(lay))
-                                for lay in ("ck", "triton") for tp in (1, 8)}
-    cases["linear qkv_a preshuffle"] = LinearGroup(
+    groups = {f"moe {lay} tp{tp}": MoEGroup("x", 0, tp, experts, I, H, layouts.get_layout(lay))
+              for lay in ("ck", "triton") for tp in (1, 8)}
+    groups["linear qkv_a preshuffle"] = LinearGroup(
         "f", 0, 1, (Part("q", 1536, H, "none"), Part("kv", 576, H, "none")), layouts.get_layout("preshuffle"))
-    times: dict[str, list[float]] = {k: [] for k in cases}
-    for _ in range(args.repeat):
-        for k, g in cases.items():
-            t0 = time.process_time()
-            for _chunk in g.build_chunks(read, 64 << 20):
-                pass
-            times[k].append(time.process_time() - t0)
-    print(f"prep from {pg.__file__}")
-    for k, v in times.items():
-        print(f"{k:26s} median {statistics.median(v) * 1000:7.1f} ms  min {min(v) * 1000:7.1f} ms")
 
+    def build(g) -> None:
+        for _chunk in g.build_chunks(read, 64 << 20):
+            pass
 
-if __name__ == "__main__":
-    main()
+    runs = alternate({k: (lambda g=g: build(g)) for k, g in groups.items()}, args.repeat, clock=time.process_time)
+    table = Table(None, title=f"prep from {pg.__file__}", stat="median")
+    for name, seconds in runs.seconds.items():
+        table.add(name, seconds)
+    table.print()
