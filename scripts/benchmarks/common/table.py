@@ -74,7 +74,7 @@ class Table:
         notes = list(dict.fromkeys(k for r in self.rows for k in r.notes))
         head = (["case"] if cases else []) + ["candidate"]
         head += [f"best {unit}", f"median {unit}"] if both else [f"{'peak' if self.what == 'memory' else 'time'} {unit}"]
-        head += [f"x {b}" for b in self.against] + (["GB/s"] if rates else []) + [k.replace("_", " ") for k in notes]
+        head += [f"x {b}" if len(b) <= 14 else "x baseline" for b in self.against] + (["GB/s"] if rates else []) + [k.replace("_", " ") for k in notes]
         body = []
         for row in self.rows:
             cells = ([row.case] if cases else []) + [row.candidate]
