@@ -19,6 +19,7 @@ import importlib
 import os
 import pathlib
 import sys
+import textwrap
 
 HERE = pathlib.Path(__file__).resolve().parent
 # This checkout's prep and layouts, whatever is installed; tests/ for the stand-ins and oracles
@@ -55,12 +56,14 @@ class Tee:
 
 def main(argv: list[str] | None = None) -> int:
     commands = subcommands()
-    listing = "\n".join(f"  {name:16} {summary(path)}" for name, path in commands.items())
+    listing = "\n".join(textwrap.fill(f"{name:16} {summary(path)}", 100, initial_indent="  ",
+                                       subsequent_indent=" " * 19) for name, path in commands.items())
     ap = argparse.ArgumentParser(prog="bench.py", description=__doc__, epilog="subcommands:\n" + listing,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("subcommand", choices=commands, metavar="SUBCOMMAND")
+    ap.add_argument("subcommand", choices=commands, metavar="SUBCOMMAND", help="one of the subcommands below")
     ap.add_argument("args", nargs=argparse.REMAINDER, help="the subcommand's options (see its --help)")
     top = ap.parse_args(argv)
+    sys.stdout.reconfigure(line_buffering=True)  # progress lines show as they come, through a pipe too
     if "--cpu-smoke" in top.args:
         # Triton picks the interpreter when a kernel is decorated, at import: set before any is.
         os.environ["TRITON_INTERPRET"] = "1"
