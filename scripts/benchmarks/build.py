@@ -3,17 +3,19 @@ window read into place, the pads zeroed, the layout applied), without the disk o
 
 One thread; DeepSeek-V3 sizes (H 7168, I 2048) for 12 experts of a MoE layer under ck and
 triton at TP 1 and 8, and the merged [q_a ; kv_a] linear, alternated, CPU seconds of this
-process (``time.process_time``). Baseline: none inside one process; run it with PYTHONPATH
-naming two trees in turn (before and after a change, alternated: this machine is noisy) and
+process (``time.process_time``). Baseline: none inside one process; run it with ``--tree``
+naming two checkouts in turn (before and after a change, alternated: this machine is noisy) and
 compare the tables (no ratio column: the baseline is the other run).
 
 Example:
-    PYTHONPATH=TREE python scripts/bench.py build --repeat 3
+    python scripts/bench.py build --tree /tmp/base --repeat 3; python scripts/bench.py build --repeat 3
 """
 
 from __future__ import annotations
 
 import argparse
+import pathlib
+import sys
 import time
 
 import torch
@@ -27,11 +29,14 @@ H, I, E = 7168, 2048, 12
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     add_repeat(ap, 3)
+    ap.add_argument("--tree", type=pathlib.Path, help="the checkout of prep to measure (default: this one)")
 
 
 def run(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
-    import layouts  # after PYTHONPATH is in effect: the tree being measured
+    if args.tree:  # first on the path: its prep and layouts are the ones imported below
+        sys.path.insert(0, str(args.tree.resolve()))
+    import layouts
     import prep.groups as pg
     from prep.groups import LinearGroup, MoEGroup, Part
 
