@@ -61,12 +61,14 @@ def alternate(candidates: Mapping[str, Callable[[], object]], rounds: int, *, wa
                     t0 = clock()
                     got = live[name]()
                     seconds = clock() - t0
-                    if isinstance(got, Timed):
-                        seconds = got.seconds
+                    own = got if isinstance(got, Timed) else None
+                    del got  # what the call returned (a loaded rank) is freed before the next call
+                    if own is not None:
+                        seconds = own.seconds
                     if r >= warmup:
                         runs.seconds[name].append(seconds)
-                        if isinstance(got, Timed):
-                            runs.info[name].append(got.info)
+                        if own is not None:
+                            runs.info[name].append(own.info)
                         this_round[name] = seconds
             except Exception as exc:
                 if not drop_failed:
