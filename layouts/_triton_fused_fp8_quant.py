@@ -162,7 +162,7 @@ def _native(asked: bool | None, dev: torch.device, dtype: torch.dtype) -> bool:
         return False
     # On by default: on an H100 the same bytes at every shape of both DeepSeek sites, and 0.87x the
     # time at M = 1 and 4096 (3.56 -> 3.08 us at the input norm), 0.99-1.00x from M = 16384
-    # (scripts/bench_fused_fp8_quant.py --ab-cast, docs/BENCHMARKS.md)
+    # (scripts/bench.py fused-fp8-quant --ab-cast, docs/BENCHMARKS.md)
     return True if asked is None else bool(asked)
 
 

@@ -36,9 +36,9 @@ Layout of the work (one launch, no other kernel, no torch.fill):
 
 The E2M1 encoding (:func:`_e2m1_offset`) is min/max, one round-toward-zero FMA (inline PTX on a
 GPU, emulated exactly in the interpreter) and shifts: all 2^32 float32 inputs give the bytes of
-the earlier compare-based encoding (scripts/bench_fused_quant.py --e2m1-exhaustive).
+the earlier compare-based encoding (scripts/bench.py fused-quant --e2m1-exhaustive).
 
-Measured on an H200 (scripts/bench_fused_quant.py, CUDA graphs, shuffle + padding, 2026-12-04;
+Measured on an H200 (scripts/bench.py fused-quant, CUDA graphs, shuffle + padding, 2026-12-04;
 docs/BENCHMARKS.md): M = 65536, N1 = 7168 with residual 849 us (3.61 TB/s, 0.86 of the run's
 best copy); N1 = 1536 + kv 512: 103 us (3.78 TB/s, 0.90; was 121); M = 1: 2.3-2.6 us (was
 2.9-3.0 in the same runs) and 1.8 us (was 1.9).
@@ -463,7 +463,7 @@ def _plan(m: int, n1: int, n2: int, padded: bool, raw: bool, on_gpu: bool, sms: 
     wrapper is the whole cost of a decode-size call, so it must stay a dict lookup). ``raw``:
     x1 is paired bf16 without a residual (kept packed in registers).
 
-    The numbers come from a sweep on an H200 (scripts/bench_fused_quant.py --sweep)."""
+    The numbers come from a sweep on an H200 (scripts/bench.py fused-quant --sweep)."""
     cols = -(-n1 // 32)
     cols_pad = -(-cols // 8) * 8 if padded else cols
     tiles = _tiles(cols_pad)

@@ -40,7 +40,7 @@ def open_regular(path: str | os.PathLike) -> int:
 # The most a JSON file prep reads whole may hold: DeepSeek-R1's manifest at TP 8 is 20 MB (its
 # 90,910 source tensors are 12 MB of it), its index 8 MB; this is 4.8x the manifest. Past it a file
 # is not what it claims to be. What one just under it costs an engine's rank load, measured
-# (scripts/bench_manifest_bound.py, 2-core VM): 3.5 s and 1.36 GiB peak at 96 MiB, against 14.4 s
+# (scripts/bench.py manifest-bound, 2-core VM): 3.5 s and 1.36 GiB peak at 96 MiB, against 14.4 s
 # and 3.16 GiB at the 256 MiB this was before (7.0 GB with a costlier hostile shape).
 MAX_JSON_BYTES = 96 << 20
 MIN_BYTES_PER_CONTAINER = 16  # strict_json: see there

@@ -194,7 +194,7 @@ def _file_sets(jobs: list[FileJob]) -> list[list[FileJob]]:
 # Writes in flight per output file. On the H200 host's disk (virtio), four 40 MiB O_DIRECT
 # writes at once moved 1.46x one at a time, and convert at TP 4 ran 1.18x faster with 4 than
 # with 1 (10.25 -> 8.68 s); on the 2-core VM 1.2x in single runs (6.53 -> 5.30 s), even within
-# bench_convert's noise; it costs three more staging blocks per file, +150-200 MiB peak
+# bench.py convert's noise; it costs three more staging blocks per file, +150-200 MiB peak
 # (docs/BENCHMARKS.md, "Rank files to the GPU"). Revert and the others keep directio's one.
 WRITE_DEPTH = 4
 

@@ -185,7 +185,7 @@ PRESETS["r1-0528-fp8"] = replace(
 # intermediate 18432, 256 experts of 2048, vocab 129,280) with one dense layer and the MTP layer
 # (MoE) only, v2 (the MTP layer quantized but its embedding and head): 13.0 GiB in 16 shards of
 # ~0.8 GiB, so that what a command holds at once is measured on the tensors the real one has
-# (the embedding is 1.8 GiB, a MoE layer 6 GB). scripts/bench_memory.py runs every command on it.
+# (the embedding is 1.8 GiB, a MoE layer 6 GB). scripts/bench.py memory runs every command on it.
 PRESETS["real-dims"] = replace(
     PRESETS["bench"], hidden_size=7168, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
     qk_rope_head_dim=64, v_head_dim=128, num_attention_heads=128, intermediate_size=18432,

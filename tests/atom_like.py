@@ -1,7 +1,7 @@
 """ATOM's DeepSeek models for one rank as ATOM allocates their parameters before loading (its
 ``create_weights``: shapes from config.json alone, not from a manifest), without ATOM: the
 stand-ins tests/test_atom_adapter.py installs converted checkpoints into, and
-scripts/bench_install.py measures the device memory of installing on a GPU. Each parameter is
+scripts/bench.py install measures the device memory of installing on a GPU. Each parameter is
 made on torch's default device."""
 
 import torch

@@ -73,7 +73,7 @@ KERNELS = {NON_SHUFFLE: "gemm_afp4wfp4", PRESHUFFLE: "gemm_afp4wfp4_preshuffled_
 ACTIVATION_PATH = dict(zip((NON_SHUFFLE, PRESHUFFLE), _PATHS))
 
 # The dense MXFP4 modules of a DeepSeek layer (layer 0 of a converted checkpoint): what the
-# consumer-kernel tests and scripts/bench_gemm.py run aiter's GEMMs on.
+# consumer-kernel tests and scripts/bench.py gemm run aiter's GEMMs on.
 DENSE_MODULES = {
     "fused_qkv_a_proj": "model.layers.0.self_attn.fused_qkv_a_proj",
     "q_b_proj": "model.layers.0.self_attn.q_b_proj",

@@ -1,10 +1,6 @@
-#!/usr/bin/env python
 """Where the replicated tensors should live: copied into every rank's files, or one shared file.
 
-    python3 scripts/bench_replicated.py WORK [--tp 8] [--rank-gib 2] [--replicated-share 0.052]
-        [--repeat 3]
-
-A rank-exact checkpoint gives each rank its own files; the tensors every rank holds whole
+Baseline: per-rank copies (what prep writes). A rank-exact checkpoint gives each rank its own files; the tensors every rank holds whole
 (norms, routers, R1-0528's BF16 ``fused_qkv_a_proj``, the MTP ``eh_proj``: ~2.3 GB at R1's dims,
 5.2% of a TP 8 rank's ~44 GB) can be copied into each rank's files (what prep writes) or written
 once into a file all ranks read. This times the two I/O patterns themselves, with no prep code:
@@ -15,6 +11,9 @@ first (``posix_fadvise(DONTNEED)``, checked by timing a warm trial too). The two
 times are printed with their ratio to the per-rank copies measured in the same run. Standard
 library only, so it runs where prep is not installed. WORK needs (tp + 1) x replicated + tp x rank
 bytes of disk.
+
+Example:
+    python3 scripts/bench.py replicated /tmp/rep --tp 8 --rank-gib 2 --repeat 3
 """
 
 from __future__ import annotations
@@ -23,8 +22,12 @@ import argparse
 import multiprocessing as mp
 import os
 import pathlib
-import statistics
 import time
+
+from .common.args import add_repeat
+from .common.page_cache import evict
+from .common.table import Table
+from .common.timing import Timed, alternate
 
 BLOCK = 16 << 20
 GiB = 1 << 30
@@ -43,17 +46,6 @@ def write_file(path: pathlib.Path, size: int) -> None:
             left -= n
         f.flush()
         os.fsync(f.fileno())
-
-
-def evict(paths) -> None:
-    """Drop these files' pages from the page cache, so the next read comes from the disk (no
-    root needed; scripts/bench_load.py uses it too)."""
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def read_all(paths: list[str], start: mp.Event, done: mp.Queue) -> None:
@@ -86,15 +78,16 @@ def host_ready(files_per_rank: list[list[pathlib.Path]]) -> float:
     return max(times)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("work", type=pathlib.Path)
     ap.add_argument("--tp", type=int, default=8)
     ap.add_argument("--rank-gib", type=float, default=2.0, help="each rank's own bytes")
     ap.add_argument("--replicated-share", type=float, default=0.052,
                     help="replicated bytes as a share of a rank's own (R1-0528 at TP 8: 2.3 of 44 GB)")
-    ap.add_argument("--repeat", type=int, default=3)
-    args = ap.parse_args()
+    add_repeat(ap, 3)
+
+
+def run(args: argparse.Namespace) -> None:
     args.work.mkdir(parents=True, exist_ok=True)
     own_size = int(args.rank_gib * GiB)
     rep_size = int(own_size * args.replicated_share)
@@ -111,19 +104,15 @@ def main() -> None:
     print(f"tp {args.tp}: {own_size / GiB:.2f} GiB per rank + {rep_size / GiB:.3f} GiB replicated "
           f"({args.replicated_share:.1%}); bytes from disk, cold: copies {args.tp * (own_size + rep_size) / GiB:.2f} "
           f"GiB, shared {(args.tp * own_size + rep_size) / GiB:.2f} GiB")
-    cold: dict[str, list[float]] = {k: [] for k in layouts}
-    warm: dict[str, list[float]] = {k: [] for k in layouts}
-    for _ in range(args.repeat):
-        for name, files in layouts.items():
-            evict(every)
-            cold[name].append(host_ready(files))
-            warm[name].append(host_ready(files))
-    base = "per-rank copies"
-    print(f"{'layout':<18} {'cold best':>10} {'cold median':>12} {'warm best':>10}  ratio (cold best, to copies)")
+
+    def cold_then_warm(files) -> Timed:
+        """A cold trial (every file evicted first), then the same warm: the check that the
+        eviction took (a warm trial as slow as the cold one would say it did not)."""
+        evict(every)
+        return Timed(host_ready(files), {"warm": host_ready(files)})
+
+    runs = alternate({name: (lambda f=files: cold_then_warm(f)) for name, files in layouts.items()}, args.repeat)
+    table = Table("per-rank copies", title="host ready: every rank's files read, cold")
     for name in layouts:
-        print(f"{name:<18} {min(cold[name]):9.3f}s {statistics.median(cold[name]):11.3f}s {min(warm[name]):9.3f}s  "
-              f"{min(cold[base]) / min(cold[name]):.3f}x")
-
-
-if __name__ == "__main__":
-    main()
+        table.add(name, runs.seconds[name], warm_best=f"{min(i['warm'] for i in runs.info[name]):.3f} s")
+    table.print()

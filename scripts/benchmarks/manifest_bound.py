@@ -1,16 +1,16 @@
-#!/usr/bin/env python
 """What a manifest near the size bound costs to read: time and peak memory of ``load_manifest`` and
 of ``load_rank`` (the engine's first step) on copies of one conversion whose manifest is padded to
 each size, each in a fresh process, as ratios against the first size.
 
-    .venv/bin/python scripts/bench_manifest_bound.py CONVERTED [--mib 20 96 256]
-
-The padding is entries of a source tensor table (what a manifest held most of before format 4
+Baseline: the first size of ``--mib``. Each size once, in order (a fresh process each). The padding is entries of a source tensor table (what a manifest held most of before format 4
 moved the table out: R1-0528's at TP 8 was 20 MB, 12 MB of it the 90,910 source tensors), small
 objects as a real table's are;
 the copy is resealed (completion marker) so that it loads. The manifest's size bound is
 ``layouts.safe_files.MAX_JSON_BYTES``; a real checkpoint's manifest must stay well under it, and
 what a hostile one just under it costs is what this prints.
+
+Example:
+    python scripts/bench.py manifest-bound CONVERTED --mib 20 96 255
 """
 
 from __future__ import annotations
@@ -24,7 +24,9 @@ import subprocess
 import sys
 import tempfile
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+from .common.table import GiB, Table
+from .common.timing import Timed
+from .common.trees import REPO
 
 CHILD = """
 import resource, sys, time
@@ -59,32 +61,39 @@ def padded_copy(src: pathlib.Path, dst: pathlib.Path, mib: int) -> int:
     return len(raw)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("converted", type=pathlib.Path)
-    ap.add_argument("--mib", type=int, nargs="+", default=[20, 96, 256])
-    args = ap.parse_args()
+    ap.add_argument("--mib", type=int, nargs="+", default=[20, 96, 256], help="manifest sizes, the baseline first")
+
+
+def load_in_child(folder: pathlib.Path) -> Timed:
+    """``load_manifest`` then ``load_rank(0)`` in a fresh process: the seconds to the rank, with
+    the manifest's seconds and the process's peak RSS."""
+    r = subprocess.run([sys.executable, "-c", CHILD, str(folder), str(REPO)], capture_output=True, text=True)
+    if r.returncode:
+        raise RuntimeError(r.stderr.strip().splitlines()[-1])
+    t_manifest, t_rank, rss = map(float, r.stdout.split())
+    return Timed(t_rank, {"manifest_s": t_manifest, "rss": rss})
+
+
+def run(args: argparse.Namespace) -> None:
     work = pathlib.Path(tempfile.mkdtemp(prefix="manifest-bound-"))
-    rows = []
+    table = Table(f"{args.mib[0]} MiB", title="load_rank(0) in a fresh process, the manifest padded to each size")
+    base_rss = None
     try:
         for mib in args.mib:
             folder = work / f"m{mib}"
             size = padded_copy(args.converted, folder, mib)
-            r = subprocess.run([sys.executable, "-c", CHILD, str(folder), str(REPO)], capture_output=True, text=True)
-            if r.returncode:
-                print(f"{mib} MiB: {r.stderr.strip().splitlines()[-1]}")
+            try:
+                got = load_in_child(folder)
+            except RuntimeError as e:
+                print(f"{mib} MiB: {e}")
                 continue
-            t_manifest, t_rank, rss = map(float, r.stdout.split())
-            rows.append((size, t_manifest, t_rank, rss))
+            base_rss = base_rss or got.info["rss"]
+            table.add(f"{mib} MiB", got.seconds, manifest=f"{size / 2**20:.1f} MiB",
+                      load_manifest=f"{got.info['manifest_s']:.2f} s",
+                      peak_rss=f"{got.info['rss'] / GiB:.2f} GiB ({got.info['rss'] / base_rss:.1f}x)")
             shutil.rmtree(folder)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    base = rows[0]
-    for size, t_manifest, t_rank, rss in rows:
-        print(f"manifest {size / 2**20:7.1f} MiB: load_manifest {t_manifest:6.2f} s, load_rank(0) {t_rank:6.2f} s "
-              f"({t_rank / base[2]:.1f}x), peak RSS {rss / 2**30:.2f} GiB ({rss / base[3]:.1f}x)")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    table.print()

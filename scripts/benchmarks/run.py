@@ -1,35 +1,37 @@
-#!/usr/bin/env python3
 """Time and peak memory of one reference forward (`prep run`), source against converted.
 
-    python scripts/bench_run.py [--src DIR] [--tokens 64] [--device cpu|cuda] [--tp 2] [--layers N]
-
-Without --src, generates the tiny default checkpoint (or, with --size large, a wider one:
+Baseline: the source checkpoint (run first, then the converted one: not alternated, each
+loads its weights once). Without --src, generates the tiny default checkpoint (or, with --size large, a wider one:
 hidden 2048, 64 experts, 8 layers; for the GPU). Converts it (preshuffle + ck, --tp), then for the
 source and the converted checkpoint: weight load time (dequantized to float32 logical matrices,
 converted ranks combined), forward time (best of --repeat) and peak memory (host RSS; on CUDA
-also torch.cuda.max_memory_allocated), and checks the logits are identical.
+also torch.cuda.max_memory_allocated: the process's peaks so far, so the converted row's
+includes the source's), and checks the logits are identical.
+
+Example:
+    python scripts/bench.py run --device cuda --size large --tokens 256
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import pathlib
 import resource
 import shutil
-import sys
 import tempfile
 import time
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+import torch
 
-import torch  # noqa: E402
+from prep.convert import convert
+from prep.deepseek import Target
+from prep.reference.model import DeepseekV3, ForwardOptions
+from prep.reference.weights import load_weights
+from prep.testing import SynthSpec, write_checkpoint
 
-from prep.convert import convert  # noqa: E402
-from prep.deepseek import Target  # noqa: E402
-from prep.reference.model import DeepseekV3, ForwardOptions  # noqa: E402
-from prep.reference.weights import load_weights  # noqa: E402
-from prep.testing import SynthSpec, write_checkpoint  # noqa: E402
+from .common.args import add_repeat
+from .common.table import Table
 
 LARGE = SynthSpec(hidden_size=2048, q_lora_rank=512, kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=32,
                   v_head_dim=64, num_attention_heads=16, intermediate_size=4096, moe_intermediate_size=512,
@@ -54,23 +56,24 @@ def measure(path: pathlib.Path, ids: torch.Tensor, device: str, layers, repeat: 
         if device != "cpu":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-    out = {"load_s": load, "forward_s": min(times[1:]), "first_forward_s": times[0], "logits": logits.cpu(),
+    out = {"load_s": load, "forward_s": times[1:], "first_forward_s": times[0], "logits": logits.cpu(),
            "host_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
     if device != "cpu":
         out["gpu_peak_mib"] = torch.cuda.max_memory_allocated() / 2**20
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--src", type=pathlib.Path)
     ap.add_argument("--size", choices=["tiny", "large"], default="tiny")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--layers", type=int)
-    ap.add_argument("--repeat", type=int, default=3)
-    args = ap.parse_args()
+    add_repeat(ap, 3, "timed forwards of each (after an untimed first)")
+
+
+def run(args: argparse.Namespace) -> None:
     work = pathlib.Path(tempfile.mkdtemp(prefix="prep-bench-run-"))
     try:
         src = args.src
@@ -80,19 +83,18 @@ def main() -> None:
             print(f"generated {args.size} checkpoint in {time.perf_counter() - t0:.1f} s")
         conv = work / "converted"
         convert(str(src), conv, Target("preshuffle", "ck", args.tp))
-        vocab = __import__("json").loads((src / "config.json").read_text())["vocab_size"]
+        vocab = json.loads((src / "config.json").read_text())["vocab_size"]
         ids = torch.randint(0, vocab, (args.tokens,), generator=torch.Generator().manual_seed(0))
-        rs = measure(src, ids, args.device, args.layers, args.repeat)
-        rc = measure(conv, ids, args.device, args.layers, args.repeat)
-        print(f"{args.tokens} tokens, device {args.device}, converted = preshuffle+ck tp {args.tp}")
-        for name, r in (("source", rs), ("converted", rc)):
-            mem = f"host peak RSS {r['host_rss_mib']:.0f} MiB" + (f", GPU peak {r['gpu_peak_mib']:.0f} MiB" if "gpu_peak_mib" in r else "")
-            print(f"{name:9s}: load {r['load_s']:6.2f} s, forward {r['forward_s'] * 1e3:8.1f} ms "
-                  f"(first {r['first_forward_s'] * 1e3:.1f} ms), {mem}")
-        print(f"logits identical: {torch.equal(rs['logits'], rc['logits'])}")
+        results = {"source": measure(src, ids, args.device, args.layers, args.repeat),
+                   "converted": measure(conv, ids, args.device, args.layers, args.repeat)}
+        table = Table("source", title=f"{args.tokens} tokens, device {args.device}, "
+                                      f"converted = preshuffle+ck tp {args.tp}")
+        for name, r in results.items():
+            gpu = {"gpu_peak": f"{r['gpu_peak_mib']:.0f} MiB"} if "gpu_peak_mib" in r else {}
+            table.add(name, r["load_s"], case="load weights", host_peak_rss=f"{r['host_rss_mib']:.0f} MiB", **gpu)
+        for name, r in results.items():
+            table.add(name, r["forward_s"], case="forward", first=f"{r['first_forward_s'] * 1e3:.1f} ms")
+        table.print()
+        print(f"logits identical: {torch.equal(results['source']['logits'], results['converted']['logits'])}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
-
-
-if __name__ == "__main__":
-    main()

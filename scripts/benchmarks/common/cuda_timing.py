@@ -1,4 +1,4 @@
-"""Device timing for the GPU benchmarks (scripts/bench_fused_quant.py, scripts/bench_gemm.py).
+"""Device timing for the GPU benchmarks (fused-quant, fused-fp8-quant, gemm).
 
 One home for the CUDA-graph timing loop: calls captured in one graph and replayed, so that the
 time is the device's, without Python or launch overhead. On the CPU (the benchmarks' smoke runs

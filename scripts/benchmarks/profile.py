@@ -1,9 +1,6 @@
-#!/usr/bin/env python3
 """Where a prep command's seconds go, every thread included: a sampling profiler around the CLI.
 
-    python scripts/profile_convert.py [--interval 0.005] [--top 12] -- convert SRC -o OUT --tp 8
-
-Runs the ``prep`` CLI in this process with the given arguments and, every ``--interval`` seconds,
+No baseline: a profile, not a comparison (time a change with ``convert --baseline-tree``). Runs the ``prep`` CLI in this process with the given arguments and, every ``--interval`` seconds,
 reads every thread's Python stack (``sys._current_frames``: a thread inside a C call such as
 ``preadv``, a torch copy or ``pwrite`` shows the Python line that made the call). It prints:
 
@@ -14,6 +11,9 @@ reads every thread's Python stack (``sys._current_frames``: a thread inside a C 
 
 cProfile sees one thread and adds its own cost to every Python call; this sees them all and
 costs a few percent. Seconds are samples x interval, so they are estimates (+- a sample).
+
+Example:
+    python scripts/bench.py profile -- convert SRC -o OUT --tp 8
 """
 
 from __future__ import annotations
@@ -27,8 +27,7 @@ import sys
 import threading
 import time
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from .common.trees import REPO
 
 OURS = (str(REPO / "prep"), str(REPO / "layouts"))
 WAITS = {"wait", "get", "result", "acquire", "_wait_for_tstate_lock", "join", "synchronize"}
@@ -80,12 +79,13 @@ class Sampler(threading.Thread):
                     self.phases[phase or ours] += 1
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--interval", type=float, default=0.005)
-    ap.add_argument("--top", type=int, default=12)
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--interval", type=float, default=0.005, help="seconds between samples")
+    ap.add_argument("--top", type=int, default=12, help="lines per thread role")
     ap.add_argument("args", nargs=argparse.REMAINDER, help="the prep command and its arguments (after --)")
-    a = ap.parse_args()
+
+
+def run(a: argparse.Namespace) -> None:
     args = a.args[1:] if a.args[:1] == ["--"] else a.args
     t0 = time.perf_counter()
     importlib.import_module("torch")  # timed on its own: a fixed cost of every command
@@ -112,7 +112,3 @@ def main() -> None:
         print(f"\n{role}: {total * dt:.2f} thread-s sampled, {busy * dt:.2f} s not waiting")
         for (ours, call), n in counter.most_common(a.top):
             print(f"  {n * dt:7.2f} s  {ours:40s} in {call}")
-
-
-if __name__ == "__main__":
-    main()

@@ -1,15 +1,17 @@
-#!/usr/bin/env python3
 """One rank's load in vLLM or SGLang on the CPU (their real model and loader code, the harnesses'
 stand-ins for the GPU): the engine's own loader on the Quark source against its load of prep's
 conversion through the door, each in a fresh process, alternated, in the same run.
 
-    python3 scripts/bench_engine_load.py --engine vllm|sglang --source SRC --converted OUT [--rank 0] [--repeat 3]
-
-Per load: the seconds of ``get_model_loader(...).load_model`` with the model built inside it (the
+Baseline: the engine's own loader on the Quark source. Per load: the seconds of ``get_model_loader(...).load_model`` with the model built inside it (the
 same model both ways), the process's peak RSS, and the bytes of the files it reads (the source's
 shards the engine opens, or the rank's own files). The files are in the page cache (one untimed
 load of each first). On the CPU the shuffles run in torch, not on a GPU: the times say what work
-is skipped, not what a server waits on an MI355.
+is skipped, not what a server waits on an MI355. Runs in the engine's venv (.venv-vllm,
+.venv-sglang: scripts/setup_env.sh) through the CPU harnesses (scripts/vllm_on_cpu.py,
+scripts/sglang_on_cpu.py) and the pinned sources (scripts/engine_sources.py).
+
+Example:
+    python3 scripts/bench.py engine-load --engine vllm --source SRC --converted OUT --repeat 3
 """
 
 from __future__ import annotations
@@ -20,9 +22,12 @@ import os
 import pathlib
 import statistics
 import subprocess
-import sys
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+from .common.args import add_repeat
+from .common.table import GiB, Table
+from .common.timing import Timed, alternate
+from .common.trees import REPO
+
 ENGINE_PYTHON = {"sglang": REPO / ".venv-sglang" / "bin" / "python", "vllm": REPO / ".venv-vllm" / "bin" / "python"}
 
 # Run in the engine's venv: load one rank one way, print {"seconds", "max_rss_kib"}.
@@ -61,7 +66,7 @@ print("RESULT " + json.dumps({"seconds": time.perf_counter() - t0,
 
 
 def load(engine: str, folder: pathlib.Path, fmt: str, tp: int, rank: int, ep: int, work: pathlib.Path,
-         aiter: pathlib.Path, converted: pathlib.Path) -> dict:
+         aiter: pathlib.Path, converted: pathlib.Path) -> Timed:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([str(ENGINE_PYTHON[engine]), "-c", CHILD, str(REPO), engine, str(folder), fmt, str(tp),
                         str(rank), str(ep), str(work), str(aiter), str(converted)], capture_output=True, text=True,
@@ -69,21 +74,21 @@ def load(engine: str, folder: pathlib.Path, fmt: str, tp: int, rank: int, ep: in
     line = next((x for x in r.stdout.splitlines() if x.startswith("RESULT ")), None)
     if r.returncode or line is None:
         raise SystemExit(f"{engine} {fmt} load of {folder} failed:\n{r.stderr[-3000:]}")
-    return json.loads(line[len("RESULT "):])
+    got = json.loads(line[len("RESULT "):])
+    return Timed(got["seconds"], {"max_rss": got["max_rss_kib"] * 1024})
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--engine", required=True, choices=sorted(ENGINE_PYTHON))
     ap.add_argument("--source", required=True, type=pathlib.Path)
     ap.add_argument("--converted", required=True, type=pathlib.Path)
     ap.add_argument("--rank", type=int, default=0)
-    ap.add_argument("--repeat", type=int, default=3)
+    add_repeat(ap, 3)
     ap.add_argument("--work", type=pathlib.Path, default=pathlib.Path("/tmp/bench-engine-load"))
-    args = ap.parse_args()
-    sys.path.insert(0, str(REPO))
-    sys.path.insert(0, str(REPO / "scripts"))
-    import engine_sources
+
+
+def run(args: argparse.Namespace) -> None:
+    import engine_sources  # scripts/: the engines' pinned sources
     import layouts
 
     m = layouts.load_manifest(args.converted)
@@ -91,26 +96,15 @@ def main() -> int:
     _, aiter = engine_sources.trees(engine_sources.require(), args.work)
     door = {"vllm": "prep", "sglang": "sharded_state"}[args.engine]
     ways = {"own loader, Quark source": (args.source, "auto"), "door, prep's conversion": (args.converted, door)}
-    src_bytes = sum(f.stat().st_size for f in args.source.glob("*.safetensors"))
-    rank_bytes = sum((args.converted / f).stat().st_size for f in m.rank_files(args.rank))
-    for folder, fmt in ways.values():  # warm the page cache and the harnesses' work folders
-        load(args.engine, folder, fmt, tp, args.rank, ep, args.work, aiter, args.converted)
-    times: dict[str, list[float]] = {w: [] for w in ways}
-    rss: dict[str, list[int]] = {w: [] for w in ways}
-    for _ in range(args.repeat):
-        for way, (folder, fmt) in ways.items():
-            r = load(args.engine, folder, fmt, tp, args.rank, ep, args.work, aiter, args.converted)
-            times[way].append(r["seconds"])
-            rss[way].append(r["max_rss_kib"])
-    print(f"{args.engine}, rank {args.rank} of TP {tp} / EP {ep}; {args.repeat} runs each, alternated")
+    files = {"own loader, Quark source": sum(f.stat().st_size for f in args.source.glob("*.safetensors")),
+             "door, prep's conversion": sum((args.converted / f).stat().st_size for f in m.rank_files(args.rank))}
+    # The first round is untimed: the page cache and the harnesses' work folders.
+    runs = alternate({way: (lambda f=folder, fmt=fmt: load(args.engine, f, fmt, tp, args.rank, ep, args.work, aiter,
+                                                          args.converted))
+                      for way, (folder, fmt) in ways.items()}, args.repeat, warmup=1)
+    table = Table("own loader, Quark source", stat="median",
+                  title=f"{args.engine}, rank {args.rank} of TP {tp} / EP {ep}; {args.repeat} runs each, alternated")
     for way in ways:
-        read = src_bytes if way.startswith("own") else rank_bytes
-        print(f"  {way:<26} load {statistics.median(times[way]):6.2f} s (min {min(times[way]):.2f})  "
-              f"peak RSS {statistics.median(rss[way]) / 2**20:5.2f} GiB  files {read / 2**30:.2f} GiB")
-    own, door_way = (statistics.median(times[w]) for w in ways)
-    print(f"  door / own: {door_way / own:.2f}x the time")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+        rss = statistics.median(i["max_rss"] for i in runs.info[way])
+        table.add(way, runs.seconds[way], peak_rss=f"{rss / GiB:.2f} GiB", files=f"{files[way] / GiB:.2f} GiB")
+    table.print()

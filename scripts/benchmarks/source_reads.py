@@ -1,10 +1,7 @@
-#!/usr/bin/env python3
 """Experts shuffled from the source: read into memory first (what convert does) or straight from a
 mapping of the shard (what it could do), in one run, alternated.
 
-    PYTHONPATH=. .venv/bin/python scripts/bench_source_reads.py SRC [--experts 1500] [--repeat 3]
-
-Takes the first ``--experts`` packed MXFP4 expert weights of SRC (in file order, page cache warm:
+Baseline: ``pread + shuffle`` (what convert does). Takes the first ``--experts`` packed MXFP4 expert weights of SRC (in file order, page cache warm:
 each shard is read once before) and preshuffles each into one output buffer (as convert's staging
 memory takes them):
 
@@ -17,6 +14,9 @@ Prints seconds per pass and GB/s of the tensors' bytes; the ratio of the first t
 what reading through a mapping would save on the main thread. It would cost: a shard shrinking
 during a conversion kills the process with SIGBUS instead of the one-line "truncated" error,
 and mapped pages count in the process's RSS until unmapped.
+
+Example:
+    python scripts/bench.py source-reads SRC --experts 4416 --repeat 3
 """
 
 from __future__ import annotations
@@ -26,23 +26,25 @@ import mmap
 import os
 import pathlib
 import sys
-import time
 import warnings
 
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+from layouts.shuffle import preshuffle_weight
+from prep.source import SourceCheckpoint
 
-from layouts.shuffle import preshuffle_weight  # noqa: E402
-from prep.source import SourceCheckpoint  # noqa: E402
+from .common.args import add_repeat
+from .common.table import Table
+from .common.timing import alternate
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("src", type=pathlib.Path)
     ap.add_argument("--experts", type=int, default=1500, help="expert weights to shuffle per pass")
-    ap.add_argument("--repeat", type=int, default=3)
-    args = ap.parse_args()
+    add_repeat(ap, 3)
+
+
+def run(args: argparse.Namespace) -> None:
     src = SourceCheckpoint.open(str(args.src))
     infos = sorted((i for n, i in src.tensors.items() if ".experts." in n and n.endswith("proj.weight")
                     and i.dtype == "U8" and len(i.shape) == 2 and i.shape[0] % 16 == 0 and i.shape[1] % 32 == 0),
@@ -79,17 +81,9 @@ def main() -> None:
 
     ways = {"pread + shuffle": pread_shuffle, "pread only": lambda: pread_shuffle(False),
             "mapped + shuffle": mapped_shuffle}
-    best = dict.fromkeys(ways, float("inf"))
-    for _ in range(args.repeat):
-        for name, fn in ways.items():
-            t0 = time.perf_counter()
-            fn()
-            best[name] = min(best[name], time.perf_counter() - t0)
-    print(f"{len(infos)} expert weights, {total / 2**30:.2f} GiB, torch threads {torch.get_num_threads()}, "
-          f"best of {args.repeat}:")
-    for name, t in best.items():
-        print(f"  {name:18s} {t:6.3f} s  {total / t / 1e9:6.2f} GB/s  ({best['pread + shuffle'] / t:.2f}x pread + shuffle)")
-
-
-if __name__ == "__main__":
-    main()
+    runs = alternate(ways, args.repeat)
+    table = Table("pread + shuffle", title=f"{len(infos)} expert weights, {total / 2**30:.2f} GiB, "
+                                           f"torch threads {torch.get_num_threads()}, best of {args.repeat}")
+    for name, seconds in runs.seconds.items():
+        table.add(name, seconds, nbytes=total)
+    table.print()

@@ -1,10 +1,7 @@
-#!/usr/bin/env python3
 """Time to "rank ready": loading one rank from the Quark source the way engines do today, against
 ``layouts.load_rank`` of the converted checkpoint, in the same run.
 
-    python scripts/bench_load.py --src DIR [--converted DIR] [--tp 1] [--rank 0] [--repeat 3] [--device cpu]
-
-source path (what ATOM/vLLM do at start-up): open every shard with safetensors' ``safe_open``,
+Baseline: the source path. source path (what ATOM/vLLM do at start-up): open every shard with safetensors' ``safe_open``,
 read each of the rank's tensors by name (a TP slice of it with ``get_slice``), copy the experts
 one by one into the stacked w13/w2 and the merged [q_a;kv_a] / [gate;up] tensors, then shuffle
 every MXFP4 weight and scale into the kernels' layout (prep's own shuffles, the same arithmetic
@@ -26,7 +23,12 @@ ready of ``--rank`` for each layout, page cache warm, and with ``--cold`` also a
 checkpoint's files from the page cache (``posix_fadvise(DONTNEED)``; no root needed).
 For an R1-0528-shaped checkpoint: ``make_tiny_deepseek.py OUT --preset bench-r1``.
 A checkpoint with DeepSeek-like tensor counts: ``scripts/make_tiny_deepseek.py OUT --layers 30
---experts 256 --hidden 512 --random-bytes`` (45,843 tensors, 1.7 GB).
+--experts 256 --hidden 512 --random-bytes`` (45,843 tensors, 1.7 GB). ``--rank-exact``: the
+same bytes and rank-ready times for a rank-exact conversion against ``--common-bf16`` (the
+baseline there), alternated.
+
+Example:
+    python scripts/bench.py load --src SRC --tp 4 8 --repeat 3 --cold
 """
 
 from __future__ import annotations
@@ -35,24 +37,24 @@ import argparse
 import math
 import pathlib
 import shutil
-import sys
 import tempfile
 import time
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+import torch
+from safetensors import safe_open
 
-import torch  # noqa: E402
-from safetensors import safe_open  # noqa: E402
+import layouts as L
+from prep.convert import convert
+from prep.deepseek import Target, classify, plan_groups
+from prep.safetensors_writer import nbytes
+from prep.source import SourceCheckpoint
 
-import layouts as L  # noqa: E402
-from prep.convert import convert  # noqa: E402
-from prep.deepseek import Target, classify, plan_groups  # noqa: E402
-from prep.safetensors_writer import nbytes  # noqa: E402
-from prep.source import SourceCheckpoint  # noqa: E402
-
-sys.path.insert(0, str(REPO / "scripts"))
-from bench_replicated import evict  # noqa: E402  (one definition of "cold")
+from .common.args import add_repeat
+from .common.page_cache import evict
+from .common.rank_ready import load_and_touch
+from .common.table import Table
+from .common.timing import alternate
+from .common.trees import scratch_root
 
 
 def load_source_like_an_engine(src_dir: pathlib.Path, tp: int, rank: int, device: str) -> tuple[int, int]:
@@ -89,7 +91,6 @@ def load_source_like_an_engine(src_dir: pathlib.Path, tp: int, rank: int, device
 def atom_keeps(src: SourceCheckpoint, manifest, rank: int) -> tuple[int, int]:
     """(bytes of the rank's own files, bytes ATOM keeps of the BF16 tensors): the second from
     tests/atom_sharding.py (both the target model and the MTP draft model)."""
-    sys.path.insert(0, str(REPO / "tests"))
     from atom_sharding import held  # the test-side statement of ATOM's per-rank slices
 
     kept = 0
@@ -125,52 +126,39 @@ def bytes_table(src: SourceCheckpoint, conv: pathlib.Path) -> None:
 def time_rank(src_dir: pathlib.Path, conv: pathlib.Path, rank: int, repeat: int, device: str, pread: bool | str,
               cold: bool) -> None:
     manifest = L.load_manifest(conv)
-    tp = manifest.tp
     files = [conv / f for f in manifest.rank_files(rank)]
     src_files = [src_dir / f for f in SourceCheckpoint(src_dir).files]
-    times: dict[str, list[float]] = {"source": [], "converted": []}
     counts = {}
-    for i in range(repeat + 1):  # the first round warms the page cache and is not timed
-        if cold:
-            evict(src_files)
-        t0 = time.perf_counter()
-        reads, held = load_source_like_an_engine(src_dir, tp, rank, device)
+
+    def source() -> None:
+        counts["source"] = load_source_like_an_engine(src_dir, manifest.tp, rank, device)
         if device != "cpu":
             torch.cuda.synchronize()
-        t1 = time.perf_counter()
-        if cold:
-            evict(files)
-        t1 = time.perf_counter()
+
+    def converted() -> None:
         ranked = L.load_rank(conv, rank, device, mmap=not pread, direct=pread == "direct")
         if device == "cpu":  # touch every page, so a mapped file is really in memory
             for t in ranked.buffers:
                 int(t[::4096].sum())
         else:
             torch.cuda.synchronize()
-        t2 = time.perf_counter()
-        counts = {"source": (reads, held), "converted": (len(ranked), len(ranked))}
-        if i or cold:
-            times["source"].append(t1 - t0)
-            times["converted"].append(t2 - t1)
-        del ranked
-    nbytes = sum(f.stat().st_size for f in files)
-    s, c = min(times["source"]), min(times["converted"])
-    print(f"rank {rank} of tp {tp}, device {device}, best of {len(times['converted'])} "
-          f"({'cold: files evicted before each load' if cold else 'page cache warm'})")
-    print(f"source    : {s:7.3f} s  {counts['source'][0]:6d} tensors read by name, merged into {counts['source'][1]} "
-          "and shuffled at load")
-    print(f"converted : {c:7.3f} s  {counts['converted'][0]:6d} tensors in {len(files)} files "
-          f"({nbytes / 2**30:.2f} GiB, {nbytes / c / 1e9:.2f} GB/s)")
-    print(f"ratio     : {s / c:7.2f}x faster to rank ready (target >= 2x)")
+        counts["converted"] = len(ranked)
 
+    def evict_first(name: str) -> None:
+        if cold:
+            evict(src_files if name == "source" else files)
 
-def load_and_touch(conv: pathlib.Path, rank: int) -> int:
-    """Rank ready on the CPU: ``load_rank`` (each of the rank's files mapped once), then every
-    page touched so the bytes are really in memory. Returns the bytes mapped."""
-    ranked = L.load_rank(conv, rank)
-    for t in ranked.buffers:
-        int(t[::4096].sum())
-    return sum(t.numel() for t in ranked.buffers)
+    # Warm, the first round fills the page cache and is not timed; cold, every round is.
+    runs = alternate({"source": source, "converted": converted}, repeat + (1 if cold else 0),
+                     warmup=0 if cold else 1, before=evict_first)
+    size = sum(f.stat().st_size for f in files)
+    table = Table("source", title=f"rank {rank} of tp {manifest.tp}, device {device}, "
+                                  f"{'cold: files evicted before each load' if cold else 'page cache warm'}")
+    table.add("source", runs.seconds["source"],
+              tensors=f"{counts['source'][0]} read by name, merged into {counts['source'][1]}, shuffled at load")
+    table.add("converted", runs.seconds["converted"], nbytes=size,
+              tensors=f"{counts['converted']} in {len(files)} files ({size / 2**30:.2f} GiB)")
+    table.print()
 
 
 def compare_layouts(src: SourceCheckpoint, convs: dict[str, pathlib.Path], rank: int, repeat: int,
@@ -196,30 +184,27 @@ def compare_layouts(src: SourceCheckpoint, convs: dict[str, pathlib.Path], rank:
         print(f"  {name:12s}: {max(sizes) / 2**30:.3f} GiB read per rank at most ({max(sizes) / total:.3f} of the "
               f"checkpoint; least {min(sizes) / 2**30:.3f} GiB, {max(sizes) / bound:.3f}x the bound), "
               f"{disk / 2**30:.3f} GiB on disk for all ranks")
-    for label, evict_first in (("warm", False), ("cold", True)) if cold else (("warm", False),):
-        times: dict[str, list[float]] = {k: [] for k in convs}
-        for i in range(repeat + 1):  # the first round warms the page cache (untimed unless cold)
-            for name, conv in convs.items():
-                if evict_first:
-                    m = L.load_manifest(conv)
-                    evict([conv / f for f in m.files])
-                t0 = time.perf_counter()
-                load_and_touch(conv, rank)
-                if i or evict_first:
-                    times[name].append(time.perf_counter() - t0)
-        base = min(next(iter(times.values())))
-        print(f"  rank {rank} load_rank + touch, {label}, best of {repeat + (1 if evict_first else 0)}: " + ", ".join(
-            f"{k} {min(v):.3f} s ({base / min(v):.2f}x)" for k, v in times.items()))
+    for label, cold_each in (("warm", False), ("cold", True)) if cold else (("warm", False),):
+        def evict_first(name: str) -> None:
+            if cold_each:
+                evict([convs[name] / f for f in L.load_manifest(convs[name]).files])
+
+        # The first round warms the page cache (untimed unless cold).
+        runs = alternate({name: (lambda c=conv: load_and_touch(c, rank)) for name, conv in convs.items()},
+                         repeat + (1 if cold_each else 0), warmup=0 if cold_each else 1, before=evict_first)
+        table = Table(next(iter(convs)), title=f"  rank {rank} load_rank + touch, {label}")
+        for name, seconds in runs.seconds.items():
+            table.add(name, seconds)
+        table.print()
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--src", type=pathlib.Path, required=True)
     ap.add_argument("--converted", type=pathlib.Path, help="an existing conversion (then --tp is its own)")
     ap.add_argument("--tp", type=int, nargs="+", default=[1], help="one or more TP sizes, each converted and measured")
     ap.add_argument("--ep", action="store_true", help="convert with expert parallel (--ep equal to --tp)")
     ap.add_argument("--rank", type=int, default=0)
-    ap.add_argument("--repeat", type=int, default=3)
+    add_repeat(ap, 3)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--pread", action="store_true", help="load_rank(mmap=False): read files into new memory")
     ap.add_argument("--direct", action="store_true",
@@ -229,9 +214,11 @@ def main() -> None:
     ap.add_argument("--rank-exact", action="store_true",
                     help="also convert rank-exact (the default layout) and compare it with --common-bf16 (format 1)")
     ap.add_argument("--no-source", action="store_true", help="skip timing the engine-like load from the source")
-    args = ap.parse_args()
+
+
+def run(args: argparse.Namespace) -> None:
     src = SourceCheckpoint(args.src)
-    out_root = REPO / "out" if (REPO / "out").is_dir() else None
+    out_root = scratch_root()
     for tp in [None] if args.converted else args.tp:
         tmp = None
         conv = args.converted
@@ -259,7 +246,3 @@ def main() -> None:
         finally:
             if tmp is not None:
                 shutil.rmtree(tmp, ignore_errors=True)
-
-
-if __name__ == "__main__":
-    main()

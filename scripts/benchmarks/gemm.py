@@ -1,10 +1,7 @@
-#!/usr/bin/env python3
 """aiter's Triton MXFP4 GEMMs compiled for this GPU, on the bytes of real conversions: checks, then timing.
 
-    PYTHONPATH=. python3 scripts/bench_gemm.py [--skip-check] [--skip-time] [--ms 1,16,128,4096]
-                                               [--workdir DIR] [--out FILE] [--cpu-smoke]
-
-The kernels are aiter's ``gemm_afp4wfp4``, ``gemm_afp4wfp4_preshuffled_scales`` and
+Baseline: ``torch.matmul`` of the dequantized bf16 operands (the GEMM an engine without MXFP4
+kernels runs), timed beside each kernel. The kernels are aiter's ``gemm_afp4wfp4``, ``gemm_afp4wfp4_preshuffled_scales`` and
 ``gemm_afp4wfp4_preshuffled_weight_scales`` from the pinned wheel's files (.cache/aiter-oracle), loaded
 by tests/aiter_oracle.py with aiter's arch detection stubbed (gfx950) and the AMD-only launch keys
 dropped from its configs, then compiled by this machine's Triton (nothing is interpreted unless
@@ -27,13 +24,18 @@ each kernel's engine path.
    weight (the bf16 GEMM an engine without MXFP4 kernels would run). Times are medians of CUDA-graph
    replays; every call in a replay reads its own copy of the weight (enough copies to exceed the L2
    cache), so decode sizes read the weight from HBM as an engine's layer-by-layer calls do.
+
+``--cpu-smoke`` runs it all on the CPU under Triton's interpreter (tiny shapes, wall-clock times).
+
+Example:
+    python3 scripts/bench.py gemm --workdir /tmp/g --out /tmp/gemm.txt
+    python3 scripts/bench.py gemm --cpu-smoke --skip-check
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import pathlib
 import shutil
 import sys
@@ -41,39 +43,32 @@ import tempfile
 import time
 import traceback
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+import torch
+
+import layouts
+from prep.convert import convert
+from prep.deepseek import Target
+from prep.reference.aiter_gemm import DENSE_MODULES
+from prep.testing import SynthSpec, write_checkpoint
+
+from .common import cuda_timing
+from .common.args import add_cpu_smoke, add_ms, require_compiled_triton
+from .common.table import Table
+
+# The run's options and device, set by run(): the CPU smoke run changes tolerances, shapes and
+# timing throughout.
+ARGS = argparse.Namespace(cpu_smoke=False)
+DEVICE = "cuda"
 
 
-def parse_args() -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--skip-check", action="store_true", help="no tiny-checkpoint checks")
     ap.add_argument("--skip-time", action="store_true", help="no DeepSeek-shape timing")
-    ap.add_argument("--ms", default="1,16,128,4096", help="M values to time (comma-separated)")
+    add_ms(ap, "1,16,128,4096")
     ap.add_argument("--workdir", default=None, help="where checkpoints are generated (default: a temp folder)")
-    ap.add_argument("--out", default=None, help="also append the report to this file")
     ap.add_argument("--time-limit", type=float, default=420, help="seconds after which timing stops")
-    ap.add_argument("--cpu-smoke", action="store_true",
-                    help="exercise the script on the CPU (interpreter, tiny shapes, wall-clock times)")
-    return ap.parse_args()
+    add_cpu_smoke(ap)
 
-
-ARGS = parse_args()
-if ARGS.cpu_smoke:
-    os.environ["TRITON_INTERPRET"] = "1"
-elif os.environ.get("TRITON_INTERPRET") == "1":
-    sys.exit("unset TRITON_INTERPRET: this benchmark compiles kernels for the GPU")
-DEVICE = "cpu" if ARGS.cpu_smoke else "cuda"
-sys.path[:0] = [str(REPO), str(REPO / "tests")]
-
-import torch  # noqa: E402
-
-import layouts  # noqa: E402
-from prep.convert import convert  # noqa: E402
-from prep.deepseek import Target  # noqa: E402
-from prep.reference.aiter_gemm import DENSE_MODULES  # noqa: E402
-from prep.testing import SynthSpec, write_checkpoint  # noqa: E402
-
-import cuda_timing  # noqa: E402  (scripts/, beside this file)
 
 NON_SHUFFLE = "gemm_afp4wfp4"
 PS_WEIGHT = "gemm_afp4wfp4_preshuffled_weight_scales"
@@ -81,13 +76,6 @@ PS_SCALES = "gemm_afp4wfp4_preshuffled_scales"
 KERNELS = (NON_SHUFFLE, PS_WEIGHT, PS_SCALES)
 MODULES = DENSE_MODULES
 EPS = 1e-6
-
-
-def say(msg: str = "") -> None:
-    print(msg, flush=True)
-    if ARGS.out:
-        with open(ARGS.out, "a") as f:
-            f.write(msg + "\n")
 
 
 def sync() -> None:
@@ -257,8 +245,8 @@ def check_tiny(gemm, root: pathlib.Path) -> list:
 
 
 def print_checks(title: str, rows: list) -> tuple[int, int]:
-    say()
-    say(f"== {title}: aiter's kernels compiled here vs the float64 reference (per M: ok / FAIL / n/a) ==")
+    print()
+    print(f"== {title}: aiter's kernels compiled here vs the float64 reference (per M: ok / FAIL / n/a) ==")
     n_ok = n_bad = 0
     for where, module, n, k, kernel, ms, outs in rows:
         cells = []
@@ -267,13 +255,13 @@ def print_checks(title: str, rows: list) -> tuple[int, int]:
             n_ok += tag == "ok"
             n_bad += tag == "FAIL"
             cells.append(f"M={m}:{tag}")
-        say(f"{where:<12} {module:<17} N={n:<6} K={k:<6} {kernel:<40} " + " ".join(cells))
+        print(f"{where:<12} {module:<17} N={n:<6} K={k:<6} {kernel:<40} " + " ".join(cells))
         seen = set()
         for m, o in zip(ms, outs):
             if (not o.ok or o.detail.startswith("raises")) and o.detail not in seen:
                 seen.add(o.detail)
-                say(f"    M={m}: {o.detail}")
-    say(f"{n_ok} calls within the bound, {n_bad} failed")
+                print(f"    M={m}: {o.detail}")
+    print(f"{n_ok} calls within the bound, {n_bad} failed")
     return n_ok, n_bad
 
 
@@ -310,7 +298,7 @@ def deepseek_weights(root: pathlib.Path) -> list[tuple[str, int, Weight]]:
         for module, tp in TIMED:
             if tp == key:
                 out.append((module, tps[key], load_weight(ns, ps, MODULES[module])))
-        say(f"generated, converted (both layouts, tp {tps[key]}) and loaded in {time.time() - t0:.1f} s")
+        print(f"generated, converted (both layouts, tp {tps[key]}) and loaded in {time.time() - t0:.1f} s")
     return out
 
 
@@ -329,7 +317,7 @@ def time_shapes(gemm, weights: list, ms: list[int], t_start: float) -> list:
         bfs = [w_bf] + [w_bf.clone() for _ in range(copies_bf - 1)]
         for m in ms:
             if time.time() - t_start > ARGS.time_limit:
-                say(f"{module} M={m}: skipped, past --time-limit")
+                print(f"{module} M={m}: skipped, past --time-limit")
                 continue
             t, notes = {}, []
             a_bf = None
@@ -354,10 +342,10 @@ def time_shapes(gemm, weights: list, ms: list[int], t_start: float) -> list:
             if a_bf is not None:
                 t["bf16"] = time_graph_us([lambda w=w: torch.matmul(a_bf, w.T) for w in bfs])
             rows.append((module, tp, wt.n, wt.k, m, t, notes, len(fp4), len(bfs)))
-            say(f"  timed {module} M={m}: " + ", ".join(f"{k} {v:.1f} us" for k, v in t.items())
+            print(f"  timed {module} M={m}: " + ", ".join(f"{k} {v:.1f} us" for k, v in t.items())
                 + f" ({time.time() - t_start:.0f} s)")
             for n in notes:
-                say(f"    {n}")
+                print(f"    {n}")
         del fp4, bfs, w_bf
         wt.ref = None
         if not ARGS.cpu_smoke:
@@ -366,32 +354,24 @@ def time_shapes(gemm, weights: list, ms: list[int], t_start: float) -> list:
 
 
 def print_times(rows: list) -> None:
-    say()
-    say("== MXFP4 GEMM (aiter's Triton kernels, compiled here) vs bf16 torch.matmul of the dequantized "
-        "operands; us = median per call (CUDA graph, weights rotated past L2), bf16 output ==")
-    head = (f"{'module':<17}{'tp':>3}{'N':>7}{'K':>7}{'M':>6} {'bf16 us':>9}{'afp4wfp4':>10}{'ps_w+s':>9}"
-            f"{'ps_scales':>10}{'x bf16':>8}{'fp4 GB/s':>9}{'bf16 GB/s':>10}{'fp4 TF/s':>9}{'bf16 TF/s':>10}")
-    say(head)
-    say("-" * len(head))
-
-    def f(v, w, p=1):
-        return f"{v:>{w}.{p}f}" if v is not None else f"{'-':>{w}}"
-
+    table = Table("bf16", title="\n== MXFP4 GEMM (aiter's Triton kernels, compiled here) vs bf16 torch.matmul of the "
+                                "dequantized operands; time = median per call (CUDA graph, weights rotated past L2), "
+                                "bf16 output ==")
     for module, tp, n, k, m, t, notes, _, _ in rows:
-        bf = t.get("bf16")
-        best = min((t[x] for x in KERNELS if x in t), default=None)
         fp4_bytes = n * k // 2 + n * -(-k // 32) + m * k // 2 + 2 * m * n
-        bf_bytes = 2 * n * k + 2 * m * k + 2 * m * n
-        flops = 2 * m * n * k
-        say(f"{module:<17}{tp:>3}{n:>7}{k:>7}{m:>6} {f(bf, 9)}{f(t.get(NON_SHUFFLE), 10)}{f(t.get(PS_WEIGHT), 9)}"
-            f"{f(t.get(PS_SCALES), 10)}{f(bf / best if bf and best else None, 8, 2)}"
-            f"{f(fp4_bytes / best / 1e3 if best else None, 9, 0)}{f(bf_bytes / bf / 1e3 if bf else None, 10, 0)}"
-            f"{f(flops / best / 1e6 if best else None, 9, 1)}{f(flops / bf / 1e6 if bf else None, 10, 1)}")
-    say("x bf16 = bf16 time / fastest aiter kernel's time (> 1: the MXFP4 kernel is faster); GB/s = the "
-        "bytes each must move (weight, scales, activation, output) / time")
+        bytes_of = {"bf16": 2 * n * k + 2 * m * k + 2 * m * n, **{x: fp4_bytes for x in KERNELS}}
+        for name in ("bf16", *KERNELS):
+            if name in t:
+                table.add(name, t[name] * 1e-6, case=f"{module} tp{tp} N={n} K={k} M={m}", nbytes=bytes_of[name],
+                          TFLOPS=f"{2 * m * n * k / t[name] / 1e6:.1f}")
+    table.print()
+    print("GB/s = the bytes each must move (weight, scales, activation, output) / time")
 
 
-def main() -> None:
+def run(args: argparse.Namespace) -> None:
+    global ARGS, DEVICE
+    ARGS, DEVICE = args, "cpu" if args.cpu_smoke else "cuda"
+    require_compiled_triton(args.cpu_smoke)
     if DEVICE == "cuda" and not torch.cuda.is_available():
         sys.exit("needs a CUDA device (or --cpu-smoke)")
     import triton
@@ -401,7 +381,7 @@ def main() -> None:
     t_start = time.time()
     name = "CPU (interpreter)" if ARGS.cpu_smoke else torch.cuda.get_device_name()
     cap = "" if ARGS.cpu_smoke else f" sm_{''.join(map(str, torch.cuda.get_device_capability()))}"
-    say(f"device: {name}{cap}  torch {torch.__version__}  triton {triton.__version__}")
+    print(f"device: {name}{cap}  torch {torch.__version__}  triton {triton.__version__}")
     if not aiter_oracle.triton_gemm_available():
         sys.exit(f"aiter's GEMM files are missing under {aiter_oracle.ORACLE_DIR} (scripts/fetch_aiter_oracle.py)")
     gemm = aiter_oracle.triton_gemm_module(interpret=ARGS.cpu_smoke)
@@ -412,10 +392,10 @@ def main() -> None:
         if not ARGS.skip_check:
             bad += print_checks("tiny checkpoints (v2, r1-0528), whole tensors, float32 output",
                                 check_tiny(gemm, root))[1]
-            say(f"(checks done at {time.time() - t_start:.0f} s)")
+            print(f"(checks done at {time.time() - t_start:.0f} s)")
         if not ARGS.skip_time:
             weights = deepseek_weights(root)
-            ms = [1, 33] if ARGS.cpu_smoke else [int(v) for v in ARGS.ms.split(",")]
+            ms = [1, 33] if ARGS.cpu_smoke else ARGS.ms
             check_rows = []
             for module, tp, wt in weights:
                 outs = [check_one(gemm, kernel, wt, m, seed=7 + m, dtype=torch.bfloat16)
@@ -428,9 +408,5 @@ def main() -> None:
     finally:
         if not ARGS.workdir:
             shutil.rmtree(root, ignore_errors=True)
-    say(f"(total {time.time() - t_start:.0f} s)")
+    print(f"(total {time.time() - t_start:.0f} s)")
     sys.exit(1 if bad else 0)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,11 +1,8 @@
-#!/usr/bin/env python
 """Peak memory (RSS) of every prep command, each run as a process of its own, on one generated
 checkpoint: this tree against a baseline tree (another git revision), in the same run.
 
-    .venv/bin/python scripts/bench_memory.py WORK [--preset real-dims] [--source-layers N] [--tp N] [--baseline main]
-        [--layers 1] [--prompt-ids 0,1,2,3] [--max-memory GIB ...] [--keep]
-
-WORK holds the generated source (``WORK/src``, reused when present: generating 13 GiB takes
+Baseline: ``--baseline REV`` (default main; '' for none), each command run with it first, then
+with this tree. WORK holds the generated source (``WORK/src``, reused when present: generating 13 GiB takes
 minutes), its conversion (``WORK/out``) and each revert's output (deleted after it is measured).
 The baseline is the revision's files unpacked with ``git archive`` into ``WORK/baseline``; both
 trees run with the same interpreter, their own folder first on ``PYTHONPATH``.
@@ -14,6 +11,9 @@ Peak RSS is the kernel's high-water mark of the process (``ru_maxrss`` from ``wa
 memory and the file pages it has mapped and touched, as a user's ``top`` or an OOM killer sees
 it. ``convert`` runs with this tree only (its memory is not what changed). The table goes to
 stdout, one JSON object per run to ``WORK/bench_memory.jsonl``.
+
+Example:
+    python scripts/bench.py memory /tmp/mem --source-layers 2 --tp 8 --baseline HEAD~1 --only verify,revert
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ import subprocess
 import sys
 import time
 
-HERE = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(HERE))
-from prep import testing as synth  # noqa: E402  (this tree's, whatever is installed)
-GiB = 1 << 30
+from prep import testing as synth
+
+from .common.table import GiB, Table
+from .common.trees import REPO, unpack
 
 
 def measure(cmd: list[str], tree: pathlib.Path) -> dict:
@@ -40,17 +40,7 @@ def measure(cmd: list[str], tree: pathlib.Path) -> dict:
     return {"peak_rss": peak, "wall_s": time.perf_counter() - t0, "rc": rc, "tail": out.strip().splitlines()[-1:]}
 
 
-def unpack(rev: str, dest: pathlib.Path) -> pathlib.Path:
-    """The files of git revision ``rev`` of this repository, unpacked into ``dest`` (once)."""
-    if not (dest / "prep").is_dir():
-        dest.mkdir(parents=True, exist_ok=True)
-        archive = subprocess.run(["git", "-C", str(HERE), "archive", rev], check=True, capture_output=True).stdout
-        subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
-    return dest
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("work", type=pathlib.Path)
     ap.add_argument("--preset", default="real-dims")
     ap.add_argument("--source-layers", type=int, help="the generator's --layers (real-dims has 1; 2 is 18.8 GiB)")
@@ -65,7 +55,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="compare's --max-memory in GiB, one run per value, for both trees (default: their own)")
     ap.add_argument("--only", help="comma-separated commands to run (convert,verify,revert,compare)")
     ap.add_argument("--keep", action="store_true", help="keep WORK/src and WORK/out afterwards")
-    args = ap.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     work = args.work.resolve()
     work.mkdir(parents=True, exist_ok=True)
     py = sys.executable
@@ -73,11 +65,11 @@ def main(argv: list[str] | None = None) -> int:
     if not (src / "model.safetensors.index.json").is_file():
         shutil.rmtree(src, ignore_errors=True)
         layers = ["--layers", str(args.source_layers)] if args.source_layers else []
-        subprocess.run([py, str(HERE / "scripts/make_tiny_deepseek.py"), str(src), "--preset", args.preset, *layers, "-q"],
-                       check=True, env={**os.environ, "PYTHONPATH": str(HERE)})
+        subprocess.run([py, str(REPO / "scripts/make_tiny_deepseek.py"), str(src), "--preset", args.preset, *layers, "-q"],
+                       check=True, env={**os.environ, "PYTHONPATH": str(REPO)})
     size = sum(p.stat().st_size for p in src.glob("*.safetensors"))
     largest = max(p.stat().st_size for p in src.glob("*.safetensors"))
-    trees = [("this", HERE)]
+    trees = [("this", REPO)]
     if args.baseline:
         trees.insert(0, (f"baseline {args.baseline}", unpack(args.baseline, work / "baseline")))
     only = set(args.only.split(",")) if args.only else {"convert", "verify", "revert", "compare"}
@@ -88,14 +80,13 @@ def main(argv: list[str] | None = None) -> int:
         rows.append((command, tree_name, result))
         with open(work / "bench_memory.jsonl", "a") as f:
             f.write(json.dumps({"command": command, "tree": tree_name, "checkpoint_bytes": size, **result}) + "\n")
-        print(f"{command:<34} {tree_name:<16} {result['peak_rss'] / GiB:7.2f} GiB {result['wall_s']:8.1f} s"
-              f"  rc {result['rc']}", flush=True)
+        print(f"  {command} ({tree_name}): peak RSS {result['peak_rss'] / GiB:.2f} GiB, {result['wall_s']:.1f} s, "
+              f"rc {result['rc']}", flush=True)
 
     print(f"checkpoint {src}: {size / GiB:.2f} GiB, largest shard {largest / GiB:.2f} GiB")
-    print(f"{'command':<34} {'tree':<16} {'peak RSS':>11} {'wall':>10}")
     if "convert" in only or not (out / "prep-complete.json").is_file():
         shutil.rmtree(out, ignore_errors=True)
-        record("convert", "this", measure([*prep, "convert", str(src), "-o", str(out), "--tp", str(args.tp), "-q"], HERE))
+        record("convert", "this", measure([*prep, "convert", str(src), "-o", str(out), "--tp", str(args.tp), "-q"], REPO))
     for name, tree in trees:
         if "verify" in only:
             record("verify --source", name, measure([*prep, "verify", str(out), "--source", str(src), "-q"], tree))
@@ -116,12 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.keep:
         shutil.rmtree(out, ignore_errors=True)
         shutil.rmtree(src, ignore_errors=True)
-    base = {c: r for c, t, r in rows if t != "this"}
-    for c, t, r in rows:
-        if t == "this" and c in base and r["peak_rss"]:
-            print(f"{c}: peak RSS {base[c]['peak_rss'] / r['peak_rss']:.1f}x lower than the baseline's")
+    table = Table(trees[0][0], what="memory", title="peak RSS of each command, a process of its own")
+    for command, tree_name, r in rows:
+        table.add(tree_name, r["peak_rss"], case=command, wall=f"{r['wall_s']:.1f} s", rc=r["rc"])
+    table.print()
     return 1 if any(r["rc"] for _, _, r in rows) else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

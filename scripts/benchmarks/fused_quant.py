@@ -1,10 +1,7 @@
-#!/usr/bin/env python3
 """GPU benchmark of the fused (residual add +) RMSNorm + MXFP4 quant, all contenders in one run.
 
-    PYTHONPATH=. python scripts/bench_fused_quant.py [--quick] [--aiter-dir DIR] [--out FILE]
-                                                     [--sweep] [--no-compile]
-
-Contenders, each on the same inputs (bf16, shuffle=True and scale_shuffle_padding=True, the
+Baseline: a copy of the op's bytes ("x copy": the share of the copy's bandwidth reached), with
+"x aiter" beside it. Contenders, each on the same inputs (bf16, shuffle=True and scale_shuffle_padding=True, the
 ASM-GEMM flags):
 
 * ours      -- ``layouts.fused_rms_mxfp4_quant(..., backend="triton")`` (the public call);
@@ -31,6 +28,11 @@ Before timing, every shape is checked: ours against the torch reference on the G
 three flag settings (scale bytes exact including pad, FP4 codes within the test bound, out_res1
 exact, out2 within one bf16 step), against the CPU reference for small M, and against aiter.
 ``--sweep`` then times a few (rows per program, warps) launch configs around our default plan.
+``--cpu-smoke`` runs it all on the CPU under Triton's interpreter (tiny shapes, wall-clock times).
+
+Example:
+    python scripts/bench.py fused-quant --sweep --time-limit 255 --out /tmp/fq.txt
+    python scripts/bench.py fused-quant --cpu-smoke --no-compile
 """
 
 from __future__ import annotations
@@ -42,21 +44,36 @@ import sys
 import time
 import traceback
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+import torch
+
+from layouts import fused_quant as FQ
+from layouts._triton_fused_quant import fused_rms_mxfp4_quant_triton
+from layouts.mxfp4 import unpack_fp4
+from layouts.shuffle import unshuffle_scale
+
+from .common import cuda_timing
+from .common.args import add_cpu_smoke, add_ms, int_list, require_compiled_triton
+from .common.fused_sites import EPS, SITES, copy_fns, make_inputs
+from .common.table import Table
+from .common.timing import Timed, alternate
+
+# The run's options and device, set by run(): every helper below reads them (the CPU smoke run
+# changes tolerances, shapes and timing throughout).
+ARGS = argparse.Namespace(cpu_smoke=False)
+DEVICE = "cuda"
 
 
-def parse_args() -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--quick", action="store_true", help="fewer shapes and shorter timing")
     ap.add_argument("--aiter-dir", default=None, help="unpacked amd-aiter files (default .cache/aiter-oracle)")
-    ap.add_argument("--out", default=None, help="also write the report here")
     ap.add_argument("--sweep", action="store_true", help="also time launch configs around our default plan")
     ap.add_argument("--ab-flags", action="store_true",
                     help="only time ours with the scale shuffled + padded, row-major padded and row-major, "
                          "alternating twice in this process (what the shuffle costs)")
-    ap.add_argument("--sweep-ms", default=None, help="comma-separated M values of the sweep (default: 1,16,16384,65536)")
+    ap.add_argument("--sweep-ms", type=int_list, default=None,
+                    help="comma-separated M values of the sweep (default: 1,16,16384,65536)")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile contender")
-    ap.add_argument("--ms", default=None, help="comma-separated M values (default: 1,16,256,4096,16384,65536)")
+    add_ms(ap, None, "1,16,256,4096,16384,65536")
     ap.add_argument("--time-limit", type=float, default=240,
                     help="seconds after which the remaining contenders are skipped (the table still prints)")
     ap.add_argument("--old-kernel", default=None,
@@ -64,35 +81,7 @@ def parse_args() -> argparse.Namespace:
                          "as 'old'")
     ap.add_argument("--e2m1-exhaustive", action="store_true",
                     help="compare our E2M1 encoding with the old kernel's on all 2^32 float32 values (GPU)")
-    ap.add_argument("--cpu-smoke", action="store_true",
-                    help="exercise this script on the CPU (TRITON_INTERPRET=1, tiny shapes, wall-clock times)")
-    return ap.parse_args()
-
-
-ARGS = parse_args()
-if ARGS.aiter_dir:
-    os.environ["PREP_AITER_ORACLE_DIR"] = str(pathlib.Path(ARGS.aiter_dir).resolve())
-if ARGS.cpu_smoke:
-    os.environ["TRITON_INTERPRET"] = "1"
-elif os.environ.get("TRITON_INTERPRET") == "1":
-    sys.exit("unset TRITON_INTERPRET: this benchmark compiles kernels for the GPU")
-DEVICE = "cpu" if ARGS.cpu_smoke else "cuda"
-sys.path[:0] = [str(REPO), str(REPO / "tests")]
-
-import torch  # noqa: E402
-
-from layouts import fused_quant as FQ  # noqa: E402
-from layouts._triton_fused_quant import fused_rms_mxfp4_quant_triton  # noqa: E402
-from layouts.mxfp4 import unpack_fp4  # noqa: E402
-from layouts.shuffle import unshuffle_scale  # noqa: E402
-
-import cuda_timing  # noqa: E402  (scripts/, beside this file)
-
-def say(msg: str = "") -> None:
-    print(msg, flush=True)
-    if ARGS.out:  # as we go, so that a run cut short still leaves its report
-        with open(ARGS.out, "a") as f:
-            f.write(msg + "\n")
+    add_cpu_smoke(ap)
 
 
 # ------------------------------------------------------------------------------------- timing
@@ -104,46 +93,18 @@ def time_graph_us(fn, budget_ms: float) -> float:
     return cuda_timing.time_graph_us(fn, budget_ms, cpu=ARGS.cpu_smoke)
 
 
-def _copy_kernel():
-    """A plain Triton copy of int32 words, 16-byte vectors (the bound a memory-bound kernel can
-    reach: in a CUDA graph torch's ``copy_`` becomes a memcpy node, which may run on the copy
-    engines rather than the SMs)."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def copy_words(src, dst, n, BLOCK: tl.constexpr):
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        tl.store(dst + offs, tl.load(src + offs, mask=offs < n), mask=offs < n)
-
-    def run(src, dst, block=4096, warps=8):
-        n = src.numel()
-        copy_words[(triton.cdiv(n, block),)](src, dst, n, BLOCK=block, num_warps=warps)
-    return run
-
-
-def copy_fns(nbytes: int) -> dict:
-    """Copies of ``nbytes`` bytes read + written (``nbytes / 2`` each way, int32 words): torch's
-    ``copy_`` and the Triton copy kernel."""
-    words = max(1, nbytes // 8)
-    src = torch.ones(words, dtype=torch.int32, device=DEVICE)
-    dst = torch.empty_like(src)
-    tcopy = _copy_kernel()
-    return {"copy_": lambda: dst.copy_(src), "triton": lambda: tcopy(src, dst)}
-
-
 def copy_ceiling() -> float:
     """The machine's best copy in this run (GB/s, read + written): torch ``copy_`` and the Triton
     copy at sizes from 64 MiB to 4 GiB moved; prints each."""
     best, row = 0.0, []
     for mib in (64, 256, 1024, 4096):
         nbytes = mib << 20
-        for name, fn in copy_fns(nbytes).items():
+        for name, fn in copy_fns(nbytes, DEVICE).items():
             gbs = nbytes / time_graph_us(fn, 100) / 1e3
             row.append(f"{name}@{mib}MiB={gbs:.0f}")
             best = max(best, gbs)
         torch.cuda.empty_cache()
-    say("copy GB/s (read + written), CUDA graph: " + "  ".join(row))
+    print("copy GB/s (read + written), CUDA graph: " + "  ".join(row))
     return best
 
 
@@ -162,32 +123,6 @@ def floor_us() -> float:
 
 
 # ------------------------------------------------------------------------------------- inputs
-SITES = {
-    # name: (N1, with residual, N2 of x2 or 0)
-    "input_layernorm+res": (7168, True, 0),
-    "q_a+kv_a_layernorm": (1536, False, 512),
-}
-EPS = 1e-6
-
-
-def make_inputs(m: int, n1: int, res: bool, n2: int, seed: int = 0) -> dict:
-    g = torch.Generator(device=DEVICE).manual_seed(seed)
-
-    def act(rows, cols):
-        scale = torch.exp(torch.randn(rows, 1, device=DEVICE, generator=g) * 1.5)
-        return (torch.randn(rows, cols, device=DEVICE, generator=g) * scale).to(torch.bfloat16)
-
-    def weight(cols):
-        return (1 + 0.4 * torch.randn(cols, device=DEVICE, generator=g)).to(torch.bfloat16)
-
-    args = dict(x1=act(m, n1), x1_weight=weight(n1), x1_epsilon=EPS)
-    if res:
-        args["res1"] = act(m, n1)
-    if n2:
-        args.update(x2=act(m, n2), x2_weight=weight(n2), x2_epsilon=EPS)
-    return args
-
-
 def op_bytes(m: int, n1: int, res: bool, n2: int) -> int:
     """Bytes the fused op must read and write (bf16 in/out, padded shuffled scale)."""
     rows_pad, cols_pad = FQ.fused_scale_shape(m, n1, True, True)
@@ -313,7 +248,7 @@ def verify(site: str, m: int, args: dict, aiter_fused) -> str:
         out = FQ.fused_rms_mxfp4_quant(**args, shuffle=True, scale_shuffle_padding=True, backend="triton")
         notes.append(versus_aiter(out, aiter_fused(**args, shuffle=True, scale_shuffle_padding=True), m, n1))
     for p in problems:
-        say("  FAIL " + p)
+        print("  FAIL " + p)
     return ("ok; " if not problems else "FAILED; ") + "; ".join(notes)
 
 
@@ -322,10 +257,10 @@ def verify_edges() -> None:
     cases = []
     for m, n1, res, n2, dtype in ((33, 80, True, 0, torch.bfloat16), (300, 512, True, 512, torch.bfloat16),
                                   (33, 1536, True, 512, torch.float16), (1, 7168, True, 512, torch.float32)):
-        args = make_inputs(m, n1, res, n2, seed=n1)
+        args = make_inputs(m, n1, res, n2, seed=n1, device=DEVICE)
         cases.append((f"M={m} N1={n1} {str(dtype)[6:]}", {k: (v.to(dtype) if torch.is_tensor(v) else v)
                                                           for k, v in args.items()}))
-    args = make_inputs(45, 7168, True, 0, seed=5)
+    args = make_inputs(45, 7168, True, 0, seed=5, device=DEVICE)
     wide = torch.zeros(45, 7169, dtype=torch.bfloat16, device=DEVICE)[:, 1:]  # odd offset: unpaired
     wide.copy_(args["x1"])
     cases.append(("M=45 N1=7168 strided x1", dict(args, x1=wide)))
@@ -336,8 +271,8 @@ def verify_edges() -> None:
             want = FQ.fused_rms_mxfp4_quant_reference(**args, shuffle=shuffle, scale_shuffle_padding=padding)
             problems += check(out, want, f"{name} shuffle={shuffle} pad={padding}", shuffle)[0]
     for p in problems:
-        say("  FAIL " + p)
-    say(f"check edge cases ({len(cases)} shapes x 3 flag settings): {'ok' if not problems else 'FAILED'}")
+        print("  FAIL " + p)
+    print(f"check edge cases ({len(cases)} shapes x 3 flag settings): {'ok' if not problems else 'FAILED'}")
 
 
 # ----------------------------------------------------------------------------------- contenders
@@ -348,11 +283,11 @@ def load_aiter():
     try:
         fused = aiter_oracle.triton_ops_module("fused_mxfp4_quant", interpret=ARGS.cpu_smoke).fused_rms_mxfp4_quant
     except Exception as exc:  # noqa: BLE001 - reported, the rest of the bench still runs
-        say(f"aiter fused_rms_mxfp4_quant unavailable: {type(exc).__name__}: {exc}")
+        print(f"aiter fused_rms_mxfp4_quant unavailable: {type(exc).__name__}: {exc}")
     try:
         quant = aiter_dynamic_quant(aiter_oracle.triton_ops_module("quant", interpret=ARGS.cpu_smoke))
     except Exception as exc:  # noqa: BLE001
-        say(f"aiter dynamic_mxfp4_quant unavailable: {type(exc).__name__}: {exc}")
+        print(f"aiter dynamic_mxfp4_quant unavailable: {type(exc).__name__}: {exc}")
     return fused, quant
 
 
@@ -395,7 +330,7 @@ def e2m1_exhaustive(old_mod) -> None:
     for base in range(0, 1 << 32, per_launch):
         kernel[(per_launch // block,)](count, base, BLOCK=block)
     torch.cuda.synchronize()
-    say(f"E2M1 encoding, all 2^32 float32 patterns, ours vs the old kernel's: {int(count.item())} mismatches "
+    print(f"E2M1 encoding, all 2^32 float32 patterns, ours vs the old kernel's: {int(count.item())} mismatches "
         f"({time.time() - t0:.1f} s)")
 
 
@@ -475,14 +410,14 @@ def _same_bytes(a, b) -> bool:
 
 
 def sweep(ms: list[int], t_start: float) -> None:
-    say()
-    say("== launch-config sweep (ours, CUDA-graph us per call; the default plan is marked *) ==")
+    print()
+    print("== launch-config sweep (ours, CUDA-graph us per call; the default plan is marked *) ==")
     for site, (n1, res, n2) in SITES.items():
         for m in ms:
             if time.time() - t_start > ARGS.time_limit:
-                say(f"{site} M={m}: skipped, past --time-limit")
+                print(f"{site} M={m}: skipped, past --time-limit")
                 continue
-            args = make_inputs(m, n1, res, n2)
+            args = make_inputs(m, n1, res, n2, seed=0, device=DEVICE)
             plan = _plan_of(m, n1, n2)
             row = []
             flags = dict(shuffle=True, scale_shuffle_padding=True)
@@ -503,7 +438,7 @@ def sweep(ms: list[int], t_start: float) -> None:
                     row.append(f"{name}{mark}={t:.1f}")
                 except Exception as exc:  # noqa: BLE001
                     row.append(f"{name}=ERR({type(exc).__name__})")
-            say(f"{site} M={m} (default bm{plan.bm}/w{plan.warps}/s{plan.split}/x2_main={int(plan.x2_main)}"
+            print(f"{site} M={m} (default bm{plan.bm}/w{plan.warps}/s{plan.split}/x2_main={int(plan.x2_main)}"
                 f"/flat_sum={int(plan.flat_sum)}): "
                 + "  ".join(row))
             del args
@@ -514,33 +449,38 @@ def sweep(ms: list[int], t_start: float) -> None:
 def ab_flags(ms: list[int]) -> None:
     """Ours with each scale flag setting, alternating (two rounds), at each site and M."""
     flags = {"shuffled+padded": (True, True), "row-major padded": (False, True), "row-major": (False, False)}
-    say("== ours by scale flags (CUDA-graph us per call, two alternating rounds) ==")
+    table = Table("row-major", title="== ours by scale flags (CUDA-graph time per call, two alternating rounds) ==")
     for site, (n1, res, n2) in SITES.items():
         for m in ms:
-            args = make_inputs(m, n1, res, n2)
-            times = {k: [] for k in flags}
-            for _ in range(2):
-                for k, (sh, pad) in flags.items():
-                    times[k].append(time_graph_us(lambda: fused_rms_mxfp4_quant_triton(
-                        **args, shuffle=sh, scale_shuffle_padding=pad), 40))
-            say(f"{site} M={m}: " + "  ".join(f"{k} {' / '.join(f'{t:.1f}' for t in v)}" for k, v in times.items()))
+            args = make_inputs(m, n1, res, n2, seed=0, device=DEVICE)
+            runs = alternate({k: (lambda sh=sh, pad=pad: Timed(1e-6 * time_graph_us(
+                lambda: fused_rms_mxfp4_quant_triton(**args, shuffle=sh, scale_shuffle_padding=pad), 40)))
+                for k, (sh, pad) in flags.items()}, 2)
+            for k, seconds in runs.seconds.items():
+                table.add(k, seconds, case=f"{site} M={m}")
             del args
             if not ARGS.cpu_smoke:
                 torch.cuda.empty_cache()
+    table.print()
 
 
-def main() -> None:
+def run(args: argparse.Namespace) -> None:
+    global ARGS, DEVICE
+    ARGS, DEVICE = args, "cpu" if args.cpu_smoke else "cuda"
+    require_compiled_triton(args.cpu_smoke)
+    if args.aiter_dir:  # read when tests/aiter_oracle.py is first imported (load_aiter)
+        os.environ["PREP_AITER_ORACLE_DIR"] = str(pathlib.Path(args.aiter_dir).resolve())
     if not torch.cuda.is_available() and not ARGS.cpu_smoke:
         sys.exit("needs a CUDA device")
     t_start = time.time()
     if ARGS.ab_flags:
-        ab_flags([int(v) for v in ARGS.ms.split(",")] if ARGS.ms else [33] if ARGS.cpu_smoke else [4096, 65536])
+        ab_flags(ARGS.ms or ([33] if ARGS.cpu_smoke else [4096, 65536]))
         return
     import triton
 
     name = "CPU smoke test (interpreter)" if ARGS.cpu_smoke else torch.cuda.get_device_name()
-    say(f"device: {name}  torch {torch.__version__}  triton {triton.__version__}")
-    ms = [int(v) for v in ARGS.ms.split(",")] if ARGS.ms else (
+    print(f"device: {name}  torch {torch.__version__}  triton {triton.__version__}")
+    ms = ARGS.ms or (
         [1, 33] if ARGS.cpu_smoke else [1, 256, 16384] if ARGS.quick else [1, 16, 256, 4096, 16384, 65536])
     budget = 20 if ARGS.quick else 60  # ms of timed work per measurement
     aiter_fused, aiter_quant = load_aiter()
@@ -551,7 +491,7 @@ def main() -> None:
     best_copy = None
     if not ARGS.cpu_smoke:
         best_copy = copy_ceiling()
-        say(f"best copy: {best_copy:.0f} GB/s (read + written); one-byte Triton kernel: {floor_us():.2f} us "
+        print(f"best copy: {best_copy:.0f} GB/s (read + written); one-byte Triton kernel: {floor_us():.2f} us "
             "per call (the launch floor in a graph)")
     compiled = None
     if not ARGS.no_compile:
@@ -560,16 +500,16 @@ def main() -> None:
     rows = []
     for site, (n1, res, n2) in SITES.items():
         for m in ms:
-            args = make_inputs(m, n1, res, n2, seed=m)
+            args = make_inputs(m, n1, res, n2, seed=m, device=DEVICE)
             status = verify(site, m, args, aiter_fused)
-            say(f"check {site} M={m}: {status}")
+            print(f"check {site} M={m}: {status}")
             if old_mod is not None:
                 flags = dict(shuffle=True, scale_shuffle_padding=True)
                 bad = check(old_mod.fused_rms_mxfp4_quant_triton(**args, **flags),
                             FQ.fused_rms_mxfp4_quant_reference(**args, **flags), f"old kernel {site} M={m}", True)[0]
-                say(f"check old kernel {site} M={m}: {'ok' if not bad else 'FAILED ' + '; '.join(bad)}")
+                print(f"check old kernel {site} M={m}: {'ok' if not bad else 'FAILED ' + '; '.join(bad)}")
             nbytes = op_bytes(m, n1, res, n2)
-            copies = copy_fns(nbytes)
+            copies = copy_fns(nbytes, DEVICE)
             fns = {
                 "ours": lambda: FQ.fused_rms_mxfp4_quant(**args, shuffle=True, scale_shuffle_padding=True,
                                                          backend="triton"),
@@ -588,14 +528,14 @@ def main() -> None:
                 if fn is None:
                     continue
                 if time.time() - t_start > ARGS.time_limit and name != "ours":
-                    say(f"  {name} skipped at {site} M={m}: past --time-limit")
+                    print(f"  {name} skipped at {site} M={m}: past --time-limit")
                     continue
                 try:
                     t[name] = time_graph_us(fn, budget)
                     if name in ("ours", "aiter"):
                         t[name + "_eager"] = time_eager_us(fn, budget)
                 except Exception as exc:  # noqa: BLE001 - report and go on
-                    say(f"  {name} failed at {site} M={m}: {type(exc).__name__}: {exc}")
+                    print(f"  {name} failed at {site} M={m}: {type(exc).__name__}: {exc}")
                     traceback.print_exc()
             if "copy_" in t or "tcopy" in t:  # the faster of the two copies of the op's bytes
                 t["copy"] = min(v for k, v in t.items() if k in ("copy_", "tcopy"))
@@ -603,42 +543,22 @@ def main() -> None:
             del args, copies, fns
             if not ARGS.cpu_smoke:
                 torch.cuda.empty_cache()
-            say(f"  timed {site} M={m} ({time.time() - t_start:.0f} s so far)")
+            print(f"  timed {site} M={m} ({time.time() - t_start:.0f} s so far)")
 
-    say()
-    say("== fused RMSNorm + MXFP4 quant, shuffle + padding; us = median device time per call "
-        "(CUDA graph), eager = one Python call ==")
-    head = (f"{'site':<21}{'N1':>6}{'M':>7} {'ours us':>9}{'eager':>8}{'aiter us':>9}{'eager':>8}"
-            f"{'compiled':>9}{'unfused':>9}{'copy us':>9} {'ours GB/s':>10}{'%copy':>7}{'aiter %copy':>12}"
-            f"{'x aiter':>8}{'x unfused':>10}{'x compiled':>11}{'old us':>8}{'x old':>7}{'%best':>7}"
-            f"{'aiter %best':>12}{'old %best':>10}")
-    say(head)
-    say("-" * len(head))
-
-    def f(v, w, p=1):
-        return f"{v:>{w}.{p}f}" if v is not None else f"{'-':>{w}}"
-
+    table = Table("copy", also_against=("aiter",),
+                  title="\n== fused RMSNorm + MXFP4 quant, shuffle + padding; time = median device time per call "
+                        "(CUDA graph), eager = one Python call ==")
     for site, n1, m, nbytes, t in rows:
-        ours, copy = t.get("ours"), t.get("copy")
-        aiter, comp, unf = t.get("aiter"), t.get("compiled"), t.get("unfused")
-        gbs = nbytes / ours / 1e3 if ours else None
-        pct = 100 * copy / ours if ours and copy else None
-        apct = 100 * copy / aiter if aiter and copy else None
-        say(f"{site:<21}{n1:>6}{m:>7} {f(ours, 9)}{f(t.get('ours_eager'), 8)}{f(aiter, 9)}"
-            f"{f(t.get('aiter_eager'), 8)}{f(comp, 9)}{f(unf, 9)}{f(copy, 9)} {f(gbs, 10, 0)}{f(pct, 7, 0)}"
-            f"{f(apct, 12, 0)}{f(aiter / ours if aiter and ours else None, 8, 2)}"
-            f"{f(unf / ours if unf and ours else None, 10, 2)}{f(comp / ours if comp and ours else None, 11, 2)}"
-            f"{f(t.get('old'), 8)}{f(t['old'] / ours if t.get('old') and ours else None, 7, 2)}"
-            f"{f(100 * gbs / best_copy if gbs and best_copy else None, 7, 0)}"
-            f"{f(100 * nbytes / aiter / 1e3 / best_copy if aiter and best_copy else None, 12, 0)}"
-            f"{f(100 * nbytes / t['old'] / 1e3 / best_copy if t.get('old') and best_copy else None, 10, 0)}")
-    say("%copy: against the faster copy (torch copy_ or the Triton copy kernel) of the op's own bytes; %best: "
-        "against the best copy of the run (GB/s); x old / x aiter: their time / ours")
+        for name in ("ours", "aiter", "compiled", "unfused", "old", "copy"):
+            if name not in t:
+                continue
+            notes = {"eager": f"{t[name + '_eager']:.1f} us"} if name + "_eager" in t else {}
+            if best_copy:
+                notes["of_best_copy"] = f"{100 * nbytes / t[name] / 1e3 / best_copy:.0f}%"
+            table.add(name, t[name] * 1e-6, case=f"{site} N1={n1} M={m}", nbytes=nbytes, **notes)
+    table.print()
+    print("copy: the faster of torch copy_ and the Triton copy kernel, of the op's own bytes; of best copy: "
+          "against the best copy of the run (GB/s)")
     if ARGS.sweep:
-        sweep([int(v) for v in ARGS.sweep_ms.split(",")] if ARGS.sweep_ms else
-              [1, 33] if ARGS.cpu_smoke else [1, 16, 16384, 65536], t_start)
-    say(f"(total {time.time() - t_start:.0f} s)")
-
-
-if __name__ == "__main__":
-    main()
+        sweep(ARGS.sweep_ms or ([1, 33] if ARGS.cpu_smoke else [1, 16, 16384, 65536]), t_start)
+    print(f"(total {time.time() - t_start:.0f} s)")

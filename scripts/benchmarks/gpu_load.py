@@ -1,8 +1,7 @@
-#!/usr/bin/env python3
 """One rank of a converted checkpoint to the GPU, against the bandwidths that bound it, in one run.
 
-    python3 scripts/bench_gpu_load.py --converted CONV [--rank 0] [--repeat 3] [--shm /dev/shm]
-                                      [--eight CONV8] [--sweep] [--fastsafetensors]
+Baselines: the pinned host-to-device copy (RAM-backed), ``dd iflag=direct`` of the same files
+(disk, cold), eight ``dd`` at once (eight ranks).
 
 1. Pinned host-to-device copy bandwidth (1 GiB, best of --repeat): the ceiling of any loader.
 2. RAM-backed: the rank's files copied to ``--shm`` (tmpfs), so storage is out of the way; then,
@@ -21,6 +20,10 @@
 
 Each figure is GB/s of the rank's bytes (its files' sizes) and its ratio to the row it is
 compared with. Everything is checked: the loaded tensors' bytes equal a CPU load of the same rank.
+
+Example:
+    python3 scripts/bench.py gpu-load --converted CONV --eight CONV8 --readers 4 16 --repeat 2
+    python3 scripts/bench.py gpu-load --no-gpu --eight CONV8 --repeat 2
 """
 
 from __future__ import annotations
@@ -34,29 +37,24 @@ import sys
 import tempfile
 import time
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+import torch
 
-import torch  # noqa: E402
+import layouts as L
+from layouts import device_load
+from layouts.loader import to_device
+from layouts.safetensors_file import SafetensorsFile, map_all
 
-import layouts as L  # noqa: E402
-from layouts import device_load  # noqa: E402
-from layouts.loader import to_device  # noqa: E402
-from layouts.safetensors_file import SafetensorsFile, map_all  # noqa: E402
-
-sys.path.insert(0, str(REPO / "scripts"))
-from bench_replicated import evict as _evict  # noqa: E402
+from .common import page_cache
+from .common.args import add_repeat
+from .common.table import Table
+from .common.timing import Timed, alternate
+from .common.trees import REPO
 
 
 def evict(files) -> None:
-    """The files out of the page cache: posix_fadvise, and as root the whole cache dropped too
-    (some sandboxed kernels ignore the advice)."""
-    _evict(files)
-    try:
-        os.sync()
-        pathlib.Path("/proc/sys/vm/drop_caches").write_text("3\n")
-    except OSError:
-        pass
+    """The files out of the page cache: posix_fadvise, and as root the whole cache dropped too."""
+    page_cache.evict(files)
+    page_cache.drop_all()
 
 
 def rank_files(conv: pathlib.Path, rank: int) -> list[pathlib.Path]:
@@ -161,11 +159,10 @@ def load_fst(files: list[pathlib.Path]) -> int:
     return n
 
 
-def timed(fn, *a) -> float:
+def settle(_name: str = "") -> None:
+    """Before each load: the last one's blocks back to the device, its copies finished."""
+    torch.cuda.empty_cache()
     torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn(*a)
-    return time.perf_counter() - t0
 
 
 def check_bytes(conv: pathlib.Path, rank: int, gpu: list[torch.Tensor]) -> None:
@@ -173,13 +170,6 @@ def check_bytes(conv: pathlib.Path, rank: int, gpu: list[torch.Tensor]) -> None:
     assert len(cpu.buffers) == len(gpu)
     for a, b in zip(cpu.buffers, gpu):
         assert torch.equal(a, b.cpu()), "GPU load differs from the CPU load"
-
-
-def row(label: str, secs: list[float], nbytes: int, base: float | None, base_name: str = "") -> float:
-    gbs = nbytes / min(secs) / 1e9
-    extra = f"  {gbs / base:.2f}x {base_name}" if base else ""
-    print(f"  {label:44s} {min(secs):7.3f} s  {gbs:6.2f} GB/s{extra}", flush=True)
-    return gbs
 
 
 def dd(files: list[pathlib.Path]) -> None:
@@ -216,22 +206,14 @@ def ram_backed(conv: pathlib.Path, rank: int, repeat: int, shm: pathlib.Path, sw
                 for block in (4 << 20, 16 << 20, 64 << 20):
                     ways[f"staged readers {readers} block {block >> 20} MiB"] = (
                         lambda r=readers, b=block: load_blocks(files, r, b, False))
-        times: dict[str, list[float]] = {k: [] for k in ways}
-        for i in range(repeat + 1):
-            for k, fn in ways.items():
-                try:
-                    t = timed(fn)
-                except Exception as e:  # noqa: BLE001 - a comparison that cannot run is reported, not fatal
-                    print(f"  {k}: failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-                    ways = {j: f for j, f in ways.items() if j != k}
-                    continue
-                if i:
-                    times[k].append(t)
-                torch.cuda.empty_cache()
-        print(f"  pinned host-to-device copy: {h2d:.2f} GB/s")
-        for k, v in times.items():
+        runs = alternate(ways, repeat, warmup=1, before=settle, drop_failed=True)
+        table = Table("pinned H2D", title=f"  pinned host-to-device copy: {h2d:.2f} GB/s (its time for these bytes "
+                                          "is the baseline)")
+        table.add("pinned H2D", nbytes / (h2d * 1e9), nbytes=nbytes)
+        for k, v in runs.seconds.items():
             if v:
-                row(k, v, nbytes, h2d, "of pinned H2D")
+                table.add(k, v, nbytes=nbytes)
+        table.print()
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -248,20 +230,12 @@ def disk_cold(conv: pathlib.Path, rank: int, repeat: int, fst: bool, readers_swe
         ways["fastsafetensors nogds"] = lambda: load_fst(files)
     for r in readers_sweep:
         ways[f"staged direct, readers {r}"] = lambda r=r: load_blocks(files, r, 16 << 20, True)
-    times: dict[str, list[float]] = {k: [] for k in ways}
-    for _ in range(repeat):
-        for k, fn in list(ways.items()):
-            evict(files)
-            try:
-                times[k].append(timed(fn))
-            except Exception as e:  # noqa: BLE001
-                print(f"  {k}: failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-                del ways[k]
-            torch.cuda.empty_cache()
-    base = nbytes / min(times["dd iflag=direct bs=16M"]) / 1e9
-    for k, v in times.items():
+    runs = alternate(ways, repeat, before=lambda _: (evict(files), settle()), drop_failed=True)
+    table = Table("dd iflag=direct bs=16M")
+    for k, v in runs.seconds.items():
         if v:
-            row(k, v, nbytes, base, "of dd")
+            table.add(k, v, nbytes=nbytes)
+    table.print()
 
 
 CHILD = """
@@ -289,45 +263,48 @@ def eight(conv: pathlib.Path, repeat: int, readers=(None,), cpu: bool = False) -
     nbytes = sum(sum(p.stat().st_size for p in fs) for fs in per_rank)
     print(f"{m.tp} ranks at once, cold: {nbytes / 2**30:.2f} GiB read in all (common files once per rank); "
           f"best of {repeat}", flush=True)
-    t_dd, t_load = [], {r: [] for r in readers}
-    if cpu:  # the same reads into host memory: what eight processes sharing one GPU cost
-        t_load["cpu"] = []
-    for _ in range(repeat):
-        evict(allfiles)
-        t0 = time.perf_counter()
+
+    def dd_all() -> None:
         procs = [subprocess.Popen(["sh", "-c", " ; ".join(f"dd if={p} of=/dev/null bs=16M iflag=direct 2>/dev/null"
                                                             for p in fs)]) for fs in per_rank]
         for p in procs:
             p.wait()
-        t_dd.append(time.perf_counter() - t0)
-        for readers_each in t_load:
-            evict(allfiles)
-            code = CHILD.format(repo=str(REPO), conv=str(conv), cuda=readers_each != "cpu")
-            env = dict(os.environ, **({"PREP_LOAD_READERS": str(readers_each)}
-                                      if readers_each not in (None, "cpu") else {}))
-            procs = [subprocess.Popen([sys.executable, "-c", code, str(r)], stdin=subprocess.PIPE,
-                                      stdout=subprocess.PIPE, text=True, env=env) for r in range(m.tp)]
-            for p in procs:
-                assert p.stdout.readline().strip() == "ready"
-            t0 = time.perf_counter()
-            for p in procs:
-                p.stdin.write("go\n")
-                p.stdin.flush()
-            for p in procs:
-                p.stdout.readline()
-                p.wait()
-            t_load[readers_each].append(time.perf_counter() - t0)
-    base = row(f"{m.tp} x dd iflag=direct", t_dd, nbytes, None)
-    for readers_each, ts in t_load.items():
+
+    def load_all(readers_each) -> Timed:
+        """Every rank's load_rank at once, each in a process of its own, timed from the moment all
+        are started and ready (their imports and CUDA contexts left out) to the last one done."""
+        code = CHILD.format(repo=str(REPO), conv=str(conv), cuda=readers_each != "cpu")
+        env = dict(os.environ, **({"PREP_LOAD_READERS": str(readers_each)}
+                                  if readers_each not in (None, "cpu") else {}))
+        procs = [subprocess.Popen([sys.executable, "-c", code, str(r)], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=True, env=env) for r in range(m.tp)]
+        for p in procs:
+            assert p.stdout.readline().strip() == "ready"
+        t0 = time.perf_counter()
+        for p in procs:
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        for p in procs:
+            p.stdout.readline()
+            p.wait()
+        return Timed(time.perf_counter() - t0)
+
+    ways = {f"{m.tp} x dd iflag=direct": dd_all}
+    # cpu: the same reads into host memory: what eight processes sharing one GPU cost
+    for readers_each in [*readers, *(["cpu"] if cpu else [])]:
         what = "to host memory (no GPU)" if readers_each == "cpu" else f"readers {readers_each or 'default'}"
-        row(f"{m.tp} x load_rank direct=True, {what}", ts, nbytes, base, "of dd")
+        ways[f"{m.tp} x load_rank direct=True, {what}"] = lambda r=readers_each: load_all(r)
+    runs = alternate(ways, repeat, before=lambda _: evict(allfiles))
+    table = Table(f"{m.tp} x dd iflag=direct")
+    for k, v in runs.seconds.items():
+        table.add(k, v, nbytes=nbytes)
+    table.print()
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--converted", type=pathlib.Path, help="a conversion whose --rank is loaded (not with --no-gpu)")
     ap.add_argument("--rank", type=int, default=0)
-    ap.add_argument("--repeat", type=int, default=3)
+    add_repeat(ap, 3)
     ap.add_argument("--shm", type=pathlib.Path, default=pathlib.Path("/dev/shm"))
     ap.add_argument("--eight", type=pathlib.Path, help="a TP 8 conversion: its eight ranks loaded at once, cold")
     ap.add_argument("--eight-cpu", action="store_true",
@@ -340,14 +317,16 @@ def main() -> None:
                          "(PREP_LOAD_READERS)")
     ap.add_argument("--no-gpu", action="store_true",
                     help="only the eight loads into host memory against eight dd's (with --eight; no GPU needed)")
-    args = ap.parse_args()
+
+
+def run(args: argparse.Namespace) -> None:
     if args.no_gpu:
         if not args.eight:
-            ap.error("--no-gpu times the eight ranks' loads into host memory: give --eight CONV8")
+            raise SystemExit("--no-gpu times the eight ranks' loads into host memory: give --eight CONV8")
         eight(args.eight, args.repeat, (), cpu=True)
         return
     if not args.converted:
-        ap.error("--converted is required (unless --no-gpu)")
+        raise SystemExit("--converted is required (unless --no-gpu)")
     h2d = pinned_h2d(args.repeat)
     torch.set_num_threads(1)  # each copy one thread: the threads below are the parallelism
     for t in (1, 4, 8, 16):
@@ -360,7 +339,3 @@ def main() -> None:
         disk_cold(args.converted, args.rank, args.repeat, args.fastsafetensors, args.readers)
     if args.eight:
         eight(args.eight, args.repeat, [None, *args.readers], cpu=args.eight_cpu)
-
-
-if __name__ == "__main__":
-    main()

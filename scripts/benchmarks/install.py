@@ -1,13 +1,9 @@
-#!/usr/bin/env python3
 """Device memory and time of installing one rank into an engine's models: the ATOM adapter as it is
 (files read one at a time, each tensor copied into the parameter ATOM allocated) against the way it
 was before (``load_rank`` of the whole rank to the device, then each parameter pointed at its view),
 in the same run, on the same model.
 
-    python3 scripts/bench_install.py [--preset bench-r1] [--layers 4] [--tp 1] [--shard-mib 512] [--repeat 3]
-        [--device cuda|cpu]
-
-The model is ATOM's DeepSeek for one rank as ATOM allocates it before loading (``tests/atom_like.py``:
+Baseline: the way before (``before``), alternated with the adapter as it is (``now``). The model is ATOM's DeepSeek for one rank as ATOM allocates it before loading (``tests/atom_like.py``:
 shapes from config.json, every parameter), made on the GPU; the checkpoint is generated
 (``prep.testing``) and converted (rank-exact, preshuffle + ck) with rank files cut at
 ``--shard-mib`` (prep cuts them at 4 GiB; smaller here so that a rank of a small checkpoint spans
@@ -15,6 +11,9 @@ several files, as a real one does). Reported per way: the peak of ``torch.cuda.m
 above the model's own parameters, as a multiple of the rank's bytes, and the time; the files are
 in the page cache (one untimed run of each first). ``--device cpu`` runs the same steps with the
 times only (a smoke run: device memory is what this measures).
+
+Example:
+    python3 scripts/bench.py install --preset bench-r1 --layers 4 --variant v2 --tp 2 --shard-mib 256
 """
 
 from __future__ import annotations
@@ -23,22 +22,22 @@ import argparse
 import dataclasses
 import json
 import pathlib
-import sys
 import tempfile
 import time
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO), str(REPO / "tests")]
+import torch
 
-import torch  # noqa: E402
+import layouts as L
+import prep.convert
+from atom_like import atom_like_model  # tests/: ATOM's DeepSeek as ATOM allocates it
+from layouts.engines.atom import install_converted_weights
+from layouts.engines.atom.adapter import _as_param_dtype
+from prep.deepseek import Target
+from prep.testing import PRESETS, write_checkpoint
 
-import layouts as L  # noqa: E402
-import prep.convert  # noqa: E402
-from atom_like import atom_like_model  # noqa: E402
-from layouts.engines.atom import install_converted_weights  # noqa: E402
-from layouts.engines.atom.adapter import _as_param_dtype  # noqa: E402
-from prep.deepseek import Target  # noqa: E402
-from prep.testing import PRESETS, write_checkpoint  # noqa: E402
+from .common.args import add_repeat
+from .common.table import GiB, Table
+from .common.timing import Timed, alternate
 
 
 DEVICE = "cuda"
@@ -78,20 +77,21 @@ def measure(way, cfg, tp, out, engine, mxfp4_attention):
     peak = torch.cuda.max_memory_allocated() - base if gpu else float("nan")
     after = torch.cuda.memory_allocated() - base if gpu else float("nan")
     del kept, model
-    return seconds, peak, after
+    return Timed(seconds, {"peak": peak, "after": after})
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--preset", default="bench-r1", choices=sorted(PRESETS))
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--variant", default="r1-0528", choices=["r1-0528", "v2"])
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--shard-mib", type=int, default=512)
-    ap.add_argument("--repeat", type=int, default=3)
+    add_repeat(ap, 3)
     ap.add_argument("--work", help="folder for the checkpoint and its conversion (default: temporary)")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    args = ap.parse_args()
+
+
+def run(args: argparse.Namespace) -> None:
     global DEVICE
     DEVICE = args.device
     if DEVICE == "cuda" and not torch.cuda.is_available():
@@ -114,24 +114,13 @@ def main() -> int:
     print(f"{torch.cuda.get_device_name() if DEVICE == 'cuda' else 'CPU'}: rank 0 of {out} (TP {args.tp}): {rank_bytes / 2**30:.3f} GiB in {files} "
           f"files, the largest {largest / 2**30:.3f} GiB")
     mxfp4_attention = args.variant == "v2"
-    results = {}
-    for way in (before, now):
-        measure(way, cfg, args.tp, out, engine, mxfp4_attention)  # untimed: page cache, allocator, CUDA context
-    for _ in range(args.repeat):
-        for way in (before, now):
-            results.setdefault(way.__name__, []).append(measure(way, cfg, args.tp, out, engine, mxfp4_attention))
-    for name, runs in results.items():
-        seconds = min(r[0] for r in runs)
-        peak = max(r[1] for r in runs)
-        after = runs[-1][2]
-        print(f"{name:>6}: {seconds:.3f} s (best of {len(runs)}), peak above the model's parameters "
-              f"{peak / 2**30:.3f} GiB = {peak / rank_bytes:.2f}x the rank's bytes, held after "
-              f"{after / 2**30:.3f} GiB")
-    b, n = (min(r[0] for r in results[k]) for k in ("before", "now"))
-    pb, pn = (max(r[1] for r in results[k]) for k in ("before", "now"))
-    print(f"now/before: time {n / b:.2f}x, peak extra memory {pn / max(pb, 1):.2f}x")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    # The first round is untimed: page cache, allocator, CUDA context.
+    runs = alternate({way.__name__: (lambda w=way: measure(w, cfg, args.tp, out, engine, mxfp4_attention))
+                      for way in (before, now)}, args.repeat, warmup=1)
+    table = Table("before", title="install rank 0 into the model; peak: torch.cuda.max_memory_allocated above the "
+                                  "model's own parameters")
+    for name, seconds in runs.seconds.items():
+        peak = max(i["peak"] for i in runs.info[name])
+        table.add(name, seconds, peak=f"{peak / GiB:.3f} GiB = {peak / rank_bytes:.2f}x the rank's bytes",
+                  held_after=f"{runs.info[name][-1]['after'] / GiB:.3f} GiB")
+    table.print()
