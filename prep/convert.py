@@ -58,6 +58,7 @@ class FileJob:
     passthrough: list[str]  # source tensor names copied whole (replicated in rank files, or common files)
     entries: list[tuple[str, str, tuple[int, ...]]]
     constants: list[Constant] = dataclasses.field(default_factory=list)  # the engine's, not from the source
+    engine_loads: bool = False  # a common file the rank's engine loads whole itself (a vision tower: loads_outside)
 
     @property
     def nbytes(self) -> int:
@@ -129,6 +130,7 @@ def plan_files(src: SourceCheckpoint, target: Target) -> tuple[list[FileJob], di
         raise PrepError(f"--common-bf16: engine {target.engine!r} loads only the tensors of its own model from its "
                         "rank's files; convert without --common-bf16")
     common += mtp
+    loaded = held.outside if target.rank_exact and rules.loads_outside else []  # whole, for the engine's own loader
     constants = [c.at_layer(i) for i in range(held.num_layers) for c in rules.constants] if target.rank_exact else []
     jobs: list[FileJob] = []
     for rank, groups in enumerate(per_rank):
@@ -143,11 +145,11 @@ def plan_files(src: SourceCheckpoint, target: Target) -> tuple[list[FileJob], di
             entries += [(n, src.tensors[n].dtype, src.tensors[n].shape) for n in names]
             entries += [(c.name, c.dtype, c.shape) for c in consts]
             jobs.append(FileJob(fname, rank, gs, names, entries, consts))
-    sized = [(n, src.tensors[n].nbytes) for n in common]
-    if sized:
-        for fname, chunk in shard_names(sized, "model-common"):
+    for names, prefix, engine_loads in ((common, "model-common", False), (loaded, "model-outside", True)):
+        sized = [(n, src.tensors[n].nbytes) for n in names]
+        for fname, chunk in shard_names(sized, prefix) if sized else ():
             entries = [(n, src.tensors[n].dtype, src.tensors[n].shape) for n in chunk]
-            jobs.append(FileJob(fname, None, [], chunk, entries))
+            jobs.append(FileJob(fname, None, [], chunk, entries, engine_loads=engine_loads))
     info = {"arch": cls.arch, "num_layers": cls.num_layers, "mtp_layers": cls.mtp_layers,
             "modules": cls.modules, "passthrough": cls.passthrough}
     return jobs, info
@@ -542,8 +544,9 @@ def build_manifest(src: SourceCheckpoint, target: Target, jobs: list[FileJob],
                                                    g.layout.name if g.layout else None,
                                                    g.key, dict(attrs), hashes[name], tuple(compress_names(sources)),
                                                    transforms))
-        # A whole tensor in a common file is read by every rank (format 1) or, rank-exact, by none.
-        role = "unread" if job.rank is None and target.rank_exact else "passthrough"
+        # A whole tensor in a common file is read by every rank (format 1, and a vision tower the
+        # engine loads itself) or, rank-exact, by none.
+        role = "unread" if job.rank is None and target.rank_exact and not job.engine_loads else "passthrough"
         for name in job.passthrough:
             ti = src.tensors[name]
             tensors.append(schema.TensorRecord(name, job.rank, job.name, ti.dtype, tuple(ti.shape), role,

@@ -532,12 +532,16 @@ def split_bf16(tensors: Mapping[str, Any], config: dict[str, Any], num_layers: i
     ``eh_proj``; a replicated ``fused_qkv_a_proj``'s parts are a group); and the tensors no rank
     reads: those of the MTP layer that the engine's drafter replaces by the target model's after
     loading (:func:`mtp_replaced`; ``docs/rank-exact.md``), kept whole only so that ``revert`` is
-    exact; and those outside the language model of a multimodal checkpoint (its vision tower: the
-    engines served text only). What ``convert`` writes and what ``inspect`` says a format-1 rank keeps."""
+    exact; and those outside the language model of a multimodal checkpoint (its vision tower) where
+    the engine serves the text only (an engine whose loader reads them gets them whole from the
+    common file: ``ShardingRules.loads_outside``, placed by the caller). What ``convert`` writes and
+    what ``inspect`` says a format-1 rank keeps."""
     rules = rules or get_engine(DEFAULT_ENGINE).sharding
-    outside = family.wrapper.is_outside if family and family.wrapper else lambda name: False
-    unread = mtp_replaced(tensors, num_layers, rules) + [n for n in tensors if outside(n)]
-    rest = {n: info for n, info in tensors.items() if n not in unread}
+    wrapper = family.wrapper if family else None
+    outside = [n for n in tensors if wrapper and wrapper.is_outside(n)]  # in source order
+    unread = mtp_replaced(tensors, num_layers, rules) + ([] if rules.loads_outside else outside)
+    gone = {*unread, *outside}
+    rest = {n: info for n, info in tensors.items() if n not in gone}
     per_rank, replicated = plan_bf16_groups(rest, config, tp, ep, fuse_shared_expert, rules, family)
     return per_rank, replicated, unread
 

@@ -305,7 +305,13 @@ def build_config(spec: SynthSpec) -> dict:
         config = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
                   "bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"],
                   "media_placeholder_token_id": config["vocab_size"] - 2, "pad_token_id": config["vocab_size"] - 1,
+                  # the vision config under both schemas: the hub's remote code (vt_*, read by SGLang and
+                  # ATOM's plugins) and transformers 5's Kimi_K25VisionConfig (read by vLLM); Kimi-K2.5's
+                  # widths are transformers' defaults, the tiny ones are not
                   "text_config": config, "vision_config": {
+                      "hidden_size": VT_HIDDEN, "intermediate_size": VT_INTERMEDIATE, "num_attention_heads": VT_HEADS,
+                      "num_hidden_layers": VT_BLOCKS, "pos_emb_height": VT_POS, "pos_emb_width": VT_POS,
+                      "pos_emb_time": 4, "hidden_act": "gelu_pytorch_tanh",
                       "patch_size": VT_PATCH, "init_pos_emb_height": VT_POS, "init_pos_emb_width": VT_POS,
                       "init_pos_emb_time": 4, "pos_emb_type": "divided_fixed", "vt_num_attention_heads": VT_HEADS,
                       "vt_num_hidden_layers": VT_BLOCKS, "vt_hidden_size": VT_HIDDEN,

@@ -59,8 +59,10 @@ SGLANG_BUILD_ONLY = {
 # Stand-ins vLLM calls in both loads alike that do no loading work: decorators and the log line of
 # aiter's config lookup as vLLM imports its kernels, the padded-M helper of the ASM GEMM probe, and
 # the tuned-shape probes where no aiter tables are given (vllm_on_cpu's docstring).
+# numba.njit: the decorator of vLLM's Kimi-K2.5 image preprocessing (kimi_k25_vision_fused.py), applied
+# as the module is imported; no weight passes through it
 VLLM_ALLOWED = ("aiter.jit.core.compile_ops", "aiter.jit.utils.torch_guard.torch_compile_guard", "aiter.logger",
-                "aiter.ops.gemm_op_common.get_padded_m", "aiter tuned-shape table (absent)")
+                "aiter.ops.gemm_op_common.get_padded_m", "aiter tuned-shape table (absent)", "numba.njit")
 
 
 def _shuffled(model) -> dict[str, bool]:

@@ -114,22 +114,25 @@ def test_kimi_k25_is_read_as_kimi_k2_under_its_prefix_with_the_vision_tower_kept
                                         "no MTP layer")
 
 
-@pytest.mark.parametrize("tp, ep", [(1, 1), (2, 1), (8, 8)])
-def test_kimi_k25_converts_for_atom_with_the_vision_tower_read_by_no_rank_and_reverts_under_the_sources_names(
-        kimi, tmp_path, tp, ep):
+@pytest.mark.parametrize("engine, tp, ep", [("atom", 1, 1), ("atom", 2, 1), ("atom", 8, 8), ("vllm", 2, 2)])
+def test_kimi_k25_converts_with_the_vision_tower_whole_in_a_common_file_and_reverts_under_the_sources_names(
+        kimi, tmp_path, engine, tp, ep):
+    # ATOM serves the text only: no rank reads the vision tower (kept for revert). vLLM loads it
+    # itself: every rank reads it whole and vLLM's loader splits it (role passthrough).
     import layouts
     from conftest import assert_verifies_and_reverts, read_tensors
     from prep.convert import convert
     from prep.deepseek import target_for
 
     out = tmp_path / "out"
-    convert(str(kimi), out, target_for("atom", tp=tp, ep=ep))
+    convert(str(kimi), out, target_for(engine, tp=tp, ep=ep))
     m = layouts.load_manifest(out)
     assert m.format_version == 5 and m.source.wrapper.prefix == "language_model."
     vision = [t for t in m.tensors if t.name.startswith(("vision_tower.", "mm_projector."))]
-    assert len(vision) == 35 and {(t.rank, t.role) for t in vision} == {(None, "unread")}  # the common file only
+    role = "unread" if engine == "atom" else "passthrough"
+    assert len(vision) == 35 and {(t.rank, t.role) for t in vision} == {(None, role)}  # a common file only
     for r in range(tp):  # each rank's files: the language model under the family's names, as ATOM's door installs it
-        names = {t.name for t in m.rank_tensors(r)}
+        names = {t.name for t in m.tensors if t.rank == r}
         assert "model.embed_tokens.weight" in names and not any(n.startswith(("language_model.", "vision_tower."))
                                                                 for n in names)
     assert_verifies_and_reverts(out, kimi, tmp_path / "back")  # every source name and byte back
@@ -141,6 +144,20 @@ def test_kimi_k25_converts_for_atom_with_the_vision_tower_read_by_no_rank_and_re
     if tp == 2:  # prep's reference engine runs the language model the same from the source and from the conversion
         r = CliRunner().invoke(main, ["compare", str(kimi), str(out), "--prompt-ids", "1,5,7,9"])
         assert r.exit_code == 0 and "identical bit for bit" in r.output, r.output
+
+
+def test_kimi_k25_through_vllms_door_equals_its_own_load_vision_tower_included(kimi, tmp_path):
+    # vLLM's KimiK25ForConditionalGeneration: its DeepSeek model as language_model, filled from the
+    # rank's files, and MoonViT with the projector, which the door hands to vLLM's own load_weights
+    # from the common file (vLLM splits the vision attention and MLP over TP 2: 2 heads, one a rank).
+    from conftest import engine_check_rows
+    from prep.convert import convert
+    from prep.deepseek import target_for
+
+    out = tmp_path / "out"
+    convert(str(kimi), out, target_for("vllm", tp=2, ep=2))
+    rows, report = engine_check_rows("vllm", kimi, out, tmp_path / "work")
+    assert [r[0] for r in rows] == ["0", "1"] and all(r[-1] == "ok" and r[1] == "139" for r in rows), report
 
 
 def test_kimi_k25_is_refused_for_engines_whose_door_does_not_resolve_its_language_model(kimi, tmp_path):

@@ -89,6 +89,12 @@ class ShardingRules:
     the target model's own after loading (ATOM: the MTP embedding; vLLM: the embedding and
     ``shared_head.head``): no rank reads them, so they stay whole in the common file, kept for
     ``revert``, instead of a split copy in every rank's files."""
+    loads_outside: bool = False
+    """Whether the engine's model holds a multimodal checkpoint's tensors outside its language
+    model (Kimi-K2.5's vision tower and projector, :class:`~layouts.families.Wrapper`) and its
+    door hands them to the engine's own loader, which splits them as it holds them: prep keeps
+    them whole in the common file, read by every rank (role ``passthrough``). False: the engine
+    serves the text only and no rank reads them (role ``unread``, kept for ``revert``)."""
     constants: tuple[Constant, ...] = ()
     """Tensors of every decoder layer the engine's model holds that no checkpoint has."""
     fp8_block_scale: str = "weight_scale_inv"

@@ -100,8 +100,9 @@ def loader_class() -> type:
             target = torch.device(device_config.device if load_config.device is None else load_config.device)
             manifest, rank = checked(model_config.model, vllm_config.parallel_config)  # before building
             draft = getattr(model_config, "runner_type", None) == "draft"
-            # The MTP layers follow the main model's decoder layers (the draft's config is rewritten).
-            first_mtp = vllm_config.model_config.hf_config.num_hidden_layers
+            # The MTP layers follow the main model's decoder layers (the draft's config is rewritten);
+            # a multimodal model's are its language model's (get_text_config: Kimi-K2.5's text_config)
+            first_mtp = vllm_config.model_config.hf_config.get_text_config().num_hidden_layers
             if draft and vllm_config.parallel_config.pipeline_parallel_size > 1:
                 raise DoorError("the MTP draft with pipeline parallel keeps its own embedding, which prep does not "
                                 "write; serve it without --pipeline-parallel-size")
@@ -109,6 +110,7 @@ def loader_class() -> type:
                 with target:
                     model = self.create_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
                 check_own_model(type(model))
+                outside = load_outside(model, model_config.model, manifest, rank) if not draft else set()
                 held = ((vutils, "finalize_model_weights", lambda *a, **k: None),
                         (quark_moe, "convert_weight_to_mxfp4_moe_kernel_format", _unconverted),
                         (unquantized_moe, "convert_to_unquantized_kernel_format", _unshuffled))
@@ -120,7 +122,7 @@ def loader_class() -> type:
                 finally:
                     for (mod, attr, _), original in zip(held, kept):
                         setattr(mod, attr, original)
-                install(model, model_config.model, manifest, rank, first_mtp, draft)
+                install(model, model_config.model, manifest, rank, first_mtp, draft, loaded=outside)
                 kept[0](model, target)  # finalize_model_weights
             return model.eval()
 
@@ -196,13 +198,43 @@ def checked(folder: str, parallel_config: Any) -> tuple[Any, int]:
     return manifest, rank
 
 
-def install(model: Any, folder: str, manifest: Any, rank: int, first_mtp: int, draft: bool = False) -> list[str]:
+def load_outside(model: Any, folder: str, manifest: Any, rank: int) -> set[str]:
+    """A multimodal checkpoint's tensors outside its language model (Kimi-K2.5's vision tower and
+    projector), which prep keeps whole in the common file for vLLM (``loads_outside``), through
+    vLLM's own ``load_weights`` before processing, as its own load does: vLLM renames and splits
+    them as it holds them (its ``hf_to_vllm_mapper``, QKV- and row-parallel vision linears). Returns
+    the parameters they filled (none for a checkpoint without them)."""
+    from ... import iter_rank_files
+
+    names = {t.name for t in manifest.tensors if t.rank is None and t.role == "passthrough"}
+    if not names:
+        return set()
+    wrapper = manifest.source.wrapper if manifest.source is not None else None
+    if wrapper is None or not all(wrapper.is_outside(n) for n in names):
+        raise DoorError(f"{folder}: its common files hold tensors every rank loads whole ({sorted(names)[0]}, ...), "
+                        "which vLLM's door reads only for a multimodal checkpoint's vision tower; convert again with "
+                        "--engine vllm")
+
+    def tensors():
+        for part in iter_rank_files(folder, rank, "cpu", manifest=manifest, names=names):
+            yield from part.items()
+
+    return set(model.load_weights(tensors()))
+
+
+def install(model: Any, folder: str, manifest: Any, rank: int, first_mtp: int, draft: bool = False,
+            loaded: set[str] = frozenset()) -> list[str]:
     """Copy rank ``rank``'s tensors of the converted ``folder`` (its checked ``manifest``) into
     ``model``'s processed parameters (module docstring, step 3): the main model's (``draft``
     False) or the MTP draft's, the MTP layers being those from ``first_mtp`` on. Returns the
-    names written."""
+    names written. ``loaded``: parameters :func:`load_outside` filled (not the rank's files').
+    vLLM's multimodal model (Kimi-K2.5) holds the language model as ``language_model``, whose
+    parameters have the source's names; prep's files name the tensors as the family does."""
     from ... import iter_rank_files
     from .._sharding import layer_index
+
+    wrapper = manifest.source.wrapper if manifest.source is not None and not draft else None
+    inner = wrapper.prefix if wrapper else ""
 
     def is_mtp(name: str) -> bool:  # a tensor of an MTP layer (index first_mtp on)
         layer = layer_index(name)
@@ -219,7 +251,7 @@ def install(model: Any, folder: str, manifest: Any, rank: int, first_mtp: int, d
     written, seen, relaid, shuffled_fp8 = [], set(), set(), set()
     for part in iter_rank_files(folder, rank, "cpu", manifest=manifest, names=set(mine)):
         for name, t in part.items():
-            held = draft_name(name) if draft else name
+            held = draft_name(name) if draft else inner + name
             p = params.get(held)
             if p is None:
                 raise DoorError(f"{folder}: {name} is not a tensor of vLLM's {'MTP draft' if draft else 'model'} "
@@ -243,7 +275,8 @@ def install(model: Any, folder: str, manifest: Any, rank: int, first_mtp: int, d
                  "their shapes on this GPU): their weights were shuffled (16, 16) at load, as vLLM's processing does",
                  len(shuffled_fp8), rank)
     skip = ENGINE_OWNED + (DRAFT_SHARED if draft else ())
-    left = [n for n, p in params.items() if p.data.untyped_storage().data_ptr() not in seen and not n.endswith(skip)]
+    left = [n for n, p in params.items() if p.data.untyped_storage().data_ptr() not in seen and not n.endswith(skip)
+            and n not in loaded]
     if left:
         raise DoorError(f"{folder}: rank {rank}'s files hold no {left[0]} (and {len(left) - 1} more of vLLM's "
                         f"{'MTP draft' if draft else 'model'}); it would run with unwritten memory: convert again "
