@@ -208,7 +208,9 @@ def _inspect_converted(path: str) -> tuple[dict[str, Any], list[str]]:
     for r in range(t.tp):
         own = [f for f in m.files.values() if f.rank == r]
         moe = next((x.runtime_attrs for x in m.tensors if x.rank == r and x.name.endswith("w13_weight")), {})
-        ranks.append({"rank": r, "files": len(own), "bytes": sum(m.files[f].size for f in m.rank_files(r)),
+        read = m.rank_files(r)  # its own, and the common files it reads (format 1; a vision tower the engine loads)
+        ranks.append({"rank": r, "files": len(own), "bytes": sum(m.files[f].size for f in read),
+                      "common_files": len(read) - len(own),
                       "bytes_kept": kept[r] if kept else None,
                       "tensors": sum(f.tensors for f in own), "local_experts": moe.get("num_local_experts"),
                       "global_routed_experts": moe.get("global_routed_experts")})
@@ -220,7 +222,7 @@ def _inspect_converted(path: str) -> tuple[dict[str, Any], list[str]]:
         experts = "" if x["local_experts"] is None else f", {x['local_experts']} experts per MoE layer" + (
             f" (routed {x['global_routed_experts'][0]}..{x['global_routed_experts'][1] - 1} + shared)"
             if x["global_routed_experts"] else "")
-        common = "" if t.rank_exact else " + common"
+        common = f" + {x['common_files']} common" if x["common_files"] else ""
         keeps = "" if x["bytes_kept"] is None else f", keeps {x['bytes_kept'] / 2**30:.3f} GiB"
         lines.append(f"  rank {x['rank']}: reads {x['bytes'] / 2**30:.3f} GiB ({x['files']} own files{common}){keeps}, "
                      f"{x['tensors']} own tensors{experts}")
