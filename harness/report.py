@@ -2,7 +2,7 @@
 every engine (each row's problems and notes indented under it), and a verdict line.
 
     engine    rank  tensors  draft  derived  bytes_equal  unwritten  warned  result
-    vllm       1/2      143     39        4      7803088          -       -  ok
+    vllm       1/2      143     39        -      7803088          -       -  ok
         dense linears by vLLM's GEMM: MXFP4 Triton GEMM (raw) 6
     ok: every rank checked (1) equals the engine's own load
 

@@ -372,32 +372,13 @@ def make_vllm_config(model_path, tp: int, ep: int = 1, load_format: str = "auto"
     return EngineArgs(**kw).create_engine_config()
 
 
-EXTRAS: dict = {}  # the last load's tensors held outside state_dict (e.g. MLA W_UK/W_UV), by name
 MODEL = {}
 
 
 def _state_dict(model) -> dict:
-    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    EXTRAS.clear()
-    ids = {id(v) for v in model.state_dict(keep_vars=True).values()}
-    seen = set()
-    for mname, mod in model.named_modules():
-        objs = [("", vars(mod))]
-        qm = getattr(mod, "quant_method", None)
-        if qm is not None:
-            objs.append(("quant_method.", vars(qm)))
-            k = getattr(qm, "moe_kernel", None)
-            if k is not None:
-                objs.append(("quant_method.moe_kernel.", vars(k)))
-        for prefix, d in objs:
-            for a, v in d.items():
-                if isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter) and id(v) not in ids \
-                        and id(v) not in seen and a not in ("_buffers", "_parameters"):
-                    if a.startswith("_") and a not in ("_k_scale", "_v_scale", "_q_scale"):
-                        continue
-                    seen.add(id(v))
-                    EXTRAS[f"{mname}.{prefix}{a}"] = v.detach().clone()
-    return sd
+    """A clone of ``model``'s state dict (what the check compares: aliases, MLA's derived W_UK_T /
+    W_UV and the scalars are in it)."""
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 MTP_SPECULATIVE = {"method": "mtp", "num_speculative_tokens": 1}  # vLLM's MTP draft, as a user asks for it
@@ -484,7 +465,8 @@ def check(src: pathlib.Path, out: pathlib.Path, work: pathlib.Path, aiter_src: p
     """``check-engine vllm``: vLLM's ``DefaultModelLoader`` on ``src`` against ``--load-format
     prep`` on ``out`` (which vLLM finds through the package's ``vllm.general_plugins`` entry
     point, as in every vLLM process: not registered here), rank by rank (``ranks``, default all),
-    with the MTP draft where the source has an MTP layer: every state-dict tensor, ``is_shuffled``
+    with the MTP draft where the source has an MTP layer: every state-dict tensor (vLLM holds what it
+    derives at load there), ``is_shuffled``
     and the GEMM vLLM chose for each dense linear. ``asm_tuned``: aiter's tuned-shape probes
     answer yes (:func:`force_asm_tuned`). Yields what to say, then each rank."""
     from harness import converted
@@ -514,23 +496,22 @@ def check(src: pathlib.Path, out: pathlib.Path, work: pathlib.Path, aiter_src: p
         yield f"both loads: --speculative-config '{json.dumps(MTP_SPECULATIVE)}', the MTP draft compared too"
 
     def load(folder: pathlib.Path, load_format: str, fill: int, rank: int):
-        """``(state, derived, is_shuffled flags, GEMMs chosen, loader class)`` of one load."""
+        """``(state dict, is_shuffled flags, GEMMs chosen, loader class)`` of one load."""
         model, loader = build_and_load(folder, t.tp, rank, t.ep, load_format, fill=fill, draft=draft, **kw)
-        state, derived, flags, kernels = _state_dict(model), dict(EXTRAS), _shuffled(model), dense_kernels(model)
+        state, flags, kernels = _state_dict(model), _shuffled(model), dense_kernels(model)
         if draft:
             m = MODEL.pop("draft")
             state.update({f"draft:{k}": x for k, x in _state_dict(m).items()})
-            derived.update({f"draft:{k}": x for k, x in EXTRAS.items()})
             flags.update({f"draft:{k}": x for k, x in _shuffled(m).items()})
             kernels.update({f"draft {k}": n for k, n in dense_kernels(m).items()})
         MODEL.clear()
-        return state, derived, flags, kernels, type(loader)
+        return state, flags, kernels, type(loader)
 
     for rank in ranks if ranks is not None else range(t.tp):
         CALLS.clear()
-        own, own_derived, own_flags, own_kernels, _ = load(src, "auto", 0xA5, rank)
-        door, door_derived, door_flags, door_kernels, loader = load(out, LOAD_FORMAT, 0x5A, rank)
-        compared = compare({**own, **own_derived}, {**door, **door_derived})
+        own, own_flags, own_kernels, _ = load(src, "auto", 0xA5, rank)
+        door, door_flags, door_kernels, loader = load(out, LOAD_FORMAT, 0x5A, rank)
+        compared = compare(own, door)
         bad = compared.problems
         bad += [f"{n}: is_shuffled {own_flags[n]} in vLLM's own load, {door_flags.get(n)} through the door"
                 for n in own_flags if own_flags[n] != door_flags.get(n)]
@@ -542,5 +523,4 @@ def check(src: pathlib.Path, out: pathlib.Path, work: pathlib.Path, aiter_src: p
         note = stand_ins.computed_note(CALLS)  # torch math for a GPU kernel, the same in both loads
         notes += [note] if note else []
         yield RankResult(engine="vllm", rank=rank, tp=t.tp, tensors=len(own),
-                         draft=sum(k.startswith("draft:") for k in own) if draft else None, derived=len(own_derived),
-                         bytes_equal=compared.equal, problems=bad, notes=notes)
+                         draft=sum(k.startswith("draft:") for k in own) if draft else None, bytes_equal=compared.equal, problems=bad, notes=notes)
