@@ -296,7 +296,6 @@ def install(aiter_dir: str | os.PathLike | None = None) -> None:
         rocm_aiter_ops.is_per_token_w8a8_gemm_tuned = untuned("is_per_token_w8a8_gemm_tuned")
 
 
-
 # ---------------------------------------------------------------- process groups: one process, any rank
 
 class _FakePG:

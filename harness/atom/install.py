@@ -57,9 +57,10 @@ PATHS = {ASM: {ENV_TRITON_MOE: "0"}, TRITON_NON_SHUFFLE: {ENV_NON_SHUFFLE: "1", 
 NOT_LOADED = "were NOT loaded from checkpoint"  # ATOM's loading_core._report_coverage
 
 
-
 @dataclasses.dataclass(frozen=True)
 class Case:
+    """One configuration the install check runs (the source's name, ATOM's path, TP, EP)."""
+
     variant: str
     path: str  # ATOM's dense GEMM path
     tp: int
@@ -72,7 +73,6 @@ class Case:
     @property
     def name(self) -> str:
         return f"{self.variant} {self.path} tp{self.tp}" + (f" ep{self.ep}" if self.ep > 1 else "")
-
 
 
 # ---------------------------------------------------------------------------- ATOM's models
@@ -181,7 +181,6 @@ def has_mtp_layer(src: pathlib.Path) -> bool:
     return any(n.startswith(f"model.layers.{layers}.") for n in ck.tensors)
 
 
-
 # ---------------------------------------------------------------------------- comparing
 def held(target: torch.nn.Module, draft: torch.nn.Module | None) -> tuple[dict, dict]:
     """``(state, derived)`` of both models, by "main:"/"draft:" name: every parameter and buffer,
@@ -200,8 +199,6 @@ def held(target: torch.nn.Module, draft: torch.nn.Module | None) -> tuple[dict, 
     return state, derived
 
 
-
-
 def swizzle_labels(target: torch.nn.Module, draft: torch.nn.Module) -> dict[str, str | None]:
     """Every ``*_swizzle_layout`` attribute of both models' modules (the label ATOM's Triton MoE
     passes its kernels with each scale), by "main:"/"draft:" name."""
@@ -215,17 +212,16 @@ def shuffled_flags(target: torch.nn.Module, draft: torch.nn.Module) -> dict[str,
             if m is not None for n, p in m.named_parameters()}
 
 
-
-
 # ---------------------------------------------------------------------------- one rank
-class _Warnings(logging.Handler):
+class CaughtWarnings(logging.Handler):
+    """The warnings a logger gives while attached (ATOM's "NOT loaded" among them)."""
+
     def __init__(self):
         super().__init__(logging.WARNING)
         self.messages: list[str] = []
 
     def emit(self, record):
         self.messages.append(record.getMessage())
-
 
 
 def check_rank(case: Case, src: pathlib.Path, out: pathlib.Path, rank: int, kernels: types.ModuleType | None = None,
@@ -241,7 +237,7 @@ def check_rank(case: Case, src: pathlib.Path, out: pathlib.Path, rank: int, kern
         return atoms_coverage(*args, **{**kw, "is_rank0": lambda: True})
 
     on_cpu.set_tp(rank, case.tp)
-    log, caught = logging.getLogger("atom"), _Warnings()
+    log, caught = logging.getLogger("atom"), CaughtWarnings()
     log.addHandler(caught)
     try:
         # ATOM reads its switches when it uses them; it warns of unloaded parameters on rank 0 only,

@@ -111,7 +111,6 @@ def mla_from_mxfp4(kernels: types.ModuleType | None):
         yield
 
 
-
 def mla_derivation(target: torch.nn.Module, out: pathlib.Path, rank: int, tp: int,
                    mxfp4_derived: bool) -> tuple[int, list[str]]:
     """(layers checked, mismatches): the ``W_K``/``W_V`` (and scales) ATOM derived from each

@@ -142,7 +142,7 @@ def worker(setup: dict) -> int:
                 during_load.extend(on_cpu.CALLS[start:])
         return load
 
-    caught = install._Warnings()  # ATOM's warnings, as the install check catches them
+    caught = install.CaughtWarnings()  # ATOM's warnings, as the install check catches them
     logging.getLogger("atom").addHandler(caught)
     result = {"rank": rank, "refused": None, "params_created": 0, "fills": []}
     with mock.patch.object(ModelRunner, "_setup_device_and_distributed", device_and_group), \
