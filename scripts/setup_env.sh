@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create (or refresh) .venv on the CPU: what prep and the demo need; with --atom also what ATOM's code
-# needs to run on the CPU (scripts/check_atom_serve.py, check_atom_install.py); with --tests also the test
+# needs to run on the CPU (python -m harness check-engine atom, check-atom-matrix); with --tests also the test
 # tools and the oracles the tests compare against. Each step says what it installs and how long it
 # took; pip's own output is shown only when a step fails.
 # torch is pinned to the 2.13.0 CPU wheel first: an open range would pull a multi-GB CUDA build.
@@ -11,7 +11,7 @@ TESTS=0
 ATOM=0
 SGLANG=0
 VLLM=0
-# --engine NAME is --NAME: what scripts/check_engine_install.py --engine NAME needs.
+# --engine NAME is --NAME: what python -m harness check-engine NAME needs.
 args=()
 while [ $# -gt 0 ]; do
   if [ "$1" = "--engine" ]; then
@@ -61,7 +61,7 @@ fi
 HTTP_PKGS=(urllib3==2.8.0 requests==2.34.2 charset-normalizer==3.5.3 certifi==2026.10.19.post1 aiohttp==3.14.5
   aiohappyeyeballs==2.7.1 aiosignal==1.4.0 attrs==26.1.0 frozenlist==1.8.0 multidict==7.2.1 propcache==0.5.4
   yarl==1.25.1)
-# SGLang's model and loader code for scripts/check_engine_install.py --engine sglang, in a venv of
+# SGLang's model and loader code for python -m harness check-engine sglang, in a venv of
 # its own on top of .venv's packages (a .pth file): SGLang pins another transformers and
 # huggingface_hub than prep's tests, and its GPU packages (sgl-kernel, flashinfer, CUDA torch) are
 # stand-ins on the CPU, so sglang and the pure-Python packages its DeepSeek code imports are
@@ -80,7 +80,7 @@ aiohttp, dill, sentencepiece" >/dev/null 2>&1 \
       tokenizers==0.23.2 dill==0.4.1 sentencepiece==0.2.3 "${HTTP_PKGS[@]}"
   .venv/bin/python scripts/fetch_aiter_oracle.py >/dev/null  # aiter's Triton MXFP4 quant, for SGLang's w_kc/w_vc
 fi
-# vLLM's model and loader code for scripts/check_engine_install.py --engine vllm, the same way:
+# vLLM's model and loader code for python -m harness check-engine vllm, the same way:
 # vllm (its compiled extensions link a CUDA torch and are stand-ins on the CPU) and the
 # pure-Python packages its DeepSeek code imports, without their dependencies, on top of .venv.
 if [ "$VLLM" = 1 ]; then

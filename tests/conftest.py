@@ -37,13 +37,13 @@ def _need(ok: bool, what: str, how: str = "run `bash scripts/setup_env.sh --test
 
 
 def need_engine_sources() -> pathlib.Path:
-    """The folder of ATOM's and aiter's pinned sources (scripts/engine_sources.py), or skip saying
-    how to get them: users have no shared/oracles beside their clone."""
-    import engine_sources
+    """The folder of ATOM's and aiter's pinned sources (harness/sources.py), or skip saying how to
+    get them: users have no shared/oracles beside their clone."""
+    from harness import sources
 
-    folder = engine_sources.find()
+    folder = sources.find()
     if folder is None:
-        _need(False, "ATOM's and aiter's pinned sources", engine_sources.HOW_TO_GET.split(": ", 1)[1])
+        _need(False, "ATOM's and aiter's pinned sources", sources.HOW_TO_GET.split(": ", 1)[1])
     return folder
 
 
@@ -132,18 +132,20 @@ def assert_verifies_and_reverts(out: pathlib.Path, src: pathlib.Path, back: path
 
 
 def engine_check_rows(engine: str, src: pathlib.Path, out: pathlib.Path, work: pathlib.Path,
-                      *more: str) -> tuple[list[list[str]], str]:
-    """``scripts/check_engine_install.py --engine ENGINE`` (and ``more`` options) on ``src`` and
-    its conversion ``out`` (which must pass: exit 0): its per-rank rows, split, and what it printed."""
+                      *more: str) -> tuple[list[dict[str, str]], str]:
+    """``python -m harness check-engine ENGINE`` (and ``more`` options) on ``src`` and its
+    conversion ``out`` (which must pass: exit 0): its per-rank rows, by column, and what it printed."""
     import subprocess
     import sys
 
-    _need((pathlib.Path(__file__).resolve().parent.parent / f".venv-{engine}" / "bin" / "python").is_file(),
+    from harness import REPO, report
+
+    _need((REPO / f".venv-{engine}" / "bin" / "python").is_file(),
           f"{engine} in .venv-{engine}", f"run `bash scripts/setup_env.sh --engine {engine}`")
     oracles = need_engine_sources()
-    cmd = [sys.executable, str(pathlib.Path(__file__).resolve().parent.parent / "scripts" / "check_engine_install.py"),
-           "--engine", engine, "--source", str(src), "--converted", str(out), "--work", str(work), "--oracles", str(oracles), *more]
+    cmd = [sys.executable, "-m", "harness", "check-engine", engine, "--source", str(src), "--converted", str(out),
+           "--work", str(work), "--oracles", str(oracles), *more]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the engine's own process sets it
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    return [line.split() for line in r.stdout.splitlines() if line.strip()[:1].isdigit()], r.stdout
+    return report.rows(r.stdout), r.stdout

@@ -1,5 +1,5 @@
 """prep's ATOM door (prep-atom-serve) on ATOM's real server start-up, on the CPU
-(scripts/check_atom_serve.py: ATOM at the pinned commit from ../shared/oracles, aiter's GPU
+(harness/atom/serve.py: ATOM at the pinned commit from ../shared/oracles, aiter's GPU
 kernels, the GPU, NCCL and ATOM's engine-core processes as stand-ins), and the door's checks."""
 
 from __future__ import annotations
@@ -19,25 +19,25 @@ import torch
 import layouts
 import aiter_oracle
 from conftest import _need, need_engine_sources
+from harness import report, sources
+from harness.atom import serve as check_atom_serve
 from layouts.engines.atom import ENV_NON_SHUFFLE, ENV_TRITON_MOE, SERVED_MOE_BACKENDS
 from layouts.engines.atom import serve
 from prep.testing import PRESETS, drop_tensors, edit_at_same_size, write_checkpoint
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "scripts"))
-import check_atom_serve  # noqa: E402
-import engine_sources  # noqa: E402
+
 
 @pytest.fixture
 def oracle_trees(tmp_path_factory):
-    import atom_on_cpu
+    from harness.atom import on_cpu
 
     oracles = need_engine_sources()
-    missing = atom_on_cpu.missing_deps()
+    missing = on_cpu.missing_deps()
     _need(not missing, f"ATOM's CPU dependencies ({', '.join(missing)})", "run `bash scripts/setup_env.sh --engine atom`")
     work = tmp_path_factory.getbasetemp() / "atom-oracles"
     work.mkdir(exist_ok=True)
-    return engine_sources.trees(oracles, work)
+    return sources.trees(oracles, work)
 
 
 def _convert_with_cli(src: pathlib.Path, out: pathlib.Path, *args: str) -> dict:
@@ -83,7 +83,7 @@ def test_the_door_leaves_atoms_models_as_atoms_own_start_up_on_the_source_at_tp2
     # and derives W_K / W_V from the FP8 kv_b_proj at load on both sides (its two FP8 kernels torch
     # stand-ins, named in the output), with rank 1's file holding a flipped byte, which the check must
     # find and nothing else. (One start-up pair each covers several cases: the suite's time. v2's MXFP4
-    # attention and the other seed cells are run by hand: scripts/check_atom_serve.py, docs/engines.md.)
+    # attention and the other seed cells are run by hand: check-engine atom --serve, docs/engines.md.)
     # R1-0528 as DeepSeek released it (FP8 per 128x128 block, experts too) under the seed's command,
     # on gfx942: ATOM converts e4m3fn to e4m3fnuz (each block scale doubled), shuffles every weight and
     # expert and derives W_K / W_V with its block-scale GEMM (a torch stand-in) at load on both sides;
@@ -109,33 +109,32 @@ def test_the_door_leaves_atoms_models_as_atoms_own_start_up_on_the_source_at_tp2
         _flip_last_byte(sorted(out.glob("*rank1*.safetensors"))[-1])
     result = check_atom_serve.check(src, out, oracle_trees, tmp_path / "work", env=env,
                                     gpu_arch="gfx942" if fp8_block else "gfx950")
-    lines = result["lines"]
-    ranks = [line for line in lines if line.startswith("rank ")]
+    ranks = result["ranks"]
+    lines = [line for r in ranks for line in r.lines()] + result["failures"]
+    assert not result["failures"] and len(ranks) == 2, "\n".join(lines)
     if flipped:
-        assert not result["ok"] and ranks[0].endswith(": ok") and ranks[1].endswith(": FAIL"), "\n".join(lines)
-        said = lines[lines.index(ranks[1]) + 1:]
-        said = [x for x in said[:next((i for i, x in enumerate(said) if not x.startswith("    ")), len(said))]
-                if "torch stand-ins computed" not in x]  # what the rank's line reports beside its differences
+        assert not result["ok"] and ranks[0].ok and not ranks[1].ok, "\n".join(lines)
+        said = ranks[1].problems  # what the rank's row reports: its differences alone
         assert len(said) == 2 and all("1 of" in x and "bytes differ" in x for x in said), "\n".join(lines)
         assert said[0].split(":")[1] == said[1].split(":")[1]  # one tensor, under both fills
-        ranks[1] = ranks[1][:-len("FAIL")] + "ok"  # otherwise as rank 0: every other byte equal
+        ranks[1].problems = []  # otherwise as rank 0: every other byte equal
     else:
         assert result["ok"], "\n".join(lines)
-    assert [line.endswith(": ok") for line in ranks] == [True, True]
+    assert [r.ok for r in ranks] == [True, True]
     if mtp_head:
-        assert all("0 NOT-loaded warnings (ATOM's own: 0), draft head its own" in line for line in ranks)
+        assert all(r.warned == "no" and "draft head its own" in r.notes for r in ranks)
     else:  # ATOM's rank 0 reports the head its drafter shares; the door's does the same
-        assert "1 NOT-loaded warnings (ATOM's own: 1), draft head shared" in ranks[0]
-        assert "0 NOT-loaded warnings (ATOM's own: 0), draft head shared" in ranks[1]
+        assert ranks[0].warned == "same" and "NOT-loaded warnings: 1 (ATOM's own: 1)" in ranks[0].notes
+        assert ranks[1].warned == "no" and all("draft head shared with the target" in r.notes for r in ranks)
     door = result["door"]
     assert door["listening"] and door["workers"] == [0, 0]  # ATOM's server got to uvicorn; both workers loaded
     assert {f["runner"] for r in door["ranks"] for f in r["fills"]} == {"ConvertedModelRunner"}
 
     if variant == "mtp-moefp4":  # ATOM's FP8 GEMM ran (as torch) on both sides to derive W_K / W_V: said
-        assert "torch stand-ins computed for GPU kernels: aiter.gemm_a8w8_bpreshuffle" in "\n".join(result["lines"])
+        assert "torch stand-ins computed for GPU kernels: aiter.gemm_a8w8_bpreshuffle" in "\n".join(lines)
     if fp8_block:
         assert "torch stand-ins computed for GPU kernels: aiter.gemm_a8w8_blockscale, aiter.per_group_quant_hip" \
-            in "\n".join(result["lines"])
+            in "\n".join(lines)
 
 
 def test_kimi_k25_through_the_door_equals_atoms_own_start_up_and_a_flipped_byte_fails(tmp_path, oracle_trees):
@@ -148,14 +147,14 @@ def test_kimi_k25_through_the_door_equals_atoms_own_start_up_and_a_flipped_byte_
     summary = _convert_with_cli(src, out, "--tp", "2")
     _flip_last_byte(sorted(out.glob("*rank1*.safetensors"))[-1])
     result = check_atom_serve.check(src, out, oracle_trees, tmp_path / "work", env=_switches(summary["serve"]))
-    lines = result["lines"]
-    ranks = [line for line in lines if line.startswith("rank ")]
-    assert not result["ok"] and ranks[0].endswith(": ok") and ranks[1].endswith(": FAIL"), "\n".join(lines)
-    assert "0 NOT-loaded warnings (ATOM's own: 0), no MTP draft model" in ranks[0]
-    said = lines[lines.index(ranks[1]) + 1:]
-    said = said[:next((i for i, x in enumerate(said) if not x.startswith("    ")), len(said))]
-    assert said and all("language_model." in x and "bytes differ" in x for x in said), "\n".join(lines)
-    assert len({x.split(":")[1] for x in said}) == 1  # one tensor, under ATOM's name for it
+    ranks = result["ranks"]
+    lines = [line for r in ranks for line in r.lines()] + result["failures"]
+    assert not result["failures"] and len(ranks) == 2, "\n".join(lines)
+    assert not result["ok"] and ranks[0].ok and not ranks[1].ok, "\n".join(lines)
+    assert ranks[0].warned == "no" and "no MTP draft model" in "\n".join(ranks[0].notes), "\n".join(lines)
+    said = ranks[1].problems  # its differences alone: one tensor, under ATOM's name for it (both fills)
+    assert said and all(x.startswith("language_model.") and "bytes differ" in x for x in said), "\n".join(lines)
+    assert len({x.split(":")[0] for x in said}) == 1, "\n".join(lines)
 
 
 def test_a_switch_that_does_not_read_the_layout_is_refused_before_any_weight_is_allocated(tmp_path, oracle_trees):
@@ -356,25 +355,29 @@ def test_atoms_own_mla_derivation_equals_layouts_absorbed_kv_b(oracle_trees, tmp
     # (R1-0528) as they are, from MXFP4 bytes (v2) by running kv_b_proj's GEMM on an identity, here
     # aiter's own Triton gemm_afp4wfp4 (interpreted) on ATOM's non-shuffle path.
     # layouts.absorbed_kv_b of the rank's stored bytes, put through ATOM's own FP8 quant, must give
-    # the same bytes, every layer of every rank (scripts/check_atom_install.py, column "mla").
+    # the same bytes, every layer of every rank (harness/atom/install.py, each rank's "MLA:" note).
     atom, aiter = oracle_trees
     _need(aiter_oracle.triton_gemm_available(), "aiter's Triton GEMM files and triton >= 3.8")
-    r = subprocess.run([sys.executable, str(REPO / "scripts" / "check_atom_install.py"), "--atom-dir", str(atom),
+    r = subprocess.run([sys.executable, "-m", "harness", "check-atom-matrix", "--atom-dir", str(atom),
                         "--aiter-dir", str(aiter), "--work", str(tmp_path), "--only", "r1-0528 asm tp2",
-                        "--only", "v2 triton-non-shuffle tp2"], capture_output=True, text=True)
+                        "--only", "v2 triton-non-shuffle tp2"], capture_output=True, text=True, cwd=REPO)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    lines = r.stdout.splitlines()
+    mla = "    MLA: ATOM's W_K/W_V equal layouts.absorbed_kv_b's through its own quantization in 3 layers"
     for config, ranks in (("r1-0528 asm tp2", 4), ("v2 triton-non-shuffle tp2", 2)):
-        rows = [line.split() for line in r.stdout.splitlines() if line.startswith(config)]
-        assert len(rows) == ranks and all(row[-2] == "3" and row[-1] == "ok" for row in rows), r.stdout
+        rows = [i for i, line in enumerate(lines) if line.startswith(config)]
+        assert len(rows) == ranks and all(lines[i].endswith(" ok") and mla in lines[i + 1:i + 4] for i in rows), \
+            r.stdout
+    assert len(report.rows(r.stdout)) == 6, r.stdout
     assert "triton-non-shuffle path: aiter's gemm_afp4wfp4 (Triton, interpreted): ATOM's own call" in r.stdout
 
 
 def test_a_missing_atom_dependency_is_one_line_naming_the_set_up(tmp_path):
     # ATOM's imports fail deep inside its tree without its CPU dependencies: the checks stop
     # first, in one line naming what is missing and the set-up that installs it.
-    code = ("import sys; sys.path.insert(0, 'scripts'); import atom_on_cpu, pathlib; "
-            "atom_on_cpu.ATOM_CPU_DEPS += ('no_such_module_for_this_test',); "
-            f"atom_on_cpu.install(pathlib.Path({str(tmp_path)!r}), pathlib.Path({str(tmp_path)!r}))")
+    code = ("import pathlib; from harness.atom import on_cpu; "
+            "on_cpu.ATOM_CPU_DEPS += ('no_such_module_for_this_test',); "
+            f"on_cpu.install(pathlib.Path({str(tmp_path)!r}), pathlib.Path({str(tmp_path)!r}))")
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.strip().splitlines() == [

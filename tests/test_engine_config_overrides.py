@@ -3,7 +3,7 @@ and the override their serve commands pass for it (layouts/engines/_config.py): 
 written as shell wildcards, and DeepSeek-V3's routing keys that a config saved by transformers 5
 drops (an amd-quark 0.13 export has none of topk_method, scoring_func, moe_layer_freq; without
 them vLLM builds no router bias and SGLang stops: seen on such an export with both engines' own
-loaders, scripts/check_doors_on_quark_export.py). ATOM's door takes no override: its note says to
+loaders, python -m harness check-quark-export). ATOM's door takes no override: its note says to
 fix config.json."""
 
 from __future__ import annotations

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import pathlib
 
 import pytest
 from click.testing import CliRunner
 
+from harness.report import rows as harness_rows
 from layouts.errors import LayoutsError
 from layouts.families import COLS, ROWS, WHOLE, Family, Module, family_of, get_family, register_family
 from prep.cli import main
@@ -157,7 +157,8 @@ def test_kimi_k25_through_vllms_door_equals_its_own_load_vision_tower_included(k
     out = tmp_path / "out"
     convert(str(kimi), out, target_for("vllm", tp=2, ep=2))
     rows, report = engine_check_rows("vllm", kimi, out, tmp_path / "work")
-    assert [r[0] for r in rows] == ["0", "1"] and all(r[-1] == "ok" and r[1] == "139" for r in rows), report
+    assert [(row["rank"], row["tensors"], row["result"]) for row in rows] == [("0/2", "139", "ok"), ("1/2", "139", "ok")], \
+        report
 
 
 def test_kimi_k25_is_refused_for_engines_whose_door_does_not_resolve_its_language_model(kimi, tmp_path):
@@ -201,18 +202,19 @@ def v32(tmp_path_factory):
 
 
 def _atom_install_check(src, out, work, *more: str) -> str:
-    """scripts/check_engine_install.py --engine atom (ATOM's own load of SRC against its door's
-    install of OUT, both models, on ATOM's real code on the CPU): its output, exit status 0 or not."""
+    """``python -m harness check-engine atom`` (ATOM's own load of SRC against its door's install of
+    OUT, both models, on ATOM's real code on the CPU): its output, exit status 0 or not."""
     import os
     import subprocess
     import sys
 
     from conftest import need_engine_sources
+    from harness import REPO
 
-    cmd = [sys.executable, "scripts/check_engine_install.py", "--engine", "atom", "--source", str(src), "--converted",
-           str(out), "--work", str(work), "--oracles", str(need_engine_sources()), *more]
+    cmd = [sys.executable, "-m", "harness", "check-engine", "atom", "--source", str(src), "--converted", str(out),
+           "--work", str(work), "--oracles", str(need_engine_sources()), *more]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=pathlib.Path(__file__).resolve().parent.parent)
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
     return f"rc={r.returncode}\n{r.stdout}"
 
 
@@ -317,7 +319,7 @@ def test_glm5_through_atoms_door_equals_atoms_own_load_and_a_flipped_embedding_b
     # embedding or head of its own: ATOM's drafter shares the target's after the load, and warns
     # of the head it could not load from the checkpoint, on its own load as on the door's. ATOM
     # loads DeepSeek-V3.2 with the same model (GLM's subclasses it): this check stands for V3.2's
-    # door too, the indexer included (scripts/check_engine_install.py on the v3.2 preset).
+    # door too, the indexer included (check-engine atom on the v3.2 preset).
     import json
     import shutil
     import struct
@@ -328,9 +330,9 @@ def test_glm5_through_atoms_door_equals_atoms_own_load_and_a_flipped_embedding_b
     out = tmp_path / "out"
     convert(str(glm), out, target_for("atom", tp=2))
     report = _atom_install_check(glm, out, tmp_path / "work")
-    rows = [line.split() for line in report.splitlines() if line.startswith("source ")]
-    assert report.startswith("rc=0") and len(rows) == 2 and all(row[-1] == "ok" and row[-3] == "same" for row in rows), \
-        report
+    rows = harness_rows(report)
+    assert report.startswith("rc=0") and len(rows) == 2 and all(row["result"] == "ok" and row["warned"] == "same"
+                                                                for row in rows), report
     flipped = tmp_path / "flipped"
     shutil.copytree(out, flipped)
     name = "model.embed_tokens.weight"  # rank 1's whole table: a byte past rank 0's half of the vocabulary
@@ -357,14 +359,14 @@ def test_glm5_through_sglangs_and_vllms_doors_equals_their_own_loads(glm, tmp_pa
     # too (no embedding or head of its own: its proposer shares the target's); rank 1 here. The
     # same model classes load DeepSeek-V3.2 (SGLang's DeepseekV32ForCausalLM and GLM's both
     # subclass its DeepseekV2ForCausalLM; vLLM's GLM is its V3.2 model), so these checks stand for
-    # V3.2's doors too (scripts/check_engine_install.py on the v3.2 preset, docs/engines.md).
+    # V3.2's doors too (check-engine on the v3.2 preset, docs/engines.md).
     from conftest import engine_check_rows
 
     out = tmp_path / "out"
     r = CliRunner().invoke(main, ["convert", str(glm), "-o", str(out), "--engine", engine, "--tp", "2", "--ep", ep, "-q"])
     assert r.exit_code == 0, r.output
     rows, report = engine_check_rows(engine, glm, out, tmp_path / "work", "--ranks", "1")
-    assert [(row[0], row[1], row[-1]) for row in rows] == [("1", tensors, "ok")], report
+    assert [(row["rank"], row["tensors"], row["result"]) for row in rows] == [("1/2", tensors, "ok")], report
 
 
 def test_the_reference_engine_computes_glm5_with_its_rope_parameters(glm, tmp_path):
@@ -421,13 +423,13 @@ def test_glm52_layers_that_share_an_indexer_hold_none_and_a_checkpoint_missing_a
 def test_glm52_through_atoms_door_equals_atoms_own_load(glm52, tmp_path):
     # ATOM builds no indexer in a layer its indexer_types marks "shared" (_indexer_weights_shared);
     # its load of prep's files, which hold none there either, equals its own load of the source on
-    # rank 1 (vLLM's and SGLang's: scripts/check_engine_install.py, docs/engines.md).
+    # rank 1 (vLLM's and SGLang's: check-engine, docs/engines.md).
     out = tmp_path / "out"
     r = CliRunner().invoke(main, ["convert", str(glm52), "-o", str(out), "--engine", "atom", "--tp", "2", "-q"])
     assert r.exit_code == 0, r.output
     report = _atom_install_check(glm52, out, tmp_path / "work", "--ranks", "1")
-    rows = [line.split() for line in report.splitlines() if line.startswith("source ")]
-    assert report.startswith("rc=0") and len(rows) == 1 and rows[0][-1] == "ok", report
+    rows = harness_rows(report)
+    assert report.startswith("rc=0") and len(rows) == 1 and rows[0]["result"] == "ok", report
 
 
 def test_sglangs_serve_command_says_the_shared_expert_fusion_the_files_hold(glm, tmp_path):

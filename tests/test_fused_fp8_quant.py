@@ -2,7 +2,7 @@
 
 Pinned on the CPU (Triton kernels under TRITON_INTERPRET=1): our Triton kernel against our torch
 reference, and the reference against aiter's own ``fused_rms_fp8_group_quant`` at the commit ATOM
-is pinned with (the pinned aiter tree from scripts/engine_sources.py), at DeepSeek's two call
+is pinned with (the pinned aiter tree from harness/sources.py), at DeepSeek's two call
 sites with ATOM's arguments (group 128, transposed scale; per token), e4m3fn and MI300's e4m3fnuz.
 
 Exactness: where the float32 sum of squares is the same in any order (every partial sum exact:
@@ -159,9 +159,9 @@ def test_cpu_tensors_run_the_torch_reference():
 @pytest.fixture(scope="module")
 def aiter_fused_fp8(tmp_path_factory):
     """aiter's ``fused_rms_fp8_group_quant`` at e4048607, interpreted on the CPU."""
-    import engine_sources
+    from harness import sources
 
-    _, aiter_tree = engine_sources.trees(need_engine_sources(), tmp_path_factory.mktemp("engine-sources"))
+    _, aiter_tree = sources.trees(need_engine_sources(), tmp_path_factory.mktemp("engine-sources"))
     return aiter_oracle.pinned_fused_fp8_quant(aiter_tree).fused_rms_fp8_group_quant
 
 

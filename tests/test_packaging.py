@@ -87,7 +87,7 @@ def wheels(tmp_path_factory):
     tree = tmp_path_factory.mktemp("tree")
     for item in ("pyproject.toml", "README.md"):
         shutil.copy2(REPO / item, tree / item)
-    for item in ("prep", "layouts", "runtime"):
+    for item in ("prep", "layouts", "runtime", "harness"):  # harness: beside them, and in neither wheel
         shutil.copytree(REPO / item, tree / item, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
     out = tmp_path_factory.mktemp("wheels")
     for project in (tree / "runtime", tree):
@@ -114,9 +114,11 @@ def test_the_runtime_wheel_needs_torch_alone_and_the_cli_wheel_the_rest(wheels):
     assert sorted(r for r in requires if "extra ==" not in r) == ["numpy", "torch>=2.7"]
     assert [r for r in requires if "extra ==" in r] == ['xxhash>=3.0; extra == "hashes"']
     assert "layouts/loader.py" in listing and "prep/cli.py" not in listing
+    assert "harness/" not in listing  # the engine checks are test support, in neither distribution
     requires, listing = _meta(cli)
     assert {"click>=8.1", "tqdm>=4.60", "huggingface_hub>=0.34", "xxhash>=3.0"} <= set(requires)
     assert "prep = prep.cli:run" in listing and "prep/cli.py" in listing and "layouts/loader.py" in listing
+    assert "harness/" not in listing
 
 
 def test_an_engine_environment_loads_a_checkpoint_with_the_runtime_alone(wheels, tmp_path):

@@ -1,7 +1,7 @@
 """``prep convert --engine sglang``: each rank's files hold exactly what SGLang 0.5.23's DeepSeek
 model holds after loading (layouts/engines/sglang.py), so that SGLang's own ``--load-format
 sharded_state`` loads them; checked against SGLang's real model and loaders on the CPU
-(scripts/check_engine_install.py, in .venv-sglang), and the conversion stays verifiable and
+(``python -m harness check-engine sglang``, in .venv-sglang), and the conversion stays verifiable and
 revertible like every other."""
 
 from __future__ import annotations
@@ -84,4 +84,5 @@ def test_sglangs_own_sharded_state_load_of_the_files_equals_its_load_of_the_sour
     # rank 1: every split part of it starts past the tensor's start (rank 0's too is checked by the
     # script's runs in docs/engines.md; the suite keeps to one rank for its time)
     rows, report = engine_check_rows("sglang", tiny_r1, out, tmp_path / "work", "--ranks", "1")
-    assert [row[0] for row in rows] == ["1"] and all(row[-1] == "ok" and row[3] == "12" for row in rows), report
+    assert [row["rank"] for row in rows] == ["1/2"] and all(row["result"] == "ok" and row["derived"] == "12"
+                                                           for row in rows), report

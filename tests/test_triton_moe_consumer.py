@@ -1,7 +1,7 @@
 """The consumer check of ATOM's Triton MoE layouts: aiter's own Triton MoE GEMMs (``moe_gemm_a16w4``
 and ``moe_gemm_a4w4`` from the pinned aiter tree, interpreted on the CPU), run on a conversion's
 stacked experts as ATOM holds them after loading, compute the source experts' product
-(scripts/check_triton_moe.py says how; the dense layouts' check is tests/test_consumer_kernels.py)."""
+(harness/triton_moe.py says how; the dense layouts' check is tests/test_consumer_kernels.py)."""
 
 from __future__ import annotations
 
@@ -26,9 +26,9 @@ def test_aiters_triton_moe_gemms_compute_the_source_experts_from_the_triton_layo
     src = write_checkpoint(SynthSpec(), tmp_path / "src")
     out = tmp_path / "out"
     convert(str(src), out, target_for("atom", tp=2, moe_layout="triton"))
-    r = subprocess.run([sys.executable, str(REPO / "scripts" / "check_triton_moe.py"), "--source", str(src),
+    r = subprocess.run([sys.executable, "-m", "harness", "check-triton-moe", "--source", str(src),
                         "--converted", str(out), "--oracles", str(oracles), "--work", str(tmp_path / "work"),
-                        "--tokens", "8", "--rank", "1"], capture_output=True, text=True, cwd=REPO)
+                        "--tokens", "8", "--ranks", "1"], capture_output=True, text=True, cwd=REPO)
     ranks = [line for line in r.stdout.splitlines() if line.startswith("rank ")]
     assert r.returncode == 0 and len(ranks) == 1 and ranks[0].startswith("rank 1/2: "), r.stdout + r.stderr[-3000:]
     for line in ranks:

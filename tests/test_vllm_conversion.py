@@ -98,7 +98,7 @@ def test_the_door_is_registered_for_vllm_by_the_packages_entry_point():
 
 
 def test_vllms_load_through_the_door_equals_its_own_load_of_the_source(tiny_r1, tmp_path):
-    # vLLM 0.34.0's real DeepseekV3ForCausalLM per rank on the CPU (scripts/vllm_on_cpu.py): its
+    # vLLM 0.34.0's real DeepseekV3ForCausalLM per rank on the CPU (harness/vllm.py): its
     # DefaultModelLoader on the source against --load-format prep on the conversion, which vLLM
     # finds through the package's vllm.general_plugins entry point; every state-dict tensor,
     # aliases and the derived W_UK_T / W_UV included.
@@ -110,8 +110,8 @@ def test_vllms_load_through_the_door_equals_its_own_load_of_the_source(tiny_r1, 
     rows, report = engine_check_rows("vllm", tiny_r1, out, tmp_path / "work", "--ranks", "1")
     # 104 tensors of the model, and 39 of its MTP draft (--speculative-config mtp) loaded after it
     assert "the MTP draft compared too" in report
-    assert [row[0] for row in rows] == ["1"] and all(row[-1] == "ok" and row[1] == "143" and row[3] == "39"
-                                                     for row in rows), report
+    assert [row["rank"] for row in rows] == ["1/2"] and all(
+        row["result"] == "ok" and row["tensors"] == "143" and row["draft"] == "39" for row in rows), report
 
 
 def test_linears_vllm_runs_on_tuned_aiter_gemms_are_laid_out_by_the_door_as_vllm_holds_them(tmp_path):
@@ -133,7 +133,7 @@ def test_linears_vllm_runs_on_tuned_aiter_gemms_are_laid_out_by_the_door_as_vllm
     r = CliRunner().invoke(main, ["convert", str(src), "-o", str(out), "--engine", "vllm", "--tp", "1"])
     assert r.exit_code == 0, r.output
     rows, report = engine_check_rows("vllm", src, out, tmp_path / "work", "--asm-tuned")
-    assert [(row[0], row[-1]) for row in rows] == [("0", "ok")], report
+    assert [(row["rank"], row["result"]) for row in rows] == [("0/1", "ok")], report
     assert ("dense linears by vLLM's GEMM: FP8 AiterPreshuffledPerTokenFp8ScaledMMLinearKernel 9, FP8 "
             "RowWiseTorchFP8ScaledMMLinearKernel 3, MXFP4 ASM GEMM (shuffled) 6, draft FP8 "
             "AiterPreshuffledPerTokenFp8ScaledMMLinearKernel 3, draft FP8 RowWiseTorchFP8ScaledMMLinearKernel 1, "

@@ -3,7 +3,7 @@ what its DeepSeek model holds per rank after loading a Quark MXFP4 checkpoint, a
 serves a converted folder with SGLang's own ``--load-format sharded_state``.
 
 What SGLang holds (read in its source and checked against its real model and loaders on the
-CPU: ``scripts/check_engine_install.py --engine sglang``):
+CPU: ``python -m harness check-engine sglang``):
 
 * dense MXFP4 linears raw, as in the checkpoint (``quark_w4a4_mxfp4``'s ``process_weights_after_loading``
   keeps them unless ``SGLANG_ROCM_USE_AITER_FP4_ASM_GEMM=1``), read by aiter's Triton
@@ -68,7 +68,7 @@ class SglangProfile(EngineProfile):
     expert_parallel_backends = (AITER,)
     expert_parallel_switch = "--ep-size"
     sharding = SHARDING
-    families = ("deepseek-v3", "kimi-k2", "deepseek-v3.2", "glm-5")  # check_engine_install.py on tiny kimi-k2, v3.2, glm-5 (tests/test_families.py)
+    families = ("deepseek-v3", "kimi-k2", "deepseek-v3.2", "glm-5")  # check-engine on tiny kimi-k2, v3.2, glm-5 (tests/test_families.py)
     checks = (engine_matches, tp_matches, rank_in_range, ep_matches, dense_layout_matches, moe_layout_matches,
               bf16_moe_layout_matches, fp8_layout_matches)
     # ShardedStateLoader runs post_load_weights after processing: on an FP8 kv_b_proj that is the

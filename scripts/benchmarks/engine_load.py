@@ -7,8 +7,8 @@ same model both ways), the process's peak RSS, and the bytes of the files it rea
 shards the engine opens, or the rank's own files). The files are in the page cache (one untimed
 load of each first). On the CPU the shuffles run in torch, not on a GPU: the times say what work
 is skipped, not what a server waits on an MI355. Runs in the engine's venv (.venv-vllm,
-.venv-sglang: scripts/setup_env.sh) through the CPU harnesses (scripts/vllm_on_cpu.py,
-scripts/sglang_on_cpu.py) and the pinned sources (scripts/engine_sources.py).
+.venv-sglang: scripts/setup_env.sh) through the CPU harnesses (harness/vllm.py, harness/sglang.py)
+and the pinned sources (harness/sources.py).
 
 Example:
     python3 scripts/bench.py engine-load --engine vllm --source SRC --converted OUT --repeat 3
@@ -33,13 +33,13 @@ ENGINE_PYTHON = {"sglang": REPO / ".venv-sglang" / "bin" / "python", "vllm": REP
 # Run in the engine's venv: load one rank one way, print {"seconds", "max_rss_kib"}.
 CHILD = r"""
 import json, pathlib, resource, sys, time
-sys.path[:0] = [sys.argv[1], sys.argv[1] + "/scripts"]
+sys.path[:0] = [sys.argv[1]]
 engine, folder, fmt, tp, rank, ep, work, aiter = sys.argv[2:10]
 tp, rank, ep = int(tp), int(rank), int(ep)
 from layouts.engines import _config
 override = _config.override(json.loads((pathlib.Path(folder) / "config.json").read_text()))
 if engine == "vllm":
-    import vllm_on_cpu as h
+    from harness import vllm as h
     h.WORK["dir"] = pathlib.Path(work); h.install(aiter)
     import layouts.engines.vllm.door as door
     door.register()
@@ -47,8 +47,8 @@ if engine == "vllm":
     t0 = time.perf_counter()
     h.build_and_load(folder, tp, rank, ep, fmt, **kw)
 else:
-    import sglang_on_cpu as h
-    h.WORK["dir"] = pathlib.Path(work); h.install(aiter)
+    from harness import sglang as h
+    h.install(aiter)
     import layouts
     kw = {"json_model_override_args": json.dumps(override)} if override else {}
     if fmt == "sharded_state":
@@ -88,7 +88,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    import engine_sources  # scripts/: the engines' pinned sources
+    from harness import sources as engine_sources  # the engines' pinned sources
     import layouts
 
     m = layouts.load_manifest(args.converted)

@@ -7,7 +7,7 @@ scale, e4m3fn, bf16 inputs:
 
 * ours  -- ``layouts.fused_rms_fp8_quant(..., backend="triton")`` (the public call);
 * aiter -- aiter's own Triton ``fused_rms_fp8_group_quant`` at the commit ATOM is pinned with
-           (the pinned aiter tree, scripts/engine_sources.py), compiled for this GPU;
+           (the pinned aiter tree, harness/sources.py), compiled for this GPU;
 * copy  -- a copy moving the same bytes (read + written): the faster of torch's ``copy_`` and a
            plain Triton copy kernel, at the same size.
 
@@ -16,7 +16,7 @@ bytes the op must read and write. Before timing, each shape is
 checked against the torch reference on the GPU (scale within 4 ulp, codes within one step at
 most 2 + n/1e5 of them, out_res1 exact, out2 within one bf16 step) and against aiter's bytes.
 ``--sweep`` times (rows per program, warps) around our plan. Needs a CUDA GPU and the pinned
-aiter tree (scripts/engine_sources.py); no CPU path.
+aiter tree (harness/sources.py); no CPU path.
 
 Example:
     python scripts/bench.py fused-fp8-quant --sweep --out /tmp/fp8.txt
@@ -78,7 +78,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> None:
     require_compiled_triton(False)
     import aiter_oracle  # tests/
-    import engine_sources  # scripts/: the pinned aiter tree
+    from harness import sources as engine_sources  # the pinned aiter tree
 
     _, tree = engine_sources.trees(engine_sources.require(), pathlib.Path("/tmp/bench-fp8-sources"))
     aiter_op = aiter_oracle.pinned_fused_fp8_quant(tree, interpret=False).fused_rms_fp8_group_quant

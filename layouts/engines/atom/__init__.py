@@ -252,10 +252,11 @@ class AtomProfile(EngineProfile):
     # N padded to 128 (zero rows, scale 1.0, is_output_padded) and shuffle_weights (16, 16)
     fp8_channel_layouts = (FP8_CHANNEL_PRESHUFFLE.name, FP8_CHANNEL_SCALE.name)
     fp8_layout_fix = f"unset {ENV_FP8_PRESHUFFLE} (ATOM's default, 1, holds them in this layout)"
-    fp8_channel_linears = True  # scripts/check_atom_serve.py on MTP-MoEFP4 (tests/test_atom_serve.py)
-    fp8_block_linears = True  # scripts/check_atom_serve.py on the fp8-block variant (tests/test_atom_serve.py)
+    fp8_channel_linears = True  # python -m harness check-engine atom --serve on MTP-MoEFP4 (tests/test_atom_serve.py)
+    fp8_block_linears = True  # python -m harness check-engine atom --serve on the fp8-block variant (tests/test_atom_serve.py)
     sharding = SHARDING
-    # scripts/check_atom_serve.py on tiny kimi-k2 and v3.2 (the indexer replicated; tests/test_atom_serve.py)
+    # python -m harness check-engine atom --serve on tiny kimi-k2, kimi-k2.5 and v3.2 (the indexer replicated;
+    # tests/test_atom_serve.py)
     families = ("deepseek-v3", "kimi-k2", "kimi-k2.5", "deepseek-v3.2", "glm-5")
     checks = (engine_matches, tp_matches, rank_in_range, ep_matches, dense_layout_matches,
               triton_gemm_needs_bf16_attention, s32x8_k_pad_usable, moe_layout_matches, bf16_moe_layout_matches,

@@ -37,7 +37,7 @@ still runs, and does nothing to the modules made no-ops here. What is exercised 
 the name and shape contract against models built as ATOM's ``create_weights`` builds them
 (tests/test_atom_adapter.py), and ATOM's real DeepSeek and MTP models, built and post-processed
 by ATOM's own code on the CPU, compared byte for byte with ATOM's own load of the source, every
-rank of each conversion it makes (scripts/check_atom_install.py, scripts/check_atom_serve.py, the
+rank of each conversion it makes (``python -m harness check-engine atom``, with ``--serve`` the
 Triton MoE included: :func:`_hold_as_triton_moe`; docs/engines.md). What is not: aiter's kernels on
 the installed bytes.
 """

@@ -100,7 +100,7 @@ class VllmProfile(EngineProfile):
     expert_parallel_switch = "--enable-expert-parallel"
     sharding = SHARDING
     fp8_channel_linears = True  # the door lays them out (door._copy_into, _as_shuffled_fp8_gemm_holds): tests/test_vllm_conversion.py
-    families = ("deepseek-v3", "kimi-k2", "kimi-k2.5", "deepseek-v3.2", "glm-5")  # check_engine_install.py on tiny kimi-k2, v3.2, glm-5
+    families = ("deepseek-v3", "kimi-k2", "kimi-k2.5", "deepseek-v3.2", "glm-5")  # check-engine on tiny kimi-k2, kimi-k2.5, v3.2, glm-5
     checks = (engine_matches, tp_matches, rank_in_range, ep_matches, dense_layout_matches, moe_layout_matches,
               bf16_moe_layout_matches, fp8_layout_matches)
 

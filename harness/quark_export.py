@@ -1,14 +1,13 @@
-#!/usr/bin/env python
-"""The engine doors on a checkpoint prep's generator did not write: amd-quark 0.13 exports the
+"""``check-quark-export``: the engine doors on a checkpoint prep's generator did not write: amd-quark 0.13 exports the
 tiny transformers-5 DeepseekV3 of tests/quark_export.py in W4A4 MXFP4 (scheme "mxfp4": weights
 and dynamic activations, attention left BF16 by the deepseek_v3 template, as
 amd/DeepSeek-R1-0528-MXFP4 is; once more with the shared experts left BF16 too; and once with
 the attention FP8 per channel, as MTP-MoEFP4 and the AttnFP8 checkpoints are); prep
-converts each for each engine; scripts/check_engine_install.py
-compares the engine's load of the conversion with its own load of the export, rank by rank;
-then one byte of a rank file is flipped and the same check must fail.
+converts each for each engine; ``check-engine`` compares the engine's load of the conversion
+with its own load of the export, rank by rank; then one byte of a rank file is flipped and the
+same check must fail.
 
-    .venv/bin/python scripts/check_doors_on_quark_export.py [--engines atom,vllm,sglang] [--variants ...] [--work DIR]
+    .venv/bin/python -m harness check-quark-export [--engines atom,vllm,sglang] [--variants ...] [--work DIR]
 
 One line per (export, engine, TP/EP): the check's result on the conversion and on the flipped copy.
 Exit status 0 only if every conversion passes and every flipped copy fails. Such an export's
@@ -20,18 +19,14 @@ with them added to config.json is converted, as prep's note says to do.
 
 from __future__ import annotations
 
-import argparse
 import json
 import pathlib
 import shutil
 import struct
 import subprocess
 import sys
-import tempfile
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))
-sys.path.insert(0, str(REPO))
+from harness import REPO, report
 
 # The exports (quark_export.export's keywords): Quark's deepseek_v3 template excludes (attention
 # BF16, as R1-0528's card); the shared experts excluded too (BF16 beside MXFP4 routed experts: an
@@ -62,20 +57,9 @@ def flip_a_byte(folder: pathlib.Path) -> str:
     return name
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--engines", default="atom,vllm,sglang")
-    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"exports to check: {', '.join(VARIANTS)}")
-    ap.add_argument("--work", type=pathlib.Path)
-    args = ap.parse_args()
-    work = args.work or pathlib.Path(tempfile.mkdtemp(prefix="quark-doors-"))
-    ok = True
-    for variant in args.variants.split(","):
-        ok &= check_variant(variant, work, args.engines.split(","))
-    return 0 if ok else 1
-
-
 def check_variant(variant: str, work: pathlib.Path, engines: list[str]) -> bool:
+    """One export (:data:`VARIANTS`) through ``engines``' doors; prints a line per (engine, TP/EP)."""
+    sys.path.insert(0, str(REPO / "tests"))  # the export itself is the tests' (tests/quark_export.py)
     import quark_export
 
     src = work / f"export-{variant}"
@@ -102,8 +86,8 @@ def check_variant(variant: str, work: pathlib.Path, engines: list[str]) -> bool:
         for tp, ep in CONFIGS[engine]:
             out = work / f"{variant}-{engine}-tp{tp}-ep{ep}"
             shutil.rmtree(out, ignore_errors=True)
-            r = subprocess.run([str(REPO / ".venv" / "bin" / "prep"), "convert", str(source), "-o", str(out), "--engine",
-                                engine, "--tp", str(tp), "--ep", str(ep), "-q"], capture_output=True, text=True)
+            r = subprocess.run([sys.executable, "-m", "prep", "convert", str(source), "-o", str(out), "--engine",
+                                engine, "--tp", str(tp), "--ep", str(ep), "-q"], capture_output=True, text=True, cwd=REPO)
             if engine in REFUSED.get(variant, ()):
                 ok &= r.returncode == 1 and not out.exists()
                 print(f"{variant} {engine} tp{tp} ep{ep}: convert {'refuses' if r.returncode else 'DOES NOT REFUSE'} "
@@ -115,15 +99,17 @@ def check_variant(variant: str, work: pathlib.Path, engines: list[str]) -> bool:
                 continue
 
             def check(folder: pathlib.Path) -> tuple[int, str]:
-                c = subprocess.run([sys.executable, str(REPO / "scripts" / "check_engine_install.py"), "--engine",
-                                    engine, "--source", str(source), "--converted", str(folder), "--work",
-                                    str(work / f"{engine}-work")], capture_output=True, text=True)
-                rows = [line for line in c.stdout.splitlines() if line.rstrip().endswith((" ok", " FAIL"))]
-                bad = [line.strip() for line in c.stdout.splitlines()
-                       if line.startswith("    ") and not line.startswith("    torch stand-ins computed")]
+                c = subprocess.run([sys.executable, "-m", "harness", "check-engine", engine, "--source", str(source),
+                                    "--converted", str(folder), "--work", str(work / f"{engine}-work")],
+                                   capture_output=True, text=True, cwd=REPO)
                 if c.returncode == 0:
-                    return 0, f"{len(rows)} ranks byte-identical"
-                return c.returncode, "; ".join(bad[:1]) or (c.stderr.strip().splitlines() or ["?"])[-1]
+                    return 0, f"{len(report.rows(c.stdout))} ranks byte-identical"
+                lines = c.stdout.splitlines()
+                failed = next((i for i, line in enumerate(lines) if line.endswith(" FAIL")), None)
+                # a failing row's problems come first under it, its notes after them
+                first = lines[failed + 1].strip() if failed is not None and failed + 1 < len(lines) and \
+                    lines[failed + 1].startswith("    ") else None
+                return c.returncode, first or (c.stderr.strip().splitlines() or ["?"])[-1]
 
             rc, said = check(out)
             flipped = work / f"{variant}-{engine}-tp{tp}-ep{ep}-flipped"
@@ -136,6 +122,3 @@ def check_variant(variant: str, work: pathlib.Path, engines: list[str]) -> bool:
                   f"one byte of {name} flipped: {'fails' if frc else 'PASSES'} ({fsaid})", flush=True)
     return ok
 
-
-if __name__ == "__main__":
-    sys.exit(main())

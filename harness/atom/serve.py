@@ -1,16 +1,15 @@
-#!/usr/bin/env python
 """Check prep's ATOM door (``prep-atom-serve``) on ATOM's real start-up path, on the CPU: every rank
 of a converted folder, started as ATOM's OpenAI server starts it, must leave ATOM's target and MTP
 draft models byte for byte as ATOM's own server start-up on the source leaves them, with no "NOT
 loaded" warning.
 
-    .venv/bin/python scripts/check_atom_serve.py --source SRC --converted OUT [--oracles DIR]
+    .venv/bin/python -m harness check-engine atom --serve --source SRC --converted OUT [--oracles DIR]
         [--work DIR] [--gpu-arch gfx950|gfx942] [--no-mtp] [-- ATOM server options]
 
 DIR is the folder holding ATOM's and aiter's pinned sources, as tarballs or git checkouts (default:
-where ``scripts/engine_sources.py`` finds them: ``$PREP_ORACLES``, ``shared/oracles`` beside the
-checkout, or ``.cache/engine-sources`` after ``engine_sources.py fetch``; tarballs are unpacked under
-``--work``). TP and EP come from OUT's manifest, ATOM's switches from the manifest's layouts, as
+where :mod:`harness.sources` finds them: ``$PREP_ORACLES``, ``shared/oracles`` beside the
+checkout, or ``.cache/engine-sources`` after ``python -m harness sources fetch``; tarballs are
+unpacked under ``--work``). TP and EP come from OUT's manifest, ATOM's switches from the manifest's layouts, as
 ``prep convert`` printed them (``asm`` for ``preshuffle``, ``ATOM_USE_FP4_NON_SHUFFLE_TRITON_GEMM=1``
 for ``non-shuffle``; ``ATOM_USE_TRITON_MOE=1`` for the ``triton`` MoE layouts, ``=0`` for ``ck``),
 unless the environment sets them (the seed's test plan also sets both DeepSeek fusion switches). The
@@ -27,7 +26,7 @@ as a server process of its own, and its workers as processes of their own:
   both models loaded: building them, ``load_model`` (ATOM's reader on SRC, the door's reading step
   on OUT), every ``process_weights_after_loading``, ``_report_coverage``, the drafter's build and
   ``Drafter.load_model`` with its embedding and head sharing;
-* stand-ins (``scripts/atom_on_cpu.py``): aiter's GPU kernels and collectives; the GPU and the
+* stand-ins (:mod:`harness.atom.on_cpu`): aiter's GPU kernels and collectives; the GPU and the
   NCCL group (``ModelRunner._setup_device_and_distributed``: the CPU, and the TP rank answered by
   the stand-in process group; ``ModelRunner.exit``, which releases them); ATOM's ``CoreManager``/``EngineCore`` between the server and its
   workers (they talk through aiter's shared-memory broadcast queue, a GPU-side part of aiter, and
@@ -40,16 +39,14 @@ Both start-ups run twice per rank (``torch.empty`` memory filled with 0x00 and 0
 differ between ATOM's two are memory ATOM never writes (aiter's scale padding), compared nowhere;
 every other byte must be equal in both of the door's.
 From an MXFP4 ``kv_b_proj`` (v2), ATOM derives ``W_K``/``W_V`` with aiter's GEMM, a GPU binary:
-skipped in both loads alike (``check_atom_install.mla_from_mxfp4(None)``).
+skipped in both loads alike (``harness.atom.mla.mla_from_mxfp4(None)``).
 
-Prints one line per rank; exit status 0 only when every rank of both models matches, nothing
-warned "NOT loaded" and no stand-in ran while loading.
+A rank passes only when both models match, the door warned "NOT loaded" exactly as often as ATOM's
+own start-up and no stand-in ran while loading.
 """
 
 from __future__ import annotations
 
-import argparse
-import contextlib
 import json
 import logging
 import os
@@ -61,13 +58,11 @@ import subprocess
 import sys
 import time
 import traceback
+from typing import Iterator
 from unittest import mock
 
-HERE = pathlib.Path(__file__).resolve().parent
-REPO = HERE.parent
-sys.path[:0] = [str(REPO), str(HERE)]
-import engine_sources  # noqa: E402
-import stand_ins  # noqa: E402
+from harness import REPO, stand_ins
+from harness.report import Failure, RankResult
 
 NOT_LOADED = "were NOT loaded from checkpoint"  # ATOM's loading_core._report_coverage
 SERVER = "atom.entrypoints.openai_server"
@@ -105,17 +100,16 @@ def worker(setup: dict) -> int:
     their tensors and what happened to ``setup['out']``."""
     import torch
 
-    import atom_on_cpu
-    import check_atom_install
+    from harness.atom import install, mla, on_cpu
 
     rank, out = setup["rank"], pathlib.Path(setup["out"])
-    atom_on_cpu.install(pathlib.Path(setup["atom_dir"]), pathlib.Path(setup["aiter_dir"]), setup["gpu_arch"])
+    on_cpu.install(pathlib.Path(setup["atom_dir"]), pathlib.Path(setup["aiter_dir"]), setup["gpu_arch"])
     from atom.model_engine.model_runner import ModelRunner
     from atom.utils import resolve_obj_by_qualname
 
     config_bytes = pathlib.Path(setup["config"]).read_bytes()
     tp = pickle.loads(config_bytes).tensor_parallel_size
-    atom_on_cpu.set_tp(rank, tp)
+    on_cpu.set_tp(rank, tp)
 
     def device_and_group(self, rank, config):  # stand-in: the GPU is the CPU, the TP group answers set_tp
         self.device = torch.device("cpu")
@@ -141,14 +135,14 @@ def worker(setup: dict) -> int:
     def recorded(load_model):
         def load(*args, **kwargs):
             loads.append(1)
-            start = len(atom_on_cpu.CALLS)
+            start = len(on_cpu.CALLS)
             try:
                 return load_model(*args, **kwargs)
             finally:
-                during_load.extend(atom_on_cpu.CALLS[start:])
+                during_load.extend(on_cpu.CALLS[start:])
         return load
 
-    caught = check_atom_install._Warnings()  # ATOM's warnings, as the install check catches them
+    caught = install.CaughtWarnings()  # ATOM's warnings, as the install check catches them
     logging.getLogger("atom").addHandler(caught)
     result = {"rank": rank, "refused": None, "params_created": 0, "fills": []}
     with mock.patch.object(ModelRunner, "_setup_device_and_distributed", device_and_group), \
@@ -157,15 +151,15 @@ def worker(setup: dict) -> int:
             mock.patch.object(torch.nn.Parameter, "__new__", counted), \
             mock.patch.object(model_runner, "load_model", recorded(model_runner.load_model)), \
             mock.patch.object(drafter_module, "load_model", recorded(drafter_module.load_model)), \
-            check_atom_install.mla_from_mxfp4(None):
+            mla.mla_from_mxfp4(None):
         for fill in setup["fills"]:
             config = pickle.loads(config_bytes)  # a fresh Config per start, as each worker unpickles its own
             caught.messages.clear()
-            atom_on_cpu.CALLS.clear()
+            on_cpu.CALLS.clear()
             during_load.clear()
             loads.clear()
             try:
-                with atom_on_cpu.on_cpu(fill):
+                with on_cpu.on_cpu(fill):
                     runner_class = resolve_obj_by_qualname(config.runner_qualname)
                     runner_class(rank, config)
                 raise RuntimeError("ModelRunner.__init__ returned without reaching allocate_forward_vars")
@@ -179,16 +173,17 @@ def worker(setup: dict) -> int:
             drafter = getattr(runner, "drafter", None)
             draft = drafter.model if drafter is not None else torch.nn.Module()
             # each its own copy: the adapter's tensors are views of one file buffer under several dtypes
-            tensors = {k: v.detach().clone() for k, v in check_atom_install.tensors(runner.model, draft).items()}
-            flags = check_atom_install.shuffled_flags(runner.model, draft)
-            labels = check_atom_install.swizzle_labels(runner.model, draft)
-            torch.save({"tensors": tensors, "flags": flags, "labels": labels}, out / f"rank{rank}-fill{fill}.pt")
+            state, derived = ({k: v.detach().clone() for k, v in d.items()} for d in install.held(runner.model, draft))
+            flags = install.shuffled_flags(runner.model, draft)
+            labels = install.swizzle_labels(runner.model, draft)
+            torch.save({"state": state, "derived": derived, "flags": flags, "labels": labels},
+                       out / f"rank{rank}-fill{fill}.pt")
             result["fills"].append({
                 "fill": fill, "runner": type(runner).__qualname__, "runner_module": type(runner).__module__,
                 "draft": drafter is not None, "draft_head_shared": _head_shared(runner),
                 "not_loaded": [m[:300] for m in caught.messages if NOT_LOADED in m],
                 "load_model_calls": len(loads), "stand_ins_while_loading": sorted(set(during_load))})
-            del runner, drafter, draft, tensors
+            del runner, drafter, draft, state, derived
         result["params_created"] = params["created"]
     (out / f"rank{rank}.json").write_text(json.dumps(result, indent=1))
     return 0 if result["refused"] is None else 1
@@ -236,10 +231,10 @@ def server(setup: dict, argv: list[str]) -> int:
     """ATOM's server process: the door's main (``kind`` door) or ``python -m
     atom.entrypoints.openai_server`` (``kind`` atom) on ``argv``, with ATOM's engine-core
     processes replaced by TP worker processes (:func:`worker`) and uvicorn recorded."""
-    import atom_on_cpu
+    from harness.atom import on_cpu
 
     out = pathlib.Path(setup["out"])
-    atom_on_cpu.install(pathlib.Path(setup["atom_dir"]), pathlib.Path(setup["aiter_dir"]), setup["gpu_arch"])
+    on_cpu.install(pathlib.Path(setup["atom_dir"]), pathlib.Path(setup["aiter_dir"]), setup["gpu_arch"])
     import runpy
 
     import uvicorn
@@ -299,9 +294,10 @@ def start(kind: str, model: pathlib.Path, argv: list[str], env: dict[str, str], 
              "gpu_arch": gpu_arch, "worker_env": worker_env or {}}
     t0 = time.monotonic()
     # A session of its own: a start-up that hangs (a forked worker, say) is ended with its workers.
-    p = subprocess.Popen([sys.executable, __file__, "_server", json.dumps(setup), "--model", str(model), *argv],
-                         env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         start_new_session=True)
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    p = subprocess.Popen([sys.executable, "-m", "harness.atom.serve", json.dumps(setup), "--model", str(model), *argv],
+                         env={**os.environ, **env, "PYTHONPATH": path}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, start_new_session=True)
     try:
         stdout, stderr = p.communicate(timeout=START_TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -330,14 +326,15 @@ def server_argv(converted: pathlib.Path, mtp: bool = True, extra: list[str] = ()
 def check(source: pathlib.Path, converted: pathlib.Path, trees: tuple[pathlib.Path, pathlib.Path], work: pathlib.Path,
           gpu_arch: str = "gfx950", mtp: bool = True, extra: list[str] = (), env: dict[str, str] | None = None,
           reuse_reference: bool = False, door_name: str = "door-on-converted") -> dict:
-    """Both start-ups and the comparison: ``{"ok", "lines", "reference", "door"}``. ``env``: ATOM's
-    switches (default: those reading the manifest's layout, where the environment does not set
-    them); ``reuse_reference``: compare with the records of an earlier check in ``work`` (same
-    source and options) instead of starting ATOM on the source again; ``trees``: ATOM's and
-    aiter's source trees (``engine_sources.trees``)."""
+    """Both start-ups and the comparison: ``{"ok", "ranks", "failures", "reference", "door"}``,
+    ``ranks`` each rank's :class:`RankResult`, ``failures`` what failed beside them (one line each).
+    ``env``: ATOM's switches (default: those reading the manifest's layout, where the environment
+    does not set them); ``reuse_reference``: compare with the records of an earlier check in
+    ``work`` (same source and options) instead of starting ATOM on the source again; ``trees``:
+    ATOM's and aiter's source trees (``harness.sources.trees``)."""
     import torch
 
-    import check_atom_install
+    from harness.compare import compare
     from layouts import load_manifest
 
     target = load_manifest(converted).target
@@ -352,31 +349,32 @@ def check(source: pathlib.Path, converted: pathlib.Path, trees: tuple[pathlib.Pa
     else:
         ref = start("atom", source, argv, env, [0x00, 0xFF], ref_dir, trees, gpu_arch)
     door = start("door", converted, argv, env, [0x00, 0xFF], door_dir, trees, gpu_arch)
-    lines, ok = [], True
+    result = {"ok": False, "ranks": [], "failures": [], "reference": ref, "door": door}
     if ref.get("rc") or ref["returncode"]:
-        return {"ok": False, "lines": [f"ATOM's own start-up on {source} failed: {_tail(ref)}"], "reference": ref,
-                "door": door}
+        result["failures"].append(f"ATOM's own start-up on {source} failed: {_tail(ref)}")
+        return result
     if door.get("rc") or door["returncode"]:
         refused = [r["refused"] for r in door["ranks"] if r["refused"]]
         why = refused[0] if refused else _tail(door)
-        return {"ok": False, "lines": [f"the door's start-up on {converted} failed: {why}"], "reference": ref,
-                "door": door}
+        result["failures"].append(f"the door's start-up on {converted} failed: {why}")
+        return result
     for rank in range(target.tp):
-        got_rec = next(r for r in door["ranks"] if r["rank"] == rank)
         refs = [torch.load(ref_dir / f"rank{rank}-fill{f}.pt") for f in (0x00, 0xFF)]
+        own, other_fill = ({**r["state"], **r["derived"]} for r in refs)
         got = torch.load(door_dir / f"rank{rank}-fill0.pt")
-        n, equal, uninit, bad = check_atom_install.compare(refs[0]["tensors"], refs[1]["tensors"], got["tensors"])
+        compared = compare(own, {**got["state"], **got["derived"]}, other_fill)
+        bad = compared.problems
         # The door's start-up ran with torch.empty memory filled both ways too: a byte it leaves unwritten
         # where ATOM writes one shows as a difference in one of the two.
         got_ff = torch.load(door_dir / f"rank{rank}-fill255.pt")
-        bad += [f"{b} (torch.empty filled with 0xFF)" for b in
-                check_atom_install.compare(refs[0]["tensors"], refs[1]["tensors"], got_ff["tensors"])[3]]
+        bad += [f"{b} (torch.empty filled with 0xFF)"
+                for b in compare(own, {**got_ff["state"], **got_ff["derived"]}, other_fill).problems]
         bad += [f"{k}: is_shuffled {v} in ATOM's load, {got['flags'].get(k)} through the door"
                 for k, v in refs[0]["flags"].items() if v != got["flags"].get(k)]
         bad += [f"{k}: swizzle label {refs[0]['labels'].get(k)!r} in ATOM's load, {got['labels'].get(k)!r} through "
                 "the door" for k in refs[0]["labels"].keys() | got["labels"].keys()
                 if refs[0]["labels"].get(k, "absent") != got["labels"].get(k, "absent")]
-        fill = got_rec["fills"][0]
+        fill = next(r for r in door["ranks"] if r["rank"] == rank)["fills"][0]
         ref_fill = next(r for r in ref["ranks"] if r["rank"] == rank)["fills"][0]
         if fill["draft_head_shared"] != ref_fill["draft_head_shared"]:
             bad.append(f"draft head shared with lm_head: {fill['draft_head_shared']} through the door, "
@@ -389,20 +387,22 @@ def check(source: pathlib.Path, converted: pathlib.Path, trees: tuple[pathlib.Pa
         # ATOM's own load warns too where the source lacks a parameter its drafter then shares (an MTP
         # layer without shared_head.head): the door must warn exactly as often, and never otherwise.
         warned, ref_warned = len(fill["not_loaded"]), len(ref_fill["not_loaded"])
-        rank_ok = not bad and warned == ref_warned
-        ok &= rank_ok
-        lines.append(f"rank {rank}/{target.tp}: {n} tensors (target and draft), {equal} bytes equal, {uninit} never "
-                     f"written by ATOM, {warned} NOT-loaded warnings (ATOM's own: {ref_warned}), " + (
-                         f"draft head {'shared' if fill['draft_head_shared'] else 'its own'}" if fill["draft"]
-                         else "no MTP draft model") + f": {'ok' if rank_ok else 'FAIL'}")
-        lines += [f"    {b}" for b in bad[:10]] + [f"    warning: {m[:200]}" for m in fill["not_loaded"][:3]]
+        notes = [f"draft head {'shared with the target' if fill['draft_head_shared'] else 'its own'}" if fill["draft"]
+                 else "no MTP draft model"]
+        notes += [f"NOT-loaded warnings: {warned} (ATOM's own: {ref_warned})"] if warned or ref_warned else []
+        notes += [f"warning: {m[:200]}" for m in fill["not_loaded"][:3]]
         note = stand_ins.computed_note(fill["stand_ins_while_loading"])  # torch math ATOM's start-up ran
-        if note:
-            lines.append(f"    {note}")
+        notes += [note] if note else []
+        result["ranks"].append(RankResult(
+            engine="atom", rank=rank, tp=target.tp, tensors=len(refs[0]["state"]),
+            draft=sum(k.startswith("draft:") for k in refs[0]["state"]) if fill["draft"] else None,
+            derived=len(refs[0]["derived"]), bytes_equal=compared.equal, unwritten=compared.unwritten,
+            warned="no" if not warned and not ref_warned else "same" if warned == ref_warned else "yes",
+            problems=bad, notes=notes))
     if not door.get("listening"):
-        ok = False
-        lines.append("the door's start-up did not reach the server's uvicorn.run")
-    return {"ok": ok, "lines": lines, "reference": ref, "door": door}
+        result["failures"].append("the door's start-up did not reach the server's uvicorn.run")
+    result["ok"] = not result["failures"] and all(r.ok for r in result["ranks"])
+    return result
 
 
 def _tail(record: dict) -> str:
@@ -410,31 +410,15 @@ def _tail(record: dict) -> str:
     return lines[-1] if lines else f"exit status {record.get('returncode')}"
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["_server"]:
-        return server(json.loads(argv[1]), argv[2:])
-    extra = argv[argv.index("--") + 1:] if "--" in argv else []
-    argv = argv[:argv.index("--")] if "--" in argv else argv
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--source", required=True, type=pathlib.Path, help="the source checkpoint (a folder)")
-    ap.add_argument("--converted", required=True, type=pathlib.Path, help="prep's conversion of it")
-    ap.add_argument("--oracles", type=pathlib.Path,
-                    help="folder with ATOM's and aiter's pinned sources (default: scripts/engine_sources.py finds it)")
-    ap.add_argument("--work", type=pathlib.Path, help="folder for the unpacked trees and the records (default: temporary)")
-    ap.add_argument("--gpu-arch", default="gfx950", choices=["gfx950", "gfx942"], help="the GPU ATOM is told it runs on")
-    ap.add_argument("--no-mtp", action="store_true", help="serve without the MTP draft model")
-    args = ap.parse_args(argv)
-    scratch = engine_sources.Scratch(args.work, "atom-serve-check-")
-    trees = engine_sources.trees(args.oracles or engine_sources.require(), scratch.path)
-    result = check(args.source, args.converted, trees, scratch.path, args.gpu_arch, not args.no_mtp, extra)
-    print("\n".join(result["lines"]))
-    door, note = result["door"], scratch.done(result["ok"])
-    print(f"ATOM on the source: {result['reference']['seconds']:.1f} s; the door: {door['seconds']:.1f} s"
-          + (f" ({note})" if note else ""))
-    return 0 if result["ok"] else 1
+def run(source: pathlib.Path, converted: pathlib.Path, trees: tuple[pathlib.Path, pathlib.Path], work: pathlib.Path,
+        gpu_arch: str = "gfx950", mtp: bool = True, extra: list[str] = ()) -> Iterator[str | RankResult]:
+    """``check-engine atom --serve``: :func:`check`, yielding each rank's result, then what failed
+    beside them and the time each side took."""
+    result = check(source, converted, trees, work, gpu_arch, mtp, extra)
+    yield from result["ranks"]
+    yield from (Failure(f) for f in result["failures"])
+    yield f"ATOM on the source: {result['reference']['seconds']:.1f} s; the door: {result['door']['seconds']:.1f} s"
 
 
-if __name__ == "__main__":
-    with contextlib.suppress(BrokenPipeError):
-        sys.exit(main())
+if __name__ == "__main__":  # the server process start() runs: python -m harness.atom.serve SETUP ATOM-OPTIONS
+    sys.exit(server(json.loads(sys.argv[1]), sys.argv[2:]))

@@ -1,6 +1,5 @@
-#!/usr/bin/env python
 """ATOM's and aiter's source trees at the commits prep is checked against, for the checks that run
-the engines' real code on the CPU (check_atom_serve.py, check_engine_install.py and their tests).
+the engines' real code on the CPU (``python -m harness check-engine`` and its tests).
 
 ATOM is not on PyPI, and aiter's Python at the commit ATOM was pinned with is not either, so the
 sources come from one of, in this order:
@@ -8,11 +7,11 @@ sources come from one of, in this order:
 * ``$PREP_ORACLES``: a folder holding ``atom-*.tar.gz`` and ``aiter-*.tar.gz`` (trees under one
   top folder each), or the folders ``atom-*`` and ``aiter-*`` (git checkouts);
 * ``shared/oracles`` beside the checkout or beside a folder above it (where prep is developed);
-* ``.cache/engine-sources`` in the checkout, which ``python scripts/engine_sources.py fetch`` fills
+* ``.cache/engine-sources`` in the checkout, which ``python -m harness sources fetch`` fills
   with git checkouts of the two pinned commits (about 40 MB of git objects, shallow).
 
-    .venv/bin/python scripts/engine_sources.py          # where they are found, or how to get them
-    .venv/bin/python scripts/engine_sources.py fetch    # git clone both pinned commits (needs github.com)
+    .venv/bin/python -m harness sources          # where they are found, or how to get them
+    .venv/bin/python -m harness sources fetch    # git clone both pinned commits (needs github.com)
 """
 
 from __future__ import annotations
@@ -21,17 +20,17 @@ import os
 import pathlib
 import shutil
 import subprocess
-import sys
 import tarfile
 import tempfile
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+from harness import REPO
+
 FETCHED = REPO / ".cache" / "engine-sources"
 # (name prefix, repository, commit): what prep's ATOM door and the engines' checks were checked against
 PINNED = (("atom", "https://github.com/ROCm/ATOM", "ffdf3bb5ddf8a15a64d521a2eeb3bc7438f9ac21"),
           ("aiter", "https://github.com/ROCm/aiter", "e4048607a535ace3a2b51ded31b1c8c2d45c0879"))
 HOW_TO_GET = ("ATOM's and aiter's pinned sources not found ($PREP_ORACLES unset, no shared/oracles beside the "
-              "checkout, .cache/engine-sources empty): run `.venv/bin/python scripts/engine_sources.py fetch` "
+              "checkout, .cache/engine-sources empty): run `.venv/bin/python -m harness sources fetch` "
               "(git checkouts of ROCm/ATOM ffdf3bb5 and ROCm/aiter e4048607) or set PREP_ORACLES (docs/testing.md)")
 
 
@@ -121,16 +120,12 @@ def fetch(into: pathlib.Path = FETCHED) -> None:
         print(f"{dest}: {url} at {commit}")
 
 
-def main(argv: list[str]) -> int:
-    if argv[:1] == ["fetch"]:
+def main(fetch_them: bool) -> int:
+    """``python -m harness sources [fetch]``: where the sources are found (exit 1 where nowhere), or
+    fetch them."""
+    if fetch_them:
         fetch()
         return 0
-    if argv:
-        raise SystemExit("usage: engine_sources.py [fetch]")
     folder = find()
     print(folder if folder else HOW_TO_GET)
     return 0 if folder else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -1,6 +1,7 @@
-"""SGLang 0.5.23's real DeepSeek model and loaders, built and loaded on a CPU without ROCm (for
-scripts/check_engine_install.py --engine sglang; run with .venv-sglang's Python:
-``bash scripts/setup_env.sh --sglang``). Built like scripts/atom_on_cpu.py.
+"""SGLang 0.5.23's real DeepSeek model and loaders, built and loaded on a CPU without ROCm, and
+``check-engine sglang`` (:func:`check`) on them; run with .venv-sglang's Python (``bash
+scripts/setup_env.sh --sglang``; ``python -m harness`` switches to it). Built like
+:mod:`harness.atom.on_cpu`.
 
 What is real: all of ``sglang`` (model classes, ``DefaultModelLoader``, ``ShardedStateLoader``,
 Quark config/scheme code, FusedMoE, weight loaders, ``process_weights_after_loading``), torch,
@@ -26,7 +27,6 @@ What is a stand-in (each call recorded in :data:`CALLS`):
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import importlib.abc
 import importlib.machinery
@@ -34,12 +34,11 @@ import importlib.util
 import json
 import os
 import pathlib
-import shutil
 import sys
-import time
+from typing import Iterator
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
-WORK = {"dir": REPO / ".cache" / "sglang-check"}  # config copies (config_copy)
+from harness import REPO
+
 # aiter's source tree (the oracles' aiter-*.tar.gz, extracted by the caller: install(aiter_dir))
 AITER = {"dir": pathlib.Path(os.environ.get("PREP_AITER_SRC", REPO / ".cache" / "aiter-src"))}
 GPU_ARCH = {"name": "gfx950"}
@@ -55,12 +54,11 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # scripts/, for the shared stand-ins
-import stand_ins  # noqa: E402
-import mi355x  # noqa: E402
-from mi355x import on_cpu  # noqa: E402
-from stand_ins import called_from  # noqa: E402
-from stand_ins import StandIn, StandInModule, fill_aiter_stub  # noqa: E402
+from harness import mi355x, stand_ins  # noqa: E402
+from harness.compare import compare  # noqa: E402
+from harness.mi355x import on_cpu  # noqa: E402
+from harness.report import RankResult  # noqa: E402
+from harness.stand_ins import StandIn, StandInModule, called_from, fill_aiter_stub  # noqa: E402
 
 CALLS = stand_ins.CALLS  # every call of a stand-in, by name, in order (stand_ins)
 
@@ -105,7 +103,7 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         fill_aiter_stub(m, lambda: GPU_ARCH["name"])
 
 
-# ---------------------------------------------------------------- the platform: one MI355 (gfx950), scripts/mi355x.py
+# ---------------------------------------------------------------- the platform: one MI355 (gfx950), harness.mi355x
 
 _INSTALLED = {"done": False}
 
@@ -157,22 +155,6 @@ class FakeGroup:
 
     def __repr__(self):
         return f"<FakeGroup {self.name} {self.rank_in_group}/{self.world_size}>"
-
-
-def config_copy(src: str | os.PathLike, dst: str | os.PathLike | None = None) -> tuple[pathlib.Path, list]:
-    """:func:`stand_ins.config_copy` into this harness's work folder by default."""
-    return stand_ins.config_copy(src, dst or WORK["dir"] / (pathlib.Path(src).name + "-re-excludes"))
-
-
-def sglang_excluded(src, names: list[str]) -> dict[str, bool]:
-    """What SGLang's own should_ignore_layer says for module NAMES under SRC's exclude list."""
-    install()
-    from sglang.srt.layers.quantization.quark.utils import should_ignore_layer
-
-    cfg = json.loads((pathlib.Path(src) / "config.json").read_text())
-    excl = cfg["quantization_config"]["exclude"]
-    fused = {"fused_qkv_a_proj_with_mqa": ["q_a_proj", "kv_a_proj_with_mqa"], "gate_up_proj": ["gate_proj", "up_proj"]}
-    return {n: should_ignore_layer(n, ignore=excl, fused_mapping=fused) for n in names}
 
 
 _PUBLISHED = {}
@@ -249,7 +231,7 @@ def default_load(src, tp: int, rank: int, ep: int = 1, fill: int = 0xA5, **kw) -
     """DefaultModelLoader: load_weights (whose DeepSeek loader ends with post_load_weights), then
     every quant method's process_weights_after_loading. Returns model.state_dict() (clones).
     ``kw``: ServerArgs fields (a config whose Quark excludes SGLang cannot match needs
-    ``json_model_override_args``, or a :func:`config_copy`)."""
+    ``json_model_override_args``)."""
     model, loader = build_and_load(src, tp, rank, "auto", ep=ep, fill=fill, **kw)
     assert type(loader).__name__ == "DefaultModelLoader", type(loader)
     return _state_dict(model)
@@ -262,162 +244,45 @@ def sharded_state_load(folder, tp: int, rank: int, ep: int = 1, fill: int = 0xA5
     return _state_dict(model)
 
 
-def save_sharded_state(src, tp: int, out, ep: int = 1, max_size: int | None = None, **kw) -> pathlib.Path:
-    """Default-load every rank and write it with SGLang's ShardedStateLoader.save_model; copies
-    config.json (the re:-rewritten one) and the other non-weight files so OUT is a model folder."""
-    from_folder, _ = config_copy(src)
-    out = pathlib.Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    for f in pathlib.Path(from_folder).iterdir():
-        if not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
-            shutil.copyfile(f.resolve(), out / f.name)
-    for r in range(tp):
-        model, _ = build_and_load(from_folder, tp, r, "auto", ep=ep, **kw)
-        from sglang.srt.model_loader.loader import ShardedStateLoader
+# ---------------------------------------------------------------- check-engine sglang
 
-        ShardedStateLoader.save_model(model, str(out), max_size=max_size)
-        del model
-    return out
+# Stand-ins SGLang calls while building its model, each used only in the forward pass (so a
+# stand-in skips no loading work); any other stand-in call fails the check.
+BUILD_ONLY = {
+    "aiter.rotary_embedding.get_rope": "builds each layer's RoPE module (forward only; its cos/sin caches are not "
+                                       "persistent, so not in the state dict)",
+    "aiter.get_hip_quant": "looked up when SGLang's MXFP4 linear module is imported (the activation quant of its "
+                           "forward)",
+    "aiter.jit.core.compile_ops": "decorates aiter's JIT kernels as SGLang imports them",
+}
 
 
-# ---------------------------------------------------------------- reports
+def check(src: pathlib.Path, out: pathlib.Path, aiter_src: pathlib.Path,
+          ranks: list[int] | None = None) -> Iterator[str | RankResult]:
+    """``check-engine sglang``: SGLang's ``DefaultModelLoader`` on ``src`` against its
+    ``ShardedStateLoader`` on ``out`` (``--load-format sharded_state`` with prep's file names, as
+    the serve command prep printed asks for it), rank by rank (``ranks``, default all): every
+    state-dict tensor, and the MLA ``w_kc`` / ``w_vc`` (and scales) SGLang derives after loading.
+    SGLang is told the shared-expert fusion and EP size the manifest records. The two loads fill
+    uninitialised memory with different bytes (0xA5, 0x5A), so a byte neither writes differs.
+    Yields what to say, then each rank."""
+    from harness import converted
 
-def is_mxfp4(name: str, t: torch.Tensor) -> str | None:
-    """'weight' / 'scale' for uint8 MXFP4 packed weights / E8M0 scales, else None."""
-    if t.dtype != torch.uint8:
-        return None
-    return "scale" if name.endswith("_scale") or name.endswith("weight_scale") else "weight"
-
-
-def unset_bytes(src, tp: int, rank: int, loader: str = "default", **kw) -> dict[str, int]:
-    """Keys whose bytes depend on what torch.empty* held (two loads, fill 0xA5 and 0x5A): the
-    count of differing bytes per key; an empty dict means loading wrote every byte."""
-    f = default_load if loader == "default" else sharded_state_load
-    a, b = f(src, tp, rank, fill=0xA5, **kw), f(src, tp, rank, fill=0x5A, **kw)
-    out = {}
-    for k in a:
-        x, y = a[k].contiguous().view(-1).view(torch.uint8), b[k].contiguous().view(-1).view(torch.uint8)
-        n = int((x != y).sum())
-        if n:
-            out[k] = n
-    return out
-
-
-def describe(sd: dict, unset: dict | None = None) -> list[dict]:
-    rows = []
-    for k, v in sd.items():
-        rows.append({"key": k, "dtype": str(v.dtype).replace("torch.", ""), "shape": list(v.shape),
-                     "mxfp4": is_mxfp4(k, v), "unset_bytes": (unset or {}).get(k, 0), "bytes": v.numel() * v.element_size()})
-    return rows
-
-
-def same(a: dict, b: dict) -> list[str]:
-    """Keys that differ (names, dtype, shape or bytes) between two state dicts; [] = byte-identical."""
-    bad = sorted(set(a) ^ set(b))
-    for k in set(a) & set(b):
-        x, y = a[k], b[k]
-        if x.dtype != y.dtype or x.shape != y.shape or not torch.equal(
-                x.contiguous().view(-1).view(torch.uint8), y.contiguous().view(-1).view(torch.uint8)):
-            bad.append(k)
-    return bad
-
-
-def stand_in_calls() -> dict[str, int]:
-    out: dict[str, int] = {}
-    for c in CALLS:
-        out[c] = out.get(c, 0) + 1
-    return out
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    for name in ("default-load", "sharded-state-load"):
-        p = sub.add_parser(name)
-        p.add_argument("src")
-        p.add_argument("--tp", type=int, default=1)
-        p.add_argument("--rank", type=int, default=0)
-        p.add_argument("--ep", type=int, default=1)
-        p.add_argument("--unset", action="store_true", help="load twice (fill bytes 0xA5/0x5A) to find unset bytes")
-        p.add_argument("--out", help="JSON report")
-    p = sub.add_parser("save-sharded-state")
-    p.add_argument("src")
-    p.add_argument("out")
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--ep", type=int, default=1)
-    p = sub.add_parser("roundtrip", help="save-sharded-state, then sharded-state-load each rank == default-load")
-    p.add_argument("src")
-    p.add_argument("out")
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--ep", type=int, default=1)
-    p = sub.add_parser("excludes", help="what SGLang's should_ignore_layer says for SRC's exclude list")
-    p.add_argument("src")
-    for p in sub.choices.values():
-        if p.prog.split()[-1] != "excludes":
-            p.add_argument("--enforce-shared-experts-fusion", action="store_true",
-                           help="SGLang's --enforce-shared-experts-fusion (the tiny configs' 8 experts are not on its "
-                                "fusion allow-list, 256/384)")
-    a = ap.parse_args(argv)
-    kw = {"enforce_shared_experts_fusion": True} if getattr(a, "enforce_shared_experts_fusion", False) else {}
-    t0 = time.time()
-    if a.cmd in ("default-load", "sharded-state-load"):
-        f = default_load if a.cmd == "default-load" else sharded_state_load
-        sd = f(a.src, a.tp, a.rank, ep=a.ep, **kw)
-        t1 = time.time()
-        unset = unset_bytes(a.src, a.tp, a.rank, "default" if a.cmd == "default-load" else "sharded", ep=a.ep, **kw) \
-            if a.unset else None
-        rows = describe(sd, unset)
-        for r in rows:
-            print(f"{r['key']:70s} {r['dtype']:9s} {str(r['shape']):18s} {r['mxfp4'] or '':6s}"
-                  + (f" UNSET {r['unset_bytes']}B" if r["unset_bytes"] else ""))
-        rep = {"extras": {k: [str(v.dtype), list(v.shape)] for k, v in EXTRAS.items()}, "cmd": a.cmd, "src": a.src, "tp": a.tp, "rank": a.rank, "ep": a.ep, "load_s": round(t1 - t0, 2),
-               "excludes_rewritten": config_copy(a.src)[1] if a.cmd == "default-load" else None,
-               "keys": rows, "unset_checked": bool(a.unset), "stand_in_calls": stand_in_calls()}
-        print(f"{len(rows)} keys, {sum(r['bytes'] for r in rows)} bytes, load {rep['load_s']} s;"
-              f" unset: {'not checked' if unset is None else (unset or 'none')}")
-        print("stand-in calls:", rep["stand_in_calls"])
-        if a.out:
-            pathlib.Path(a.out).write_text(json.dumps(rep, indent=1))
-    elif a.cmd == "save-sharded-state":
-        save_sharded_state(a.src, a.tp, a.out, ep=a.ep, **kw)
-        print(f"wrote {a.out} in {time.time() - t0:.1f} s:", sorted(p.name for p in pathlib.Path(a.out).iterdir()))
-    elif a.cmd == "roundtrip":
-        save_sharded_state(a.src, a.tp, a.out, ep=a.ep, **kw)
-        t1 = time.time()
-        print(f"saved in {t1 - t0:.1f} s")
-        ok = True
-        for r in range(a.tp):
-            d = default_load(a.src, a.tp, r, ep=a.ep, **kw)
-            dx = dict(EXTRAS)
-            s_ = sharded_state_load(a.out, a.tp, r, ep=a.ep, **kw)
-            bad, badx = same(d, s_), same(dx, EXTRAS)
-            ok &= not bad and not badx
-            print(f"rank {r}: {len(d)} keys; sharded_state_load vs default_load:",
-                  "byte-identical" if not bad else f"DIFFER {bad}", f"; {len(dx)} tensors outside state_dict "
-                  f"({', '.join(sorted({k.rsplit('.', 1)[1] + ':' + str(v.dtype).replace('torch.', '') for k, v in dx.items()}))}):",
-                  "byte-identical" if not badx else f"DIFFER {badx}")
-        print(f"round trip {'OK' if ok else 'FAILED'} ({time.time() - t1:.1f} s for the loads)")
-        print("stand-in calls:", stand_in_calls())
-        return 0 if ok else 1
-    elif a.cmd == "excludes":
-        import re
-
-        cfg = json.loads((pathlib.Path(a.src) / "config.json").read_text())
-        n = cfg["num_hidden_layers"]
-        names = [f"model.layers.{i}.self_attn.{m}" for i in (0, n) for m in
-                 ("fused_qkv_a_proj_with_mqa", "q_b_proj", "kv_b_proj", "o_proj")]
-        names += [f"model.layers.{n - 1}.mlp.{m}" for m in ("gate", "experts", "shared_experts.gate_up_proj",
-                                                              "shared_experts.down_proj")]
-        names += ["model.layers.0.mlp.gate_up_proj", "model.layers.0.mlp.down_proj", "lm_head",
-                  f"model.layers.{n}.eh_proj", f"model.layers.{n}.mlp.experts", f"model.layers.{n}.shared_head.head"]
-        print("exclude:", cfg["quantization_config"]["exclude"])
-        for k, v in sglang_excluded(a.src, names).items():
-            fn = any(re.fullmatch(re.escape(e).replace(r"\*", ".*"), k) for e in cfg["quantization_config"]["exclude"])
-            print(f"  {k:55s} SGLang excludes: {v!s:5s}  shell-wildcard intent: {fn}")
-        d, rw = config_copy(a.src)
-        print("rewritten:", rw, "->", json.loads((d / "config.json").read_text())["quantization_config"]["exclude"])
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    t = converted.target(out, "sglang")
+    install(aiter_src)
+    kw = {"enforce_shared_experts_fusion": True} if t.fuse_shared_expert else {"disable_shared_experts_fusion": True}
+    override, said = converted.config_override(out, "--json-model-override-args")
+    yield from said
+    if override:
+        kw["json_model_override_args"] = json.dumps(override)
+    pattern = json.dumps({"pattern": f"model-tp{t.tp}-rank{{rank}}-{{part}}.safetensors"})
+    for rank in ranks if ranks is not None else range(t.tp):
+        CALLS.clear()
+        own = default_load(src, t.tp, rank, ep=t.ep, **kw)
+        own_extra = dict(EXTRAS)
+        door = sharded_state_load(out, t.tp, rank, ep=t.ep, fill=0x5A, model_loader_extra_config=pattern, **kw)
+        compared = compare({**own, **own_extra}, {**door, **EXTRAS})
+        called = sorted({c for c in CALLS if c not in BUILD_ONLY})
+        yield RankResult(engine="sglang", rank=rank, tp=t.tp, tensors=len(own), derived=len(own_extra),
+                         bytes_equal=compared.equal,
+                         problems=compared.problems + [f"stand-in called while loading: {c}" for c in called])

@@ -1,5 +1,5 @@
 """The platform as one MI355X (gfx950) on a CPU, for the engine harnesses that build SGLang's and
-vLLM's real models here (scripts/sglang_on_cpu.py, scripts/vllm_on_cpu.py): ``torch.version.hip``
+vLLM's real models here (:mod:`harness.sglang`, :mod:`harness.vllm`): ``torch.version.hip``
 set and ``torch.cuda`` answering as that device, ``device="cuda"`` mapped to the CPU with every
 ``torch.empty*`` filled with one byte (memory that loading never writes is then visible: two
 loads with different bytes differ exactly there), and triton's active driver answering "hip
@@ -14,7 +14,7 @@ from typing import Iterator
 import torch
 from torch.overrides import TorchFunctionMode
 
-from stand_ins import CALLS, StandIn
+from harness.stand_ins import CALLS, StandIn
 
 ARCH = {"name": "gfx950"}
 

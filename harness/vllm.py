@@ -1,7 +1,8 @@
 """vLLM 0.34.0's real DeepSeek model and loaders, built and loaded on a CPU without ROCm, as vLLM
-would on one MI355 (gfx950) with aiter (VLLM_ROCM_USE_AITER=1), for scripts/check_engine_install.py
---engine vllm. Run with .venv-vllm's Python (``bash scripts/setup_env.sh --vllm``: a venv on top
-of .venv's packages, plus vllm==0.34.0 installed --no-deps). Built like scripts/sglang_on_cpu.py.
+would on one MI355 (gfx950) with aiter (VLLM_ROCM_USE_AITER=1), and ``check-engine vllm``
+(:func:`check`) on them. Run with .venv-vllm's Python (``bash scripts/setup_env.sh --vllm``: a
+venv on top of .venv's packages, plus vllm==0.34.0 installed --no-deps; ``python -m harness``
+switches to it). Built like :mod:`harness.sglang`.
 
 What is real: all of ``vllm`` that builds and loads the model (``DeepseekV3ForCausalLM``,
 ``DefaultModelLoader``, the Quark config, ``QuarkOCP_MX`` linear scheme with its
@@ -30,7 +31,6 @@ Stand-ins (each call recorded in :data:`CALLS`):
 
 from __future__ import annotations
 
-import argparse
 import functools
 import importlib
 import importlib.abc
@@ -39,13 +39,12 @@ import importlib.util
 import json
 import os
 import pathlib
-import re
 import sys
-import time
 import types
+from typing import Iterator
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
-MAIN = REPO  # prep and layouts, read from the repository
+from harness import REPO
+
 WORK = {"dir": REPO / ".cache" / "vllm-check"}
 # aiter's source tree (the oracles' aiter-*.tar.gz, extracted by the caller: install(aiter_dir))
 AITER = {"dir": pathlib.Path(os.environ.get("PREP_AITER_SRC", REPO / ".cache" / "aiter-src"))}
@@ -65,12 +64,11 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 import torch  # noqa: E402
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # scripts/, for the shared stand-ins
-import stand_ins  # noqa: E402
-import mi355x  # noqa: E402
-from mi355x import on_cpu  # noqa: E402
-from stand_ins import called_from  # noqa: E402
-from stand_ins import StandIn, fill_aiter_enums  # noqa: E402
+from harness import mi355x, stand_ins  # noqa: E402
+from harness.compare import compare  # noqa: E402
+from harness.mi355x import on_cpu  # noqa: E402
+from harness.report import RankResult  # noqa: E402
+from harness.stand_ins import StandIn, called_from, fill_aiter_enums  # noqa: E402
 
 CALLS = stand_ins.CALLS  # every call of a stand-in, by name, in order (stand_ins)
 
@@ -168,8 +166,6 @@ class _GemmLoader(importlib.abc.Loader):
     while loading only to derive MLA's W_UK/W_UV from an MXFP4 kv_b_proj (layer.quant_method.apply on eye(K))."""
 
     def create_module(self, spec):
-        if str(MAIN) not in sys.path:
-            sys.path.append(str(MAIN))  # prep and layouts, read from the repository (not installed here)
         from prep.reference import aiter_gemm
 
         loaded = aiter_gemm.gemm_module(AITER_ORACLE_DIR)
@@ -219,10 +215,10 @@ def _fill_amdsmi(m):
     m.amdsmi_topo_get_numa_node_number = lambda *a: 0
 
 
-# ---------------------------------------------------------------- the platform: one MI355 (gfx950), scripts/mi355x.py
+# ---------------------------------------------------------------- the platform: one MI355 (gfx950), harness.mi355x
 
 def _patch_torch() -> None:
-    """One MI355X (scripts/mi355x.py), and what vLLM asks of torch beyond it."""
+    """One MI355X (:mod:`harness.mi355x`), and what vLLM asks of torch beyond it."""
     import torch._dynamo  # noqa: F401  (before torch.cuda answers as compiled: they probe it at import)
     import torch._inductor.custom_graph_pass  # noqa: F401
     import torch._inductor.utils  # noqa: F401
@@ -300,7 +296,6 @@ def install(aiter_dir: str | os.PathLike | None = None) -> None:
         rocm_aiter_ops.is_per_token_w8a8_gemm_tuned = untuned("is_per_token_w8a8_gemm_tuned")
 
 
-
 # ---------------------------------------------------------------- process groups: one process, any rank
 
 class _FakePG:
@@ -359,13 +354,6 @@ def set_groups(tp: int, rank: int, ep: int = 1) -> dict:
     return groups
 
 
-# ---------------------------------------------------------------- Quark excludes
-
-def config_copy(src: str | os.PathLike, dst: str | os.PathLike | None = None) -> tuple[pathlib.Path, list]:
-    """:func:`stand_ins.config_copy` into this harness's work folder by default."""
-    return stand_ins.config_copy(src, dst or WORK["dir"] / (pathlib.Path(src).name + "-re-excludes"))
-
-
 # ---------------------------------------------------------------- config and loading
 
 def make_vllm_config(model_path, tp: int, ep: int = 1, load_format: str = "auto", **engine_kw):
@@ -383,32 +371,13 @@ def make_vllm_config(model_path, tp: int, ep: int = 1, load_format: str = "auto"
     return EngineArgs(**kw).create_engine_config()
 
 
-EXTRAS: dict = {}  # the last load's tensors held outside state_dict (e.g. MLA W_UK/W_UV), by name
 MODEL = {}
 
 
 def _state_dict(model) -> dict:
-    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    EXTRAS.clear()
-    ids = {id(v) for v in model.state_dict(keep_vars=True).values()}
-    seen = set()
-    for mname, mod in model.named_modules():
-        objs = [("", vars(mod))]
-        qm = getattr(mod, "quant_method", None)
-        if qm is not None:
-            objs.append(("quant_method.", vars(qm)))
-            k = getattr(qm, "moe_kernel", None)
-            if k is not None:
-                objs.append(("quant_method.moe_kernel.", vars(k)))
-        for prefix, d in objs:
-            for a, v in d.items():
-                if isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter) and id(v) not in ids \
-                        and id(v) not in seen and a not in ("_buffers", "_parameters"):
-                    if a.startswith("_") and a not in ("_k_scale", "_v_scale", "_q_scale"):
-                        continue
-                    seen.add(id(v))
-                    EXTRAS[f"{mname}.{prefix}{a}"] = v.detach().clone()
-    return sd
+    """A clone of ``model``'s state dict (what the check compares: aliases, MLA's derived W_UK_T /
+    W_UV and the scalars are in it)."""
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 MTP_SPECULATIVE = {"method": "mtp", "num_speculative_tokens": 1}  # vLLM's MTP draft, as a user asks for it
@@ -442,65 +411,20 @@ def build_and_load(model_path, tp: int, rank: int, ep: int = 1, load_format: str
     return model, loader
 
 
-def default_load(src, tp: int, rank: int, ep: int = 1, fill: int = 0xA5, **kw) -> dict:
-    """DefaultModelLoader.load_model: load_weights, then every module's
-    process_weights_after_loading. Returns model.state_dict() (clones); EXTRAS: the rest."""
-    folder, _ = config_copy(src)
-    model, loader = build_and_load(folder, tp, rank, ep, "auto", fill=fill, **kw)
-    assert type(loader).__name__ == "DefaultModelLoader", type(loader)
-    return _state_dict(model)
-
-
-
 # ---------------------------------------------------------------- what vLLM chose, per module
 
-def force_asm_tuned(on: bool = True) -> None:
+def force_asm_tuned() -> None:
     """Make vLLM's tuned-shape probes answer True for every (N, K), so the tiny MXFP4 linears take
     the ASM/preshuffle branch of AiterMxfp4LinearKernel, and the FP8 per-channel ones whose N is a
     multiple of 128 aiter's preshuffled per-token GEMM (to see those branches' bytes)."""
     install()
     from vllm._aiter_ops import rocm_aiter_ops
 
-    if on:
-        rocm_aiter_ops.is_asm_fp4_gemm_tuned = staticmethod(lambda n, k: True)
-        rocm_aiter_ops.is_triton_gemm_afp4wfp4_presh_ws_tuned = staticmethod(lambda n, k: True)
-        # FP8 per channel: where N is a multiple of 128 only, so that a checkpoint's FP8 linears take
-        # both of vLLM's FP8 layouts in one load (the preshuffled GEMM's, and the transposed view)
-        rocm_aiter_ops.is_shuffled_per_token_w8a8_gemm_tuned = staticmethod(lambda n, k, dtype: n % 128 == 0)
-
-
-def choices(model) -> dict:
-    """Per quantized module: the quant method, the linear kernel and its use_asm_gemm, the MoE
-    backend / experts class / sizes; and which state-dict names are aliases of others."""
-    out = {}
-    for name, mod in model.named_modules():
-        qm = getattr(mod, "quant_method", None)
-        if qm is None:
-            continue
-        d = {"quant_method": type(qm).__name__}
-        sch = getattr(mod, "scheme", None) or getattr(qm, "scheme", None)
-        if sch is not None:
-            d["scheme"] = type(sch).__name__
-            k = getattr(sch, "ocp_mx_linear", None)
-            if k is not None:
-                d["kernel"] = type(k).__name__
-                d["use_asm_gemm"] = getattr(k, "use_asm_gemm", None)
-        if hasattr(qm, "mxfp4_backend"):
-            d["mxfp4_backend"] = str(qm.mxfp4_backend.value)
-            d["experts_cls"] = getattr(qm.experts_cls, "__name__", str(qm.experts_cls))
-            mk = getattr(qm, "moe_kernel", None)
-            if mk is not None:
-                d["fused_experts"] = type(mk.fused_experts).__name__
-            for a in ("intermediate_size_per_partition", "hidden_size", "local_num_experts", "global_num_experts",
-                      "num_fused_shared_experts"):
-                if hasattr(mod, a):
-                    d[a] = getattr(mod, a)
-            for a in ("w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale"):
-                t = getattr(mod, a, None)
-                if t is not None:
-                    d[a + ".is_shuffled"] = bool(getattr(t, "is_shuffled", False))
-        out[name] = d
-    return out
+    rocm_aiter_ops.is_asm_fp4_gemm_tuned = staticmethod(lambda n, k: True)
+    rocm_aiter_ops.is_triton_gemm_afp4wfp4_presh_ws_tuned = staticmethod(lambda n, k: True)
+    # FP8 per channel: where N is a multiple of 128 only, so that a checkpoint's FP8 linears take
+    # both of vLLM's FP8 layouts in one load (the preshuffled GEMM's, and the transposed view)
+    rocm_aiter_ops.is_shuffled_per_token_w8a8_gemm_tuned = staticmethod(lambda n, k, dtype: n % 128 == 0)
 
 
 def dense_kernels(model) -> dict[str, int]:
@@ -520,325 +444,84 @@ def dense_kernels(model) -> dict[str, int]:
     return dict(sorted(out.items()))
 
 
-def aliases(model) -> dict:
-    """state-dict name -> the first name holding the same tensor (vLLM registers some modules
-    twice: MLA's mla_attn wrapper, FusedMoE's gate and _shared_experts)."""
-    first, out = {}, {}
-    for k, v in model.state_dict(keep_vars=True).items():
-        key = (v.data_ptr(), v.dtype, tuple(v.shape), tuple(v.stride()))
-        if key in first:
-            out[k] = first[key]
-        else:
-            first[key] = k
-    return out
+# ---------------------------------------------------------------- check-engine vllm
+
+# Stand-ins vLLM calls in both loads alike that do no loading work: decorators and the log line of
+# aiter's config lookup as vLLM imports its kernels, the padded-M helper of the ASM GEMM probe, and
+# the tuned-shape probes where no aiter tables are given (module docstring).
+# numba.njit: the decorator of vLLM's Kimi-K2.5 image preprocessing (kimi_k25_vision_fused.py), applied
+# as the module is imported; no weight passes through it
+ALLOWED = ("aiter.jit.core.compile_ops", "aiter.jit.utils.torch_guard.torch_compile_guard", "aiter.logger",
+           "aiter.ops.gemm_op_common.get_padded_m", "aiter tuned-shape table (absent)", "numba.njit")
 
 
-def loaded_from_checkpoint(src) -> set:
-    from safetensors import safe_open
-
-    names = set()
-    for f in pathlib.Path(src).glob("*.safetensors"):
-        with safe_open(str(f), "pt") as h:
-            names |= set(h.keys())
-    return names
+def _shuffled(model) -> dict[str, bool]:
+    """``is_shuffled`` of every parameter (absent read as False, as aiter reads it): what aiter's
+    kernels take the bytes' order from."""
+    return {n: bool(getattr(p, "is_shuffled", False)) for n, p in model.named_parameters()}
 
 
-def unset_bytes(src, tp, rank, ep=1, **kw) -> dict:
-    """Keys whose bytes depend on what torch.empty* held (two loads, fill 0xA5 and 0x5A)."""
-    a = default_load(src, tp, rank, ep, fill=0xA5, **kw)
-    ax = dict(EXTRAS)
-    b = default_load(src, tp, rank, ep, fill=0x5A, **kw)
-    out = {}
-    for k in a:
-        x, y = a[k].contiguous().reshape(-1).view(torch.uint8), b[k].contiguous().reshape(-1).view(torch.uint8)
-        if x.numel() != y.numel() or int((x != y).sum()):
-            out[k] = int((x != y).sum()) if x.numel() == y.numel() else -1
-    for k in ax:
-        x, y = ax[k].contiguous().reshape(-1).view(torch.uint8), EXTRAS[k].contiguous().reshape(-1).view(torch.uint8)
-        if int((x != y).sum()):
-            out["EXTRA " + k] = int((x != y).sum())
-    return out
+def check(src: pathlib.Path, out: pathlib.Path, work: pathlib.Path, aiter_src: pathlib.Path, asm_tuned: bool = False,
+          ranks: list[int] | None = None) -> Iterator[str | RankResult]:
+    """``check-engine vllm``: vLLM's ``DefaultModelLoader`` on ``src`` against ``--load-format
+    prep`` on ``out`` (which vLLM finds through the package's ``vllm.general_plugins`` entry
+    point, as in every vLLM process: not registered here), rank by rank (``ranks``, default all),
+    with the MTP draft where the source has an MTP layer: every state-dict tensor (vLLM holds what it
+    derives at load there), ``is_shuffled``
+    and the GEMM vLLM chose for each dense linear. ``asm_tuned``: aiter's tuned-shape probes
+    answer yes (:func:`force_asm_tuned`). Yields what to say, then each rank."""
+    from harness import converted
+    from layouts.engines.vllm.door import LOAD_FORMAT
 
-
-
-# ---------------------------------------------------------------- bytes vs the checkpoint and aiter's functions
-
-class _Src:
-    def __init__(self, src):
-        from safetensors import safe_open
-
-        self.h = {}
-        for f in sorted(pathlib.Path(src).glob("*.safetensors")):
-            h = safe_open(str(f), "pt")
-            for k in h.keys():
-                self.h[k] = h
-
-    def __contains__(self, k):
-        return k in self.h
-
-    def __getitem__(self, k):
-        return self.h[k].get_tensor(k)
-
-
-def _rows(t, tp, r):
-    n = t.shape[0] // tp
-    return t[r * n:(r + 1) * n]
-
-
-def _cols(t, tp, r):
-    n = t.shape[-1] // tp
-    return t[..., r * n:(r + 1) * n]
-
-
-def _pad_rows(t, n):
-    return t if t.shape[-2] == n else torch.cat([t, t.new_zeros(*t.shape[:-2], n - t.shape[-2], t.shape[-1])], -2)
-
-
-def expected_raw(src: _Src, vname: str, tp: int, rank: int, cfg: dict, ep: int = 1):
-    """The checkpoint's bytes for vLLM module VNAME on RANK, before any processing, in vLLM's
-    merge/split order: (weight, scale) for MXFP4 modules, or None where no rule applies."""
-    col = ("q_b_proj", "kv_b_proj", "gate_proj", "up_proj")
-    rowk = ("o_proj", "down_proj")
-    m = re.match(r"(.*)\.(fused_qkv_a_proj|gate_up_proj|q_b_proj|kv_b_proj|o_proj|down_proj)$", vname)
-    if m:
-        base, mod = m.groups()
-        parts = {"fused_qkv_a_proj": ["q_a_proj", "kv_a_proj_with_mqa"], "gate_up_proj": ["gate_proj", "up_proj"]}.get(
-            mod, [mod])
-        base = base.replace(".experts._shared_experts._layer", ".shared_experts")
-        ws, ss = [], []
-        for p in parts:
-            k = f"{base}.{p}.weight"
-            if k not in src or f"{base}.{p}.weight_scale" not in src:
-                return None
-            w, sc = src[k], src[f"{base}.{p}.weight_scale"]
-            if p in col:
-                w, sc = _rows(w, tp, rank), _rows(sc, tp, rank)
-            elif p in rowk:
-                w, sc = _cols(w, tp, rank), _cols(sc, tp, rank)
-            ws.append(w)
-            ss.append(sc)
-        return torch.cat(ws), torch.cat(ss)
-    m = re.match(r"(.*)\.experts\.routed_experts$", vname)
-    if m:
-        base = m.group(1)
-        n = cfg["n_routed_experts"]
-        if ep > 1:
-            per = n // ep
-            ids = range(rank * per, (rank + 1) * per)
-        else:
-            ids = range(n)
-        w13, s13, w2, s2 = [], [], [], []
-        for e in ids:
-            g = f"{base}.experts.{e}."
-            if g + "gate_proj.weight" not in src:
-                return None
-            gw, gs, uw, us = (src[g + x] for x in ("gate_proj.weight", "gate_proj.weight_scale", "up_proj.weight",
-                                                   "up_proj.weight_scale"))
-            dw, ds = src[g + "down_proj.weight"], src[g + "down_proj.weight_scale"]
-            if ep == 1:
-                gw, gs, uw, us = (_rows(x, tp, rank) for x in (gw, gs, uw, us))
-                dw, ds = _cols(dw, tp, rank), _cols(ds, tp, rank)
-            w13.append(torch.cat([gw, uw]))
-            s13.append(torch.cat([gs, us]))
-            w2.append(dw)
-            s2.append(ds)
-        return torch.stack(w13), torch.stack(s13), torch.stack(w2), torch.stack(s2)
-    return None
-
-
-FILL_REPORT = 0xA5  # the fill byte of the load whose state dict is reported
-
-
-def _eq(a, b) -> bool:
-    a, b = a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
-    return a.shape == b.shape and torch.equal(a, b)
-
-
-def dense_layout(w, s, rw, rs) -> str:
-    """Which layout vLLM's (w, s) are, given the checkpoint's rank bytes (rw, rs)."""
-    from aiter.ops.shuffle import shuffle_weight
-    from aiter.utility.fp4_utils import e8m0_shuffle
-
-    if _eq(w, rw) and _eq(s, rs):
-        return "raw weight, raw scale [N, K/32]"
-    if _eq(w, rw) and _eq(s, rs.t()):
-        return "raw weight [N, K/2]; scale transposed [K/32, N] (== checkpoint scale .T)"
-    if _eq(w, shuffle_weight(rw, layout=(16, 16))):
-        es = e8m0_shuffle(rs).contiguous().view(torch.uint8).reshape(-1)[: rs.numel()]
-        sl = "scale == aiter e8m0_shuffle(scale) (first N rows, unpadded)" if torch.equal(
-            s.contiguous().view(torch.uint8).reshape(-1), es) else "scale: UNKNOWN permutation"
-        return f"weight == aiter shuffle_weight(w, (16,16)) (W16); {sl}; shape {list(s.shape)}"
-    return "UNKNOWN"
-
-
-def moe_layout(mod_sd: dict, raw) -> dict:
-    from aiter.ops.shuffle import shuffle_weight
-    from aiter.utility.fp4_utils import e8m0_shuffle
-
-    rw13, rs13, rw2, rs2 = raw
-    out = {}
-    for name, got, rw, rs in (("w13", mod_sd["w13_weight"], rw13, None), ("w2", mod_sd["w2_weight"], rw2, None),
-                              ("w13_scale", mod_sd["w13_weight_scale"], None, rs13),
-                              ("w2_scale", mod_sd["w2_weight_scale"], None, rs2)):
-        if rw is not None:
-            # vLLM pads the intermediate with zeros (w13 rows per half, w2 K columns) before shuffling
-            n_half = got.shape[1] // 2 if name == "w13" else None
-            if name == "w13" and got.shape[1] != rw.shape[1]:
-                h = rw.shape[1] // 2
-                rw = torch.cat([_pad_rows(rw[:, :h], n_half), _pad_rows(rw[:, h:], n_half)], 1)
-            if name == "w2" and got.shape[2] != rw.shape[2]:
-                rw = torch.cat([rw, rw.new_zeros(*rw.shape[:2], got.shape[2] - rw.shape[2])], 2)
-            ok_raw = _eq(got, rw)
-            ok_sh = _eq(got, shuffle_weight(rw, layout=(16, 16)))
-            out[name] = ("raw" if ok_raw else "") + ("aiter shuffle_weight(stacked [E, N, K/2], (16,16)) (W16 per expert)"
-                                                     if ok_sh else "") or "UNKNOWN"
-        else:
-            e, n, k = rs.shape
-            with on_cpu(FILL_REPORT):  # e8m0_shuffle pads into torch.empty memory: the load's fill byte
-                sh = e8m0_shuffle(rs.reshape(e * n, k))
-            ok = _eq(got.reshape(-1), sh.contiguous().view(torch.uint8).reshape(-1)[: got.numel()])
-            pad = "" if got.shape == rs.shape else (
-                f"; K/32 padded {k} -> {got.shape[-1]} by e8m0_shuffle (padding = uninitialised torch.empty bytes),"
-                f" held 3-D {list(got.shape)}")
-            out[name] = ("aiter e8m0_shuffle(scale.view(E*N, K/32)).view(E, N, -1)" + pad if ok else
-                         ("raw" if _eq(got, rs) else "UNKNOWN"))
-    return out
-
-
-def layout_report(src, sd: dict, model, tp: int, rank: int, ep: int = 1) -> dict:
-    cfg = json.loads((pathlib.Path(src) / "config.json").read_text())
-    S = _Src(src)
-    rep = {}
-    al = aliases(model)
-    for name, d in choices(model).items():
-        if f"{name}.weight" in al or f"{name}.w13_weight" in al:
-            continue
-        raw = expected_raw(S, name, tp, rank, cfg, ep)
-        if raw is None:
-            continue
-        if d.get("mxfp4_backend"):
-            msd = {k.rsplit(".", 1)[1]: v for k, v in sd.items() if k.rsplit(".", 1)[0] == name}
-            rep[name] = {**d, "layout": moe_layout(msd, raw),
-                         "shapes": {k: list(v.shape) for k, v in msd.items()},
-                         "checkpoint_rank_shapes": [list(x.shape) for x in raw]}
-        elif f"{name}.weight_scale" in sd:
-            w, s_ = sd[f"{name}.weight"], sd[f"{name}.weight_scale"]
-            rep[name] = {**d, "N,K": [w.shape[0], w.shape[1] * 2],
-                         "layout": dense_layout(w, s_, *raw), "weight": list(w.shape), "scale": list(s_.shape)}
-    return rep
-
-
-
-def origin(key: str, ckpt: set) -> str:
-    """'ckpt' if KEY (or its source parts) is read from the checkpoint, else 'not in checkpoint'."""
-    m = key.rsplit(".", 1)
-    base, leaf = m[0], m[1]
-    base = base.replace(".experts._shared_experts._layer", ".shared_experts").replace(".experts.gate", ".gate")
-    base = base.replace(".self_attn.mla_attn.mla_attn.", ".self_attn.").replace(".self_attn.mla_attn.", ".self_attn.")
-    cands = [f"{base}.{leaf}"]
-    for fused, parts in (("fused_qkv_a_proj", ["q_a_proj"]), ("gate_up_proj", ["gate_proj"])):
-        if base.endswith(fused):
-            cands += [f"{base[:-len(fused)]}{p}.{leaf}" for p in parts]
-    if ".experts.routed_experts" in base:
-        b = base.replace(".experts.routed_experts", "")
-        proj = "down_proj" if leaf.startswith("w2") else "gate_proj"
-        lf = "weight_scale" if leaf.endswith("_scale") else "weight"
-        cands += [f"{b}.experts.0.{proj}.{lf}", f"{b}.gate.{leaf}"]
-    return "ckpt" if any(c in ckpt for c in cands) else "NOT in checkpoint"
-
-
-def tuned_shapes(shapes: dict) -> dict:
-    """vLLM's own two probes (rocm_aiter_ops.is_asm_fp4_gemm_tuned, is_triton_gemm_afp4wfp4_presh_ws_tuned,
-    on aiter e4048607's real lookup code and tables) for named (N, K) shapes."""
-    install()
-    from vllm._aiter_ops import rocm_aiter_ops
-
-    out = {}
-    for name, (n, k) in shapes.items():
-        a = rocm_aiter_ops.is_asm_fp4_gemm_tuned(n, k // 2)
-        t = rocm_aiter_ops.is_triton_gemm_afp4wfp4_presh_ws_tuned(n, k // 2)
-        out[name] = {"N": n, "K": k, "asm_tuned": a, "triton_presh_tuned": t,
-                     "scale_ok": n % 32 == 0 and (k // 32) % 8 == 0,
-                     "layout": "W16 + permuted scale" if a and t and n % 32 == 0 and (k // 32) % 8 == 0
-                     else "raw + scale.T"}
-    return out
-
-
-def r1_shapes(tp: int) -> dict:
-    """DeepSeek-R1's MXFP4 dense linears per TP rank (attention is BF16 in amd/DeepSeek-R1-0528-MXFP4;
-    listed too, for a checkpoint that quantizes it)."""
-    h, inter, mi, ql, kl, nh, qk, v = 7168, 18432, 2048, 1536, 512, 128, 192, 128
-    return {"fused_qkv_a_proj": (ql + kl + 64, h), "q_b_proj": (nh * qk // tp, ql),
-            "kv_b_proj": (nh * (128 + v) // tp, kl), "o_proj": (h, nh * v // tp),
-            "mlp.gate_up_proj (dense)": (2 * inter // tp, h), "mlp.down_proj (dense)": (h, inter // tp),
-            "shared_experts.gate_up_proj": (2 * mi // tp, h), "shared_experts.down_proj": (h, mi // tp)}
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("default-load", help="DefaultModelLoader on SRC as TP rank RANK: keys, layouts")
-    p.add_argument("src")
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--rank", type=int, default=0)
-    p.add_argument("--ep", type=int, default=1)
-    p.add_argument("--unset", action="store_true", help="load twice (fill 0xA5 / 0x5A) to find unset bytes")
-    p.add_argument("--force-asm-tuned", action="store_true",
-                   help="answer vLLM's tuned-shape probes True for every shape (shows the ASM branch's bytes)")
-    p.add_argument("--fuse-shared", action="store_true", help="VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS=1")
-    p.add_argument("--out", help="JSON report")
-    p = sub.add_parser("tuned-shapes", help="vLLM's tuned-shape probes for R1's dense MXFP4 linears")
-    p.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4, 8])
-    a = ap.parse_args(argv)
-    if a.cmd == "tuned-shapes":
-        for tp in a.tp:
-            for k, v in tuned_shapes(r1_shapes(tp)).items():
-                print(f"tp{tp} {k:30s} N={v['N']:6d} K={v['K']:6d} asm_tuned={v['asm_tuned']!s:5s} "
-                      f"triton_presh_tuned={v['triton_presh_tuned']!s:5s} -> {v['layout']}")
-        return 0
-    if a.fuse_shared:
-        os.environ["VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS"] = "1"
-    install()
-    if a.force_asm_tuned:
+    t = converted.target(out, "vllm")
+    WORK["dir"] = work
+    install(aiter_src)
+    override, said = converted.config_override(out, "--hf-overrides")
+    yield from said
+    kw = {"hf_overrides": override} if override else {}
+    if asm_tuned:
         force_asm_tuned()
-    t0 = time.time()
-    folder, rewritten = config_copy(a.src)
-    sd = default_load(a.src, a.tp, a.rank, a.ep)
-    t1 = time.time()
-    model = MODEL["model"]
-    al = aliases(model)
-    ck = loaded_from_checkpoint(a.src)
-    unset = unset_bytes(a.src, a.tp, a.rank, a.ep) if a.unset else {}
-    model = MODEL["model"]
-    print(f"# {a.src} TP {a.tp} rank {a.rank} EP {a.ep}; excludes rewritten as re: {rewritten}")
-    for k, v in sd.items():
-        tag = f"alias of {al[k]}" if k in al else origin(k, ck)
-        print(f"{k:72s} {str(v.dtype).replace('torch.', ''):14s} {str(list(v.shape)):16s} {tag}"
-              + (f" UNSET {unset[k]}B" if k in unset else ""))
-    for k, v in EXTRAS.items():
-        print(f"EXTRA {k:66s} {str(v.dtype).replace('torch.', ''):14s} {list(v.shape)}"
-              + (f" UNSET {unset['EXTRA ' + k]}B" if 'EXTRA ' + k in unset else ""))
-    lr = layout_report(folder, sd, model, a.tp, a.rank, a.ep)
-    for k, v in lr.items():
-        print("LAYOUT", k, json.dumps(v))
-    calls = {}
-    for c in CALLS:
-        calls[c] = calls.get(c, 0) + 1
-    uniq = [k for k in sd if k not in al]
-    print(f"{len(sd)} state-dict keys ({len(uniq)} distinct tensors, {len(al)} aliases), "
-          f"{sum(sd[k].numel() * sd[k].element_size() for k in uniq)} bytes; {len(EXTRAS)} extras; "
-          f"load {t1 - t0:.1f} s; unset: {'not checked' if not a.unset else (unset or 'none')}")
-    print("stand-in calls:", calls)
-    if a.out:
-        pathlib.Path(a.out).write_text(json.dumps({
-            "src": a.src, "tp": a.tp, "rank": a.rank, "ep": a.ep, "excludes_rewritten": rewritten,
-            "keys": [{"key": k, "dtype": str(v.dtype), "shape": list(v.shape), "alias_of": al.get(k),
-                      "origin": origin(k, ck), "unset_bytes": unset.get(k, 0)} for k, v in sd.items()],
-            "extras": {k: [str(v.dtype), list(v.shape)] for k, v in EXTRAS.items()},
-            "choices": choices(model), "layouts": lr, "stand_in_calls": calls, "load_s": round(t1 - t0, 2)},
-            indent=1, default=str))
-    return 0
+        yield ("aiter's tuned-shape probes answer yes for every shape (--asm-tuned): vLLM runs each dense linear whose "
+               "scale it can swizzle on the ASM FP4 GEMM, each FP8 per-channel linear on aiter's preshuffled FP8 GEMM")
+    elif not TABLES["present"]:
+        yield ("aiter's tuned-shape tables: none given ($PREP_AITER_TABLES), so vLLM shuffles no dense linear (what "
+               "aiter answers for every tiny shape)")
+    # With an MTP layer, vLLM's MTP draft too (--speculative-config), loaded after the model. Not
+    # where config.json says one and the checkpoint has none (an amd-quark export made with
+    # transformers 5): vLLM's own load leaves such a draft unwritten, prep's door refuses it.
+    import layouts
 
+    layers = json.loads((src / "config.json").read_text()).get("num_hidden_layers")
+    draft = any(n.startswith(f"model.layers.{layers}.") for n in layouts.load_manifest(out).source.tensors)
+    if draft:
+        yield f"both loads: --speculative-config '{json.dumps(MTP_SPECULATIVE)}', the MTP draft compared too"
 
-if __name__ == "__main__":
-    sys.exit(main())
+    def load(folder: pathlib.Path, load_format: str, fill: int, rank: int):
+        """``(state dict, is_shuffled flags, GEMMs chosen, loader class)`` of one load."""
+        model, loader = build_and_load(folder, t.tp, rank, t.ep, load_format, fill=fill, draft=draft, **kw)
+        state, flags, kernels = _state_dict(model), _shuffled(model), dense_kernels(model)
+        if draft:
+            m = MODEL.pop("draft")
+            state.update({f"draft:{k}": x for k, x in _state_dict(m).items()})
+            flags.update({f"draft:{k}": x for k, x in _shuffled(m).items()})
+            kernels.update({f"draft {k}": n for k, n in dense_kernels(m).items()})
+        MODEL.clear()
+        return state, flags, kernels, type(loader)
+
+    for rank in ranks if ranks is not None else range(t.tp):
+        CALLS.clear()
+        own, own_flags, own_kernels, _ = load(src, "auto", 0xA5, rank)
+        door, door_flags, door_kernels, loader = load(out, LOAD_FORMAT, 0x5A, rank)
+        compared = compare(own, door)
+        bad = compared.problems
+        bad += [f"{n}: is_shuffled {own_flags[n]} in vLLM's own load, {door_flags.get(n)} through the door"
+                for n in own_flags if own_flags[n] != door_flags.get(n)]
+        bad += [f"vLLM loaded OUT with {loader.__name__}, not prep's loader"] * (loader.__name__ != "PrepModelLoader")
+        bad += [f"stand-in called while loading: {c}" for c in stand_ins.skipped(CALLS) if not c.startswith(ALLOWED)]
+        bad += [f"vLLM chose other GEMMs for OUT ({door_kernels}) than for SRC ({own_kernels})"] * (
+            door_kernels != own_kernels)
+        notes = [f"dense linears by vLLM's GEMM: {', '.join(f'{k} {n}' for k, n in own_kernels.items()) or 'none'}"]
+        note = stand_ins.computed_note(CALLS)  # torch math for a GPU kernel, the same in both loads
+        notes += [note] if note else []
+        yield RankResult(engine="vllm", rank=rank, tp=t.tp, tensors=len(own),
+                         draft=sum(k.startswith("draft:") for k in own) if draft else None, bytes_equal=compared.equal, problems=bad, notes=notes)

@@ -1,5 +1,6 @@
-"""ATOM's real DeepSeek model code, imported and built on a CPU without ROCm (for
-scripts/check_atom_install.py; not imported by the tests: ATOM is not installed there).
+"""ATOM's real DeepSeek model code, imported and built on a CPU without ROCm (for the ATOM checks,
+:mod:`harness.atom.install` and :mod:`harness.atom.serve`; ATOM is not installed: its tree is put
+on the path).
 
 ATOM (``ROCm/ATOM``) imports ``aiter`` everywhere, and ``import aiter`` needs ROCm (its package
 ``__init__`` builds and loads HIP modules). What we give it instead, and why each is enough:
@@ -46,10 +47,9 @@ from typing import Iterator
 
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # scripts/, for the shared stand-ins
-import stand_ins  # noqa: E402
-from mi355x import CpuMode  # noqa: E402
-from stand_ins import StandInModule, fill_aiter_stub  # noqa: E402
+from harness import stand_ins
+from harness.mi355x import CpuMode
+from harness.stand_ins import StandInModule, fill_aiter_stub
 
 # aiter modules loaded from its own files (everything else under aiter is a stand-in).
 REAL_AITER = stand_ins.REAL_AITER
@@ -143,7 +143,7 @@ def install(atom_dir: pathlib.Path, aiter_dir: pathlib.Path, gpu_arch: str = "gf
     if not (aiter_dir / "aiter" / "ops" / "shuffle.py").is_file():
         raise SystemExit(f"{aiter_dir}: no aiter/ops/shuffle.py; pass --aiter-dir an aiter source tree")
     if _INSTALLED.get("trees") == (atom_dir, aiter_dir, gpu_arch):
-        return  # a TP worker forked from check_atom_serve's server process, which installed them
+        return  # a TP worker forked from harness.atom.serve's server process, which installed them
     _INSTALLED["trees"] = (atom_dir, aiter_dir, gpu_arch)
     GPU_ARCH["name"] = gpu_arch
     sys.path.insert(0, str(atom_dir))

@@ -1,7 +1,7 @@
 """Stand-ins for what an engine imports but cannot use on a CPU without ROCm (aiter's compiled
-modules, GPU-only packages): the one home of the objects scripts/atom_on_cpu.py,
-scripts/sglang_on_cpu.py and scripts/vllm_on_cpu.py hand out in their place, and of the
-harnesses' other shared helpers (:func:`called_from`, :func:`config_copy`).
+modules, GPU-only packages): the one home of the objects :mod:`harness.atom.on_cpu`,
+:mod:`harness.sglang` and :mod:`harness.vllm` hand out in their place, and of the harnesses'
+other shared helper (:func:`called_from`).
 
 A stand-in module answers every attribute with a :class:`StandIn`: callable (each call is
 recorded in :data:`CALLS`, so a check can show that loading a model ran none: that would be
@@ -13,9 +13,6 @@ from __future__ import annotations
 
 import enum
 import importlib
-import json
-import os
-import pathlib
 import sys
 import types
 from typing import Callable
@@ -262,28 +259,3 @@ def called_from(module: str) -> bool:
             return True
         f = f.f_back
     return False
-
-
-def config_copy(src: str | os.PathLike, dst: str | os.PathLike) -> tuple[pathlib.Path, list[str]]:
-    """``(folder, entries)``: ``src`` itself where its config.json needs no override, else folder
-    ``dst`` with ``src``'s other files symlinked and a config.json with the override the serve
-    commands pass (``layouts.engines._config``: wildcard Quark excludes, the ``entries``, as
-    ``re:`` patterns; DeepSeek-V3 keys a transformers-5 config lacks)."""
-    repo = str(pathlib.Path(__file__).resolve().parent.parent)
-    if repo not in sys.path:  # an engine's venv reads .venv's packages, not prep's editable install
-        sys.path.append(repo)
-    from layouts.engines import _config
-    from layouts.engines._quark import wildcard_excludes
-
-    src = pathlib.Path(src)
-    cfg = json.loads((src / "config.json").read_text())
-    override = _config.override(cfg)
-    if override is None:
-        return src, []
-    dst = pathlib.Path(dst)
-    dst.mkdir(parents=True, exist_ok=True)
-    for f in src.iterdir():
-        if f.name != "config.json" and not (dst / f.name).exists():
-            (dst / f.name).symlink_to(f.resolve())
-    (dst / "config.json").write_text(json.dumps({**cfg, **override}, indent=2))
-    return dst, wildcard_excludes(cfg)

@@ -1,13 +1,12 @@
-#!/usr/bin/env python
-"""Run aiter's own Triton MoE GEMMs (the kernels of ATOM's Triton MoE, ``ATOM_USE_TRITON_MOE=1``)
+"""``check-triton-moe``: run aiter's own Triton MoE GEMMs (the kernels of ATOM's Triton MoE, ``ATOM_USE_TRITON_MOE=1``)
 on a converted folder's stacked experts, interpreted on the CPU, and compare what they compute
 with the source experts' product: the consumer check of the ``triton`` / ``triton-gfx942`` MoE
 layouts, as ``tests/test_consumer_kernels.py`` is of the dense ones.
 
-    .venv/bin/python scripts/check_triton_moe.py --source SRC --converted OUT [--oracles DIR]
-        [--work DIR] [--layer N] [--rank R] [--tokens M]
+    .venv/bin/python -m harness check-triton-moe --source SRC --converted OUT [--oracles DIR]
+        [--work DIR] [--layer N] [--ranks R,...] [--tokens M]
 
-For every rank of OUT (or ``--rank``), one MoE layer (the first, or ``--layer``): the rank's ``w13`` / ``w2``
+For every rank of OUT (or ``--ranks``), one MoE layer (the first, or ``--layer``): the rank's ``w13`` / ``w2``
 bytes and scales read as ATOM holds them after loading (transposed views; the scale swizzle label
 the layout states, ``CDNA4_SCALE`` or none), aiter's ``routing`` on random logits, then
 ``moe_gemm_a16w4`` (BF16 activations) and ``moe_gemm_a4w4`` (MXFP4 activations from aiter's own
@@ -29,7 +28,6 @@ reference (relative to its largest value) and every raw read is not.
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import os
 import pathlib
@@ -37,10 +35,6 @@ import sys
 import types
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
-
-HERE = pathlib.Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE.parent), str(HERE)]
-import engine_sources  # noqa: E402
 
 TOLERANCE = 0.02  # BF16 outputs (8 significant bits) against an F32 reference: ~0.004-0.008 seen
 PACKAGES = ("aiter", "aiter.ops", "aiter.ops.triton", "aiter.ops.triton.utils", "aiter.ops.triton.utils._triton")
@@ -165,27 +159,3 @@ def check(source: pathlib.Path, converted: pathlib.Path, aiter_dir: pathlib.Path
         ok &= good
         lines.append(line)
     return ok, lines
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--source", required=True, type=pathlib.Path)
-    p.add_argument("--converted", required=True, type=pathlib.Path)
-    p.add_argument("--oracles", type=pathlib.Path, help="ATOM's and aiter's pinned sources (default: engine_sources.py)")
-    p.add_argument("--work", type=pathlib.Path, help="where tarballs are unpacked (default: a temporary folder)")
-    p.add_argument("--layer", type=int, help="the MoE layer to check (default: the first)")
-    p.add_argument("--rank", type=int, action="append", help="a rank to check (repeatable; default: every rank)")
-    p.add_argument("--tokens", type=int, default=16)
-    args = p.parse_args(argv)
-    scratch = engine_sources.Scratch(args.work, "triton-moe-check-")
-    _, aiter_dir = engine_sources.trees(args.oracles or engine_sources.require(), scratch.path)
-    ok, lines = check(args.source, args.converted, aiter_dir, args.layer, args.tokens, ranks=args.rank)
-    print("\n".join(lines))
-    left = scratch.done(ok)
-    if left:
-        print(left)
-    return 0 if ok else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
