@@ -1,6 +1,6 @@
 """ATOM's load of a converted folder against its own load of the source, on the CPU: every rank,
-installed with ``layouts.engines.atom.install_converted_weights``, must leave ATOM's
-``DeepseekV3ForCausalLM`` and its ``DeepSeekMTP`` draft model byte for byte as ATOM's own loader
+installed with ``layouts.engines.atom.install_converted_weights``, must leave the model ATOM builds
+for the architecture (``atom_model_class``) and its ``DeepSeekMTP`` draft model byte for byte as ATOM's own loader
 leaves them from the source checkpoint, and ATOM's "NOT loaded" warning must not fire but where
 ATOM's own load gives it for the same parameters (GLM-5's draft, whose checkpoint holds no head:
 ATOM's drafter then shares the target's). :mod:`harness.atom.on_cpu` says what of aiter is ATOM's
@@ -79,7 +79,6 @@ class Case:
 def atom_config(src: pathlib.Path, case: Case):
     """ATOM's Config for the source, prepared as ModelRunner prepares it before building."""
     from atom.config import Config, SpeculativeConfig, set_current_atom_config
-    from atom.models.deepseek_v2 import DeepseekV3ForCausalLM
 
     # The MTP draft where the source has an MTP layer; not where config.json says one and the
     # checkpoint has none (an amd-quark export made with transformers 5): ATOM would leave it
@@ -87,7 +86,7 @@ def atom_config(src: pathlib.Path, case: Case):
     spec = SpeculativeConfig(method="mtp", model=str(src), num_speculative_tokens=1) if has_mtp_layer(src) else None
     cfg = Config(model=str(src), tensor_parallel_size=case.tp, enable_expert_parallel=case.ep > 1,
                  enforce_eager=True, speculative_config=spec)
-    model_class = DeepseekV3ForCausalLM
+    model_class = atom_model_class(cfg)
     cfg.quant_config.remap_layer_name(
         cfg.hf_config, packed_modules_mapping=getattr(model_class, "packed_modules_mapping", {}),
         quant_exclude_name_mapping=getattr(model_class, "quant_exclude_name_mapping", {}))
@@ -96,16 +95,25 @@ def atom_config(src: pathlib.Path, case: Case):
     return cfg
 
 
+def atom_model_class(cfg) -> type:
+    """The model class ATOM's ModelRunner builds for the config's architecture (its
+    ``support_model_arch_dict``: ``DeepseekV2ForCausalLM`` for DeepSeek-V3 and V3.2,
+    ``GlmMoeDsaForCausalLM``, ``KimiK25ForCausalLM`` with the DeepSeek model as ``language_model``)."""
+    from atom.model_engine.model_runner import support_model_arch_dict
+    from atom.utils import resolve_obj_by_qualname
+
+    return resolve_obj_by_qualname(support_model_arch_dict[cfg.hf_config.architectures[0]])
+
+
 def build(cfg) -> tuple[torch.nn.Module, torch.nn.Module | None]:
     """The target model, then the MTP draft model from the same Config (ATOM's order; None
     without a speculative config). Stand-ins
     called while building (rotary embedding, activation-quant function: forward-only objects)
     are not recorded: only those called while loading count."""
     from atom.models.deepseek_mtp import DeepSeekMTP
-    from atom.models.deepseek_v2 import DeepseekV3ForCausalLM
 
     before = len(on_cpu.CALLS)
-    models = DeepseekV3ForCausalLM(cfg), DeepSeekMTP(cfg) if cfg.speculative_config is not None else None
+    models = atom_model_class(cfg)(cfg), DeepSeekMTP(cfg) if cfg.speculative_config is not None else None
     del on_cpu.CALLS[before:]
     return models
 

@@ -56,6 +56,7 @@ def _mxfp4_quant_stand_in(x, quant_dtype=None, scale=None, shuffle=False, **_):
     ``kv_b_proj`` by: every block of 32 holds one 1.0 or none, which any MXFP4 rule quantizes
     exactly (code 4.0, scale 2^-2; zeros)."""
     import layouts
+    from layouts.families import language_config
     from aiter import dtypes
 
     q, s = layouts.mxfp4.quantize(x.float())
@@ -125,11 +126,12 @@ def mla_derivation(target: torch.nn.Module, out: pathlib.Path, rank: int, tp: in
     import re
 
     import layouts
+    from layouts.families import language_config
     from aiter import dtypes
     from atom.model_ops.attention_mla import MLAAttention, dynamic_per_batched_tensor_quant
 
     loaded = layouts.load_rank(out, rank)
-    shape = layouts.MlaShape.from_config(json.loads((out / "config.json").read_text()), tp)
+    shape = layouts.MlaShape.from_config(language_config(json.loads((out / "config.json").read_text())), tp)
     checked, bad = 0, []
     for name, module in target.named_modules():
         if not isinstance(module, MLAAttention) or (module.kv_b_proj.weight.dtype == dtypes.fp4x2
