@@ -226,8 +226,9 @@ PRESETS["glm-5.1"] = replace(PRESETS["glm-5"], variant="experts")
 def exclude_patterns(spec: SynthSpec) -> list[str]:
     """The Quark ``exclude`` list of the variant (L = the MTP layer's index)."""
     mtp = spec.num_hidden_layers
-    if spec.multimodal:  # amd/Kimi-K2.5-MXFP4's exclude_layers
-        return ["*self_attn*", "*mlp.gate", "*lm_head", "*mm_projector*", "*vision_tower*"]
+    if spec.multimodal:  # amd/Kimi-K2.5-MXFP4's exclude_layers; -AttnFP8 (variant mtp-moefp4) quantizes self_attn FP8
+        return [*(["*self_attn*"] if spec.variant != "mtp-moefp4" else []), "*mlp.gate", "*lm_head", "*mm_projector*",
+                "*vision_tower*"]
     if spec.variant == "r1-0528":
         return ["*self_attn*", "*mlp.gate.*", "lm_head", f"model.layers.{mtp}.*"]
     if spec.variant in ("moe-only", "experts"):  # amd/GLM-5-MXFP4's exclude_layers (5.1: experts shared too)
