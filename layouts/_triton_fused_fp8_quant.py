@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fused_fp8_quant import AMAX_FLOOR, fp8_max, fp8_scale_shape
+from .fp8 import AMAX_FLOOR, fp8_max, fp8_scale_shape
 
 
 @triton.jit

@@ -26,7 +26,8 @@ from typing import Optional
 import torch
 
 from .compat import EngineConfig, check_compatibility
-from .fused_fp8_quant import GROUP_SIZE, fp8_dtype_for, fused_rms_fp8_quant
+from .fp8 import GROUP_SIZE, fp8_dtype_for
+from .fused_fp8_quant import fused_rms_fp8_quant
 from .fused_quant import rms_norm_f32, fused_rms_mxfp4_quant
 from .manifest import Manifest
 from .selection import ActivationQuantFlags, gemm_path_rule, select_activation_quant

@@ -36,32 +36,8 @@ from typing import Optional
 
 import torch
 
+from .fp8 import AMAX_FLOOR, FP8_DTYPES, GROUP_SIZE, fp8_dtype_for, fp8_max, fp8_scale_shape  # noqa: F401 (its face)
 from .fused_quant import FusedQuantOutput, _aiter_probe, _unit_last, check_rms_inputs, rms_norm_f32, select_backend
-
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
-GROUP_SIZE = 128
-"""ATOM's group for FP8 activations (``group_size=128`` at both DeepSeek call sites)."""
-AMAX_FLOOR = 1e-10
-"""The smallest amax a group's scale is made from (aiter's ``tl.maximum(amax, 1e-10)``): an
-all-zero group gets scale 1e-10 / FP8_MAX and codes 0, never a division by zero."""
-
-
-def fp8_max(dtype: torch.dtype) -> float:
-    """The largest finite value of ``dtype`` (448.0 for e4m3fn, 240.0 for e4m3fnuz)."""
-    if dtype not in FP8_DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(map(str, FP8_DTYPES))}, got {dtype}")
-    return float(torch.finfo(dtype).max)
-
-
-def fp8_dtype_for(gpu_arch: str) -> torch.dtype:
-    """The FP8 type activations are quantized to on ``gpu_arch``: MI300 (gfx94x) computes in
-    e4m3fnuz (bias 8, max 240), later Instinct GPUs in OCP e4m3fn (aiter's ``dtypes.fp8``)."""
-    return torch.float8_e4m3fnuz if gpu_arch.startswith("gfx94") else torch.float8_e4m3fn
-
-
-def fp8_scale_shape(m: int, n1: int, group_size: Optional[int] = GROUP_SIZE) -> tuple[int, int]:
-    """Shape of the scale the fused op returns for ``x1 [m, n1]`` (either presentation)."""
-    return m, 1 if group_size is None else -(-n1 // group_size)
 
 
 def _check(x1, x1_weight, x2, x2_weight, res1, group_size, dtype) -> None:
