@@ -36,7 +36,8 @@ from .errors import PrepError
 from .directio import ALIGN, STAGING_BYTES, STAGING_SPARE
 from .groups import Alloc, LinearGroup, MoEGroup, to_record
 from .identity import changed_files, file_identity
-from .outdir import OutputFolder, copy_regular, kill_point, sealed_run, write_json
+from .outdir import OutputFolder, copy_regular, kill_point, write_json
+from .ownership import sealed_run
 from .source import ShardFile, SourceCheckpoint
 from .safetensors_writer import StreamingSafetensorsWriter, nbytes
 from .prefetch import Prefetch

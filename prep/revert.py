@@ -20,7 +20,8 @@ from .convert import shard_names
 from .converted import ConvertedCheckpoint
 from .errors import PrepError
 from .identity import side_file_changed
-from .outdir import REVERT_MARKER, OutputFolder, copy_regular, write_json
+from .outdir import OutputFolder, copy_regular, write_json
+from .ownership import REVERT_MARKER
 from .source import INDEX_NAME, SIDE_FILES
 from .safetensors_writer import TORCH_DTYPES, StreamingSafetensorsWriter, nbytes
 
