@@ -2,7 +2,7 @@
 """Write a synthetic DeepSeek-V3 checkpoint in AMD Quark MXFP4 format (no network needed).
 
 Why: tests and benchmarks of `prep` need a faithful Quark checkpoint (names, shards, config,
-MTP quirks) without downloading ~350 GiB. See prep/testing.py for what is written. Peak memory
+MTP quirks) without downloading ~350 GiB. See prep/testing/ for what is written. Peak memory
 is about twice the largest shard: 4.1 GB for --preset real-dims, 1.3 GB for bench.
 
     .venv/bin/python scripts/make_tiny_deepseek.py OUT [--preset tiny|bench|r1-0528-fp8|...] [--variant r1-0528|v2|mtp-moefp4|fp8-block]
