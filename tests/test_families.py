@@ -146,6 +146,32 @@ def test_kimi_k25_converts_with_the_vision_tower_whole_in_a_common_file_and_reve
         assert r.exit_code == 0 and "identical bit for bit" in r.output, r.output
 
 
+def test_kimi_k25_through_atoms_door_equals_atoms_own_load_and_a_flipped_byte_fails(kimi, tmp_path):
+    # ATOM's KimiK25ForCausalLM (the class its ModelRunner builds for the architecture: the DeepSeek
+    # model as language_model, the vision tower skipped); the door installs prep's files, which name
+    # the language model as its family does, under ATOM's (the source's) names. Rank 1's file holds
+    # one flipped byte, which the check must find and nothing else. (ATOM's whole start-up through
+    # prep-atom-serve: `check-engine atom --serve`, a script run at TP 2 and TP 8, docs/engines.md.)
+    from harness.report import rows as harness_rows
+    from prep.convert import convert
+    from prep.deepseek import target_for
+
+    out = tmp_path / "out"
+    convert(str(kimi), out, target_for("atom", tp=2))
+    data = bytearray((f := sorted(out.glob("model-tp2-rank1-*.safetensors"))[-1]).read_bytes())
+    data[-1] ^= 0x01
+    f.write_bytes(bytes(data))
+    report = _atom_install_check(kimi, out, tmp_path / "work")
+    rows = harness_rows(report)
+    assert [(row["rank"], row["result"]) for row in rows] == [("0/2", "ok"), ("1/2", "FAIL")], report
+    lines = report.splitlines()
+    after = lines[next(i for i, x in enumerate(lines) if x.split()[1:2] == ["1/2"]) + 1:]
+    said = [x.strip() for x in after[:next((i for i, x in enumerate(after) if not x.startswith("    ")), len(after))]
+            if "bytes differ" in x]  # its differences alone: one tensor, under ATOM's name for it (both fills)
+    assert said and all(x.startswith("main:language_model.") and "1 of" in x for x in said), report
+    assert len({x.split(":")[1] for x in said}) == 1, report
+
+
 def test_kimi_k25_through_vllms_door_equals_its_own_load_vision_tower_included(kimi, tmp_path):
     # vLLM's KimiK25ForConditionalGeneration: its DeepSeek model as language_model, filled from the
     # rank's files, and MoonViT with the projector, which the door hands to vLLM's own load_weights
