@@ -114,7 +114,7 @@ def test_kimi_k25_is_read_as_kimi_k2_under_its_prefix_with_the_vision_tower_kept
                                         "no MTP layer")
 
 
-@pytest.mark.parametrize("engine, tp, ep", [("atom", 1, 1), ("atom", 2, 1), ("atom", 8, 8), ("vllm", 2, 2)])
+@pytest.mark.parametrize("engine, tp, ep", [("atom", 2, 1), ("atom", 8, 8), ("vllm", 2, 2)])  # the rest: a script run
 def test_kimi_k25_converts_with_the_vision_tower_whole_in_a_common_file_and_reverts_under_the_sources_names(
         kimi, tmp_path, engine, tp, ep):
     # ATOM serves the text only: no rank reads the vision tower (kept for revert). vLLM loads it
