@@ -321,8 +321,9 @@ def plan_bf16_groups(tensors: dict[str, Any], config: dict[str, Any], tp: int, e
     holds all of them). ``tensors``: the source's non-MXFP4 tensors, name -> info with ``dtype``
     and ``shape``, in source order. Expert parallel (``ep`` = ``tp``) splits the BF16 experts
     only: whole experts in blocks, as for the MXFP4 ones; everything else is split by ``tp``.
-    ``rules``: the engine's (its profile's ``sharding``) merged modules, expert map and any departure from the TP splits of ``family`` (the checkpoint's model
-    family; default: config.json's).
+    ``rules``: the engine's (its profile's ``sharding``) merged modules, expert map and any
+    departure from the TP splits of ``family`` (the checkpoint's model family; default:
+    config.json's).
 
     Refuses (naming the tensor and the fix) a split that does not divide: ATOM pads nothing."""
     family = family or family_of(config)

@@ -429,7 +429,8 @@ def default_out(src: str, layout: str, moe_layout: str, tp: int, ep: int) -> str
         base = pathlib.Path.cwd() / repo.split("--")[-1]
     if not base.name or base.parent == base:
         raise PrepError(f"{src}: has no folder name to name an output folder after; pass -o OUT")
-    name = f"{base.name}-{layout}" + (f"-{moe_layout}" if moe_layout != _default_target().moe_layout else "") + f"-tp{tp}"
+    named = moe_layout != _default_target().moe_layout
+    name = f"{base.name}-{layout}" + (f"-{moe_layout}" if named else "") + f"-tp{tp}"
     return str(base.with_name(name + (f"-ep{ep}" if ep > 1 else "")))
 
 

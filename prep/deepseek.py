@@ -504,8 +504,8 @@ def split_bf16(tensors: Mapping[str, Any], config: dict[str, Any], num_layers: i
                ) -> tuple[list[list[Bf16Group]], list[str], list[str]]:
     """Where each non-MXFP4 tensor of ``tensors`` (name -> its dtype and shape) goes in a
     rank-exact conversion: per rank, the BF16 groups it holds (split as the engine whose sharding
-    ``rules`` these are holds them, :mod:`prep.bf16`); the tensors every rank holds whole (replicated: norms, router, its bias,
-    ``eh_proj``; a replicated ``fused_qkv_a_proj``'s parts are a group); and the tensors no rank
+    ``rules`` these are holds them, :mod:`prep.bf16`); the tensors every rank holds whole
+    (replicated: norms, router, its bias, ``eh_proj``; a replicated ``fused_qkv_a_proj``'s parts are a group); and the tensors no rank
     reads: those of the MTP layer that the engine's drafter replaces by the target model's after
     loading (:func:`mtp_replaced`; ``docs/rank-exact.md``), kept whole only so that ``revert`` is
     exact; and those outside the language model of a multimodal checkpoint (its vision tower: the

@@ -23,15 +23,16 @@ ATOM = get_engine("atom")  # the engine whose profile these tests use
 DOC = pathlib.Path(__file__).resolve().parent.parent / "docs" / "manifest.md"
 
 # Both variants, plain TP and expert parallel; one Triton MoE layout, so scale_swizzle is written.
+PRE_CK, RAW_TRITON = {"layout": "preshuffle", "moe_layout": "ck"}, {"layout": "non-shuffle", "moe_layout": "triton"}
 CONVERSIONS = {
-    "v2-tp2": ("v2", target_for(ATOM, layout="preshuffle", moe_layout="ck", tp=2)),
-    "r1-tp2": ("r1-0528", target_for(ATOM, layout="non-shuffle", moe_layout="triton", tp=2)),
-    "v2-ep2": ("v2", target_for(ATOM, layout="preshuffle", moe_layout="ck", tp=2, ep=2)),
-    "r1-ep2": ("r1-0528", target_for(ATOM, layout="preshuffle", moe_layout="ck", tp=2, ep=2)),
-    "v2-tp2-format1": ("v2", target_for(ATOM, layout="preshuffle", moe_layout="ck", tp=2, rank_exact=False)),  # --common-bf16
-    "fp8-block-tp2": ("r1-0528-fp8", target_for(ATOM, layout="preshuffle", moe_layout="ck", tp=2)),  # DeepSeek's FP8 release: fp8_layout, stacks of scales
-    "fp8-channel-tp2": ("mtp-moefp4", target_for(ATOM, layout="preshuffle", moe_layout="ck", tp=2)),  # FP8 attention: fp8_channel_layouts
-    "kimi-k2.5-tp2": ("kimi-k2.5", target_for(ATOM, layout="preshuffle", moe_layout="ck", tp=2)),  # a multimodal source: source.wrapper, version 5
+    "v2-tp2": ("v2", target_for(ATOM, **PRE_CK, tp=2)),
+    "r1-tp2": ("r1-0528", target_for(ATOM, **RAW_TRITON, tp=2)),
+    "v2-ep2": ("v2", target_for(ATOM, **PRE_CK, tp=2, ep=2)),
+    "r1-ep2": ("r1-0528", target_for(ATOM, **PRE_CK, tp=2, ep=2)),
+    "v2-tp2-format1": ("v2", target_for(ATOM, **PRE_CK, tp=2, rank_exact=False)),  # --common-bf16
+    "fp8-block-tp2": ("r1-0528-fp8", target_for(ATOM, **PRE_CK, tp=2)),  # DeepSeek's FP8 release: fp8_layout, stacks of scales
+    "fp8-channel-tp2": ("mtp-moefp4", target_for(ATOM, **PRE_CK, tp=2)),  # FP8 attention: fp8_channel_layouts
+    "kimi-k2.5-tp2": ("kimi-k2.5", target_for(ATOM, **PRE_CK, tp=2)),  # a multimodal source: source.wrapper, version 5
 }
 
 

@@ -27,10 +27,11 @@ def converted(tmp_path_factory):
     root = tmp_path_factory.mktemp("rt")
     src = write_checkpoint(SynthSpec(variant="v2"), root / "src")
     out = {"src": src}
-    for name, target in {"pre-ck-tp2": target_for(ATOM, layout="preshuffle", moe_layout="ck", tp=2), "raw-triton-tp2": target_for(ATOM, layout="non-shuffle", moe_layout="triton", tp=2),
-                         "pre-ck-tp1": target_for(ATOM, layout="preshuffle", moe_layout="ck", tp=1), "pre-ck-ep2": target_for(ATOM, layout="preshuffle", moe_layout="ck", tp=2, ep=2),
-                         "raw-gfx942-tp2": target_for(ATOM, layout="non-shuffle", moe_layout="triton-gfx942", tp=2)}.items():
-        convert(str(src), root / name, target)
+    for name, (layout, moe_layout, tp, ep) in {
+            "pre-ck-tp2": ("preshuffle", "ck", 2, 1), "raw-triton-tp2": ("non-shuffle", "triton", 2, 1),
+            "pre-ck-tp1": ("preshuffle", "ck", 1, 1), "pre-ck-ep2": ("preshuffle", "ck", 2, 2),
+            "raw-gfx942-tp2": ("non-shuffle", "triton-gfx942", 2, 1)}.items():
+        convert(str(src), root / name, target_for(ATOM, layout=layout, moe_layout=moe_layout, tp=tp, ep=ep))
         out[name] = root / name
     # R1-0528 style (attention BF16): what ATOM_USE_TRITON_GEMM=1 can load (layouts/engines/atom/ docstring).
     r1 = write_checkpoint(SynthSpec(variant="r1-0528"), root / "src-r1")
