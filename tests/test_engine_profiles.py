@@ -1,6 +1,6 @@
 """Engine profiles: each engine's knowledge has one home (``layouts/engines/<engine>.py``), layout
 names one home (``layouts/registry.py``), and everything else asks them. Pinned here: nothing
-else spells a layout name or an ATOM switch; the CLI's choices are the registry's and the
+else spells a layout name, an ATOM switch, an engine or a GEMM path; the CLI's choices are the registry's and the
 profile's lists; the profile's tables answer both ways (configuration -> layouts and layouts ->
 configuration); and a second engine plugs in from its own module alone."""
 
@@ -47,6 +47,27 @@ def test_no_module_outside_the_registry_and_the_profiles_spells_a_layout_or_an_a
                 found.append(f"{rel}:{line}: {value!r}")
     assert not found, ("ask layouts.registry (layout_names, get_layout) or the engine profile "
                        "(layouts.get_engine(name)) instead: " + "; ".join(found))
+
+
+# The one place an engine is chosen without being asked (the CLI's --engine when omitted), and the
+# manifest format's history (manifests from before target.engine were all ATOM's); and "sglang" as
+# the reference engine's MLA order (--mla-order sglang: SGLang's decode arithmetic, not the engine).
+ENGINE_NAMED = {("prep/cli.py", "atom"), ("layouts/manifest/format.py", "atom"), ("prep/cli.py", "sglang"),
+                ("prep/reference/model.py", "sglang"), ("prep/reference/run.py", "sglang")}
+
+
+def test_no_module_outside_the_profiles_names_an_engine_or_a_gemm_path():
+    # The engine is chosen once, at the edge, and its profile passed on: no default engine below it,
+    # and a GEMM path is asked of the engine's profile (issue 40).
+    names = set(layouts.engine_names()) | {p for e in layouts.engine_names() for p in get_engine(e).gemm_paths}
+    found = []
+    for path in sorted([*(REPO / "layouts").rglob("*.py"), *(REPO / "prep").rglob("*.py")]):
+        rel = path.relative_to(REPO).as_posix()
+        if path in HOMES and path != REPO / "layouts" / "registry.py":
+            continue
+        found += [f"{rel}:{line}: {value!r}" for line, value in _string_constants(path)
+                  if value in names and (rel, value) not in ENGINE_NAMED]
+    assert not found, "take the engine's profile from the caller (and its gemm_paths) instead: " + "; ".join(found)
 
 
 def test_the_scan_sees_what_it_must_refuse(tmp_path):
