@@ -157,7 +157,7 @@ def test_the_primitive_refuses_other_dtypes_and_shapes():
         L.preshuffle_weight_16bit(torch.zeros(2, 32, 64, dtype=torch.uint8))  # packed MXFP4: W16 proper
     with pytest.raises(L.LayoutConstraintError, match="2-byte dtype"):
         L.unshuffle_weight_16bit(torch.zeros(2, 32, 64, dtype=torch.float32))
-    with pytest.raises(L.LayoutConstraintError, match=r"N % 16 == 0 and K % 32 == 0, got shape \(2, 32, 48\)"):
+    with pytest.raises(L.LayoutConstraintError, match=r"16-bit W16 needs K % 32 == 0 \(K = 48\), got shape \(2, 32, 48\)"):
         L.preshuffle_weight_16bit(torch.zeros(2, 32, 48, dtype=torch.bfloat16))
 
 
