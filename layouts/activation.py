@@ -26,10 +26,10 @@ from typing import Optional
 import torch
 
 from .compat import EngineConfig, check_compatibility
+from .engines import EngineProfile, GemmPathRule
 from .fused_fp8_quant import GROUP_SIZE, fp8_dtype_for, fused_rms_fp8_quant
 from .fused_quant import rms_norm_f32, fused_rms_mxfp4_quant
 from .manifest import Manifest
-from .engines import EngineProfile, GemmPathRule
 from .selection import ActivationQuantFlags, select_activation_quant
 
 MXFP4, FP8_PER_TOKEN, FP8_BLOCK = "mxfp4", "fp8-per-token", "fp8-1x128"

@@ -148,6 +148,12 @@ def _layout_names(kind: str) -> Callable[[], list[str]]:
 DEFAULT_ENGINE = "atom"
 
 
+def _default_engine() -> "layouts.EngineProfile":
+    import layouts
+
+    return layouts.get_engine(DEFAULT_ENGINE)
+
+
 @functools.cache
 def _default_target() -> "layouts.manifest.Target":
     """The conversion target of the CLI's default engine (its default configuration)."""
@@ -158,12 +164,6 @@ def _default_target() -> "layouts.manifest.Target":
 
 def _target_default(field: str) -> _Default:
     return _Default(lambda: getattr(_default_target(), field))
-
-
-def _default_engine() -> "layouts.EngineProfile":
-    import layouts
-
-    return layouts.get_engine(DEFAULT_ENGINE)
 
 
 def _gemm_paths() -> list[str]:

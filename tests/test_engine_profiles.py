@@ -154,6 +154,15 @@ def test_the_adapter_keeps_its_old_address():
         layouts.get_engine("tgi")
 
 
+def test_a_configuration_sent_to_another_process_names_its_engine():
+    # The profile object travels by its name (a worker's pickled configuration is that worker's profile's).
+    import pickle
+
+    config = EngineConfig.from_env(ATOM, tp_size=2, rank=1, env={})
+    back = pickle.loads(pickle.dumps(config))
+    assert back == config and back.profile is ATOM
+
+
 # ------------------------------------------------------------------------------ a second engine
 def _no_expert_parallel(manifest, engine):
     return "the toy engine has no expert parallel: convert with --ep 1" if engine.ep_size > 1 else None

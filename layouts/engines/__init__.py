@@ -284,6 +284,11 @@ class EngineProfile:
         layout pairs it reads), so that a missing command can say why."""
         return any(self.serve_command("x", 1, 1, d, m) for d, m in self.inspect_targets())
 
+    def __reduce__(self):
+        # A profile travels to another process (a pickled EngineConfig) by its name: there it is
+        # that process's registered profile, so configurations still compare equal.
+        return get_engine, (self.name,)
+
     def __repr__(self) -> str:
         return f"<engine profile {self.name}: GEMM paths {', '.join(self.gemm_paths)}; MoE {', '.join(self.moe_backends)}>"
 
