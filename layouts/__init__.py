@@ -37,7 +37,7 @@ from .loader import OpenRank, RankTensors, iter_rank_files, load_rank, open_rank
 from .manifest import Manifest, ManifestError, TensorRecord, load_manifest
 from .mla import MlaShape, absorbed_kv_b, absorbed_kv_b_of_rank
 from .registry import Layout, Transform, get_layout, layout_names, register_layout
-from .selection import GEMM_PATH_RULES, ActivationQuantFlags, select_activation_quant
+from .selection import ActivationQuantFlags, select_activation_quant
 from .shuffle import (
     LayoutConstraintError,
     preshuffle_scale,
@@ -58,7 +58,7 @@ __all__ = [
     "AITER_HIP", "AITER_TRITON", "QUARK", "QuantRecipe",
     "dequantize", "e2m1_decode", "e2m1_encode", "e8m0_decode", "e8m0_encode", "pack_fp4", "quantize", "unpack_fp4",
     "Layout", "Transform", "get_layout", "layout_names", "register_layout",
-    "GEMM_PATH_RULES", "ActivationQuantFlags", "select_activation_quant",
+    "ActivationQuantFlags", "select_activation_quant",
     "ActivationQuantPlan", "CompatibilityError", "LayoutsError", "EngineConfig", "check_compatibility",
     "EngineProfile", "engine_names", "get_engine", "register_engine",
     "dequantize_activation", "dequantize_expert", "dequantize_stored", "dequantize_stored_rows",

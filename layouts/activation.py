@@ -26,11 +26,12 @@ from typing import Optional
 import torch
 
 from .compat import EngineConfig, check_compatibility
+from .engines import EngineProfile, GemmPathRule
 from .fp8 import GROUP_SIZE, fp8_dtype_for
 from .fused_fp8_quant import fused_rms_fp8_quant
 from .fused_quant import rms_norm_f32, fused_rms_mxfp4_quant
 from .manifest import Manifest
-from .selection import ActivationQuantFlags, gemm_path_rule, select_activation_quant
+from .selection import ActivationQuantFlags, select_activation_quant
 
 MXFP4, FP8_PER_TOKEN, FP8_BLOCK = "mxfp4", "fp8-per-token", "fp8-1x128"
 ATTENTION_QUANTS = (MXFP4, FP8_PER_TOKEN, FP8_BLOCK)
@@ -50,7 +51,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 class ActivationQuantPlan:
     """How activations are quantized for the GEMM path that reads this checkpoint's weights."""
 
-    gemm_path: str
+    gemm_path: str  # one of its engine's GEMM paths
+    # The engine whose GEMM path it is: the path's rule (its activation flags) is that profile's
+    profile: EngineProfile = dataclasses.field(kw_only=True)
     input_norm_quant_fusion: bool = True
     qknorm_quant_fusion: bool = True
     backend: str = "auto"  # fused op back end: "auto" | "aiter" | "triton" | "torch"
@@ -58,6 +61,9 @@ class ActivationQuantPlan:
     fp8_dtype: torch.dtype = torch.float8_e4m3fn  # FP8 activations' type (fp8_dtype_for the arch)
 
     def __post_init__(self) -> None:
+        if self.gemm_path not in self.profile.gemm_paths:
+            raise ValueError(f"{self.gemm_path!r} is not a GEMM path of {self.profile.display_name}; "
+                             f"choose one of {', '.join(self.profile.gemm_paths)}")
         if self.attention_quant not in ATTENTION_QUANTS:
             raise ValueError(f"attention_quant must be one of {', '.join(ATTENTION_QUANTS)}, got {self.attention_quant!r}")
 
@@ -74,11 +80,16 @@ class ActivationQuantPlan:
         against it (:func:`layouts.open_rank` checks once for the load and the plan), whose
         attention reads ``attention_quant`` activations."""
         return cls(engine.gemm_path, engine.input_norm_quant_fusion, engine.qknorm_quant_fusion, backend,
-                   attention_quant, fp8_dtype_for(engine.gpu_arch))
+                   attention_quant, fp8_dtype_for(engine.gpu_arch), profile=engine.profile)
+
+    @property
+    def rule(self) -> GemmPathRule:
+        """The GEMM path's rule, as its engine states it."""
+        return self.profile.gemm_paths[self.gemm_path]
 
     def flags(self, num_tokens: int) -> ActivationQuantFlags:
         """``(shuffle, scale_shuffle_padding)`` for a batch of ``num_tokens`` rows."""
-        return select_activation_quant(self.gemm_path, num_tokens)
+        return select_activation_quant(self.rule, num_tokens)
 
     def _fused(self, x1, w1, eps1, x2=None, w2=None, eps2=0.0, res1=None):
         if self.attention_quant != MXFP4:
@@ -94,7 +105,7 @@ class ActivationQuantPlan:
         """Before ``fused_qkv_a_proj``: ``((q, scale), new_residual)``. ``new_residual`` is
         ``x + residual`` (or ``x`` on the first layer, which has none)."""
         fused = self.input_norm_quant_fusion and (
-            self.attention_quant != FP8_BLOCK or gemm_path_rule(self.gemm_path).fuses_fp8_group_input_quant)
+            self.attention_quant != FP8_BLOCK or self.rule.fuses_fp8_group_input_quant)
         if not fused:
             summed = x if residual is None else (x.float() + residual.float()).to(x.dtype)
             return (rms_norm(summed, weight, eps), None), summed

@@ -18,7 +18,7 @@ import os
 from typing import Mapping
 
 from . import engines
-from .engines import DEFAULT_ENGINE, EngineProfile
+from .engines import EngineProfile
 from .errors import LayoutsError
 from .manifest import Manifest
 from .registry import BF16_MOE, FP8
@@ -33,7 +33,9 @@ class EngineConfig:
     """What the engine will run: which kernels read the weights, and where this process sits.
 
     ``gemm_path``, ``moe_backend`` and ``gpu_arch`` left None are the engine's defaults (its
-    profile's first GEMM path and MoE back end, its default arch), filled in on construction."""
+    profile's first GEMM path and MoE back end, its default arch), filled in on construction.
+    ``profile`` is always given: there is no default engine (the engine's door, or prep's CLI,
+    chooses it)."""
 
     gemm_path: str | None = None  # one of the engine profile's gemm_paths
     moe_backend: str | None = None  # one of the engine profile's MoE back ends
@@ -43,16 +45,14 @@ class EngineConfig:
     gpu_arch: str | None = None  # e.g. gfx942 (MI300) or gfx950 (MI355): MoE scale layouts differ by arch
     input_norm_quant_fusion: bool = True
     qknorm_quant_fusion: bool = True
-    engine: str = DEFAULT_ENGINE  # whose profile (layouts/engines/<engine>.py) says what the rest means
+    # The engine: its profile (layouts/engines/<engine>) says what the rest means
+    profile: EngineProfile = dataclasses.field(kw_only=True)
     # The fp8 layout it reads FP8 block-scaled weights in ("" : its profile's; None: the source's
     # bytes, which it processes at load: ATOM with ATOM_FP8_BLOCKSCALE_WEIGHT_PRESHUFFLE=0)
     fp8_layout: str | None = ""
 
     def __post_init__(self) -> None:
-        try:
-            profile = engines.get_engine(self.engine)
-        except KeyError as e:
-            raise CompatibilityError(e.args[0]) from None
+        profile = self.profile
         fill = {"gemm_path": profile.default_gemm_path, "moe_backend": profile.default_moe_backend,
                 "gpu_arch": profile.default_gpu_arch}
         if self.fp8_layout == "":
@@ -71,38 +71,35 @@ class EngineConfig:
                                      f"layouts prep does not write (docs/engines.md, \"{profile.display_name}\")")
 
     @property
-    def profile(self) -> EngineProfile:
-        """The engine's profile: its paths, the layouts they read, its refusals."""
-        return engines.get_engine(self.engine)
+    def engine(self) -> str:
+        """The engine's name (what a manifest's ``target.engine`` records)."""
+        return self.profile.name
 
     @classmethod
-    def from_env(cls, tp_size: int = 1, rank: int = 0, ep_size: int = 1, gpu_arch: str | None = None,
-                 env: Mapping[str, str] | None = None, engine: str = DEFAULT_ENGINE) -> "EngineConfig":
-        """The engine's switches as the engine reads them, refusing the combinations it gets wrong.
+    def from_env(cls, profile: EngineProfile, tp_size: int = 1, rank: int = 0, ep_size: int = 1,
+                 gpu_arch: str | None = None, env: Mapping[str, str] | None = None) -> "EngineConfig":
+        """``profile``'s engine's switches as the engine reads them, refusing the combinations it
+        gets wrong.
 
         ``gpu_arch`` defaults to the current device's (``gcnArchName`` on ROCm), else the
         engine's default; ``env`` to ``os.environ``."""
-        try:
-            profile = engines.get_engine(engine)
-        except KeyError as e:
-            raise CompatibilityError(e.args[0]) from None
         return profile.config_from_env(os.environ if env is None else env, tp_size=tp_size, rank=rank,
                                        ep_size=ep_size, gpu_arch=gpu_arch)
 
     @classmethod
-    def reading(cls, manifest: Manifest, gemm_path: str | None = None, engine: str | None = None) -> "EngineConfig":
-        """Rank 0's configuration of ``engine`` (default: the one the checkpoint was converted
-        for) that reads ``manifest``'s checkpoint: the first GEMM path that reads its dense
-        layout (or ``gemm_path``), the MoE back end and arch that read its MoE layout (the
-        default arch first), its TP and EP sizes."""
-        engine = engine or manifest.target.engine
+    def reading(cls, manifest: Manifest, gemm_path: str | None = None,
+                profile: EngineProfile | None = None) -> "EngineConfig":
+        """Rank 0's configuration of ``profile``'s engine (None: the one the checkpoint was
+        converted for, as its manifest names it) that reads ``manifest``'s checkpoint: the first
+        GEMM path that reads its dense layout (or ``gemm_path``), the MoE back end and arch that
+        read its MoE layout (the default arch first), its TP and EP sizes."""
         try:
-            profile = engines.get_engine(engine)
+            profile = profile or engines.get_engine(manifest.target.engine)
             path = gemm_path or profile.gemm_path_reading(manifest.layout)
             backend, arch = profile.moe_backend_reading(manifest.moe_layout)
         except KeyError as e:
             raise CompatibilityError(f"{manifest.root}: {e.args[0]}") from None
-        return cls(path, backend, manifest.tp, 0, manifest.ep, arch, engine=engine)
+        return cls(path, backend, manifest.tp, 0, manifest.ep, arch, profile=profile)
 
     def expected_dense_layout(self) -> str:
         """The dense layout this configuration's GEMM path reads."""

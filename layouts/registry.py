@@ -83,7 +83,9 @@ class Transform:
     def forward(self, t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """The transformed tensor; with ``out`` (of ``output_shape`` and ``t``'s dtype:
         contiguous, or with a :attr:`row_block` its rows contiguous) it is written there and
-        ``out`` returned: how a converter builds straight into its output buffer."""
+        ``out`` returned: how a converter builds straight into its output buffer. ``t``'s shape
+        is not checked here: it was, once (:meth:`violations`, through :meth:`Layout.check`;
+        :meth:`Layout.apply` checks, then calls this)."""
         if out is None:
             return t.contiguous()
         _sh.check_rows_out(out, t)
@@ -135,24 +137,18 @@ class WeightPreshuffle(Transform):
 
     name = "w16"
     row_block = _sh.W16_ROWS
-    # aiter's conditions, N % 16 and K % 32 bytes, as the values it counts: packed MXFP4 holds two
-    # per byte (K % 64), a 16-bit value takes two bytes (K % 32 values), an FP8 one one (K % 32)
+    # aiter's conditions, N % 16 and K % 32 bytes, as the values it counts (the rules are
+    # :func:`layouts.shuffle.w16_violations`): packed MXFP4 holds two per byte (K % 64), a 16-bit
+    # value takes two bytes (K % 32 values), an FP8 one one (K % 32)
     shape_text: ClassVar[str] = "[..., N, K/2]"
     values_per_column: ClassVar[int] = 2
     k_multiple: ClassVar[int] = 2 * _sh.W16_KBYTES
 
     def violations(self, shape: Shape) -> list[str]:
-        if len(shape) < 2:
-            return [f"tensor is {self.shape_text}"]
-        out = []
-        if shape[-2] % _sh.W16_ROWS:
-            out.append(f"N % 16 == 0 (N = {shape[-2]})")
-        if (shape[-1] * self.values_per_column) % self.k_multiple:
-            out.append(f"K % {self.k_multiple} == 0 (K = {shape[-1] * self.values_per_column})")
-        return out
+        return _sh.w16_violations(shape, self.values_per_column, self.k_multiple, self.shape_text)
 
     def forward(self, t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        return _sh.preshuffle_weight(t, out)
+        return _sh._w16(t, out)
 
     def inverse(self, t: torch.Tensor, shape: Shape) -> torch.Tensor:
         return _sh.unshuffle_weight(t)
@@ -169,7 +165,7 @@ class WeightPreshuffle16Bit(WeightPreshuffle):
     k_multiple = _sh.W16_K_VALUES_16BIT
 
     def forward(self, t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        return _sh.preshuffle_weight_16bit(t, out)
+        return _sh._w16_16bit(t, out)
 
     def inverse(self, t: torch.Tensor, shape: Shape) -> torch.Tensor:
         return _sh.unshuffle_weight_16bit(t)
@@ -204,7 +200,7 @@ class PadRowsPreshuffle8Bit(WeightPreshuffle8Bit):
     def forward(self, t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         padded = torch.zeros(self.output_shape(tuple(t.shape)), dtype=torch.uint8)
         padded[..., :t.shape[-2], :] = t.view(torch.uint8)
-        return _sh.preshuffle_weight(padded.view(t.dtype), out)
+        return _sh._w16(padded.view(t.dtype), out)
 
     def inverse(self, t: torch.Tensor, shape: Shape) -> torch.Tensor:
         return _sh.unshuffle_weight(t)[..., :shape[-2], :].contiguous()
@@ -262,7 +258,7 @@ class ScaleShuffle(Transform):
         return [] if len(shape) in want else [f"scale is {' or '.join(f'{n}-D' for n in want)}"]
 
     def forward(self, t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        return _into(_sh.preshuffle_scale(t.reshape(self._rows_cols(t.shape)), pad_value=self.pad_value), out)
+        return _into(_sh._s32x8_scale(t.reshape(self._rows_cols(t.shape)), pad_value=self.pad_value), out)
 
     def inverse(self, t: torch.Tensor, shape: Shape) -> torch.Tensor:
         return _sh.unshuffle_scale(t, *self._rows_cols(shape)).reshape(shape)
@@ -316,7 +312,7 @@ class ScaleShuffleStacked(_ScaleShuffleNoPad):
         return found + ([] if c % _sh.S8_COLS == 0 else [f"K/32 % {_sh.S8_COLS} == 0 (K/32 = {c})"])
 
     def forward(self, t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        flat = _sh.preshuffle_scale(t.reshape(self._rows_cols(t.shape)), pad_value=self.pad_value)
+        flat = _sh._s32x8_scale(t.reshape(self._rows_cols(t.shape)), pad_value=self.pad_value)
         return _into(flat.view(t.shape), out)
 
     def inverse(self, t: torch.Tensor, shape: Shape) -> torch.Tensor:
@@ -340,7 +336,7 @@ class ScaleShuffleUnpadded(_ScaleShuffleNoPad):
             [] if c % _sh.S8_COLS == 0 else [f"K/32 % {_sh.S8_COLS} == 0 (K/32 = {c})"])
 
     def forward(self, t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        return _into(_sh.preshuffle_scale(t, pad_value=self.pad_value, pad_rows=False), out)
+        return _into(_sh._s32x8_scale(t, pad_value=self.pad_value, pad_rows=False), out)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -372,12 +368,10 @@ class ScaleShufflePerExpert(Transform):
     pad_value: int = S32X8_PAD
 
     def violations(self, shape: Shape) -> list[str]:
-        if len(shape) != 3:
-            return ["scale is [E, N, K/32]"]
-        return [] if shape[1] % _sh.S32_ROWS == 0 else [f"N % 32 == 0 (N = {shape[1]})"]
+        return _sh.per_expert_scale_violations(shape)
 
     def forward(self, t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        return _into(_sh.preshuffle_scale_per_expert(t, pad_value=self.pad_value), out)
+        return _into(_sh._s32x8_per_expert(t, pad_value=self.pad_value), out)
 
     def inverse(self, t: torch.Tensor, shape: Shape) -> torch.Tensor:
         return _sh.unshuffle_scale_per_expert(t, shape[-1])
@@ -438,8 +432,16 @@ class Layout:
     def apply(self, weight: torch.Tensor, scale: torch.Tensor | None, tensor: str = "<tensor>",
               weight_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Forward: source-order ``(weight, scale)`` into this layout's bytes (the weight into
-        ``weight_out`` when given; see :meth:`Transform.forward`); the scale is None for a BF16 layout."""
+        ``weight_out`` when given; see :meth:`Transform.forward`); the scale is None for a BF16
+        layout. Their shapes are checked first (:meth:`check`); :meth:`forward` is this for shapes
+        checked already."""
         self.check(weight.shape, None if scale is None else scale.shape, tensor)
+        return self.forward(weight, scale, weight_out)
+
+    def forward(self, weight: torch.Tensor, scale: torch.Tensor | None,
+                weight_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`apply` without the check, for a caller that checked these shapes once already
+        (a converter, when it planned the tensor: ``prep.groups``)."""
         return self.weight.forward(weight, weight_out), None if scale is None else self.scale.forward(scale)
 
     def invert(

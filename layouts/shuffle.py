@@ -52,16 +52,36 @@ class LayoutConstraintError(LayoutsError):
     """A tensor's shape does not meet a layout's constraint."""
 
 
-def _check_w16(shape: torch.Size) -> None:
+# Each permutation's constraints are written once, here, as the rules a shape breaks: the public
+# functions below refuse a tensor with them, and the registry's layouts report them
+# (``Transform.violations``), so that a converter checks each tensor once, when it plans it, and
+# then transforms it with the unchecked functions (``_w16`` ...) that these wrap.
+def w16_violations(shape: tuple[int, ...], values_per_column: int = 2, k_multiple: int = 2 * W16_KBYTES,
+                   shape_text: str = "[..., N, K/2]") -> list[str]:
+    """The W16 constraints ``shape`` breaks: aiter's, N % 16 rows and K % 32 bytes a row, counted
+    in the values a column holds (packed MXFP4 two, ``k_multiple`` 64; a 16-bit value takes two
+    bytes, and aiter's K block is 32 values whatever the dtype, so 16-bit weights need K % 32)."""
     if len(shape) < 2:
-        raise LayoutConstraintError(f"W16 needs a [..., N, K/2] tensor, got shape {tuple(shape)}")
-    n, kb = shape[-2], shape[-1]
-    if n % W16_ROWS:
-        raise LayoutConstraintError(f"W16 needs N % 16 == 0, got shape {tuple(shape)} (N = {n})")
-    if kb % W16_KBYTES:
-        raise LayoutConstraintError(
-            f"W16 needs K % 64 == 0 (K/2 % 32 == 0 bytes), got shape {tuple(shape)} (K/2 = {kb})"
-        )
+        return [f"a {shape_text} tensor"]
+    n, k = shape[-2], shape[-1] * values_per_column
+    return ([f"N % {W16_ROWS} == 0 (N = {n})"] if n % W16_ROWS else []) + (
+        [f"K % {k_multiple} == 0 (K = {k})"] if k % k_multiple else [])
+
+
+def per_expert_scale_violations(shape: tuple[int, ...]) -> list[str]:
+    """The per-expert S32x8 constraints ``shape`` breaks: ``[E, N, SK]`` with N % 32 (no row pad)."""
+    if len(shape) != 3:
+        return ["a [E, N, K/32] scale"]
+    return [] if shape[1] % S32_ROWS == 0 else [f"N % {S32_ROWS} == 0 (N = {shape[1]})"]
+
+
+def _refuse(what: str, shape: tuple[int, ...], broken: list[str]) -> None:
+    if broken:
+        raise LayoutConstraintError(f"{what} needs {'; '.join(broken)}, got shape {tuple(shape)}")
+
+
+def _check_w16(shape: torch.Size) -> None:
+    _refuse("W16", shape, w16_violations(tuple(shape)))
 
 
 _RUN_TYPES = (torch.complex128, torch.int64, torch.int32, torch.int16, torch.uint8)
@@ -113,6 +133,11 @@ def preshuffle_weight(w: torch.Tensor, out: torch.Tensor | None = None) -> torch
     into its output buffer, with no copy of the window first. Each 16-row block stays in its
     own rows, so a window of rows transforms into the same rows of the output."""
     _check_w16(w.shape)
+    return _w16(w, out)
+
+
+def _w16(w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`preshuffle_weight` of a ``w`` whose shape was checked (:func:`w16_violations`)."""
     u = _run_source(w)
     if out is None:
         out = torch.empty(w.shape, dtype=w.dtype)
@@ -146,15 +171,15 @@ def unshuffle_weight(w: torch.Tensor) -> torch.Tensor:
     return out.view(w.dtype)
 
 
+def w16_16bit_violations(shape: tuple[int, ...]) -> list[str]:
+    """The W16 constraints a 16-bit ``[..., N, K]`` tensor's ``shape`` breaks."""
+    return w16_violations(shape, 1, W16_K_VALUES_16BIT, "[..., N, K]")
+
+
 def _check_w16_16bit(w: torch.Tensor) -> None:
     if w.element_size() != 2 or w.dtype.is_complex:
         raise LayoutConstraintError(f"16-bit W16 takes a 2-byte dtype (bfloat16, float16), got {w.dtype}")
-    if w.dim() < 2:
-        raise LayoutConstraintError(f"16-bit W16 needs a [..., N, K] tensor, got shape {tuple(w.shape)}")
-    n, k = w.shape[-2], w.shape[-1]
-    if n % W16_ROWS or k % W16_K_VALUES_16BIT:
-        raise LayoutConstraintError(
-            f"16-bit W16 needs N % 16 == 0 and K % 32 == 0, got shape {tuple(w.shape)} (N = {n}, K = {k})")
+    _refuse("16-bit W16", w.shape, w16_16bit_violations(tuple(w.shape)))
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -170,13 +195,18 @@ def preshuffle_weight_16bit(w: torch.Tensor, out: torch.Tensor | None = None) ->
     :func:`unshuffle_weight_16bit`. ``w`` and ``out`` as for :func:`preshuffle_weight`; ``out``
     may be ``w``."""
     _check_w16_16bit(w)
+    return _w16_16bit(w, out)
+
+
+def _w16_16bit(w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`preshuffle_weight_16bit` of a ``w`` whose shape was checked (:func:`w16_16bit_violations`)."""
     if out is not None:
         check_rows_out(out, w)
         if _overlaps(out, w):
             w = w.clone()
-        preshuffle_weight(_bytes_of(w), out.view(torch.uint8))
+        _w16(_bytes_of(w), out.view(torch.uint8))
         return out
-    return preshuffle_weight(_bytes_of(w)).view(w.dtype)
+    return _w16(_bytes_of(w)).view(w.dtype)
 
 
 def _bytes_of(w: torch.Tensor) -> torch.Tensor:
@@ -232,8 +262,12 @@ def preshuffle_scale(s: torch.Tensor, pad_value: int = S32X8_PAD, pad_rows: bool
     The pad is filled with ``pad_value``. ``pad_rows=False`` pads rows to 32 only (what a
     per-expert or kernel-internal view needs). Exact inverse: :func:`unshuffle_scale`.
     """
-    if s.dim() != 2:
-        raise LayoutConstraintError(f"S32x8 takes a 2-D [rows, cols] scale, got shape {tuple(s.shape)}")
+    _refuse("S32x8", s.shape, [] if s.dim() == 2 else ["a 2-D [rows, cols] scale"])
+    return _s32x8_scale(s, pad_value, pad_rows)
+
+
+def _s32x8_scale(s: torch.Tensor, pad_value: int = S32X8_PAD, pad_rows: bool = True) -> torch.Tensor:
+    """:func:`preshuffle_scale` of a 2-D ``s``."""
     rp, cp = shuffled_scale_shape(*s.shape, pad_rows=pad_rows)
     u = _padded(as_uint8(s), rp, cp, pad_value)
     return _s32x8(u, inverse=False).view(s.dtype)
@@ -257,11 +291,14 @@ def preshuffle_scale_per_expert(s: torch.Tensor, pad_value: int = S32X8_PAD) -> 
     Needs N % 32 == 0; SK is padded to a multiple of 8 with ``pad_value``. Exact inverse:
     :func:`unshuffle_scale_per_expert`.
     """
-    if s.dim() != 3:
-        raise LayoutConstraintError(f"per-expert S32x8 takes [E, N, SK], got shape {tuple(s.shape)}")
+    _refuse("per-expert S32x8", s.shape, per_expert_scale_violations(tuple(s.shape)))
+    return _s32x8_per_expert(s, pad_value)
+
+
+def _s32x8_per_expert(s: torch.Tensor, pad_value: int = S32X8_PAD) -> torch.Tensor:
+    """:func:`preshuffle_scale_per_expert` of an ``s`` whose shape was checked
+    (:func:`per_expert_scale_violations`)."""
     e, n, sk = s.shape
-    if n % S32_ROWS:
-        raise LayoutConstraintError(f"per-expert S32x8 needs N % 32 == 0, got shape {tuple(s.shape)} (N = {n})")
     skp = pad_to(sk, S8_COLS)
     u = _padded(as_uint8(s), n, skp, pad_value)
     return _s32x8(u, inverse=False).view(e, n // 32, skp * 32).view(s.dtype)

@@ -315,18 +315,17 @@ _EXPERT = re.compile(r"^(.*\.mlp\.)(?:experts\.(\d+)|shared_experts)\.(gate|up|d
 
 
 def plan_bf16_groups(tensors: dict[str, Any], config: dict[str, Any], tp: int, ep: int = 1,
-                     fuse_shared_expert: bool = True, rules: "layouts.engines.ShardingRules | None" = None,
+                     fuse_shared_expert: bool = True, *, rules: "layouts.engines.ShardingRules",
                      family: "layouts.families.Family | None" = None) -> tuple[list[list[Bf16Group]], list[str]]:
     """For each rank, the BF16 groups it holds, and the names left whole (replicated: every rank
     holds all of them). ``tensors``: the source's non-MXFP4 tensors, name -> info with ``dtype``
     and ``shape``, in source order. Expert parallel (``ep`` = ``tp``) splits the BF16 experts
     only: whole experts in blocks, as for the MXFP4 ones; everything else is split by ``tp``.
-    ``rules``: the engine's (its profile's ``sharding``; default: the default engine's) merged
-    modules, expert map and any departure from the TP splits of ``family`` (the checkpoint's model
-    family; default: config.json's).
+    ``rules``: the engine's (its profile's ``sharding``) merged modules, expert map and any
+    departure from the TP splits of ``family`` (the checkpoint's model family; default:
+    config.json's).
 
     Refuses (naming the tensor and the fix) a split that does not divide: ATOM pads nothing."""
-    rules = rules or layouts.get_engine().sharding
     family = family or family_of(config)
     per_rank: list[list[Bf16Group]] = [[] for _ in range(tp)]
     whole: list[str] = []

@@ -143,19 +143,31 @@ def _layout_names(kind: str) -> Callable[[], list[str]]:
     return names
 
 
+# What --engine means when omitted: the CLI is where the engine is chosen, and passes its profile
+# on; nothing below it has a default engine. ``prep run`` reads a source with its GEMM paths.
+DEFAULT_ENGINE = "atom"
+
+
+def _default_engine() -> "layouts.EngineProfile":
+    import layouts
+
+    return layouts.get_engine(DEFAULT_ENGINE)
+
+
+@functools.cache
+def _default_target() -> "layouts.manifest.Target":
+    """The conversion target of the CLI's default engine (its default configuration)."""
+    from .deepseek import target_for
+
+    return target_for(_default_engine())
+
+
 def _target_default(field: str) -> _Default:
-    def value() -> str:
-        from .deepseek import Target  # the default engine configuration's layouts
-
-        return getattr(Target, field)
-
-    return _Default(value)
+    return _Default(lambda: getattr(_default_target(), field))
 
 
 def _gemm_paths() -> list[str]:
-    import layouts
-
-    return list(layouts.get_engine().gemm_paths)
+    return list(_default_engine().gemm_paths)
 
 
 class _PrepGroup(click.Group):
@@ -285,10 +297,10 @@ def inspect(src: str, revision: str | None, engine_name: str | None, as_json: bo
 @click.option("--fuse-shared-expert/--no-fuse-shared-expert", default=True, show_default=True,
               help="Put the shared expert into expert slot n_routed of the stacked tensors. Without it: "
                    "what --engine does (ATOM's shown).")
-@click.option("--engine", default="atom", show_default=True,
+@click.option("--engine", default=DEFAULT_ENGINE, show_default=True,
               help="The engine whose ranks the files are written for: its merged module names, TP splits and "
                    "expert map (its profile's sharding rules). The manifest records it and another engine "
-                   "refuses the output.")
+                   "refuses the output. Omitted, it is ATOM: the one place prep assumes an engine.")
 @click.option("--common-bf16", is_flag=True,
               help="Write the BF16 tensors whole into common files every rank reads (the layout of prep's first "
                    "manifests, still written in today's format), for "
@@ -338,15 +350,16 @@ def convert(src, out, layout, moe_layout, tp, ep, fuse_shared_expert, engine, co
       prep convert ./src -o out --layout non-shuffle --moe-layout triton --tp 4 --workers 4
     """
     from .convert import convert as run, keep_freed_memory
-    from .deepseek import target_for
+    from .deepseek import engine_of, target_for
 
     keep_freed_memory()
+    profile = engine_of(engine)  # the engine, resolved once: everything below takes its profile
     # The engine's own defaults where --layout / --moe-layout / --[no-]fuse-shared-expert were not given.
     ctx = click.get_current_context()
     given = {k: v for k, v in (("layout", layout), ("moe_layout", moe_layout),
                                ("fuse_shared_expert", fuse_shared_expert))
              if ctx.get_parameter_source(k) is not click.core.ParameterSource.DEFAULT}
-    target = target_for(engine, tp=tp, ep=ep, rank_exact=not common_bf16, **given)
+    target = target_for(profile, tp=tp, ep=ep, rank_exact=not common_bf16, **given)
     layout, moe_layout = target.layout, target.moe_layout
     note = None
     if out is None:
@@ -368,11 +381,10 @@ def convert(src, out, layout, moe_layout, tp, ep, fuse_shared_expert, engine, co
         raise
     finally:
         bar.close()
-    from layouts import get_engine, load_manifest
+    from layouts import load_manifest
 
     from .describe import folder_config
 
-    profile = get_engine(engine)
     config = folder_config(s["out"])
     manifest = None if common_bf16 else load_manifest(s["out"])
     serve = None if common_bf16 else profile.serve_command(s["out"], tp, ep, layout, moe_layout,
@@ -407,9 +419,7 @@ def convert(src, out, layout, moe_layout, tp, ep, fuse_shared_expert, engine, co
 def default_out(src: str, layout: str, moe_layout: str, tp: int, ep: int) -> str:
     """``SRC-LAYOUT[-MOE_LAYOUT]-tpN[-epN]``: beside a source folder, or in the current folder
     for a Hugging Face repo id or a snapshot folder of the hub's cache (named after the repo). The
-    MoE layout is named when it is not the default one."""
-    from .deepseek import Target
-
+    MoE layout is named when it is not the default engine's default one."""
     path = pathlib.Path(src).expanduser()
     base = path.resolve() if path.is_dir() else pathlib.Path.cwd() / src.rstrip("/").split("/")[-1]
     repo = base.parent.parent.name
@@ -419,7 +429,8 @@ def default_out(src: str, layout: str, moe_layout: str, tp: int, ep: int) -> str
         base = pathlib.Path.cwd() / repo.split("--")[-1]
     if not base.name or base.parent == base:
         raise PrepError(f"{src}: has no folder name to name an output folder after; pass -o OUT")
-    name = f"{base.name}-{layout}" + (f"-{moe_layout}" if moe_layout != Target.moe_layout else "") + f"-tp{tp}"
+    named = moe_layout != _default_target().moe_layout
+    name = f"{base.name}-{layout}" + (f"-{moe_layout}" if named else "") + f"-tp{tp}"
     return str(base.with_name(name + (f"-ep{ep}" if ep > 1 else "")))
 
 
@@ -511,7 +522,8 @@ _RUN_OPTIONS = [
     click.option("--act-quant/--no-act-quant", default=True, show_default=True,
                  help="Quantize GEMM inputs to MXFP4 as the kernels do (off: weight-only emulation)."),
     click.option("--gemm-path", type=_FromLayouts(_gemm_paths),
-                 help="Emulate this GEMM path's activation flags (default: the one that reads the checkpoint)."),
+                 help="Emulate this GEMM path's activation flags (default: the one that reads the checkpoint: of "
+                      "the engine it was converted for; a source is read as ATOM, prep's default engine, reads it)."),
     click.option("--gemm", type=click.Choice(["torch", "aiter-triton"]), default="torch", show_default=True,
                  help="Who computes the dense MXFP4 GEMMs: torch (dequantize and matmul in float32) or aiter-triton "
                       "(aiter's own Triton GEMM for the checkpoint's dense layout, on its stored bytes, rank by rank; "
@@ -612,7 +624,8 @@ def run_cmd(model_dir, prompt_ids, layers, device, act_quant, gemm_path, gemm, a
     if save_logits and not os.path.isdir(os.path.dirname(os.path.abspath(save_logits))):
         raise PrepError(f"--save-logits {save_logits}: its folder does not exist")
     r = _with_run_bars(run, as_json, quiet, model_dir, _ids(prompt_ids), layers=layers, device=device,
-                       act_quant=act_quant, gemm_path=gemm_path, assume_layout=assume_layout, verify=verify,
+                       act_quant=act_quant, gemm_path=gemm_path, source_engine=_default_engine(),
+                       assume_layout=assume_layout, verify=verify,
                        gemm=gemm, aiter_dir=aiter_dir, max_memory=int(max_memory * 2**30), prefill=prefill,
                        kv_cache=kv_cache, generate=generate, latent_kv=latent_kv, mla_order=mla_order)
     if assume_layout:
@@ -702,7 +715,8 @@ def compare(a, b, prompt_ids, layers, device, act_quant, gemm_path, gemm, aiter_
 
     a, b = _checkpoint_dir(a), _checkpoint_dir(b)
     r = _with_run_bars(run, as_json, quiet, a, b, _ids(prompt_ids), layers=layers, device=device, act_quant=act_quant,
-                       gemm_path=gemm_path, verify=verify, gemm=gemm, gemm_a=gemm_a, gemm_b=gemm_b, aiter_dir=aiter_dir,
+                       gemm_path=gemm_path, source_engine=_default_engine(), verify=verify, gemm=gemm, gemm_a=gemm_a,
+                       gemm_b=gemm_b, aiter_dir=aiter_dir,
                        max_memory=int(max_memory * 2**30), prefill=prefill, kv_cache=kv_cache, generate=generate,
                        latent_kv=latent_kv, mla_order=mla_order, prefill_b=prefill_b)
     bad = [k.upper() for k, ok in r["finite"].items() if not ok]

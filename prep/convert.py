@@ -25,13 +25,13 @@ import torch
 
 import layouts
 from layouts import manifest as schema
-from layouts.engines import Constant
-from layouts.manifest import COMPLETE_NAME, FILE_NAME_KEY, MANIFEST_NAME, compress_names, manifest_hash
+from layouts.engines import Constant, EngineProfile
+from layouts.manifest import COMPLETE_NAME, FILE_NAME_KEY, MANIFEST_NAME, Target, compress_names, manifest_hash
 from layouts.safetensors_file import TORCH_DTYPES, TensorInfo
 
 from . import __version__
 from .bf16 import Bf16Group
-from .deepseek import Classified, Target, classify, engine_of, plan_bf16, plan_groups
+from .deepseek import Classified, classify, engine_of, plan_bf16, plan_groups
 from .errors import PrepError
 from .directio import ALIGN, STAGING_BYTES, STAGING_SPARE
 from .groups import Alloc, LinearGroup, MoEGroup, to_record
@@ -109,8 +109,9 @@ def shard_names(items: list[tuple[Any, int]], prefix: str) -> list[tuple[str, li
     return [(f"{prefix}-{i + 1:05d}-of-{len(files):05d}.safetensors", chunk) for i, chunk in enumerate(files)]
 
 
-def plan_files(src: SourceCheckpoint, target: Target) -> tuple[list[FileJob], dict[str, Any]]:
-    """Validate everything and lay out the output files. Raises PrepError on any bad input.
+def plan_files(src: SourceCheckpoint, target: Target, engine: EngineProfile) -> tuple[list[FileJob], dict[str, Any]]:
+    """Validate everything and lay out the output files for ``target``, whose engine is ``engine``
+    (resolved once, by the caller). Raises PrepError on any bad input.
 
     Rank-exact (``target.rank_exact``): a rank's files hold its MXFP4 groups, its BF16 groups,
     a copy of every replicated tensor and the engine's constants, so a rank reads exactly its
@@ -119,12 +120,12 @@ def plan_files(src: SourceCheckpoint, target: Target) -> tuple[list[FileJob], di
     is whole in common files that every rank reads."""
     _check_layout_names(target)
     cls = classify(src)
-    rules = engine_of(target.engine).sharding
+    rules = engine.sharding
     held, mtp = _without_mtp(src, cls) if not rules.holds_mtp else (cls, [])
-    per_rank = plan_groups(src, held, target)
+    per_rank = plan_groups(src, held, target, engine)
     replicated, common = [], list(held.passthrough)
     if target.rank_exact:
-        split, replicated, common = plan_bf16(src, held, target)
+        split, replicated, common = plan_bf16(src, held, target, engine)
         for groups, more in zip(per_rank, split):
             groups += more
     elif mtp or rules.constants:
@@ -386,13 +387,16 @@ def convert(
     src = SourceCheckpoint.open(src_spec, revision)
     folder = OutputFolder(out, inputs=[src.root], force=force)
     folder.check(resuming=resume)
-    jobs, info = plan_files(src, target)
-    for line in engine_of(target.engine).source_notes(src.config) if notify else ():
+    engine = engine_of(target.engine)  # the one resolution of the target's engine name
+    jobs, info = plan_files(src, target, engine)
+    for line in engine.source_notes(src.config) if notify else ():
         notify(line)
     total = sum(j.nbytes for j in jobs)
+    # The run's options, as the state file holds them (a pair of layout names as a list), for
+    # --resume to compare: the target less its arch, which the source decides, not an option
+    options = {k: v for k, v in dataclasses.asdict(target).items() if k != "arch"}
     state = {"kind": "convert", "tool": f"prep {__version__}",
-             # as the state file holds them (a pair of layout names as a list), for --resume to compare
-             "options": json.loads(json.dumps({**dataclasses.asdict(target), "revision": revision}))}
+             "options": json.loads(json.dumps({**options, "revision": revision}))}
     idents = {f: file_identity(src.root / f) for f in src.files}
     key = run_key(state, jobs, src, idents)
     with folder.locked():
@@ -527,6 +531,18 @@ def _write_all(src: SourceCheckpoint, jobs: list[FileJob], folder: OutputFolder,
     return records, workers
 
 
+def recorded_target(target: Target, arch: str, used_layouts: set[str]) -> Target:
+    """``target`` as the manifest records it: with the source's ``arch``; the layouts of BF16
+    experts and FP8 weights only where the format has them (rank-exact) and, the FP8 ones, only
+    where used (a checkpoint without FP8 weights records none, as before they existed)."""
+    exact = target.rank_exact
+    channel = target.fp8_channel_layouts
+    return dataclasses.replace(
+        target, arch=arch, bf16_moe_layout=target.bf16_moe_layout if exact else None,
+        fp8_layout=target.fp8_layout if exact and target.fp8_layout in used_layouts else None,
+        fp8_channel_layouts=channel if exact and channel and channel[0] in used_layouts else None)
+
+
 def build_manifest(src: SourceCheckpoint, target: Target, jobs: list[FileJob],
                    records: dict[str, dict[str, Any]], info: dict[str, Any]) -> schema.Manifest:
     """The manifest of a finished conversion, as the typed records of :mod:`layouts.manifest`
@@ -564,12 +580,7 @@ def build_manifest(src: SourceCheckpoint, target: Target, jobs: list[FileJob],
             files={n: schema.SourceFile.from_json(f) for n, f in fingerprint["files"].items()},
             tensors={n: schema.SourceTensor(t.dtype, tuple(t.shape), t.file) for n, t in src.tensors.items()},
             wrapper=src.wrapper),
-        # the FP8 layout is recorded where it is used (a checkpoint without FP8 blocks: as before it existed)
-        target=schema.Target.from_options({
-            **dataclasses.asdict(target),
-            "fp8_layout": target.fp8_layout if target.fp8_layout in used_layouts else None,
-            "fp8_channel_layouts": target.fp8_channel_layouts
-            if target.fp8_channel_layouts and target.fp8_channel_layouts[0] in used_layouts else None}, info["arch"]),
+        target=recorded_target(target, info["arch"], used_layouts),
         layouts={n: schema.LayoutRecord.from_json(layouts.get_layout(n).describe()) for n in sorted(used_layouts)},
         files={j.name: schema.FileRecord(j.rank, records[j.name]["size"], len(j.entries)) for j in jobs},
         groups=groups,

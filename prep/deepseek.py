@@ -15,9 +15,10 @@ import re
 from typing import Any, Iterable, Mapping
 
 from layouts.compat import EngineConfig
-from layouts.engines import DEFAULT_ENGINE, EngineProfile, ShardingRules, engine_names, get_engine
+from layouts.engines import EngineProfile, ShardingRules, engine_names, get_engine
 from layouts.errors import LayoutsError
 from layouts.families import Family, family_of
+from layouts.manifest import Target
 from layouts.mxfp4 import BLOCK_SIZE
 from layouts.registry import Layout, get_layout
 from layouts.sizes import ceil_div
@@ -31,39 +32,6 @@ from .source import SourceCheckpoint
 ARCHS = {"DeepseekV3ForCausalLM": "deepseek_v3", "DeepseekV2ForCausalLM": "deepseek_v2",
          "DeepseekV32ForCausalLM": "deepseek_v32", "GlmMoeDsaForCausalLM": "glm_moe_dsa",
          "KimiK25ForConditionalGeneration": "kimi_k25"}
-
-# A plain `prep convert` targets what the default engine reads in its default configuration
-# (ATOM with no switches on gfx950: the ASM/CK GEMM and the CK MoE).
-_DEFAULT_ENGINE = EngineConfig()
-
-
-@dataclasses.dataclass(frozen=True)
-class Target:
-    layout: str = _DEFAULT_ENGINE.expected_dense_layout()  # dense linears
-    moe_layout: str = _DEFAULT_ENGINE.expected_moe_layout()
-    tp: int = 1
-    ep: int = 1
-    fuse_shared_expert: bool = True
-    inter_pad_to: int = 256
-    hidden_pad_to: int = 256
-    # Rank-exact (manifest format 2, the default): every BF16 tensor split the way the rank's
-    # engine holds it, in the rank's own files, the replicated ones copied into each rank's files;
-    # off (``--common-bf16``): the format-1 layout, every non-MXFP4 tensor whole in common files
-    # every rank reads (kept to compare against, and for engines that slice BF16 themselves).
-    rank_exact: bool = True
-    # Stacked BF16 experts (R1-0528's MTP layer), rank-exact only: the layout the engine's
-    # unquantized MoE reads, so that it need not shuffle them after loading; None: unshuffled.
-    bf16_moe_layout: str | None = _DEFAULT_ENGINE.expected_bf16_moe_layout()
-    # The engine whose per-rank holding the files follow (its profile's ``sharding``: merged
-    # modules, TP splits, expert map); recorded in the manifest and checked at load.
-    engine: str = DEFAULT_ENGINE
-    # FP8 block-scaled weights (DeepSeek's own FP8 release), rank-exact only: the layout the engine
-    # holds them in after loading, so that it need not shuffle them; None: the source's bytes.
-    fp8_layout: str | None = _DEFAULT_ENGINE.expected_fp8_layout()
-    # FP8 per-channel linears (Quark's per-channel attention), rank-exact only: the layouts (weight,
-    # scale) the engine holds them in after loading, padded and shuffled; None: the source's bytes.
-    fp8_channel_layouts: tuple[str, str] | None = _DEFAULT_ENGINE.profile.fp8_channel_layouts
-
 
 @dataclasses.dataclass
 class Classified:
@@ -327,12 +295,13 @@ def _dims(src: SourceCheckpoint, prefix: str) -> tuple[int, int]:
     return n, 2 * kb
 
 
-def plan_groups(src: SourceCheckpoint, cls: Classified, target: Target) -> list[list[LinearGroup | MoEGroup]]:
-    """For each rank, the MXFP4 groups it holds, in source layer order."""
+def plan_groups(src: SourceCheckpoint, cls: Classified, target: Target, engine: EngineProfile
+                ) -> list[list[LinearGroup | MoEGroup]]:
+    """For each rank, the MXFP4 groups it holds, in source layer order, as ``engine`` (the
+    target's, resolved once by the caller) holds them."""
     tp = target.tp
     if tp < 1 or target.ep < 1:
         raise PrepError(f"--tp and --ep must be >= 1 (got tp={tp}, ep={target.ep})")
-    engine = engine_of(target.engine)
     why = (engine.layout_refusal(target.layout, target.moe_layout)  # what it reads
            or engine.target_refusal(tp, target.ep, target.moe_layout, target.fuse_shared_expert))  # what it can run
     if why:
@@ -374,18 +343,19 @@ def plan_groups(src: SourceCheckpoint, cls: Classified, target: Target) -> list[
             for g in groups:
                 g.check()
     except (PrepError, LayoutsError) as e:
-        raise _with_ep_fix(e, src, cls, target) from None
+        raise _with_ep_fix(e, src, cls, target, engine) from None
     return per_rank
 
 
-def _with_ep_fix(e: Exception, src: SourceCheckpoint, cls: Classified, target: Target) -> Exception:
+def _with_ep_fix(e: Exception, src: SourceCheckpoint, cls: Classified, target: Target,
+                 engine: EngineProfile) -> Exception:
     """``e`` (a group this target cannot make), with ``--ep`` named where it is the fix that works:
     with expert parallel each rank holds whole experts, so a MoE that does not split over ``--tp``
     (its layout's shape rules, its intermediate) may still convert, if the engine runs it."""
     if target.ep != 1 or target.tp == 1:
         return e
     try:
-        plan_groups(src, cls, dataclasses.replace(target, ep=target.tp))
+        plan_groups(src, cls, dataclasses.replace(target, ep=target.tp), engine)
     except (PrepError, LayoutsError):
         return e
     fixed = type(e)(f"{e}; with --ep {target.tp} (whole experts per rank) this converts")
@@ -393,19 +363,20 @@ def _with_ep_fix(e: Exception, src: SourceCheckpoint, cls: Classified, target: T
     return fixed
 
 
-def target_for(engine: str, **options: Any) -> Target:
-    """A :class:`Target` for ``engine``: the layouts its default configuration reads (dense, MoE,
-    stacked BF16 experts), its MoE padding and whether it fuses the shared expert, where
+def target_for(engine: EngineProfile, **options: Any) -> Target:
+    """The :class:`~layouts.manifest.Target` of a conversion for ``engine`` (chosen by the
+    caller: prep's CLI, a test, a script): the layouts its default configuration reads (dense,
+    MoE, stacked BF16 experts, FP8), its MoE padding and whether it fuses the shared expert, where
     ``options`` leave them out, so that a plain ``--engine NAME`` writes what that engine reads
     (:class:`PrepError` for an engine prep cannot convert for)."""
-    rules = engine_of(engine).sharding
-    cfg = EngineConfig(engine=engine)
+    rules = convertible(engine).sharding
+    cfg = EngineConfig(profile=engine)
     defaults = {"layout": cfg.expected_dense_layout(), "moe_layout": cfg.expected_moe_layout(),
                 "bf16_moe_layout": cfg.expected_bf16_moe_layout(), "fp8_layout": cfg.expected_fp8_layout(),
-                "fp8_channel_layouts": cfg.profile.fp8_channel_layouts,
+                "fp8_channel_layouts": engine.fp8_channel_layouts,
                 "inter_pad_to": rules.moe_pad_to[0],
                 "hidden_pad_to": rules.moe_pad_to[1], "fuse_shared_expert": rules.fuse_shared_expert}
-    return Target(**{**defaults, **options, "engine": engine})
+    return Target(**{**defaults, **options, "engine": engine.name})
 
 
 def convertible_engines() -> list[EngineProfile]:
@@ -420,6 +391,11 @@ def engine_of(name: str) -> EngineProfile:
         engine = get_engine(name)
     except KeyError as e:
         raise PrepError(str(e.args[0])) from None
+    return convertible(engine)
+
+
+def convertible(engine: EngineProfile) -> EngineProfile:
+    """``engine``, refused (naming the engines prep can convert for) when it has no sharding rules."""
     if engine.sharding is None:
         able = [e.name for e in convertible_engines()]
         raise PrepError(f"engine {engine.name!r} states no sharding rules, so prep cannot write its ranks' files; "
@@ -524,25 +500,24 @@ def mtp_replaced(names: Iterable[str], num_hidden_layers: int, rules: ShardingRu
 
 
 def split_bf16(tensors: Mapping[str, Any], config: dict[str, Any], num_layers: int, tp: int, ep: int,
-               fuse_shared_expert: bool, rules: ShardingRules | None = None, family: Family | None = None
+               fuse_shared_expert: bool, rules: ShardingRules, family: Family | None = None
                ) -> tuple[list[list[Bf16Group]], list[str], list[str]]:
     """Where each non-MXFP4 tensor of ``tensors`` (name -> its dtype and shape) goes in a
-    rank-exact conversion: per rank, the BF16 groups it holds (split as ATOM holds them,
-    :mod:`prep.bf16`); the tensors every rank holds whole (replicated: norms, router, its bias,
-    ``eh_proj``; a replicated ``fused_qkv_a_proj``'s parts are a group); and the tensors no rank
+    rank-exact conversion: per rank, the BF16 groups it holds (split as the engine whose sharding
+    ``rules`` these are holds them, :mod:`prep.bf16`); the tensors every rank holds whole
+    (replicated: norms, router, its bias, ``eh_proj``; a replicated ``fused_qkv_a_proj``'s parts are a group); and the tensors no rank
     reads: those of the MTP layer that the engine's drafter replaces by the target model's after
     loading (:func:`mtp_replaced`; ``docs/rank-exact.md``), kept whole only so that ``revert`` is
     exact; and those outside the language model of a multimodal checkpoint (its vision tower) where
     the engine serves the text only (an engine whose loader reads them gets them whole from the
     common file: ``ShardingRules.loads_outside``, placed by the caller). What ``convert`` writes and
     what ``inspect`` says a format-1 rank keeps."""
-    rules = rules or get_engine(DEFAULT_ENGINE).sharding
     wrapper = family.wrapper if family else None
     outside = [n for n in tensors if wrapper and wrapper.is_outside(n)]  # in source order
     unread = mtp_replaced(tensors, num_layers, rules) + ([] if rules.loads_outside else outside)
     gone = {*unread, *outside}
     rest = {n: info for n, info in tensors.items() if n not in gone}
-    per_rank, replicated = plan_bf16_groups(rest, config, tp, ep, fuse_shared_expert, rules, family)
+    per_rank, replicated = plan_bf16_groups(rest, config, tp, ep, fuse_shared_expert, rules=rules, family=family)
     return per_rank, replicated, unread
 
 
@@ -569,13 +544,13 @@ def _as_channel_layouts(groups: list[Bf16Group], modules: list[str], names: tupl
     return out
 
 
-def plan_bf16(src: SourceCheckpoint, cls: Classified, target: Target
+def plan_bf16(src: SourceCheckpoint, cls: Classified, target: Target, engine: EngineProfile
               ) -> tuple[list[list[Bf16Group]], list[str], list[str]]:
-    """:func:`split_bf16` of a source's non-MXFP4 tensors for ``target``, the stacked BF16
-    experts in the target's BF16 MoE layout, every group checked."""
+    """:func:`split_bf16` of a source's non-MXFP4 tensors for ``target`` (whose engine is
+    ``engine``), the stacked BF16 experts in the target's BF16 MoE layout, every group checked."""
     per_rank, replicated, unread = split_bf16({n: src.tensors[n] for n in cls.passthrough}, src.config,
                                               cls.num_layers, target.tp, target.ep, target.fuse_shared_expert,
-                                              engine_of(target.engine).sharding, cls.family)
+                                              engine.sharding, cls.family)
     if target.bf16_moe_layout:
         stacked = get_layout(target.bf16_moe_layout)
         # BF16 experts only: the engine processes FP8 experts (and their scales) at load itself

@@ -72,7 +72,7 @@ def _status(src: SourceCheckpoint, cls, engine: EngineProfile, layout: str, moe:
     blocks (:func:`prep.deepseek.plan_bf16`, the same for every layout: ``split`` remembers it per
     engine and TP size)."""
     try:
-        plan_groups(src, cls, target_for(engine.name, layout=layout, moe_layout=moe, tp=tp))
+        plan_groups(src, cls, target_for(engine, layout=layout, moe_layout=moe, tp=tp), engine)
     except (PrepError, LayoutsError) as e:  # a constraint this target breaks: say which, and the fix
         ep = getattr(e, "converts_with_ep", None)
         return f"ok with --ep {ep}" if ep else str(e)
@@ -86,11 +86,11 @@ def _status(src: SourceCheckpoint, cls, engine: EngineProfile, layout: str, moe:
 def _block_status(src: SourceCheckpoint, cls, engine: EngineProfile, tp: int) -> str:
     """Whether FP8 block-scaled weights split over ``tp`` by whole blocks, else with whole experts."""
     try:
-        plan_bf16(src, cls, target_for(engine.name, tp=tp))
+        plan_bf16(src, cls, target_for(engine, tp=tp), engine)
         return "ok"
     except PrepError as e:
         try:
-            plan_bf16(src, cls, target_for(engine.name, tp=tp, ep=tp))
+            plan_bf16(src, cls, target_for(engine, tp=tp, ep=tp), engine)
             return f"ok with --ep {tp}"
         except PrepError:
             return str(e)
@@ -172,13 +172,14 @@ def _describe_source(src: SourceCheckpoint, label: str, progress: Callable[[int]
     lines += [f"  note for {engine}: {line}" for engine, said in notes.items() for line in said]
     # What a conversion with the first engine's default layouts writes, against the free space where
     # a default OUT goes (the current folder): planned from the headers alone, no byte of data read.
-    default = target_for(engines[0].name)
+    default = target_for(engines[0])
     written = {}
     for tp in (1, 2, 4, 8):
         status = support[engines[0].name].get(f"{default.layout}+{default.moe_layout}", {}).get(str(tp), "")
         if status.startswith("ok"):
             ep = tp if status != "ok" else 1
-            written[str(tp)] = sum(j.nbytes for j in plan_files(src, dataclasses.replace(default, tp=tp, ep=ep))[0])
+            jobs, _ = plan_files(src, dataclasses.replace(default, tp=tp, ep=ep), engines[0])
+            written[str(tp)] = sum(j.nbytes for j in jobs)
     free = shutil.disk_usage(pathlib.Path.cwd()).free
     result.update(output_bytes_by_tp=written, free_bytes_here=free)
     if written:

@@ -206,13 +206,13 @@ class LinearGroup:
         (wname, _, wshape), (sname, _, _) = self.outputs()
         w, s = self._merged(read)
         out = alloc(wname, wshape) if alloc else None
-        w, s = self.layout.apply(w, s, f"{self.name}.weight", weight_out=out)
+        w, s = self.layout.forward(w, s, weight_out=out)  # its shapes checked once, by check()
         yield wname, w
         yield sname, s
 
     def build(self, read: Reader) -> list[torch.Tensor]:
         """The output tensors, whole, in ``outputs()`` order."""
-        return list(self.layout.apply(*self._merged(read), f"{self.name}.weight"))
+        return list(self.layout.forward(*self._merged(read)))
 
     def _merged(self, read: Reader) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's local weight and scale: every placement read into place."""
@@ -376,7 +376,8 @@ class MoEGroup:
                     if p.output in (o, o + 1):
                         read(p.source, *p.window, out=p.region(w if p.output == o else s))
                 _zero_pads(block, {o: w, o + 1: s})
-                w, s = lay.apply(w, s, f"{wname} (experts {e0}..{e0 + len(block.experts) - 1})", weight_out=out)
+                # checked once, by check(): a block of whole experts transforms as the whole (blocks_exact)
+                w, s = lay.forward(w, s, weight_out=out)
                 yield wname, w
                 scales.append(s)
                 del w

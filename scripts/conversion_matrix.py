@@ -49,10 +49,11 @@ def main() -> None:
     args = ap.parse_args()
 
     from prep.convert import convert
+    from layouts.engines import get_engine
     from prep.deepseek import target_for
 
     def target(engine, layout, moe, tp, ep):
-        return target_for(engine, layout=layout, moe_layout=moe, tp=tp, ep=ep)
+        return target_for(get_engine(engine), layout=layout, moe_layout=moe, tp=tp, ep=ep)
     from prep.testing import PRESETS, SynthSpec, write_checkpoint
 
     work = args.workdir.resolve()

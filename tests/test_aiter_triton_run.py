@@ -31,15 +31,18 @@ import torch
 from click.testing import CliRunner
 
 import layouts
+from layouts.engines import get_engine
 from prep.cli import main
 from prep.convert import convert
-from prep.deepseek import Target
+from prep.deepseek import target_for
 from prep.reference.dense_gemm import LOGIT_RTOL, AiterDenseGemms
 from prep.errors import PrepError
 from prep.reference.model import DeepseekV3, ForwardOptions
 from prep.reference.run import run
 from prep.testing import SynthSpec, write_checkpoint
 from prep.reference.weights import load_weights
+
+ATOM = get_engine("atom")  # the engine whose profile these tests use
 
 IDS = [1, 5, 9, 200, 17, 3, 44, 900, 12, 7, 33, 512, 1000, 2, 8, 64, 99, 31, 250, 600,
        4, 77, 123, 321, 11, 22, 0, 1023, 400, 45, 67, 89]  # 32 tokens
@@ -65,7 +68,7 @@ def converted(tmp_path_factory, aiter_triton_gemm):
     out = {}
     for v, lay, tp in sorted({c[:3] for c in CASES}):
         out[v, lay, tp] = root / f"{v}-{lay}-tp{tp}"
-        convert(str(srcs[v]), out[v, lay, tp], Target(lay, "ck", tp))
+        convert(str(srcs[v]), out[v, lay, tp], target_for(ATOM, layout=lay, moe_layout="ck", tp=tp))
     out["src", "r1-0528"] = srcs["r1-0528"]
     return out
 
@@ -81,8 +84,8 @@ def logit_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_aiter_triton_logits_agree_with_torch_within_tolerance(converted, variant, layout, tp, tokens):
     out = converted[variant, layout, tp]
     kw = dict(layers=None if (variant, layout, tp, tokens) == FULL_MODEL else LAYERS[variant])
-    ref = run(out, IDS[:tokens], **kw)
-    got = run(out, IDS[:tokens], gemm="aiter-triton", **kw)
+    ref = run(out, IDS[:tokens], **kw, source_engine=ATOM)
+    got = run(out, IDS[:tokens], gemm="aiter-triton", **kw, source_engine=ATOM)
     assert got["gemm"] == "aiter-triton" and ref["gemm"] == "torch"
     # The kernel's own activation flags: raw for gemm_afp4wfp4, triton-preshuffle's for the W16 one.
     assert got["gemm_path"] == {"non-shuffle": "triton-non-shuffle", "preshuffle": "triton-preshuffle"}[layout]
@@ -112,8 +115,8 @@ def test_every_dense_module_and_no_expert_goes_to_aiter(converted):
 def test_wrong_weight_layout_gives_logits_far_outside_the_tolerance(converted):
     """Preshuffled bytes (W16, S32x8) read as non-shuffle: gemm_afp4wfp4 multiplies them as raw."""
     out = converted["r1-0528", "preshuffle", 1]
-    right = run(out, IDS, layers=1)["logits"]
-    wrong = run(out, IDS, layers=1, gemm="aiter-triton", assume_layout="non-shuffle")["logits"]
+    right = run(out, IDS, layers=1, source_engine=ATOM)["logits"]
+    wrong = run(out, IDS, layers=1, gemm="aiter-triton", assume_layout="non-shuffle", source_engine=ATOM)["logits"]
     assert logit_diff(right, wrong) > 25 * LOGIT_RTOL
 
 
@@ -124,12 +127,12 @@ def test_wrong_activation_layout_gives_logits_far_outside_the_tolerance(converte
     same model and kernels, pass."""
     out = converted["r1-0528", "preshuffle", 1]
     ids = torch.tensor(IDS[:5])
-    right = run(out, IDS[:5], layers=1)["logits"]
+    right = run(out, IDS[:5], layers=1, source_engine=ATOM)["logits"]
     dense = AiterDenseGemms(out, layouts.load_manifest(out))
     weights = load_weights(out)
-    wrong = DeepseekV3(weights, ForwardOptions(gemm_path="asm"), layers=1, dense_gemm=dense)(ids)
+    wrong = DeepseekV3(weights, ForwardOptions(engine=ATOM, gemm_path="asm"), layers=1, dense_gemm=dense)(ids)
     assert logit_diff(right, wrong) > 25 * LOGIT_RTOL
-    ok = DeepseekV3(weights, ForwardOptions(gemm_path="triton-preshuffle"), layers=1, dense_gemm=dense)(ids)
+    ok = DeepseekV3(weights, ForwardOptions(engine=ATOM, gemm_path="triton-preshuffle"), layers=1, dense_gemm=dense)(ids)
     assert logit_diff(right, ok) <= LOGIT_RTOL
 
 
@@ -137,18 +140,18 @@ def test_preshuffle_k_the_kernel_cannot_run_is_refused_before_the_forward(tmp_pa
     # The default tiny v2's attention dims, one layer (the MoE layers change nothing here).
     src = write_checkpoint(SynthSpec(variant="v2", num_hidden_layers=1), tmp_path / "src")
     out = tmp_path / "ps"
-    convert(str(src), out, Target("preshuffle", "ck", 1))
+    convert(str(src), out, target_for(ATOM, layout="preshuffle", moe_layout="ck", tp=1))
     with pytest.raises(PrepError, match=r"self_attn\.(q|kv)_b_proj\.weight \(rank 0\): K = 128 \(per rank\) is not "
                                         r"a multiple of 256.*--layout non-shuffle"):
-        run(out, [1, 2], gemm="aiter-triton")
+        run(out, [1, 2], gemm="aiter-triton", source_engine=ATOM)
 
 
 def test_missing_aiter_files_and_a_mismatched_gemm_path_are_refused(converted, tmp_path):
     out = converted["r1-0528", "preshuffle", 1]
     with pytest.raises(PrepError, match=r"aiter's MXFP4 GEMM files are missing.*fetch_aiter_oracle\.py"):
-        run(out, [1, 2], gemm="aiter-triton", aiter_dir=str(tmp_path))
+        run(out, [1, 2], gemm="aiter-triton", aiter_dir=str(tmp_path), source_engine=ATOM)
     with pytest.raises(PrepError, match="--gemm-path asm: .*triton-preshuffle; leave --gemm-path out"):
-        run(out, [1, 2], gemm="aiter-triton", gemm_path="asm")
+        run(out, [1, 2], gemm="aiter-triton", gemm_path="asm", source_engine=ATOM)
     with pytest.raises(PrepError, match="needs --act-quant"):
         run(out, [1, 2], gemm="aiter-triton", act_quant=False)
 
@@ -164,5 +167,5 @@ def test_cli_compare_torch_against_aiter_triton(converted):
     res = json.loads(r.output)
     assert (res["gemm_a"], res["gemm_b"]) == ("torch", "aiter-triton")
     assert res["max_abs_diff"] <= LOGIT_RTOL * res["max_abs_logit"]
-    src_aiter = run(src, IDS, layers=1, gemm="aiter-triton")["logits"]
-    assert logit_diff(run(src, IDS, layers=1)["logits"], src_aiter) <= LOGIT_RTOL
+    src_aiter = run(src, IDS, layers=1, gemm="aiter-triton", source_engine=ATOM)["logits"]
+    assert logit_diff(run(src, IDS, layers=1, source_engine=ATOM)["logits"], src_aiter) <= LOGIT_RTOL

@@ -14,11 +14,14 @@ import layouts as L
 from layouts.engines.atom import atom_mtp_param_name, install_converted_weights
 from layouts.engines.atom.adapter import install_draft_weights
 from layouts.compat import EngineConfig
+from layouts.engines import get_engine
 from prep.convert import convert
-from prep.deepseek import Target
+from prep.deepseek import target_for
 from prep.testing import SynthSpec, write_checkpoint
 
 from atom_like import FusedMoE, Fp4Linear, Mxfp4MoEMethod, atom_like_draft_model, atom_like_model, mtp_prefixes
+
+ATOM = get_engine("atom")  # the engine whose profile these tests use
 
 
 @pytest.fixture(scope="module")
@@ -27,8 +30,8 @@ def ckpt(tmp_path_factory):
     ATOM's loader. Rank-exact checkpoints (the default) are the tests at the end of this file."""
     root = tmp_path_factory.mktemp("atom")
     src = write_checkpoint(SynthSpec(variant="v2"), root / "src")
-    convert(str(src), root / "tp2", Target("preshuffle", "ck", 2, rank_exact=False))
-    convert(str(src), root / "ep2", Target("preshuffle", "ck", 2, ep=2, rank_exact=False))
+    convert(str(src), root / "tp2", target_for(ATOM, layout="preshuffle", moe_layout="ck", tp=2, rank_exact=False))
+    convert(str(src), root / "ep2", target_for(ATOM, layout="preshuffle", moe_layout="ck", tp=2, ep=2, rank_exact=False))
     return root, json.loads((src / "config.json").read_text())
 
 
@@ -37,7 +40,7 @@ def r1_ckpt(tmp_path_factory):
     """R1-0528 style: attention (and the whole MTP layer) BF16, experts and dense MLP MXFP4; format 1."""
     root = tmp_path_factory.mktemp("atom-r1")
     src = write_checkpoint(SynthSpec(variant="r1-0528"), root / "src")
-    convert(str(src), root / "tp2", Target("preshuffle", "ck", 2, rank_exact=False))
+    convert(str(src), root / "tp2", target_for(ATOM, layout="preshuffle", moe_layout="ck", tp=2, rank_exact=False))
     return root / "tp2", json.loads((src / "config.json").read_text())
 
 
@@ -51,7 +54,7 @@ def test_every_converted_tensor_lands_in_its_atom_parameter_and_processing_is_sk
     root, cfg = ckpt
     ep = 2 if kind == "ep2" else 1
     model = atom_like_model(cfg, tp=2, ep=ep)
-    engine = EngineConfig("asm", "ck", tp_size=2, rank=1, ep_size=ep)
+    engine = EngineConfig("asm", "ck", tp_size=2, rank=1, ep_size=ep, profile=ATOM)
     report = install_converted_weights(model, root / kind, engine)
     params = dict(model.named_parameters())
     mxfp4 = {n for n in params}
@@ -92,7 +95,7 @@ def test_the_mtp_layer_installs_into_atoms_draft_model_under_its_names(ckpt, kin
     ep = 2 if kind == "ep2" else 1
     model, draft = atom_like_model(cfg, tp=2, ep=ep), atom_like_draft_model(cfg, tp=2, ep=ep)
     draft_mxfp4 = fp4_params(draft)
-    report = install_converted_weights(model, root / kind, EngineConfig("asm", "ck", 2, rank=1, ep_size=ep),
+    report = install_converted_weights(model, root / kind, EngineConfig("asm", "ck", 2, rank=1, ep_size=ep, profile=ATOM),
                                        mtp_model=draft)
     assert set(report.installed) == fp4_params(model)
     assert set(report.mtp_installed) == draft_mxfp4  # every MXFP4 parameter of the draft filled
@@ -125,17 +128,17 @@ def test_a_model_that_disagrees_with_the_checkpoint_is_named(ckpt):
     wrong = dict(cfg, moe_intermediate_size=cfg["moe_intermediate_size"] * 2)  # pads differently
     model = atom_like_model(wrong, tp=2)
     with pytest.raises(L.ManifestError, match="experts.*intermediate_pad|experts.w13_weight: the model allocates"):
-        install_converted_weights(model, root / "tp2", EngineConfig("asm", "ck", 2, rank=0))
+        install_converted_weights(model, root / "tp2", EngineConfig("asm", "ck", 2, rank=0, profile=ATOM))
     model = atom_like_model(cfg, tp=2)
     del model.model.layers[1].self_attn.q_b_proj
     with pytest.raises(L.ManifestError, match="q_b_proj.weight: the checkpoint has it but the model has no such parameter"):
-        install_converted_weights(model, root / "tp2", EngineConfig("asm", "ck", 2, rank=0))
+        install_converted_weights(model, root / "tp2", EngineConfig("asm", "ck", 2, rank=0, profile=ATOM))
     draft = atom_like_draft_model(cfg, tp=2)
     del draft.model.layers[str(cfg["num_hidden_layers"])].mtp_block.self_attn.o_proj
     with pytest.raises(L.ManifestError, match=r"model.layers.3.self_attn.o_proj.weight \(ATOM's draft parameter "
                                               r"model.layers.3.mtp_block.self_attn.o_proj.weight\): the checkpoint "
                                               "has it but the draft model has no such parameter"):
-        install_converted_weights(atom_like_model(cfg, tp=2), root / "tp2", EngineConfig("asm", "ck", 2), mtp_model=draft)
+        install_converted_weights(atom_like_model(cfg, tp=2), root / "tp2", EngineConfig("asm", "ck", 2, profile=ATOM), mtp_model=draft)
 
 
 def test_a_tensor_of_neither_model_is_named(ckpt, tmp_path):
@@ -146,20 +149,20 @@ def test_a_tensor_of_neither_model_is_named(ckpt, tmp_path):
     (out / "config.json").write_text(json.dumps(dict(cfg, num_nextn_predict_layers=0)))
     with pytest.raises(L.ManifestError, match="model.layers.3.self_attn.*: the checkpoint has it but the model has no "
                                               "such parameter"):
-        install_converted_weights(atom_like_model(cfg, tp=2), out, EngineConfig("asm", "ck", 2))
+        install_converted_weights(atom_like_model(cfg, tp=2), out, EngineConfig("asm", "ck", 2, profile=ATOM))
     (out / "config.json").unlink()
     with pytest.raises(L.ManifestError, match="config.json: cannot read num_hidden_layers"):
-        install_converted_weights(atom_like_model(cfg, tp=2), out, EngineConfig("asm", "ck", 2))
+        install_converted_weights(atom_like_model(cfg, tp=2), out, EngineConfig("asm", "ck", 2, profile=ATOM))
     for bad in ("1", 1.5, [1]):  # prep-atom-serve --method mtp reads it too: one line, not a traceback
         (out / "config.json").write_text(json.dumps(dict(cfg, num_nextn_predict_layers=bad)))
         with pytest.raises(L.ManifestError, match="cannot read num_hidden_layers and num_nextn_predict_layers as counts"):
-            install_converted_weights(atom_like_model(cfg, tp=2), out, EngineConfig("asm", "ck", 2))
+            install_converted_weights(atom_like_model(cfg, tp=2), out, EngineConfig("asm", "ck", 2, profile=ATOM))
 
 
 def test_the_adapter_refuses_an_engine_that_would_misread(ckpt):
     root, cfg = ckpt
     with pytest.raises(L.CompatibilityError, match="preshuffled"):
-        install_converted_weights(atom_like_model(cfg, tp=2), root / "tp2", EngineConfig("triton-non-shuffle", "ck", 2))
+        install_converted_weights(atom_like_model(cfg, tp=2), root / "tp2", EngineConfig("triton-non-shuffle", "ck", 2, profile=ATOM))
 
 
 TRITON_GEMM = {"ATOM_USE_TRITON_GEMM": "1", "ATOM_USE_TRITON_MOE": "0"}  # CK MoE: the experts' layout fits
@@ -168,7 +171,7 @@ TRITON_GEMM = {"ATOM_USE_TRITON_GEMM": "1", "ATOM_USE_TRITON_MOE": "0"}  # CK Mo
 def test_triton_gemm_is_refused_for_mxfp4_attention_with_atoms_reason(ckpt):
     # ATOM (deepseek_v2.py, ffdf3bb5) builds the attention for a BF16 source under ATOM_USE_TRITON_GEMM=1.
     root, cfg = ckpt
-    engine = EngineConfig.from_env(tp_size=2, rank=0, gpu_arch="gfx950", env=TRITON_GEMM)
+    engine = EngineConfig.from_env(ATOM, tp_size=2, rank=0, gpu_arch="gfx950", env=TRITON_GEMM)
     assert engine.gemm_path == "triton-preshuffle"
     with pytest.raises(L.CompatibilityError) as e:
         install_converted_weights(atom_like_model(cfg, tp=2), root / "tp2", engine)
@@ -181,13 +184,13 @@ def test_triton_gemm_is_refused_for_fp8_attention_with_atoms_reason(tmp_path):
     # Under ATOM_USE_TRITON_GEMM=1 ATOM's fused q_a/kv_a path runs FP8 block-scale GEMMs whatever the
     # linear's quant type; a per-channel FP8 weight is read wrong there (deepseek_v2.py, ffdf3bb5).
     from prep.convert import convert
-    from prep.deepseek import Target
+    from prep.deepseek import target_for
     from prep.testing import SynthSpec, write_checkpoint
 
     src = write_checkpoint(SynthSpec(variant="mtp-moefp4", num_hidden_layers=2), tmp_path / "src")
-    convert(str(src), tmp_path / "tp2", Target(tp=2))
+    convert(str(src), tmp_path / "tp2", target_for(ATOM, tp=2))
     cfg = json.loads((src / "config.json").read_text())
-    engine = EngineConfig.from_env(tp_size=2, rank=0, gpu_arch="gfx950", env=TRITON_GEMM)
+    engine = EngineConfig.from_env(ATOM, tp_size=2, rank=0, gpu_arch="gfx950", env=TRITON_GEMM)
     with pytest.raises(L.CompatibilityError) as e:
         L.check_compatibility(L.load_manifest(tmp_path / "tp2"), engine)
     msg = str(e.value)
@@ -200,7 +203,7 @@ def test_triton_gemm_with_bf16_attention_installs(r1_ckpt):
     # R1-0528 keeps attention BF16: ATOM's triton-GEMM attention path is never taken, the MLPs fit.
     out, cfg = r1_ckpt
     model = atom_like_model(cfg, tp=2, mxfp4_attention=False)
-    engine = EngineConfig.from_env(tp_size=2, rank=0, gpu_arch="gfx950", env=TRITON_GEMM)
+    engine = EngineConfig.from_env(ATOM, tp_size=2, rank=0, gpu_arch="gfx950", env=TRITON_GEMM)
     report = install_converted_weights(model, out, engine)
     assert set(report.installed) == fp4_params(model)
     assert "model.layers.0.self_attn.q_a_proj.weight" in report.passthrough
@@ -215,7 +218,7 @@ def exact_ckpt(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(f"atom-exact-{request.param}")
     src = write_checkpoint(SynthSpec(variant=request.param), root / "src")
     for tp, ep in ((2, 1), (2, 2)):
-        convert(str(src), root / f"tp{tp}ep{ep}", Target("preshuffle", "ck", tp, ep, rank_exact=True))
+        convert(str(src), root / f"tp{tp}ep{ep}", target_for(ATOM, layout="preshuffle", moe_layout="ck", tp=tp, ep=ep, rank_exact=True))
     return root, src, request.param, json.loads((src / "config.json").read_text())
 
 
@@ -229,7 +232,7 @@ def test_a_rank_exact_checkpoint_fills_every_parameter_of_atoms_models(exact_ckp
     for rank in range(2):
         model = atom_like_model(cfg, tp=2, ep=ep, mxfp4_attention=not bf16_attention, full=True)
         draft = atom_like_draft_model(cfg, tp=2, ep=ep, bf16_layer=bf16_attention)
-        engine = EngineConfig("asm", "ck", 2, rank=rank, ep_size=ep)
+        engine = EngineConfig("asm", "ck", 2, rank=rank, ep_size=ep, profile=ATOM)
         report = install_converted_weights(model, root / f"tp2ep{ep}", engine, mtp_model=draft)
         assert not report.not_installed and not report.passthrough and not report.mtp and not report.mtp_pending
         assert set(report.installed) == {n for n, _ in model.named_parameters()}
@@ -255,7 +258,7 @@ def test_a_rank_exact_checkpoint_fills_every_parameter_of_atoms_models(exact_ckp
 def test_a_rank_exact_checkpoint_without_a_draft_returns_the_mtp_layer(exact_ckpt):
     root, _, variant, cfg = exact_ckpt
     model = atom_like_model(cfg, tp=2, mxfp4_attention=variant != "r1-0528", full=True)
-    report = install_converted_weights(model, root / "tp2ep1", EngineConfig("asm", "ck", 2, rank=1))
+    report = install_converted_weights(model, root / "tp2ep1", EngineConfig("asm", "ck", 2, rank=1, profile=ATOM))
     assert not report.not_installed and not report.passthrough and not report.mtp
     assert report.mtp_pending and all(n.startswith(mtp_prefixes(cfg)) for n in report.mtp_pending)
     assert f"model.layers.{cfg['num_hidden_layers']}.embed_tokens.weight" not in report.mtp_pending  # no rank reads it
@@ -279,7 +282,7 @@ def test_tensors_go_into_the_parameters_atom_allocated_not_beside_them(exact_ckp
     root, _, variant, cfg = exact_ckpt
     model = atom_like_model(cfg, tp=2, mxfp4_attention=variant != "r1-0528", full=True)
     before = {n: (p.data_ptr(), tuple(p.shape)) for n, p in model.named_parameters()}
-    report = install_converted_weights(model, root / "tp2ep1", EngineConfig("asm", "ck", 2, rank=0))
+    report = install_converted_weights(model, root / "tp2ep1", EngineConfig("asm", "ck", 2, rank=0, profile=ATOM))
     moved = {n for n, p in model.named_parameters() if p.data_ptr() != before[n][0]}
     assert moved and all(report.records[n].role == "e8m0_scale" for n in moved)
     assert all(tuple(p.shape) != before[n][1] for n, p in model.named_parameters() if n in moved)

@@ -15,11 +15,14 @@ import torch
 
 from atom_sharding import held
 from layouts import manifest as schema
+from layouts.engines import get_engine
 from prep.groups import to_record
 from prep.bf16 import Bf16Group, Placement, group_from_record, plan_bf16_groups
 from prep.errors import PrepError
 from prep.source import SourceCheckpoint
 from prep.testing import SynthSpec, write_checkpoint
+
+ATOM_RULES = get_engine("atom").sharding  # the engine whose BF16 splits these tests check
 
 VARIANTS = ("r1-0528", "v2")
 
@@ -59,7 +62,7 @@ def _atom_experts(src: SourceCheckpoint, mlp: str, tp: int, rank: int, ep: int) 
 @pytest.mark.parametrize("expert_parallel", [False, True])
 def test_each_rank_stores_what_atoms_loader_keeps(source, tp, expert_parallel):
     ep = tp if expert_parallel else 1
-    per_rank, whole = plan_bf16_groups(_bf16(source), source.config, tp, ep)
+    per_rank, whole = plan_bf16_groups(_bf16(source), source.config, tp, ep, rules=ATOM_RULES)
     for rank, groups in enumerate(per_rank):
         assert groups, "every rank holds split BF16 tensors (embeddings and heads at least)"
         for g in groups:
@@ -81,7 +84,7 @@ def test_each_rank_stores_what_atoms_loader_keeps(source, tp, expert_parallel):
 @pytest.mark.parametrize("expert_parallel", [False, True])
 def test_inverse_rebuilds_every_split_tensor_bit_for_bit(source, tp, expert_parallel):
     bf16 = _bf16(source)
-    per_rank, whole = plan_bf16_groups(bf16, source.config, tp, tp if expert_parallel else 1)
+    per_rank, whole = plan_bf16_groups(bf16, source.config, tp, tp if expert_parallel else 1, rules=ATOM_RULES)
     rebuilt = {n: torch.full(tuple(bf16[n].shape), float("nan"), dtype=torch.bfloat16)
                for groups in per_rank for g in groups for n in g.sources()}
     for groups in per_rank:
@@ -103,7 +106,8 @@ def test_a_record_through_the_manifest_schema_gives_the_same_placements(source, 
     and a reader parses), expands back into the very placements the plan made, in order; a
     stacked group is written as its template, a few windows and its expert ranges, not one
     placement per expert."""
-    per_rank, _ = plan_bf16_groups(_bf16(source), source.config, tp, tp if expert_parallel else 1)
+    per_rank, _ = plan_bf16_groups(_bf16(source), source.config, tp, tp if expert_parallel else 1,
+                                   rules=ATOM_RULES)
     stacks = 0
     for groups in per_rank:
         for g in groups:
@@ -133,7 +137,7 @@ def test_a_stack_whose_experts_differ_in_shape_is_refused_when_recorded():
 
 
 def test_r1_attention_and_vocab_are_split_and_v2_keeps_its_attention_mxfp4(source):
-    per_rank, _ = plan_bf16_groups(_bf16(source), source.config, 4)
+    per_rank, _ = plan_bf16_groups(_bf16(source), source.config, 4, rules=ATOM_RULES)
     names = {g.name for g in per_rank[0]}
     assert {"model.embed_tokens.weight", "lm_head.weight", "model.layers.3.embed_tokens.weight",
             "model.layers.3.shared_head.head.weight"} <= names
@@ -155,11 +159,11 @@ def test_r1_attention_and_vocab_are_split_and_v2_keeps_its_attention_mxfp4(sourc
 
 def test_refuses_a_vocabulary_that_does_not_divide(source):
     with pytest.raises(PrepError, match=r"model.embed_tokens.weight: dim 0 of 1024 does not split over tp=3"):
-        plan_bf16_groups(_bf16(source), source.config, 3)
+        plan_bf16_groups(_bf16(source), source.config, 3, rules=ATOM_RULES)
 
 
 def test_refuses_a_stored_tensor_of_the_wrong_shape(source):
-    g = plan_bf16_groups(_bf16(source), source.config, 2)[0][0][0]
+    g = plan_bf16_groups(_bf16(source), source.config, 2, rules=ATOM_RULES)[0][0][0]
     (t,) = g.build(source.read)
     with pytest.raises(PrepError, match=rf"{g.name} \(rank 0\): stored shape"):
         list(g.invert([t[:-1]]))
@@ -171,7 +175,7 @@ def test_a_rank_file_written_by_prep_writer_holds_the_built_tensors(source, tmp_
     from layouts.safetensors_file import TORCH_DTYPES, SafetensorsFile, tensor_hash
     from prep.safetensors_writer import StreamingSafetensorsWriter, nbytes
 
-    groups = plan_bf16_groups(_bf16(source), source.config, 4, 4)[0][1]
+    groups = plan_bf16_groups(_bf16(source), source.config, 4, 4, rules=ATOM_RULES)[0][1]
     entries = [(g.name, g.dtype, g.shape) for g in groups]
     path = tmp_path / "rank1.safetensors"
     with StreamingSafetensorsWriter(path, entries) as w:
@@ -197,10 +201,11 @@ def test_without_a_q_lora_kv_a_is_held_whole_and_a_lone_merge_part_is_refused():
 
     kv_a = "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"
     tensors = {kv_a: SimpleNamespace(dtype="BF16", shape=(96, 64))}
-    per_rank, whole = plan_bf16_groups(tensors, {"q_lora_rank": None, "model_type": "deepseek_v2"}, 2)
+    per_rank, whole = plan_bf16_groups(tensors, {"q_lora_rank": None, "model_type": "deepseek_v2"}, 2,
+                                       rules=ATOM_RULES)
     assert whole == [kv_a] and per_rank == [[], []]
     with pytest.raises(PrepError, match="its partner of model.layers.0.self_attn.fused_qkv_a_proj.weight"):
-        plan_bf16_groups(tensors, {"q_lora_rank": 32, "model_type": "deepseek_v2"}, 2)
+        plan_bf16_groups(tensors, {"q_lora_rank": 32, "model_type": "deepseek_v2"}, 2, rules=ATOM_RULES)
 
 
 @pytest.fixture(scope="module")
@@ -214,7 +219,7 @@ def test_an_unfused_bf16_shared_expert_is_merged_and_split_as_an_mlp_of_its_own(
     from layouts.engines.vllm import SHARDING
 
     mlp = "model.layers.3.mlp.shared_experts."
-    per_rank, whole = plan_bf16_groups(_bf16(r1_source), r1_source.config, 2, 1, False, SHARDING)
+    per_rank, whole = plan_bf16_groups(_bf16(r1_source), r1_source.config, 2, 1, False, rules=SHARDING)
     assert not [n for n in whole if n.startswith(mlp)]
     n = r1_source.tensors[f"{mlp}gate_proj.weight"].shape[0] // 2
     for rank, groups in enumerate(per_rank):
@@ -239,11 +244,11 @@ def test_a_bf16_expert_intermediate_the_engines_moe_would_pad_is_refused(r1_sour
     # tiny 256 at TP 8 is 32 a rank, which it would pad from memory prep never writes.
     from layouts.engines.vllm import SHARDING
 
-    assert plan_bf16_groups(_bf16(r1_source), r1_source.config, 4, 1, False, SHARDING)  # 64: fits
+    assert plan_bf16_groups(_bf16(r1_source), r1_source.config, 4, 1, False, rules=SHARDING)  # 64: fits
     with pytest.raises(PrepError, match=r"experts\.0\.gate_proj\.weight: a rank's intermediate of 32 is padded to a "
                                         r"multiple of 64 .* choose another --tp \(or --ep equal to --tp\)"):
-        plan_bf16_groups(_bf16(r1_source), r1_source.config, 8, 1, False, SHARDING)
-    assert plan_bf16_groups(_bf16(r1_source), r1_source.config, 8, 8, False, SHARDING)  # EP: whole experts
+        plan_bf16_groups(_bf16(r1_source), r1_source.config, 8, 1, False, rules=SHARDING)
+    assert plan_bf16_groups(_bf16(r1_source), r1_source.config, 8, 8, False, rules=SHARDING)  # EP: whole experts
 
 
 @pytest.mark.parametrize("ep", [1, 2])
@@ -252,7 +257,7 @@ def test_a_bf16_shared_expert_beside_mxfp4_routed_ones_is_an_mlp_of_its_own(r1_s
     # every rank, with or without expert parallel (which moves routed experts only).
     mlp = "model.layers.3.mlp.shared_experts."
     shared = {n: i for n, i in _bf16(r1_source).items() if n.startswith(mlp)}
-    per_rank, whole = plan_bf16_groups(shared, r1_source.config, 2, ep)
+    per_rank, whole = plan_bf16_groups(shared, r1_source.config, 2, ep, rules=ATOM_RULES)
     assert not whole
     assert [sorted(g.name for g in groups) for groups in per_rank] == [
         [f"{mlp}down_proj.weight", f"{mlp}gate_up_proj.weight"]] * 2

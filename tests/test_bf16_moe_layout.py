@@ -17,6 +17,9 @@ from test_engine_profiles import ToyProfile
 from layouts.manifest import Manifest
 from layouts.manifest import LayoutRecord
 from layouts.registry import BF16_MOE, Identity, recorded_layout
+from layouts.engines import get_engine
+
+ATOM = get_engine("atom")  # the engine whose profile these tests use
 
 LAYOUT = L.get_layout("bf16-preshuffle")
 
@@ -154,7 +157,7 @@ def test_the_primitive_refuses_other_dtypes_and_shapes():
         L.preshuffle_weight_16bit(torch.zeros(2, 32, 64, dtype=torch.uint8))  # packed MXFP4: W16 proper
     with pytest.raises(L.LayoutConstraintError, match="2-byte dtype"):
         L.unshuffle_weight_16bit(torch.zeros(2, 32, 64, dtype=torch.float32))
-    with pytest.raises(L.LayoutConstraintError, match=r"N % 16 == 0 and K % 32 == 0, got shape \(2, 32, 48\)"):
+    with pytest.raises(L.LayoutConstraintError, match=r"16-bit W16 needs K % 32 == 0 \(K = 48\), got shape \(2, 32, 48\)"):
         L.preshuffle_weight_16bit(torch.zeros(2, 32, 48, dtype=torch.bfloat16))
 
 
@@ -183,7 +186,7 @@ def _manifest(engine: EngineConfig, bf16_layouts) -> Manifest:
 @pytest.mark.parametrize("arch", ["gfx942", "gfx950"])
 def test_atom_reads_bf16_experts_shuffled_in_every_configuration(env, arch):
     # UnquantizedFusedMoEMethod shuffles whatever the switches (layouts/engines/atom/ cites it).
-    engine = EngineConfig.from_env(tp_size=2, env=env, gpu_arch=arch)
+    engine = EngineConfig.from_env(ATOM, tp_size=2, env=env, gpu_arch=arch)
     assert engine.expected_bf16_moe_layout() == LAYOUT.name
     check_compatibility(_manifest(engine, {LAYOUT.name: LAYOUT}), engine)
 
@@ -199,7 +202,7 @@ def raw_bf16(monkeypatch):
 
 
 def test_bf16_experts_in_another_layout_are_refused_with_the_fix(raw_bf16):
-    engine = EngineConfig(tp_size=2)
+    engine = EngineConfig(tp_size=2, profile=ATOM)
     with pytest.raises(CompatibilityError, match=r"BF16 MoE experts are in the 'bf16-raw-test' layout but the atom "
                                                  r"engine's unquantized MoE reads 'bf16-preshuffle'.*convert"):
         check_compatibility(_manifest(engine, {raw_bf16.name: raw_bf16}), engine)
@@ -207,14 +210,14 @@ def test_bf16_experts_in_another_layout_are_refused_with_the_fix(raw_bf16):
 
 
 def test_an_engine_without_a_bf16_moe_layout_refuses_one_and_an_unregistered_one_is_refused(monkeypatch):
-    engines.get_engine()
+    engines.engine_names()  # the built-in profiles are loaded before the copy
     monkeypatch.setattr(engines, "_PROFILES", dict(engines._PROFILES))
 
     class Toy(ToyProfile):  # test_engine_profiles' toy engine, which names no BF16 MoE layout
         name = "toy-bf16"
 
     L.register_engine(Toy())
-    toy = EngineConfig(tp_size=2, engine="toy-bf16")
+    toy = EngineConfig(tp_size=2, profile=L.get_engine("toy-bf16"))
     with pytest.raises(CompatibilityError, match="toy-bf16 engine's unquantized MoE has no layout for them"):
         check_compatibility(_manifest(toy, {LAYOUT.name: LAYOUT}), toy)
 

@@ -7,7 +7,7 @@ stored bytes a block of experts at a time gives every source window back.
 
 The helpers are what ``prep.bf16.Bf16Group`` does once it carries a layout name (see the
 report / docs/rank-exact.md): the layout comes from the engine profile
-(``layouts.get_engine().bf16_moe_layout``), never spelled in prep."""
+(``layouts.get_engine("atom").bf16_moe_layout``), never spelled in prep."""
 
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ from prep.groups import to_record
 from prep.bf16 import Bf16Group, group_from_record, plan_bf16_groups
 from prep.source import SourceCheckpoint
 from prep.testing import SynthSpec, write_checkpoint
-from test_bf16_groups import _atom_param, _bf16
+from test_bf16_groups import ATOM_RULES, _atom_param, _bf16
 
-LAYOUT = L.get_layout(L.get_engine().bf16_moe_layout)
+LAYOUT = L.get_layout(L.get_engine("atom").bf16_moe_layout)
 
 
 def shuffled_chunks(group: Bf16Group, read, chunk_bytes: int):
@@ -49,7 +49,7 @@ def source(tmp_path_factory):
 def test_stored_bf16_experts_are_what_atom_holds_after_processing_and_invert_exactly(
         source, aiter_shuffle, tp, expert_parallel):
     ep = tp if expert_parallel else 1
-    per_rank, _ = plan_bf16_groups(_bf16(source), source.config, tp, ep)
+    per_rank, _ = plan_bf16_groups(_bf16(source), source.config, tp, ep, rules=ATOM_RULES)
     seen = 0
     for rank, groups in enumerate(per_rank):
         for g in (g for g in groups if g.stacked):
@@ -70,7 +70,7 @@ def test_a_split_the_layout_cannot_take_is_refused_naming_the_tensor(source):
     # moe_intermediate 256 at TP 16 leaves w2 16 columns: aiter's shuffle_weight (and so ATOM)
     # needs 32; prep must refuse before writing rather than store what ATOM cannot shuffle.
     bf16 = {n: i for n, i in _bf16(source).items() if ".mlp.experts." in n or ".mlp.shared_experts." in n}
-    per_rank, _ = plan_bf16_groups(bf16, source.config, 16)
+    per_rank, _ = plan_bf16_groups(bf16, source.config, 16, rules=ATOM_RULES)
     w2 = next(g for g in per_rank[0] if g.name.endswith("experts.w2_weight"))
     with pytest.raises(L.LayoutConstraintError, match=rf"^{w2.name}: .*K % 32 == 0 \(K = 16\)"):
         next(shuffled_chunks(w2, source.read, 1 << 20))

@@ -19,10 +19,13 @@ import pytest
 from click.testing import CliRunner
 
 import layouts
+from layouts.engines import get_engine
 from prep.cli import main
 from prep.convert import convert
-from prep.deepseek import Target
+from prep.deepseek import target_for
 from prep.testing import SynthSpec, write_checkpoint
+
+ATOM = get_engine("atom")  # the engine whose profile these tests use
 
 
 
@@ -34,7 +37,7 @@ def src(tmp_path_factory):
 @pytest.fixture(scope="module")
 def converted(src, tmp_path_factory):
     out = tmp_path_factory.mktemp("cv") / "tp2"
-    convert(str(src), out, Target("preshuffle", "ck", 2))
+    convert(str(src), out, target_for(ATOM, layout="preshuffle", moe_layout="ck", tp=2))
     return out
 
 
@@ -105,7 +108,7 @@ def test_inspect_lists_every_layout_pair_the_engine_reads(src, tmp_path):
     # The pair the issue found missing: it converts and an engine configuration reads it.
     assert listed["non-shuffle+ck"]["1"] == "ok"
     out = tmp_path / "ns-ck"
-    convert(str(src), out, Target("non-shuffle", "ck", 1))
+    convert(str(src), out, target_for(ATOM, layout="non-shuffle", moe_layout="ck", tp=1))
     m = layouts.load_manifest(out)
     layouts.check_compatibility(m, layouts.EngineConfig.reading(m))
 

@@ -44,10 +44,13 @@ import torch
 
 import layouts
 from layouts.dequant import stored_positions
+from layouts.engines import get_engine
 from prep.convert import convert
-from prep.deepseek import Target
+from prep.deepseek import target_for
 from prep.reference.aiter_gemm import DENSE_MODULES
 from prep.testing import SynthSpec, write_checkpoint
+
+ATOM = get_engine("atom")  # the engine whose profile these tests use
 
 MS = (1, 16, 31, 32, 33, 256)
 TPS = (1, 2, 4)
@@ -99,7 +102,7 @@ def converted(tmp_path_factory):
         for layout in LAYOUTS:
             for tp in TPS:
                 dest = root / f"{variant}-{layout}-tp{tp}"
-                convert(str(src), dest, Target(layout, "ck", tp))
+                convert(str(src), dest, target_for(ATOM, layout=layout, moe_layout="ck", tp=tp))
                 out[variant, layout, tp] = dest
     return out
 
@@ -112,7 +115,7 @@ def engine(variant: str, layout: str, tp: int) -> layouts.EngineConfig:
         path = "triton-non-shuffle"
     else:
         path = "triton-preshuffle" if variant == "r1-0528" else "asm"
-    return layouts.EngineConfig(gemm_path=path, moe_backend="ck", tp_size=tp, rank=tp - 1)
+    return layouts.EngineConfig(gemm_path=path, moe_backend="ck", tp_size=tp, rank=tp - 1, profile=ATOM)
 
 
 @pytest.fixture(scope="module")
@@ -128,11 +131,11 @@ def ranks(converted):
         else:
             # The Triton preshuffle GEMM's flags. For v2 the engine cannot be built
             # (test_v2_triton_preshuffle_engine_refused); its kernels still read these bytes.
-            plan = layouts.ActivationQuantPlan("triton-preshuffle")
+            plan = layouts.ActivationQuantPlan("triton-preshuffle", profile=ATOM)
             if variant == "r1-0528":
                 assert plan == layouts.ActivationQuantPlan.for_checkpoint(
                     tensors.manifest,
-                    layouts.EngineConfig(gemm_path="triton-preshuffle", moe_backend="ck", tp_size=tp, rank=tp - 1))
+                    layouts.EngineConfig(gemm_path="triton-preshuffle", moe_backend="ck", tp_size=tp, rank=tp - 1, profile=ATOM))
         return tensors, plan
 
     return get
@@ -342,7 +345,7 @@ def test_v2_triton_preshuffle_engine_refused(converted):
     m = layouts.load_manifest(converted["v2", "preshuffle", 2])
     with pytest.raises(layouts.CompatibilityError, match="attention is MXFP4"):
         layouts.ActivationQuantPlan.for_checkpoint(
-            m, layouts.EngineConfig(gemm_path="triton-preshuffle", moe_backend="ck", tp_size=2, rank=1))
+            m, layouts.EngineConfig(gemm_path="triton-preshuffle", moe_backend="ck", tp_size=2, rank=1, profile=ATOM))
 
 
 def test_r1_attention_is_bf16(ranks):
@@ -389,7 +392,7 @@ def test_wrong_activation_flags_fail(aiter_triton_gemm, ranks, m):
     shuffled) below 32 tokens, or padded but not shuffled from 32 on; the non-shuffle GEMM given
     a shuffled activation scale: each reads scale bytes in the wrong order."""
     win, ns_plan, ps_plan = _control_window(ranks)
-    asm = layouts.ActivationQuantPlan("asm")
+    asm = layouts.ActivationQuantPlan("asm", profile=ATOM)
     gemm = aiter_triton_gemm
     if m < 32:
         q, s, flags = activation(asm, "fused_qkv_a_proj", m, win.k, seed=3)
@@ -479,7 +482,7 @@ def pad_cases(root) -> dict[int, PadCase]:
     for tp in (1, 2):
         rt = {}
         for layout in LAYOUTS:
-            convert(str(src), root / f"{layout}-tp{tp}", Target(layout, "ck", tp))
+            convert(str(src), root / f"{layout}-tp{tp}", target_for(ATOM, layout=layout, moe_layout="ck", tp=tp))
             rt[layout] = layouts.load_rank(root / f"{layout}-tp{tp}", tp - 1)
         prefix = MODULES["down_proj"]
         win = window(rt["non-shuffle"], rt["preshuffle"], prefix)
@@ -519,7 +522,7 @@ def pad_byte_run(gemm, case: PadCase, byte: int | None, kernel: str, m: int, mod
         raise ValueError("a non-shuffle conversion's raw scale has no pad prep writes")
     s32v = s32.view(s32.shape[0] // 32, -1)[: win.rows // 32]
     path = "triton-non-shuffle" if kernel == NON_SHUFFLE else "triton-preshuffle"
-    q, s, flags = activation(layouts.ActivationQuantPlan(path), "down_proj", m, k, seed=5)
+    q, s, flags = activation(layouts.ActivationQuantPlan(path, profile=ATOM), "down_proj", m, k, seed=5)
     a = dequant_act(q, s, flags)
     qv = _hostile_tail(q, (cp * 32 - k) // 2)[:, : kk // 2]
     if flags.shuffle:

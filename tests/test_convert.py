@@ -16,10 +16,11 @@ from safetensors.torch import load_file, save_file
 
 import layouts as L
 from layouts.safetensors_file import SafetensorsFile
+from layouts.engines import get_engine
 from prep.cli import main
 from prep.convert import convert
 from prep.converted import same_bytes
-from prep.deepseek import Target
+from prep.deepseek import target_for
 from prep.errors import PrepError
 from prep.revert import revert
 from prep.source import SourceCheckpoint
@@ -28,6 +29,8 @@ from prep.verify import verify
 
 from conftest import assert_verifies_and_reverts
 from hub_cache import fake_hub_cache
+
+ATOM = get_engine("atom")  # the engine whose profile these tests use
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +66,7 @@ def nothing_left(out: pathlib.Path) -> bool:
 def test_convert_verify_revert_is_byte_identical(sources, tmp_path, variant, tp, layout, moe_layout):
     src = sources[variant]
     out, back = tmp_path / "out", tmp_path / "back"
-    summary = convert(str(src), out, Target(layout, moe_layout, tp))
+    summary = convert(str(src), out, target_for(ATOM, layout=layout, moe_layout=moe_layout, tp=tp))
     assert summary["files"] == len(list(out.glob("*.safetensors")))
     assert (out / "prep-complete.json").is_file() and (out / "config.json").read_bytes() == (src / "config.json").read_bytes()
     verify(str(out), source=str(src))
@@ -78,7 +81,7 @@ def test_convert_verify_revert_is_byte_identical(sources, tmp_path, variant, tp,
 def test_expert_parallel_gives_each_rank_whole_experts_and_round_trips(tmp_path, n_routed, tp):
     src, out, back = tmp_path / "src", tmp_path / "out", tmp_path / "back"
     write_checkpoint(SynthSpec(variant="v2", n_routed_experts=n_routed, num_hidden_layers=2), src)
-    convert(str(src), out, Target("preshuffle", "ck", tp, ep=tp))
+    convert(str(src), out, target_for(ATOM, layout="preshuffle", moe_layout="ck", tp=tp, ep=tp))
     m = json.loads((out / "prep-manifest.json").read_text())
     w13 = sorted((t for t in m["tensors"] if t["name"] == "model.layers.1.mlp.experts.w13_weight"), key=lambda t: t["rank"])
     per = n_routed // tp
@@ -96,7 +99,7 @@ def test_expert_parallel_gives_each_rank_whole_experts_and_round_trips(tmp_path,
 
 def test_expert_parallel_rank_holds_aiter_shuffle_of_its_expert_block(sources, tmp_path, aiter_shuffle):
     src, out, rank = sources["v2"], tmp_path / "out", 1
-    convert(str(src), out, Target("preshuffle", "ck", 2, ep=2))
+    convert(str(src), out, target_for(ATOM, layout="preshuffle", moe_layout="ck", tp=2, ep=2))
     s = all_tensors(src)
     moe = "model.layers.1.mlp"
     experts = [f"{moe}.experts.{e}" for e in range(4, 8)] + [f"{moe}.shared_experts"]
@@ -121,7 +124,7 @@ def test_padding_is_zero_whatever_memory_the_blocks_get(sources, tmp_path, monke
 
     monkeypatch.setattr(dio.AlignedFileWriter, "reserve", dirty_reserve)
     out = tmp_path / "out"
-    convert(str(sources["v2"]), out, Target("non-shuffle", moe_layout, 4))  # intermediate 64 per rank, padded to 256
+    convert(str(sources["v2"]), out, target_for(ATOM, layout="non-shuffle", moe_layout=moe_layout, tp=4))  # intermediate 64 per rank, padded to 256
     verify(str(out), source=str(sources["v2"]))  # inverting checks every pad byte is zero
     w13 = _rank_tensor(out, "model.layers.1.mlp.experts.w13_weight", 0)
     raw = L.unshuffle_weight(w13) if moe_layout == "ck" else w13
@@ -130,7 +133,7 @@ def test_padding_is_zero_whatever_memory_the_blocks_get(sources, tmp_path, monke
 
 def test_manifest_describes_every_tensor(sources, tmp_path):
     out = tmp_path / "out"
-    convert(str(sources["v2"]), out, Target("preshuffle", "triton", 2))
+    convert(str(sources["v2"]), out, target_for(ATOM, layout="preshuffle", moe_layout="triton", tp=2))
     m = json.loads((out / "prep-manifest.json").read_text())
     assert m["target"]["tp"] == 2 and m["target"]["arch"] == "deepseek_v3"
     on_disk = {}
@@ -162,7 +165,7 @@ def test_every_written_tensor_starts_16_byte_aligned_in_a_valid_safetensors_file
     run_type = sh._run_type
     monkeypatch.setattr(sh, "_run_type", lambda *ts: runs.append(run_type(*ts)) or runs[-1])
     out = tmp_path / "out"
-    convert(str(sources["r1-0528"]), out, Target("preshuffle", "ck", 2))
+    convert(str(sources["r1-0528"]), out, target_for(ATOM, layout="preshuffle", moe_layout="ck", tp=2))
     assert runs and set(runs) == {torch.complex128}  # every shuffle into staging: 16-byte runs
     files = sorted(out.glob("*.safetensors"))
     for f in files:
@@ -193,7 +196,7 @@ def test_rank_bytes_equal_aiter_shuffles_of_the_merged_rank_tensors(sources, tmp
     # shuffle of the whole stacked tensor (9 experts of 64 KiB of w13: blocks 2,2,2,2,1).
     monkeypatch.setattr(pc, "CHUNK_BYTES", chunk_bytes)
     src, out, tp, rank = sources["v2"], tmp_path / "out", 2, 1
-    convert(str(src), out, Target("preshuffle", "ck", tp))
+    convert(str(src), out, target_for(ATOM, layout="preshuffle", moe_layout="ck", tp=tp))
     s = all_tensors(src)
     shuffle, e8m0 = aiter_shuffle.shuffle_weight, aiter_fp4_utils.e8m0_shuffle
 
@@ -266,7 +269,7 @@ def test_resume_reuses_verified_files_and_redoes_damaged_ones(sources, tmp_path,
 
     monkeypatch.setattr(pc, "_write_files", flaky)
     with pytest.raises(KeyboardInterrupt):
-        convert(str(sources["v2"]), out, Target(tp=2))
+        convert(str(sources["v2"]), out, target_for(ATOM, tp=2))
     assert len(calls[0]) == 2
     staging = tmp_path / ".out.prep" / "staging"
     done = sorted(p.name for p in staging.glob("*.safetensors"))
@@ -277,7 +280,7 @@ def test_resume_reuses_verified_files_and_redoes_damaged_ones(sources, tmp_path,
     data[-1] ^= 0xFF
     damaged.write_bytes(bytes(data))
     monkeypatch.setattr(pc, "_write_files", real)
-    s = convert(str(sources["v2"]), out, Target(tp=2), resume=True)
+    s = convert(str(sources["v2"]), out, target_for(ATOM, tp=2), resume=True)
     assert s["reused_files"] == 1
     verify(str(out), source=str(sources["v2"]))
 
@@ -396,7 +399,7 @@ def test_disk_full_keeps_the_finished_files_for_resume(sources, tmp_path, monkey
 
 def test_verify_names_a_tampered_tensor(sources, tmp_path):
     out = tmp_path / "out"
-    convert(str(sources["v2"]), out, Target(tp=1))
+    convert(str(sources["v2"]), out, target_for(ATOM, tp=1))
     m = json.loads((out / "prep-manifest.json").read_text())
     t = [t for t in m["tensors"] if t["name"].endswith("q_b_proj.weight")][0]
     path = out / t["file"]
@@ -416,7 +419,7 @@ def test_hashes_checked_files_at_once_name_the_first_damaged_file_in_file_order(
     a time, and with a tensor damaged in the first and the last file, the first file's is named
     (whichever thread found its damage first)."""
     out = tmp_path / "out"
-    convert(str(sources["r1-0528"]), out, Target(tp=4))
+    convert(str(sources["r1-0528"]), out, target_for(ATOM, tp=4))
     m = L.load_manifest(out)
     files = list(dict.fromkeys(t.file for t in m.tensors))
     assert len(files) >= 5
@@ -456,7 +459,7 @@ def test_verify_and_revert_compare_bytes_not_float_values(sources, tmp_path, var
         f.seek(at)
         f.write(bytes([0xC0, 0x7F, 0x00, 0x00, 0x01, 0x7F]))
     out, back = tmp_path / "out", tmp_path / "back"
-    convert(str(src), out, Target(tp=2))
+    convert(str(src), out, target_for(ATOM, tp=2))
     assert verify(str(out), source=str(src))["source_tensors_compared"] > 0
     revert(str(out), back)
     original, rebuilt = all_tensors(src), all_tensors(back)
@@ -477,7 +480,7 @@ def test_verify_source_inverts_units_at_once_and_names_the_first_difference_in_u
 
     src, out = tmp_path / "src", tmp_path / "out"
     shutil.copytree(sources["r1-0528"], src)
-    convert(str(src), out, Target(tp=2))
+    convert(str(src), out, target_for(ATOM, tp=2))
     runs = {}
     for workers in (1, 3):
         monkeypatch.setenv("PREP_VERIFY_WORKERS", str(workers))
@@ -538,7 +541,7 @@ def test_convert_resolves_a_repo_id_through_the_hub_cache_offline(sources, tmp_p
 def test_inspect_of_a_converted_checkpoint_says_what_each_rank_reads_and_keeps(sources, tmp_path):
     for exact in (True, False):
         out = tmp_path / f"out-{exact}"
-        convert(str(sources["v2"]), out, Target("preshuffle", "ck", 2, ep=2, rank_exact=exact))
+        convert(str(sources["v2"]), out, target_for(ATOM, layout="preshuffle", moe_layout="ck", tp=2, ep=2, rank_exact=exact))
         r = CliRunner().invoke(main, ["inspect", str(out), "--json"])
         ranks = json.loads(r.output)["ranks"]
         m = json.loads((out / "prep-manifest.json").read_text())
@@ -563,8 +566,8 @@ def test_parallel_workers_write_the_same_checkpoint(sources, tmp_path, monkeypat
 
     monkeypatch.setattr(pc, "SHARD_BYTES", 1 << 20)  # several files per rank, so the pool has work to share
     one, two = tmp_path / "one", tmp_path / "two"
-    convert(str(sources["v2"]), one, Target("preshuffle", "ck", 2), workers=1)
-    convert(str(sources["v2"]), two, Target("preshuffle", "ck", 2), workers=2)
+    convert(str(sources["v2"]), one, target_for(ATOM, layout="preshuffle", moe_layout="ck", tp=2), workers=1)
+    convert(str(sources["v2"]), two, target_for(ATOM, layout="preshuffle", moe_layout="ck", tp=2), workers=2)
     m1, m2 = (json.loads((d / "prep-manifest.json").read_text()) for d in (one, two))
     assert len(m1["files"]) > 3 and m1["tensors"] == m2["tensors"] and m1["files"] == m2["files"]
     for f in m1["files"]:
@@ -600,7 +603,7 @@ def test_an_error_in_a_worker_reaches_the_caller_and_no_output_appears(sources, 
     monkeypatch.setattr(pc, "_write_files", failing)
     out = tmp_path / "out"
     with pytest.raises(PrepError, match="injected failure"):
-        convert(str(sources["v2"]), out, Target("preshuffle", "ck", 2), workers=2)
+        convert(str(sources["v2"]), out, target_for(ATOM, layout="preshuffle", moe_layout="ck", tp=2), workers=2)
     assert nothing_left(out)  # no half-written file stays behind
     r = run_cli("convert", str(sources["v2"]), "-o", str(tmp_path / "o2"), "--workers", "0")
     assert r.exit_code == 2 and "Invalid value for '--workers'" in r.output  # click's usage error
@@ -608,7 +611,7 @@ def test_an_error_in_a_worker_reaches_the_caller_and_no_output_appears(sources, 
 
 def test_deep_verify_inverts_every_group_without_a_source(sources, tmp_path):
     out = tmp_path / "out"
-    convert(str(sources["v2"]), out, Target("preshuffle", "triton", 4))  # padded experts: pads checked
+    convert(str(sources["v2"]), out, target_for(ATOM, layout="preshuffle", moe_layout="triton", tp=4))  # padded experts: pads checked
     r = CliRunner().invoke(main, ["verify", str(out), "--deep", "--json"])
     assert r.exit_code == 0 and json.loads(r.output)["ok"] is True, r.output
 
@@ -623,7 +626,7 @@ def test_inverting_checks_that_rank_pieces_tile_each_source_tensor(sources, tmp_
     import prep.converted as pcv
 
     out = tmp_path / "out"
-    convert(str(sources["v2"]), out, Target(tp=1))
+    convert(str(sources["v2"]), out, target_for(ATOM, tp=1))
     ck = pcv.ConvertedCheckpoint(out)
     table = {**ck.source_tensors, "fake.weight": L.manifest.SourceTensor("U8", (8, 8), "fake.safetensors")}
     monkeypatch.setattr(pcv.ConvertedCheckpoint, "source_tensors", property(lambda self: table))
@@ -662,7 +665,7 @@ def test_inverting_experts_a_block_at_a_time_equals_inverting_whole_layers(tmp_p
 
     src, out, back = tmp_path / "src", tmp_path / "out", tmp_path / "back"
     write_checkpoint(SynthSpec(variant="v2", n_routed_experts=n_routed, num_hidden_layers=2), src)
-    convert(str(src), out, Target(layout, moe_layout, tp, ep=ep))
+    convert(str(src), out, target_for(ATOM, layout=layout, moe_layout=moe_layout, tp=tp, ep=ep))
     ck = pcv.ConvertedCheckpoint(out)
     g = next(pcv.group_from_record(r, ck.manifest.recorded_layout) for r in ck.manifest.groups if r.kind == "moe")
     monkeypatch.setattr(pcv, "STREAM_BYTES", block_experts * 2 * g.i_pad * g.h_pad // 2)  # blocks of N experts
@@ -682,7 +685,7 @@ def test_streamed_inversion_refuses_a_piece_of_a_tensor_already_whole(sources, t
     import prep.converted as pcv
 
     out = tmp_path / "out"
-    convert(str(sources["v2"]), out, Target("preshuffle", "ck", 2))
+    convert(str(sources["v2"]), out, target_for(ATOM, layout="preshuffle", moe_layout="ck", tp=2))
     ck = pcv.ConvertedCheckpoint(out)
     unit = next(r.name for r in ck.manifest.groups if r.kind == "moe")
     ck._groups[unit] = ck._groups[unit] + [ck._groups[unit][0]]  # rank 0's record twice
@@ -718,7 +721,7 @@ def test_fp8_attention_is_split_and_merged_with_its_scales_and_round_trips(fp8_a
         return t[:n]
 
     src, out, back = fp8_attention, tmp_path / "out", tmp_path / "back"
-    convert(str(src), out, target_for(engine, tp=tp, ep=ep))
+    convert(str(src), out, target_for(get_engine(engine), tp=tp, ep=ep))
     s = all_tensors(src)
     m = json.loads((out / "prep-manifest.json").read_text())
     assert m["target"]["fp8_channel_layouts"] == ["fp8-channel-preshuffle", "fp8-channel-scale"]
@@ -770,7 +773,7 @@ def test_fp8_scales_of_another_shape_are_refused_in_one_line(fp8_attention, tmp_
     tensors[name] = tensors[name][:10]
     save_file(tensors, shard, metadata={"format": "pt"})
     with pytest.raises(PrepError, match=f"{name}: an FP8 weight's scale must be F32 or BF16 \\[N\\] or \\[N, 1\\]"):
-        convert(str(src), tmp_path / "out", Target(tp=2))
+        convert(str(src), tmp_path / "out", target_for(ATOM, tp=2))
     tensors[name.replace("_scale", "_scale_inv")] = tensors.pop(name)
     save_file(tensors, shard, metadata={"format": "pt"})
     index = json.loads((src / "model.safetensors.index.json").read_text())
@@ -778,7 +781,7 @@ def test_fp8_scales_of_another_shape_are_refused_in_one_line(fp8_attention, tmp_
     (src / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(PrepError, match=r"_scale_inv: block scales must be F32 \[ceil\(N/128\), ceil\(K/128\)\] of an "
                                         r"F8_E4M3 weight \[N, K\] \(got F32 \[10\]"):
-        convert(str(src), tmp_path / "out", Target(tp=2))
+        convert(str(src), tmp_path / "out", target_for(ATOM, tp=2))
     assert nothing_left(tmp_path / "out")
 
 
@@ -804,10 +807,10 @@ def test_a_tensor_of_a_module_deepseek_does_not_build_is_refused_naming_it(sourc
             f"{extra}: no module of DeepSeek-V2/V3 as config.json builds it .* is named {module}; prep does not know "
             "how an engine holds it")
     with pytest.raises(PrepError, match=said):
-        convert(str(src), tmp_path / "out", Target(tp=2))
+        convert(str(src), tmp_path / "out", target_for(ATOM, tp=2))
     assert nothing_left(tmp_path / "out")
     with pytest.raises(PrepError, match=f"{extra}: "):
-        run(src, [1, 2, 3])
+        run(src, [1, 2, 3], source_engine=ATOM)
 
 
 def test_kimi_k2s_shape_converts_with_48_experts_a_rank_under_ep8_and_inverts_exactly(tmp_path):
@@ -822,7 +825,7 @@ def test_kimi_k2s_shape_converts_with_48_experts_a_rank_under_ep8_and_inverts_ex
                            tmp_path / "src")
     assert json.loads((src / "config.json").read_text())["model_type"] == "kimi_k2"
     out = tmp_path / "out"
-    convert(str(src), out, Target(tp=8, ep=8))
+    convert(str(src), out, target_for(ATOM, tp=8, ep=8))
     m = json.loads((out / "prep-manifest.json").read_text())
     w13 = sorted((t for t in m["tensors"] if t["name"] == "model.layers.1.mlp.experts.w13_weight"), key=lambda t: t["rank"])
     assert [t["runtime_attrs"]["global_routed_experts"] for t in w13] == [[48 * r, 48 * (r + 1)] for r in range(8)]

@@ -1,6 +1,6 @@
 """Engine profiles: each engine's knowledge has one home (``layouts/engines/<engine>.py``), layout
 names one home (``layouts/registry.py``), and everything else asks them. Pinned here: nothing
-else spells a layout name or an ATOM switch; the CLI's choices are the registry's and the
+else spells a layout name, an ATOM switch, an engine or a GEMM path; the CLI's choices are the registry's and the
 profile's lists; the profile's tables answer both ways (configuration -> layouts and layouts ->
 configuration); and a second engine plugs in from its own module alone."""
 
@@ -15,6 +15,9 @@ from layouts import engines
 from layouts.compat import SHARED_CHECKS, CompatibilityError, EngineConfig, check_compatibility
 from layouts.engines import NEVER, EngineProfile, GemmPathRule, GpuArch
 from layouts.manifest import Manifest
+from layouts.engines import get_engine
+
+ATOM = get_engine("atom")  # the engine whose profile these tests use
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 # Where the names may be written: the registry defines the layouts, the profiles say who reads them.
@@ -43,7 +46,28 @@ def test_no_module_outside_the_registry_and_the_profiles_spells_a_layout_or_an_a
             if (value in names and (rel, value) not in OTHER_MEANING) or value.startswith("ATOM_"):
                 found.append(f"{rel}:{line}: {value!r}")
     assert not found, ("ask layouts.registry (layout_names, get_layout) or the engine profile "
-                       "(layouts.get_engine()) instead: " + "; ".join(found))
+                       "(layouts.get_engine(name)) instead: " + "; ".join(found))
+
+
+# The one place an engine is chosen without being asked (the CLI's --engine when omitted), and the
+# manifest format's history (manifests from before target.engine were all ATOM's); and "sglang" as
+# the reference engine's MLA order (--mla-order sglang: SGLang's decode arithmetic, not the engine).
+ENGINE_NAMED = {("prep/cli.py", "atom"), ("layouts/manifest/format.py", "atom"), ("prep/cli.py", "sglang"),
+                ("prep/reference/model.py", "sglang"), ("prep/reference/run.py", "sglang")}
+
+
+def test_no_module_outside_the_profiles_names_an_engine_or_a_gemm_path():
+    # The engine is chosen once, at the edge, and its profile passed on: no default engine below it,
+    # and a GEMM path is asked of the engine's profile (issue 40).
+    names = set(layouts.engine_names()) | {p for e in layouts.engine_names() for p in get_engine(e).gemm_paths}
+    found = []
+    for path in sorted([*(REPO / "layouts").rglob("*.py"), *(REPO / "prep").rglob("*.py")]):
+        rel = path.relative_to(REPO).as_posix()
+        if path in HOMES and path != REPO / "layouts" / "registry.py":
+            continue
+        found += [f"{rel}:{line}: {value!r}" for line, value in _string_constants(path)
+                  if value in names and (rel, value) not in ENGINE_NAMED]
+    assert not found, "take the engine's profile from the caller (and its gemm_paths) instead: " + "; ".join(found)
 
 
 def test_the_scan_sees_what_it_must_refuse(tmp_path):
@@ -55,22 +79,27 @@ def test_the_scan_sees_what_it_must_refuse(tmp_path):
 
 def test_cli_choices_are_the_registry_and_profile_lists():
     from prep import cli
-    from prep.deepseek import Target
+    from prep.deepseek import target_for
 
     convert = {p.name: p for p in cli.convert.params}
     assert list(convert["layout"].type.choices) == layouts.layout_names("dense")
     assert list(convert["moe_layout"].type.choices) == layouts.layout_names("moe")
-    assert (convert["layout"].default(), convert["moe_layout"].default()) == (Target.layout, Target.moe_layout)
+    default = target_for(layouts.get_engine(cli.DEFAULT_ENGINE))  # the CLI's, its one default engine
+    assert (convert["layout"].default(), convert["moe_layout"].default()) == (default.layout, default.moe_layout)
+    assert convert["engine"].default == cli.DEFAULT_ENGINE
     for command in (cli.run_cmd, cli.compare):
         gemm = next(p for p in command.params if p.name == "gemm_path")
-        assert list(gemm.type.choices) == list(layouts.get_engine().gemm_paths)
+        assert list(gemm.type.choices) == list(layouts.get_engine(cli.DEFAULT_ENGINE).gemm_paths)
 
 
-def test_a_plain_convert_targets_what_the_default_engine_configuration_reads():
-    from prep.deepseek import Target
+@pytest.mark.parametrize("engine", ["atom", "sglang", "vllm"])
+def test_a_plain_convert_targets_what_the_engine_default_configuration_reads(engine):
+    from prep.deepseek import target_for
 
-    default = EngineConfig()
-    assert (Target.layout, Target.moe_layout) == (default.expected_dense_layout(), default.expected_moe_layout())
+    profile = layouts.get_engine(engine)
+    target, default = target_for(profile), EngineConfig(profile=profile)
+    assert (target.layout, target.moe_layout) == (default.expected_dense_layout(), default.expected_moe_layout())
+    assert target.engine == engine
 
 
 def test_every_registered_layout_is_read_by_some_engine_path():
@@ -104,14 +133,14 @@ def _manifest(layout, moe_layout, tp=2, ep=1, engine="atom") -> Manifest:
 
 
 @pytest.mark.parametrize("backend, arch", [("ck", "gfx950"), ("ck", "gfx942"), ("triton", "gfx950"), ("triton", "gfx942")])
-@pytest.mark.parametrize("gemm_path", list(layouts.GEMM_PATH_RULES))
+@pytest.mark.parametrize("gemm_path", list(ATOM.gemm_paths))
 def test_the_configuration_reading_a_checkpoint_reads_it(gemm_path, backend, arch):
     # prep run's engine_for used to spell this table in reverse; now both directions are one table.
-    e = EngineConfig(gemm_path, backend, 2, gpu_arch=arch)
+    e = EngineConfig(gemm_path, backend, 2, gpu_arch=arch, profile=ATOM)
     m = _manifest(e.expected_dense_layout(), e.expected_moe_layout())
     back = EngineConfig.reading(m)
     assert (back.expected_dense_layout(), back.expected_moe_layout()) == (m.layout, m.moe_layout)
-    assert back.gemm_path == layouts.get_engine().gemm_path_reading(m.layout)  # the first path reading it
+    assert back.gemm_path == ATOM.gemm_path_reading(m.layout)  # the first path reading it
     check_compatibility(m, back)
 
 
@@ -123,8 +152,15 @@ def test_the_adapter_keeps_its_old_address():
     assert layouts.get_engine("atom") is layouts.engines.atom.PROFILE
     with pytest.raises(KeyError, match="unknown engine 'tgi'; known: atom, sglang, vllm"):
         layouts.get_engine("tgi")
-    with pytest.raises(CompatibilityError, match="unknown engine 'tgi'"):
-        EngineConfig(engine="tgi")
+
+
+def test_a_configuration_sent_to_another_process_names_its_engine():
+    # The profile object travels by its name (a worker's pickled configuration is that worker's profile's).
+    import pickle
+
+    config = EngineConfig.from_env(ATOM, tp_size=2, rank=1, env={})
+    back = pickle.loads(pickle.dumps(config))
+    assert back == config and back.profile is ATOM
 
 
 # ------------------------------------------------------------------------------ a second engine
@@ -147,13 +183,13 @@ class ToyProfile(EngineProfile):
 
     def config_from_env(self, env, *, tp_size, rank, ep_size, gpu_arch):
         return EngineConfig(moe_backend="toy-moe", tp_size=tp_size, rank=rank, ep_size=ep_size, gpu_arch=gpu_arch,
-                            input_norm_quant_fusion=env.get("TOY_FUSION", "1") == "1", engine=self.name)
+                            input_norm_quant_fusion=env.get("TOY_FUSION", "1") == "1", profile=self)
 
 
 @pytest.fixture
 def toy(monkeypatch):
     """The toy engine registered for one test (the known engines restored afterwards)."""
-    engines.get_engine()  # the built-in profiles are loaded before the copy
+    engines.engine_names()  # the built-in profiles are loaded before the copy
     monkeypatch.setattr(engines, "_PROFILES", dict(engines._PROFILES))
     return layouts.register_engine(ToyProfile())
 
@@ -162,12 +198,12 @@ def test_a_second_engine_plugs_into_the_checks_and_the_activation_flags(toy):
     raw = layouts.registry.source_order_layout("dense").name
     pre = next(n for n in layouts.layout_names("dense") if n != raw)
     ck = layouts.registry.MOE_CK.name
-    engine = EngineConfig.from_env(tp_size=2, env={"TOY_FUSION": "0"}, engine="toy")
+    engine = EngineConfig.from_env(toy, tp_size=2, env={"TOY_FUSION": "0"})
     assert (engine.gemm_path, engine.moe_backend, engine.gpu_arch, engine.input_norm_quant_fusion) == (
         "toy-raw", "toy-moe", "gfx950", False)
     check_compatibility(_manifest(raw, ck, engine="toy"), engine)
-    assert EngineConfig.reading(_manifest(raw, ck, engine="toy"), engine="toy") == EngineConfig(engine="toy", tp_size=2,
-                                                                                  moe_backend="toy-moe")
+    assert EngineConfig.reading(_manifest(raw, ck, engine="toy"), profile=toy) == EngineConfig(
+        profile=toy, tp_size=2, moe_backend="toy-moe")
     refusals = {
         (pre, ck, 1): f"checkpoint layout '{pre}' but the toy-raw GEMM reads '{raw}': convert with --layout {raw}",
         (raw, ck, 2): "convert again with --ep 1, or enable --toy-expert-parallel",
@@ -179,17 +215,18 @@ def test_a_second_engine_plugs_into_the_checks_and_the_activation_flags(toy):
             check_compatibility(_manifest(layout, moe, ep=ep, engine="toy"), engine)
         assert message in str(e.value)
     with pytest.raises(CompatibilityError, match="the toy engine has no expert parallel"):
-        check_compatibility(_manifest(raw, ck, ep=2, engine="toy"), EngineConfig(engine="toy", tp_size=2, ep_size=2))
+        check_compatibility(_manifest(raw, ck, ep=2, engine="toy"), EngineConfig(profile=toy, tp_size=2, ep_size=2))
     with pytest.raises(CompatibilityError, match="GPU arch 'gfx942': prep's .* profile covers gfx95x"):
-        EngineConfig(engine="toy", gpu_arch="gfx942")
-    assert [tuple(layouts.select_activation_quant("toy-raw", m)) for m in (15, 16)] == [(False, False), (True, False)]
+        EngineConfig(profile=toy, gpu_arch="gfx942")
+    assert [tuple(layouts.select_activation_quant(toy.gemm_paths["toy-raw"], m)) for m in (15, 16)] == [
+        (False, False), (True, False)]
     plan = layouts.ActivationQuantPlan.for_checkpoint(_manifest(raw, ck, engine="toy"), engine)
     assert tuple(plan.flags(16)) == (True, False) and not plan.input_norm_quant_fusion
     assert toy.inspect_targets() == [(raw, ck)] and "toy" in layouts.engine_names()
     with pytest.raises(CompatibilityError, match="converted for atom, .* convert again with --engine toy"):
         check_compatibility(_manifest(raw, ck), engine)  # ranks written for ATOM hold ATOM's modules
     # ATOM is untouched by the newcomer.
-    assert layouts.select_activation_quant("asm", 1) == (True, True) and EngineConfig().engine == "atom"
+    assert layouts.select_activation_quant(ATOM.gemm_paths["asm"], 1) == (True, True)
 
 
 def test_a_profile_is_checked_when_it_registers(toy):
@@ -220,7 +257,7 @@ def test_a_second_engine_with_its_own_sharding_rules_gets_ranks_files_of_its_own
     from layouts.engines import WHOLE, ShardingRules
     from layouts.engines.atom import SHARDING
     from prep.convert import convert
-    from prep.deepseek import Target
+    from prep.deepseek import target_for
     from prep.testing import SynthSpec, write_checkpoint
 
     toy.sharding = ShardingRules(SHARDING.merges, (("deepseek-v3", r"\.self_attn\.o_proj$", WHOLE),), experts="mlp.moe")
@@ -230,7 +267,8 @@ def test_a_second_engine_with_its_own_sharding_rules_gets_ranks_files_of_its_own
     ck = layouts.registry.MOE_CK.name
     out = {}
     for engine in ("atom", "toy"):
-        convert(str(src), tmp_path / engine, Target(raw, ck, 2, bf16_moe_layout=None, engine=engine))
+        convert(str(src), tmp_path / engine,
+                target_for(get_engine(engine), layout=raw, moe_layout=ck, tp=2, bf16_moe_layout=None))
         out[engine] = layouts.load_manifest(tmp_path / engine)
     assert out["toy"].target.engine == "toy" and out["atom"].target.engine == "atom"
     # A reader older than target.engine (version 3) would take the toy ranks for ATOM's: it refuses 4.
@@ -253,21 +291,23 @@ def test_a_second_engine_with_its_own_sharding_rules_gets_ranks_files_of_its_own
     assert all(back.read(n).view(-1).view(torch.uint8).equal(source.read(n).view(-1).view(torch.uint8))
                for n in source.tensors)
     with pytest.raises(CompatibilityError, match="converted for toy.*--engine atom"):
-        check_compatibility(out["toy"], EngineConfig.reading(out["toy"], engine="atom"))
+        check_compatibility(out["toy"], EngineConfig.reading(out["toy"], profile=ATOM))
 
 
 def test_converting_for_an_engine_without_sharding_rules_is_refused_naming_those_with(toy, tmp_path):
     from prep.convert import convert
-    from prep.deepseek import Target
+    from prep.deepseek import engine_of, target_for
     from prep.errors import PrepError
     from prep.testing import SynthSpec, write_checkpoint
 
     src = write_checkpoint(SynthSpec(), tmp_path / "src")
     with pytest.raises(PrepError, match="engine 'toy' states no sharding rules.*--engine atom"):
-        convert(str(src), tmp_path / "out", Target(engine="toy"))
+        convert(str(src), tmp_path / "out", target_for(toy))
+    with pytest.raises(PrepError, match="engine 'toy' states no sharding rules.*--engine atom"):
+        engine_of("toy")
     assert not (tmp_path / "out").exists()
     with pytest.raises(PrepError, match="unknown engine 'nope'"):
-        convert(str(src), tmp_path / "out", Target(engine="nope"))
+        engine_of("nope")
 
 
 def test_convert_engine_takes_that_engines_default_layouts(toy, tmp_path):

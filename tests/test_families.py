@@ -12,9 +12,12 @@ from click.testing import CliRunner
 from harness.report import rows as harness_rows
 from layouts.errors import LayoutsError
 from layouts.families import COLS, ROWS, WHOLE, Family, Module, family_of, get_family, register_family
+from layouts.engines import get_engine
 from prep.cli import main
 from prep.source import SourceCheckpoint
 from prep.testing import PRESETS, build_config, tensor_specs, write_checkpoint
+
+ATOM = get_engine("atom")  # the engine whose profile these tests use
 
 
 @pytest.mark.parametrize("config, family", [
@@ -125,7 +128,7 @@ def test_kimi_k25_converts_with_the_vision_tower_whole_in_a_common_file_and_reve
     from prep.deepseek import target_for
 
     out = tmp_path / "out"
-    convert(str(kimi), out, target_for(engine, tp=tp, ep=ep))
+    convert(str(kimi), out, target_for(get_engine(engine), tp=tp, ep=ep))
     m = layouts.load_manifest(out)
     assert m.format_version == 5 and m.source.wrapper.prefix == "language_model."
     vision = [t for t in m.tensors if t.name.startswith(("vision_tower.", "mm_projector."))]
@@ -157,7 +160,7 @@ def test_kimi_k25_through_atoms_door_equals_atoms_own_load_and_a_flipped_byte_fa
     from prep.deepseek import target_for
 
     out = tmp_path / "out"
-    convert(str(kimi), out, target_for("atom", tp=2))
+    convert(str(kimi), out, target_for(ATOM, tp=2))
     data = bytearray((f := sorted(out.glob("model-tp2-rank1-*.safetensors"))[-1]).read_bytes())
     data[-1] ^= 0x01
     f.write_bytes(bytes(data))
@@ -181,7 +184,7 @@ def test_kimi_k25_through_vllms_door_equals_its_own_load_vision_tower_included(k
     from prep.deepseek import target_for
 
     out = tmp_path / "out"
-    convert(str(kimi), out, target_for("vllm", tp=2, ep=2))
+    convert(str(kimi), out, target_for(get_engine("vllm"), tp=2, ep=2))
     rows, report = engine_check_rows("vllm", kimi, out, tmp_path / "work")
     assert [(row["rank"], row["tensors"], row["result"]) for row in rows] == [("0/2", "139", "ok"), ("1/2", "139", "ok")], \
         report
@@ -265,7 +268,7 @@ def test_deepseek_v32_converts_for_atom_with_the_indexer_whole_on_every_rank_and
     from prep.deepseek import target_for
 
     out = tmp_path / "out"
-    convert(str(v32), out, target_for("atom", tp=tp, ep=ep))
+    convert(str(v32), out, target_for(ATOM, tp=tp, ep=ep))
     m = layouts.load_manifest(out)
     wq_b = "model.layers.1.self_attn.indexer.wq_b.weight"  # whole (4 heads of 32 over q_lora 128) on every rank
     assert [{t.name: t.shape for t in m.rank_tensors(r)}[wq_b] for r in range(tp)] == [(4 * 32, 128)] * tp
@@ -293,7 +296,7 @@ def test_the_reference_engine_computes_deepseek_v32_where_its_indexer_keeps_ever
     from prep.deepseek import target_for
 
     out = tmp_path / "out"
-    convert(str(v32), out, target_for("atom", tp=2))
+    convert(str(v32), out, target_for(ATOM, tp=2))
     r = CliRunner().invoke(main, ["compare", str(v32), str(out), "--prompt-ids", "1,2,3,4"])
     assert r.exit_code == 0 and "(identical bit for bit)" in r.output, r.output
     r = CliRunner().invoke(main, ["run", str(v32), "--prompt-ids", "1,2,3", "--generate", "2"])
@@ -332,7 +335,7 @@ def test_glm5_converts_with_the_embedding_as_each_engine_holds_it_and_reverts(gl
     from prep.deepseek import target_for
 
     out = tmp_path / "out"
-    convert(str(glm), out, target_for(engine, tp=tp, ep=ep))
+    convert(str(glm), out, target_for(get_engine(engine), tp=tp, ep=ep))
     m = layouts.load_manifest(out)
     shapes = [{t.name: t.shape for t in m.rank_tensors(r)} for r in range(tp)]
     embed = 1024 if engine == "atom" else 1024 // tp
@@ -354,7 +357,7 @@ def test_glm5_through_atoms_door_equals_atoms_own_load_and_a_flipped_embedding_b
     from prep.deepseek import target_for
 
     out = tmp_path / "out"
-    convert(str(glm), out, target_for("atom", tp=2))
+    convert(str(glm), out, target_for(ATOM, tp=2))
     report = _atom_install_check(glm, out, tmp_path / "work")
     rows = harness_rows(report)
     assert report.startswith("rc=0") and len(rows) == 2 and all(row["result"] == "ok" and row["warned"] == "same"
@@ -403,7 +406,7 @@ def test_the_reference_engine_computes_glm5_with_its_rope_parameters(glm, tmp_pa
     from prep.deepseek import target_for
 
     out = tmp_path / "out"
-    convert(str(glm), out, target_for("atom", tp=2))
+    convert(str(glm), out, target_for(ATOM, tp=2))
     r = CliRunner().invoke(main, ["compare", str(glm), str(out), "--prompt-ids", "1,2,3,4"])
     assert r.exit_code == 0 and "(identical bit for bit)" in r.output, r.output
 
@@ -415,7 +418,7 @@ def test_prep_atom_serve_refuses_glm5_when_atom_would_split_its_embedding(glm, t
     from prep.deepseek import target_for
 
     out = tmp_path / "out"
-    convert(str(glm), out, target_for("atom", tp=2))
+    convert(str(glm), out, target_for(ATOM, tp=2))
     manifest = layouts.load_manifest(out)
     serve.check_vocab_embed(manifest, {})  # ATOM's default: the whole table on every rank
     with pytest.raises(serve.ServeError, match=r"^ATOM_REPLICATE_VOCAB_EMBED=0: ATOM then splits GLM-5's embedding .* "

@@ -12,8 +12,11 @@ import pytest
 import prep.convert as pc
 import prep.siblings as siblings
 from prep.convert import convert
-from prep.deepseek import Target
+from prep.deepseek import target_for
 from prep.testing import SynthSpec, write_checkpoint
+from layouts.engines import get_engine
+
+ATOM = get_engine("atom")  # the engine whose profile these tests use
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +49,7 @@ def files(folder: pathlib.Path) -> dict[str, bytes]:
 def test_files_written_together_hold_the_bytes_of_each_file_written_alone(sources, tmp_path, monkeypatch, variant,
                                                                            layout, moe_layout, tp, ep, chunk):
     monkeypatch.setattr(pc, "CHUNK_BYTES", chunk)
-    target = Target(layout, moe_layout, tp, ep=ep)
+    target = target_for(ATOM, layout=layout, moe_layout=moe_layout, tp=tp, ep=ep)
     seen = []
     real = pc._file_sets
 

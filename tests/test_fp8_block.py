@@ -17,6 +17,7 @@ from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 import layouts
+from layouts.engines import get_engine
 from prep.cli import main
 from prep.convert import convert
 from prep.converted import same_bytes
@@ -25,6 +26,8 @@ from prep.errors import PrepError
 from prep.testing import PRESETS, SynthSpec, write_checkpoint
 
 from conftest import assert_verifies_and_reverts
+
+ATOM = get_engine("atom")  # the engine whose profile these tests use
 
 B = 128  # DeepSeek's FP8 block
 
@@ -83,7 +86,7 @@ def test_fp8_block_scales_follow_their_weights_by_whole_blocks_and_round_trip(fp
     # Every FP8 weight is stored as ATOM holds it once loaded: aiter's (16, 16) shuffle (fp8-preshuffle,
     # is_shuffled), taken back here to compare; the scales as the source holds them.
     src, out, back = fp8_block, tmp_path / "out", tmp_path / "back"
-    convert(str(src), out, target_for("atom", tp=tp, ep=ep))
+    convert(str(src), out, target_for(ATOM, tp=tp, ep=ep))
     s = all_tensors(src)
     m = json.loads((out / "prep-manifest.json").read_text())
     assert m["target"]["fp8_layout"] == "fp8-preshuffle"
@@ -134,11 +137,11 @@ def test_a_tp_that_cuts_a_128_block_is_refused_naming_the_scales(fp8_block, tmp_
     # q_b_proj (8 heads x 48 rows) cuts a block at TP 2.
     with pytest.raises(PrepError, match=r"experts\.0\.gate_proj\.weight_scale_inv: over tp=4 a rank holds 256/4 rows of "
                                         r"its weight, not whole 128x128 blocks .* choose a tp \(or --ep\)"):
-        convert(str(fp8_block), tmp_path / "out", target_for("atom", tp=4))
+        convert(str(fp8_block), tmp_path / "out", target_for(ATOM, tp=4))
     assert nothing_left(tmp_path / "out")
     tiny = write_checkpoint(SynthSpec(variant="fp8-block"), tmp_path / "tiny")
     with pytest.raises(PrepError, match=r"q_b_proj\.weight_scale_inv: over tp=2 a rank holds 384/2 rows"):
-        convert(str(tiny), tmp_path / "out", target_for("atom", tp=2))
+        convert(str(tiny), tmp_path / "out", target_for(ATOM, tp=2))
     assert nothing_left(tmp_path / "out")
 
 
@@ -146,7 +149,7 @@ def test_a_tp_that_cuts_a_128_block_is_refused_naming_the_scales(fp8_block, tmp_
 def test_fp8_block_is_refused_for_an_engine_whose_door_is_not_checked_with_it(fp8_block, tmp_path, engine):
     with pytest.raises(PrepError, match=r"\.weight: FP8 with 128x128 block scales is not checked against .*'s own "
                                         r"load yet.*convert with --engine atom"):
-        convert(str(fp8_block), tmp_path / "out", target_for(engine, tp=2, ep=2))
+        convert(str(fp8_block), tmp_path / "out", target_for(get_engine(engine), tp=2, ep=2))
     assert nothing_left(tmp_path / "out")
 
 
@@ -170,7 +173,7 @@ def test_block_scales_of_another_shape_or_without_a_scale_are_refused_in_one_lin
     (src / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(PrepError, match=r"an FP8 checkpoint with weight_block_size \[64, 64\].*prep converts DeepSeek's "
                                         r"FP8 release \(weight_block_size \[128, 128\]"):
-        convert(str(src), tmp_path / "out", target_for("atom", tp=2))
+        convert(str(src), tmp_path / "out", target_for(ATOM, tp=2))
 
 
 def test_atoms_triton_gemm_takes_block_scaled_fp8_attention_where_per_channel_is_refused(fp8_block, tmp_path):
@@ -182,13 +185,13 @@ def test_atoms_triton_gemm_takes_block_scaled_fp8_attention_where_per_channel_is
     from layouts.engines.atom import TRITON_PRESHUFFLE, fp8_attention_tensor
 
     out = tmp_path / "out"
-    convert(str(fp8_block), out, target_for("atom", tp=2))
+    convert(str(fp8_block), out, target_for(ATOM, tp=2))
     manifest = layouts.load_manifest(out)
     assert fp8_attention_tensor(manifest) is None
     for gemm_path, backend in ((TRITON_PRESHUFFLE, "ck"), ("asm", "triton")):
-        layouts.check_compatibility(manifest, layouts.EngineConfig(gemm_path, backend, tp_size=2))
+        layouts.check_compatibility(manifest, layouts.EngineConfig(gemm_path, backend, tp_size=2, profile=ATOM))
     channel = tmp_path / "channel"
-    convert(str(write_checkpoint(SynthSpec(variant="mtp-moefp4"), tmp_path / "src")), channel, target_for("atom", tp=2))
+    convert(str(write_checkpoint(SynthSpec(variant="mtp-moefp4"), tmp_path / "src")), channel, target_for(ATOM, tp=2))
     assert ".self_attn." in fp8_attention_tensor(layouts.load_manifest(channel))
 
 
@@ -197,7 +200,7 @@ def test_atom_configured_to_leave_fp8_weights_unshuffled_is_refused_naming_the_s
     # aside) and its non-preshuffled block-scale GEMM would read the shuffled files as garbage.
     profile = layouts.get_engine("atom")
     out = tmp_path / "out"
-    convert(str(fp8_block), out, target_for("atom", tp=2))
+    convert(str(fp8_block), out, target_for(ATOM, tp=2))
     manifest = layouts.load_manifest(out)
     for env in ({}, {"ATOM_FP8_BLOCKSCALE_WEIGHT_PRESHUFFLE": "1"}):
         layouts.check_compatibility(manifest, profile.config_from_env(env, tp_size=2, rank=0, ep_size=1, gpu_arch=None))
@@ -209,7 +212,7 @@ def test_atom_configured_to_leave_fp8_weights_unshuffled_is_refused_naming_the_s
         layouts.check_compatibility(manifest, off)
     # an MXFP4 checkpoint has no FP8 weight: the switch does not matter to it, nor is fp8_layout recorded
     mx = tmp_path / "mx"
-    convert(str(write_checkpoint(SynthSpec(), tmp_path / "mxsrc")), mx, target_for("atom", tp=2))
+    convert(str(write_checkpoint(SynthSpec(), tmp_path / "mxsrc")), mx, target_for(ATOM, tp=2))
     assert "fp8_layout" not in json.loads((mx / "prep-manifest.json").read_text())["target"]
     layouts.check_compatibility(layouts.load_manifest(mx), off)
 

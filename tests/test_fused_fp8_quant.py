@@ -26,7 +26,10 @@ from conftest import need_engine_sources
 from layouts import fused_fp8_quant as F8
 from layouts._triton_fused_fp8_quant import _fp8_byte
 from layouts.fused_fp8_quant import fused_rms_fp8_quant, fused_rms_fp8_quant_reference
+from layouts.engines import get_engine
 from test_fused_quant import EPS, N2_KV, assert_one_step, assert_res_close, make_inputs
+
+ATOM = get_engine("atom")  # the engine whose profile these tests use
 
 FN, FNUZ = torch.float8_e4m3fn, torch.float8_e4m3fnuz
 SCALE_RTOL = 2 ** -21
@@ -199,7 +202,7 @@ def test_reference_and_triton_kernel_match_aiters_kernel_at_atoms_call_sites(ait
 def test_the_plan_runs_atoms_fp8_call_at_both_sites_in_the_archs_fp8_type(attention_quant, group, arch, dtype):
     import layouts
 
-    engine = layouts.EngineConfig(gemm_path="triton-preshuffle", gpu_arch=arch)
+    engine = layouts.EngineConfig(gemm_path="triton-preshuffle", gpu_arch=arch, profile=ATOM)
     plan = layouts.ActivationQuantPlan.for_engine(engine, backend="torch", attention_quant=attention_quant)
     h = make_inputs(5, 7168, res=True)
     (q, s), res = plan.input_layernorm(h["x1"], h["x1_weight"], EPS, h["res1"])
@@ -219,7 +222,7 @@ def test_fp8_block_input_quant_is_fused_only_where_the_gemm_path_fuses_it():
     import layouts
 
     h = make_inputs(3, 7168, res=True)
-    asm = layouts.EngineConfig(gemm_path="asm")
+    asm = layouts.EngineConfig(gemm_path="asm", profile=ATOM)
     block = layouts.ActivationQuantPlan.for_engine(asm, backend="torch", attention_quant="fp8-1x128")
     (x, scale), res = block.input_layernorm(h["x1"], h["x1_weight"], EPS, h["res1"])
     assert scale is None and x.dtype == torch.bfloat16 and torch.equal(res, (h["x1"].float() + h["res1"].float()).bfloat16())
@@ -227,4 +230,4 @@ def test_fp8_block_input_quant_is_fused_only_where_the_gemm_path_fuses_it():
     (q, scale), _ = token.input_layernorm(h["x1"], h["x1_weight"], EPS, h["res1"])
     assert q.dtype == FN and scale.shape == (3, 1)
     with pytest.raises(ValueError, match="attention_quant must be one of"):
-        layouts.ActivationQuantPlan("asm", attention_quant="fp8")
+        layouts.ActivationQuantPlan("asm", attention_quant="fp8", profile=ATOM)

@@ -36,6 +36,9 @@ from layouts import fused_quant as FQ
 from layouts.mxfp4 import AITER_TRITON, unpack_fp4
 from layouts.selection import select_activation_quant
 from layouts.shuffle import preshuffle_scale, unshuffle_scale
+from layouts.engines import get_engine
+
+ATOM = get_engine("atom")  # the engine whose profile these tests use
 
 EPS = 1e-6
 N2_KV = 512  # DeepSeek kv_lora_rank: the kv_a_layernorm width
@@ -439,7 +442,7 @@ def test_aiter_quantizes_the_float32_norm_not_a_bf16_rounded_one(aiter_fused_rms
 @pytest.mark.parametrize("gemm_path", ["asm", "triton-preshuffle", "triton-non-shuffle"])
 def test_deepseek_input_layernorm_with_residual(aiter_fused_rms_quant, gemm_path, tokens):
     # input_layernorm (+ residual) before fused_qkv_a_proj: hidden 7168, bf16.
-    shuffle, padding = select_activation_quant(gemm_path, tokens)
+    shuffle, padding = select_activation_quant(ATOM.gemm_paths[gemm_path], tokens)
     args = make_inputs(tokens, 7168, res=True, seed=61 + tokens)
     out = run(args, shuffle, padding, "triton")
     want = reference(args, shuffle, padding)
@@ -456,7 +459,7 @@ def test_deepseek_input_layernorm_with_residual(aiter_fused_rms_quant, gemm_path
 @pytest.mark.parametrize("gemm_path", ["asm", "triton-preshuffle", "triton-non-shuffle"])
 def test_deepseek_q_a_layernorm_with_kv_a_layernorm(aiter_fused_rms_quant, gemm_path, tokens):
     # q_a_layernorm (q_lora 1536, quantized for q_b_proj) + kv_a_layernorm (kv_lora 512, bf16).
-    shuffle, padding = select_activation_quant(gemm_path, tokens)
+    shuffle, padding = select_activation_quant(ATOM.gemm_paths[gemm_path], tokens)
     args = make_inputs(tokens, 1536, x2=True, seed=71 + tokens)
     out = run(args, shuffle, padding, "triton")
     want = reference(args, shuffle, padding)

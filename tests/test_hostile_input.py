@@ -22,12 +22,15 @@ from safetensors.torch import load_file, save_file
 import layouts as L
 from layouts.manifest import ManifestError, load_manifest
 from layouts.safetensors_file import SafetensorsFile, SafetensorsFileError
+from layouts.engines import get_engine
 from prep.cli import main
 from prep.convert import convert
-from prep.deepseek import Target
+from prep.deepseek import target_for
 from prep.errors import PrepError
 from prep.source import SourceCheckpoint
 from prep.testing import SynthSpec, drop_tensors, write_checkpoint
+
+ATOM = get_engine("atom")  # the engine whose profile these tests use
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 INDEX = "model.safetensors.index.json"
@@ -39,7 +42,7 @@ def made(tmp_path_factory):
     root = tmp_path_factory.mktemp("hostile")
     src = write_checkpoint(SynthSpec(variant="v2"), root / "src")
     out = root / "tp2"
-    convert(str(src), out, Target(tp=2))
+    convert(str(src), out, target_for(ATOM, tp=2))
     return {"src": src, "out": out}
 
 
@@ -528,7 +531,7 @@ def made_r1(tmp_path_factory):
     """A tiny R1-0528 source (BF16 experts in its MTP layer: stacked groups) and its tp=2 conversion."""
     root = tmp_path_factory.mktemp("hostile-r1")
     src = write_checkpoint(SynthSpec(variant="r1-0528"), root / "src")
-    convert(str(src), root / "tp2", Target(tp=2))
+    convert(str(src), root / "tp2", target_for(ATOM, tp=2))
     return {"src": src, "out": root / "tp2"}
 
 
@@ -805,7 +808,7 @@ def test_errors_keep_their_type_under_one_base_per_package(made, tmp_path):
     with pytest.raises(SafetensorsFileError, match="re-download it"):  # prep adds the fix, keeps the type
         SourceCheckpoint.open(str(bad))
     with pytest.raises(LayoutConstraintError, match="choose a smaller --tp"):
-        convert(str(made["src"]), tmp_path / "tp8", Target(tp=8))
+        convert(str(made["src"]), tmp_path / "tp8", target_for(ATOM, tp=8))
     assert nothing_left(tmp_path / "tp8")
     assert_one_line_error(run_cli("convert", made["src"], "-o", tmp_path / "tp8", "--tp", "8"), "K % 64 == 0")
 

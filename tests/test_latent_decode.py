@@ -14,9 +14,12 @@ from click.testing import CliRunner
 
 from prep.cli import main
 from prep.convert import convert
-from prep.deepseek import Target
+from prep.deepseek import target_for
 from prep.reference.run import run
 from prep.testing import SynthSpec, write_checkpoint
+from layouts.engines import get_engine
+
+ATOM = get_engine("atom")  # the engine whose profile these tests use
 
 IDS = [1, 5, 9, 200, 7, 33, 2, 900]
 
@@ -42,9 +45,9 @@ def test_latent_decode_gives_the_full_forwards_logits(sources, tmp_path, variant
     model = sources[variant]
     if layout is not None:
         model = tmp_path / "out"
-        convert(str(sources[variant]), model, Target(layout, moe_layout, tp, ep=ep))
-    full = run(model, IDS, latent_kv=True)["logits"]
-    latent = run(model, IDS, latent_kv=True, prefill=3)
+        convert(str(sources[variant]), model, target_for(ATOM, layout=layout, moe_layout=moe_layout, tp=tp, ep=ep))
+    full = run(model, IDS, latent_kv=True, source_engine=ATOM)["logits"]
+    latent = run(model, IDS, latent_kv=True, prefill=3, source_engine=ATOM)
     assert latent["logits"].shape == full.shape
     assert rel(full, latent["logits"]) < 1e-5, rel(full, latent["logits"])
     cfg = json.loads((model / "config.json").read_text())
@@ -52,16 +55,16 @@ def test_latent_decode_gives_the_full_forwards_logits(sources, tmp_path, variant
         cfg["num_hidden_layers"]
     assert latent["per_head_kv_bytes_per_token"] > latent["kv_cache_bytes_per_token"]
     # No cache: each step recomputed from its prefix, the same logits.
-    none = run(model, IDS, prefill=3, kv_cache="none")
-    assert rel(run(model, IDS)["logits"], none["logits"]) < 1e-5 and none["kv_cache_bytes_per_token"] == 0
+    none = run(model, IDS, prefill=3, kv_cache="none", source_engine=ATOM)
+    assert rel(run(model, IDS, source_engine=ATOM)["logits"], none["logits"]) < 1e-5 and none["kv_cache_bytes_per_token"] == 0
 
 
 def test_generated_tokens_are_the_full_forwards_greedy_choices(sources):
     src = sources["v2"]
-    r = run(src, IDS[:4], latent_kv=True, prefill=4, generate=4)
+    r = run(src, IDS[:4], latent_kv=True, prefill=4, generate=4, source_engine=ATOM)
     made = r["generated"]
     assert len(made) == 4 and made[0] == int(r["logits"][-1].argmax())
-    again = run(src, IDS[:4] + made[:-1], latent_kv=True)["logits"]
+    again = run(src, IDS[:4] + made[:-1], latent_kv=True, source_engine=ATOM)["logits"]
     assert again[3:].argmax(-1).tolist() == made
 
 
@@ -89,14 +92,14 @@ def test_sglang_order_quantizes_the_absorbed_gemms_to_mxfp4_along_their_reduced_
     from prep.reference.weights import load_weights
 
     w = load_weights(sources["v2"], None, None)
-    model = DeepseekV3(w, ForwardOptions(mla_order="sglang"))
+    model = DeepseekV3(w, ForwardOptions(engine=ATOM, gemm_path="asm", mla_order="sglang"))
     w_uk, w_uv = model._sglang_absorbed(0)
     ref_uk, ref_uv = model.absorbed_kv_b(0)
     along_nope = w_uk.transpose(1, 2)
     assert torch.equal(_mxfp4_roundtrip(along_nope), along_nope)  # already MXFP4 in nope blocks
     assert not torch.equal(w_uk, ref_uk)  # the regrouping lost something
     assert torch.equal(_mxfp4_roundtrip(w_uv), w_uv)
-    ref = run(sources["v2"], IDS, prefill=3, latent_kv=True)
-    sgl = run(sources["v2"], IDS, prefill=3, latent_kv=True, mla_order="sglang")
+    ref = run(sources["v2"], IDS, prefill=3, latent_kv=True, source_engine=ATOM)
+    sgl = run(sources["v2"], IDS, prefill=3, latent_kv=True, mla_order="sglang", source_engine=ATOM)
     assert sgl["mla_order"] == "sglang" and torch.isfinite(sgl["logits"]).all()
     assert not torch.equal(ref["logits"], sgl["logits"])

@@ -31,9 +31,9 @@ def test_the_committed_drawings_are_what_the_transforms_draw(draw, tmp_path):
 def test_the_drawings_come_from_the_transforms(draw, monkeypatch):
     # A changed permutation changes the picture: the script draws what the transform does.
     w16, s32 = draw.draw_w16(), draw.draw_s32x8()
-    real_w, real_s = sh.preshuffle_weight, sh.preshuffle_scale
-    monkeypatch.setattr(sh, "preshuffle_weight", lambda w, out=None: real_w(w.flip(0)).flip(0))
-    monkeypatch.setattr(sh, "preshuffle_scale",
+    real_w, real_s = sh._w16, sh._s32x8_scale  # what the layouts' transforms run, their shapes checked
+    monkeypatch.setattr(sh, "_w16", lambda w, out=None: real_w(w.flip(0)).flip(0))
+    monkeypatch.setattr(sh, "_s32x8_scale",
                         lambda s, pad_value=0, pad_rows=True: real_s(s, pad_value, pad_rows).flip(1))
     assert draw.draw_w16() != w16 and draw.draw_s32x8() != s32
 

@@ -16,9 +16,12 @@ import torch
 import layouts
 import layouts.loader
 from layouts import ManifestError
+from layouts.engines import get_engine
 from prep.convert import convert
-from prep.deepseek import Target
+from prep.deepseek import target_for
 from prep.testing import SynthSpec, write_checkpoint
+
+ATOM = get_engine("atom")  # the engine whose profile these tests use
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +30,7 @@ def generations(tmp_path_factory):
     root = tmp_path_factory.mktemp("swap")
     for name, seed in (("A", 1), ("B", 2)):
         src = write_checkpoint(SynthSpec(seed=seed), root / f"src-{name}")
-        convert(str(src), root / name, Target(tp=2))
+        convert(str(src), root / name, target_for(ATOM, tp=2))
     return root
 
 
@@ -129,7 +132,7 @@ def test_loads_looping_against_forced_conversions_never_mix(generations, tmp_pat
         try:
             while not stop.is_set() and len(swaps) < 12:
                 g = "B" if len(swaps) % 2 == 0 else "A"
-                run(str(generations / f"src-{g}"), out, Target(tp=2), force=True)
+                run(str(generations / f"src-{g}"), out, target_for(ATOM, tp=2), force=True)
                 swaps.append(g)
         except Exception as e:  # noqa: BLE001 - reported below
             errors.append(e)

@@ -16,9 +16,12 @@ import pytest
 import torch
 
 from prep.convert import convert
-from prep.deepseek import Target
+from prep.deepseek import target_for
 from prep.reference.run import run
 from prep.testing import SynthSpec, run_measured, write_checkpoint
+from layouts.engines import get_engine
+
+ATOM = get_engine("atom")  # the engine whose profile these tests use
 
 MiB = 1 << 20
 VOCAB = 1 << 18  # x hidden 256 x 2 bytes: 128 MiB per embedding / head, four of them in v2
@@ -31,7 +34,7 @@ def big_vocab(tmp_path_factory):
     root = tmp_path_factory.mktemp("mem")
     src = write_checkpoint(SynthSpec(variant="v2", vocab_size=VOCAB, num_hidden_layers=2), root / "src")
     out = root / "out"
-    convert(str(src), out, Target("preshuffle", "ck", 2))
+    convert(str(src), out, target_for(ATOM, layout="preshuffle", moe_layout="ck", tp=2))
     return src, out, root
 
 
@@ -58,11 +61,11 @@ def test_verify_source_and_revert_hold_blocks_not_tensors(big_vocab):
 def test_the_forward_keeps_to_max_memory_and_its_logits_do_not_depend_on_it(big_vocab):
     src, out, _ = big_vocab
     for root in (src, out):
-        roomy = run(root, IDS, layers=1)
-        tight = run(root, IDS, layers=1, max_memory=256 * MiB)  # below what this process holds already
+        roomy = run(root, IDS, layers=1, source_engine=ATOM)
+        tight = run(root, IDS, layers=1, max_memory=256 * MiB, source_engine=ATOM)  # below what this process holds already
         assert roomy["evictions"] == 0 and tight["evictions"] > 0
         assert torch.equal(roomy["logits"], tight["logits"])
-    assert torch.equal(run(src, IDS, layers=1)["logits"], run(out, IDS, layers=1)["logits"])
+    assert torch.equal(run(src, IDS, layers=1, source_engine=ATOM)["logits"], run(out, IDS, layers=1, source_engine=ATOM)["logits"])
 
 
 def test_compare_never_makes_a_large_matrix_whole(big_vocab):
@@ -108,7 +111,7 @@ def test_a_converted_dense_module_is_made_a_block_of_rows_at_a_time(tmp_path, mo
     from prep.reference import weights as ref_weights
 
     src = write_checkpoint(SynthSpec(variant="v2", vocab_size=1 << 10, num_hidden_layers=2), tmp_path / "src")
-    convert(str(src), tmp_path / "out", Target("preshuffle", "ck", 1))
+    convert(str(src), tmp_path / "out", target_for(ATOM, layout="preshuffle", moe_layout="ck", tp=1))
     made: list[int] = []
     real = dequant.dequantize
 
@@ -166,7 +169,7 @@ def test_deriving_a_position_map_holds_no_more_than_read_overhead_says(layout, p
 
 def test_run_reports_its_peak_against_max_memory(big_vocab):
     src, out, _ = big_vocab
-    r = run(out, IDS, layers=1, max_memory=4 << 30)
+    r = run(out, IDS, layers=1, max_memory=4 << 30, source_engine=ATOM)
     assert r["max_memory"] == 4 << 30 and 0 < r["peak_rss"] <= 4 << 30
 
 
@@ -193,7 +196,7 @@ def test_experts_are_inverted_in_blocks_of_the_same_bytes_at_every_tp(tmp_path, 
 
     monkeypatch.setattr(converted._Tiles, "place", counting)
     for tp in (1, 4, 8):
-        convert(str(src), tmp_path / f"tp{tp}", Target("preshuffle", "ck", tp))
+        convert(str(src), tmp_path / f"tp{tp}", target_for(ATOM, layout="preshuffle", moe_layout="ck", tp=tp))
         ck = converted.ConvertedCheckpoint(tmp_path / f"tp{tp}")
         moe = [u for u, names in ck.units() if any(".experts." in n for n in names)]
         assert moe

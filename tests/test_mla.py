@@ -12,9 +12,12 @@ from safetensors import safe_open
 
 import layouts
 from layouts.mla import MlaShape, absorbed_kv_b, absorbed_kv_b_of_rank
+from layouts.engines import get_engine
 from prep.convert import convert
-from prep.deepseek import Target
+from prep.deepseek import target_for
 from prep.testing import SynthSpec, write_checkpoint
+
+ATOM = get_engine("atom")  # the engine whose profile these tests use
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +54,7 @@ def source_kv_b(src, layer: int) -> torch.Tensor:
 def test_each_ranks_w_uk_and_w_uv_are_the_source_kv_b_proj_cut_per_head(sources, tmp_path, variant, layout, tp):
     src = sources[variant]
     out = tmp_path / "out"
-    convert(str(src), out, Target(layout, "ck", tp))
+    convert(str(src), out, target_for(ATOM, layout=layout, moe_layout="ck", tp=tp))
     cfg = json.loads((src / "config.json").read_text())
     shape = MlaShape.from_config(cfg, tp)
     nope = shape.qk_nope_head_dim
@@ -78,7 +81,7 @@ def test_reading_a_shuffled_kv_b_proj_as_another_layout_gives_other_values(sourc
     # The index map is the layout's own: read through the wrong one, the numbers differ (what an
     # engine that forgets is_shuffled computes), never the right ones by accident.
     out = tmp_path / "out"
-    convert(str(sources["v2"]), out, Target("preshuffle", "ck", 1))
+    convert(str(sources["v2"]), out, target_for(ATOM, layout="preshuffle", moe_layout="ck", tp=1))
     cfg = json.loads((sources["v2"] / "config.json").read_text())
     shape = MlaShape.from_config(cfg)
     loaded = layouts.load_rank(out, 0)

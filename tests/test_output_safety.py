@@ -20,9 +20,12 @@ import pytest
 import torch
 
 from layouts.manifest import expand_names, load_manifest
+from layouts.engines import get_engine
 from prep.convert import convert
-from prep.deepseek import Target
+from prep.deepseek import target_for
 from prep.testing import SynthSpec, as_format_3, edit_at_same_size, write_checkpoint
+
+ATOM = get_engine("atom")  # the engine whose profile these tests use
 
 ENV = {k: v for k, v in os.environ.items() if not k.startswith("PREP_TEST_")}
 
@@ -108,7 +111,7 @@ def workspace(tmp_path, sources):
     ws.mkdir()
     shutil.copytree(sources["a"], ws / "src")
     (ws / "notes.txt").write_text("the user's own notes")
-    convert(str(ws / "src"), ws / "out", Target(tp=1))
+    convert(str(ws / "src"), ws / "out", target_for(ATOM, tp=1))
     return ws
 
 
@@ -252,7 +255,7 @@ def test_what_is_put_into_out_while_prep_converts_survives_the_swap_and_is_named
     if not exchange:
         monkeypatch.setenv("PREP_TEST_NO_EXCHANGE", "1")
     notes = []
-    convert(str(workspace / "src"), out, Target(tp=2), force=True, notify=notes.append)
+    convert(str(workspace / "src"), out, target_for(ATOM, tp=2), force=True, notify=notes.append)
     complete(out)
     assert (out / "late.txt").read_text() == "written while prep converted"
     assert (out / "late-dir" / "x.bin").read_bytes() == b"x" * 10
@@ -280,7 +283,7 @@ def test_a_refusal_at_the_swap_keeps_the_finished_output_for_resume(workspace, m
 
     monkeypatch.setattr(pconvert, "kill_point", drop)
     with pytest.raises(PrepError, match="'late.txt'.*the finished files are kept in .*--resume"):
-        convert(str(workspace / "src"), out, Target(tp=2), force=True)
+        convert(str(workspace / "src"), out, target_for(ATOM, tp=2), force=True)
     monkeypatch.setattr(pconvert, "kill_point", real)
     assert (out / "late.txt").read_text() == "mine"
     (out / "late.txt").unlink()
@@ -309,7 +312,7 @@ def test_an_undeletable_file_of_the_previous_output_says_the_new_one_is_in_place
     for _ in range(2):  # the run that swapped, then the next one that finds the remains
         with pytest.raises(PrepError, match=f"holds the new output, complete; the previous output's {stuck} cannot "
                                             "be deleted .*Operation not permitted.*chattr -i"):
-            convert(str(workspace / "src"), out, Target(tp=2), force=True)
+            convert(str(workspace / "src"), out, target_for(ATOM, tp=2), force=True)
         complete(out)
         assert json.loads((out / "prep-manifest.json").read_text())["target"]["tp"] == 2
     monkeypatch.setattr(outdir.os, "unlink", real)
@@ -554,8 +557,8 @@ def test_revert_reads_one_folder_even_when_another_is_swapped_in_mid_read(source
     from prep.revert import revert
 
     out, other = tmp_path / "out", tmp_path / "other"
-    convert(str(sources["a"]), out, Target(tp=2))
-    convert(str(sources["b"]), other, Target(tp=2))
+    convert(str(sources["a"]), out, target_for(ATOM, tp=2))
+    convert(str(sources["b"]), other, target_for(ATOM, tp=2))
     swapped = []
 
     def swap_once(_n):

@@ -27,8 +27,11 @@ import zipfile
 import pytest
 
 from prep.convert import convert
-from prep.deepseek import Target
+from prep.deepseek import target_for
 from prep.testing import SynthSpec, write_checkpoint
+from layouts.engines import get_engine
+
+ATOM = get_engine("atom")  # the engine whose profile these tests use
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 OURS = {"mxfp4-prep", "mxfp4-layouts"}
@@ -124,7 +127,7 @@ def test_the_runtime_wheel_needs_torch_alone_and_the_cli_wheel_the_rest(wheels):
 def test_an_engine_environment_loads_a_checkpoint_with_the_runtime_alone(wheels, tmp_path):
     src = write_checkpoint(SynthSpec(variant="v2"), tmp_path / "src")
     out = tmp_path / "tp2"
-    convert(str(src), out, Target("preshuffle", "ck", 2))
+    convert(str(src), out, target_for(ATOM, layout="preshuffle", moe_layout="ck", tp=2))
     py = _fresh_venv(tmp_path / "engine", ["torch", "numpy"])
     r = subprocess.run([str(py), "-m", "pip", "install", "--no-index", "--find-links", str(wheels), "-q",
                         "--disable-pip-version-check", "mxfp4-layouts"], capture_output=True, text=True, cwd=tmp_path,
@@ -134,7 +137,7 @@ def test_an_engine_environment_loads_a_checkpoint_with_the_runtime_alone(wheels,
 import importlib.util, json, sys
 import layouts
 absent = [m for m in {PREP_ONLY!r} if importlib.util.find_spec(m) is not None]
-engine = layouts.EngineConfig.from_env(tp_size=2, rank=1, env={{}})
+engine = layouts.EngineConfig.from_env(layouts.get_engine("atom"), tp_size=2, rank=1, env={{}})
 t = layouts.load_rank({str(out)!r}, 1, "cpu", engine=engine)
 w13 = t["model.layers.1.mlp.experts.w13_weight"]
 try:

@@ -15,9 +15,12 @@ import pytest
 
 import prep.prefetch as pf
 from prep.convert import convert
-from prep.deepseek import Target
+from prep.deepseek import target_for
 from prep.source import SourceCheckpoint
 from prep.testing import SynthSpec, write_checkpoint
+from layouts.engines import get_engine
+
+ATOM = get_engine("atom")  # the engine whose profile these tests use
 
 PAGE = mmap.PAGESIZE
 
@@ -172,7 +175,7 @@ def test_leaving_stops_the_thread_after_the_window_it_is_reading(tiny, monkeypat
 
 def test_a_conversion_reads_every_source_tensor_ahead_and_writes_the_same_bytes(tiny, tmp_path, monkeypatch):
     src = SourceCheckpoint.open(str(tiny))
-    target = Target("preshuffle", "ck", 2)
+    target = target_for(ATOM, layout="preshuffle", moe_layout="ck", tp=2)
     monkeypatch.setenv("PREP_PREFETCH", "0")
     convert(str(tiny), tmp_path / "off", target)
     monkeypatch.setenv("PREP_PREFETCH", "1")
@@ -200,7 +203,7 @@ def test_a_file_that_fails_under_the_prefetch_leaves_the_error_to_the_builders(t
 def test_verify_against_the_source_reads_the_source_ahead(tiny, tmp_path, monkeypatch):
     from prep.verify import verify
 
-    convert(str(tiny), tmp_path / "out", Target("preshuffle", "ck", 2))
+    convert(str(tiny), tmp_path / "out", target_for(ATOM, layout="preshuffle", moe_layout="ck", tp=2))
     rec = Recorder(monkeypatch)
     summary = verify(tmp_path / "out", source=str(tiny))
     src = SourceCheckpoint.open(str(tiny))

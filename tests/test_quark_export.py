@@ -8,10 +8,13 @@ import torch
 
 import quark_export
 from prep.convert import convert
-from prep.deepseek import Target
+from prep.deepseek import target_for
 from prep.reference.run import run
 from prep.verify import verify
 from conftest import _need
+from layouts.engines import get_engine
+
+ATOM = get_engine("atom")  # the engine whose profile these tests use
 
 IDS = [1, 5, 9, 200, 17, 3, 44, 900]
 
@@ -30,7 +33,7 @@ def exported(tmp_path_factory):
 def test_prep_converts_and_verifies_an_amd_quark_export(exported, tmp_path):
     src, _ = exported
     out = tmp_path / "out"
-    summary = convert(str(src), out, Target("preshuffle", "ck", 2))
+    summary = convert(str(src), out, target_for(ATOM, layout="preshuffle", moe_layout="ck", tp=2))
     assert summary["tensors"] > 0
     verify(str(out), source=str(src))  # every tensor inverts to quark's bytes
     assert torch.equal(run(out, IDS, act_quant=False)["logits"], run(src, IDS, act_quant=False)["logits"])
@@ -81,9 +84,9 @@ def test_an_amd_quark_export_with_fp8_attention_converts_verifies_and_reads_as_q
         scale = f.get_slice("model.layers.1.self_attn.q_b_proj.weight_scale")
         assert scale.get_dtype() == "BF16" and scale.get_shape() == [384]
     out = tmp_path / "out"
-    convert(str(src), out, Target("preshuffle", "ck", 2))
+    convert(str(src), out, target_for(ATOM, layout="preshuffle", moe_layout="ck", tp=2))
     verify(str(out), source=str(src))
-    assert torch.equal(run(out, IDS)["logits"], run(src, IDS)["logits"])
+    assert torch.equal(run(out, IDS, source_engine=ATOM)["logits"], run(src, IDS, source_engine=ATOM)["logits"])
     w = load_weights(out)
     modules = dict(model.named_modules())
     gen = torch.Generator().manual_seed(0)

@@ -15,13 +15,16 @@ import torch
 import layouts
 from atom_sharding import held
 from layouts.engines.atom import atom_mtp_param_name
+from layouts.engines import get_engine
 from prep.convert import convert
 from prep.bf16 import group_from_record
-from prep.deepseek import Target
+from prep.deepseek import target_for
 from prep.revert import revert
 from prep.source import SourceCheckpoint
 from prep.testing import SynthSpec, write_checkpoint
 from prep.verify import verify
+
+ATOM = get_engine("atom")  # the engine whose profile these tests use
 
 VARIANTS = ("r1-0528", "v2")
 SHAPES = [(tp, ep) for tp in (1, 2, 4, 8) for ep in ((1, tp) if tp > 1 else (1,))]
@@ -90,8 +93,8 @@ def test_every_rank_holds_what_atoms_loader_keeps_and_reverts_exactly(source, tm
     root, src_dir = source
     out = tmp_path / "out"
     # The tiny v2's MXFP4 o_proj at TP 8 has K = 32, too narrow for preshuffle: raw layout there.
-    layout = "non-shuffle" if tp == 8 else Target.layout
-    convert(str(src_dir), out, Target(layout=layout, tp=tp, ep=ep, rank_exact=True))
+    layout = "non-shuffle" if tp == 8 else target_for(ATOM).layout
+    convert(str(src_dir), out, target_for(ATOM, layout=layout, tp=tp, ep=ep, rank_exact=True))
     m = layouts.load_manifest(out)
     assert m.format_version == 4 and m.target.rank_exact
     src = SourceCheckpoint(src_dir)
@@ -128,8 +131,8 @@ def test_each_rank_reads_one_tp_th_of_the_split_bf16_plus_the_replicated(source,
     every replicated one (format 1: every rank reads all of them), and no rank reads the MTP
     layer's embedding."""
     root, src_dir = source
-    convert(str(src_dir), tmp_path / "v1", Target(tp=4, rank_exact=False))
-    convert(str(src_dir), tmp_path / "v2", Target(tp=4, rank_exact=True))
+    convert(str(src_dir), tmp_path / "v1", target_for(ATOM, tp=4, rank_exact=False))
+    convert(str(src_dir), tmp_path / "v2", target_for(ATOM, tp=4, rank_exact=True))
     old, new = layouts.load_manifest(tmp_path / "v1"), layouts.load_manifest(tmp_path / "v2")
     src = SourceCheckpoint(src_dir)
     bf16 = {n: t.nbytes for n, t in src.tensors.items() if t.dtype != "U8"}
@@ -149,7 +152,7 @@ def test_each_rank_reads_one_tp_th_of_the_split_bf16_plus_the_replicated(source,
 def test_a_format_1_conversion_still_loads_verifies_and_reverts(source, tmp_path):
     root, src_dir = source
     out = tmp_path / "v1"
-    convert(str(src_dir), out, Target(tp=2, rank_exact=False))
+    convert(str(src_dir), out, target_for(ATOM, tp=2, rank_exact=False))
     raw = json.loads((out / layouts.manifest.MANIFEST_NAME).read_text())
     assert raw["format_version"] == 4 and "rank_exact" not in raw["target"]
     m = layouts.load_manifest(out)

@@ -13,21 +13,24 @@ from safetensors.torch import load_file
 
 from prep.cli import main
 from prep.convert import convert
-from prep.deepseek import Target
+from prep.deepseek import target_for
 from prep.errors import PrepError
 from prep.reference.model import DeepseekV3, ForwardOptions, rope_tables
 from prep.reference.run import compare, run
 from prep.reference.weights import load_weights
 from prep.testing import PRESETS, SynthSpec, write_checkpoint
 from conftest import _need
+from layouts.engines import get_engine
+
+ATOM = get_engine("atom")  # the engine whose profile these tests use
 
 IDS = [1, 5, 9, 200, 17, 3, 44, 900, 12, 7, 33, 512, 1000, 2, 8, 64, 99, 31, 250, 600,
        4, 77, 123, 321, 11, 22, 0, 1023, 400, 45, 67, 89, 101]  # 33 tokens: both sides of the M >= 32 switch
 
-TARGETS = {f"{lay}+{moe}-tp{tp}": Target(lay, moe, tp) for lay, moe in
+TARGETS = {f"{lay}+{moe}-tp{tp}": target_for(ATOM, layout=lay, moe_layout=moe, tp=tp) for lay, moe in
            [("preshuffle", "ck"), ("preshuffle", "triton"), ("non-shuffle", "triton"), ("non-shuffle", "ck")]
            for tp in (1, 2, 4)}
-TARGETS["preshuffle+ck-ep2"] = Target("preshuffle", "ck", 2, ep=2)
+TARGETS["preshuffle+ck-ep2"] = target_for(ATOM, layout="preshuffle", moe_layout="ck", tp=2, ep=2)
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +41,7 @@ def sources(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def source_logits(sources):
-    return {(v, n): run(src, IDS[:n])["logits"] for v, src in sources.items() for n in (17, 33)}
+    return {(v, n): run(src, IDS[:n], source_engine=ATOM)["logits"] for v, src in sources.items() for n in (17, 33)}
 
 
 @pytest.mark.parametrize("variant", ["r1-0528", "v2"])
@@ -48,7 +51,7 @@ def test_every_converted_layout_computes_the_source_logits_bit_for_bit(sources, 
     # the ASM path's (scales shuffled and padded): only the layouts differ, not one logit bit.
     out = tmp_path / "out"
     convert(str(sources[variant]), out, TARGETS[name])
-    logits = run(out, IDS)["logits"]
+    logits = run(out, IDS, source_engine=ATOM)["logits"]
     assert logits.shape == (33, 1024) and torch.isfinite(logits).all()
     assert torch.equal(logits, source_logits[(variant, 33)]), name
 
@@ -61,23 +64,23 @@ def test_the_triton_preshuffle_path_computes_the_source_logits_and_refuses_mxfp4
     # computes its source's logits on both sides of the 32-token switch of the fused op's
     # activation layout. (That layout itself is pinned against aiter in tests/test_fused_quant.py.)
     out = tmp_path / "out"
-    convert(str(sources["r1-0528"]), out, Target("preshuffle", "ck", 2))
-    assert torch.equal(run(out, IDS[:n], gemm_path="triton-preshuffle")["logits"], source_logits[("r1-0528", n)])
+    convert(str(sources["r1-0528"]), out, target_for(ATOM, layout="preshuffle", moe_layout="ck", tp=2))
+    assert torch.equal(run(out, IDS[:n], gemm_path="triton-preshuffle", source_engine=ATOM)["logits"], source_logits[("r1-0528", n)])
     with pytest.raises(PrepError, match="preshuffled; the non-shuffle Triton GEMM would read garbage"):
-        run(out, IDS[:n], gemm_path="triton-non-shuffle")
+        run(out, IDS[:n], gemm_path="triton-non-shuffle", source_engine=ATOM)
     v2 = tmp_path / "v2"
-    convert(str(sources["v2"]), v2, Target("preshuffle", "ck", 2))
+    convert(str(sources["v2"]), v2, target_for(ATOM, layout="preshuffle", moe_layout="ck", tp=2))
     with pytest.raises(PrepError, match="unset ATOM_USE_TRITON_GEMM"):
-        run(v2, IDS[:n], gemm_path="triton-preshuffle")
+        run(v2, IDS[:n], gemm_path="triton-preshuffle", source_engine=ATOM)
 
 
 def test_a_wrong_layout_pairing_gives_visibly_different_logits(sources, source_logits, tmp_path):
     out = tmp_path / "out"
-    convert(str(sources["v2"]), out, Target("preshuffle", "ck", 2))
-    wrong = run(out, IDS[:17], assume_layout="non-shuffle")["logits"]  # preshuffled bytes read as raw
+    convert(str(sources["v2"]), out, target_for(ATOM, layout="preshuffle", moe_layout="ck", tp=2))
+    wrong = run(out, IDS[:17], assume_layout="non-shuffle", source_engine=ATOM)["logits"]  # preshuffled bytes read as raw
     right = source_logits[("v2", 17)]
     assert (wrong - right).abs().max() > 0.1 and (wrong.argmax(-1) != right.argmax(-1)).any()
-    wrong_moe = run(out, IDS[:17], assume_layout="triton")["logits"]  # CK experts read as Triton MoE
+    wrong_moe = run(out, IDS[:17], assume_layout="triton", source_engine=ATOM)["logits"]  # CK experts read as Triton MoE
     assert (wrong_moe - right).abs().max() > 0.1
 
 
@@ -88,7 +91,7 @@ def test_activations_are_quantized_unless_switched_off(sources, source_logits):
 
 def test_cli_run_saves_logits_and_compare_exits_on_a_difference(sources, tmp_path):
     out, logits = tmp_path / "out", tmp_path / "logits.safetensors"
-    convert(str(sources["r1-0528"]), out, Target("preshuffle", "ck", 2))
+    convert(str(sources["r1-0528"]), out, target_for(ATOM, layout="preshuffle", moe_layout="ck", tp=2))
     runner = CliRunner()
     r = runner.invoke(main, ["run", str(out), "--prompt-ids", "1,2,3,4", "--save-logits", str(logits), "--json"])
     assert r.exit_code == 0, r.output
@@ -191,8 +194,8 @@ def test_dense_model_logits_agree_with_transformers_end_to_end(tmp_path):
 
 def test_compare_api_reports_bit_identity(sources, tmp_path):
     out = tmp_path / "out"
-    convert(str(sources["v2"]), out, Target("non-shuffle", "triton", 4))
-    r = compare(sources["v2"], out, IDS[:5])
+    convert(str(sources["v2"]), out, target_for(ATOM, layout="non-shuffle", moe_layout="triton", tp=4))
+    r = compare(sources["v2"], out, IDS[:5], source_engine=ATOM)
     assert r["identical"] and r["max_abs_diff"] == 0.0 and r["argmax_agree"] == 1.0
 
 
@@ -200,10 +203,10 @@ def test_a_forward_over_the_first_layers_dequantizes_only_those_layers(sources, 
     # What makes `prep compare SRC OUT --layers 4` possible on a 350 GB checkpoint: matrices are
     # made on first use, never all at once.
     out = tmp_path / "out"
-    convert(str(sources["v2"]), out, Target("preshuffle", "ck", 2))
+    convert(str(sources["v2"]), out, target_for(ATOM, layout="preshuffle", moe_layout="ck", tp=2))
     for root in (sources["v2"], out):
         w = load_weights(root)
-        DeepseekV3(w, layers=1)(torch.tensor(IDS[:5]))
+        DeepseekV3(w, ForwardOptions(engine=ATOM, gemm_path="asm"), layers=1)(torch.tensor(IDS[:5]))
         made = [k for k in w._cache if k.startswith("model.layers.")]
         assert made and all(k.startswith("model.layers.0.") for k in made), made
 
@@ -233,8 +236,8 @@ def test_compare_fails_on_logits_that_are_not_finite(sources, tmp_path):
     r = CliRunner().invoke(main, ["compare", str(bad), str(bad), "--prompt-ids", "1,5,9"])
     assert r.exit_code == 1 and "are not finite" in r.output, r.output
     out = tmp_path / "out"  # a converted copy runs too (to the same NaN), it is not "incomplete"
-    convert(str(bad), out, Target("preshuffle", "ck", 2))
-    assert torch.isnan(run(out, [1, 5, 9])["logits"]).all()
+    convert(str(bad), out, target_for(ATOM, layout="preshuffle", moe_layout="ck", tp=2))
+    assert torch.isnan(run(out, [1, 5, 9], source_engine=ATOM)["logits"]).all()
 
 
 @pytest.mark.parametrize("args, message", [
@@ -318,13 +321,13 @@ def test_fp8_attention_is_computed_with_its_scales_and_every_conversion_gives_th
     q_b = "model.layers.1.self_attn.q_b_proj"
     raw = load_file(next(f for f in sorted(src.glob("*.safetensors")) if f"{q_b}.weight" in load_file(f)))
     assert torch.equal(w.linear(q_b), raw[f"{q_b}.weight"].float() * raw[f"{q_b}.weight_scale"].reshape(-1, 1))
-    want = run(src, IDS[:17])["logits"]
+    want = run(src, IDS[:17], source_engine=ATOM)["logits"]
     assert torch.isfinite(want).all() and not torch.equal(run(src, IDS[:17], act_quant=False)["logits"], want)
-    for i, target in enumerate([Target(tp=1), Target(tp=2, ep=2), Target(tp=4, rank_exact=False),
-                                target_for("atom", tp=2, layout="non-shuffle", moe_layout="triton")]):
+    for i, target in enumerate([target_for(ATOM, tp=1), target_for(ATOM, tp=2, ep=2), target_for(ATOM, tp=4, rank_exact=False),
+                                target_for(ATOM, tp=2, layout="non-shuffle", moe_layout="triton")]):
         out = tmp_path / f"out{i}"
         convert(str(src), out, target)
-        assert torch.equal(run(out, IDS[:17])["logits"], want), target
+        assert torch.equal(run(out, IDS[:17], source_engine=ATOM)["logits"], want), target
     # the scales are read: all of them 1.0 gives other logits
     unscaled = tmp_path / "unscaled"
     shutil.copytree(src, unscaled)
@@ -334,7 +337,7 @@ def test_fp8_attention_is_computed_with_its_scales_and_every_conversion_gives_th
         t = load_file(f)
         t.update({k: torch.ones_like(v) for k, v in t.items() if k.endswith("weight_scale") and v.dtype == torch.float32})
         save_file(t, f, metadata={"format": "pt"})
-    assert (run(unscaled, IDS[:17])["logits"] - want).abs().max() > 0.1
+    assert (run(unscaled, IDS[:17], source_engine=ATOM)["logits"] - want).abs().max() > 0.1
 
 
 def test_fp8_blocks_are_computed_with_their_scales_and_every_conversion_gives_the_source_logits(tmp_path):
@@ -355,10 +358,10 @@ def test_fp8_blocks_are_computed_with_their_scales_and_every_conversion_gives_th
         blocks = torch.kron(scale, torch.ones(128, 128))[:codes.shape[0], :codes.shape[1]]
         assert torch.equal(w.linear(prefix), codes * blocks), prefix
         assert torch.equal(w._make_rows(prefix, slice(100, 140)), (codes * blocks)[100:140]), prefix
-    want = run(src, IDS[:17])["logits"]
+    want = run(src, IDS[:17], source_engine=ATOM)["logits"]
     assert torch.isfinite(want).all() and not torch.equal(run(src, IDS[:17], act_quant=False)["logits"], want)
-    for i, target in enumerate([target_for("atom", tp=2), target_for("atom", tp=4, ep=4),
-                                target_for("atom", tp=2, rank_exact=False)]):
+    for i, target in enumerate([target_for(ATOM, tp=2), target_for(ATOM, tp=4, ep=4),
+                                target_for(ATOM, tp=2, rank_exact=False)]):
         out = tmp_path / f"out{i}"
         convert(str(src), out, target)
-        assert torch.equal(run(out, IDS[:17])["logits"], want), target
+        assert torch.equal(run(out, IDS[:17], source_engine=ATOM)["logits"], want), target

@@ -12,10 +12,13 @@ import torch
 import layouts as L
 from layouts.compat import CompatibilityError, EngineConfig, check_compatibility
 from layouts.manifest import ManifestError, load_manifest
+from layouts.engines import get_engine
 from prep.convert import convert
-from prep.deepseek import Target
+from prep.deepseek import target_for
 from prep.testing import SynthSpec, write_checkpoint
 from safetensors.torch import load_file
+
+ATOM = get_engine("atom")  # the engine whose profile these tests use
 
 
 @pytest.fixture(scope="module")
@@ -24,14 +27,15 @@ def converted(tmp_path_factory):
     root = tmp_path_factory.mktemp("rt")
     src = write_checkpoint(SynthSpec(variant="v2"), root / "src")
     out = {"src": src}
-    for name, target in {"pre-ck-tp2": Target("preshuffle", "ck", 2), "raw-triton-tp2": Target("non-shuffle", "triton", 2),
-                         "pre-ck-tp1": Target("preshuffle", "ck", 1), "pre-ck-ep2": Target("preshuffle", "ck", 2, ep=2),
-                         "raw-gfx942-tp2": Target("non-shuffle", "triton-gfx942", 2)}.items():
-        convert(str(src), root / name, target)
+    for name, (layout, moe_layout, tp, ep) in {
+            "pre-ck-tp2": ("preshuffle", "ck", 2, 1), "raw-triton-tp2": ("non-shuffle", "triton", 2, 1),
+            "pre-ck-tp1": ("preshuffle", "ck", 1, 1), "pre-ck-ep2": ("preshuffle", "ck", 2, 2),
+            "raw-gfx942-tp2": ("non-shuffle", "triton-gfx942", 2, 1)}.items():
+        convert(str(src), root / name, target_for(ATOM, layout=layout, moe_layout=moe_layout, tp=tp, ep=ep))
         out[name] = root / name
     # R1-0528 style (attention BF16): what ATOM_USE_TRITON_GEMM=1 can load (layouts/engines/atom/ docstring).
     r1 = write_checkpoint(SynthSpec(variant="r1-0528"), root / "src-r1")
-    convert(str(r1), root / "r1-pre-ck-tp2", Target("preshuffle", "ck", 2))
+    convert(str(r1), root / "r1-pre-ck-tp2", target_for(ATOM, layout="preshuffle", moe_layout="ck", tp=2))
     out["r1-pre-ck-tp2"] = root / "r1-pre-ck-tp2"
     return out
 
@@ -78,20 +82,20 @@ def test_unfinished_or_modified_conversions_are_refused(converted, tmp_path):
 
 # ------------------------------------------------------------------------------ compatibility
 @pytest.mark.parametrize("ckpt, engine, message", [
-    ("pre-ck-tp2", EngineConfig("triton-non-shuffle", "ck", 2),
+    ("pre-ck-tp2", EngineConfig("triton-non-shuffle", "ck", 2, profile=ATOM),
      "checkpoint is preshuffled; the non-shuffle Triton GEMM would read garbage: unset "
      "ATOM_USE_FP4_NON_SHUFFLE_TRITON_GEMM or convert with --layout non-shuffle"),
-    ("raw-triton-tp2", EngineConfig("asm", "triton", 2), "set ATOM_USE_FP4_NON_SHUFFLE_TRITON_GEMM=1 or convert with --layout preshuffle"),
-    ("raw-triton-tp2", EngineConfig("triton-preshuffle", "triton", 2), "the Triton preshuffle GEMM reads W16/S32x8"),
-    ("pre-ck-tp2", EngineConfig("asm", "ck", 4), "converted for tp=2 but the engine runs tp=4"),
-    ("pre-ck-tp2", EngineConfig("asm", "ck", 2, rank=2), "rank 2 is out of range"),
-    ("pre-ck-tp2", EngineConfig("asm", "triton", 2), "set ATOM_USE_TRITON_MOE=0 or convert with --moe-layout triton"),
-    ("raw-triton-tp2", EngineConfig("triton-non-shuffle", "ck", 2), "set ATOM_USE_TRITON_MOE=1 or convert with --moe-layout ck"),
-    ("raw-triton-tp2", EngineConfig("triton-non-shuffle", "triton", 2, gpu_arch="gfx942"), "--moe-layout triton-gfx942"),
-    ("raw-gfx942-tp2", EngineConfig("triton-non-shuffle", "triton", 2, gpu_arch="gfx950"), "--moe-layout triton"),
-    ("pre-ck-tp2", EngineConfig("asm", "ck", 2, ep_size=2), "converted with ep=1 but the engine runs ep=2"),
-    ("pre-ck-ep2", EngineConfig("asm", "ck", 2), "converted with ep=2 but the engine runs ep=1"),
-    ("pre-ck-tp2", EngineConfig("triton-preshuffle", "ck", 2), "unset ATOM_USE_TRITON_GEMM"),
+    ("raw-triton-tp2", EngineConfig("asm", "triton", 2, profile=ATOM), "set ATOM_USE_FP4_NON_SHUFFLE_TRITON_GEMM=1 or convert with --layout preshuffle"),
+    ("raw-triton-tp2", EngineConfig("triton-preshuffle", "triton", 2, profile=ATOM), "the Triton preshuffle GEMM reads W16/S32x8"),
+    ("pre-ck-tp2", EngineConfig("asm", "ck", 4, profile=ATOM), "converted for tp=2 but the engine runs tp=4"),
+    ("pre-ck-tp2", EngineConfig("asm", "ck", 2, rank=2, profile=ATOM), "rank 2 is out of range"),
+    ("pre-ck-tp2", EngineConfig("asm", "triton", 2, profile=ATOM), "set ATOM_USE_TRITON_MOE=0 or convert with --moe-layout triton"),
+    ("raw-triton-tp2", EngineConfig("triton-non-shuffle", "ck", 2, profile=ATOM), "set ATOM_USE_TRITON_MOE=1 or convert with --moe-layout ck"),
+    ("raw-triton-tp2", EngineConfig("triton-non-shuffle", "triton", 2, gpu_arch="gfx942", profile=ATOM), "--moe-layout triton-gfx942"),
+    ("raw-gfx942-tp2", EngineConfig("triton-non-shuffle", "triton", 2, gpu_arch="gfx950", profile=ATOM), "--moe-layout triton"),
+    ("pre-ck-tp2", EngineConfig("asm", "ck", 2, ep_size=2, profile=ATOM), "converted with ep=1 but the engine runs ep=2"),
+    ("pre-ck-ep2", EngineConfig("asm", "ck", 2, profile=ATOM), "converted with ep=2 but the engine runs ep=1"),
+    ("pre-ck-tp2", EngineConfig("triton-preshuffle", "ck", 2, profile=ATOM), "unset ATOM_USE_TRITON_GEMM"),
 ])
 def test_every_mismatch_is_refused_with_its_fix(converted, ckpt, engine, message):
     with pytest.raises(CompatibilityError) as e:
@@ -100,12 +104,12 @@ def test_every_mismatch_is_refused_with_its_fix(converted, ckpt, engine, message
 
 
 def test_matching_configurations_pass(converted):
-    check_compatibility(load_manifest(converted["pre-ck-tp2"]), EngineConfig("asm", "ck", 2, rank=1))
-    check_compatibility(load_manifest(converted["r1-pre-ck-tp2"]), EngineConfig("triton-preshuffle", "ck", 2))
-    check_compatibility(load_manifest(converted["raw-triton-tp2"]), EngineConfig("triton-non-shuffle", "triton", 2))
+    check_compatibility(load_manifest(converted["pre-ck-tp2"]), EngineConfig("asm", "ck", 2, rank=1, profile=ATOM))
+    check_compatibility(load_manifest(converted["r1-pre-ck-tp2"]), EngineConfig("triton-preshuffle", "ck", 2, profile=ATOM))
+    check_compatibility(load_manifest(converted["raw-triton-tp2"]), EngineConfig("triton-non-shuffle", "triton", 2, profile=ATOM))
     check_compatibility(load_manifest(converted["raw-gfx942-tp2"]),
-                        EngineConfig("triton-non-shuffle", "triton", 2, gpu_arch="gfx942"))
-    check_compatibility(load_manifest(converted["pre-ck-ep2"]), EngineConfig("asm", "ck", 2, ep_size=2))
+                        EngineConfig("triton-non-shuffle", "triton", 2, gpu_arch="gfx942", profile=ATOM))
+    check_compatibility(load_manifest(converted["pre-ck-ep2"]), EngineConfig("asm", "ck", 2, ep_size=2, profile=ATOM))
 
 
 def test_expert_parallel_with_the_triton_moe_is_refused():
@@ -113,7 +117,7 @@ def test_expert_parallel_with_the_triton_moe_is_refused():
 
     m = Manifest.from_json({"target": {"layout": "preshuffle", "moe_layout": "triton", "tp": 2, "ep": 2}, "tensors": []})
     with pytest.raises(CompatibilityError, match="ignores the expert map"):
-        check_compatibility(m, EngineConfig("triton-preshuffle", "triton", 2, ep_size=2))
+        check_compatibility(m, EngineConfig("triton-preshuffle", "triton", 2, ep_size=2, profile=ATOM))
 
 
 @pytest.mark.parametrize("env, arch, want", [
@@ -127,13 +131,13 @@ def test_expert_parallel_with_the_triton_moe_is_refused():
     ({"ATOM_USE_TRITON_MOE": "", "ATOM_USE_TRITON_GEMM": "1"}, "gfx950", ("triton-preshuffle", "triton")),
 ])
 def test_engine_config_reads_atom_switches_as_atom_does(env, arch, want):
-    e = EngineConfig.from_env(tp_size=8, rank=3, gpu_arch=arch, env=env)
+    e = EngineConfig.from_env(ATOM, tp_size=8, rank=3, gpu_arch=arch, env=env)
     assert (e.gemm_path, e.moe_backend) == want and (e.tp_size, e.rank) == (8, 3)
     assert e.input_norm_quant_fusion and e.qknorm_quant_fusion
 
 
 def test_engine_config_reads_the_two_fusion_switches():
-    e = EngineConfig.from_env(env={"ATOM_ENABLE_DS_INPUT_RMSNORM_QUANT_FUSION": "0",
+    e = EngineConfig.from_env(ATOM, env={"ATOM_ENABLE_DS_INPUT_RMSNORM_QUANT_FUSION": "0",
                                    "ATOM_ENABLE_DS_QKNORM_QUANT_FUSION": "1"}, gpu_arch="gfx950")
     assert (e.input_norm_quant_fusion, e.qknorm_quant_fusion) == (False, True)
 
@@ -142,20 +146,20 @@ def test_engine_config_reads_the_two_fusion_switches():
                                           ("ATOM_USE_TRITON_MOE_DECODE", "decode MoE's own copies")])
 def test_moe_switches_that_change_the_expert_bytes_are_refused(switch, says):
     with pytest.raises(CompatibilityError, match=f"{switch}=1: .*{says}.*unset {switch}"):
-        EngineConfig.from_env(env={switch: "1"}, gpu_arch="gfx950")
-    assert EngineConfig.from_env(env={switch: "0"}, gpu_arch="gfx950").moe_backend == "ck"
+        EngineConfig.from_env(ATOM, env={switch: "1"}, gpu_arch="gfx950")
+    assert EngineConfig.from_env(ATOM, env={switch: "0"}, gpu_arch="gfx950").moe_backend == "ck"
 
 
 def test_triton_gemm_with_non_shuffle_gemm_is_refused():
     with pytest.raises(CompatibilityError, match="unset one of the two"):
-        EngineConfig.from_env(env={"ATOM_USE_TRITON_GEMM": "1", "ATOM_USE_FP4_NON_SHUFFLE_TRITON_GEMM": "1"})
+        EngineConfig.from_env(ATOM, env={"ATOM_USE_TRITON_GEMM": "1", "ATOM_USE_FP4_NON_SHUFFLE_TRITON_GEMM": "1"})
 
 
 def test_unknown_paths_and_archs_are_refused():
     with pytest.raises(CompatibilityError, match="unknown GEMM path"):
-        EngineConfig("hipblaslt")
+        EngineConfig("hipblaslt", profile=ATOM)
     with pytest.raises(CompatibilityError, match="gfx1250"):
-        EngineConfig(gpu_arch="gfx1250")
+        EngineConfig(gpu_arch="gfx1250", profile=ATOM)
 
 
 # ------------------------------------------------------------------------------ rank loader
@@ -221,7 +225,7 @@ def test_load_rank_reads_only_its_own_files(converted, tmp_path):
 
 def test_load_rank_refuses_an_incompatible_engine_before_reading(converted):
     with pytest.raises(CompatibilityError, match="preshuffled"):
-        L.load_rank(converted["pre-ck-tp2"], 0, engine=EngineConfig("triton-non-shuffle", "ck", 2, rank=0))
+        L.load_rank(converted["pre-ck-tp2"], 0, engine=EngineConfig("triton-non-shuffle", "ck", 2, rank=0, profile=ATOM))
 
 
 def test_load_rank_names_a_tensor_whose_shape_disagrees(converted, tmp_path):
@@ -257,9 +261,9 @@ def test_load_rank_rebuilds_the_source_through_the_layouts(converted):
 
 # ------------------------------------------------------------------------------ activation plan
 @pytest.mark.parametrize("engine, m, want", [
-    (EngineConfig("asm", "ck", 2), 1, (True, True)),
-    (EngineConfig("triton-preshuffle", "ck", 2), 31, (False, False)),
-    (EngineConfig("triton-preshuffle", "ck", 2), 32, (True, True)),
+    (EngineConfig("asm", "ck", 2, profile=ATOM), 1, (True, True)),
+    (EngineConfig("triton-preshuffle", "ck", 2, profile=ATOM), 31, (False, False)),
+    (EngineConfig("triton-preshuffle", "ck", 2, profile=ATOM), 32, (True, True)),
 ])
 def test_activation_plan_picks_flags_per_call_from_the_token_count(converted, engine, m, want):
     ckpt = "r1-pre-ck-tp2" if engine.gemm_path == "triton-preshuffle" else "pre-ck-tp2"  # ATOM: BF16 attention only
@@ -275,7 +279,7 @@ def test_activation_plan_picks_flags_per_call_from_the_token_count(converted, en
 
 def test_activation_plan_q_a_site_quantizes_q_and_norms_kv(converted):
     plan = L.ActivationQuantPlan.for_checkpoint(load_manifest(converted["raw-triton-tp2"]),
-                                                EngineConfig("triton-non-shuffle", "triton", 2))
+                                                EngineConfig("triton-non-shuffle", "triton", 2, profile=ATOM))
     q_c, kv_c = torch.randn(40, 128, dtype=torch.bfloat16), torch.randn(40, 128, dtype=torch.bfloat16)
     wq, wkv = torch.rand(128, dtype=torch.bfloat16) + 0.5, torch.rand(128, dtype=torch.bfloat16) + 0.5
     (q, scale), kv = plan.q_a_layernorm(q_c, wq, 1e-6, kv_c, wkv, 1e-6)
@@ -288,7 +292,7 @@ def test_activation_plan_q_a_site_quantizes_q_and_norms_kv(converted):
 
 
 def test_activation_plan_without_fusion_returns_bf16_norms(converted):
-    engine = EngineConfig("asm", "ck", 2, input_norm_quant_fusion=False, qknorm_quant_fusion=False)
+    engine = EngineConfig("asm", "ck", 2, input_norm_quant_fusion=False, qknorm_quant_fusion=False, profile=ATOM)
     plan = L.ActivationQuantPlan.for_checkpoint(load_manifest(converted["pre-ck-tp2"]), engine)
     x, w = torch.randn(4, 256, dtype=torch.bfloat16), torch.ones(256, dtype=torch.bfloat16)
     (y, scale), res = plan.input_layernorm(x, w, 1e-6)
@@ -359,7 +363,7 @@ def test_a_transform_that_is_not_a_permutation_gets_no_position_map():
 
 def test_triton_moe_checkpoint_on_another_arch_names_the_arch(converted):
     with pytest.raises(CompatibilityError, match="run on the GPU the checkpoint was made for"):
-        check_compatibility(load_manifest(converted["raw-gfx942-tp2"]), EngineConfig("triton-non-shuffle", "triton", 2))
+        check_compatibility(load_manifest(converted["raw-gfx942-tp2"]), EngineConfig("triton-non-shuffle", "triton", 2, profile=ATOM))
 
 
 @pytest.mark.parametrize("block", [7, 64, 1 << 20])
@@ -415,7 +419,7 @@ def test_open_rank_checks_once_and_carries_the_tensors_and_the_plan(converted, m
         return real(m, e)
 
     monkeypatch.setattr(layouts.loader, "check_compatibility", counted)
-    engine = EngineConfig("asm", "ck", 2, rank=1)
+    engine = EngineConfig("asm", "ck", 2, rank=1, profile=ATOM)
     opened = L.open_rank(root, engine)
     assert len(calls) == 1 and opened.rank == 1 and opened.engine is engine
     plain = L.load_rank(root, 1)
@@ -425,5 +429,5 @@ def test_open_rank_checks_once_and_carries_the_tensors_and_the_plan(converted, m
     assert opened.plan.flags(4) == (True, True)  # asm: shuffled, padded scales
     calls.clear()
     with pytest.raises(L.CompatibilityError, match="set ATOM_USE_FP4_NON_SHUFFLE_TRITON_GEMM=1|--layout"):
-        L.open_rank(root, EngineConfig("triton-non-shuffle", "ck", 2, rank=0))
+        L.open_rank(root, EngineConfig("triton-non-shuffle", "ck", 2, rank=0, profile=ATOM))
     assert len(calls) == 1

@@ -21,12 +21,15 @@ from safetensors.torch import load_file
 import layouts
 from layouts import CompatibilityError, EngineConfig, check_compatibility, load_manifest
 from layouts import registry
+from layouts.engines import get_engine
 from prep.convert import convert
-from prep.deepseek import Target
+from prep.deepseek import target_for
 from prep.errors import PrepError
 from prep.revert import revert
 from prep.testing import SynthSpec, write_checkpoint
 from prep.verify import verify
+
+ATOM = get_engine("atom")  # the engine whose profile these tests use
 
 DOWN = "model.layers.0.mlp.down_proj"  # r1-0528's first, dense layer: K = intermediate_size
 V1_PRESHUFFLE = dataclasses.replace(registry.PRESHUFFLE, version=1,
@@ -46,7 +49,7 @@ def convert_as(src: pathlib.Path, out: pathlib.Path, layout: registry.Layout | N
     saved = registry._REGISTRY["preshuffle"]
     registry._REGISTRY["preshuffle"] = layout or saved
     try:
-        convert(str(src), out, Target("preshuffle", "ck", 1, **spec))
+        convert(str(src), out, target_for(ATOM, layout="preshuffle", moe_layout="ck", tp=1, **spec))
     finally:
         registry._REGISTRY["preshuffle"] = saved
     return out
@@ -154,7 +157,7 @@ def test_a_recorded_layout_without_pad_value_means_0x7f(old, src, tmp_path):
     assert registry.recorded_layout(rec).scale.pad_value == 0x7F
     verify(str(out), source=str(src))  # its pad bytes are checked against 0x7F
     with pytest.raises(CompatibilityError, match="0x7F"):
-        check_compatibility(load_manifest(out), EngineConfig("asm", "ck"))
+        check_compatibility(load_manifest(out), EngineConfig("asm", "ck", profile=ATOM))
 
 
 def test_verify_refuses_pad_bytes_the_manifest_does_not_record(old, tmp_path):
@@ -192,13 +195,13 @@ def test_atom_default_gemm_refuses_a_0x7f_k_pad_in_one_line_naming_the_fix(old):
 
 def test_atom_triton_preshuffle_gemm_takes_a_0x7f_k_pad(old):
     # aiter's Triton kernels, told the real K (as ATOM calls them), are exact with 0x7F in the pad.
-    check_compatibility(load_manifest(old), EngineConfig("triton-preshuffle", "ck"))
+    check_compatibility(load_manifest(old), EngineConfig("triton-preshuffle", "ck", profile=ATOM))
 
 
 def test_atom_accepts_new_checkpoints_on_every_path_reading_them(new):
     m = load_manifest(new)
-    check_compatibility(m, EngineConfig("asm", "ck"))
-    check_compatibility(m, EngineConfig("triton-preshuffle", "ck"))
+    check_compatibility(m, EngineConfig("asm", "ck", profile=ATOM))
+    check_compatibility(m, EngineConfig("triton-preshuffle", "ck", profile=ATOM))
 
 
 def test_an_old_checkpoint_without_a_k_pad_is_accepted(tmp_path):
@@ -207,7 +210,7 @@ def test_an_old_checkpoint_without_a_k_pad_is_accepted(tmp_path):
     out = convert_as(src, tmp_path / "old", V1_PRESHUFFLE)
     m = load_manifest(out)
     assert m.layouts["preshuffle"].version == 1
-    check_compatibility(m, EngineConfig("asm", "ck"))
+    check_compatibility(m, EngineConfig("asm", "ck", profile=ATOM))
 
 
 def test_a_nan_pad_byte_is_refused_on_the_triton_preshuffle_gemm(old, tmp_path):
@@ -215,4 +218,4 @@ def test_a_nan_pad_byte_is_refused_on_the_triton_preshuffle_gemm(old, tmp_path):
     edit_manifest(out, lambda m: m["layouts"]["preshuffle"]["scale_transform"].update(pad_value=0xFF))
     with pytest.raises(CompatibilityError, match="with 0xFF .* the triton-preshuffle GEMM reads those columns "
                                                  r"\(any byte but 0xFF keeps it right\)"):
-        check_compatibility(load_manifest(out), EngineConfig("triton-preshuffle", "ck"))
+        check_compatibility(load_manifest(out), EngineConfig("triton-preshuffle", "ck", profile=ATOM))

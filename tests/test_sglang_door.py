@@ -16,6 +16,7 @@ from click.testing import CliRunner
 import layouts
 from conftest import assert_verifies_and_reverts, engine_check_rows, read_tensors
 from layouts.compat import CompatibilityError, EngineConfig
+from layouts.engines import get_engine
 from prep.cli import main
 from prep.testing import PRESETS
 
@@ -57,11 +58,11 @@ def test_each_ranks_files_hold_sglangs_model_and_the_mtp_layer_stays_whole_in_th
 
 def test_sglangs_switches_that_would_misread_the_files_are_refused():
     base = {"SGLANG_USE_AITER": "1"}
-    assert EngineConfig.from_env(env=base, engine="sglang", tp_size=2).expected_moe_layout() == "ck-3d"
+    assert EngineConfig.from_env(get_engine("sglang"), env=base, tp_size=2).expected_moe_layout() == "ck-3d"
     with pytest.raises(CompatibilityError, match="SGLANG_USE_AITER is not set"):
-        EngineConfig.from_env(env={}, engine="sglang")
+        EngineConfig.from_env(get_engine("sglang"), env={})
     with pytest.raises(CompatibilityError, match="SGLANG_ROCM_USE_AITER_FP4_ASM_GEMM=1: .* unset it"):
-        EngineConfig.from_env(env={**base, "SGLANG_ROCM_USE_AITER_FP4_ASM_GEMM": "1"}, engine="sglang")
+        EngineConfig.from_env(get_engine("sglang"), env={**base, "SGLANG_ROCM_USE_AITER_FP4_ASM_GEMM": "1"})
 
 
 def test_common_bf16_is_refused_for_sglang_in_one_line(tiny_r1, tmp_path):

@@ -13,6 +13,9 @@ from conftest import need_engine_sources
 from prep.convert import convert
 from prep.deepseek import target_for
 from prep.testing import SynthSpec, write_checkpoint
+from layouts.engines import get_engine
+
+ATOM = get_engine("atom")  # the engine whose profile these tests use
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -25,7 +28,7 @@ def test_aiters_triton_moe_gemms_compute_the_source_experts_from_the_triton_layo
     oracles = need_engine_sources()
     src = write_checkpoint(SynthSpec(), tmp_path / "src")
     out = tmp_path / "out"
-    convert(str(src), out, target_for("atom", tp=2, moe_layout="triton"))
+    convert(str(src), out, target_for(ATOM, tp=2, moe_layout="triton"))
     r = subprocess.run([sys.executable, "-m", "harness", "check-triton-moe", "--source", str(src),
                         "--converted", str(out), "--oracles", str(oracles), "--work", str(tmp_path / "work"),
                         "--tokens", "8", "--ranks", "1"], capture_output=True, text=True, cwd=REPO)

@@ -14,6 +14,7 @@ from click.testing import CliRunner
 
 import layouts
 from layouts.compat import CompatibilityError, EngineConfig
+from layouts.engines import get_engine
 from conftest import assert_verifies_and_reverts, engine_check_rows, read_tensors
 from prep.cli import main
 from prep.testing import PRESETS
@@ -66,11 +67,11 @@ def test_each_ranks_files_hold_vllms_names_and_layouts_and_the_conversion_revert
 
 def test_vllms_switches_that_would_misread_the_files_are_refused():
     base = {"VLLM_ROCM_USE_AITER": "1"}
-    assert EngineConfig.from_env(env=base, engine="vllm").expected_dense_layout() == "non-shuffle-t"
+    assert EngineConfig.from_env(get_engine("vllm"), env=base).expected_dense_layout() == "non-shuffle-t"
     with pytest.raises(CompatibilityError, match="VLLM_ROCM_USE_AITER is not set"):
-        EngineConfig.from_env(env={}, engine="vllm")
+        EngineConfig.from_env(get_engine("vllm"), env={})
     with pytest.raises(CompatibilityError, match="VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS=1: .* unset it"):
-        EngineConfig.from_env(env={**base, "VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS": "1"}, engine="vllm")
+        EngineConfig.from_env(get_engine("vllm"), env={**base, "VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS": "1"})
 
 
 def test_a_rank_whose_expert_scale_vllm_would_pad_is_refused_in_one_line(tiny_r1, tmp_path):

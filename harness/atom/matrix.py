@@ -18,7 +18,7 @@ from typing import Iterator
 from harness.atom import mla, on_cpu
 from harness.atom.install import Case, check_rank
 from harness.report import RankResult
-from layouts.engines.atom import ASM, TRITON_NON_SHUFFLE, TRITON_PRESHUFFLE
+from layouts.engines.atom import ASM, PROFILE, TRITON_NON_SHUFFLE, TRITON_PRESHUFFLE
 from layouts.errors import LayoutsError
 from prep.errors import PrepError
 from prep.testing import PRESETS, SynthSpec, write_checkpoint
@@ -71,12 +71,12 @@ def write_sources(work: pathlib.Path, specs: dict[str, SynthSpec]) -> dict[str, 
 def converted(case: Case, sources: dict[str, pathlib.Path], work: pathlib.Path) -> pathlib.Path | str:
     """The case's conversion (made once), or prep's one-line refusal."""
     from prep.convert import convert
-    from prep.deepseek import Target
+    from prep.deepseek import target_for
 
     out = work / case.name.replace(" ", "-")
     if not (out / "config.json").is_file():
         try:
-            convert(str(sources[case.variant]), out, Target(layout=case.layout, tp=case.tp, ep=case.ep))
+            convert(str(sources[case.variant]), out, target_for(PROFILE, layout=case.layout, tp=case.tp, ep=case.ep))
         except (PrepError, LayoutsError) as e:  # a layout the tiny dims cannot take at this TP
             return str(e).splitlines()[0]
     return out

@@ -32,10 +32,6 @@ if TYPE_CHECKING:  # compat imports this package: the names are only for annotat
     from ..compat import EngineConfig
     from ..manifest import Manifest
 
-DEFAULT_ENGINE = "atom"
-"""The engine a configuration is for unless it names another, and whose default configuration a
-plain ``prep convert`` targets."""
-
 NEVER = None
 
 
@@ -80,10 +76,9 @@ class EngineProfile:
     label: str = ""
     """How messages name the engine ("ATOM"); the name when empty."""
     gemm_paths: Mapping[str, GemmPathRule]
-    """Dense GEMM paths by name, the engine's default first. Path names are shared by all engines
-    (:func:`select_activation_quant <layouts.select_activation_quant>` is given a name only):
-    two engines may both name a path only with the same rule. For a checkpoint, the first path
-    that reads its dense layout is the one assumed (``prep run``)."""
+    """Dense GEMM paths by name, the engine's default first. A path name means one GEMM in every
+    engine: two engines may both name a path only with the same rule. For a checkpoint, the first
+    path that reads its dense layout is the one assumed (``prep run``)."""
     moe_layouts: Mapping[tuple[str, str], str]
     """``(MoE back end, GpuArch.prefix) -> MoE layout`` that back end reads on that GPU family;
     the default back end first."""
@@ -289,6 +284,11 @@ class EngineProfile:
         layout pairs it reads), so that a missing command can say why."""
         return any(self.serve_command("x", 1, 1, d, m) for d, m in self.inspect_targets())
 
+    def __reduce__(self):
+        # A profile travels to another process (a pickled EngineConfig) by its name: there it is
+        # that process's registered profile, so configurations still compare equal.
+        return get_engine, (self.name,)
+
     def __repr__(self) -> str:
         return f"<engine profile {self.name}: GEMM paths {', '.join(self.gemm_paths)}; MoE {', '.join(self.moe_backends)}>"
 
@@ -334,7 +334,7 @@ def register_engine(profile: EngineProfile) -> EngineProfile:
         for other in _PROFILES.values():
             if other.gemm_paths.get(path, rule) != rule:
                 raise ValueError(f"engine {profile.name!r}: GEMM path {path!r} is {other.name}'s with another rule; "
-                                 "name the path differently (activation flags are looked up by path name)")
+                                 "name the path differently (a path name means one GEMM in every engine)")
     for (backend, prefix), layout in profile.moe_layouts.items():
         if layout not in moe:
             raise ValueError(f"engine {profile.name!r}: MoE back end {backend!r} on {prefix} reads {layout!r}, which is "
@@ -349,7 +349,7 @@ def register_engine(profile: EngineProfile) -> EngineProfile:
     return profile
 
 
-def get_engine(name: str = DEFAULT_ENGINE) -> EngineProfile:
+def get_engine(name: str) -> EngineProfile:
     """The profile of engine ``name`` (its module here is imported on first use); the error
     lists the engines known."""
     if name not in _PROFILES and name in _builtin_modules():
@@ -368,16 +368,6 @@ def engine_names() -> list[str]:
     return [n for n in builtin if n in _PROFILES] + [n for n in _PROFILES if n not in builtin]
 
 
-def gemm_path_rule(gemm_path: str) -> GemmPathRule:
-    """The rule of GEMM path ``gemm_path``, whichever engine has it (path names are shared)."""
-    _load_all()
-    for profile in _PROFILES.values():
-        if gemm_path in profile.gemm_paths:
-            return profile.gemm_paths[gemm_path]
-    known = dict.fromkeys(p for profile in _PROFILES.values() for p in profile.gemm_paths)
-    raise ValueError(f"unknown GEMM path '{gemm_path}'; known: {', '.join(known)}")
-
-
 def current_gpu_arch() -> str | None:
     """The first GPU's arch (``gcnArchName`` without its feature suffix) on ROCm, else None."""
     try:
@@ -391,7 +381,7 @@ def current_gpu_arch() -> str | None:
 
 
 __all__ = [
-    "COLS", "DEFAULT_ENGINE", "NEVER", "ROWS", "WHOLE", "Check", "Constant", "EngineProfile",
+    "COLS", "NEVER", "ROWS", "WHOLE", "Check", "Constant", "EngineProfile",
     "GemmPathRule", "GpuArch", "Merge", "ShardingRules", "deepseek_merges",
-    "current_gpu_arch", "engine_names", "gemm_path_rule", "get_engine", "register_engine",
+    "current_gpu_arch", "engine_names", "get_engine", "register_engine",
 ]

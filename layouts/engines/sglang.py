@@ -92,7 +92,7 @@ class SglangProfile(EngineProfile):
                                      "with an unpadded scale: preshuffle-unpadded), which prep's SGLang conversions "
                                      "do not hold; unset it")
         arch = gpu_arch or current_gpu_arch() or self.default_gpu_arch
-        return EngineConfig(TRITON_NON_SHUFFLE, AITER, tp_size, rank, ep_size, arch, False, False, engine=self.name)
+        return EngineConfig(TRITON_NON_SHUFFLE, AITER, tp_size, rank, ep_size, arch, False, False, profile=self)
 
     def target_refusal(self, tp: int, ep: int, moe_layout: str, fuse_shared_expert: bool = False) -> str | None:
         if ep not in (1, tp):

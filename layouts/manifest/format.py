@@ -34,6 +34,9 @@ WRAPPED_VERSION = 5
 # multimodal source (WRAPPED_VERSION). prep writes 4, or 5 for a multimodal source.
 READ_VERSIONS = (1, 2, 3, 4, 5)
 MAX_TP = 1 << 16  # no engine runs more ranks: a larger tp is a damaged manifest
+# The engine of a manifest that does not name one: manifests written before ``target.engine`` was
+# recorded were all converted for ATOM's ranks (the format's history, not a default engine).
+UNRECORDED_ENGINE = "atom"
 
 
 class ManifestError(LayoutsError):

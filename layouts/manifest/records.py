@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from .format import MAX_TP, ManifestError
+from .format import MAX_TP, UNRECORDED_ENGINE, ManifestError
 from .names import expand_names
 from .values import _is_count, _object, _string_list
 
@@ -24,50 +24,42 @@ from .values import _is_count, _object, _string_list
 # every field.
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Target:
-    """What the checkpoint was converted for (the ``target`` section): the conversion options,
-    as prep's ``--layout``/``--moe-layout``/``--tp``/``--ep`` and padding set them, and the
-    architecture read from the source's config.json. Engines check it against their own
-    configuration before loading a byte (:func:`layouts.check_compatibility`)."""
+    """What the checkpoint was converted for (the ``target`` section): the conversion's options,
+    as prep's ``--engine``/``--layout``/``--moe-layout``/``--tp``/``--ep`` and padding set them
+    (``prep.deepseek.target_for`` fills in what the engine's profile reads where they are left
+    out), and the architecture read from the source's config.json. One type for both: an option
+    that changes the bytes is a field here, so the manifest records every one. Engines check it
+    against their own configuration before loading a byte (:func:`layouts.check_compatibility`)."""
 
     layout: str  # registered dense layout of every MXFP4 linear
     moe_layout: str  # registered MoE layout of every stacked expert tensor
-    tp: int  # tensor-parallel size: one set of rank files per rank
+    tp: int = 1  # tensor-parallel size: one set of rank files per rank
     ep: int = 1  # expert-parallel size: 1, or equal to tp
-    fuse_shared_expert: bool = True  # shared expert stacked after the routed ones (slot n_routed)
-    inter_pad_to: int = 256  # stacked experts' intermediate dimension padded to a multiple of this
-    hidden_pad_to: int = 256  # and their hidden dimension
-    # Rank-exact (format 2): BF16 split per rank as the engine holds it, replicated tensors in
-    # every rank's files. Absent (format 1): false, every non-MXFP4 tensor in common files.
-    rank_exact: bool = False
+    fuse_shared_expert: bool  # shared expert stacked after the routed ones (slot n_routed)
+    inter_pad_to: int  # stacked experts' intermediate dimension padded to a multiple of this
+    hidden_pad_to: int  # and their hidden dimension
+    # Rank-exact (format 2, what prep writes unless --common-bf16): BF16 split per rank as the
+    # engine holds it, replicated tensors in every rank's files. Absent (format 1): false, every
+    # non-MXFP4 tensor in common files.
+    rank_exact: bool = True
     # Rank-exact only: the registered layout of stacked BF16 experts (R1-0528's MTP layer), the one
     # the engine's unquantized MoE reads; None: stored unshuffled (the engine shuffles at load).
-    bf16_moe_layout: str | None = None
-    arch: str = ""  # config.json model_type, e.g. "deepseek_v3"
+    bf16_moe_layout: str | None
+    # config.json's model_type, e.g. "deepseek_v3": set by the conversion once it has read the
+    # source (a target made before that has "")
+    arch: str = ""
     # The engine whose per-rank holding the files follow (merged modules, splits, expert map:
-    # its profile's ``sharding``). Absent (manifests before it was recorded): "atom".
-    engine: str = "atom"
+    # its profile's ``sharding``). Absent (manifests before it was recorded): UNRECORDED_ENGINE.
+    engine: str
     # Rank-exact only: the registered ``fp8`` layout of FP8 block-scaled weights (DeepSeek's own FP8
     # release), the one the engine holds them in after loading; None (absent): as the source holds
     # them, the engine processing them at load.
-    fp8_layout: str | None = None
+    fp8_layout: str | None
     # Rank-exact only: the registered ``fp8`` layouts (weight, scale) of FP8 per-channel linears
     # (Quark's per-channel attention), as the engine holds them once loaded; None: the source's bytes.
-    fp8_channel_layouts: tuple[str, str] | None = None
-
-    @classmethod
-    def from_options(cls, options: dict[str, Any], arch: str) -> "Target":
-        """The target of a conversion run with ``options`` (prep's own option record, e.g.
-        ``dataclasses.asdict(prep.deepseek.Target(...))``). An option this record has no field
-        for is refused, not dropped: an option that changes the bytes must be in the manifest,
-        or a reader could not tell two conversions apart."""
-        known = {f.name for f in dataclasses.fields(cls)} - {"arch"}
-        unknown = [k for k in options if k not in known]
-        if unknown:
-            raise ManifestError(f"conversion option {unknown[0]!r} has no field in the manifest's target; add it to "
-                                "layouts.manifest.Target and docs/manifest.md")
-        return cls.from_json({**options, "arch": arch})
+    fp8_channel_layouts: tuple[str, str] | None
 
     @classmethod
     def from_json(cls, t: Any) -> "Target":
@@ -96,7 +88,7 @@ class Target:
         bf16_moe = t.get("bf16_moe_layout") if rank_exact else None  # format 1 stacks no BF16 experts
         if bf16_moe is not None and type(bf16_moe) is not str:
             raise ManifestError(f"target.bf16_moe_layout is {bf16_moe!r}, not a string")
-        engine = t.get("engine", "atom")
+        engine = t.get("engine", UNRECORDED_ENGINE)
         if type(engine) is not str or not 0 < len(engine) <= 64 or not all(c.isalnum() or c in "-_." for c in engine):
             raise ManifestError(f"target.engine is {engine!r}, not an engine name")
         fp8 = t.get("fp8_layout") if rank_exact else None  # format 1 keeps FP8 whole, as the source has it
@@ -106,8 +98,9 @@ class Target:
         if channel is not None and (type(channel) not in (list, tuple) or len(channel) != 2
                                     or not all(type(n) is str for n in channel)):
             raise ManifestError(f"target.fp8_channel_layouts is {channel!r}, not a [weight, scale] pair of layout names")
-        return cls(layout, moe_layout, tp, ep, fuse, *pads, rank_exact, bf16_moe, arch, engine, fp8,
-                   None if channel is None else tuple(channel))
+        return cls(layout=layout, moe_layout=moe_layout, tp=tp, ep=ep, fuse_shared_expert=fuse, inter_pad_to=pads[0],
+                   hidden_pad_to=pads[1], rank_exact=rank_exact, bf16_moe_layout=bf16_moe, arch=arch, engine=engine,
+                   fp8_layout=fp8, fp8_channel_layouts=None if channel is None else tuple(channel))
 
     def to_json(self) -> dict[str, Any]:
         return {"layout": self.layout, "moe_layout": self.moe_layout, "tp": self.tp, "ep": self.ep,

@@ -52,7 +52,7 @@ from typing import Callable, Iterator
 
 import torch
 
-import layouts
+from layouts.engines.atom import PROFILE as ATOM, TRITON_NON_SHUFFLE, TRITON_PRESHUFFLE
 
 from ..errors import PrepError
 
@@ -63,12 +63,13 @@ GEMM_AFP4WFP4 = "gemm_afp4wfp4"
 AMD_ONLY_LAUNCH_KEYS = ("waves_per_eu", "matrix_instr_nonkdim", "kpack")
 STUB_ARCH = "gfx950"
 CONFIGS = ("MI350X-GEMM-AFP4WFP4.json", "MI350X-GEMM-AFP4WFP4_PRESHUFFLED.json")
-# The dense layouts aiter's Triton GEMMs read, the kernel for each, and the GEMM path whose
-# activation-quant flags that kernel reads (layouts' engine profile names them).
-# The dense layouts ATOM's two Triton GEMM paths read, as its engine profile states them (layout
-# names have one home: the registry, and the profiles that say who reads which).
-_PATHS = ("triton-non-shuffle", "triton-preshuffle")
-NON_SHUFFLE, PRESHUFFLE = (layouts.get_engine("atom").dense_layout(p) for p in _PATHS)
+# aiter's Triton GEMMs are what ATOM's two Triton GEMM paths call: ATOM's profile states the
+# dense layout each reads and the activation-quant flags of each (layout names have one home:
+# the registry, and the profiles that say who reads which). The kernel for each layout, and the
+# path of ``KERNEL_ENGINE``'s profile whose activation flags that kernel reads.
+KERNEL_ENGINE = ATOM
+_PATHS = (TRITON_NON_SHUFFLE, TRITON_PRESHUFFLE)
+NON_SHUFFLE, PRESHUFFLE = (ATOM.dense_layout(p) for p in _PATHS)
 KERNELS = {NON_SHUFFLE: "gemm_afp4wfp4", PRESHUFFLE: "gemm_afp4wfp4_preshuffled_weight_scales"}
 ACTIVATION_PATH = dict(zip((NON_SHUFFLE, PRESHUFFLE), _PATHS))
 

@@ -102,7 +102,8 @@ class AiterDenseGemms:
         else:
             self._from_source()
         self.layout = next(iter({lay for _, lay, _, _ in self._groups.values()}), aiter_gemm.NON_SHUFFLE)
-        self.gemm_path = aiter_gemm.ACTIVATION_PATH.get(self.layout, "triton-non-shuffle")
+        self.gemm_path = aiter_gemm.ACTIVATION_PATH.get(self.layout,
+                                                        aiter_gemm.ACTIVATION_PATH[aiter_gemm.NON_SHUFFLE])
 
     def _from_converted(self, manifest: layouts.Manifest, assume_layout: str | None) -> None:
         ranks = [layouts.load_rank(self.root, r, manifest=manifest) for r in range(manifest.tp)]  # mapped

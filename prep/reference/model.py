@@ -36,7 +36,10 @@ BF16 = torch.bfloat16
 @dataclasses.dataclass(frozen=True)
 class ForwardOptions:
     act_quant: bool = True  # quantize activations of MXFP4 GEMMs (as the kernels do)
-    gemm_path: str = "asm"  # whose activation-quant flags the fused call sites use
+    # With act_quant: the engine (its profile) and its GEMM path whose activation-quant flags the
+    # fused call sites use, as ``prep.reference.run`` chooses them for the checkpoint
+    engine: layouts.EngineProfile | None = None
+    gemm_path: str | None = None
     backend: str = "auto"  # fused op back end ("torch" on CPU, "triton" on other GPUs)
     # The full forward's keys and values computed as a latent-cache decode uses them: from the
     # BF16 normed KV, not quantized to MXFP4, kept float32. The two forwards then differ only in
@@ -48,6 +51,11 @@ class ForwardOptions:
     # output quantized to MXFP4 on the fly, W_UK and W_UV dequantized and quantized again to MXFP4
     # along their last dims: the nope dim for W_UK, kv_lora for W_UV; docs/engines.md).
     mla_order: str = "reference"
+
+    def __post_init__(self) -> None:
+        if self.act_quant and (self.engine is None or self.gemm_path is None):
+            raise ValueError("act_quant emulates a GEMM path's activation quant: give the engine and its gemm_path, "
+                             "or act_quant=False")
 
 
 def rope_tables(cfg: dict[str, Any], positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
@@ -123,14 +131,15 @@ class DeepseekV3:
     the cache holds (a prefill, or one decode step) and adds them to it: attention then reads the
     cache with ``kv_b_proj`` absorbed, as engines decode."""
 
-    def __init__(self, weights: ModelWeights, options: ForwardOptions = ForwardOptions(), layers: int | None = None,
+    def __init__(self, weights: ModelWeights, options: ForwardOptions, layers: int | None = None,
                  dense_gemm: Any = None):
         self.w = weights
         self.dense_gemm = dense_gemm  # handles(prefix), (prefix, q, scale, flags) -> float32 [T, N]
         self.cfg = weights.config
         self.opt = options
         self.num_layers = self.cfg["num_hidden_layers"] if layers is None else min(layers, self.cfg["num_hidden_layers"])
-        self.plan = layouts.ActivationQuantPlan(options.gemm_path, backend=options.backend)
+        self.plan = layouts.ActivationQuantPlan(options.gemm_path, profile=options.engine, backend=options.backend) \
+            if options.act_quant else None
         self.eps = float(self.cfg.get("rms_norm_eps", 1e-6))
         self._cache: LatentCache | None = None
 

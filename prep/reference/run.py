@@ -20,23 +20,31 @@ from .model import DeepseekV3, ForwardOptions, LatentCache
 from ..verify import verify_tensors_read
 from .weights import MAX_MEMORY, load_weights
 
-def engine_for(manifest: layouts.Manifest | None, gemm_path: str | None = None) -> tuple[str, layouts.EngineConfig | None]:
-    """The GEMM path to emulate, and (converted checkpoints, given by their ``manifest``) the
-    engine configuration it is checked against: the default engine's configuration that reads
-    this checkpoint's layouts (:meth:`layouts.EngineConfig.reading`). A source is read in its own
-    byte order, so its path is the one that reads the source-order dense layout."""
+def engine_for(manifest: layouts.Manifest | None, gemm_path: str | None, source_engine: layouts.EngineProfile | None
+               ) -> tuple[layouts.EngineProfile | None, str | None, layouts.EngineConfig | None]:
+    """The engine and its GEMM path to emulate, and (converted checkpoints, given by their
+    ``manifest``) the engine configuration it is checked against: the configuration of the
+    engine it was converted for that reads its layouts (:meth:`layouts.EngineConfig.reading`).
+    A source is read in its own byte order, by ``source_engine``'s path that reads the
+    source-order dense layout (None: no engine, for a run without activation quant)."""
     if manifest is None:
+        if source_engine is None:
+            return None, None, None
+        if gemm_path is not None and gemm_path not in source_engine.gemm_paths:
+            raise PrepError(f"--gemm-path {gemm_path}: not a GEMM path of {source_engine.display_name}, which reads "
+                            f"the source; choose one of {', '.join(source_engine.gemm_paths)}")
         source_order = layouts.registry.source_order_layout("dense").name
-        return gemm_path or layouts.get_engine().gemm_path_reading(source_order), None
+        return source_engine, gemm_path or source_engine.gemm_path_reading(source_order), None
     engine = layouts.EngineConfig.reading(manifest, gemm_path)
-    return engine.gemm_path, engine
+    return engine.profile, engine.gemm_path, engine
 
 
 GEMMS = ("torch", "aiter-triton")  # who computes the dense MXFP4 GEMMs (prep/reference/dense_gemm.py)
 
 
 def run(model_dir: str | pathlib.Path, prompt_ids: list[int], *, layers: int | None = None, device: str = "cpu",
-        act_quant: bool = True, gemm_path: str | None = None, assume_layout: str | None = None,
+        act_quant: bool = True, gemm_path: str | None = None, source_engine: layouts.EngineProfile | None = None,
+        assume_layout: str | None = None,
         gemm: str = "torch", aiter_dir: str | None = None, verify: bool = True, max_memory: int = MAX_MEMORY,
         progress: Mapping[str, Any] | None = None, prefill: int | None = None, kv_cache: str = "latent",
         generate: int = 0, latent_kv: bool = False, mla_order: str = "reference") -> dict[str, Any]:
@@ -51,6 +59,10 @@ def run(model_dir: str | pathlib.Path, prompt_ids: list[int], *, layers: int | N
     ``gemm="aiter-triton"`` computes every dense MXFP4 GEMM with aiter's own Triton kernel for the
     checkpoint's dense layout (from ``aiter_dir``, see :mod:`prep.reference.aiter_gemm`), with that kernel's
     activation flags; MoE experts stay on the dequantize-and-matmul path.
+
+    ``source_engine``: the engine whose GEMM path (``gemm_path``, else the one reading the source's
+    byte order) a source's activations are quantized for (prep run: its default engine); a
+    converted checkpoint is read by the engine it was converted for.
 
     ``assume_layout`` reads a converted checkpoint's MXFP4 tensors as that layout and skips the
     compatibility check (to see what a mismatch does); otherwise a converted checkpoint is checked
@@ -79,7 +91,10 @@ def run(model_dir: str | pathlib.Path, prompt_ids: list[int], *, layers: int | N
         if gemm_path not in (None, kernel_path):
             raise PrepError(f"--gemm-path {gemm_path}: with --gemm aiter-triton the activation is quantized for the "
                             f"kernel that runs, whose path is {kernel_path}; leave --gemm-path out")
-    path, engine = engine_for(manifest, None if gemm == "aiter-triton" else gemm_path)
+    profile, path, engine = engine_for(manifest, None if gemm == "aiter-triton" else gemm_path, source_engine)
+    if act_quant and profile is None and gemm != "aiter-triton":  # aiter's kernel's own path, below
+        raise PrepError("a source's activations are quantized as an engine's GEMM path does: give source_engine "
+                        "(prep run reads a source as its default engine does), or act_quant=False")
     if engine is not None and assume_layout is None:
         try:
             layouts.check_compatibility(manifest, engine)
@@ -114,14 +129,16 @@ def run(model_dir: str | pathlib.Path, prompt_ids: list[int], *, layers: int | N
     t1 = time.perf_counter()
     dense = None
     if gemm == "aiter-triton" and act_quant:
+        from . import aiter_gemm
         from .dense_gemm import AiterDenseGemms
 
         dense = AiterDenseGemms(root, manifest, assume_layout=assume_layout, device=device, aiter_dir=aiter_dir)
-        path = kernel_path  # the checkpoint is checked against its engine; the kernel reads its own path's flags
+        # the checkpoint is checked against its engine; the kernel reads its own path's flags
+        profile, path = aiter_gemm.KERNEL_ENGINE, kernel_path
     elif gemm == "aiter-triton":
         raise PrepError("--gemm aiter-triton needs --act-quant: aiter's kernels multiply MXFP4 activations")
-    model = DeepseekV3(weights, ForwardOptions(act_quant=act_quant, gemm_path=path, latent_kv=latent_kv,
-                                               mla_order=mla_order),
+    model = DeepseekV3(weights, ForwardOptions(act_quant=act_quant, engine=profile, gemm_path=path,
+                                               latent_kv=latent_kv, mla_order=mla_order),
                        layers=layers, dense_gemm=dense)
     decoding = prefill is not None or generate > 0
     k = ids.numel() if prefill is None else prefill

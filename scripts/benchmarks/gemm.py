@@ -46,14 +46,17 @@ import traceback
 import torch
 
 import layouts
+from layouts.engines import get_engine
 from prep.convert import convert
-from prep.deepseek import Target
+from prep.deepseek import target_for
 from prep.reference.aiter_gemm import DENSE_MODULES
 from prep.testing import SynthSpec, write_checkpoint
 
 from .common import cuda_timing
 from .common.args import add_cpu_smoke, add_ms, require_compiled_triton
 from .common.table import Table
+
+ATOM = get_engine("atom")  # the engine this benchmark converts for and runs as
 
 # The run's options and device, set by run(): the CPU smoke run changes tolerances, shapes and
 # timing throughout.
@@ -139,7 +142,7 @@ def kernel_runs(kernel: str, m: int, k: int) -> str:
 # ---------------------------------------------------------------------------------- activation
 def flags_for(kernel: str, m: int) -> tuple[bool, bool]:
     path = "triton-non-shuffle" if kernel == NON_SHUFFLE else "triton-preshuffle"
-    return tuple(layouts.ActivationQuantPlan(path).flags(m))
+    return tuple(layouts.ActivationQuantPlan(path, profile=ATOM).flags(m))
 
 
 def activation(m: int, k: int, flags, seed: int):
@@ -215,7 +218,7 @@ def convert_both(src: pathlib.Path, root: pathlib.Path, tp: int, tag: str) -> di
     for layout in ("non-shuffle", "preshuffle"):
         dest = root / f"{tag}-{layout}-tp{tp}"
         if not (dest / "prep-complete.json").exists():
-            convert(str(src), dest, Target(layout, "ck", tp))
+            convert(str(src), dest, target_for(ATOM, layout=layout, moe_layout="ck", tp=tp))
         out[layout] = dest
     return out
 

@@ -32,12 +32,15 @@ import prep.convert
 from atom_like import atom_like_model  # tests/: ATOM's DeepSeek as ATOM allocates it
 from layouts.engines.atom import install_converted_weights
 from layouts.engines.atom.adapter import _as_param_dtype
-from prep.deepseek import Target
+from layouts.engines import get_engine
+from prep.deepseek import target_for
 from prep.testing import PRESETS, write_checkpoint
 
 from .common.args import add_repeat
 from .common.table import GiB, Table
 from .common.timing import Timed, alternate
+
+ATOM = get_engine("atom")  # the engine this benchmark converts for and runs as
 
 
 DEVICE = "cuda"
@@ -104,10 +107,10 @@ def run(args: argparse.Namespace) -> None:
         write_checkpoint(spec, src)
     if not (out / "prep-complete.json").is_file():
         prep.convert.SHARD_BYTES = args.shard_mib << 20
-        prep.convert.convert(str(src), out, Target("preshuffle", "ck", args.tp))
+        prep.convert.convert(str(src), out, target_for(ATOM, layout="preshuffle", moe_layout="ck", tp=args.tp))
     cfg = json.loads((src / "config.json").read_text())
     manifest = L.load_manifest(out)
-    engine = L.EngineConfig("asm", "ck", args.tp, rank=0)
+    engine = L.EngineConfig("asm", "ck", args.tp, rank=0, profile=ATOM)
     rank_bytes = sum(manifest.files[f].size for f in manifest.rank_files(0))
     files = len(manifest.rank_files(0))
     largest = max(manifest.files[f].size for f in manifest.rank_files(0))

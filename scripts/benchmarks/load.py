@@ -44,8 +44,9 @@ import torch
 from safetensors import safe_open
 
 import layouts as L
+from layouts.engines import get_engine
 from prep.convert import convert
-from prep.deepseek import Target, classify, plan_groups
+from prep.deepseek import classify, plan_groups, target_for
 from prep.safetensors_writer import nbytes
 from prep.source import SourceCheckpoint
 
@@ -56,12 +57,14 @@ from .common.table import Table
 from .common.timing import alternate
 from .common.trees import scratch_root
 
+ATOM = get_engine("atom")  # the engine this benchmark converts for and runs as
+
 
 def load_source_like_an_engine(src_dir: pathlib.Path, tp: int, rank: int, device: str) -> tuple[int, int]:
     """Per-tensor reads through safe_open, merge/stack, then shuffle. Returns (tensors read, tensors held)."""
     src = SourceCheckpoint(src_dir)
     cls = classify(src)
-    groups = plan_groups(src, cls, Target("preshuffle", "ck", tp))[rank]
+    groups = plan_groups(src, cls, target_for(ATOM, layout="preshuffle", moe_layout="ck", tp=tp), ATOM)[rank]
     handles = {f: safe_open(str(src_dir / f), "pt") for f in src.files}
     reads = 0
 
@@ -226,7 +229,8 @@ def run(args: argparse.Namespace) -> None:
             tmp = pathlib.Path(tempfile.mkdtemp(prefix="prep-bench-load-", dir=out_root))
             conv = tmp / "converted"
             t0 = time.perf_counter()
-            convert(str(args.src), conv, Target("preshuffle", "ck", tp, ep=tp if args.ep else 1, rank_exact=False))
+            convert(str(args.src), conv, target_for(ATOM, layout="preshuffle", moe_layout="ck", tp=tp,
+                                                    ep=tp if args.ep else 1, rank_exact=False))
             print(f"converted {args.src} at tp {tp}{' ep ' + str(tp) if args.ep else ''} "
                   f"in {time.perf_counter() - t0:.1f} s")
         try:
@@ -234,7 +238,8 @@ def run(args: argparse.Namespace) -> None:
             if args.rank_exact and tmp is not None:
                 exact = tmp / "rank-exact"
                 t0 = time.perf_counter()
-                convert(str(args.src), exact, Target("preshuffle", "ck", tp, ep=tp if args.ep else 1))
+                convert(str(args.src), exact, target_for(ATOM, layout="preshuffle", moe_layout="ck", tp=tp,
+                                                         ep=tp if args.ep else 1))
                 print(f"converted rank-exact in {time.perf_counter() - t0:.1f} s")
                 compare_layouts(src, {"common-bf16": conv, "rank-exact": exact}, args.rank, args.repeat, args.cold)
             if not args.bytes_only and not args.no_source:

@@ -24,14 +24,17 @@ import time
 
 import torch
 
+from layouts.engines import get_engine
 from prep.convert import convert
-from prep.deepseek import Target
+from prep.deepseek import target_for
 from prep.reference.model import DeepseekV3, ForwardOptions
 from prep.reference.weights import load_weights
 from prep.testing import SynthSpec, write_checkpoint
 
 from .common.args import add_repeat
 from .common.table import Table
+
+ATOM = get_engine("atom")  # the engine this benchmark converts for and runs as
 
 LARGE = SynthSpec(hidden_size=2048, q_lora_rank=512, kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=32,
                   v_head_dim=64, num_attention_heads=16, intermediate_size=4096, moe_intermediate_size=512,
@@ -48,7 +51,7 @@ def measure(path: pathlib.Path, ids: torch.Tensor, device: str, layers, repeat: 
         w.to(device)
         torch.cuda.synchronize()
     load = time.perf_counter() - t0
-    model = DeepseekV3(w, ForwardOptions(), layers=layers)
+    model = DeepseekV3(w, ForwardOptions(engine=ATOM, gemm_path=ATOM.default_gemm_path), layers=layers)
     times, logits = [], None
     for _ in range(repeat + 1):
         t0 = time.perf_counter()
@@ -82,7 +85,7 @@ def run(args: argparse.Namespace) -> None:
             src = write_checkpoint(LARGE if args.size == "large" else SynthSpec(variant="v2"), work / "src")
             print(f"generated {args.size} checkpoint in {time.perf_counter() - t0:.1f} s")
         conv = work / "converted"
-        convert(str(src), conv, Target("preshuffle", "ck", args.tp))
+        convert(str(src), conv, target_for(ATOM, layout="preshuffle", moe_layout="ck", tp=args.tp))
         vocab = json.loads((src / "config.json").read_text())["vocab_size"]
         ids = torch.randint(0, vocab, (args.tokens,), generator=torch.Generator().manual_seed(0))
         results = {"source": measure(src, ids, args.device, args.layers, args.repeat),

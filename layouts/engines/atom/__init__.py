@@ -293,7 +293,7 @@ class AtomProfile(EngineProfile):
         else:  # ATOM's own choice when the switch is unset
             moe = TRITON if arch.startswith(GFX94.prefix) or (arch.startswith(GFX95.prefix) and triton_gemm) else CK
         return EngineConfig(gemm_path, moe, tp_size, rank, ep_size, arch,
-                            on(ENV_INPUT_FUSION, "1"), on(ENV_QKNORM_FUSION, "1"), engine=self.name,
+                            on(ENV_INPUT_FUSION, "1"), on(ENV_QKNORM_FUSION, "1"), profile=self,
                             fp8_layout="" if on(ENV_FP8_PRESHUFFLE, "1") else None)
 
     def dense_fix(self, layout: str, gemm_path: str) -> str | None:

@@ -116,7 +116,7 @@ class VllmProfile(EngineProfile):
             raise CompatibilityError(f"{ENV_FUSE_SHARED}=1: vLLM then stacks the shared expert with the routed ones, "
                                      "which vLLM conversions do not; unset it")
         arch = gpu_arch or current_gpu_arch() or self.default_gpu_arch
-        return EngineConfig(TRITON_NON_SHUFFLE_T, AITER, tp_size, rank, ep_size, arch, False, False, engine=self.name)
+        return EngineConfig(TRITON_NON_SHUFFLE_T, AITER, tp_size, rank, ep_size, arch, False, False, profile=self)
 
     def target_refusal(self, tp: int, ep: int, moe_layout: str, fuse_shared_expert: bool = False) -> str | None:
         if ep not in (1, tp):

@@ -181,11 +181,12 @@ def checked(folder: str, parallel_config: Any) -> tuple[Any, int]:
     from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
     from ... import CompatibilityError, EngineConfig, ManifestError, check_compatibility, load_manifest
+    from . import PROFILE
 
     tp, rank = get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
     ep = tp if getattr(parallel_config, "enable_expert_parallel", False) else 1
     try:
-        engine = EngineConfig.from_env(tp_size=tp, rank=rank, ep_size=ep, env=os.environ, engine="vllm")
+        engine = EngineConfig.from_env(PROFILE, tp_size=tp, rank=rank, ep_size=ep, env=os.environ)
         manifest = load_manifest(folder)
         check_compatibility(manifest, engine)
     except (CompatibilityError, ManifestError) as e:  # their messages name the folder
