@@ -371,7 +371,7 @@ def test_the_prep_command_leaves_at_once_with_its_output_whole_and_its_exit_stat
     assert r.returncode == 0 and r.stdout.startswith("prep, version ")
     # a verb whose reader went away (`prep inspect X | head -1` with more to print than the pipe
     # holds): a quiet 141, as a process the pipe's SIGPIPE ends, not "error: a file: Broken pipe"
-    verb = ("import prep.cli as c\n@c._fail_cleanly\ndef inspect():\n    raise BrokenPipeError(32, 'Broken pipe')\n"
+    verb = ("import prep.cli.app as c\n@c._fail_cleanly\ndef inspect():\n    raise BrokenPipeError(32, 'Broken pipe')\n"
             "inspect()")
     r = subprocess.run([sys.executable, "-c", verb], capture_output=True, text=True, cwd=tmp_path)
     assert r.returncode == 141 and r.stderr == "" and r.stdout == "", r.stderr

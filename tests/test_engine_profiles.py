@@ -52,7 +52,7 @@ def test_no_module_outside_the_registry_and_the_profiles_spells_a_layout_or_an_a
 # The one place an engine is chosen without being asked (the CLI's --engine when omitted), and the
 # manifest format's history (manifests from before target.engine were all ATOM's); and "sglang" as
 # the reference engine's MLA order (--mla-order sglang: SGLang's decode arithmetic, not the engine).
-ENGINE_NAMED = {("prep/cli.py", "atom"), ("layouts/manifest/format.py", "atom"), ("prep/cli.py", "sglang"),
+ENGINE_NAMED = {("prep/cli/app.py", "atom"), ("layouts/manifest/format.py", "atom"), ("prep/cli/reference.py", "sglang"),
                 ("prep/reference/model.py", "sglang"), ("prep/reference/run.py", "sglang")}
 
 

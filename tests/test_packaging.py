@@ -116,11 +116,11 @@ def test_the_runtime_wheel_needs_torch_alone_and_the_cli_wheel_the_rest(wheels):
     requires, listing = _meta(runtime)
     assert sorted(r for r in requires if "extra ==" not in r) == ["numpy", "torch>=2.7"]
     assert [r for r in requires if "extra ==" in r] == ['xxhash>=3.0; extra == "hashes"']
-    assert "layouts/loader.py" in listing and "prep/cli.py" not in listing
+    assert "layouts/loader.py" in listing and "prep/cli/app.py" not in listing
     assert "harness/" not in listing  # the engine checks are test support, in neither distribution
     requires, listing = _meta(cli)
     assert {"click>=8.1", "tqdm>=4.60", "huggingface_hub>=0.34", "xxhash>=3.0"} <= set(requires)
-    assert "prep = prep.cli:run" in listing and "prep/cli.py" in listing and "layouts/loader.py" in listing
+    assert "prep = prep.cli:run" in listing and "prep/cli/app.py" in listing and "layouts/loader.py" in listing
     assert "harness/" not in listing
 
 
