@@ -2,7 +2,7 @@
 or negative ``rms_norm_eps``, ``rope_theta`` 0, more experts per token than experts and the like
 made ``prep run`` exit 0 with an argmax of non-finite logits (issue 25, item 5). Each refusal is
 one line naming the key; the integer counts are bounded by the tensors the checkpoint holds, as
-``prep convert`` bounds them (``prep.deepseek.check_config_ints``)."""
+``prep convert`` bounds them (``prep.config_check.check_config_ints``)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import math
 import pathlib
 from typing import Any
 
-from ..deepseek import check_config_ints, source_family
+from ..config_check import check_config_ints, source_family
 from ..errors import PrepError
 
 

@@ -284,7 +284,7 @@ def load_weights(model_dir: str | pathlib.Path, assume_layout: str | None = None
 
 
 def _from_source(root: pathlib.Path, max_memory: int) -> ModelWeights:
-    from ..deepseek import check_complete
+    from ..config_check import check_complete
 
     src = SourceCheckpoint(root)
     linears: dict[str, Callable[[], torch.Tensor]] = {}
