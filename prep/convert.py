@@ -25,16 +25,14 @@ import torch
 
 import layouts
 from layouts import manifest as schema
-from layouts.engines import Constant, EngineProfile
 from layouts.manifest import COMPLETE_NAME, FILE_NAME_KEY, MANIFEST_NAME, Target, compress_names, manifest_hash
 from layouts.safetensors_file import TORCH_DTYPES, TensorInfo
 
 from . import __version__
-from .bf16 import Bf16Group
-from .deepseek import Classified, classify, engine_of, plan_bf16, plan_groups
-from .errors import PrepError
+from .deepseek import engine_of
+from .file_plan import FileJob, plan_files
 from .directio import ALIGN, STAGING_BYTES, STAGING_SPARE
-from .groups import Alloc, LinearGroup, MoEGroup, to_record
+from .groups import Alloc, to_record
 from .identity import changed_files, file_identity
 from .outdir import OutputFolder, copy_regular, kill_point, write_json
 from .ownership import sealed_run
@@ -43,38 +41,9 @@ from .safetensors_writer import StreamingSafetensorsWriter, nbytes
 from .prefetch import Prefetch
 from .siblings import build_together
 
-SHARD_BYTES = 4 << 30  # split a rank's tensors into files of about this size
 # Tensors are built, transformed and written in blocks of about this size (whole experts, or
 # rows of a pass-through tensor), so peak memory does not grow with the largest tensor.
 CHUNK_BYTES = 32 << 20
-
-
-@dataclasses.dataclass
-class FileJob:
-    """One output file: its tensors in order and what produces them."""
-
-    name: str
-    rank: int | None
-    groups: list[LinearGroup | MoEGroup | Bf16Group]  # the rank's groups (rank files)
-    passthrough: list[str]  # source tensor names copied whole (replicated in rank files, or common files)
-    entries: list[tuple[str, str, tuple[int, ...]]]
-    constants: list[Constant] = dataclasses.field(default_factory=list)  # the engine's, not from the source
-    engine_loads: bool = False  # a common file the rank's engine loads whole itself (a vision tower: loads_outside)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(nbytes(dtype, shape) for _, dtype, shape in self.entries)
-
-    def source_files(self, src: SourceCheckpoint) -> list[str]:
-        """The source files this output file reads (whose change means writing it again)."""
-        names = [n for g in self.groups for n in g.sources()] + self.passthrough
-        return sorted({src.tensors[n].file for n in names})
-
-    def plan_key(self) -> str:
-        """What must match for a finished file to be reused by --resume."""
-        desc = [g.record() for g in self.groups] + self.passthrough + [list(e) for e in self.entries]
-        desc += [dataclasses.astuple(c) for c in self.constants]
-        return manifest_hash(json.dumps(desc, sort_keys=True).encode())
 
 
 def keep_freed_memory() -> None:
@@ -96,85 +65,6 @@ def keep_freed_memory() -> None:
     libc.mallopt(m_trim_threshold, (1 << 31) - 1)
 
 
-def shard_names(items: list[tuple[Any, int]], prefix: str) -> list[tuple[str, list[Any]]]:
-    """Cut (item, bytes) into consecutive files of about SHARD_BYTES, named prefix-00001...."""
-    files: list[list[Any]] = [[]]
-    size = 0
-    for item, n in items:
-        if files[-1] and size + n > SHARD_BYTES:
-            files.append([])
-            size = 0
-        files[-1].append(item)
-        size += n
-    return [(f"{prefix}-{i + 1:05d}-of-{len(files):05d}.safetensors", chunk) for i, chunk in enumerate(files)]
-
-
-def plan_files(src: SourceCheckpoint, target: Target, engine: EngineProfile) -> tuple[list[FileJob], dict[str, Any]]:
-    """Validate everything and lay out the output files for ``target``, whose engine is ``engine``
-    (resolved once, by the caller). Raises PrepError on any bad input.
-
-    Rank-exact (``target.rank_exact``): a rank's files hold its MXFP4 groups, its BF16 groups,
-    a copy of every replicated tensor and the engine's constants, so a rank reads exactly its
-    own files; the one common file holds only what no rank reads (and the MTP layers, whole,
-    for an engine whose model does not hold them). Otherwise (format 1) every non-MXFP4 tensor
-    is whole in common files that every rank reads."""
-    _check_layout_names(target)
-    cls = classify(src)
-    rules = engine.sharding
-    held, mtp = _without_mtp(src, cls) if not rules.holds_mtp else (cls, [])
-    per_rank = plan_groups(src, held, target, engine)
-    replicated, common = [], list(held.passthrough)
-    if target.rank_exact:
-        split, replicated, common = plan_bf16(src, held, target, engine)
-        for groups, more in zip(per_rank, split):
-            groups += more
-    elif mtp or rules.constants:
-        raise PrepError(f"--common-bf16: engine {target.engine!r} loads only the tensors of its own model from its "
-                        "rank's files; convert without --common-bf16")
-    common += mtp
-    loaded = held.outside if target.rank_exact and rules.loads_outside else []  # whole, for the engine's own loader
-    constants = [c.at_layer(i) for i in range(held.num_layers) for c in rules.constants] if target.rank_exact else []
-    jobs: list[FileJob] = []
-    for rank, groups in enumerate(per_rank):
-        sized = [(g, sum(nbytes(g.dtype, shape) for _, _, shape in g.outputs())) for g in groups]
-        sized += [(n, src.tensors[n].nbytes) for n in replicated]
-        sized += [(c, nbytes(c.dtype, c.shape)) for c in constants]
-        for fname, chunk in shard_names(sized, f"model-tp{target.tp}-rank{rank}"):
-            gs = [x for x in chunk if isinstance(x, (LinearGroup, MoEGroup, Bf16Group))]
-            names = [x for x in chunk if isinstance(x, str)]
-            consts = [x for x in chunk if isinstance(x, Constant)]
-            entries = [(n, g.dtype, tuple(shape)) for g in gs for n, _, shape in g.outputs()]
-            entries += [(n, src.tensors[n].dtype, src.tensors[n].shape) for n in names]
-            entries += [(c.name, c.dtype, c.shape) for c in consts]
-            jobs.append(FileJob(fname, rank, gs, names, entries, consts))
-    for names, prefix, engine_loads in ((common, "model-common", False), (loaded, "model-outside", True)):
-        sized = [(n, src.tensors[n].nbytes) for n in names]
-        for fname, chunk in shard_names(sized, prefix) if sized else ():
-            entries = [(n, src.tensors[n].dtype, src.tensors[n].shape) for n in chunk]
-            jobs.append(FileJob(fname, None, [], chunk, entries, engine_loads=engine_loads))
-    info = {"arch": cls.arch, "num_layers": cls.num_layers, "mtp_layers": cls.mtp_layers,
-            "modules": cls.modules, "passthrough": cls.passthrough}
-    return jobs, info
-
-
-def _without_mtp(src: SourceCheckpoint, cls: Classified) -> tuple[Classified, list[str]]:
-    """``cls`` without its MTP layers, and those layers' tensors (MXFP4 and not), in source order:
-    what an engine whose model does not hold them gets, and the common file keeps whole."""
-    prefixes = tuple(f"model.layers.{i}." for i in cls.mtp_layers)
-    if not prefixes:
-        return cls, []
-    held = dataclasses.replace(cls, modules={m: k for m, k in cls.modules.items() if not m.startswith(prefixes)},
-                               passthrough=[n for n in cls.passthrough if not n.startswith(prefixes)])
-    return held, [n for n in src.tensors if n.startswith(prefixes)]
-
-
-def _check_layout_names(target: Target) -> None:
-    for name, kind, flag in ((target.layout, "dense", "--layout"), (target.moe_layout, "moe", "--moe-layout")):
-        if name not in layouts.layout_names(kind):
-            raise PrepError(f"{flag} {name!r} is not a {kind} layout; choose one of {', '.join(layouts.layout_names(kind))}")
-
-
-# ---------------------------------------------------------------------------------- writing
 class _Cancelled(Exception):
     """Another worker failed (or the user interrupted): stop this file where it is."""
 

@@ -15,7 +15,7 @@ from layouts.errors import LayoutsError
 from layouts.families import language_config
 from layouts.manifest import MANIFEST_NAME
 
-from .convert import plan_files
+from .file_plan import plan_files
 from .converted import ConvertedCheckpoint
 from .deepseek import classify, convertible_engines, plan_bf16, plan_groups, split_bf16, target_for
 from .errors import PrepError

@@ -16,7 +16,7 @@ from layouts.safe_files import member_problem
 from layouts.safetensors_file import file_xxh3
 
 from . import __version__
-from .convert import shard_names
+from .file_plan import shard_names
 from .converted import ConvertedCheckpoint
 from .errors import PrepError
 from .identity import side_file_changed

@@ -15,6 +15,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import layouts as L
+import prep.file_plan
 from layouts.safetensors_file import SafetensorsFile
 from layouts.engines import get_engine
 from prep.cli import main
@@ -257,7 +258,7 @@ def test_resume_reuses_verified_files_and_redoes_damaged_ones(sources, tmp_path,
     import prep.convert as pc
 
     out = tmp_path / "out"
-    monkeypatch.setattr(pc, "SHARD_BYTES", 1 << 20)  # several files per rank
+    monkeypatch.setattr(prep.file_plan, "SHARD_BYTES", 1 << 20)  # several files per rank
     calls = []
     real = pc._write_files
 
@@ -564,7 +565,7 @@ def test_inspect_of_a_converted_checkpoint_says_what_each_rank_reads_and_keeps(s
 def test_parallel_workers_write_the_same_checkpoint(sources, tmp_path, monkeypatch):
     import prep.convert as pc
 
-    monkeypatch.setattr(pc, "SHARD_BYTES", 1 << 20)  # several files per rank, so the pool has work to share
+    monkeypatch.setattr(prep.file_plan, "SHARD_BYTES", 1 << 20)  # several files per rank, so the pool has work to share
     one, two = tmp_path / "one", tmp_path / "two"
     convert(str(sources["v2"]), one, target_for(ATOM, layout="preshuffle", moe_layout="ck", tp=2), workers=1)
     convert(str(sources["v2"]), two, target_for(ATOM, layout="preshuffle", moe_layout="ck", tp=2), workers=2)
@@ -591,7 +592,7 @@ def test_default_workers_follow_the_cores_and_stay_within_the_memory_budget():
 def test_an_error_in_a_worker_reaches_the_caller_and_no_output_appears(sources, tmp_path, monkeypatch):
     import prep.convert as pc
 
-    monkeypatch.setattr(pc, "SHARD_BYTES", 1 << 20)
+    monkeypatch.setattr(prep.file_plan, "SHARD_BYTES", 1 << 20)
     real, calls = pc._write_files, []
 
     def failing(src, jobs, folder, idents, progress=None, cancel=None, depth=pc.WRITE_DEPTH):

@@ -29,6 +29,7 @@ import torch
 
 import layouts as L
 import prep.convert
+import prep.file_plan
 from atom_like import atom_like_model  # tests/: ATOM's DeepSeek as ATOM allocates it
 from layouts.engines.atom import install_converted_weights
 from layouts.engines.atom.adapter import _as_param_dtype
@@ -106,7 +107,7 @@ def run(args: argparse.Namespace) -> None:
     if not (src / "config.json").is_file():
         write_checkpoint(spec, src)
     if not (out / "prep-complete.json").is_file():
-        prep.convert.SHARD_BYTES = args.shard_mib << 20
+        prep.file_plan.SHARD_BYTES = args.shard_mib << 20
         prep.convert.convert(str(src), out, target_for(ATOM, layout="preshuffle", moe_layout="ck", tp=args.tp))
     cfg = json.loads((src / "config.json").read_text())
     manifest = L.load_manifest(out)
