@@ -28,7 +28,7 @@ import torch
 
 import layouts
 from layouts.dequant import FP8_BLOCK
-from layouts.engines import COLS as _COLS, ROWS as _ROWS, WHOLE as _WHOLE
+from layouts.engines import COLS as _COLS, QKV as _QKV, ROWS as _ROWS, WHOLE as _WHOLE
 from layouts.families import family_of
 
 from .errors import PrepError
@@ -55,6 +55,9 @@ class Bf16Group:
     # The registered layout the stored bytes are in, for stacked BF16 experts the engine would
     # otherwise shuffle after loading; None: as the source holds them (split, unshuffled).
     layout: layouts.Layout | None = None
+    # Stored 1-D: a bias or norm weight the engine holds as the source does, 1-D, while its windows
+    # are planned as the column [N, 1] every 1-D source is (SGLang's vision tower's biases).
+    flat: bool = False
     kind = "bf16"
 
     @property
@@ -83,6 +86,8 @@ class Bf16Group:
     def stored_shape(self) -> tuple[int, ...]:
         """The stored tensor's shape: :attr:`shape`, or what the group's layout makes of it (an
         FP8 per-channel weight's rows padded to 128)."""
+        if self.flat:
+            return (self.shape[0],)
         return tuple(self.layout.weight.output_shape(self.shape)) if self.layout else self.shape
 
     def sources(self) -> list[str]:
@@ -160,7 +165,7 @@ class Bf16Group:
                 yield self.name, out if direct else self.to_layout(out)
             return
         n, k = shape
-        if self.stored_shape != shape:  # a layout that pads (an FP8 per-channel linear): built whole
+        if not self.flat and self.stored_shape != shape:  # a layout that pads (an FP8 per-channel linear): built whole
             rows = torch.empty(shape, dtype=_TORCH[self.dtype])
             for p in self.placements:
                 read(p.source, p.rows, p.cols, out=rows[p.dest_row:p.dest_row + p.out_shape[0]])
@@ -182,7 +187,7 @@ class Bf16Group:
                 read(p.source, slice(first, first + hi - lo), p.cols, out=rows[lo - r0:hi - r0])
             if self.layout:
                 self.layout.weight.forward(rows, out=out)
-            yield self.name, out
+            yield self.name, out.reshape(-1) if self.flat else out
 
     def _room(self, alloc, shape: tuple[int, ...]) -> torch.Tensor:
         out = alloc(self.name, shape, self.dtype) if alloc else None
@@ -193,6 +198,9 @@ class Bf16Group:
 
     def invert(self, tensors: list[torch.Tensor]) -> Iterator[Piece]:
         (t,) = tensors
+        if self.flat:  # inverted as the column its windows are planned in
+            yield from dataclasses.replace(self, flat=False).invert([t.reshape(-1, 1)])
+            return
         if tuple(t.shape) != self.stored_shape:
             raise PrepError(f"{self.name} (rank {self.rank}): stored shape {list(t.shape)}, expected "
                             f"{list(self.stored_shape)}; the file is not this manifest's: convert again")
@@ -206,7 +214,7 @@ class Bf16Group:
         range of its stored rows: those rows where the group has no layout, else the whole row
         bands of its layout around them, taken back (a band holds its own rows only)."""
         if self.layout is None:
-            return read(rows)
+            return read(rows).reshape(-1, 1) if self.flat else read(rows)
         band = self.layout.weight.row_block or 1
         lo, hi = rows.start // band * band, min(self.stored_shape[0], -(-rows.stop // band) * band)
         held = read(slice(lo, hi))
@@ -243,7 +251,7 @@ class Bf16Group:
                 "layout": self.layout.name if self.layout else None}
         if self.stacked:  # by its template: 257 experts x 3 placements would be most of the manifest
             return {**head, "stack": self._stack().to_json()}
-        return {**head, "placements": [p.to_json() for p in self.placements]}
+        return {**head, "placements": [p.to_json() for p in self.placements], **({"flat": True} if self.flat else {})}
 
     def _stack(self) -> StackRecord:
         """The stacked experts' template (``layouts.manifest.StackRecord``): routed ids as ranges
@@ -307,7 +315,8 @@ def group_from_record(rec: "GroupRecord", layout_of: Callable[[str], layouts.Lay
     if rec.kind != "bf16":
         raise PrepError(f"manifest: group {rec.name!r} is not a bf16 group")
     ps = _expand_stack(rec.name, rec.stack) if rec.stack is not None else tuple(rec.placements)
-    return Bf16Group(rec.name, rec.rank, rec.tp, rec.dtype, ps, None if rec.layout is None else layout_of(rec.layout))
+    return Bf16Group(rec.name, rec.rank, rec.tp, rec.dtype, ps, None if rec.layout is None else layout_of(rec.layout),
+                     flat=rec.flat)
 
 
 # ---------------------------------------------------------------------------------- planning
@@ -411,6 +420,49 @@ def plan_bf16_groups(tensors: dict[str, Any], config: dict[str, Any], tp: int, e
             per_rank[r].append(Bf16Group(target, r, tp, parts[merge.parts[0]][1].dtype, tuple(ps)))
     for (mlp, tensor), layer in experts.items():
         _plan_experts(mlp, tensor, layer, tp, ep, per_rank, rules)
+    return per_rank, whole
+
+
+def plan_outside(tensors: Mapping[str, Any], rows: "tuple[layouts.engines.OutsideRow, ...]", tp: int
+                 ) -> tuple[list[list[Bf16Group]], list[str]]:
+    """How each rank holds a multimodal checkpoint's tensors outside its language model
+    (``tensors``: name -> info), as the engine's ``rows`` say (:class:`OutsideRow`): per rank, the
+    groups (a tensor under another name, by input columns, or a fused q | k | v split by thirds;
+    a 1-D one, a bias or a norm, stored 1-D as the engine holds it), and the names every rank
+    holds whole as the source has them (replicated: any number of dims, a convolution's weight).
+    A tensor no row takes is refused naming it."""
+    per_rank: list[list[Bf16Group]] = [[] for _ in range(tp)]
+    whole: list[str] = []
+    for name, info in tensors.items():
+        row = next((r for r in rows if r.held_name(name) is not None), None)
+        if row is None:
+            raise PrepError(f"{name}: outside the language model, and the engine's profile says of no such tensor how "
+                            "a rank holds it; prep does not convert this checkpoint for this engine")
+        held, shape, flat = row.held_name(name), as_planned(info.shape), len(info.shape) == 1
+        if row.split == _WHOLE and held == name:
+            whole.append(name)
+            continue
+        if len(shape) != 2:
+            raise PrepError(f"{name}: {len(info.shape)}-D, held by the engine as {held} ({row.split}); prep renames and "
+                            "splits 1-D and 2-D tensors only: it does not convert this checkpoint for this engine")
+        if row.split == _COLS and (flat or shape[1] % tp):
+            raise PrepError(f"{name}: its {shape[1]} input columns do not split over tp={tp} (the engine splits them "
+                            "and pads nothing); choose a tp that divides them")
+        third = shape[0] // 3
+        if row.split == _QKV and (shape[0] % 3 or third % tp):
+            raise PrepError(f"{name}: its q, k and v of {third} rows each do not split over tp={tp} (the engine splits "
+                            "each by heads and pads nothing); choose a tp that divides the vision tower's heads")
+        for r in range(tp):
+            if tp == 1 or row.split == _WHOLE:
+                ps: tuple[Placement, ...] = (Placement.whole(name, shape),)
+            elif row.split == _COLS:
+                n = shape[1] // tp
+                ps = (Placement(name, shape, 1, r * n, (r + 1) * n),)
+            else:  # q, k and v each by rows, stacked
+                n = third // tp
+                ps = tuple(Placement(name, shape, 0, k * third + r * n, k * third + (r + 1) * n, dest_row=k * n)
+                           for k in range(3))
+            per_rank[r].append(Bf16Group(held, r, tp, info.dtype, ps, flat=flat))
     return per_rank, whole
 
 

@@ -23,7 +23,7 @@ from layouts.registry import Layout, get_layout
 from layouts.sizes import ceil_div
 
 from .errors import PrepError
-from .bf16 import Bf16Group, block_scale, channel_scale, plan_bf16_groups
+from .bf16 import Bf16Group, block_scale, channel_scale, plan_bf16_groups, plan_outside
 from .groups import LinearGroup, MoEGroup, Part
 from .config_check import check_complete, config_ints, source_family
 from .source import SourceCheckpoint
@@ -351,15 +351,22 @@ def split_bf16(tensors: Mapping[str, Any], config: dict[str, Any], num_layers: i
     reads: those of the MTP layer that the engine's drafter replaces by the target model's after
     loading (:func:`mtp_replaced`; ``docs/rank-exact.md``), kept whole only so that ``revert`` is
     exact; and those outside the language model of a multimodal checkpoint (its vision tower) where
-    the engine serves the text only (an engine whose loader reads them gets them whole from the
-    common file: ``ShardingRules.loads_outside``, placed by the caller). What ``convert`` writes and
+    the engine serves the text only. An engine that holds them gets them split as its
+    ``ShardingRules.outside`` rows say, in each rank's groups, or (``loads_outside``) whole from the
+    common file, for its own loader (placed by the caller). What ``convert`` writes and
     what ``inspect`` says a format-1 rank keeps."""
     wrapper = family.wrapper if family else None
     outside = [n for n in tensors if wrapper and wrapper.is_outside(n)]  # in source order
-    unread = mtp_replaced(tensors, num_layers, rules) + ([] if rules.loads_outside else outside)
+    held_outside = bool(rules.outside) or rules.loads_outside  # by the rank's files, or the engine's own loader
+    unread = mtp_replaced(tensors, num_layers, rules) + ([] if held_outside else outside)
     gone = {*unread, *outside}
     rest = {n: info for n, info in tensors.items() if n not in gone}
     per_rank, replicated = plan_bf16_groups(rest, config, tp, ep, fuse_shared_expert, rules=rules, family=family)
+    if rules.outside and outside:  # as the engine holds them, in each rank's files
+        split, whole = plan_outside({n: tensors[n] for n in outside}, rules.outside, tp)
+        for groups, more in zip(per_rank, split):
+            groups += more
+        replicated += whole
     return per_rank, replicated, unread
 
 

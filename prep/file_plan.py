@@ -12,9 +12,9 @@ from typing import Any
 
 import layouts
 from layouts.engines import Constant, EngineProfile
-from layouts.manifest import Target, manifest_hash
+from layouts.manifest import Placement, Target, manifest_hash
 
-from .bf16 import Bf16Group
+from .bf16 import Bf16Group, as_planned
 from .deepseek import Classified, classify, plan_bf16, plan_groups
 from .errors import PrepError
 from .groups import LinearGroup, MoEGroup
@@ -90,6 +90,8 @@ def plan_files(src: SourceCheckpoint, target: Target, engine: EngineProfile) -> 
     common += mtp
     loaded = held.outside if target.rank_exact and rules.loads_outside else []  # whole, for the engine's own loader
     constants = [c.at_layer(i) for i in range(held.num_layers) for c in rules.constants] if target.rank_exact else []
+    if rules.wrapped and src.wrapper is not None and target.rank_exact:
+        per_rank, replicated, constants = _wrapped(src, per_rank, replicated, constants)
     jobs: list[FileJob] = []
     for rank, groups in enumerate(per_rank):
         sized = [(g, sum(nbytes(g.dtype, shape) for _, _, shape in g.outputs())) for g in groups]
@@ -111,6 +113,32 @@ def plan_files(src: SourceCheckpoint, target: Target, engine: EngineProfile) -> 
     info = {"arch": cls.arch, "num_layers": cls.num_layers, "mtp_layers": cls.mtp_layers,
             "modules": cls.modules, "passthrough": cls.passthrough}
     return jobs, info
+
+
+def _wrapped(src: SourceCheckpoint, per_rank: list[list[Any]], replicated: list[str], constants: list[Constant]
+             ) -> tuple[list[list[Any]], list[str], list[Constant]]:
+    """A rank's groups, replicated tensors and constants named as an engine whose model holds a
+    multimodal checkpoint's language model under the wrapper's prefix reads them from its files
+    (``ShardingRules.wrapped``: SGLang's ``sharded_state``): every language-model tensor prefixed,
+    a replicated one as a whole group of its own under that name (1-D kept 1-D); the tensors
+    outside the language model keep the names the engine's rows gave them."""
+    wrapper = src.wrapper
+    prefix = wrapper.prefix
+
+    def named(g: Any) -> Any:
+        if wrapper.is_outside(g.name):
+            return g
+        if isinstance(g, Bf16Group) and g.stacked:  # a stack's name says where its experts' sources are
+            raise PrepError(f"{g.name}: BF16 experts of a multimodal checkpoint, for an engine that reads them under "
+                            f"{prefix!r}; prep does not convert this checkpoint for this engine")
+        return dataclasses.replace(g, name=prefix + g.name)
+
+    inside = [n for n in replicated if not wrapper.is_outside(n)]
+    whole = [[Bf16Group(prefix + n, r, len(per_rank), src.tensors[n].dtype,
+                        (Placement.whole(n, as_planned(src.tensors[n].shape)),), flat=len(src.tensors[n].shape) == 1)
+              for n in inside] for r in range(len(per_rank))]
+    return ([[named(g) for g in groups] + more for groups, more in zip(per_rank, whole)],
+            [n for n in replicated if wrapper.is_outside(n)], [dataclasses.replace(c, name=prefix + c.name) for c in constants])
 
 
 def _without_mtp(src: SourceCheckpoint, cls: Classified) -> tuple[Classified, list[str]]:

@@ -117,11 +117,12 @@ def test_kimi_k25_is_read_as_kimi_k2_under_its_prefix_with_the_vision_tower_kept
                                         "no MTP layer")
 
 
-@pytest.mark.parametrize("engine, tp, ep", [("atom", 2, 1), ("atom", 8, 8), ("vllm", 2, 2)])  # the rest: a script run
+@pytest.mark.parametrize("engine, tp, ep", [("atom", 2, 1), ("atom", 8, 8), ("vllm", 2, 2), ("sglang", 2, 1)])  # the rest: a script run
 def test_kimi_k25_converts_with_the_vision_tower_whole_in_a_common_file_and_reverts_under_the_sources_names(
         kimi, tmp_path, engine, tp, ep):
     # ATOM serves the text only: no rank reads the vision tower (kept for revert). vLLM loads it
-    # itself: every rank reads it whole and vLLM's loader splits it (role passthrough).
+    # itself: every rank reads it whole and vLLM's loader splits it (role passthrough). SGLang's
+    # sharded_state reads every parameter from the rank's files: prep splits and names them so.
     import layouts
     from conftest import assert_verifies_and_reverts, read_tensors
     from prep.convert import convert
@@ -132,12 +133,18 @@ def test_kimi_k25_converts_with_the_vision_tower_whole_in_a_common_file_and_reve
     m = layouts.load_manifest(out)
     assert m.format_version == 5 and m.source.wrapper.prefix == "language_model."
     vision = [t for t in m.tensors if t.name.startswith(("vision_tower.", "mm_projector."))]
-    role = "unread" if engine == "atom" else "passthrough"
-    assert len(vision) == 35 and {(t.rank, t.role) for t in vision} == {(None, role)}  # a common file only
+    if engine == "sglang":  # in each rank's files, under SGLang's names, its attention split
+        assert {t.rank for t in vision} == set(range(tp)) and not any(".wqkv." in t.name for t in vision)
+        qkv = {t.rank: t.shape for t in m.tensors if t.name == "vision_tower.encoder.blocks.0.attn.qkv_proj.bias"}
+        assert qkv == {r: (3 * 32 // tp,) for r in range(tp)}  # 1-D, as SGLang holds it: its third of q, k and v
+    else:
+        role = "unread" if engine == "atom" else "passthrough"
+        assert len(vision) == 35 and {(t.rank, t.role) for t in vision} == {(None, role)}  # a common file only
     for r in range(tp):  # each rank's files: the language model under the family's names, as ATOM's door installs it
         names = {t.name for t in m.tensors if t.rank == r}
-        assert "model.embed_tokens.weight" in names and not any(n.startswith(("language_model.", "vision_tower."))
-                                                                for n in names)
+        inner = "language_model." if engine == "sglang" else ""  # SGLang's loader reads the files by its names
+        assert f"{inner}model.embed_tokens.weight" in names
+        assert engine == "sglang" or not any(n.startswith(("language_model.", "vision_tower.")) for n in names)
     assert_verifies_and_reverts(out, kimi, tmp_path / "back")  # every source name and byte back
     assert "language_model.lm_head.weight" in read_tensors(tmp_path / "back")
     raw = json.loads((out / layouts.manifest.MANIFEST_NAME).read_text())
@@ -190,11 +197,19 @@ def test_kimi_k25_through_vllms_door_equals_its_own_load_vision_tower_included(k
         report
 
 
-def test_kimi_k25_is_refused_for_engines_whose_door_does_not_resolve_its_language_model(kimi, tmp_path):
-    r = CliRunner().invoke(main, ["convert", str(kimi), "-o", str(tmp_path / "o"), "--engine", "sglang", "--tp", "2"])
-    assert r.exit_code == 1 and r.output.count("\n") == 1 and not (tmp_path / "o").exists(), r.output
-    assert r.output.startswith("error: config.json: Kimi-K2.5 (multimodal: Kimi-K2 under language_model., a vision "
-                               "tower beside it) is not checked against SGLang's own load yet"), r.output
+def test_kimi_k25_through_sglangs_sharded_state_equals_its_own_load_vision_tower_included(kimi, tmp_path):
+    # SGLang's KimiK25ForConditionalGeneration, whose every parameter sharded_state wants in the
+    # rank's files under its names: the language model under language_model., MoonViT's attention
+    # split (qkv_proj: q, k and v each by heads; proj by columns), its MLP, norms and the projector
+    # whole, renamed as SGLang's load_weights renames them. Rank 1 here (rank 0: a script run).
+    from conftest import engine_check_rows
+    from prep.convert import convert
+    from prep.deepseek import target_for
+
+    out = tmp_path / "out"
+    convert(str(kimi), out, target_for(get_engine("sglang"), tp=2))
+    rows, report = engine_check_rows("sglang", kimi, out, tmp_path / "work", "--ranks", "1")
+    assert [(row["rank"], row["tensors"], row["result"]) for row in rows] == [("1/2", "90", "ok")], report
 
 
 def test_a_multimodal_checkpoint_with_a_language_model_tensor_twice_or_one_no_module_names_is_refused(kimi, tmp_path):

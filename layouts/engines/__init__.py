@@ -25,7 +25,7 @@ import importlib
 import pkgutil
 from typing import TYPE_CHECKING, Callable, Mapping, Optional
 
-from ._sharding import (COLS, ROWS, WHOLE, Constant, Merge, ShardingRules, deepseek_merges,
+from ._sharding import (COLS, QKV, ROWS, WHOLE, Constant, Merge, OutsideRow, ShardingRules, deepseek_merges,
                         layer_index)
 
 if TYPE_CHECKING:  # compat imports this package: the names are only for annotations here
@@ -381,7 +381,7 @@ def current_gpu_arch() -> str | None:
 
 
 __all__ = [
-    "COLS", "NEVER", "ROWS", "WHOLE", "Check", "Constant", "EngineProfile",
-    "GemmPathRule", "GpuArch", "Merge", "ShardingRules", "deepseek_merges",
+    "COLS", "NEVER", "QKV", "ROWS", "WHOLE", "Check", "Constant", "EngineProfile",
+    "GemmPathRule", "GpuArch", "Merge", "OutsideRow", "ShardingRules", "deepseek_merges",
     "current_gpu_arch", "engine_names", "get_engine", "register_engine",
 ]

@@ -52,6 +52,28 @@ class Constant:
         return torch.full(self.shape, self.value, dtype=TORCH_DTYPES[self.dtype])
 
 
+QKV = "qkv"
+"""A fused ``q | k | v`` projection's split (a vision tower's ``wqkv``, an engine's
+``QKVParallelLinear``): each third split by rows over TP, the rank's three parts stacked."""
+
+
+@dataclasses.dataclass(frozen=True)
+class OutsideRow:
+    """How the engine holds tensors of a multimodal checkpoint outside its language model (a
+    vision tower, its projector), where its loader needs them in each rank's files: source names
+    matching ``pattern`` (a full match) are held as ``re.sub(pattern, held, name)``, split by
+    ``split`` (:data:`WHOLE`: every rank the whole tensor; :data:`COLS`: row parallel, by input
+    columns; :data:`QKV`)."""
+
+    pattern: str
+    held: str = r"\g<0>"
+    split: str = WHOLE
+
+    def held_name(self, name: str) -> str | None:
+        """The engine's name of source tensor ``name``, None where the row does not take it."""
+        return re.sub(self.pattern, self.held, name) if re.fullmatch(self.pattern, name) else None
+
+
 @dataclasses.dataclass(frozen=True)
 class ShardingRules:
     """An engine's per-rank holding of a DeepSeek checkpoint (module docstring)."""
@@ -97,6 +119,15 @@ class ShardingRules:
     serves the text only and no rank reads them (role ``unread``, kept for ``revert``)."""
     constants: tuple[Constant, ...] = ()
     """Tensors of every decoder layer the engine's model holds that no checkpoint has."""
+    outside: tuple[OutsideRow, ...] = ()
+    """How each rank holds a multimodal checkpoint's tensors outside its language model, in its
+    own files (SGLang, whose loader wants every parameter there); the first row that takes a
+    tensor says. Empty: :attr:`loads_outside` says."""
+    wrapped: bool = False
+    """Whether a rank's files name a multimodal checkpoint's language-model tensors with the
+    wrapper's prefix (``language_model.model.layers.0...``): the engine's loader reads the files by
+    its model's parameter names, which hold the language model under that prefix (SGLang's
+    ``sharded_state``). False: the family's names (the door resolves the inner model)."""
     fp8_block_scale: str = "weight_scale_inv"
     """What the engine's module calls the 128x128 block scales of an FP8 linear (DeepSeek's FP8
     release names them ``weight_scale_inv``; ATOM's loader renames them ``weight_scale``, its

@@ -34,8 +34,8 @@ from ..compat import (CompatibilityError, EngineConfig, bf16_moe_layout_matches,
                       engine_matches, ep_matches, fp8_layout_matches, moe_layout_matches, rank_in_range, tp_matches)
 from ..registry import MOE_CK_3D, NON_SHUFFLE
 from . import _config
-from . import (NEVER, Constant, EngineProfile, GemmPathRule, GpuArch, ShardingRules, current_gpu_arch,
-               deepseek_merges)
+from . import (COLS, NEVER, QKV, Constant, EngineProfile, GemmPathRule, GpuArch, OutsideRow, ShardingRules,
+               current_gpu_arch, deepseek_merges)
 
 ENV_AITER = "SGLANG_USE_AITER"
 ENV_ASM_GEMM = "SGLANG_ROCM_USE_AITER_FP4_ASM_GEMM"
@@ -53,6 +53,20 @@ SHARDING = ShardingRules(
     holds_mtp=False,
     constants=tuple(Constant(f"self_attn.{attn}.{s}", "F32", 1.0)
                     for attn in ("attn_mqa", "attn_mha") for s in ("k_scale", "v_scale")),
+    # Kimi-K2.5: SGLang's KimiK25ForConditionalGeneration holds the DeepSeek model as language_model
+    # and MoonViT beside it, each parameter of which sharded_state wants in the rank's files: the
+    # vision attention's qkv_proj (QKVParallelLinear) and proj (RowParallelLinear) split over TP,
+    # the MLP (plain nn.Linear), norms, patch embedding and projector whole (kimi_k25.py, its
+    # load_weights' renames: wqkv -> attn.qkv_proj, wo -> attn.proj, proj.0/2 -> linear_1/2)
+    wrapped=True,
+    outside=(
+        OutsideRow(r"(vision_tower\.encoder\.blocks\.\d+)\.wqkv\.(weight|bias)", r"\1.attn.qkv_proj.\2", QKV),
+        OutsideRow(r"(vision_tower\.encoder\.blocks\.\d+)\.wo\.weight", r"\1.attn.proj.weight", COLS),
+        OutsideRow(r"(vision_tower\.encoder\.blocks\.\d+)\.wo\.bias", r"\1.attn.proj.bias"),
+        OutsideRow(r"mm_projector\.proj\.0\.(weight|bias)", r"mm_projector.linear_1.\1"),
+        OutsideRow(r"mm_projector\.proj\.2\.(weight|bias)", r"mm_projector.linear_2.\1"),
+        OutsideRow(r"(vision_tower|mm_projector)\..+"),
+    ),
 )
 
 
@@ -68,7 +82,7 @@ class SglangProfile(EngineProfile):
     expert_parallel_backends = (AITER,)
     expert_parallel_switch = "--ep-size"
     sharding = SHARDING
-    families = ("deepseek-v3", "kimi-k2", "deepseek-v3.2", "glm-5")  # check-engine on tiny kimi-k2, v3.2, glm-5 (tests/test_families.py)
+    families = ("deepseek-v3", "kimi-k2", "kimi-k2.5", "deepseek-v3.2", "glm-5")  # check-engine on tiny kimi-k2, v3.2, glm-5 (tests/test_families.py)
     checks = (engine_matches, tp_matches, rank_in_range, ep_matches, dense_layout_matches, moe_layout_matches,
               bf16_moe_layout_matches, fp8_layout_matches)
     # ShardedStateLoader runs post_load_weights after processing: on an FP8 kv_b_proj that is the

@@ -249,6 +249,7 @@ class GroupRecord:
     dtype: str = ""  # bf16: the stored (and source) safetensors dtype
     placements: tuple[Placement, ...] = ()  # bf16: source windows, in order
     stack: StackRecord | None = None  # bf16 stacked experts: their template, instead of placements
+    flat: bool = False  # bf16: stored 1-D (a bias or norm the engine holds 1-D; format 5: a multimodal source's)
 
     @classmethod
     def from_json(cls, g: Any) -> "GroupRecord":
@@ -272,8 +273,11 @@ class GroupRecord:
                     raise ManifestError(f"group {name}: {e}") from None
             if stack is not None or type(placements) is not list or not placements:
                 raise ManifestError(f"group {name}: a bf16 group needs either a non-empty placements list or a stack")
+            flat = g.get("flat", False)
+            if type(flat) is not bool:
+                raise ManifestError(f"group {name}: flat is {flat!r}, not true or false")
             return cls(kind, name, rank, tp, layout, file, dtype=dtype,
-                       placements=tuple(Placement.from_json(p) for p in placements))
+                       placements=tuple(Placement.from_json(p) for p in placements), flat=flat)
         if kind == "linear":
             parts = g.get("parts")
             if type(parts) is not list or not parts:
@@ -299,7 +303,7 @@ class GroupRecord:
             return {**head, "dtype": self.dtype, "stack": self.stack.to_json(), "file": self.file}
         if self.kind == "bf16":
             return {**head, "dtype": self.dtype, "placements": [p.to_json() for p in self.placements],
-                    "file": self.file}
+                    **({"flat": True} if self.flat else {}), "file": self.file}
         return {**head, "experts": list(self.experts), "inter": self.inter, "hidden": self.hidden,
                 "inter_pad_to": self.inter_pad_to, "hidden_pad_to": self.hidden_pad_to, "ep": self.ep,
                 "routed": list(self.routed) if self.routed else None, "file": self.file}
