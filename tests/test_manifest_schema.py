@@ -33,6 +33,8 @@ CONVERSIONS = {
     "fp8-block-tp2": ("r1-0528-fp8", target_for(ATOM, **PRE_CK, tp=2)),  # DeepSeek's FP8 release: fp8_layout, stacks of scales
     "fp8-channel-tp2": ("mtp-moefp4", target_for(ATOM, **PRE_CK, tp=2)),  # FP8 attention: fp8_channel_layouts
     "kimi-k2.5-tp2": ("kimi-k2.5", target_for(ATOM, **PRE_CK, tp=2)),  # a multimodal source: source.wrapper, version 5
+    # SGLang's: the vision tower in each rank's files, its 1-D biases stored 1-D (flat groups)
+    "kimi-k2.5-sglang-tp2": ("kimi-k2.5", target_for(get_engine("sglang"), tp=2)),
 }
 
 
