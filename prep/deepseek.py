@@ -23,7 +23,8 @@ from layouts.registry import Layout, get_layout
 from layouts.sizes import ceil_div
 
 from .errors import PrepError
-from .bf16 import Bf16Group, block_scale, channel_scale, plan_bf16_groups, plan_outside
+from .bf16 import Bf16Group
+from .bf16_plan import block_scale, channel_scale, plan_bf16_groups, plan_outside
 from .groups import LinearGroup, MoEGroup, Part
 from .config_check import check_complete, config_ints, source_family
 from .source import SourceCheckpoint

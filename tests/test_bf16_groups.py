@@ -17,7 +17,8 @@ from atom_sharding import held
 from layouts import manifest as schema
 from layouts.engines import get_engine
 from prep.groups import to_record
-from prep.bf16 import Bf16Group, Placement, group_from_record, plan_bf16_groups
+from prep.bf16 import Bf16Group, Placement, group_from_record
+from prep.bf16_plan import plan_bf16_groups
 from prep.errors import PrepError
 from prep.source import SourceCheckpoint
 from prep.testing import SynthSpec, write_checkpoint

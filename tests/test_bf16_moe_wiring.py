@@ -16,7 +16,8 @@ import torch
 
 import layouts as L
 from prep.groups import to_record
-from prep.bf16 import Bf16Group, group_from_record, plan_bf16_groups
+from prep.bf16 import Bf16Group, group_from_record
+from prep.bf16_plan import plan_bf16_groups
 from prep.source import SourceCheckpoint
 from prep.testing import SynthSpec, write_checkpoint
 from test_bf16_groups import ATOM_RULES, _atom_param, _bf16
