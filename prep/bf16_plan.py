@@ -14,7 +14,7 @@ from layouts.engines import COLS as _COLS, QKV as _QKV, ROWS as _ROWS, WHOLE as 
 from layouts.families import family_of
 from layouts.manifest import Placement
 
-from .bf16 import _EXPERT, Bf16Group, as_planned
+from .bf16 import _EXPERT, FP8_SCALE_DTYPES, Bf16Group, as_planned
 from .errors import PrepError
 
 if TYPE_CHECKING:
