@@ -157,6 +157,11 @@ def check_engine(args, extra: list[str], argv: list[str]) -> int:
 
         items = vllm.check(args.source, args.converted, scratch.path, aiter_dir, args.asm_tuned, args.ranks)
     ok = _print_table(items)
+    return _finish(scratch, ok)
+
+
+def _finish(scratch: sources.Scratch, ok: bool) -> int:
+    """A check's exit status, after its work folder is removed (passed) or named (failed)."""
     note = scratch.done(ok)
     if note:
         print(note)
@@ -174,10 +179,7 @@ def check_atom_matrix(args) -> int:
         trees = (args.atom_dir or pinned[0], args.aiter_dir or pinned[1])
     ok = _print_table(matrix.run(trees, scratch.path, args.only, args.preset, args.layers, args.aiter_triton_dir,
                                  args.gpu_arch), width=matrix.NAME_WIDTH)
-    note = scratch.done(ok)
-    if note:
-        print(note)
-    return 0 if ok else 1
+    return _finish(scratch, ok)
 
 
 def check_triton_moe(args) -> int:
@@ -189,10 +191,7 @@ def check_triton_moe(args) -> int:
     print("\n".join(lines))
     print(f"ok: every rank checked ({len(lines)}) within {triton_moe.TOLERANCE}" if ok else
           "FAIL: a GEMM off the reference, or a wrongly labelled read not off")
-    note = scratch.done(ok)
-    if note:
-        print(note)
-    return 0 if ok else 1
+    return _finish(scratch, ok)
 
 
 def check_quark_export(args) -> int:

@@ -57,6 +57,12 @@ class Bf16Group:
     flat: bool = False
     kind = "bf16"
 
+    @classmethod
+    def whole(cls, stored: str, source: str, dtype: str, shape: tuple[int, ...], rank: int, tp: int) -> "Bf16Group":
+        """Source tensor ``source`` (of ``shape``) whole on ``rank``, stored as ``stored``: a 1-D one
+        (a bias, a norm) stored 1-D, its window planned as every 1-D source's is."""
+        return cls(stored, rank, tp, dtype, (Placement.whole(source, as_planned(shape)),), flat=len(shape) == 1)
+
     @property
     def key(self) -> str:
         return self.name

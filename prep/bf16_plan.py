@@ -80,7 +80,7 @@ def plan_bf16_groups(tensors: dict[str, Any], config: dict[str, Any], tp: int, e
                 per_rank[r].append(Bf16Group(stored, r, tp, info.dtype, (p,)))
         elif stored != name:  # whole, under the engine's name: in each rank's files
             for r in range(tp):
-                per_rank[r].append(Bf16Group(stored, r, tp, info.dtype, (Placement.whole(name, info.shape),)))
+                per_rank[r].append(Bf16Group.whole(stored, name, info.dtype, info.shape, r, tp))
         else:
             whole.append(name)
 
@@ -153,10 +153,11 @@ def plan_outside(tensors: Mapping[str, Any], rows: "tuple[OutsideRow, ...]", tp:
                             "each by heads and pads nothing); choose a tp that divides the vision tower's heads")
         for r in range(tp):
             if tp == 1 or row.split == _WHOLE:
-                ps: tuple[Placement, ...] = (Placement.whole(name, shape),)
-            elif row.split == _COLS:
+                per_rank[r].append(Bf16Group.whole(held, name, info.dtype, info.shape, r, tp))
+                continue
+            if row.split == _COLS:
                 n = shape[1] // tp
-                ps = (Placement(name, shape, 1, r * n, (r + 1) * n),)
+                ps: tuple[Placement, ...] = (Placement(name, shape, 1, r * n, (r + 1) * n),)
             else:  # q, k and v each by rows, stacked
                 n = third // tp
                 ps = tuple(Placement(name, shape, 0, k * third + r * n, k * third + (r + 1) * n, dest_row=k * n)

@@ -12,9 +12,9 @@ from typing import Any
 
 import layouts
 from layouts.engines import Constant, EngineProfile
-from layouts.manifest import Placement, Target, manifest_hash
+from layouts.manifest import Target, manifest_hash
 
-from .bf16 import Bf16Group, as_planned
+from .bf16 import Bf16Group
 from .deepseek import Classified, classify, plan_bf16, plan_groups
 from .errors import PrepError
 from .groups import LinearGroup, MoEGroup
@@ -133,12 +133,14 @@ def _wrapped(src: SourceCheckpoint, per_rank: list[list[Any]], replicated: list[
                             f"{prefix!r}; prep does not convert this checkpoint for this engine")
         return dataclasses.replace(g, name=prefix + g.name)
 
-    inside = [n for n in replicated if not wrapper.is_outside(n)]
-    whole = [[Bf16Group(prefix + n, r, len(per_rank), src.tensors[n].dtype,
-                        (Placement.whole(n, as_planned(src.tensors[n].shape)),), flat=len(src.tensors[n].shape) == 1)
-              for n in inside] for r in range(len(per_rank))]
-    return ([[named(g) for g in groups] + more for groups, more in zip(per_rank, whole)],
-            [n for n in replicated if wrapper.is_outside(n)], [dataclasses.replace(c, name=prefix + c.name) for c in constants])
+    inside, outside = [], []
+    for n in replicated:
+        (outside if wrapper.is_outside(n) else inside).append(n)
+    tp = len(per_rank)
+    whole = [[Bf16Group.whole(prefix + n, n, src.tensors[n].dtype, src.tensors[n].shape, r, tp) for n in inside]
+             for r in range(tp)]
+    return ([[named(g) for g in groups] + more for groups, more in zip(per_rank, whole)], outside,
+            [dataclasses.replace(c, name=prefix + c.name) for c in constants])
 
 
 def _without_mtp(src: SourceCheckpoint, cls: Classified) -> tuple[Classified, list[str]]:
