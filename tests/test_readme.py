@@ -184,9 +184,9 @@ def test_the_test_counts_the_docs_give_are_this_suites_within_five_percent():
     r = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:randomly", str(ROOT / "tests")],
                        capture_output=True, text=True, cwd=ROOT)
     collected = int(re.search(r"(\d+) tests? collected", r.stdout).group(1))
-    counts = [int(n) for n in re.findall(r"\b(\d{3,5}) tests\b", README.read_text())]
+    counts = [int(n) for n in re.findall(r"\b(\d{3,5})\s+tests\b", README.read_text())]
     testing = (ROOT / "docs" / "testing.md").read_text()
-    counts += [int(a) + int(b) for a, b in re.findall(r"\b(\d{3,5}) passed, (\d+) skipped", testing)]
+    counts += [int(a) + int(b) for a, b in re.findall(r"\b(\d{3,5})\s+passed,\s+(\d+)\s+skipped", testing)]
     assert counts, "no test count found in README.md or docs/testing.md"
     for n in counts:
         assert abs(n - collected) <= collected // 20, f"a doc says {n} tests; pytest collects {collected} now"
