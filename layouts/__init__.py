@@ -27,7 +27,7 @@ from .mxfp4 import (
 )
 from . import activation, dequant, engines, manifest, mla
 from .activation import ActivationQuantPlan
-from .compat import CompatibilityError, EngineConfig, check_compatibility
+from .engines._compat import CompatibilityError, EngineConfig, check_compatibility
 from .errors import LayoutsError
 from .engines import EngineProfile, engine_names, get_engine, register_engine
 from .dequant import dequantize_activation, dequantize_expert, dequantize_stored, dequantize_stored_rows

@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from .compat import EngineConfig, check_compatibility
+from .engines._compat import EngineConfig, check_compatibility
 from .engines import EngineProfile, GemmPathRule
 from .fp8 import GROUP_SIZE, fp8_dtype_for
 from .fused_fp8_quant import fused_rms_fp8_quant

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Iterator
 
 import torch
 
-from .compat import EngineConfig, check_compatibility
+from .engines._compat import EngineConfig, check_compatibility
 from .device_load import read_to_device
 from .manifest import COMPLETE_NAME, FILE_NAME_KEY, MANIFEST_NAME, Manifest, ManifestError, TensorRecord, load_manifest
 from .safe_files import opened_outside, read_regular

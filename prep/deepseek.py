@@ -13,7 +13,7 @@ import functools
 import re
 from typing import Any, Iterable, Mapping
 
-from layouts.compat import EngineConfig
+from layouts import EngineConfig
 from layouts.engines import EngineProfile, ShardingRules, engine_names, get_engine
 from layouts.errors import LayoutsError
 from layouts.families import Family

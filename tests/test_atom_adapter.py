@@ -13,7 +13,7 @@ import torch
 import layouts as L
 from layouts.engines.atom import atom_mtp_param_name, install_converted_weights
 from layouts.engines.atom.adapter import install_draft_weights
-from layouts.compat import EngineConfig
+from layouts import EngineConfig
 from layouts.engines import get_engine
 from prep.convert import convert
 from prep.deepseek import target_for

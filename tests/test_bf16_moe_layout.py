@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import layouts as L
 from layouts import engines
-from layouts.compat import CompatibilityError, EngineConfig, check_compatibility
+from layouts import CompatibilityError, EngineConfig, check_compatibility
 from test_engine_profiles import ToyProfile
 from layouts.manifest import Manifest
 from layouts.manifest import LayoutRecord

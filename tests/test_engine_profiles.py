@@ -12,7 +12,8 @@ import torch
 
 import layouts
 from layouts import engines
-from layouts.compat import SHARED_CHECKS, CompatibilityError, EngineConfig, check_compatibility
+from layouts import CompatibilityError, EngineConfig, check_compatibility
+from layouts.engines import SHARED_CHECKS
 from layouts.engines import NEVER, EngineProfile, GemmPathRule, GpuArch
 from layouts.manifest import Manifest
 from layouts.engines import get_engine

@@ -58,3 +58,38 @@ def test_the_runtime_library_has_no_import_cycle():
             visit(node, [node])
     assert "layouts.manifest" not in graph["layouts.safetensors_file"]
     assert graph["layouts.safe_files"] <= {"layouts.errors"}
+
+
+def test_the_runtime_librarys_packages_and_modules_import_one_another_without_cycles():
+    # The same graph with each package taken as one node (its modules and its __init__: the modules
+    # of layouts/engines/atom/ count as layouts.engines.atom, layouts/engines/compat.py as
+    # layouts.engines; the library's top-level modules stay nodes of their own): a module that
+    # imports a package whose modules import it back is a cycle as well (layouts/compat.py and
+    # layouts/engines/ were, until compat moved into engines/).
+    packages = {_module(p) for p in ROOT.rglob("__init__.py")}
+
+    def unit(name: str) -> str:
+        if name in packages:
+            return name
+        parent = name.rsplit(".", 1)[0]
+        return name if parent == "layouts" else parent
+
+    graph: dict[str, set[str]] = {}
+    for p in ROOT.rglob("*.py"):
+        name = _module(p)
+        graph.setdefault(unit(name), set()).update(
+            unit(m) for m in _top_level_imports(p, name) if m.startswith("layouts.") and unit(m) != unit(name))
+    state: dict[str, int] = {}
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                raise AssertionError("import cycle between packages: " + " -> ".join(path[path.index(nxt):] + [nxt]))
+            if nxt not in state:
+                visit(nxt, path + [nxt])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])

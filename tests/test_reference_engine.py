@@ -60,7 +60,7 @@ def test_every_converted_layout_computes_the_source_logits_bit_for_bit(sources, 
 def test_the_triton_preshuffle_path_computes_the_source_logits_and_refuses_mxfp4_attention(sources, source_logits,
                                                                                          tmp_path, n):
     # ATOM's Triton preshuffle GEMM path (ATOM_USE_TRITON_GEMM=1) loads only BF16 attention: a v2
-    # checkpoint (MXFP4 attention) is refused for it (layouts/compat.py says why), an r1-0528 one
+    # checkpoint (MXFP4 attention) is refused for it (layouts/engines/_compat.py says why), an r1-0528 one
     # computes its source's logits on both sides of the 32-token switch of the fused op's
     # activation layout. (That layout itself is pinned against aiter in tests/test_fused_quant.py.)
     out = tmp_path / "out"

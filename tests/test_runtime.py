@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import layouts as L
-from layouts.compat import CompatibilityError, EngineConfig, check_compatibility
+from layouts import CompatibilityError, EngineConfig, check_compatibility
 from layouts.manifest import ManifestError, load_manifest
 from layouts.engines import get_engine
 from prep.convert import convert
@@ -407,12 +407,11 @@ def test_a_file_renamed_over_the_checked_one_is_not_what_gets_mapped(tmp_path):
 def test_open_rank_checks_once_and_carries_the_tensors_and_the_plan(converted, monkeypatch):
     # One call for what the README's sequence did in three (load_manifest, check_compatibility,
     # load_rank with its own check, the plan with a third): the check runs once, before a byte.
-    import layouts.compat
     import layouts.loader
 
     root = converted["pre-ck-tp2"]
     calls = []
-    real = layouts.compat.check_compatibility
+    real = layouts.loader.check_compatibility
 
     def counted(m, e):
         calls.append(e)

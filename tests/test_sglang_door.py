@@ -15,7 +15,7 @@ from click.testing import CliRunner
 
 import layouts
 from conftest import assert_verifies_and_reverts, engine_check_rows, read_tensors
-from layouts.compat import CompatibilityError, EngineConfig
+from layouts import CompatibilityError, EngineConfig
 from layouts.engines import get_engine
 from prep.cli import main
 from prep.testing import PRESETS

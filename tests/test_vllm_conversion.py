@@ -13,7 +13,7 @@ import torch
 from click.testing import CliRunner
 
 import layouts
-from layouts.compat import CompatibilityError, EngineConfig
+from layouts import CompatibilityError, EngineConfig
 from layouts.engines import get_engine
 from conftest import assert_verifies_and_reverts, engine_check_rows, read_tensors
 from prep.cli import main

@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Callable, Mapping, Optional
 from ._sharding import (COLS, QKV, ROWS, WHOLE, Constant, Merge, OutsideRow, ShardingRules, deepseek_merges,
                         layer_index)
 
-if TYPE_CHECKING:  # compat imports this package: the names are only for annotations here
-    from ..compat import EngineConfig
+if TYPE_CHECKING:  # imported at the end of this file (_compat needs EngineProfile first)
+    from ._compat import EngineConfig
     from ..manifest import Manifest
 
 NEVER = None
@@ -101,7 +101,7 @@ class EngineProfile:
     """What turns expert parallel on in this engine (named in fixes)."""
     checks: tuple[Check, ...]
     """:func:`check_compatibility <layouts.check_compatibility>`'s rules for this engine, in
-    order; the first refusal is raised. ``layouts.compat`` has the rules every engine shares."""
+    order; the first refusal is raised. ``layouts.engines`` exports the rules every engine shares (``SHARED_CHECKS``)."""
     families: tuple[str, ...] = ("deepseek-v3",)
     """The model families (:mod:`layouts.families`) whose checkpoints the engine's door is checked
     with, on the engine's real code; ``prep convert`` refuses another family's for this engine,
@@ -384,4 +384,15 @@ __all__ = [
     "COLS", "NEVER", "QKV", "ROWS", "WHOLE", "Check", "Constant", "EngineProfile",
     "GemmPathRule", "GpuArch", "Merge", "OutsideRow", "ShardingRules", "deepseek_merges",
     "current_gpu_arch", "engine_names", "get_engine", "register_engine",
+    "SHARED_CHECKS", "CompatibilityError", "EngineConfig", "check_compatibility", "bf16_moe_layout_matches",
+    "dense_layout_matches", "engine_matches", "ep_matches", "fp8_layout_matches", "moe_layout_matches",
+    "rank_in_range", "tp_matches",
 ]
+
+
+# What every engine shares (the configuration, the shared checks a profile lists, the check that
+# runs them), for profiles written outside this package. Imported last: ``_compat`` imports
+# ``EngineProfile`` and ``get_engine`` from here, which exist by now.
+from ._compat import (SHARED_CHECKS, CompatibilityError, EngineConfig, bf16_moe_layout_matches,  # noqa: E402
+                      check_compatibility, dense_layout_matches, engine_matches, ep_matches, fp8_layout_matches,
+                      moe_layout_matches, rank_in_range, tp_matches)

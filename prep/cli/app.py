@@ -25,7 +25,7 @@ def error_line(e: BaseException) -> str:
     """One line that says what went wrong and what to do, for any error that reaches the CLI."""
     import errno
 
-    from layouts.compat import CompatibilityError
+    from layouts import CompatibilityError
     from layouts.errors import LayoutsError
 
     if isinstance(e, (PrepError, LayoutsError, CompatibilityError)):

@@ -49,7 +49,7 @@ from __future__ import annotations
 import shlex
 from typing import Mapping
 
-from ...compat import (CompatibilityError, EngineConfig, bf16_moe_layout_matches, dense_layout_matches,
+from .._compat import (CompatibilityError, EngineConfig, bf16_moe_layout_matches, dense_layout_matches,
                        engine_matches, ep_matches, fp8_layout_matches, moe_layout_matches, rank_in_range, tp_matches)
 from ...manifest import Manifest
 from ...errors import LayoutsError

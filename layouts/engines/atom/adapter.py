@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 
-from ...compat import EngineConfig, check_compatibility
+from .._compat import EngineConfig, check_compatibility
 from ...errors import LayoutsError
 from ...families import language_config
 from ...loader import iter_rank_files

@@ -55,7 +55,7 @@ import runpy
 import sys
 from typing import Any, Callable, Mapping
 
-from ...compat import CompatibilityError, EngineConfig, check_compatibility
+from .._compat import CompatibilityError, EngineConfig, check_compatibility
 from .. import _config
 from ...errors import LayoutsError
 from ...families import language_config

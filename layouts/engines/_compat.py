@@ -17,11 +17,10 @@ import dataclasses
 import os
 from typing import Mapping
 
-from . import engines
-from .engines import EngineProfile
-from .errors import LayoutsError
-from .manifest import Manifest
-from .registry import BF16_MOE, FP8
+from ..errors import LayoutsError
+from ..manifest import Manifest
+from ..registry import BF16_MOE, FP8
+from . import EngineProfile, get_engine
 
 
 class CompatibilityError(LayoutsError):
@@ -94,7 +93,7 @@ class EngineConfig:
         GEMM path that reads its dense layout (or ``gemm_path``), the MoE back end and arch that
         read its MoE layout (the default arch first), its TP and EP sizes."""
         try:
-            profile = profile or engines.get_engine(manifest.target.engine)
+            profile = profile or get_engine(manifest.target.engine)
             path = gemm_path or profile.gemm_path_reading(manifest.layout)
             backend, arch = profile.moe_backend_reading(manifest.moe_layout)
         except KeyError as e:
