@@ -31,7 +31,7 @@ import layouts
 from .errors import PrepError
 from .groups import Reader
 
-from layouts.manifest import Placement, StackRecord
+from layouts.manifest import GroupRecord, Placement, StackRecord, WindowRecord
 
 if TYPE_CHECKING:
     from layouts.manifest import GroupRecord
@@ -249,12 +249,14 @@ class Bf16Group:
             chain.append({"op": "concat_rows", "parts": self.sources()})
         return chain + ([{"op": "layout", **self.layout.describe()}] if self.layout else [])
 
-    def record(self) -> dict[str, Any]:
-        head = {"kind": self.kind, "name": self.name, "rank": self.rank, "tp": self.tp, "dtype": self.dtype,
-                "layout": self.layout.name if self.layout else None}
+    def record(self, file: str) -> GroupRecord:
+        """Its manifest record (the ``groups`` entry), its tensors held in ``file``."""
+        layout = self.layout.name if self.layout else None
         if self.stacked:  # by its template: 257 experts x 3 placements would be most of the manifest
-            return {**head, "stack": self._stack().to_json()}
-        return {**head, "placements": [p.to_json() for p in self.placements], **({"flat": True} if self.flat else {})}
+            return GroupRecord(self.kind, self.name, self.rank, self.tp, layout, file, dtype=self.dtype,
+                               stack=self._stack())
+        return GroupRecord(self.kind, self.name, self.rank, self.tp, layout, file, dtype=self.dtype,
+                           placements=tuple(self.placements), flat=self.flat)
 
     def _stack(self) -> StackRecord:
         """The stacked experts' template (``layouts.manifest.StackRecord``): routed ids as ranges
@@ -269,8 +271,7 @@ class Bf16Group:
             if p.slot == len(ids):
                 ids.append(None if m.group(2) is None else int(m.group(2)))
             if p.slot == 0:
-                windows.append({"proj": m.group(3), "shape": list(p.shape), "dim": p.dim, "start": p.start,
-                                "stop": p.stop, "dest_row": p.dest_row})
+                windows.append(WindowRecord(m.group(3), tuple(p.shape), p.dim, p.start, p.stop, p.dest_row))
         shared = ids[-1] is None
         if None in ids[:len(ids) - shared]:
             raise PrepError(f"{self.name} (rank {self.rank}): the shared expert is not in the last slot")
@@ -281,7 +282,9 @@ class Bf16Group:
             else:
                 ranges.append([e, e + 1])
         tensor = _EXPERT.match(self.placements[0].source).group(4)  # weight or FP8 block scales: the check
-        stack = StackRecord.from_json({"experts": ranges, "shared": shared, "windows": windows, "tensor": tensor})
+        if any(a[1] >= b[0] for a, b in zip(ranges, ranges[1:])):  # the record says ascending ranges
+            raise PrepError(f"{self.name} (rank {self.rank}): its routed experts are not in ascending order")
+        stack = StackRecord(tuple((a, b) for a, b in ranges), shared, tuple(windows), tensor)
         if _expand_stack(self.name, stack) != self.placements:  # below finds a stack of both
             raise PrepError(f"{self.name} (rank {self.rank}): its experts do not all take the same windows; "
                             "re-download the checkpoint (its BF16 experts differ in shape)")

@@ -32,7 +32,7 @@ from . import __version__
 from .deepseek import engine_of
 from .file_plan import FileJob, plan_files
 from .directio import ALIGN, STAGING_BYTES, STAGING_SPARE
-from .groups import Alloc, to_record
+from .groups import Alloc
 from .identity import changed_files, file_identity
 from .outdir import OutputFolder, copy_regular, kill_point, write_json
 from .ownership import sealed_run
@@ -444,7 +444,7 @@ def build_manifest(src: SourceCheckpoint, target: Target, jobs: list[FileJob],
     for job in jobs:
         hashes = records[job.name]["hashes"]
         for g in job.groups:  # every group kind answers the same: its dtype, attributes, outputs
-            groups.append(to_record(g, job.name))
+            groups.append(g.record(job.name))
             transforms, attrs = tuple(g.transforms()), g.runtime_attrs()
             for (name, role, shape), sources in zip(g.outputs(), g.output_sources()):
                 tensors.append(schema.TensorRecord(name, g.rank, job.name, g.dtype, tuple(shape), role,
@@ -461,13 +461,12 @@ def build_manifest(src: SourceCheckpoint, target: Target, jobs: list[FileJob],
         for c in job.constants:  # from no source tensor: what the engine initialises them to
             tensors.append(schema.TensorRecord(c.name, job.rank, job.name, c.dtype, c.shape, "constant", None, None,
                                                {}, hashes[c.name], (), ({"op": "fill", "value": c.value},)))
-    fingerprint = src.fingerprint()
     return schema.Manifest(
         tool=schema.Tool("prep", __version__),
         layouts_version=layouts.__version__,
         source=schema.Source(
-            origin={k: v for k, v in fingerprint.items() if k != "files"},
-            files={n: schema.SourceFile.from_json(f) for n, f in fingerprint["files"].items()},
+            origin=dict(src.origin),
+            files=src.file_records(),
             tensors={n: schema.SourceTensor(t.dtype, tuple(t.shape), t.file) for n, t in src.tensors.items()},
             wrapper=src.wrapper),
         target=recorded_target(target, info["arch"], used_layouts),

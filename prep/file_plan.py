@@ -47,7 +47,9 @@ class FileJob:
 
     def plan_key(self) -> str:
         """What must match for a finished file to be reused by --resume."""
-        desc = [g.record() for g in self.groups] + self.passthrough + [list(e) for e in self.entries]
+        # The groups' records without their file (this one): the key prep-complete.json has kept
+        # since before records were typed, so an output converted then is still reused.
+        desc = [{k: v for k, v in g.record(self.name).to_json().items() if k != "file"} for g in self.groups] + self.passthrough + [list(e) for e in self.entries]
         desc += [dataclasses.astuple(c) for c in self.constants]
         return manifest_hash(json.dumps(desc, sort_keys=True).encode())
 

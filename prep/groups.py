@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 import torch
 
 import layouts
-from layouts.manifest import GroupRecord, Placement
+from layouts.manifest import GroupRecord, PartRecord, Placement
 from layouts.sizes import ceil_div, pad_to
 
 from .errors import PrepError
@@ -238,9 +238,10 @@ class LinearGroup:
         chain.append({"op": "layout", **self.layout.describe()})
         return chain
 
-    def record(self) -> dict[str, Any]:
-        return {"kind": self.kind, "name": self.name, "rank": self.rank, "tp": self.tp, "layout": self.layout.name,
-                "parts": [dataclasses.asdict(p) for p in self.parts]}
+    def record(self, file: str) -> GroupRecord:
+        """Its manifest record (the ``groups`` entry), its tensors held in ``file``."""
+        return GroupRecord(self.kind, self.name, self.rank, self.tp, self.layout.name, file,
+                           parts=tuple(PartRecord(p.src, p.n, p.k, p.split) for p in self.parts))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -403,11 +404,11 @@ class MoEGroup:
             {"op": "layout", **self.layout.describe()},
         ]
 
-    def record(self) -> dict[str, Any]:
-        return {"kind": self.kind, "name": self.name, "rank": self.rank, "tp": self.tp, "layout": self.layout.name,
-                "experts": list(self.experts), "inter": self.inter, "hidden": self.hidden,
-                "inter_pad_to": self.inter_pad_to, "hidden_pad_to": self.hidden_pad_to,
-                "ep": self.ep, "routed": list(self.routed) if self.routed else None}
+    def record(self, file: str) -> GroupRecord:
+        """Its manifest record (the ``groups`` entry), its tensors held in ``file``."""
+        return GroupRecord(self.kind, self.name, self.rank, self.tp, self.layout.name, file, experts=self.experts,
+                           inter=self.inter, hidden=self.hidden, inter_pad_to=self.inter_pad_to,
+                           hidden_pad_to=self.hidden_pad_to, ep=self.ep, routed=self.routed)
 
     def runtime_attrs(self) -> dict[str, Any]:
         """Its layout's attributes, and the padding and expert map the MoE kernel needs."""
@@ -435,11 +436,6 @@ def _whole(group: "MoEGroup", chunks: Iterator[tuple[str, torch.Tensor]]) -> lis
         ts = parts[name]
         out.append((ts[0] if len(ts) == 1 else torch.cat(ts)).reshape(shape))
     return out
-
-
-def to_record(group: "LinearGroup | MoEGroup | Bf16Group", file: str) -> GroupRecord:
-    """``group``'s manifest record (the typed ``groups`` entry), its tensors held in ``file``."""
-    return GroupRecord.from_json({**group.record(), "file": file})
 
 
 LayoutOf = Callable[[str], "layouts.Layout"]

@@ -21,7 +21,7 @@ import torch
 
 from layouts.errors import LayoutsError
 from layouts.families import Wrapper, wrapper_of
-from layouts.manifest import MANIFEST_NAME
+from layouts.manifest import MANIFEST_NAME, SourceFile
 from layouts.safe_files import (MAX_JSON_BYTES, DuplicateKeyError, FileTooLargeError, member_problem, read_regular,
                                 strict_json)
 from layouts.safetensors_file import FileAccessError, SafetensorsFile, SafetensorsFileError, TensorInfo
@@ -353,8 +353,8 @@ class SourceCheckpoint:
         out.copy_(t)
         return out
 
-    def fingerprint(self, hash_files: bool = False) -> dict[str, Any]:
-        """Where the source came from, and each file's size, with its xxh3-128 hash for every side
+    def file_records(self, hash_files: bool = False) -> dict[str, SourceFile]:
+        """Each file's size (the manifest's ``source.files``), with its xxh3-128 hash for every side
         file (a few MB: what a later ``--force``, ``verify`` and ``revert`` tell the user's edits
         by) and, on request, for the shards too."""
         from layouts.safetensors_file import file_xxh3
@@ -362,11 +362,8 @@ class SourceCheckpoint:
         files = {}
         for fname in sorted(set(self.files) | {p.name for p in self.side_files()}):
             p = self.root / fname
-            entry: dict[str, Any] = {"size": p.stat().st_size}
-            if hash_files or fname not in self.files:
-                entry["xxh3_128"] = file_xxh3(p)
-            files[fname] = entry
-        return {**self.origin, "files": files}
+            files[fname] = SourceFile(p.stat().st_size, file_xxh3(p) if hash_files or fname not in self.files else None)
+        return files
 
     def side_files(self) -> list[pathlib.Path]:
         """The side files present (copied into the output: a symlink out of the folder or a FIFO

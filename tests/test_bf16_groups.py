@@ -16,7 +16,6 @@ import torch
 from atom_sharding import held
 from layouts import manifest as schema
 from layouts.engines import get_engine
-from prep.groups import to_record
 from prep.bf16 import Bf16Group, Placement, group_from_record
 from prep.bf16_plan import plan_bf16_groups
 from prep.errors import PrepError
@@ -90,7 +89,7 @@ def test_inverse_rebuilds_every_split_tensor_bit_for_bit(source, tp, expert_para
                for groups in per_rank for g in groups for n in g.sources()}
     for groups in per_rank:
         for g in groups:
-            g = group_from_record(to_record(g, "f"))  # as revert gets it: from the manifest's record
+            g = group_from_record(g.record("f"))  # as revert gets it: from the manifest's record
             for name, (rows, cols), t in g.invert(g.build(source.read)):
                 assert torch.equal(t, source.read(name, rows, cols)), name
                 rebuilt[name][rows, cols] = t
@@ -112,7 +111,7 @@ def test_a_record_through_the_manifest_schema_gives_the_same_placements(source, 
     stacks = 0
     for groups in per_rank:
         for g in groups:
-            rec = schema.GroupRecord.from_json(json.loads(json.dumps({**g.record(), "file": "f"})))
+            rec = schema.GroupRecord.from_json(json.loads(json.dumps(g.record("f").to_json())))
             back = group_from_record(rec)
             assert back == g, g.name
             written = rec.to_json()
@@ -131,10 +130,10 @@ def test_a_stack_whose_experts_differ_in_shape_is_refused_when_recorded():
     mlp = "model.layers.3.mlp."
     ps = [Placement(f"{mlp}experts.{e}.down_proj.weight", (64, 32), 1, 0, 16, 0, e) for e in range(3)]
     g = Bf16Group(f"{mlp}experts.w2_weight", 0, 2, "BF16", tuple(ps))
-    assert group_from_record(to_record(g, "f")) == g and g.record()["stack"]["experts"] == [[0, 3]]
+    assert group_from_record(g.record("f")) == g and g.record("f").stack.experts == ((0, 3),)
     odd = dataclasses.replace(g, placements=(*ps[:2], dataclasses.replace(ps[2], start=16, stop=32)))
     with pytest.raises(PrepError, match=rf"{mlp}experts.w2_weight \(rank 0\): its experts do not all take the same"):
-        odd.record()
+        odd.record("f")
 
 
 def test_r1_attention_and_vocab_are_split_and_v2_keeps_its_attention_mxfp4(source):

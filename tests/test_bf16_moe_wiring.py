@@ -15,7 +15,6 @@ import pytest
 import torch
 
 import layouts as L
-from prep.groups import to_record
 from prep.bf16 import Bf16Group, group_from_record
 from prep.bf16_plan import plan_bf16_groups
 from prep.source import SourceCheckpoint
@@ -62,7 +61,7 @@ def test_stored_bf16_experts_are_what_atom_holds_after_processing_and_invert_exa
                 atom[i].copy_(aiter_shuffle.shuffle_weight(atom[i], layout=(16, 16)))
             assert torch.equal(stored.view(torch.int16), atom.view(torch.int16)), (g.name, rank)
             back = unshuffled(stored, experts_per_block=3)
-            for name, (rows, cols), t in group_from_record(to_record(g, "f")).invert([back]):
+            for name, (rows, cols), t in group_from_record(g.record("f")).invert([back]):
                 assert torch.equal(t, source.read(name, rows, cols)), (name, rank)
     assert seen == 2 * tp  # w13 and w2 of the MTP layer on every rank
 
