@@ -13,7 +13,7 @@ the layout states, ``CDNA4_SCALE`` or none), aiter's ``routing`` on random logit
 ``mxfp4_quant``: DeepSeek's Quark checkpoints quantize them, ATOM's ``MoEActivationQuant.FP4``),
 gate/up with the tokens gathered, down with the routing weights applied and the tokens scattered
 back. The reference is aiter's own ``moe_gemm_torch`` on the source experts dequantized
-(``layouts.dequantize``), cut to the rank's part of the intermediate and padded as the engine
+(``layouts.mxfp4.dequantize``), cut to the rank's part of the intermediate and padded as the engine
 pads it, on the same (quantized) activations. A run also reads the same bytes as raw (no swizzle
 label) and must then be far off, so that the check can fail.
 
@@ -69,7 +69,7 @@ def source_experts(src, mlp: str, slots: list[str], rank: int, tp: int, inter_pa
 
     def deq(name: str):
         w, s = src.read(f"{name}.weight"), src.read(f"{name}.weight_scale")
-        return layouts.dequantize(w, s, k=2 * w.shape[-1])
+        return layouts.mxfp4.dequantize(w, s, k=2 * w.shape[-1])
 
     w13, w2 = [], []
     for slot in slots:
@@ -121,7 +121,7 @@ def check_rank(mods, src, manifest, rank: int, layer: int | None, tokens: int, s
             if act == "a16w4":
                 return a16.moe_gemm_a16w4(inp, w, None, s, routing_data=rd, swizzle_mx_scale=lab, **kw), inp
             q, qs = a4.mxfp4_quant(inp)  # aiter's own activation quant; the reference takes its values
-            deq = layouts.dequantize(q.view(torch.uint8), qs.view(torch.uint8)[:, :inp.shape[1] // 32], k=inp.shape[1])
+            deq = layouts.mxfp4.dequantize(q.view(torch.uint8), qs.view(torch.uint8)[:, :inp.shape[1] // 32], k=inp.shape[1])
             return a4.moe_gemm_a4w4(q, w, qs, s, routing_data=rd, swizzle_mx_scale=lab, **kw), deq.to(torch.bfloat16)
 
         mid, x_in = gemm(x, w13_t, s13_t, label, gather_indx=gather)

@@ -6,66 +6,41 @@ layout each of its paths reads and what it refuses: its profile in ``layouts/eng
 (``docs/engines.md``). aiter and ATOM are the ground truth.
 """
 
-from .mxfp4 import (
-    BLOCK_SIZE,
-    E2M1_VALUES,
-    AITER_HIP,
-    AITER_TRITON,
-    E8M0_ONE,
-    QUARK,
-    QuantRecipe,
-    Rounding,
-    ScaleRule,
-    dequantize,
-    e2m1_decode,
-    e2m1_encode,
-    e8m0_decode,
-    e8m0_encode,
-    pack_fp4,
-    quantize,
-    unpack_fp4,
-)
-from . import activation, dequant, engines, manifest, mla
+# The names an engine needs, and nothing else: open a converted rank and check it against the
+# engine's configuration, load it, and plan (and run) its fused activation quant; the layouts and
+# engine profiles those steps name. The toolkit behind them is in public submodules, each with its
+# own ``__all__``: ``layouts.mxfp4`` (MXFP4 numerics and quant recipes), ``layouts.shuffle`` (the
+# byte shuffles and their inverses), ``layouts.registry`` (layouts and their transforms),
+# ``layouts.dequant`` (stored bytes back to values), ``layouts.manifest`` (the schema),
+# ``layouts.families`` (model families), ``layouts.engines`` (profiles and their shared checks),
+# ``layouts.fused_quant`` / ``layouts.fused_fp8_quant`` (the kernels' back ends and references).
+from . import activation, dequant, engines, families, manifest, mla, mxfp4, registry, shuffle
 from .activation import ActivationQuantPlan
-from .engines._compat import CompatibilityError, EngineConfig, check_compatibility
+from .engines import (CompatibilityError, EngineConfig, EngineProfile, check_compatibility, engine_names, get_engine,
+                      register_engine)
 from .errors import LayoutsError
-from .engines import EngineProfile, engine_names, get_engine, register_engine
-from .dequant import dequantize_activation, dequantize_expert, dequantize_stored, dequantize_stored_rows
-from .fused_fp8_quant import fused_rms_fp8_quant, fused_rms_fp8_quant_reference
-from .fused_quant import fused_rms_mxfp4_quant, fused_rms_mxfp4_quant_reference
+from .fused_fp8_quant import fused_rms_fp8_quant
+from .fused_quant import fused_rms_mxfp4_quant
 from .loader import OpenRank, RankTensors, iter_rank_files, load_rank, open_rank
 from .manifest import Manifest, ManifestError, TensorRecord, load_manifest
 from .mla import MlaShape, absorbed_kv_b, absorbed_kv_b_of_rank
-from .registry import Layout, Transform, get_layout, layout_names, register_layout
+from .registry import Layout, get_layout, layout_names, register_layout
 from .selection import ActivationQuantFlags, select_activation_quant
-from .shuffle import (
-    LayoutConstraintError,
-    preshuffle_scale,
-    preshuffle_scale_per_expert,
-    preshuffle_weight,
-    preshuffle_weight_16bit,
-    shuffled_scale_shape,
-    unshuffle_scale,
-    unshuffle_scale_per_expert,
-    unshuffle_weight,
-    unshuffle_weight_16bit,
-)
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "BLOCK_SIZE", "E2M1_VALUES", "E8M0_ONE", "Rounding", "ScaleRule",
-    "AITER_HIP", "AITER_TRITON", "QUARK", "QuantRecipe",
-    "dequantize", "e2m1_decode", "e2m1_encode", "e8m0_decode", "e8m0_encode", "pack_fp4", "quantize", "unpack_fp4",
-    "Layout", "Transform", "get_layout", "layout_names", "register_layout",
-    "ActivationQuantFlags", "select_activation_quant",
-    "ActivationQuantPlan", "CompatibilityError", "LayoutsError", "EngineConfig", "check_compatibility",
-    "EngineProfile", "engine_names", "get_engine", "register_engine",
-    "dequantize_activation", "dequantize_expert", "dequantize_stored", "dequantize_stored_rows",
-    "fused_rms_mxfp4_quant", "fused_rms_mxfp4_quant_reference", "fused_rms_fp8_quant", "fused_rms_fp8_quant_reference", "RankTensors", "iter_rank_files", "load_rank", "OpenRank", "open_rank",
-    "Manifest", "ManifestError", "TensorRecord", "load_manifest",
+    # open a rank and check it against the engine
+    "load_manifest", "Manifest", "ManifestError", "TensorRecord",
+    "EngineConfig", "check_compatibility", "CompatibilityError", "LayoutsError",
+    "get_engine", "engine_names", "EngineProfile", "register_engine",
+    # load it
+    "open_rank", "OpenRank", "load_rank", "RankTensors", "iter_rank_files",
+    # plan and run its activation quant
+    "ActivationQuantPlan", "ActivationQuantFlags", "select_activation_quant",
+    "fused_rms_mxfp4_quant", "fused_rms_fp8_quant",
+    # MLA's absorbed W_K / W_V from a rank's kv_b_proj
     "MlaShape", "absorbed_kv_b", "absorbed_kv_b_of_rank",
-    "LayoutConstraintError", "preshuffle_scale", "preshuffle_scale_per_expert", "preshuffle_weight",
-    "shuffled_scale_shape", "unshuffle_scale", "unshuffle_scale_per_expert", "unshuffle_weight",
-    "preshuffle_weight_16bit", "unshuffle_weight_16bit",
+    # the layouts those name
+    "Layout", "get_layout", "layout_names", "register_layout",
 ]

@@ -33,6 +33,10 @@ from .fused_quant import rms_norm_f32, fused_rms_mxfp4_quant
 from .manifest import Manifest
 from .selection import ActivationQuantFlags, select_activation_quant
 
+__all__ = [
+    "ATTENTION_QUANTS", "Quantized", "rms_norm", "ActivationQuantPlan",
+]
+
 MXFP4, FP8_PER_TOKEN, FP8_BLOCK = "mxfp4", "fp8-per-token", "fp8-1x128"
 ATTENTION_QUANTS = (MXFP4, FP8_PER_TOKEN, FP8_BLOCK)
 """What the attention's quantized linears read: MXFP4 activations (the GEMM path's flags), or FP8

@@ -21,6 +21,13 @@ from .mxfp4 import BLOCK_SIZE, dequantize
 from .registry import Layout, ScaleShuffle, Transform
 from .sizes import ceil_div
 
+__all__ = [
+    "FP8_BLOCK", "fp8_block_scales", "POSITIONS_CACHE_BYTES", "stored_positions",
+    "MAP_DERIVE_BYTES_PER_BYTE", "MAP_DERIVE_FIXED", "clear_position_maps", "read_overhead",
+    "BAND_BYTES", "read_logical", "dequantize_stored", "dequantize_stored_rows",
+    "dequantize_activation", "stored_expert", "dequantize_expert",
+]
+
 Shape = tuple[int, ...]
 
 FP8_BLOCK = 128  # DeepSeek's FP8 release: one F32 scale per 128x128 block of a weight

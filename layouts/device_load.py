@@ -38,6 +38,10 @@ import torch
 
 from .safetensors_file import DIRECT_ALIGN, SafetensorsFile, SafetensorsFileError
 
+__all__ = [
+    "BLOCK_BYTES", "READERS", "CACHED_READERS", "read_section", "read_to_device",
+]
+
 # Measured on the H200 host (docs/BENCHMARKS.md, "Rank files to the GPU"): the defaults below;
 # PREP_LOAD_READERS and PREP_LOAD_BLOCK_MIB override them (storage with other needs).
 BLOCK_BYTES = 16 << 20

@@ -6,6 +6,10 @@ one-line message that names the file or tensor and what to do. An engine can cat
 prep's CLI prints the message as it is. Each subclass stays in the module whose checks raise it.
 """
 
+__all__ = [
+    "LayoutsError",
+]
+
 
 class LayoutsError(ValueError):
     """Bad input to ``layouts``; the message is one line naming the file or tensor and the fix.

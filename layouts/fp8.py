@@ -8,6 +8,10 @@ from typing import Optional
 
 import torch
 
+__all__ = [
+    "FP8_DTYPES", "GROUP_SIZE", "AMAX_FLOOR", "fp8_max", "fp8_dtype_for", "fp8_scale_shape",
+]
+
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 GROUP_SIZE = 128
 """ATOM's group for FP8 activations (``group_size=128`` at both DeepSeek call sites)."""

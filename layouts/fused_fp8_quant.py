@@ -36,8 +36,12 @@ from typing import Optional
 
 import torch
 
-from .fp8 import AMAX_FLOOR, FP8_DTYPES, GROUP_SIZE, fp8_dtype_for, fp8_max, fp8_scale_shape  # noqa: F401 (its face)
+from .fp8 import AMAX_FLOOR, GROUP_SIZE, fp8_max
 from .fused_quant import FusedQuantOutput, _aiter_probe, _unit_last, check_rms_inputs, rms_norm_f32, select_backend
+
+__all__ = [
+    "fp8_quant", "present_scale", "fused_rms_fp8_quant_reference", "fused_rms_fp8_quant",
+]
 
 
 def _check(x1, x1_weight, x2, x2_weight, res1, group_size, dtype) -> None:

@@ -44,6 +44,12 @@ import torch
 from .mxfp4 import AITER_TRITON, BLOCK_SIZE, E8M0_BIAS, E8M0_ONE, QuantRecipe, e2m1_encode, pack_fp4, scale_exponent
 from .shuffle import S8_COLS, SCALE_ROW_PAD, pad_to
 
+__all__ = [
+    "RECIPE", "BACKENDS", "FusedQuantOutput", "fused_scale_shape", "rms_norm_f32",
+    "check_rms_inputs", "fused_rms_mxfp4_quant_reference", "aiter_available", "select_backend",
+    "fused_rms_mxfp4_quant",
+]
+
 _LOG = logging.getLogger("layouts")
 
 RECIPE: QuantRecipe = AITER_TRITON

@@ -27,6 +27,12 @@ from .safe_files import opened_outside, read_regular
 from .errors import LayoutsError
 from .safetensors_file import TORCH_DTYPES, SafetensorsFile, SafetensorsFileError, file_xxh3, map_all, tensor_hash
 
+__all__ = [
+    "RankTensors", "load_rank", "OpenRank", "open_rank", "iter_rank_files", "PinnedFolder",
+    "open_pinned", "pinned_folder", "STAGE_BYTES", "to_device", "side_file_difference",
+    "side_file_problem",
+]
+
 if TYPE_CHECKING:  # activation imports the engine profiles, whose adapters import this module
     from .activation import ActivationQuantPlan
 

@@ -28,6 +28,10 @@ from .errors import LayoutsError
 from .registry import Layout, get_layout
 from .sizes import ceil_div
 
+__all__ = [
+    "BLOCK", "MlaShape", "absorbed_kv_b", "absorbed_kv_b_of_rank",
+]
+
 BLOCK = 32  # values per E8M0 scale
 
 

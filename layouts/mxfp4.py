@@ -48,6 +48,13 @@ import torch
 
 from .sizes import ceil_div
 
+__all__ = [
+    "BLOCK_SIZE", "E8M0_BIAS", "E8M0_NAN", "E8M0_ONE", "FP4_MAX", "E2M1_VALUES", "ScaleRule",
+    "Rounding", "QuantRecipe", "AITER_TRITON", "QUARK", "AITER_HIP", "RECIPES", "get_recipe",
+    "e2m1_decode", "e2m1_encode", "pack_fp4", "unpack_fp4", "e8m0_decode", "e8m0_encode",
+    "as_uint8", "scale_exponent", "quantize", "dequantize",
+]
+
 BLOCK_SIZE = 32
 """Elements per MXFP4 block (one E8M0 scale each)."""
 

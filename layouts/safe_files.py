@@ -14,6 +14,12 @@ import pathlib
 import stat
 from typing import Any, Iterator
 
+__all__ = [
+    "open_regular", "MAX_JSON_BYTES", "MIN_BYTES_PER_CONTAINER", "MAX_CONTAINERS",
+    "FileTooLargeError", "read_regular", "plain_name_problem", "opened_outside", "member_problem",
+    "DuplicateKeyError", "strict_json", "gc_paused",
+]
+
 _FILE_KINDS = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket",
                stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device"}
 

@@ -23,6 +23,12 @@ import torch
 from .errors import LayoutsError
 from .safe_files import DuplicateKeyError, open_regular, strict_json
 
+__all__ = [
+    "TORCH_DTYPES", "ITEMSIZE", "READ_BLOCK", "DIRECT_ALIGN", "tensor_bytes", "file_xxh3",
+    "tensor_hash", "SpanHasher", "SafetensorsFileError", "FileAccessError", "TensorInfo",
+    "MAX_HEADER_BYTES", "SafetensorsFile", "map_all", "byte_view",
+]
+
 # safetensors dtype strings and the torch dtypes they are read into.
 TORCH_DTYPES = {"U8": torch.uint8, "I8": torch.int8, "BOOL": torch.bool, "BF16": torch.bfloat16,
                 "F16": torch.float16, "F32": torch.float32, "F64": torch.float64, "I16": torch.int16,

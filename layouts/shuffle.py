@@ -36,6 +36,14 @@ from .errors import LayoutsError
 from .mxfp4 import as_uint8
 from .sizes import pad_to  # noqa: F401  (imported from here by the layouts and prep)
 
+__all__ = [
+    "W16_ROWS", "W16_KBYTES", "W16_K_VALUES_16BIT", "S32_ROWS", "S8_COLS", "SCALE_ROW_PAD",
+    "S32X8_PAD", "LayoutConstraintError", "w16_violations", "per_expert_scale_violations",
+    "check_rows_out", "preshuffle_weight", "check_out", "unshuffle_weight", "w16_16bit_violations",
+    "preshuffle_weight_16bit", "unshuffle_weight_16bit", "shuffled_scale_shape", "preshuffle_scale",
+    "unshuffle_scale", "preshuffle_scale_per_expert", "unshuffle_scale_per_expert",
+]
+
 W16_ROWS = 16
 W16_KBYTES = 32
 W16_K_VALUES_16BIT = 32  # aiter's BK = 2 * layout[1] values: 64 bytes of a 16-bit row

@@ -4,6 +4,10 @@ which imports ``mxfp4``, can both use it)."""
 
 from __future__ import annotations
 
+__all__ = [
+    "ceil_div", "pad_to",
+]
+
 
 def ceil_div(n: int, d: int) -> int:
     """``n / d`` rounded up: how many blocks of ``d`` hold ``n``."""

@@ -111,7 +111,7 @@ class Bf16Group:
         the layout cannot take its shape: e.g. aiter's 16-bit shuffle needs 32 columns per expert."""
         try:
             layout.check(self.shape, None, self.name)
-        except layouts.LayoutConstraintError as e:
+        except layouts.shuffle.LayoutConstraintError as e:
             raise PrepError(f"{e} (rank {self.rank}); the engine shuffles these weights the same way and "
                             "would fail too: choose a smaller --tp, or --ep") from None
         return dataclasses.replace(self, layout=layout)

@@ -31,7 +31,7 @@ from .errors import PrepError
 if TYPE_CHECKING:
     from .bf16 import Bf16Group
 
-BLOCK = layouts.BLOCK_SIZE
+BLOCK = layouts.mxfp4.BLOCK_SIZE
 Reader = Callable[..., torch.Tensor]  # read(name, rows=None, cols=None, out=None) -> tensor
 # alloc(output name, shape) -> a contiguous uint8 tensor to build that chunk in (the writer's own
 # memory, so it is written without another copy), or None to build it in a fresh one.
@@ -105,8 +105,8 @@ def _invert_placements(group: "LinearGroup | MoEGroup", local: list[torch.Tensor
 def _check_layout(layout: layouts.Layout, shapes, tensor: str) -> None:
     try:
         layout.check(*shapes, tensor=tensor)
-    except layouts.LayoutConstraintError as e:
-        raise layouts.LayoutConstraintError(f"{e}; choose a smaller --tp or another --layout") from None
+    except layouts.shuffle.LayoutConstraintError as e:
+        raise layouts.shuffle.LayoutConstraintError(f"{e}; choose a smaller --tp or another --layout") from None
 
 
 @dataclasses.dataclass(frozen=True)

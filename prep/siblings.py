@@ -140,7 +140,7 @@ def _moe_tp_chunks(groups: list[MoEGroup], read: Reader, chunk_bytes: int, alloc
     def stored(proj: str, kind: str) -> tuple[int, int]:
         """Rows and stored columns of one expert's ``proj.kind`` (``weight`` or ``weight_scale``)."""
         rows, k = src_shape[proj]
-        return (rows, k // 2) if kind == "weight" else (rows, -(-k // layouts.BLOCK_SIZE))
+        return (rows, k // 2) if kind == "weight" else (rows, -(-k // layouts.mxfp4.BLOCK_SIZE))
 
     for o in (0, 2):
         projs = ("gate_proj", "up_proj") if o == 0 else ("down_proj",)

@@ -50,7 +50,7 @@ DEEPSEEK_EXPERTS = {f"{w} tp{tp}": (2, *shape) for tp in (1, 8, 16)
 def test_matches_aiter_shuffle_weight_on_deepseek_mtp_expert_shapes(aiter_shuffle, name):
     w = rand16(*DEEPSEEK_EXPERTS[name], seed=1)
     want = aiter_shuffle.shuffle_weight(w, layout=(16, 16))
-    assert same(L.preshuffle_weight_16bit(w), want)
+    assert same(L.shuffle.preshuffle_weight_16bit(w), want)
     assert same(LAYOUT.apply(w, None, name)[0], want)
 
 
@@ -61,7 +61,7 @@ def test_matches_atoms_per_expert_loop(aiter_shuffle):
     atom = w.clone()
     for i in range(atom.shape[0]):
         atom[i].copy_(aiter_shuffle.shuffle_weight(atom[i], layout=(16, 16)))
-    assert same(L.preshuffle_weight_16bit(w), atom)
+    assert same(L.shuffle.preshuffle_weight_16bit(w), atom)
 
 
 @settings(max_examples=40, deadline=None)
@@ -69,7 +69,7 @@ def test_matches_atoms_per_expert_loop(aiter_shuffle):
        seed=st.integers(0, 2**16))
 def test_matches_aiter_on_random_shapes_and_both_16_bit_dtypes(aiter_shuffle, e, n16, k32, f16, seed):
     w = rand16(e, 16 * n16, 32 * k32, seed=seed, dtype=torch.float16 if f16 else torch.bfloat16)
-    assert same(L.preshuffle_weight_16bit(w), aiter_shuffle.shuffle_weight(w, layout=(16, 16)))
+    assert same(L.shuffle.preshuffle_weight_16bit(w), aiter_shuffle.shuffle_weight(w, layout=(16, 16)))
 
 
 def test_aiter_refuses_what_the_layout_refuses(aiter_shuffle):
@@ -84,7 +84,7 @@ def test_aiter_refuses_what_the_layout_refuses(aiter_shuffle):
 def test_each_value_lands_where_the_formula_says():
     e, n, k = 2, 32, 64
     w = torch.arange(e * n * k, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).view(e, n, k)
-    out = bits(L.preshuffle_weight_16bit(w)).view(e, -1)
+    out = bits(L.shuffle.preshuffle_weight_16bit(w)).view(e, -1)
     for x in range(e):
         for r in range(n):
             for c in range(k):
@@ -94,7 +94,7 @@ def test_each_value_lands_where_the_formula_says():
 
 def test_it_is_w16_of_the_tensors_bytes():
     w = rand16(3, 48, 96, seed=3)
-    assert torch.equal(L.preshuffle_weight_16bit(w).view(torch.uint8), L.preshuffle_weight(w.view(torch.uint8)))
+    assert torch.equal(L.shuffle.preshuffle_weight_16bit(w).view(torch.uint8), L.shuffle.preshuffle_weight(w.view(torch.uint8)))
 
 
 # ------------------------------------------------------------------------- inverse and blocks
@@ -103,7 +103,7 @@ def test_it_is_w16_of_the_tensors_bytes():
 def test_inverse_is_exact(e, n16, k32, seed):
     w = rand16(e, 16 * n16, 32 * k32, seed=seed)
     stored = LAYOUT.apply(w, None, "t")[0]
-    assert same(L.unshuffle_weight_16bit(stored), w)
+    assert same(L.shuffle.unshuffle_weight_16bit(stored), w)
     back, scale = LAYOUT.invert(stored, None, w.shape, None)
     assert same(back, w) and scale is None
 
@@ -126,39 +126,39 @@ def test_blocks_of_whole_experts_build_and_invert_as_the_whole(e, per, n16, seed
 def test_forward_into_out_and_in_place(misalign):
     # A converter reads the source rows into its output buffer and shuffles them there.
     w = rand16(3, 32, 64, seed=4)
-    want = L.preshuffle_weight_16bit(w)
+    want = L.shuffle.preshuffle_weight_16bit(w)
     buf = torch.zeros(w.numel() + 16, dtype=torch.bfloat16)
     out = buf[misalign:misalign + w.numel()].view(w.shape)
-    assert L.preshuffle_weight_16bit(w, out) is out and same(out, want)
+    assert L.shuffle.preshuffle_weight_16bit(w, out) is out and same(out, want)
     inplace = w.clone()
     assert LAYOUT.weight.forward(inplace, inplace) is inplace and same(inplace, want)
     with pytest.raises(ValueError, match="out must be"):
-        L.preshuffle_weight_16bit(w, torch.empty(3, 32, 64, dtype=torch.float16))
+        L.shuffle.preshuffle_weight_16bit(w, torch.empty(3, 32, 64, dtype=torch.float16))
 
 
 # ------------------------------------------------------------------------- refusals
 def test_a_shape_it_cannot_take_is_refused_naming_the_tensor_and_every_constraint():
     name = "model.layers.61.mlp.experts.w2_weight"
-    with pytest.raises(L.LayoutConstraintError) as err:
+    with pytest.raises(L.shuffle.LayoutConstraintError) as err:
         LAYOUT.check((257, 7160, 16), None, name)  # a K of 16: R1's down_proj at TP 128
     msg = str(err.value)
     assert msg.startswith(name) and "N % 16 == 0 (N = 7160)" in msg and "K % 32 == 0 (K = 16)" in msg
     assert "\n" not in msg
-    with pytest.raises(L.LayoutConstraintError, match=r"weight is 3-D"):
+    with pytest.raises(L.shuffle.LayoutConstraintError, match=r"weight is 3-D"):
         LAYOUT.check((7168, 256), None, name)
-    with pytest.raises(L.LayoutConstraintError, match=rf"^{name}: .*needs no scale \(BF16 weights\)"):
+    with pytest.raises(L.shuffle.LayoutConstraintError, match=rf"^{name}: .*needs no scale \(BF16 weights\)"):
         LAYOUT.check((2, 32, 64), (2, 32, 2), name)
-    with pytest.raises(L.LayoutConstraintError, match=rf"^{name}: .*needs a weight_scale"):
+    with pytest.raises(L.shuffle.LayoutConstraintError, match=rf"^{name}: .*needs a weight_scale"):
         L.get_layout("ck").check((2, 32, 64), None, name)
 
 
 def test_the_primitive_refuses_other_dtypes_and_shapes():
-    with pytest.raises(L.LayoutConstraintError, match="2-byte dtype"):
-        L.preshuffle_weight_16bit(torch.zeros(2, 32, 64, dtype=torch.uint8))  # packed MXFP4: W16 proper
-    with pytest.raises(L.LayoutConstraintError, match="2-byte dtype"):
-        L.unshuffle_weight_16bit(torch.zeros(2, 32, 64, dtype=torch.float32))
-    with pytest.raises(L.LayoutConstraintError, match=r"16-bit W16 needs K % 32 == 0 \(K = 48\), got shape \(2, 32, 48\)"):
-        L.preshuffle_weight_16bit(torch.zeros(2, 32, 48, dtype=torch.bfloat16))
+    with pytest.raises(L.shuffle.LayoutConstraintError, match="2-byte dtype"):
+        L.shuffle.preshuffle_weight_16bit(torch.zeros(2, 32, 64, dtype=torch.uint8))  # packed MXFP4: W16 proper
+    with pytest.raises(L.shuffle.LayoutConstraintError, match="2-byte dtype"):
+        L.shuffle.unshuffle_weight_16bit(torch.zeros(2, 32, 64, dtype=torch.float32))
+    with pytest.raises(L.shuffle.LayoutConstraintError, match=r"16-bit W16 needs K % 32 == 0 \(K = 48\), got shape \(2, 32, 48\)"):
+        L.shuffle.preshuffle_weight_16bit(torch.zeros(2, 32, 48, dtype=torch.bfloat16))
 
 
 # ------------------------------------------------------------------------- the manifest record

@@ -72,5 +72,5 @@ def test_a_split_the_layout_cannot_take_is_refused_naming_the_tensor(source):
     bf16 = {n: i for n, i in _bf16(source).items() if ".mlp.experts." in n or ".mlp.shared_experts." in n}
     per_rank, _ = plan_bf16_groups(bf16, source.config, 16, rules=ATOM_RULES)
     w2 = next(g for g in per_rank[0] if g.name.endswith("experts.w2_weight"))
-    with pytest.raises(L.LayoutConstraintError, match=rf"^{w2.name}: .*K % 32 == 0 \(K = 16\)"):
+    with pytest.raises(L.shuffle.LayoutConstraintError, match=rf"^{w2.name}: .*K % 32 == 0 \(K = 16\)"):
         next(shuffled_chunks(w2, source.read, 1 << 20))

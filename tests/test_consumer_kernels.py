@@ -167,9 +167,9 @@ def window(ns: layouts.RankTensors, ps: layouts.RankTensors, prefix: str, rows: 
     assert ps.records[prefix + ".weight"].layout == "preshuffle" and w16.is_shuffled
     n, k = w_raw.shape[0], 2 * w_raw.shape[1]
     shapes = (n, k // 2), (n, -(-k // 32))
-    ref = layouts.dequantize_stored(w16, s32, layouts.get_layout("preshuffle"), *shapes).double()
+    ref = layouts.dequant.dequantize_stored(w16, s32, layouts.get_layout("preshuffle"), *shapes).double()
     # Both conversions hold the same numbers (each read through its own layout's index map).
-    raw_ref = layouts.dequantize_stored(w_raw, s_raw, layouts.get_layout("non-shuffle"), *shapes).double()
+    raw_ref = layouts.dequant.dequantize_stored(w_raw, s_raw, layouts.get_layout("non-shuffle"), *shapes).double()
     assert torch.equal(ref, raw_ref)
     n1 = n if rows is None else min(n, rows)
     assert n1 == n or n1 % 32 == 0, (n, n1)
@@ -253,7 +253,7 @@ def compare(y: torch.Tensor, a: torch.Tensor, w: torch.Tensor) -> Outcome:
 
 
 def dequant_act(q, s, flags) -> torch.Tensor:
-    return layouts.dequantize_activation(q, s, *flags).double()
+    return layouts.dequant.dequantize_activation(q, s, *flags).double()
 
 
 # ------------------------------------------------------------------------------------------------

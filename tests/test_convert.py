@@ -128,7 +128,7 @@ def test_padding_is_zero_whatever_memory_the_blocks_get(sources, tmp_path, monke
     convert(str(sources["v2"]), out, target_for(ATOM, layout="non-shuffle", moe_layout=moe_layout, tp=4))  # intermediate 64 per rank, padded to 256
     verify(str(out), source=str(sources["v2"]))  # inverting checks every pad byte is zero
     w13 = _rank_tensor(out, "model.layers.1.mlp.experts.w13_weight", 0)
-    raw = L.unshuffle_weight(w13) if moe_layout == "ck" else w13
+    raw = L.shuffle.unshuffle_weight(w13) if moe_layout == "ck" else w13
     assert w13.shape == (9, 512, 128) and not raw[:, 64:256].any()
 
 
@@ -205,7 +205,7 @@ def test_rank_bytes_equal_aiter_shuffles_of_the_merged_rank_tensors(sources, tmp
         got_w, got_s = _rank_tensor(out, f"{name}.weight", rank), _rank_tensor(out, f"{name}.weight_scale", rank)
         assert torch.equal(got_w, shuffle(w, layout=(16, 16)))
         want_s = e8m0(sc)
-        mask = L.preshuffle_scale(torch.ones_like(sc), pad_value=0) == 1
+        mask = L.shuffle.preshuffle_scale(torch.ones_like(sc), pad_value=0) == 1
         assert torch.equal(got_s[mask], want_s[mask])
 
     attn = "model.layers.1.self_attn"
@@ -235,7 +235,7 @@ def test_rank_bytes_equal_aiter_shuffles_of_the_merged_rank_tensors(sources, tmp
     assert torch.equal(_rank_tensor(out, f"{moe}.experts.w13_weight", rank), shuffle(w13, layout=(16, 16)))
     got = _rank_tensor(out, f"{moe}.experts.w13_weight_scale", rank)
     flat = s13.reshape(-1, 8)
-    mask = L.preshuffle_scale(torch.ones_like(flat), pad_value=0) == 1
+    mask = L.shuffle.preshuffle_scale(torch.ones_like(flat), pad_value=0) == 1
     assert got.dim() == 2 and torch.equal(got[mask], e8m0(flat)[mask])
 
 

@@ -41,7 +41,7 @@ def test_matches_aiter_shuffle_weight_on_fp8_weights_and_expert_stacks(aiter_shu
 
 def test_a_shape_aiter_cannot_shuffle_is_refused_naming_the_tensor(aiter_shuffle):
     assert FP8_PRESHUFFLE.kind == FP8 and not FP8_PRESHUFFLE.has_scale
-    with pytest.raises(L.LayoutConstraintError, match=r"q: layout 'fp8-preshuffle' cannot apply to weight \(24, 48\): "
+    with pytest.raises(L.shuffle.LayoutConstraintError, match=r"q: layout 'fp8-preshuffle' cannot apply to weight \(24, 48\): "
                                                       r"needs weight: N % 16 == 0 \(N = 24\); weight: K % 32 == 0"):
         FP8_PRESHUFFLE.apply(rand8(24, 48, seed=0), None, "q")
     with pytest.raises(AssertionError):  # aiter refuses it too

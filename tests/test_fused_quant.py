@@ -4,8 +4,8 @@ What is pinned here, on the CPU (our Triton kernel and aiter's run under TRITON_
 
 * our Triton kernel against our torch reference over M x N1 x {x2, res1} x {shuffle, padding};
 * the reference against aiter's own ``fused_rms_mxfp4_quant`` (its wrapper and kernel);
-* the reference's quant against ``layouts.quantize(rmsnorm(x), AITER_TRITON)`` and its
-  shuffled scale against ``layouts.preshuffle_scale``;
+* the reference's quant against ``layouts.mxfp4.quantize(rmsnorm(x), AITER_TRITON)`` and its
+  shuffled scale against ``layouts.shuffle.preshuffle_scale``;
 * both DeepSeek call sites, with the flags ``select_activation_quant`` gives each GEMM path;
 * back-end selection.
 
@@ -357,12 +357,12 @@ def test_reference_quantizes_the_float32_rmsnorm_with_the_aiter_triton_recipe(n1
     (q, s), out2, res = reference(args, False, False)
     x = args["x1"].float() + args["res1"].float()
     y = x * (1.0 / torch.sqrt((x * x).sum(-1, keepdim=True) / n1 + EPS)) * args["x1_weight"].float()
-    want_q, want_s = layouts.quantize(y, AITER_TRITON)
+    want_q, want_s = layouts.mxfp4.quantize(y, AITER_TRITON)
     assert torch.equal(q, want_q) and torch.equal(s, want_s)
     assert torch.equal(res, x.to(torch.bfloat16))
     # torch's own RMSNorm agrees up to rounding (an independent implementation of the norm).
     torch_y = torch.nn.functional.rms_norm(x, (n1,), args["x1_weight"].float(), EPS)
-    assert_codes_close(q, layouts.quantize(torch_y, AITER_TRITON)[0], "q vs F.rms_norm")
+    assert_codes_close(q, layouts.mxfp4.quantize(torch_y, AITER_TRITON)[0], "q vs F.rms_norm")
     torch_out2 = torch.nn.functional.rms_norm(args["x2"].float(), (N2_KV,), args["x2_weight"].float(), EPS)
     assert_one_step(out2, torch_out2.to(torch.bfloat16), "out2 vs F.rms_norm")
 
@@ -375,12 +375,12 @@ def test_shuffled_scale_is_preshuffle_scale_of_the_row_major_scale(m, n1, backen
     padded = run(args, False, True, backend)[0][1]
     cols = -(-n1 // 32)
     assert plain.shape == (m, cols)
-    want_padded = torch.full(FQ.fused_scale_shape(m, n1, False, True), layouts.E8M0_ONE, dtype=torch.uint8)
+    want_padded = torch.full(FQ.fused_scale_shape(m, n1, False, True), layouts.mxfp4.E8M0_ONE, dtype=torch.uint8)
     want_padded[:m, :cols] = plain
     assert torch.equal(padded, want_padded)
     for padding in (False, True):  # shuffling implies padding, as in aiter
         shuffled = run(args, True, padding, backend)[0][1]
-        assert torch.equal(shuffled, preshuffle_scale(plain, pad_value=layouts.E8M0_ONE))  # aiter's activation pad
+        assert torch.equal(shuffled, preshuffle_scale(plain, pad_value=layouts.mxfp4.E8M0_ONE))  # aiter's activation pad
         assert torch.equal(unshuffle_scale(shuffled, m, cols), plain)
 
 
@@ -431,8 +431,8 @@ def test_aiter_quantizes_the_float32_norm_not_a_bf16_rounded_one(aiter_fused_rms
     (aq, _), _, _ = aiter_fused_rms_quant(**args, shuffle=False, scale_shuffle_padding=False)
     x = args["x1"].float() + args["res1"].float()
     y = x * (1.0 / torch.sqrt((x * x).sum(-1, keepdim=True) / 1536 + EPS)) * args["x1_weight"].float()
-    assert_codes_close(layouts.quantize(y, AITER_TRITON)[0], aq)
-    rounded = layouts.quantize(y.to(torch.bfloat16), AITER_TRITON)[0]
+    assert_codes_close(layouts.mxfp4.quantize(y, AITER_TRITON)[0], aq)
+    rounded = layouts.mxfp4.quantize(y.to(torch.bfloat16), AITER_TRITON)[0]
     n_diff = int((unpack_fp4(rounded) != unpack_fp4(aq)).sum())
     assert n_diff > 10 * max_code_diffs(aq.numel() * 2)
 

@@ -164,9 +164,9 @@ def test_experts_built_a_block_at_a_time_equal_the_whole_build(case, monkeypatch
 def test_inverting_refuses_a_nonzero_pad_byte():
     g = _moe_tp(2, "ck")[0]
     built = g.build(_reader(_source([g])))
-    raw = layouts.unshuffle_weight(built[0])
+    raw = layouts.shuffle.unshuffle_weight(built[0])
     raw[1, g.i_local, 0] = 1  # the first pad row after expert 1's gate rows
-    built[0] = layouts.preshuffle_weight(raw)
+    built[0] = layouts.shuffle.preshuffle_weight(raw)
     with pytest.raises(PrepError, match="padding bytes are not zero"):
         list(g.invert(built))
 

@@ -67,7 +67,7 @@ def test_the_unpadded_preshuffle_is_the_padded_ones_bytes_cut_to_the_scales_rows
     uw, us = L.get_layout("preshuffle-unpadded").apply(w, s)
     pw, ps = L.get_layout("preshuffle").apply(w, s)
     assert torch.equal(uw, pw) and tuple(us.shape) == (96, 8) and torch.equal(us, ps[:96])
-    with pytest.raises(L.LayoutConstraintError,
+    with pytest.raises(L.shuffle.LayoutConstraintError,
                        match=r"needs scale: N % 32 == 0 \(N = 80\); scale: K/32 % 8 == 0 \(K/32 = 4\)"):
         L.get_layout("preshuffle-unpadded").apply(rand_u8(80, 32, seed=1), rand_u8(80, 4, seed=2))
 
@@ -75,14 +75,14 @@ def test_the_unpadded_preshuffle_is_the_padded_ones_bytes_cut_to_the_scales_rows
 def test_preshuffle_layout_is_the_two_primitives():
     w, s = rand_u8(32, 64, seed=5), rand_u8(32, 4, seed=6)
     lw, ls = L.get_layout("preshuffle").apply(w, s)
-    assert torch.equal(lw, L.preshuffle_weight(w)) and torch.equal(ls, L.preshuffle_scale(s))
+    assert torch.equal(lw, L.shuffle.preshuffle_weight(w)) and torch.equal(ls, L.shuffle.preshuffle_scale(s))
 
 
 def test_ck_layout_shuffles_the_flattened_expert_scale_and_stores_it_2d():
     w, s = rand_u8(3, 32, 64, seed=7), rand_u8(3, 32, 4, seed=8)
     lw, ls = L.get_layout("ck").apply(w, s)
-    assert torch.equal(lw, L.preshuffle_weight(w))
-    assert ls.dim() == 2 and torch.equal(ls, L.preshuffle_scale(s.reshape(96, 4)))
+    assert torch.equal(lw, L.shuffle.preshuffle_weight(w))
+    assert ls.dim() == 2 and torch.equal(ls, L.shuffle.preshuffle_scale(s.reshape(96, 4)))
 
 
 def test_ck_3d_holds_cks_bytes_with_the_scale_3d_and_refuses_shapes_that_would_need_a_pad():
@@ -91,7 +91,7 @@ def test_ck_3d_holds_cks_bytes_with_the_scale_3d_and_refuses_shapes_that_would_n
     w, s = rand_u8(4, 64, 128, seed=11), rand_u8(4, 64, 8, seed=12)
     ck, ck3 = L.get_layout("ck").apply(w, s), L.get_layout("ck-3d").apply(w, s)
     assert torch.equal(ck3[0], ck[0]) and ck3[1].shape == (4, 64, 8) and torch.equal(ck3[1].reshape(256, 8), ck[1])
-    with pytest.raises(L.LayoutConstraintError, match=r"E\*N % 256 == 0 \(E\*N = 96\); scale: K/32 % 8 == 0 \(K/32 = 4\)"):
+    with pytest.raises(L.shuffle.LayoutConstraintError, match=r"E\*N % 256 == 0 \(E\*N = 96\); scale: K/32 % 8 == 0 \(K/32 = 4\)"):
         L.get_layout("ck-3d").check((3, 32, 64), (3, 32, 4), "experts.w13")
 
 
@@ -105,7 +105,7 @@ def test_triton_moe_layout_keeps_weight_raw_and_swizzles_scale_per_expert():
     w, s = rand_u8(3, 32, 64, seed=9), rand_u8(3, 32, 4, seed=10)
     layout = L.get_layout("triton")
     lw, ls = layout.apply(w, s)
-    assert torch.equal(lw, w) and torch.equal(ls, L.preshuffle_scale_per_expert(s))
+    assert torch.equal(lw, w) and torch.equal(ls, L.shuffle.preshuffle_scale_per_expert(s))
     assert layout.runtime_attrs["scale_swizzle"] == "CDNA4_SCALE"
 
 
@@ -119,16 +119,16 @@ def test_runtime_attributes_say_whether_the_weight_is_shuffled():
 
 def test_a_layout_that_cannot_apply_names_the_tensor_and_every_broken_constraint():
     name = "model.layers.3.self_attn.kv_a_proj_with_mqa.weight"
-    with pytest.raises(L.LayoutConstraintError) as err:
+    with pytest.raises(L.shuffle.LayoutConstraintError) as err:
         L.get_layout("preshuffle").check((24, 100), (24, 7), name)
     msg = str(err.value)
     assert name in msg and "N % 16 == 0 (N = 24)" in msg and "K % 64 == 0 (K = 200)" in msg
 
 
 def test_moe_layouts_need_stacked_experts():
-    with pytest.raises(L.LayoutConstraintError, match="weight is 3-D"):
+    with pytest.raises(L.shuffle.LayoutConstraintError, match="weight is 3-D"):
         L.get_layout("ck").check((64, 128), (64, 8), "experts.w13")
-    with pytest.raises(L.LayoutConstraintError, match=r"scale: N % 32 == 0 \(N = 48\)"):
+    with pytest.raises(L.shuffle.LayoutConstraintError, match=r"scale: N % 32 == 0 \(N = 48\)"):
         L.get_layout("triton").check((2, 48, 64), (2, 48, 4), "experts.w2")
 
 

@@ -44,7 +44,7 @@ def source_kv_b(src, layer: int) -> torch.Tensor:
     if w.dtype != torch.uint8:
         return w.float()
     s = source_tensor(src, f"{name}_scale")
-    return layouts.dequantize(w, s, k=2 * w.shape[-1])
+    return layouts.mxfp4.dequantize(w, s, k=2 * w.shape[-1])
 
 
 @pytest.mark.parametrize("variant, layout, tp", [

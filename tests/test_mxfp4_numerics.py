@@ -72,7 +72,7 @@ def wide_range_tensor(rows: int, cols: int, seed: int) -> torch.Tensor:
 # ------------------------------------------------------------------------------------ tests
 def test_e2m1_code_table_matches_format():
     codes = torch.arange(16, dtype=torch.uint8)
-    values = L.e2m1_decode(codes)
+    values = L.mxfp4.e2m1_decode(codes)
     assert values[:8].tolist() == GRID
     assert values[8:].tolist() == [-g for g in GRID]
     assert torch.signbit(values[8])  # code 8 is -0
@@ -80,13 +80,13 @@ def test_e2m1_code_table_matches_format():
 
 def test_pack_puts_even_element_in_low_nibble():
     codes = torch.tensor([[1, 2, 15, 8]], dtype=torch.uint8)
-    packed = L.pack_fp4(codes)
+    packed = L.mxfp4.pack_fp4(codes)
     assert packed.tolist() == [[0x21, 0x8F]]
-    assert torch.equal(L.unpack_fp4(packed), codes)
+    assert torch.equal(L.mxfp4.unpack_fp4(packed), codes)
 
 
 def test_e8m0_decode_special_bytes():
-    v = L.e8m0_decode(torch.tensor([0x7F, 0x80, 0x00, 0xFE, 0xFF], dtype=torch.uint8))
+    v = L.mxfp4.e8m0_decode(torch.tensor([0x7F, 0x80, 0x00, 0xFE, 0xFF], dtype=torch.uint8))
     assert v[0] == 1.0 and v[1] == 2.0
     assert v[2] == 2.0**-127 and v[3] == 2.0**127
     assert torch.isnan(v[4])
@@ -96,14 +96,14 @@ def test_e8m0_decode_special_bytes():
 def test_e2m1_encode_rounds_every_tie_by_its_rule(rounding):
     ties = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]
     x = torch.tensor(ties + [-t for t in ties])
-    got = L.e2m1_decode(L.e2m1_encode(x, rounding))
+    got = L.mxfp4.e2m1_decode(L.mxfp4.e2m1_encode(x, rounding))
     want = [math.copysign(ref_round(v, rounding), v) for v in x.tolist()]
     assert got.tolist() == want
 
 
 def test_e2m1_encode_saturates_and_keeps_negative_zero():
     x = torch.tensor([7.0, -100.0, float("inf"), -0.1, -0.0, 0.1])
-    codes = L.e2m1_encode(x)
+    codes = L.mxfp4.e2m1_encode(x)
     assert codes.tolist() == [7, 15, 7, 8, 8, 0]
 
 
@@ -111,9 +111,9 @@ def test_e2m1_encode_saturates_and_keeps_negative_zero():
 @pytest.mark.parametrize("rounding", list(Rounding))
 def test_quantize_matches_float64_reference(rule, rounding):
     x = wide_range_tensor(6, 96, seed=1)
-    recipe = L.QuantRecipe("test", rule, rounding, keep_negative_zero=True)
-    packed, scale = L.quantize(x, recipe)
-    got = L.dequantize(packed, scale).double()
+    recipe = L.mxfp4.QuantRecipe("test", rule, rounding, keep_negative_zero=True)
+    packed, scale = L.mxfp4.quantize(x, recipe)
+    got = L.mxfp4.dequantize(packed, scale).double()
     want = ref_quant_dequant(x, rule, rounding)
     assert torch.equal(torch.signbit(got), torch.signbit(want))
     assert torch.equal(got, want)
@@ -122,48 +122,48 @@ def test_quantize_matches_float64_reference(rule, rounding):
 def test_quark_recipe_writes_positive_zero_and_scale_byte_at_least_one():
     x = torch.zeros(2, 32)
     x[1, :4] = torch.tensor([6.0, -0.2, -0.0, 1.25])
-    packed, scale = L.quantize(x, L.QUARK)
+    packed, scale = L.mxfp4.quantize(x, L.mxfp4.QUARK)
     assert scale.tolist() == [[1], [127]]
-    assert L.unpack_fp4(packed)[1, :4].tolist() == [7, 0, 0, 2]  # -0.2 and -0.0 -> +0; 1.25 -> 1.0 (tie to even)
-    packed, scale = L.quantize(x, L.AITER_TRITON)
+    assert L.mxfp4.unpack_fp4(packed)[1, :4].tolist() == [7, 0, 0, 2]  # -0.2 and -0.0 -> +0; 1.25 -> 1.0 (tie to even)
+    packed, scale = L.mxfp4.quantize(x, L.mxfp4.AITER_TRITON)
     assert scale.tolist() == [[0], [127]]
-    assert L.unpack_fp4(packed)[1, :4].tolist() == [7, 8, 8, 3]
+    assert L.mxfp4.unpack_fp4(packed)[1, :4].tolist() == [7, 8, 8, 3]
 
 
 def test_scale_rules_differ_exactly_at_one_and_a_half_times_a_power_of_two():
     amax = torch.tensor([1.5, 1.4999, 1.75, 0.0])
-    even = L.e8m0_encode(L.mxfp4.scale_exponent(amax, ScaleRule.EVEN)).tolist()
-    up = L.e8m0_encode(L.mxfp4.scale_exponent(amax, ScaleRule.ROUND_UP)).tolist()
+    even = L.mxfp4.e8m0_encode(L.mxfp4.scale_exponent(amax, ScaleRule.EVEN)).tolist()
+    up = L.mxfp4.e8m0_encode(L.mxfp4.scale_exponent(amax, ScaleRule.ROUND_UP)).tolist()
     assert even == [125, 125, 126, 0]
     assert up == [126, 125, 126, 92]  # all-zero block: aiter HIP's 1e-10 floor gives byte 92
 
 
 def test_quantize_pads_a_partial_last_block():
     x = wide_range_tensor(3, 48, seed=2)
-    packed, scale = L.quantize(x)
+    packed, scale = L.mxfp4.quantize(x)
     assert packed.shape == (3, 24) and scale.shape == (3, 2)
     padded = torch.nn.functional.pad(x, (0, 16))
-    p2, s2 = L.quantize(padded)
+    p2, s2 = L.mxfp4.quantize(padded)
     assert torch.equal(packed, p2[:, :24]) and torch.equal(scale, s2)
 
 
 def test_quantize_is_idempotent_on_its_own_output():
     x = wide_range_tensor(4, 128, seed=3)
-    packed, scale = L.quantize(x)
-    again = L.quantize(L.dequantize(packed, scale))
+    packed, scale = L.mxfp4.quantize(x)
+    again = L.mxfp4.quantize(L.mxfp4.dequantize(packed, scale))
     assert torch.equal(again[0], packed) and torch.equal(again[1], scale)
 
 
 def test_quantize_accepts_bf16_and_leading_dims():
     x = wide_range_tensor(8, 64, seed=4).bfloat16().view(2, 4, 64)
-    packed, scale = L.quantize(x)
-    p2, s2 = L.quantize(x.float().view(8, 64))
+    packed, scale = L.mxfp4.quantize(x)
+    p2, s2 = L.mxfp4.quantize(x.float().view(8, 64))
     assert torch.equal(packed.view(8, 32), p2) and torch.equal(scale.view(8, 2), s2)
 
 
 def test_dequantize_rejects_mismatched_scale():
     with pytest.raises(ValueError, match="does not cover"):
-        L.dequantize(torch.zeros(4, 32, dtype=torch.uint8), torch.zeros(4, 1, dtype=torch.uint8))
+        L.mxfp4.dequantize(torch.zeros(4, 32, dtype=torch.uint8), torch.zeros(4, 1, dtype=torch.uint8))
 
 
 def test_quantize_matches_aiter_triton_kernel_bytes(aiter_triton_quant):
@@ -172,7 +172,7 @@ def test_quantize_matches_aiter_triton_kernel_bytes(aiter_triton_quant):
     ties = torch.tensor([6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.5, 0.1, -0.1, -0.0] + [0.0] * 20)
     x[2, :32], x[3, :32] = ties, -ties
     want_q, want_s = aiter_triton_quant(x)
-    q, s = L.quantize(x, L.AITER_TRITON)
+    q, s = L.mxfp4.quantize(x, L.mxfp4.AITER_TRITON)
     assert torch.equal(s, want_s)
     assert torch.equal(q, want_q)
 
@@ -184,9 +184,9 @@ def test_dequantize_matches_aiter_decoders(aiter_fp4_utils):
     codes_f32 = aiter_fp4_utils.mxfp4_to_f32(packed.clone())
     scales_f32 = aiter_fp4_utils.e8m0_to_f32(scale.clone())
     want = codes_f32 * scales_f32.repeat_interleave(32, dim=-1)
-    got = L.dequantize(packed, scale)
+    got = L.mxfp4.dequantize(packed, scale)
     assert torch.equal(got, want)
-    assert torch.equal(L.e8m0_decode(torch.arange(255, dtype=torch.uint8)),
+    assert torch.equal(L.mxfp4.e8m0_decode(torch.arange(255, dtype=torch.uint8)),
                        aiter_fp4_utils.e8m0_to_f32(torch.arange(255, dtype=torch.uint8)))
 
 
@@ -196,6 +196,6 @@ def test_quark_recipe_matches_quark_exporter_bytes(quark_mxfp4, dtype):
     x[4, :32] = torch.tensor([6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.5, 0.1, -0.1, -0.0] + [0.0] * 20)
     x = x.to(dtype)
     want_q, want_s = quark_mxfp4(x)
-    q, s = L.quantize(x, L.QUARK)
+    q, s = L.mxfp4.quantize(x, L.mxfp4.QUARK)
     assert torch.equal(s, want_s)
     assert torch.equal(q, want_q)

@@ -286,7 +286,7 @@ def test_activation_plan_q_a_site_quantizes_q_and_norms_kv(converted):
     assert q.shape == (40, 64) and scale.shape == (40, 4)  # non-shuffle path: raw, unpadded scales
     qf = q_c.float()
     normed = qf * torch.rsqrt(qf.pow(2).mean(-1, keepdim=True) + 1e-6) * wq.float()  # float32, not rounded to bf16
-    want_q, want_s = L.quantize(normed, L.AITER_TRITON)
+    want_q, want_s = L.mxfp4.quantize(normed, L.mxfp4.AITER_TRITON)
     assert torch.equal(q, want_q) and torch.equal(scale, want_s)
     assert torch.allclose(kv.float(), L.activation.rms_norm(kv_c, wkv, 1e-6).float(), atol=1e-2)
 

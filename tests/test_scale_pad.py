@@ -67,7 +67,7 @@ def old(src, tmp_path_factory) -> pathlib.Path:
 
 def pad_bytes(scale: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     """The stored S32x8 bytes no logical scale lands on: the buffer unshuffled with its pad kept."""
-    full = layouts.unshuffle_scale(scale, *scale.shape).view(torch.uint8)
+    full = layouts.shuffle.unshuffle_scale(scale, *scale.shape).view(torch.uint8)
     return torch.cat([full[rows:].reshape(-1), full[:rows, cols:].reshape(-1)])
 
 
@@ -123,7 +123,7 @@ def test_every_padding_scale_transform_pads_with_zero_bytes():
         assert bool((pad_bytes(layouts.get_layout(layout).scale.forward(s), 300, 13) == 0).all())
     triton = layouts.get_layout("triton")  # triton_kernels' CDNA4_SCALE swizzle pads with zeros too
     e = torch.randint(0, 255, (2, 32, 4), dtype=torch.uint8)
-    full = layouts.unshuffle_scale_per_expert(triton.scale.forward(e), 8)
+    full = layouts.shuffle.unshuffle_scale_per_expert(triton.scale.forward(e), 8)
     assert torch.equal(full[..., :4], e) and bool((full[..., 4:] == 0).all())
     assert [layouts.get_layout(n).version for n in ("preshuffle", "ck", "triton")] == [2, 2, 2]
 

@@ -61,7 +61,7 @@ def _mxfp4_quant_stand_in(x, quant_dtype=None, scale=None, shuffle=False, **_):
 
     q, s = layouts.mxfp4.quantize(x.float())
     if shuffle:
-        s = layouts.preshuffle_scale(s, pad_value=layouts.E8M0_ONE)
+        s = layouts.shuffle.preshuffle_scale(s, pad_value=layouts.mxfp4.E8M0_ONE)
     return q.view(dtypes.fp4x2), s.view(torch.float8_e8m0fnu)
 
 

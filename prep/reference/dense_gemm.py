@@ -54,10 +54,10 @@ def lay_out_scale(s: torch.Tensor, flags: ActivationQuantFlags) -> torch.Tensor:
     padded to ``[pad256(M), pad8(K/32)]``, or padded and S32x8-shuffled (pad bytes 0x7F, as the
     fused quant writes them)."""
     if flags.shuffle:
-        return layouts.preshuffle_scale(s, pad_value=layouts.E8M0_ONE)
+        return layouts.shuffle.preshuffle_scale(s, pad_value=layouts.mxfp4.E8M0_ONE)
     if flags.scale_shuffle_padding:
         m, cols = s.shape
-        out = s.new_full(layouts.shuffled_scale_shape(m, cols), layouts.E8M0_ONE)
+        out = s.new_full(layouts.shuffle.shuffled_scale_shape(m, cols), layouts.mxfp4.E8M0_ONE)
         out[:m, :cols] = s
         return out
     return s
@@ -66,7 +66,7 @@ def lay_out_scale(s: torch.Tensor, flags: ActivationQuantFlags) -> torch.Tensor:
 def logical_scale(s: torch.Tensor, m: int, cols: int, flags: ActivationQuantFlags) -> torch.Tensor:
     """The raw ``[m, cols]`` scale of an activation scale laid out by ``flags``."""
     if flags.shuffle:
-        return layouts.unshuffle_scale(s, m, cols)
+        return layouts.shuffle.unshuffle_scale(s, m, cols)
     return s[:m, :cols] if flags.scale_shuffle_padding else s
 
 

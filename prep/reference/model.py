@@ -98,8 +98,8 @@ def _rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -
 
 def _mxfp4_roundtrip(x: torch.Tensor) -> torch.Tensor:
     """float32 ``x`` quantized to MXFP4 along its last dim (aiter's dynamic quant) and back."""
-    q, scale = layouts.quantize(x.float().contiguous(), layouts.AITER_TRITON)
-    return layouts.dequantize(q, scale, k=x.shape[-1])
+    q, scale = layouts.mxfp4.quantize(x.float().contiguous(), layouts.mxfp4.AITER_TRITON)
+    return layouts.mxfp4.dequantize(q, scale, k=x.shape[-1])
 
 
 class LatentCache:
@@ -174,13 +174,13 @@ class DeepseekV3:
             q, s = fp8_quant(x, group_size=None if self.w.fp8(prefix) else FP8_BLOCK)  # s: [M, groups]
             return self._gemm((q.float().reshape(*s.shape, -1) * s.unsqueeze(-1)).reshape(x.shape), prefix)
         if self.w.mxfp4(prefix) and self.opt.act_quant:
-            q, s = layouts.quantize(x.float(), layouts.AITER_TRITON)
+            q, s = layouts.mxfp4.quantize(x.float(), layouts.mxfp4.AITER_TRITON)
             if self._on_stored(prefix):  # the kernel reads the scale laid out as its path quantizes it
                 from .dense_gemm import lay_out_scale
 
                 flags = self.plan.flags(x.shape[0])
                 return self.dense_gemm(prefix, q, lay_out_scale(s, flags), flags).to(BF16)
-            return self._gemm(layouts.dequantize(q, s, k=x.shape[-1]), prefix)
+            return self._gemm(layouts.mxfp4.dequantize(q, s, k=x.shape[-1]), prefix)
         return self._gemm(x.float(), prefix)
 
     def rms(self, x: torch.Tensor, name: str) -> torch.Tensor:

@@ -299,7 +299,7 @@ def _from_source(root: pathlib.Path, max_memory: int) -> ModelWeights:
         if info.dtype == "U8" and f"{prefix}.weight_scale" in src.tensors:
             def make(name=name, prefix=prefix, rows=None):
                 w = src.read(name, rows)
-                return layouts.dequantize(w, src.read(f"{prefix}.weight_scale", rows), k=2 * w.shape[-1])
+                return layouts.mxfp4.dequantize(w, src.read(f"{prefix}.weight_scale", rows), k=2 * w.shape[-1])
             linears[prefix] = make
             linear_rows[prefix] = lambda r, make=make: make(rows=r)
             shapes[prefix] = (info.shape[0], 2 * info.shape[-1])

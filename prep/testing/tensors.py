@@ -222,7 +222,7 @@ def _materialize(spec: SynthSpec, p: Param) -> dict[str, torch.Tensor]:
     scale = torch.empty((n, ceil_div(k, 32)), dtype=torch.uint8)
     for rows in _row_blocks((n, k)):  # MXFP4 blocks run along rows: a block of rows quantizes alone
         w = (0.02 * torch.randn((rows.stop - rows.start, k), generator=g) * row_scale[rows]).to(torch.bfloat16)
-        packed[rows], scale[rows] = layouts.quantize(w, layouts.QUARK)  # bytes as Quark's exporter writes them
+        packed[rows], scale[rows] = layouts.mxfp4.quantize(w, layouts.mxfp4.QUARK)  # bytes as Quark's exporter writes them
     return {names[0]: packed, names[1]: scale}
 
 

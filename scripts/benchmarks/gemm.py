@@ -107,8 +107,8 @@ def load_weight(ns: layouts.RankTensors, ps: layouts.RankTensors, prefix: str) -
     assert not w_raw.is_shuffled and w16.is_shuffled, prefix
     n, k = w_raw.shape[0], 2 * w_raw.shape[1]
     shapes = (n, k // 2), (n, -(-k // 32))
-    ref = layouts.dequantize_stored(w16, s32, layouts.get_layout("preshuffle"), *shapes).double()
-    raw_ref = layouts.dequantize_stored(w_raw, s_raw, layouts.get_layout("non-shuffle"), *shapes).double()
+    ref = layouts.dequant.dequantize_stored(w16, s32, layouts.get_layout("preshuffle"), *shapes).double()
+    raw_ref = layouts.dequant.dequantize_stored(w_raw, s_raw, layouts.get_layout("non-shuffle"), *shapes).double()
     if not torch.equal(ref, raw_ref):
         raise AssertionError(f"{prefix}: the two conversions hold different numbers")
     del raw_ref
@@ -201,7 +201,7 @@ def check_one(gemm, kernel: str, wt: Weight, m: int, seed: int, dtype=torch.floa
         return Outcome(True, "n/a: " + why)
     flags = flags_for(kernel, m)
     q, s = activation(m, wt.k, flags, seed)
-    a = layouts.dequantize_activation(q, s, *flags).double()
+    a = layouts.dequant.dequantize_activation(q, s, *flags).double()
     try:
         y = call(gemm, kernel, wt, q, x_scales(s, flags), dtype)()
         sync()
@@ -331,7 +331,7 @@ def time_shapes(gemm, weights: list, ms: list[int], t_start: float) -> list:
                     continue
                 flags = flags_for(kernel, m)
                 q, s = activation(m, wt.k, flags, seed=m)
-                a = layouts.dequantize_activation(q, s, *flags)
+                a = layouts.dequant.dequantize_activation(q, s, *flags)
                 if a_bf is None:
                     a_bf = a.to(torch.bfloat16)
                 xs = x_scales(s, flags)

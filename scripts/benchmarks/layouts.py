@@ -34,21 +34,21 @@ def run(args: argparse.Namespace) -> None:
         torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
     big = torch.randint(0, 256, (257 * 512, 224), dtype=torch.uint8, generator=g)
-    bigs = L.preshuffle_scale(big)
+    bigs = L.shuffle.preshuffle_scale(big)
     w = torch.randint(0, 256, (7168, 1024), dtype=torch.uint8, generator=g)
     s = torch.randint(0, 256, (7168, 64), dtype=torch.uint8, generator=g)
-    ws, ss = L.preshuffle_weight(w), L.preshuffle_scale(s)
+    ws, ss = L.shuffle.preshuffle_weight(w), L.shuffle.preshuffle_scale(s)
     pre = L.get_layout("preshuffle")
     cases = {  # case: (bytes read, {candidate: call}); the first candidate of each is its clone
-        "weight 7168x1024": (w.numel(), {"clone": lambda: w.clone(), "preshuffle_weight": lambda: L.preshuffle_weight(w),
-                                         "unshuffle_weight": lambda: L.unshuffle_weight(ws)}),
-        "scale 7168x64": (s.numel(), {"clone": lambda: s.clone(), "preshuffle_scale": lambda: L.preshuffle_scale(s),
-                                      "unshuffle_scale": lambda: L.unshuffle_scale(ss, 7168, 64)}),
+        "weight 7168x1024": (w.numel(), {"clone": lambda: w.clone(), "preshuffle_weight": lambda: L.shuffle.preshuffle_weight(w),
+                                         "unshuffle_weight": lambda: L.shuffle.unshuffle_weight(ws)}),
+        "scale 7168x64": (s.numel(), {"clone": lambda: s.clone(), "preshuffle_scale": lambda: L.shuffle.preshuffle_scale(s),
+                                      "unshuffle_scale": lambda: L.shuffle.unshuffle_scale(ss, 7168, 64)}),
         "weight+scale": (w.numel() + s.numel(), {"clone": lambda: (w.clone(), s.clone()),
                                                  "preshuffle layout": lambda: pre.apply(w, s)}),
         "257-expert scale": (big.numel(), {"clone": lambda: big.clone(),
-                                           "preshuffle_scale": lambda: L.preshuffle_scale(big),
-                                           "unshuffle_scale": lambda: L.unshuffle_scale(bigs, *big.shape)}),
+                                           "preshuffle_scale": lambda: L.shuffle.preshuffle_scale(big),
+                                           "unshuffle_scale": lambda: L.shuffle.unshuffle_scale(bigs, *big.shape)}),
     }
     flat = {(case, name): fn for case, (_, fns) in cases.items() for name, fn in fns.items()}
     runs = alternate(flat, args.repeat, burst=5, warm_each=True)
