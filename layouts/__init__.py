@@ -36,7 +36,7 @@ from .fused_quant import fused_rms_mxfp4_quant, fused_rms_mxfp4_quant_reference
 from .loader import OpenRank, RankTensors, iter_rank_files, load_rank, open_rank
 from .manifest import Manifest, ManifestError, TensorRecord, load_manifest
 from .mla import MlaShape, absorbed_kv_b, absorbed_kv_b_of_rank
-from .registry import Layout, Transform, get_layout, layout_names, register_layout
+from .registry import Layout, get_layout, layout_names, register_layout
 from .selection import ActivationQuantFlags, select_activation_quant
 from .shuffle import (
     LayoutConstraintError,
@@ -50,6 +50,7 @@ from .shuffle import (
     unshuffle_weight,
     unshuffle_weight_16bit,
 )
+from .transforms import Transform
 
 __version__ = "0.1.0"
 

@@ -18,8 +18,9 @@ from collections import OrderedDict
 import torch
 
 from .mxfp4 import BLOCK_SIZE, dequantize
-from .registry import Layout, ScaleShuffle, Transform
+from .registry import Layout
 from .sizes import ceil_div
+from .transforms import ScaleShuffle, Transform
 
 Shape = tuple[int, ...]
 
