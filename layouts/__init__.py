@@ -10,11 +10,12 @@ layout each of its paths reads and what it refuses: its profile in ``layouts/eng
 # engine's configuration, load it, and plan (and run) its fused activation quant; the layouts and
 # engine profiles those steps name. The toolkit behind them is in public submodules, each with its
 # own ``__all__``: ``layouts.mxfp4`` (MXFP4 numerics and quant recipes), ``layouts.shuffle`` (the
-# byte shuffles and their inverses), ``layouts.registry`` (layouts and their transforms),
-# ``layouts.dequant`` (stored bytes back to values), ``layouts.manifest`` (the schema),
-# ``layouts.families`` (model families), ``layouts.engines`` (profiles and their shared checks),
-# ``layouts.fused_quant`` / ``layouts.fused_fp8_quant`` (the kernels' back ends and references).
-from . import activation, dequant, engines, families, manifest, mla, mxfp4, registry, shuffle
+# byte shuffles and their inverses), ``layouts.registry`` (the layouts), ``layouts.transforms``
+# (their weight and scale transforms), ``layouts.dequant`` (stored bytes back to values),
+# ``layouts.manifest`` (the schema), ``layouts.families`` (model families), ``layouts.engines``
+# (profiles and their shared checks), ``layouts.fused_quant`` / ``layouts.fused_fp8_quant`` (the
+# kernels' back ends and references).
+from . import activation, dequant, engines, families, manifest, mla, mxfp4, registry, shuffle, transforms
 from .activation import ActivationQuantPlan
 from .engines import (CompatibilityError, EngineConfig, EngineProfile, check_compatibility, engine_names, get_engine,
                       register_engine)

@@ -18,8 +18,9 @@ from collections import OrderedDict
 import torch
 
 from .mxfp4 import BLOCK_SIZE, dequantize
-from .registry import Layout, ScaleShuffle, Transform
+from .registry import Layout
 from .sizes import ceil_div
+from .transforms import ScaleShuffle, Shape, Transform
 
 __all__ = [
     "FP8_BLOCK", "fp8_block_scales", "POSITIONS_CACHE_BYTES", "stored_positions",
@@ -27,8 +28,6 @@ __all__ = [
     "BAND_BYTES", "read_logical", "dequantize_stored", "dequantize_stored_rows",
     "dequantize_activation", "stored_expert", "dequantize_expert",
 ]
-
-Shape = tuple[int, ...]
 
 FP8_BLOCK = 128  # DeepSeek's FP8 release: one F32 scale per 128x128 block of a weight
 

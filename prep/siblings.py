@@ -98,7 +98,7 @@ class SharedReads:
         return out
 
 
-def _fills_rows(transform: layouts.registry.Transform, placements: list, shape: tuple[int, ...]) -> bool:
+def _fills_rows(transform: layouts.transforms.Transform, placements: list, shape: tuple[int, ...]) -> bool:
     """Whether ``placements`` (one expert's, of one output of ``shape``) fill that output whole,
     each a band of whole rows whose bounds are multiples of ``transform.row_block``: then each
     band transforms on its own, straight from its source window (``Transform.row_block``). Not

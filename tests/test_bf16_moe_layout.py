@@ -16,7 +16,8 @@ from layouts import CompatibilityError, EngineConfig, check_compatibility
 from test_engine_profiles import ToyProfile
 from layouts.manifest import Manifest
 from layouts.manifest import LayoutRecord
-from layouts.registry import BF16_MOE, Identity, recorded_layout
+from layouts.registry import BF16_MOE, recorded_layout
+from layouts.transforms import Identity
 from layouts.engines import get_engine
 
 ATOM = get_engine("atom")  # the engine whose profile these tests use

@@ -20,7 +20,7 @@ def sample(layout, shape):
     for ``layout``: BF16 experts (the same bits as 16-bit values, [.., N, K/4]) and FP8 weights
     (one byte each, [.., N, K/2]) have no scale of the layout's."""
     w = rand_u8(*shape, seed=sum(shape))
-    if isinstance(layout.weight, L.registry.PadRowsOnes):  # a per-channel scale [N, 1]
+    if isinstance(layout.weight, L.transforms.PadRowsOnes):  # a per-channel scale [N, 1]
         return torch.rand(shape[-2], 1, generator=torch.Generator().manual_seed(1)), None
     if not layout.has_scale:
         return w.view(torch.float8_e4m3fn if layout.kind == L.registry.FP8 else torch.bfloat16), None

@@ -346,7 +346,7 @@ def test_a_transform_that_is_not_a_permutation_gets_no_position_map():
     import dataclasses
 
     from layouts.dequant import stored_positions
-    from layouts.registry import Transform
+    from layouts.transforms import Transform
 
     @dataclasses.dataclass(frozen=True)
     class Duplicating(Transform):  # copies element 0 over element 1: loses a byte

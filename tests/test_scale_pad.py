@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 import layouts
 from layouts import CompatibilityError, EngineConfig, check_compatibility, load_manifest
-from layouts import registry
+from layouts import registry, transforms
 from layouts.engines import get_engine
 from prep.convert import convert
 from prep.deepseek import target_for
@@ -33,7 +33,7 @@ ATOM = get_engine("atom")  # the engine whose profile these tests use
 
 DOWN = "model.layers.0.mlp.down_proj"  # r1-0528's first, dense layer: K = intermediate_size
 V1_PRESHUFFLE = dataclasses.replace(registry.PRESHUFFLE, version=1,
-                                    scale=registry.ScaleShuffle(pad_value=registry.LEGACY_S32X8_PAD))
+                                    scale=transforms.ScaleShuffle(pad_value=registry.LEGACY_S32X8_PAD))
 
 
 @pytest.fixture(scope="module")

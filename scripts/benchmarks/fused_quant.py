@@ -310,7 +310,7 @@ def e2m1_exhaustive(old_mod) -> None:
     import triton
     import triton.language as tl
 
-    from layouts import _triton_fused_quant as new_mod
+    from layouts import _triton_fused_quant_tiles as new_mod
 
     g = globals()
     g["_new_pair"], g["_old_code"] = new_mod._e2m1_pair, old_mod._e2m1_code

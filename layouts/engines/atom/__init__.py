@@ -357,5 +357,5 @@ PROFILE = AtomProfile()
 from .adapter import (AtomInstallReport, atom_mtp_param_name, install_converted_weights,  # noqa: E402
                       install_draft_weights)
 
-__all__ = ["PROFILE", "AtomProfile", "AtomInstallReport", "atom_mtp_param_name", "install_converted_weights",
+__all__ = ["PROFILE", "TRITON_NON_SHUFFLE", "TRITON_PRESHUFFLE", "AtomProfile", "AtomInstallReport", "atom_mtp_param_name", "install_converted_weights",
            "install_draft_weights"]

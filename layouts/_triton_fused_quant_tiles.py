@@ -1,0 +1,261 @@
+"""The device functions of our fused RMSNorm + MXFP4 quant kernel (:mod:`layouts._triton_fused_quant`):
+its numerics and its tiles, each a ``@triton.jit`` function the kernel calls.
+
+* element pairs: bf16 pairs as one int32 (:func:`_unpack`), loaded and stored as pairs;
+* the MXFP4 numerics: the E2M1 byte of a pair (:func:`_e2m1_pair`), the EVEN scale of a block and
+  the byte offset of a scale in the row-major or S32x8 buffer (:func:`_scale_offsets`);
+* a tile of ``T`` 32-element blocks of ``BLOCK_M`` rows: its loads issued (:func:`_tile_fetch`),
+  its sum of squares (:func:`_tile_sum`), its RMSNorm weights (:func:`_tile_weight`), normalised,
+  quantized and stored (:func:`_tile_quant`); a whole row's sum as one flat tile
+  (:func:`_row_sumsq`); the second RMSNorm's rows (:func:`_x2_fetch`, :func:`_x2_norm`).
+
+The kernel module imports them by name: a jitted function calls only what is a global of its
+own module.
+
+The E2M1 encoding (:func:`_e2m1_offset`) is min/max, one round-toward-zero FMA (inline PTX on a
+GPU, emulated exactly in the interpreter) and shifts: all 2^32 float32 inputs give the bytes of
+the earlier compare-based encoding (scripts/bench.py fused-quant --e2m1-exhaustive).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+E8M0_PAD = tl.constexpr(0x7F)  # layouts.mxfp4.E8M0_ONE (jitted code may only read constexpr globals)
+
+
+@triton.jit
+def _unpack(v):
+    """(even, odd) float32 of an int32 holding two bf16 (little-endian: low half = even). A bf16
+    is the top half of a float32, so widening is a shift or a mask."""
+    return (v << 16).to(tl.float32, bitcast=True), (v & -65536).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _load_pairs(row_ptr, pair, mask, PAIRED: tl.constexpr):
+    """(even, odd) float32 elements of element pairs ``pair`` of the rows at ``row_ptr``."""
+    if PAIRED:  # row_ptr is an int32 view of bf16 data: one load per pair
+        even, odd = _unpack(tl.load(row_ptr + pair, mask=mask, other=0))
+    else:
+        even = tl.load(row_ptr + 2 * pair, mask=mask, other=0.0).to(tl.float32)
+        odd = tl.load(row_ptr + 2 * pair + 1, mask=mask, other=0.0).to(tl.float32)
+    return even, odd
+
+
+@triton.jit
+def _store_pairs(row_ptr, pair, mask, even, odd, PAIRED: tl.constexpr):
+    if PAIRED:  # an int32 view of a bf16 output
+        lo = even.to(tl.bfloat16).to(tl.uint16, bitcast=True).to(tl.int32)
+        hi = odd.to(tl.bfloat16).to(tl.uint16, bitcast=True).to(tl.int32)
+        tl.store(row_ptr + pair, lo | (hi << 16), mask=mask)
+    else:
+        ty = row_ptr.dtype.element_ty
+        tl.store(row_ptr + 2 * pair, even.to(ty), mask=mask)
+        tl.store(row_ptr + 2 * pair + 1, odd.to(ty), mask=mask)
+
+
+@triton.jit
+def _rz_half_plus_half(a, RZ_ASM: tl.constexpr):
+    """``0.5 + 0.5 * a`` rounded toward zero, for ``0 <= a <= 6``."""
+    if RZ_ASM:  # one FMA on the FP32 pipe
+        bits = tl.inline_asm_elementwise("fma.rz.f32 $0, $1, 0f3F000000, 0f3F000000;", "=r,r",
+                                         [a.to(tl.int32, bitcast=True)], dtype=tl.int32, is_pure=True, pack=1)
+        return bits.to(tl.float32, bitcast=True)
+    # The interpreter has no rounding modes: round to nearest, then step back one ulp where that
+    # rounded up. 0.5 * a is exact; where the sum is below 1, f - 0.5 is exact (Sterbenz); where
+    # it is not, a >= 1 and the caller takes a, not f (both f's are <= a).
+    h = a * 0.5
+    f = h + 0.5
+    return tl.where(f - 0.5 > h, (f.to(tl.int32, bitcast=True) - 1).to(tl.float32, bitcast=True), f)
+
+
+@triton.jit
+def _e2m1_offset(v, RZ_ASM: tl.constexpr):
+    """``t`` with ``t >> 22`` = the E2M1 magnitude code (0..7) of float32 ``v``: nearest, ties away
+    from zero, saturating at 6 (inf and NaN too: ``minimum`` returns the number).
+
+    E2M1 is 0, 0.5, 1 (step 0.5), then one mantissa bit per octave up to 6. Every rounding
+    threshold (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5) is a multiple of 2^21 in float32 bit space.
+    For ``a = |v| >= 1`` the code counts half-octaves: ``((bits(a) + 2^21) >> 22) - 252``. For
+    ``a < 1``, ``b = 0.5 + a / 2`` (rounded toward zero, so no value crosses a threshold) lies in
+    [0.5, 1) with the step-0.5 grid of ``a`` mapped onto the half-octaves of that octave, and the
+    same formula gives 0, 1, 2. ``max(a, b)`` picks the right one (b > a exactly when a < 1), so
+    the code is ``(bits(max(a, b)) - (252 << 22) + 2^21) >> 22``: two min/max, one FMA, one add
+    and a shift, against ~14 integer and select operations of the compare-based encoding."""
+    a = tl.minimum(tl.abs(v), 6.0)
+    b = tl.maximum(a, _rz_half_plus_half(a, RZ_ASM))
+    return b.to(tl.uint32, bitcast=True) - 0x3EE00000
+
+
+@triton.jit
+def _e2m1_pair(ve, vo, RZ_ASM: tl.constexpr):
+    """The FP4 byte (uint32, 0..255) of the pair (``ve`` low nibble, ``vo`` high nibble), signs
+    kept (a negative that rounds to zero gives code 8). Each nibble's magnitude and sign come
+    straight from shifted bits; what else the shifts bring along is masked off."""
+    se = ve.to(tl.uint32, bitcast=True) >> 28  # sign at bit 3
+    so = vo.to(tl.uint32, bitcast=True) >> 24  # sign at bit 7
+    return ((_e2m1_offset(ve, RZ_ASM) >> 22) | (se & 8) | ((_e2m1_offset(vo, RZ_ASM) >> 18) & 0x70)
+            | (so & 0x80))
+
+
+@triton.jit
+def _scale_offsets(rows, cols, SCALE_COLS_PAD: tl.constexpr, SHUFFLE: tl.constexpr):
+    """Byte offset of scale (row, col) in the output buffer: row-major or S32x8."""
+    r = rows[:, None]
+    c = cols[None, :]
+    if SHUFFLE:
+        # r = 32s + 16a + l, c = 8g + 4d + e  ->  s*32*Cp + g*256 + e*64 + l*4 + d*2 + a
+        off = ((r >> 5) * (32 * SCALE_COLS_PAD) + (c >> 3) * 256 + (c & 3) * 64
+               + (r & 15) * 4 + ((c >> 2) & 1) * 2 + ((r >> 4) & 1))
+    else:
+        off = r * SCALE_COLS_PAD + c
+    return off
+
+
+@triton.jit
+def _pairs(B0, T: tl.constexpr, N1: tl.constexpr, SCALE_COLS: tl.constexpr):
+    """Pair indices [1, T, 4, 4] of blocks [B0, B0+T) and which of them exist ([1, T, 1, 1] or
+    [1, T, 4, 4]). A block's 16 pairs are 4 runs of 4 (16 bytes of int32 pairs): with a
+    [.., 16] axis Triton converts register layouts through shared memory between the 16-byte
+    loads and the stores; split like this, every access is one 16-byte vector per thread."""
+    blk = B0 + tl.arange(0, T)
+    quad = tl.arange(0, 4)
+    pair = blk[None, :, None, None] * 16 + quad[None, None, :, None] * 4 + quad[None, None, None, :]
+    if N1 % 32 == 0:
+        col_ok = (blk < SCALE_COLS)[None, :, None, None]  # whole blocks: loads stay vectorised
+    else:
+        col_ok = pair < N1 // 2
+    return blk, pair, col_ok
+
+
+@triton.jit
+def _tile_fetch(x_rows, r_rows, row_ok, B0, T: tl.constexpr, N1: tl.constexpr,
+                SCALE_COLS: tl.constexpr, HAS_RES: tl.constexpr, X_PAIRED: tl.constexpr,
+                R_PAIRED: tl.constexpr):
+    """Issue the loads of blocks [B0, B0+T) of the program's rows, nothing else: every tile's
+    loads go out before any of them is waited on (one memory latency per program, not one per
+    tile). Paired bf16 stays packed: (v, v); else (even, odd) float32. Same for res1."""
+    blk, pair, col_ok = _pairs(B0, T, N1, SCALE_COLS)
+    mask = row_ok[:, None, None, None] & col_ok
+    if X_PAIRED:
+        xa = tl.load(x_rows + pair, mask=mask, other=0)
+        xb = xa
+    else:
+        xa, xb = _load_pairs(x_rows, pair, mask, False)
+    ra, rb = xa, xb
+    if HAS_RES:
+        if R_PAIRED:
+            ra = tl.load(r_rows + pair, mask=mask, other=0)
+            rb = ra
+        else:
+            ra, rb = _load_pairs(r_rows, pair, mask, False)
+    return xa, xb, ra, rb
+
+
+@triton.jit
+def _tile_sum(xa, xb, ra, rb, o_rows, row_ok, B0, T: tl.constexpr, N1: tl.constexpr,
+              SCALE_COLS: tl.constexpr, HAS_RES: tl.constexpr, X_PAIRED: tl.constexpr,
+              R_PAIRED: tl.constexpr, STORE: tl.constexpr):
+    """(a, b, sum of squares per row) of a fetched tile; stores out_res1 = x1 + res1 on the way.
+    Without a residual, bf16 rows stay packed (a = b = the int32 pairs: half the registers while
+    the row waits for its norm); else a, b are the float32 (even, odd) elements (the float32 sum
+    x1 + res1 is what gets normalised)."""
+    if X_PAIRED:
+        xe, xo = _unpack(xa)
+    else:
+        xe, xo = xa, xb
+    a, b = xa, xb
+    if HAS_RES:
+        if R_PAIRED:
+            re, ro = _unpack(ra)
+        else:
+            re, ro = ra, rb
+        xe = xe + re
+        xo = xo + ro
+        if STORE:
+            blk, pair, col_ok = _pairs(B0, T, N1, SCALE_COLS)
+            _store_pairs(o_rows, pair, row_ok[:, None, None, None] & col_ok, xe, xo, X_PAIRED)
+        a, b = xe, xo
+    ss = tl.sum(tl.sum(tl.sum(xe * xe + xo * xo, axis=3), axis=2), axis=1)
+    return a, b, ss
+
+
+@triton.jit
+def _tile_weight(w1_ptr, B0, T: tl.constexpr, N1: tl.constexpr, SCALE_COLS: tl.constexpr, W_PAIRED: tl.constexpr):
+    """(even, odd) float32 RMSNorm weights of blocks [B0, B0+T) (L2-resident: shared by every row)."""
+    blk, pair, col_ok = _pairs(B0, T, N1, SCALE_COLS)
+    return _load_pairs(w1_ptr, pair, col_ok, W_PAIRED)
+
+
+@triton.jit
+def _tile_quant(a, b, rstd, we, wo, rows, row_ok, q_rows, scale_ptr, B0, T: tl.constexpr,
+                N1: tl.constexpr, SCALE_COLS: tl.constexpr, SCALE_COLS_PAD: tl.constexpr,
+                SHUFFLE: tl.constexpr, PAD: tl.constexpr, RAW: tl.constexpr, RZ_ASM: tl.constexpr):
+    """Normalise, quantize and store blocks [B0, B0+T): FP4 codes and their scale bytes."""
+    blk, pair, col_ok = _pairs(B0, T, N1, SCALE_COLS)
+    if RAW:
+        xe, xo = _unpack(a)
+    else:
+        xe, xo = a, b
+    r4 = rstd[:, None, None, None]
+    ye = xe * r4 * we  # (x * rstd) * w, rounded twice, as aiter and the reference do
+    yo = xo * r4 * wo
+
+    # EVEN scale: round amax to a power of two (+0x200000, keep the exponent); the unbiased
+    # scale exponent is that exponent - 2, clamped to [-127, 127]. A zero or denormal amax
+    # gives -127 (byte 0), inf/NaN 127, as aiter's log2 does.
+    amax = tl.max(tl.max(tl.maximum(tl.abs(ye), tl.abs(yo)), axis=3), axis=2)
+    rb = ((amax.to(tl.uint32, bitcast=True) + 0x200000) >> 23).to(tl.int32) & 0xFF
+    e = tl.where(rb == 255, 127, tl.minimum(tl.maximum(rb - 129, -127), 127))
+    # 2^-e exactly; its biased exponent 127 - e is 0 only for e = 127 (2^-127 is denormal).
+    ib = 127 - e
+    inv = tl.where(ib == 0, 0x00400000, ib << 23).to(tl.float32, bitcast=True)[:, :, None, None]
+    q = _e2m1_pair(ye * inv, yo * inv, RZ_ASM).to(tl.uint8)
+    tl.store(q_rows + pair, q, mask=row_ok[:, None, None, None] & col_ok)
+
+    sc = e + 127
+    if PAD:
+        sc = tl.where(row_ok[:, None] & (blk < SCALE_COLS)[None, :], sc, E8M0_PAD)
+        smask = (blk < SCALE_COLS_PAD)[None, :]  # every row of a main program is < pad256(M)
+    else:
+        smask = row_ok[:, None] & (blk < SCALE_COLS)[None, :]
+    tl.store(scale_ptr + _scale_offsets(rows, blk, SCALE_COLS_PAD, SHUFFLE), sc.to(tl.uint8), mask=smask)
+
+
+@triton.jit
+def _row_sumsq(x1_ptr, res1_ptr, rows64, row_ok, x1_stride, res1_stride, N1: tl.constexpr,
+               NPAIR: tl.constexpr, HAS_RES: tl.constexpr, X_PAIRED: tl.constexpr, R_PAIRED: tl.constexpr):
+    """Sum of squares of whole rows (x1 + res1 in float32), read as one flat ``[BLOCK_M, NPAIR]``
+    tile of element pairs: one reduction (one cross-warp step) instead of one per tile. The split
+    programs use it: at decode sizes the kernel's time is the chain load -> sum -> rstd -> quant."""
+    pair = tl.arange(0, NPAIR)[None, :]
+    mask = row_ok[:, None] & (pair < N1 // 2)
+    xe, xo = _load_pairs(x1_ptr + (rows64 * x1_stride)[:, None], pair, mask, X_PAIRED)
+    if HAS_RES:
+        re, ro = _load_pairs(res1_ptr + (rows64 * res1_stride)[:, None], pair, mask, R_PAIRED)
+        xe = xe + re
+        xo = xo + ro
+    return tl.sum(xe * xe + xo * xo, axis=1)
+
+
+@triton.jit
+def _x2_fetch(x2_ptr, rows, row_ok, x2_stride, N2: tl.constexpr, BLOCK_N2: tl.constexpr):
+    """Issue the loads of x2 rows ``rows`` (as stored: the norm widens them later), and the mask."""
+    cols = tl.arange(0, BLOCK_N2)
+    m2 = row_ok[:, None] & (cols < N2)[None, :]
+    x = tl.load(x2_ptr + (rows.to(tl.int64) * x2_stride)[:, None] + cols[None, :], mask=m2, other=0.0)
+    return x, m2
+
+
+@triton.jit
+def _x2_norm(x, m2, rows, w2_ptr, out2_ptr, eps2, N2: tl.constexpr, BLOCK_N2: tl.constexpr):
+    """RMSNorm of fetched x2 rows into out2 (x1's dtype, as aiter allocates it)."""
+    cols = tl.arange(0, BLOCK_N2)
+    x = x.to(tl.float32)
+    w = tl.load(w2_ptr + cols, mask=cols < N2, other=0.0).to(tl.float32)
+    ss = tl.sum(x * x, axis=1)
+    ms = tl.math.div_rn(ss, tl.full(ss.shape, N2, tl.float32))
+    rstd = tl.math.div_rn(tl.full(ss.shape, 1.0, tl.float32), tl.math.sqrt_rn(ms + eps2))
+    y = x * rstd[:, None] * w[None, :]
+    tl.store(out2_ptr + (rows.to(tl.int64) * N2)[:, None] + cols[None, :], y.to(out2_ptr.dtype.element_ty), mask=m2)
