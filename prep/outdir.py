@@ -28,72 +28,24 @@ finishes or undoes exactly what was interrupted.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import fcntl
 import json
 import os
 import pathlib
 import shutil
-import signal
 from typing import Any, Iterator
 
 from layouts.manifest import COMPLETE_NAME, MANIFEST_NAME
-from layouts.safe_files import MAX_JSON_BYTES, FileTooLargeError, open_regular, read_regular
+from layouts.safe_files import MAX_JSON_BYTES, FileTooLargeError, read_regular
 
 from .errors import PrepError
+# the file operations a write is made of (each whole or not at all), and the fault suite's kill points
+from .fileops import free_bytes, fsync_dir, kill_point, renamer, write_json
 # which files of a folder are prep's (what --force may replace): prep.ownership
 from .ownership import PROBE_PREFIX, REVERT_MARKER, foreign_entry, output_id, prep_files_in, side_files
 
 WORK_SUFFIX = ".prep"
-
-
-def copy_regular(src: pathlib.Path, dst: pathlib.Path, limit: int | None = None) -> int:
-    """Copy regular file ``src`` to ``dst`` a MiB at a time (never whole in memory), through the
-    descriptor that was checked to be a regular file (a FIFO would block forever); its size.
-    ``limit``: copy at most that many bytes and one more (enough for the caller to see it grew)."""
-    with os.fdopen(open_regular(src), "rb") as fin, open(dst, "wb") as fout:
-        if limit is None:
-            shutil.copyfileobj(fin, fout, 1 << 20)
-        else:
-            left = limit + 1
-            while left > 0 and (block := fin.read(min(left, 1 << 20))):
-                fout.write(block)
-                left -= len(block)
-        return fout.tell()
-
-
-def kill_point(name: str) -> None:
-    """Test hook: ``PREP_TEST_KILL_AT=<name>`` makes this process kill -9 itself here (and
-    ``PREP_TEST_INTERRUPT_AT=<name>`` raises KeyboardInterrupt), so the fault suite can stop a
-    real run at every step of a write (tests/test_output_safety.py)."""
-    if os.environ.get("PREP_TEST_KILL_AT") == name:
-        os.kill(os.getpid(), signal.SIGKILL)
-    if os.environ.get("PREP_TEST_INTERRUPT_AT") == name:  # what Ctrl-C does there
-        raise KeyboardInterrupt
-
-
-def write_json(path: pathlib.Path, obj: Any) -> None:
-    """Write ``obj`` as JSON under a temporary name, fsync, and rename: never half a file."""
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with open(tmp, "w") as f:
-            json.dump(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise OSError(e.errno, e.strerror, str(path)) from None  # named: a full disk says which file
-
-
-def fsync_dir(path: pathlib.Path) -> None:
-    """Make a rename in ``path`` durable (not only atomic)."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _resolve(path: str | pathlib.Path) -> pathlib.Path:
@@ -103,40 +55,6 @@ def _resolve(path: str | pathlib.Path) -> pathlib.Path:
 def _inside(a: pathlib.Path, b: pathlib.Path) -> bool:
     """Whether ``a`` is ``b`` or lies inside it (both resolved)."""
     return a == b or b in a.parents
-
-
-def free_bytes(path: pathlib.Path) -> int:
-    """Bytes an unprivileged writer may still put on ``path``'s filesystem."""
-    st = os.statvfs(path)
-    return st.f_bavail * st.f_frsize
-
-
-class _Renamer:
-    """``renameat2(RENAME_EXCHANGE)`` through libc where it exists (Linux >= 3.15, glibc >= 2.28)."""
-
-    RENAME_EXCHANGE = 2
-    AT_FDCWD = -100
-
-    def __init__(self) -> None:
-        try:
-            self._fn = ctypes.CDLL(None, use_errno=True).renameat2
-        except (OSError, AttributeError):
-            self._fn = None
-
-    def exchange(self, a: pathlib.Path, b: pathlib.Path) -> bool:
-        """Swap ``a`` and ``b`` atomically; False where the system or filesystem cannot."""
-        if self._fn is None:
-            return False
-        rc = self._fn(self.AT_FDCWD, os.fsencode(a), self.AT_FDCWD, os.fsencode(b), self.RENAME_EXCHANGE)
-        if rc == 0:
-            return True
-        err = ctypes.get_errno()
-        if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
-            return False
-        raise OSError(err, os.strerror(err), str(a))
-
-
-_renamer = _Renamer()
 
 
 class OutputFolder:
@@ -482,7 +400,7 @@ class OutputFolder:
         if p.is_dir() and not any(os.scandir(p)):
             p.rmdir()  # an empty folder: replaced by a plain rename
         if p.exists():
-            if os.environ.get("PREP_TEST_NO_EXCHANGE") or not _renamer.exchange(self.staging, p):
+            if os.environ.get("PREP_TEST_NO_EXCHANGE") or not renamer.exchange(self.staging, p):
                 # No atomic exchange here: the previous OUT moves aside first. A kill between the
                 # two renames leaves state "swapping", which the next run's recover() completes.
                 os.rename(p, self.old)
