@@ -34,7 +34,8 @@ from .file_plan import FileJob, plan_files
 from .directio import ALIGN, STAGING_BYTES, STAGING_SPARE
 from .groups import Alloc
 from .identity import changed_files, file_identity
-from .outdir import OutputFolder, copy_regular, kill_point, write_json
+from .fileops import copy_regular, kill_point, write_json
+from .outdir import OutputFolder
 from .ownership import sealed_run
 from .source import ShardFile, SourceCheckpoint
 from .safetensors_writer import StreamingSafetensorsWriter, nbytes

@@ -23,123 +23,36 @@ allows it (two renames elsewhere), then deletes the previous OUT and the work fo
 any instant leaves either the previous or the new complete OUT at its path (with two renames:
 recovered by the next run), and ``state.json`` says which phase was reached, so the next run
 finishes or undoes exactly what was interrupted.
+
+The checks on OUT itself are in :mod:`prep.out_check` (:class:`OutputFolder` extends its
+``OutputPath``), which files of a folder are prep's in :mod:`prep.ownership`, and the file
+operations a write is made of in :mod:`prep.fileops`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import fcntl
 import json
 import os
 import pathlib
 import shutil
-import signal
 from typing import Any, Iterator
 
 from layouts.manifest import COMPLETE_NAME, MANIFEST_NAME
-from layouts.safe_files import MAX_JSON_BYTES, FileTooLargeError, open_regular, read_regular
+from layouts.safe_files import MAX_JSON_BYTES, FileTooLargeError, read_regular
 
 from .errors import PrepError
+# the file operations a write is made of (each whole or not at all), and the fault suite's kill points
+from .fileops import free_bytes, fsync_dir, kill_point, renamer, write_json
+# whether prep may write OUT at all (not the input, only prep's files replaced): prep.out_check
+from .out_check import OutputPath
 # which files of a folder are prep's (what --force may replace): prep.ownership
-from .ownership import PROBE_PREFIX, REVERT_MARKER, foreign_entry, output_id, prep_files_in, side_files
-
-WORK_SUFFIX = ".prep"
+from .ownership import PROBE_PREFIX, REVERT_MARKER, output_id, prep_files_in
 
 
-def copy_regular(src: pathlib.Path, dst: pathlib.Path, limit: int | None = None) -> int:
-    """Copy regular file ``src`` to ``dst`` a MiB at a time (never whole in memory), through the
-    descriptor that was checked to be a regular file (a FIFO would block forever); its size.
-    ``limit``: copy at most that many bytes and one more (enough for the caller to see it grew)."""
-    with os.fdopen(open_regular(src), "rb") as fin, open(dst, "wb") as fout:
-        if limit is None:
-            shutil.copyfileobj(fin, fout, 1 << 20)
-        else:
-            left = limit + 1
-            while left > 0 and (block := fin.read(min(left, 1 << 20))):
-                fout.write(block)
-                left -= len(block)
-        return fout.tell()
-
-
-def kill_point(name: str) -> None:
-    """Test hook: ``PREP_TEST_KILL_AT=<name>`` makes this process kill -9 itself here (and
-    ``PREP_TEST_INTERRUPT_AT=<name>`` raises KeyboardInterrupt), so the fault suite can stop a
-    real run at every step of a write (tests/test_output_safety.py)."""
-    if os.environ.get("PREP_TEST_KILL_AT") == name:
-        os.kill(os.getpid(), signal.SIGKILL)
-    if os.environ.get("PREP_TEST_INTERRUPT_AT") == name:  # what Ctrl-C does there
-        raise KeyboardInterrupt
-
-
-def write_json(path: pathlib.Path, obj: Any) -> None:
-    """Write ``obj`` as JSON under a temporary name, fsync, and rename: never half a file."""
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with open(tmp, "w") as f:
-            json.dump(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise OSError(e.errno, e.strerror, str(path)) from None  # named: a full disk says which file
-
-
-def fsync_dir(path: pathlib.Path) -> None:
-    """Make a rename in ``path`` durable (not only atomic)."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _resolve(path: str | pathlib.Path) -> pathlib.Path:
-    return pathlib.Path(os.path.realpath(os.path.expanduser(str(path))))
-
-
-def _inside(a: pathlib.Path, b: pathlib.Path) -> bool:
-    """Whether ``a`` is ``b`` or lies inside it (both resolved)."""
-    return a == b or b in a.parents
-
-
-def free_bytes(path: pathlib.Path) -> int:
-    """Bytes an unprivileged writer may still put on ``path``'s filesystem."""
-    st = os.statvfs(path)
-    return st.f_bavail * st.f_frsize
-
-
-class _Renamer:
-    """``renameat2(RENAME_EXCHANGE)`` through libc where it exists (Linux >= 3.15, glibc >= 2.28)."""
-
-    RENAME_EXCHANGE = 2
-    AT_FDCWD = -100
-
-    def __init__(self) -> None:
-        try:
-            self._fn = ctypes.CDLL(None, use_errno=True).renameat2
-        except (OSError, AttributeError):
-            self._fn = None
-
-    def exchange(self, a: pathlib.Path, b: pathlib.Path) -> bool:
-        """Swap ``a`` and ``b`` atomically; False where the system or filesystem cannot."""
-        if self._fn is None:
-            return False
-        rc = self._fn(self.AT_FDCWD, os.fsencode(a), self.AT_FDCWD, os.fsencode(b), self.RENAME_EXCHANGE)
-        if rc == 0:
-            return True
-        err = ctypes.get_errno()
-        if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
-            return False
-        raise OSError(err, os.strerror(err), str(a))
-
-
-_renamer = _Renamer()
-
-
-class OutputFolder:
+class OutputFolder(OutputPath):
     """OUT of one ``prep convert`` / ``prep revert`` run: checked, locked, staged, swapped in.
 
     Use :meth:`check` before reading or planning anything expensive, then ``with
@@ -148,14 +61,7 @@ class OutputFolder:
     that a resume cannot use (a full disk, bad input found late)."""
 
     def __init__(self, out: str | pathlib.Path, *, inputs: list[pathlib.Path], force: bool, flag: str = "-o"):
-        self.given = str(out)
-        self.path = _resolve(out)
-        if self.path == self.path.parent:
-            raise PrepError(f"{flag} {out}: the filesystem root cannot be an output folder; choose a folder below it")
-        self.inputs = [_resolve(p) for p in inputs]
-        self.force = force
-        self.flag = flag
-        self.work = self.path.with_name(f".{self.path.name}{WORK_SUFFIX}")
+        super().__init__(out, inputs=inputs, force=force, flag=flag)
         self.staging = self.work / "staging"
         self.records = self.work / "records"
         self.old = self.work / "old"
@@ -164,65 +70,6 @@ class OutputFolder:
         self.notes: list[str] = []  # for the user, from the swap (see _give_back)
 
     # ------------------------------------------------------------------ checks
-    def check(self, resuming: bool = False) -> None:
-        """Refuse, before anything is written, an OUT that would overwrite or delete what prep
-        did not write. Checked again under the lock, just before the swap. ``resuming``: a
-        previous output of prep is let through without --force (a ``--resume`` may find it to be
-        its own run's, finished; the caller checks again under the lock)."""
-        for src in self.inputs:
-            if self.path == src:
-                raise PrepError(f"{self.flag} {self.given}: is the input {src} itself; choose another output folder")
-            if _inside(src, self.path):
-                raise PrepError(f"{self.flag} {self.given}: contains the input {src}; choose an output folder "
-                                "outside it")
-            if _inside(self.path, src):
-                raise PrepError(f"{self.flag} {self.given}: lies inside the input {src}; choose an output folder "
-                                "outside it")
-            if _inside(src, self.work):
-                raise PrepError(f"{self.flag} {self.given}: its work folder {self.work} holds the input {src}; "
-                                "choose another output folder")
-        self.check_replaceable(resuming)
-
-    def check_replaceable(self, resuming: bool = False) -> None:
-        p = self.path
-        if p.is_symlink() or (p.exists() and not p.is_dir()):
-            raise PrepError(f"{self.flag} {self.given}: exists and is not a folder; choose another output folder")
-        if os.path.ismount(p):  # the new OUT is staged beside it and renamed over it: a mount point cannot be
-            raise PrepError(f"{self.flag} {self.given}: is a mount point; prep builds the output beside OUT and swaps "
-                            f"it in, which a mount point cannot take: write into a folder on it, e.g. "
-                            f"{self.flag} {os.path.join(str(self.given), 'OUT')}")
-        if not p.exists() or not any(os.scandir(p)):
-            return
-        own = prep_files_in(p)
-        if resuming and own is not None:
-            return
-        if not self.force:
-            what = "a previous output of prep" if own is not None else "not empty"
-            raise PrepError(f"{self.flag} {self.given}: exists and is {what}; choose another output folder"
-                            + (" or pass --force to replace it" if own is not None else ""))
-        foreign = foreign_entry(p)
-        if foreign is not None:
-            why = ("prep did not write it" if own is not None else
-                   "the folder is not an output of prep (no prep-manifest.json or prep-revert.json)")
-            if own is not None and foreign in side_files():
-                why = "prep did not write it, or it was edited since prep wrote it (its bytes are not the ones prep wrote)"
-            raise PrepError(f"{self.flag} {self.given}: --force replaces only a folder prep wrote, but it holds "
-                            f"{foreign!r} and {why}; move it away or choose another output folder")
-        self._check_deletable(p)
-
-    def _check_deletable(self, p: pathlib.Path) -> None:
-        """--force deletes the previous output's files once the new one is in place: refuse now,
-        not after converting, a folder where that cannot happen (no write permission, immutable,
-        read-only filesystem). A probe file is made and removed: the folder holds only prep's files."""
-        probe = p / f"{PROBE_PREFIX}{os.getpid()}"
-        try:
-            os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600))
-            os.unlink(probe)
-        except OSError as e:
-            raise PrepError(f"{self.flag} {self.given}: --force must delete the previous output's files there, but "
-                            f"the folder is not writable ({e.strerror}); fix its permissions or choose another "
-                            "output folder") from None
-
     def check_space(self, needed: int, skip: bool = False) -> None:
         """Refuse, before a byte is written, an output of ``needed`` bytes that OUT's filesystem
         cannot hold: its free space plus what an interrupted run left in staging (reused by
@@ -482,7 +329,7 @@ class OutputFolder:
         if p.is_dir() and not any(os.scandir(p)):
             p.rmdir()  # an empty folder: replaced by a plain rename
         if p.exists():
-            if os.environ.get("PREP_TEST_NO_EXCHANGE") or not _renamer.exchange(self.staging, p):
+            if os.environ.get("PREP_TEST_NO_EXCHANGE") or not renamer.exchange(self.staging, p):
                 # No atomic exchange here: the previous OUT moves aside first. A kill between the
                 # two renames leaves state "swapping", which the next run's recover() completes.
                 os.rename(p, self.old)

@@ -20,7 +20,8 @@ from .file_plan import shard_names
 from .converted import ConvertedCheckpoint
 from .errors import PrepError
 from .identity import side_file_changed
-from .outdir import OutputFolder, copy_regular, write_json
+from .fileops import copy_regular, write_json
+from .outdir import OutputFolder
 from .ownership import REVERT_MARKER
 from .source import INDEX_NAME, SIDE_FILES
 from .safetensors_writer import TORCH_DTYPES, StreamingSafetensorsWriter, nbytes

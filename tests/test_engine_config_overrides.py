@@ -65,7 +65,7 @@ def test_convert_for_vllm_and_sglang_says_so_and_the_serve_command_passes_the_ke
 def test_convert_for_atom_says_its_door_sets_the_keys_and_the_door_sets_them_on_atoms_config(tiny_r1, tmp_path):
     from types import SimpleNamespace
 
-    from layouts.engines.atom import serve
+    from layouts.engines.atom import worker
 
     src = _without_routing_keys(tiny_r1, tmp_path)
     out = tmp_path / "atom"
@@ -74,16 +74,16 @@ def test_convert_for_atom_says_its_door_sets_the_keys_and_the_door_sets_them_on_
     assert ('without which ATOM builds another router and fails on the checkpoint: prep-atom-serve sets V3\'s values '
             '("topk_method": "noaux_tc", "scoring_func": "sigmoid", "moe_layer_freq": 1) on ATOM\'s config in each '
             'worker') in r.stderr
-    # What each worker does before ATOM builds its models (serve.prepare_worker): the target's and
+    # What each worker does before ATOM builds its models (worker.prepare_worker): the target's and
     # the draft's configs get V3's values; config.json stays the source's (revert is exact).
     config = SimpleNamespace(hf_config=SimpleNamespace(), draft_model_hf_config=SimpleNamespace())
-    assert serve.complete_hf_config(out, config) == V3
+    assert worker.complete_hf_config(out, config) == V3
     assert all(vars(hf) == V3 for hf in (config.hf_config, config.draft_model_hf_config))
     assert json.loads((out / "config.json").read_text()) == json.loads((src / "config.json").read_text())
     whole = tmp_path / "whole"  # a source whose config.json has them: nothing set
     assert CliRunner().invoke(main, ["convert", str(tiny_r1), "-o", str(whole), "--tp", "2"]).exit_code == 0
     untouched = SimpleNamespace(hf_config=SimpleNamespace())
-    assert serve.complete_hf_config(whole, untouched) == {} and vars(untouched.hf_config) == {}
+    assert worker.complete_hf_config(whole, untouched) == {} and vars(untouched.hf_config) == {}
 
 
 def test_inspect_of_such_a_source_says_what_each_engine_would_misread_before_converting(tiny_r1, tmp_path):

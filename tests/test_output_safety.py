@@ -1,6 +1,6 @@
 """The fault and abuse suite for what prep writes: real `prep` processes on real folders with
 unrelated files beside them, killed with SIGKILL at every step of a write (through the
-``PREP_TEST_KILL_AT`` hook in prep.outdir), two runs racing for one OUT, resumes against a
+``PREP_TEST_KILL_AT`` hook in prep.fileops), two runs racing for one OUT, resumes against a
 changed source, and reverts of damaged checkpoints. Each case asserts the message, the exit
 code, that every file that existed before is byte-identical afterwards, and that nothing
 partial is left."""

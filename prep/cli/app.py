@@ -197,7 +197,7 @@ def _existing_dir(path: str, what: str) -> str:
     """``path`` if it is a folder; else the one-line error every verb gives for a missing input."""
     p = pathlib.Path(path).expanduser()
     if not p.exists():
-        from ..outdir import WORK_SUFFIX
+        from ..out_check import WORK_SUFFIX
 
         if p.with_name(f".{p.name}{WORK_SUFFIX}").is_dir():  # an interrupted convert's work folder
             raise PrepError(f"{path}: no such directory yet: a `prep convert` into it was interrupted (its work is in "

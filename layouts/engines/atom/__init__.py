@@ -310,7 +310,7 @@ class AtomProfile(EngineProfile):
     def source_notes(self, config: Mapping) -> list[str]:
         """DeepSeek-V3 keys a transformers-5 config lacks, which ATOM's model reads
         (``layouts.engines._config``): ATOM's server takes no config override, so its door sets
-        them on ATOM's config in each worker (``serve.complete_hf_config``)."""
+        them on ATOM's config in each worker (``worker.complete_hf_config``)."""
         return _config.notes(config, self.display_name, None, door="prep-atom-serve")
 
     def target_refusal(self, tp: int, ep: int, moe_layout: str, fuse_shared_expert: bool = False) -> str | None:
