@@ -164,18 +164,6 @@ class Layout:
         return (self.kind != "dense" and self.weight.splits_over_experts(rows_per_expert)
                 and self.scale.splits_over_experts(rows_per_expert))
 
-    def describe(self) -> dict[str, Any]:
-        """The manifest's record of this layout."""
-        return {
-            "name": self.name,
-            "version": self.version,
-            "kind": self.kind,
-            "weight_transform": self.weight.params,
-            "scale_transform": self.scale.params,
-            "runtime_attrs": dict(self.runtime_attrs),
-        }
-
-
 _REGISTRY: dict[str, Layout] = {}
 
 
@@ -196,7 +184,7 @@ def get_layout(name: str) -> Layout:
 
 def recorded_layout(record: "LayoutRecord") -> Layout:
     """The layout a manifest recorded (its ``layouts`` entry, :class:`~layouts.manifest.LayoutRecord`:
-    ``Layout.describe()`` of the prep that wrote it): the registered layout of that name with the
+    ``LayoutRecord.of`` the layout of the prep that wrote it): the registered layout of that name with the
     record's version and transform parameters, so that an older checkpoint is checked against
     the bytes it was written with (version 1's S32x8 pad byte is 0x7F; a recorded S32x8 transform
     without ``pad_value`` is :data:`LEGACY_S32X8_PAD`). The byte order must be the registry's: a record naming other

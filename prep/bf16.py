@@ -31,7 +31,7 @@ import layouts
 from .errors import PrepError
 from .groups import Reader
 
-from layouts.manifest import GroupRecord, Placement, StackRecord, WindowRecord
+from layouts.manifest import GroupRecord, LayoutRecord, Placement, StackRecord, WindowRecord
 
 if TYPE_CHECKING:
     from layouts.manifest import GroupRecord
@@ -242,12 +242,12 @@ class Bf16Group:
             split = {"op": "tp_split", "dim": "intermediate", "tp": self.tp, "rank": self.rank} if p.dim is not None \
                 else {"op": "ep_split", "rank": self.rank, "experts": self.shape[0]}
             chain = [split, {"op": "stack_experts", "experts": self.shape[0], "w13": "[gate ; up] rows per expert"}]
-            return chain + ([{"op": "layout", **self.layout.describe()}] if self.layout else [])
+            return chain + ([{"op": "layout", **LayoutRecord.of(self.layout).to_json()}] if self.layout else [])
         chain: list[dict[str, Any]] = [{"op": "tp_split", "source": p.source, "dim": p.dim, "tp": self.tp,
                                         "rank": self.rank} for p in self.placements if p.dim is not None]
         if len(self.placements) > 1:
             chain.append({"op": "concat_rows", "parts": self.sources()})
-        return chain + ([{"op": "layout", **self.layout.describe()}] if self.layout else [])
+        return chain + ([{"op": "layout", **LayoutRecord.of(self.layout).to_json()}] if self.layout else [])
 
     def record(self, file: str) -> GroupRecord:
         """Its manifest record (the ``groups`` entry), its tensors held in ``file``."""

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 import torch
 
 import layouts
-from layouts.manifest import GroupRecord, PartRecord, Placement
+from layouts.manifest import GroupRecord, LayoutRecord, PartRecord, Placement
 from layouts.sizes import ceil_div, pad_to
 
 from .errors import PrepError
@@ -235,7 +235,7 @@ class LinearGroup:
                               "tp": self.tp, "rank": self.rank})
         if len(self.parts) > 1:
             chain.append({"op": "concat_rows", "parts": [p.src for p in self.parts]})
-        chain.append({"op": "layout", **self.layout.describe()})
+        chain.append({"op": "layout", **LayoutRecord.of(self.layout).to_json()})
         return chain
 
     def record(self, file: str) -> GroupRecord:
@@ -401,7 +401,7 @@ class MoEGroup:
             {"op": "stack_experts", "experts": len(self.experts), "w13": "[gate ; up] rows per expert"},
             {"op": "pad", "intermediate": [self.i_local, self.i_pad], "hidden": [self.hidden, self.h_pad],
              "weight_byte": 0, "scale_byte": 0},
-            {"op": "layout", **self.layout.describe()},
+            {"op": "layout", **LayoutRecord.of(self.layout).to_json()},
         ]
 
     def record(self, file: str) -> GroupRecord:

@@ -164,7 +164,7 @@ def test_the_primitive_refuses_other_dtypes_and_shapes():
 
 # ------------------------------------------------------------------------- the manifest record
 def test_description_is_json_and_a_recorded_one_rebuilds_the_layout():
-    desc = LAYOUT.describe()
+    desc = LayoutRecord.of(LAYOUT).to_json()
     assert json.loads(json.dumps(desc)) == desc
     assert desc == {"name": "bf16-preshuffle", "version": 1, "kind": BF16_MOE,
                     "weight_transform": {"name": "w16-16bit"}, "scale_transform": {"name": "identity"},
@@ -179,7 +179,7 @@ def _manifest(engine: EngineConfig, bf16_layouts) -> Manifest:
     return Manifest.from_json({
         "target": {"layout": engine.expected_dense_layout(), "moe_layout": engine.expected_moe_layout(),
                    "tp": engine.tp_size, "ep": engine.ep_size, "engine": engine.engine},
-        "tensors": [], "layouts": {n: layout.describe() for n, layout in bf16_layouts.items()}})
+        "tensors": [], "layouts": {n: LayoutRecord.of(layout).to_json() for n, layout in bf16_layouts.items()}})
 
 
 @pytest.mark.parametrize("env", [{}, {"ATOM_USE_TRITON_MOE": "1"}, {"ATOM_USE_TRITON_MOE": "0"},

@@ -9,6 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import layouts as L
+from layouts.manifest import LayoutRecord
 
 
 def rand_u8(*shape, seed=0):
@@ -137,7 +138,7 @@ def test_non_shuffle_applies_to_any_2d_shape():
 
 
 def test_layout_description_is_json_for_the_manifest():
-    desc = L.get_layout("ck").describe()
+    desc = LayoutRecord.of(L.get_layout("ck")).to_json()
     assert json.loads(json.dumps(desc)) == desc
     assert desc["scale_transform"] == {"name": "s32x8", "pad_value": 0x00, "flatten_experts": True}
     assert desc["version"] == 2  # version 1 padded S32x8 scales with 0x7F

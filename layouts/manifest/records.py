@@ -5,11 +5,14 @@ the layouts, the files and the tensors (a group's records are in :mod:`.groups`,
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .format import MAX_TP, UNRECORDED_ENGINE, ManifestError
 from .names import expand_names
 from .values import _is_count, _object, _string_list
+
+if TYPE_CHECKING:
+    from ..registry import Layout
 
 
 # ------------------------------------------------------------------ the schema
@@ -131,8 +134,9 @@ class Tool:
 
 @dataclasses.dataclass(frozen=True)
 class LayoutRecord:
-    """A layout as it was when the checkpoint was converted (a ``layouts`` entry): the registry's
-    ``Layout.describe()``. A reader whose registry has another version of it must not read it."""
+    """A layout as it was when the checkpoint was converted (a ``layouts`` entry): :meth:`of` a
+    registered :class:`~layouts.registry.Layout`. A reader whose registry has another version of
+    it must not read it."""
 
     name: str
     version: int
@@ -149,6 +153,14 @@ class LayoutRecord:
             raise ManifestError("needs a string name and kind and an integer version")
         parts = [_object(d.get(k), k) for k in ("weight_transform", "scale_transform", "runtime_attrs")]
         return cls(name, version, kind, *parts)
+
+    @classmethod
+    def of(cls, layout: "Layout") -> "LayoutRecord":
+        """The record of ``layout`` (its transforms' parameters, its runtime attributes) as a
+        conversion writes it. Built here, not by the registry, which imports nothing of the
+        manifest (the manifest checks its records against the registry)."""
+        return cls(layout.name, layout.version, layout.kind, layout.weight.params, layout.scale.params,
+                   dict(layout.runtime_attrs))
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "version": self.version, "kind": self.kind,
