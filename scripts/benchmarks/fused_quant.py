@@ -11,8 +11,8 @@ ASM-GEMM flags):
 * unfused   -- torch ops for the residual add and ``F.rms_norm``, then aiter's separate
                ``dynamic_mxfp4_quant`` Triton kernel (row-major scale, no shuffle: a lower bound
                on what the unfused sequence costs);
-* old       -- with ``--old-kernel FILE``: an earlier version of our kernel file, loaded by path
-               (before/after in one run);
+* old       -- with ``--old-kernel REV`` (a git revision, or a copy of the kernel file): an earlier
+               version of our kernel, loaded beside ours (before/after in one run);
 * copy      -- a copy moving the same number of bytes (read + written): the faster of torch's
                ``copy_`` (in a CUDA graph a memcpy node) and a plain Triton copy kernel.
 
@@ -77,8 +77,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--time-limit", type=float, default=240,
                     help="seconds after which the remaining contenders are skipped (the table still prints)")
     ap.add_argument("--old-kernel", default=None,
-                    help="a copy of an earlier layouts/_triton_fused_quant.py: timed (and checked) beside ours "
-                         "as 'old'")
+                    help="an earlier version of our kernel, timed (and checked) beside ours as 'old': a git "
+                         "revision (e.g. HEAD~3), or a copy of layouts/_triton_fused_quant.py (with its folder's "
+                         "_triton_fused_quant_tiles.py, where there is one)")
     ap.add_argument("--e2m1-exhaustive", action="store_true",
                     help="compare our E2M1 encoding with the old kernel's on all 2^32 float32 values (GPU)")
     add_cpu_smoke(ap)
@@ -291,17 +292,39 @@ def load_aiter():
     return fused, quant
 
 
+KERNEL_FILES = ("_triton_fused_quant.py", "_triton_fused_quant_tiles.py")  # the second since 2026-12-07
+
+
 def load_old_kernel():
-    """The old kernel file's wrapper (module loaded by path under its own name, beside ours)."""
+    """The old kernel's module, loaded beside ours as a package of its own (``_old_kernel``): from
+    a git revision (``git show REV:layouts/<file>``) or from a kernel file (with the tiles module
+    of its folder, where there is one), since the kernel imports its device functions relatively."""
     if not ARGS.old_kernel:
         return None
-    import importlib.util
+    import importlib
+    import subprocess
+    import tempfile
 
-    spec = importlib.util.spec_from_file_location("_old_triton_fused_quant", ARGS.old_kernel)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    root = pathlib.Path(tempfile.mkdtemp(prefix="old-kernel-"))
+    pkg = root / "_old_kernel"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    given = pathlib.Path(ARGS.old_kernel)
+    for i, name in enumerate(KERNEL_FILES):
+        if given.is_file():
+            src = given if i == 0 else given.parent / name
+            if src.is_file():
+                (pkg / name).write_bytes(src.read_bytes())
+            continue
+        repo = pathlib.Path(__file__).resolve().parents[2]
+        r = subprocess.run(["git", "-C", str(repo), "show", f"{ARGS.old_kernel}:layouts/{name}"], capture_output=True)
+        if r.returncode == 0:
+            (pkg / name).write_bytes(r.stdout)
+        elif i == 0:
+            raise SystemExit(f"error: --old-kernel {ARGS.old_kernel}: neither a file nor a git revision holding "
+                             f"layouts/{name} ({r.stderr.decode().strip()})")
+    sys.path.insert(0, str(root))
+    return importlib.import_module("_old_kernel._triton_fused_quant")
 
 
 def e2m1_exhaustive(old_mod) -> None:
