@@ -320,7 +320,7 @@ def _expand_stack(name: str, stack: StackRecord) -> tuple[Placement, ...]:
 def group_from_record(rec: "GroupRecord", layout_of: Callable[[str], layouts.Layout] = layouts.get_layout
                       ) -> Bf16Group:
     """A BF16 group from its manifest record (stacked experts expanded from their template), its
-    layout (if any) as ``layout_of`` gives it (``prep.groups.group_from_record``)."""
+    layout (if any) as ``layout_of`` gives it (``prep.group_records.group_from_record``)."""
     if rec.kind != "bf16":
         raise PrepError(f"manifest: group {rec.name!r} is not a bf16 group")
     ps = _expand_stack(rec.name, rec.stack) if rec.stack is not None else tuple(rec.placements)

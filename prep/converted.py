@@ -19,7 +19,8 @@ from layouts.safetensors_file import ITEMSIZE, TORCH_DTYPES
 
 from .bf16 import Bf16Group, as_planned
 from .errors import PrepError
-from .groups import LinearGroup, MoEGroup, group_from_record
+from .group_records import group_from_record
+from .groups import LinearGroup, MoEGroup
 from .source import ShardFile
 
 # What reading back holds at once: stacked experts are inverted in blocks of about this much per

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -27,9 +27,6 @@ from layouts.manifest import GroupRecord, LayoutRecord, PartRecord, Placement
 from layouts.sizes import ceil_div, pad_to
 
 from .errors import PrepError
-
-if TYPE_CHECKING:
-    from .bf16 import Bf16Group
 
 BLOCK = layouts.mxfp4.BLOCK_SIZE
 Reader = Callable[..., torch.Tensor]  # read(name, rows=None, cols=None, out=None) -> tensor
@@ -441,20 +438,3 @@ def _whole(group: "MoEGroup", chunks: Iterator[tuple[str, torch.Tensor]]) -> lis
 LayoutOf = Callable[[str], "layouts.Layout"]
 """A layout by name, as the checkpoint being read records it (``Manifest.recorded_layout``: its
 version and parameters); the registry's own (``layouts.get_layout``) for records of this prep."""
-
-
-def group_from_record(rec: GroupRecord, layout_of: LayoutOf = layouts.get_layout
-                      ) -> "LinearGroup | MoEGroup | Bf16Group":
-    """Rebuild a group from its manifest record, by its kind, holding its layout as ``layout_of``
-    gives it (resolved here, once: the group's methods use the object)."""
-    if rec.kind == "bf16":
-        from .bf16 import group_from_record as bf16_group  # bf16 groups: their own module
-
-        return bf16_group(rec, layout_of)
-    if rec.kind == "linear":
-        return LinearGroup(rec.name, rec.rank, rec.tp, tuple(Part(p.src, p.n, p.k, p.split) for p in rec.parts),
-                           layout_of(rec.layout))
-    if rec.kind == "moe":
-        return MoEGroup(rec.name, rec.rank, rec.tp, tuple(rec.experts), rec.inter, rec.hidden, layout_of(rec.layout),
-                        rec.inter_pad_to, rec.hidden_pad_to, rec.ep, rec.routed)
-    raise PrepError(f"manifest: unknown group kind {rec.kind!r}")

@@ -17,7 +17,7 @@ from layouts.registry import recorded_layout
 
 from .converted import ConvertedCheckpoint, same_bytes
 from .errors import PrepError
-from .groups import group_from_record
+from .group_records import group_from_record
 from .prefetch import Prefetch
 from .safetensors_writer import nbytes
 from .identity import side_file_changed

@@ -35,7 +35,8 @@ from layouts.selection import ActivationQuantFlags
 
 from . import aiter_gemm
 from ..errors import PrepError
-from ..groups import LinearGroup, group_from_record
+from ..group_records import group_from_record
+from ..groups import LinearGroup
 from ..source import SourceCheckpoint
 
 # Logits of the two dense GEMMs (torch, aiter-triton) agree within LOGIT_RTOL * max |logit|: one

@@ -48,7 +48,8 @@ from layouts.safetensors_file import TORCH_DTYPES
 
 from ..bf16 import Bf16Group, as_planned
 from ..errors import PrepError
-from ..groups import LinearGroup, MoEGroup, group_from_record
+from ..group_records import group_from_record
+from ..groups import LinearGroup, MoEGroup
 from ..source import SourceCheckpoint
 
 MAX_MEMORY = 8 << 30  # the process's default bound (an R1 MoE layer is 45 GB in float32)
