@@ -16,7 +16,7 @@ from typing import Any, Iterable, Mapping
 from layouts import EngineConfig
 from layouts.engines import EngineProfile, ShardingRules, engine_names, get_engine
 from layouts.errors import LayoutsError
-from layouts.families import Family
+from layouts.families import Family, architecture_of, family_names, get_family
 from layouts.manifest import Target
 from layouts.mxfp4 import BLOCK_SIZE
 from layouts.registry import Layout, get_layout
@@ -29,10 +29,6 @@ from .groups import LinearGroup, MoEGroup, Part
 from .config_check import check_complete, config_ints, source_family
 from .source import SourceCheckpoint
 
-# The architecture a manifest records (``target.arch``), by config.json's ``architectures``
-ARCHS = {"DeepseekV3ForCausalLM": "deepseek_v3", "DeepseekV2ForCausalLM": "deepseek_v2",
-         "DeepseekV32ForCausalLM": "deepseek_v32", "GlmMoeDsaForCausalLM": "glm_moe_dsa",
-         "KimiK25ForConditionalGeneration": "kimi_k25"}
 
 @dataclasses.dataclass
 class Classified:
@@ -62,14 +58,11 @@ class Classified:
 def arch_of(config: dict[str, Any]) -> str:
     """The architecture a conversion's manifest records for config.json (of a family prep knows:
     :func:`classify` resolves it first)."""
-    archs = config.get("architectures")
-    for a in archs if isinstance(archs, list) else []:  # a number or a list of objects: not DeepSeek, not a crash
-        if isinstance(a, str) and a in ARCHS:
-            return ARCHS[a]
-    if config.get("model_type") in ARCHS.values():
-        return config["model_type"]
-    raise PrepError(f"config.json: architecture {config.get('architectures')} is not one prep records; "
-                    f"prep knows {', '.join(ARCHS)}")
+    arch = architecture_of(config)
+    if arch is None:
+        raise PrepError(f"config.json: architecture {config.get('architectures')} is not one prep records; "
+                        f"prep knows {', '.join(a for n in family_names() for a in get_family(n).architectures)}")
+    return arch
 
 
 _NUMBERS = re.compile(r"(\d+)")

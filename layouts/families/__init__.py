@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import itertools
+import pkgutil
 import re
 from typing import Any, Iterator, Mapping
 
@@ -127,7 +129,7 @@ class Family:
     name: str
     label: str
     architectures: tuple[str, ...]
-    model_types: tuple[str, ...]
+    model_types: tuple[str, ...]  # model_types[i] is architectures[i]'s (a model type without a class of its own last)
     before: tuple[Module, ...]
     layer: tuple[Module, ...]
     after: tuple[Module, ...]
@@ -347,8 +349,32 @@ def language_config(config: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _load() -> None:
-    from . import deepseek  # noqa: F401  (registers its families)
+    """Import every module of this package (each registers its families), once: a new family is
+    a module here and nothing else, as a new engine is a module of ``layouts.engines``."""
+    if not _SCANNED:
+        for m in pkgutil.iter_modules(__path__):
+            if not m.name.startswith("_"):
+                importlib.import_module(f"{__name__}.{m.name}")
+        _SCANNED.append(True)
+
+
+_SCANNED: list[bool] = []
+
+
+def architecture_of(config: Mapping[str, Any]) -> str | None:
+    """The architecture a conversion's manifest records for config.json (``target.arch``): the
+    model type of the first class in ``architectures`` a family pairs with one (``Family``:
+    ``architectures[i]`` is the class of ``model_types[i]``), else its ``model_type`` where a
+    family pairs that with a class; None otherwise."""
+    _load()
+    pairs = {a: t for f in _FAMILIES.values() for a, t in zip(f.architectures, f.model_types)}
+    archs = config.get("architectures")
+    for a in archs if isinstance(archs, list) else []:  # a number or a list of objects: none, not a crash
+        if isinstance(a, str) and a in pairs:
+            return pairs[a]
+    model_type = config.get("model_type")
+    return model_type if isinstance(model_type, str) and model_type in pairs.values() else None
 
 
 __all__ = ["ALWAYS", "COLS", "DENSE", "EXPERTS", "Family", "INDEXED", "MOE", "Module", "NO_Q_LORA", "Q_LORA", "ROWS", "SHARED",
-           "WHOLE", "Wrapper", "family_names", "family_of", "get_family", "language_config", "register_family", "wrapper_of"]
+           "WHOLE", "Wrapper", "architecture_of", "family_names", "family_of", "get_family", "language_config", "register_family", "wrapper_of"]
