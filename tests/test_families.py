@@ -89,6 +89,27 @@ def test_a_family_table_is_checked_as_it_is_written():
         register_family(dataclasses.replace(f, name="copy"))
 
 
+def test_a_family_is_one_module_of_the_package_found_by_its_scan(tmp_path, monkeypatch):
+    # A new family is a module of layouts/families/ and nothing else: the package scan registers it,
+    # config.json resolves to it, and the manifest records its architecture from its own table.
+    import layouts.families as families
+
+    (tmp_path / "toymoe.py").write_text(
+        "from layouts.families import Family, register_family\n"
+        "from layouts.families.deepseek import AFTER, BEFORE, LAYER, MTP\n"
+        "TOYMOE = register_family(Family('toymoe', 'ToyMoE', ('ToyMoeForCausalLM',), ('toymoe',), BEFORE, LAYER, "
+        "AFTER, MTP, twist='a toy'))\n")
+    monkeypatch.setattr(families, "__path__", [*families.__path__, str(tmp_path)])
+    monkeypatch.setattr(families, "_FAMILIES", dict(families._FAMILIES))
+    monkeypatch.setattr(families, "_SCANNED", [])
+    monkeypatch.delitem(__import__("sys").modules, "layouts.families.toymoe", raising=False)
+    config = {"architectures": ["ToyMoeForCausalLM"], **{k: v for k, v in build_config(PRESETS["tiny"]).items()
+                                                          if k not in ("architectures", "model_type")}}
+    assert family_of(config).name == "toymoe" and "toymoe" in families.family_names()
+    assert families.architecture_of(config) == "toymoe"
+    assert families.architecture_of({"architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2"}) == "deepseek_v3"
+
+
 # ------------------------------------------------------------------------------ Kimi-K2.5
 @pytest.fixture(scope="module")
 def kimi(tmp_path_factory):
