@@ -182,3 +182,19 @@ def test_forward_into_out_writes_the_same_bytes(name, misalign):
     assert (got_s is None and want_s is None) or torch.equal(got_s, want_s)
     with pytest.raises(ValueError, match="out must be"):
         layout.apply(w, s, weight_out=torch.empty(n + 1, dtype=w.dtype))
+
+
+def test_docs_table_of_registered_layouts_is_the_registry():
+    # docs/layouts.md's table is what a user reads to choose a layout: every registered layout in
+    # it once, with the version and kind the registry gives (a new layout, or a version bump,
+    # that skipped the docs fails here).
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "layouts.md").read_text()
+    table = text.split("## The registered layouts", 1)[1].split("\n\n", 2)[1]
+    rows = re.findall(r"^\| `([\w-]+)` \| (\d+) \| ([\w-]+) \|", table, flags=re.M)
+    documented = {name: (int(version), kind) for name, version, kind in rows}
+    assert len(rows) == len(documented), "a layout is listed twice in docs/layouts.md"
+    registry = {n: (L.get_layout(n).version, L.get_layout(n).kind) for n in L.layout_names()}
+    assert documented == registry
