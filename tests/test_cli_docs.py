@@ -75,3 +75,32 @@ def test_the_help_records_are_read_as_the_user_sees_them():
     cmd, ctx = commands()["revert"]
     assert help_options(cmd, ctx) == {"-o", "--dest", "--force", "--verify", "--no-verify", "--json", "-q",
                                       "--quiet", "-h", "--help"}
+
+
+@pytest.mark.parametrize("verb", sorted(commands()))
+def test_every_choice_an_option_takes_is_named_in_its_row(verb):
+    # An option whose values are a fixed list (click.Choice: --layout, --moe-layout, --engine, ...)
+    # names each of them in its row of the page: a layout or engine added to the registry shows up
+    # in --help at once, and must not be missing from the page a user reads. A row that points to
+    # another option's ("As for `prep run`", "`--gemm` for A only") may leave them to that row.
+    rows: dict[str, list[str]] = {}  # option -> its rows, in every section
+    own: dict[str, str] = {}  # option -> its row in this verb's section
+    current = None
+    for line in DOC.read_text().splitlines():
+        heading = re.match(r"^## `prep(?: (\w+))?`\s*$", line)
+        if heading:
+            current = heading.group(1) or "prep"
+        elif current and line.startswith("| `"):
+            for name in OPTION.findall(line.split("|")[1]):
+                rows.setdefault(name, []).append(line)
+                if current == verb:
+                    own[name] = line
+    cmd, ctx = commands()[verb]
+    missing = []
+    for param in cmd.get_params(ctx):
+        if isinstance(param, click.Option) and isinstance(param.type, click.Choice):
+            row = next((own[o] for o in param.opts if o in own), "")
+            pointed = [o for o in OPTION.findall(row) if o not in param.opts or "As for" in row]
+            text = row + "".join(r for o in pointed for r in rows.get(o, ()))
+            missing += [f"{param.opts[-1]} {c}" for c in param.type.choices if f"`{c}`" not in text]
+    assert not missing, f"docs/cli.md, `prep {verb}`: choices not named in their option's row: {missing}"
