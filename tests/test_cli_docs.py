@@ -100,7 +100,9 @@ def test_every_choice_an_option_takes_is_named_in_its_row(verb):
     for param in cmd.get_params(ctx):
         if isinstance(param, click.Option) and isinstance(param.type, click.Choice):
             row = next((own[o] for o in param.opts if o in own), "")
-            pointed = [o for o in OPTION.findall(row) if o not in param.opts or "As for" in row]
-            text = row + "".join(r for o in pointed for r in rows.get(o, ()))
+            said = row.split("|")[2].strip() if row.count("|") > 2 else ""
+            pointed = (OPTION.findall(row.split("|")[1]) if said.startswith("As for")
+                       else OPTION.findall(said.split(" for ")[0]) if re.match(r"`--[\w-]+` for ", said) else [])
+            text = row + "".join(r for o in pointed for r in rows.get(o, ()) if r != row)
             missing += [f"{param.opts[-1]} {c}" for c in param.type.choices if f"`{c}`" not in text]
     assert not missing, f"docs/cli.md, `prep {verb}`: choices not named in their option's row: {missing}"
