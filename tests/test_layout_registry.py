@@ -198,3 +198,12 @@ def test_docs_table_of_registered_layouts_is_the_registry():
     assert len(rows) == len(documented), "a layout is listed twice in docs/layouts.md"
     registry = {n: (L.get_layout(n).version, L.get_layout(n).kind) for n in L.layout_names()}
     assert documented == registry
+
+
+def test_the_readmes_list_of_registered_layouts_is_the_registry():
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
+    said = text.split("Registered layouts (", 1)[1].split("Each is a name", 1)[0]
+    assert set(re.findall(r"`([\w-]+)`", said)) == set(L.layout_names())
