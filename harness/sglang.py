@@ -27,10 +27,6 @@ What is a stand-in (each call recorded in :data:`CALLS`):
 
 from __future__ import annotations
 
-import importlib
-import importlib.abc
-import importlib.machinery
-import importlib.util
 import json
 import os
 import pathlib
@@ -58,7 +54,7 @@ from harness import mi355x, stand_ins  # noqa: E402
 from harness.compare import compare  # noqa: E402
 from harness.mi355x import on_cpu  # noqa: E402
 from harness.report import RankResult  # noqa: E402
-from harness.stand_ins import StandIn, StandInModule, called_from, fill_aiter_stub  # noqa: E402
+from harness.stand_ins import StandIn, StandInFinder, fill_aiter_stub, file_spec  # noqa: E402
 
 CALLS = stand_ins.CALLS  # every call of a stand-in, by name, in order (stand_ins)
 
@@ -73,31 +69,21 @@ STANDIN_PACKAGES = {"aiter", "sgl_kernel", "flashinfer", "cuda", "deep_gemm", "d
 HIDDEN_FROM_TRANSFORMERS = {"torchvision"}
 
 
-class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+class _Finder(StandInFinder):
     def __init__(self, aiter_root: pathlib.Path):
+        super().__init__(STANDIN_PACKAGES, hidden=HIDDEN_FROM_TRANSFORMERS,
+                         hidden_from="transformers.utils.import_utils")
         self.root = aiter_root
-        self.absent = {p for p in STANDIN_PACKAGES if p == "aiter" or importlib.util.find_spec(p) is None}
-        self.made: set[str] = set()
 
-    def find_spec(self, name, path, target=None):
-        top = name.partition(".")[0]
-        if top not in self.absent:
-            return None
-        if top in HIDDEN_FROM_TRANSFORMERS and called_from("transformers.utils.import_utils"):
-            return None
-        if name == "aiter.utility.aiter_types" and not (self.root / "csrc/include/aiter_enum.h").is_file():
-            return importlib.machinery.ModuleSpec(name, self)
+    def aiter_root(self) -> pathlib.Path:
+        return self.root
+
+    def source(self, name):
         if name in REAL_AITER:
-            return importlib.util.spec_from_file_location(name, self.root / (name.replace(".", "/") + ".py"))
+            return file_spec(name, self.root)
         if name in REAL_AITER_ORACLE:
-            return importlib.util.spec_from_file_location(name, AITER_ORACLE_DIR / (name.replace(".", "/") + ".py"))
-        return importlib.machinery.ModuleSpec(name, self, is_package=True)
-
-    def create_module(self, spec):
-        m = StandInModule(spec.name)
-        m.__path__ = []
-        self.made.add(spec.name)
-        return m
+            return file_spec(name, AITER_ORACLE_DIR)
+        return None
 
     def exec_module(self, m):
         fill_aiter_stub(m, lambda: GPU_ARCH["name"])

@@ -13,6 +13,10 @@ from __future__ import annotations
 
 import enum
 import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import pathlib
 import sys
 import types
 from typing import Callable
@@ -101,6 +105,55 @@ class StandInModule(types.ModuleType):
         if name.startswith("__"):
             raise AttributeError(name)
         return StandIn(f"{self.__name__}.{name}")
+
+
+def file_spec(name: str, root: pathlib.Path) -> importlib.machinery.ModuleSpec:
+    """The spec of module ``name`` loaded from its file under the source tree ``root``."""
+    return importlib.util.spec_from_file_location(name, root / (name.replace(".", "/") + ".py"))
+
+
+class StandInFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """The import hook each engine's harness puts first on ``sys.meta_path``: a package of
+    ``packages`` that is not importable here (or is one of ``always``) is made of stand-in modules
+    (:meth:`module_for`, filled by :meth:`exec_module`), except the modules :meth:`source` loads
+    from their files (aiter's pure-Python ones). aiter's dtype ids, which it parses from a C header
+    a Python-only tree lacks, are a module of ours where :meth:`aiter_root` has no header.
+    ``hidden`` packages stay absent for code under ``hidden_from`` (transformers asks find_spec,
+    then parses the stand-in's missing version). A harness says only what differs."""
+
+    def __init__(self, packages, always=("aiter",), hidden=(), hidden_from: str = "transformers"):
+        self.absent = {p for p in packages if p in always or importlib.util.find_spec(p) is None}
+        self.hidden, self.hidden_from = set(hidden), hidden_from
+
+    def aiter_root(self) -> pathlib.Path:
+        """The aiter source tree the harness reads aiter's Python files from."""
+        raise NotImplementedError
+
+    def source(self, name: str) -> importlib.machinery.ModuleSpec | None:
+        """The spec of a stand-in package's module that is real code (None: a stand-in)."""
+        return None
+
+    def find_spec(self, name, path, target=None):
+        top = name.partition(".")[0]
+        if top not in self.absent:
+            return None
+        if top in self.hidden and called_from(self.hidden_from):
+            return None
+        if name == "aiter.utility.aiter_types" and not (self.aiter_root() / "csrc/include/aiter_enum.h").is_file():
+            return importlib.machinery.ModuleSpec(name, self)
+        return self.source(name) or importlib.machinery.ModuleSpec(name, self, is_package=True)
+
+    def module_for(self, name: str) -> type:
+        """The type of the stand-in module ``name``."""
+        return StandInModule
+
+    def create_module(self, spec):
+        m = self.module_for(spec.name)(spec.name)
+        m.__path__ = []
+        return m
+
+    def exec_module(self, m):
+        pass
 
 
 def fill_aiter_enums(m: types.ModuleType) -> None:

@@ -68,7 +68,7 @@ from harness import mi355x, stand_ins  # noqa: E402
 from harness.compare import compare  # noqa: E402
 from harness.mi355x import on_cpu  # noqa: E402
 from harness.report import RankResult  # noqa: E402
-from harness.stand_ins import StandIn, called_from, fill_aiter_enums  # noqa: E402
+from harness.stand_ins import StandIn, StandInFinder, fill_aiter_enums, file_spec  # noqa: E402
 
 CALLS = stand_ins.CALLS  # every call of a stand-in, by name, in order (stand_ins)
 
@@ -100,37 +100,36 @@ class _StandInModule(types.ModuleType):
         return StandIn(full)
 
 
-class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+class _Finder(StandInFinder):
     def __init__(self):
-        self.absent = {p for p in STANDIN_PACKAGES if p in ("aiter", "amdsmi") or importlib.util.find_spec(p) is None}
-        self.made: set[str] = set()
+        super().__init__(STANDIN_PACKAGES, always=("aiter", "amdsmi"), hidden=HIDDEN_FROM_TRANSFORMERS)
 
     def find_spec(self, name, path, target=None):
-        top = name.partition(".")[0]
-        if name in STANDIN_MODULES:
+        if name in STANDIN_MODULES:  # vLLM's compiled extensions, whatever its package has
             return importlib.machinery.ModuleSpec(name, self, is_package=True)
-        if top not in self.absent:
-            return None
-        if top in HIDDEN_FROM_TRANSFORMERS and called_from("transformers"):
-            return None
-        if name == "aiter.utility.aiter_types" and not (AITER["dir"] / "csrc/include/aiter_enum.h").is_file():
-            return importlib.machinery.ModuleSpec(name, self)
+        return super().find_spec(name, path, target)
+
+    def aiter_root(self) -> pathlib.Path:
+        return AITER["dir"]
+
+    def source(self, name):
         if name in REAL_AITER:
-            return importlib.util.spec_from_file_location(name, AITER["dir"] / (name.replace(".", "/") + ".py"))
+            return file_spec(name, AITER["dir"])
         if name == "aiter.ops.triton.gemm_afp4wfp4":  # the wheel's Triton MXFP4 GEMM, interpreted (prep's loader)
             return importlib.machinery.ModuleSpec(name, _GemmLoader())
         if name in REAL_AITER_FULL and TABLES["present"]:
-            return importlib.util.spec_from_file_location(name, AITER_FULL_DIR / (name.replace(".", "/") + ".py"))
+            return file_spec(name, AITER_FULL_DIR)
         if name in REAL_AITER_ORACLE:
-            return importlib.util.spec_from_file_location(name, AITER_ORACLE_DIR / (name.replace(".", "/") + ".py"))
-        return importlib.machinery.ModuleSpec(name, self, is_package=True)
+            return file_spec(name, AITER_ORACLE_DIR)
+        return None
+
+    def module_for(self, name: str) -> type:
+        return _StandInModule
 
     def create_module(self, spec):
-        m = _StandInModule(spec.name)
-        m.__path__ = []
+        m = super().create_module(spec)
         m.__version__ = "0.0.0"
         m.__file__ = f"<stand-in {spec.name}>"
-        self.made.add(spec.name)
         return m
 
     def exec_module(self, m):

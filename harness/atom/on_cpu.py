@@ -37,8 +37,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import importlib.abc
-import importlib.machinery
 import importlib.util
 import pathlib
 import sys
@@ -49,7 +47,7 @@ import torch
 
 from harness import stand_ins
 from harness.mi355x import CpuMode
-from harness.stand_ins import StandInModule, fill_aiter_stub
+from harness.stand_ins import StandInFinder, StandInModule, fill_aiter_stub, file_spec
 
 # aiter modules loaded from its own files (everything else under aiter is a stand-in).
 REAL_AITER = stand_ins.REAL_AITER
@@ -94,26 +92,19 @@ class _ParallelState(types.ModuleType):
         raise AttributeError(name)
 
 
-class _AiterFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+class _AiterFinder(StandInFinder):
     def __init__(self, aiter_root: pathlib.Path):
+        super().__init__(("aiter", *SERVER_PACKAGES))
         self.root = aiter_root
-        self.absent = {p for p in SERVER_PACKAGES if importlib.util.find_spec(p) is None}
 
-    def find_spec(self, name, path, target=None):
-        top = name.partition(".")[0]
-        if top not in self.absent and top != "aiter":
-            return None
-        if name == "aiter.utility.aiter_types" and not (self.root / "csrc/include/aiter_enum.h").is_file():
-            return importlib.machinery.ModuleSpec(name, self)  # no C header: ids of our own (docstring)
-        if name in REAL_AITER:
-            return importlib.util.spec_from_file_location(name, self.root / (name.replace(".", "/") + ".py"))
-        return importlib.machinery.ModuleSpec(name, self, is_package=True)
+    def aiter_root(self) -> pathlib.Path:
+        return self.root
 
-    def create_module(self, spec):
-        cls = _ParallelState if spec.name == "aiter.dist.parallel_state" else StandInModule
-        m = cls(spec.name)
-        m.__path__ = []
-        return m
+    def source(self, name):
+        return file_spec(name, self.root) if name in REAL_AITER else None
+
+    def module_for(self, name: str) -> type:
+        return _ParallelState if name == "aiter.dist.parallel_state" else StandInModule
 
     def exec_module(self, m):
         fill_aiter_stub(m, lambda: GPU_ARCH["name"])
