@@ -24,7 +24,7 @@ from layouts.families import Wrapper, wrapper_of
 from layouts.manifest import MANIFEST_NAME, SourceFile
 from layouts.safe_files import (MAX_JSON_BYTES, DuplicateKeyError, FileTooLargeError, member_problem, read_regular,
                                 strict_json)
-from layouts.safetensors_file import FileAccessError, SafetensorsFile, SafetensorsFileError, TensorInfo
+from layouts.safetensors_file import FileAccessError, SafetensorsFile, SafetensorsFileError, TensorInfo, file_xxh3
 
 from .errors import PrepError
 
@@ -353,16 +353,14 @@ class SourceCheckpoint:
         out.copy_(t)
         return out
 
-    def file_records(self, hash_files: bool = False) -> dict[str, SourceFile]:
+    def file_records(self) -> dict[str, SourceFile]:
         """Each file's size (the manifest's ``source.files``), with its xxh3-128 hash for every side
         file (a few MB: what a later ``--force``, ``verify`` and ``revert`` tell the user's edits
-        by) and, on request, for the shards too."""
-        from layouts.safetensors_file import file_xxh3
-
+        by); the shards by their size only."""
         files = {}
         for fname in sorted(set(self.files) | {p.name for p in self.side_files()}):
             p = self.root / fname
-            files[fname] = SourceFile(p.stat().st_size, file_xxh3(p) if hash_files or fname not in self.files else None)
+            files[fname] = SourceFile(p.stat().st_size, None if fname in self.files else file_xxh3(p))
         return files
 
     def side_files(self) -> list[pathlib.Path]:
