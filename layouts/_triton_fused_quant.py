@@ -81,7 +81,7 @@ def _fused_rms_mxfp4_kernel(
     T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, SPLIT: tl.constexpr, TS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
     HAS_RES: tl.constexpr, HAS_X2: tl.constexpr, SHUFFLE: tl.constexpr, PAD: tl.constexpr,
-    X_PAIRED: tl.constexpr, R_PAIRED: tl.constexpr, W_PAIRED: tl.constexpr, RZ_ASM: tl.constexpr,
+    X_PAIRED: tl.constexpr, R_PAIRED: tl.constexpr, W_PAIRED: tl.constexpr, PTX: tl.constexpr,
     X2_MAIN: tl.constexpr, FLAT_SUM: tl.constexpr, NPAIR: tl.constexpr, FILL_BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -128,36 +128,36 @@ def _fused_rms_mxfp4_kernel(
             # With SPLIT > 1 these sums store nothing (STORE = False): out_res1 is the slice's.
             STORE: tl.constexpr = HAS_RES and SPLIT == 1
             a0, b0, ss = _tile_sum(xa0, xb0, ra0, rb0, o_rows, row_ok, 0, T0, N1, SCALE_COLS, HAS_RES,
-                                   X_PAIRED, R_PAIRED, STORE)
+                                   X_PAIRED, R_PAIRED, STORE, PTX)
             if T1 > 0:
                 a1, b1, ss1 = _tile_sum(xa1, xb1, ra1, rb1, o_rows, row_ok, T0, T1, N1, SCALE_COLS, HAS_RES,
-                                        X_PAIRED, R_PAIRED, STORE)
+                                        X_PAIRED, R_PAIRED, STORE, PTX)
                 ss += ss1
             if T2 > 0:
                 a2, b2, ss2 = _tile_sum(xa2, xb2, ra2, rb2, o_rows, row_ok, T0 + T1, T2, N1, SCALE_COLS,
-                                        HAS_RES, X_PAIRED, R_PAIRED, STORE)
+                                        HAS_RES, X_PAIRED, R_PAIRED, STORE, PTX)
                 ss += ss2
         ms = tl.math.div_rn(ss, tl.full(ss.shape, N1, tl.float32))
         rstd = tl.math.div_rn(tl.full(ss.shape, 1.0, tl.float32), tl.math.sqrt_rn(ms + eps1))
         if SPLIT > 1:
             a_s, b_s, _ = _tile_sum(xas, xbs, ras, rbs, o_rows, row_ok, bs, TS, N1, SCALE_COLS, HAS_RES,
-                                    X_PAIRED, R_PAIRED, HAS_RES)
+                                    X_PAIRED, R_PAIRED, HAS_RES, PTX)
             _tile_quant(a_s, b_s, rstd, wes, wos, rows, row_ok, q_rows, scale_ptr, bs, TS, N1,
-                        SCALE_COLS, SCALE_COLS_PAD, SHUFFLE, PAD, RAW, RZ_ASM)
+                        SCALE_COLS, SCALE_COLS_PAD, SHUFFLE, PAD, RAW, PTX)
         else:
             # The weights are loaded only now: fewer registers live while the rows' loads are in
             # flight (occupancy decides the bytes in flight at large M).
             we, wo = _tile_weight(w1_ptr, 0, T0, N1, SCALE_COLS, W_PAIRED)
             _tile_quant(a0, b0, rstd, we, wo, rows, row_ok, q_rows, scale_ptr, 0, T0, N1,
-                        SCALE_COLS, SCALE_COLS_PAD, SHUFFLE, PAD, RAW, RZ_ASM)
+                        SCALE_COLS, SCALE_COLS_PAD, SHUFFLE, PAD, RAW, PTX)
             if T1 > 0:
                 we, wo = _tile_weight(w1_ptr, T0, T1, N1, SCALE_COLS, W_PAIRED)
                 _tile_quant(a1, b1, rstd, we, wo, rows, row_ok, q_rows, scale_ptr, T0, T1, N1,
-                            SCALE_COLS, SCALE_COLS_PAD, SHUFFLE, PAD, RAW, RZ_ASM)
+                            SCALE_COLS, SCALE_COLS_PAD, SHUFFLE, PAD, RAW, PTX)
             if T2 > 0:
                 we, wo = _tile_weight(w1_ptr, T0 + T1, T2, N1, SCALE_COLS, W_PAIRED)
                 _tile_quant(a2, b2, rstd, we, wo, rows, row_ok, q_rows, scale_ptr, T0 + T1, T2, N1,
-                            SCALE_COLS, SCALE_COLS_PAD, SHUFFLE, PAD, RAW, RZ_ASM)
+                            SCALE_COLS, SCALE_COLS_PAD, SHUFFLE, PAD, RAW, PTX)
             if X2_MAIN:
                 _x2_norm(x2v, m2, rows, w2_ptr, out2_ptr, eps2, N2, BLOCK_N2)
     elif pid < n_main:
@@ -385,7 +385,7 @@ def fused_rms_mxfp4_quant_triton(
         T0=tiles[0], T1=tiles[1], T2=tiles[2], SPLIT=plan.split, TS=plan.ts,
         BLOCK_M=plan.bm, BLOCK_M2=plan.bm2, BLOCK_N2=plan.nb2,
         HAS_RES=res1 is not None, HAS_X2=x2 is not None, SHUFFLE=bool(shuffle), PAD=padded,
-        X_PAIRED=x_paired, R_PAIRED=r_paired, W_PAIRED=w_paired, RZ_ASM=on_gpu,
+        X_PAIRED=x_paired, R_PAIRED=r_paired, W_PAIRED=w_paired, PTX=on_gpu,
         X2_MAIN=plan.x2_main, FLAT_SUM=plan.flat_sum, NPAIR=triton.next_power_of_2(n1 // 2),
         FILL_BLOCK=_FILL_BLOCK,
         num_warps=plan.warps,

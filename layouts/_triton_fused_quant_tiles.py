@@ -2,7 +2,7 @@
 its numerics and its tiles, each a ``@triton.jit`` function the kernel calls.
 
 * element pairs: bf16 pairs as one int32 (:func:`_unpack`), loaded and stored as pairs;
-* the MXFP4 numerics: the E2M1 byte of a pair (:func:`_e2m1_pair`), the EVEN scale of a block and
+* the MXFP4 numerics: the E2M1 bytes of pairs (:func:`_e2m1_pairs`), the EVEN scale of a block and
   the byte offset of a scale in the row-major or S32x8 buffer (:func:`_scale_offsets`);
 * a tile of ``T`` 32-element blocks of ``BLOCK_M`` rows: its loads issued (:func:`_tile_fetch`),
   its sum of squares (:func:`_tile_sum`), its RMSNorm weights (:func:`_tile_weight`), normalised,
@@ -12,9 +12,9 @@ its numerics and its tiles, each a ``@triton.jit`` function the kernel calls.
 The kernel module imports them by name: a jitted function calls only what is a global of its
 own module.
 
-The E2M1 encoding (:func:`_e2m1_offset`) is min/max, one round-toward-zero FMA (inline PTX on a
-GPU, emulated exactly in the interpreter) and shifts: all 2^32 float32 inputs give the bytes of
-the earlier compare-based encoding (scripts/bench.py fused-quant --e2m1-exhaustive).
+On a GPU the E2M1 encoding and the bf16 pair stores are inline PTX (``PTX``), which the
+interpreter cannot run: there, tl operations take the same steps (see the comment above
+:data:`E2M1_RUN_PTX`), so the suite checks the arithmetic and the GPU check the transcription.
 """
 
 from __future__ import annotations
@@ -44,59 +44,78 @@ def _load_pairs(row_ptr, pair, mask, PAIRED: tl.constexpr):
 
 
 @triton.jit
-def _store_pairs(row_ptr, pair, mask, even, odd, PAIRED: tl.constexpr):
+def _store_pairs(row_ptr, pair, mask, even, odd, PAIRED: tl.constexpr, PTX: tl.constexpr):
     if PAIRED:  # an int32 view of a bf16 output
-        lo = even.to(tl.bfloat16).to(tl.uint16, bitcast=True).to(tl.int32)
-        hi = odd.to(tl.bfloat16).to(tl.uint16, bitcast=True).to(tl.int32)
-        tl.store(row_ptr + pair, lo | (hi << 16), mask=mask)
+        if PTX:  # both rounded to nearest even by one instruction (two conversions and a permute)
+            both = tl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [even, odd],
+                                             dtype=tl.int32, is_pure=True, pack=1)
+        else:
+            lo = even.to(tl.bfloat16).to(tl.uint16, bitcast=True).to(tl.int32)
+            hi = odd.to(tl.bfloat16).to(tl.uint16, bitcast=True).to(tl.int32)
+            both = lo | (hi << 16)
+        tl.store(row_ptr + pair, both, mask=mask)
     else:
         ty = row_ptr.dtype.element_ty
         tl.store(row_ptr + 2 * pair, even.to(ty), mask=mask)
         tl.store(row_ptr + 2 * pair + 1, odd.to(ty), mask=mask)
 
 
+# The E2M1 encoding (nearest, ties away from zero, saturating at 6; inf and NaN too, since min
+# returns the number). E2M1 is 0, 0.5, 1 (step 0.5), then one mantissa bit per octave up to 6.
+# Every rounding threshold (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5) is a multiple of 2^21 in float32
+# bit space. For a = min(|v|, 6) >= 1 the code counts half-octaves: ((bits(a) + 2^21) >> 22) - 252.
+# For a < 1, b = 0.5 + a / 2 (rounded toward zero, so no value crosses a threshold) lies in
+# [0.5, 1) with the step-0.5 grid of a mapped onto the half-octaves of that octave, and the same
+# formula gives 0, 1, 2. max(a, b) picks the right one (b > a exactly when a < 1), so the code is
+# (bits(max(a, b)) - 0x3EE00000) >> 22, and that difference has nothing above bit 24: times 64
+# (one multiply-add, wrapping: + 0x48000000 is -64 * 0x3EE00000 mod 2^32) leaves the code in bits
+# 28-30, and the value's sign goes in bit 31 (a negative that rounds to zero gives code 8).
+#
+# On a GPU that is one PTX block for a thread's run of four pairs (pack=4: $1-$4 the even
+# values, $5-$8 the odd ones, $0 their four bytes as one register): per value min, the
+# round-toward-zero FMA, max, the multiply-add and one LOP3 for the sign; then six byte permutes
+# gather the eight nibbles (each the top half of byte 3 of its word) and one shift and LOP3 pair
+# them. About 6 instructions a value, where shifting each nibble into place took ~9 (SASS of the
+# q_a site at M = 4096: 1,240 -> 1,126 a lane). All 2^32 float32 patterns in each of the eight
+# slots give the earlier encoding's bytes (scripts/bench.py fused-quant --e2m1-exhaustive).
+_E2M1_VALUE_PTX = ("abs.f32 t{j}, ${k}; min.f32 t{j}, t{j}, 0f40C00000; "
+                   "fma.rz.f32 h{j}, t{j}, 0f3F000000, 0f3F000000; max.f32 h{j}, t{j}, h{j}; "
+                   "mad.lo.u32 h{j}, h{j}, 64, 0x48000000; lop3.b32 h{j}, h{j}, ${k}, 0x80000000, 0xF8; ")
+E2M1_RUN_PTX = tl.constexpr(
+    "{ .reg .b32 t<8>, h<8>, e0, e1, o0, o1; "
+    + "".join(_E2M1_VALUE_PTX.format(j=j, k=j + 1) for j in range(8))
+    # E gathers the even values' byte 3 (byte k = pair k), O the odd values'; byte k of the
+    # result = O's top half | E's top half >> 4.
+    + "prmt.b32 e0, h0, h1, 0x0073; prmt.b32 e1, h2, h3, 0x7300; prmt.b32 e0, e0, e1, 0x7610; "
+    "prmt.b32 o0, h4, h5, 0x0073; prmt.b32 o1, h6, h7, 0x7300; prmt.b32 o0, o0, o1, 0x7610; "
+    "shr.b32 e0, e0, 4; lop3.b32 $0, o0, e0, 0xF0F0F0F0, 0xE4; }")
+
+
 @triton.jit
-def _rz_half_plus_half(a, RZ_ASM: tl.constexpr):
-    """``0.5 + 0.5 * a`` rounded toward zero, for ``0 <= a <= 6``."""
-    if RZ_ASM:  # one FMA on the FP32 pipe
-        bits = tl.inline_asm_elementwise("fma.rz.f32 $0, $1, 0f3F000000, 0f3F000000;", "=r,r",
-                                         [a.to(tl.int32, bitcast=True)], dtype=tl.int32, is_pure=True, pack=1)
-        return bits.to(tl.float32, bitcast=True)
-    # The interpreter has no rounding modes: round to nearest, then step back one ulp where that
-    # rounded up. 0.5 * a is exact; where the sum is below 1, f - 0.5 is exact (Sterbenz); where
-    # it is not, a >= 1 and the caller takes a, not f (both f's are <= a).
+def _e2m1_word(v):
+    """The interpreter's copy of the PTX block's per-value steps: the E2M1 nibble of float32 ``v``
+    in bits 28-31 of a uint32 (the bits below it garbage). The interpreter has no rounding modes,
+    so the round-toward-zero ``0.5 + a / 2`` is rounded to nearest, then stepped back one ulp
+    where that rounded up: ``a / 2`` is exact; where the sum is below 1, ``f - 0.5`` is exact
+    (Sterbenz); where it is not, ``a >= 1`` and max takes ``a``."""
+    a = tl.minimum(tl.abs(v), 6.0)
     h = a * 0.5
     f = h + 0.5
-    return tl.where(f - 0.5 > h, (f.to(tl.int32, bitcast=True) - 1).to(tl.float32, bitcast=True), f)
+    f = tl.where(f - 0.5 > h, (f.to(tl.int32, bitcast=True) - 1).to(tl.float32, bitcast=True), f)
+    b = tl.maximum(a, f).to(tl.uint32, bitcast=True)
+    return (b * 64 + 0x48000000) | (v.to(tl.uint32, bitcast=True) & 0x80000000)
 
 
 @triton.jit
-def _e2m1_offset(v, RZ_ASM: tl.constexpr):
-    """``t`` with ``t >> 22`` = the E2M1 magnitude code (0..7) of float32 ``v``: nearest, ties away
-    from zero, saturating at 6 (inf and NaN too: ``minimum`` returns the number).
-
-    E2M1 is 0, 0.5, 1 (step 0.5), then one mantissa bit per octave up to 6. Every rounding
-    threshold (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5) is a multiple of 2^21 in float32 bit space.
-    For ``a = |v| >= 1`` the code counts half-octaves: ``((bits(a) + 2^21) >> 22) - 252``. For
-    ``a < 1``, ``b = 0.5 + a / 2`` (rounded toward zero, so no value crosses a threshold) lies in
-    [0.5, 1) with the step-0.5 grid of ``a`` mapped onto the half-octaves of that octave, and the
-    same formula gives 0, 1, 2. ``max(a, b)`` picks the right one (b > a exactly when a < 1), so
-    the code is ``(bits(max(a, b)) - (252 << 22) + 2^21) >> 22``: two min/max, one FMA, one add
-    and a shift, against ~14 integer and select operations of the compare-based encoding."""
-    a = tl.minimum(tl.abs(v), 6.0)
-    b = tl.maximum(a, _rz_half_plus_half(a, RZ_ASM))
-    return b.to(tl.uint32, bitcast=True) - 0x3EE00000
-
-
-@triton.jit
-def _e2m1_pair(ve, vo, RZ_ASM: tl.constexpr):
-    """The FP4 byte (uint32, 0..255) of the pair (``ve`` low nibble, ``vo`` high nibble), signs
-    kept (a negative that rounds to zero gives code 8). Each nibble's magnitude and sign come
-    straight from shifted bits; what else the shifts bring along is masked off."""
-    se = ve.to(tl.uint32, bitcast=True) >> 28  # sign at bit 3
-    so = vo.to(tl.uint32, bitcast=True) >> 24  # sign at bit 7
-    return ((_e2m1_offset(ve, RZ_ASM) >> 22) | (se & 8) | ((_e2m1_offset(vo, RZ_ASM) >> 18) & 0x70)
-            | (so & 0x80))
+def _e2m1_pairs(ve, vo, PTX: tl.constexpr):
+    """The FP4 bytes (uint8) of the pairs (``ve`` low nibble, ``vo`` high nibble). The PTX block
+    takes four pairs of a thread's registers at a time: with the tile's last axis a thread's run
+    of 4 pairs, its four bytes leave as one 32-bit store."""
+    if PTX:
+        return tl.inline_asm_elementwise(E2M1_RUN_PTX, "=r,r,r,r,r,r,r,r,r",
+                                         [ve.to(tl.int32, bitcast=True), vo.to(tl.int32, bitcast=True)],
+                                         dtype=tl.uint8, is_pure=True, pack=4)
+    return ((_e2m1_word(ve) >> 28) | ((_e2m1_word(vo) >> 24) & 0xF0)).to(tl.uint8)
 
 
 @triton.jit
@@ -156,7 +175,7 @@ def _tile_fetch(x_rows, r_rows, row_ok, B0, T: tl.constexpr, N1: tl.constexpr,
 @triton.jit
 def _tile_sum(xa, xb, ra, rb, o_rows, row_ok, B0, T: tl.constexpr, N1: tl.constexpr,
               SCALE_COLS: tl.constexpr, HAS_RES: tl.constexpr, X_PAIRED: tl.constexpr,
-              R_PAIRED: tl.constexpr, STORE: tl.constexpr):
+              R_PAIRED: tl.constexpr, STORE: tl.constexpr, PTX: tl.constexpr):
     """(a, b, sum of squares per row) of a fetched tile; stores out_res1 = x1 + res1 on the way.
     Without a residual, bf16 rows stay packed (a = b = the int32 pairs: half the registers while
     the row waits for its norm); else a, b are the float32 (even, odd) elements (the float32 sum
@@ -175,7 +194,7 @@ def _tile_sum(xa, xb, ra, rb, o_rows, row_ok, B0, T: tl.constexpr, N1: tl.conste
         xo = xo + ro
         if STORE:
             blk, pair, col_ok = _pairs(B0, T, N1, SCALE_COLS)
-            _store_pairs(o_rows, pair, row_ok[:, None, None, None] & col_ok, xe, xo, X_PAIRED)
+            _store_pairs(o_rows, pair, row_ok[:, None, None, None] & col_ok, xe, xo, X_PAIRED, PTX)
         a, b = xe, xo
     ss = tl.sum(tl.sum(tl.sum(xe * xe + xo * xo, axis=3), axis=2), axis=1)
     return a, b, ss
@@ -191,7 +210,7 @@ def _tile_weight(w1_ptr, B0, T: tl.constexpr, N1: tl.constexpr, SCALE_COLS: tl.c
 @triton.jit
 def _tile_quant(a, b, rstd, we, wo, rows, row_ok, q_rows, scale_ptr, B0, T: tl.constexpr,
                 N1: tl.constexpr, SCALE_COLS: tl.constexpr, SCALE_COLS_PAD: tl.constexpr,
-                SHUFFLE: tl.constexpr, PAD: tl.constexpr, RAW: tl.constexpr, RZ_ASM: tl.constexpr):
+                SHUFFLE: tl.constexpr, PAD: tl.constexpr, RAW: tl.constexpr, PTX: tl.constexpr):
     """Normalise, quantize and store blocks [B0, B0+T): FP4 codes and their scale bytes."""
     blk, pair, col_ok = _pairs(B0, T, N1, SCALE_COLS)
     if RAW:
@@ -211,7 +230,7 @@ def _tile_quant(a, b, rstd, we, wo, rows, row_ok, q_rows, scale_ptr, B0, T: tl.c
     # 2^-e exactly; its biased exponent 127 - e is 0 only for e = 127 (2^-127 is denormal).
     ib = 127 - e
     inv = tl.where(ib == 0, 0x00400000, ib << 23).to(tl.float32, bitcast=True)[:, :, None, None]
-    q = _e2m1_pair(ye * inv, yo * inv, RZ_ASM).to(tl.uint8)
+    q = _e2m1_pairs(ye * inv, yo * inv, PTX)
     tl.store(q_rows + pair, q, mask=row_ok[:, None, None, None] & col_ok)
 
     sc = e + 127

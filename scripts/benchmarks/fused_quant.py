@@ -328,33 +328,64 @@ def load_old_kernel():
 
 
 def e2m1_exhaustive(old_mod) -> None:
-    """Every float32 bit pattern through our E2M1 pair encoding (both nibbles) and the old
-    kernel's compare-based ``_e2m1_code``, compiled for this GPU; prints the mismatch count."""
+    """Every float32 bit pattern through our E2M1 encoding of 4-pair runs (the kernel's PTX
+    block), through the same steps as the interpreter takes them (compiled for this GPU) and
+    through the old kernel's encoding (its ``_e2m1_pairs``, ``_e2m1_pair`` or the compare-based
+    ``_e2m1_code`` of older kernels); prints the mismatch counts and how many values were compared. Every pattern
+    goes through each pass twice, in two different slots of a run (even and odd of pairs 0-3)."""
     import triton
     import triton.language as tl
 
     from layouts import _triton_fused_quant_tiles as new_mod
 
+    old_tiles = sys.modules.get(old_mod.__name__.rsplit(".", 1)[0] + "._triton_fused_quant_tiles")
     g = globals()
-    g["_new_pair"], g["_old_code"] = new_mod._e2m1_pair, old_mod._e2m1_code
+    g["_new_pairs"] = new_mod._e2m1_pairs
+    # The old kernel's encoding, whichever it has: 4-pair runs, one pair, or one value.
+    olds = [(name, getattr(mod, name, None)) for mod, name in
+            ((old_tiles, "_e2m1_pairs"), (old_tiles, "_e2m1_pair"), (old_mod, "_e2m1_code"))]
+    mode = next((i for i, (_, fn) in enumerate(olds) if fn is not None), None)
+    if mode is None:
+        print("E2M1 encoding: the old kernel has none of _e2m1_pairs, _e2m1_pair, _e2m1_code; not compared")
+        return
+    old_name, g["_old_enc"] = olds[mode]
 
     @triton.jit
-    def kernel(count_ptr, base, BLOCK: tl.constexpr):
-        bits = (base + tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)).to(tl.uint32)
-        v = bits.to(tl.float32, bitcast=True)
-        new = _new_pair(v, v, True)  # noqa: F821 - set in globals above
-        old = _old_code(v)  # noqa: F821
-        bad = tl.sum((new != (old | (old << 4))).to(tl.int32), axis=0)
-        tl.atomic_add(count_ptr, bad)
+    def kernel(count_ptr, idx_ptr, base, BLOCK: tl.constexpr, MODE: tl.constexpr):
+        # [BLOCK // 8, 4] pairs, loaded as in the fused kernel (4 contiguous per thread): even
+        # slots take patterns base + 2i, odd slots base + 2i + 1; then all of them inverted.
+        r = tl.arange(0, BLOCK // 8)[:, None] * 4 + tl.arange(0, 4)[None, :]
+        i = tl.load(idx_ptr + r)  # = r, from memory so the layout is the kernel's
+        be = (base + tl.program_id(0).to(tl.int64) * BLOCK + 2 * i).to(tl.uint32)
+        bo = be + 1
+        for rev in tl.static_range(2):
+            if rev == 1:
+                be, bo = ~bo, ~be  # every pattern again, in another slot
+            ve = be.to(tl.float32, bitcast=True)
+            vo = bo.to(tl.float32, bitcast=True)
+            new = _new_pairs(ve, vo, True).to(tl.uint32)  # noqa: F821 - set in globals above
+            steps = _new_pairs(ve, vo, False).to(tl.uint32)  # noqa: F821
+            if MODE == 0:
+                old = _old_enc(ve, vo, True).to(tl.uint32)  # noqa: F821
+            elif MODE == 1:
+                old = _old_enc(ve, vo, True) & 0xFF  # noqa: F821
+            else:
+                old = _old_enc(ve) | (_old_enc(vo) << 4)  # noqa: F821
+            tl.atomic_add(count_ptr, tl.sum(tl.sum((new != old).to(tl.int64), axis=1), axis=0))
+            tl.atomic_add(count_ptr + 1, tl.sum(tl.sum((new != steps).to(tl.int64), axis=1), axis=0))
+            tl.atomic_add(count_ptr + 2, tl.sum(tl.sum((new == new).to(tl.int64), axis=1), axis=0) * 2)
 
-    count = torch.zeros(1, dtype=torch.int32, device="cuda")
-    block, per_launch = 1024, 1 << 30
+    count = torch.zeros(3, dtype=torch.int64, device="cuda")
+    block, per_launch = 2048, 1 << 30
+    idx = torch.arange(block // 2, dtype=torch.int32, device="cuda")
     t0 = time.time()
     for base in range(0, 1 << 32, per_launch):
-        kernel[(per_launch // block,)](count, base, BLOCK=block)
+        kernel[(per_launch // block,)](count, idx, base, BLOCK=block, MODE=mode)
     torch.cuda.synchronize()
-    print(f"E2M1 encoding, all 2^32 float32 patterns, ours vs the old kernel's: {int(count.item())} mismatches "
-        f"({time.time() - t0:.1f} s)")
+    bad_old, bad_steps, values = (int(c) for c in count.tolist())
+    print(f"E2M1 encoding, {values:,} float32 values (every pattern twice, in two slots of a run): the PTX block "
+          f"vs the old kernel's {old_name}: {bad_old} bytes differ; vs the "
+          f"interpreter's steps compiled: {bad_steps} differ ({time.time() - t0:.1f} s)")
 
 
 def aiter_dynamic_quant(mod):
