@@ -41,7 +41,9 @@ holds the kernel, its launch plan (:func:`_plan`) and the Python entry.
 Measured on an H200 (scripts/bench.py fused-quant, CUDA graphs, shuffle + padding, 2026-12-04;
 docs/BENCHMARKS.md): M = 65536, N1 = 7168 with residual 849 us (3.61 TB/s, 0.86 of the run's
 best copy); N1 = 1536 + kv 512: 103 us (3.78 TB/s, 0.90; was 121); M = 1: 2.3-2.6 us (was
-2.9-3.0 in the same runs) and 1.8 us (was 1.9).
+2.9-3.0 in the same runs) and 1.8 us (was 1.9). On an H100 (2026-12-07, the E2M1 encoding and
+the bf16 pair stores in PTX): 0.90 of the best copy at M = 4096 at both sites, 0.98-0.99 at
+65536; q_a + kv_a at 16384 0.87 (a fixed ~4.5 us of start and drain, see docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
