@@ -183,6 +183,9 @@ def _fused_rms_mxfp4_kernel(
 
 # triton.jit picked interpreter or compiler when the kernel above was defined (at import).
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# Inline PTX (the E2M1 encoding, bf16 pair stores) only where Triton compiles for NVIDIA; a ROCm
+# build of torch without aiter runs the same steps as tl operations, as the interpreter does.
+_NVIDIA = torch.version.hip is None
 
 
 @functools.lru_cache(maxsize=None)
@@ -318,6 +321,63 @@ def _plan(m: int, n1: int, n2: int, padded: bool, raw: bool, on_gpu: bool, sms: 
                 fill_end, nsplit, ts, x2_main, flat_sum)
 
 
+def _constants(plan: Plan, n1: int, n2: int, has_res: bool, has_x2: bool, shuffle: bool, padded: bool,
+               x_paired: bool, r_paired: bool, w_paired: bool, ptx: bool) -> dict:
+    """The kernel's constexpr arguments for one launch plan (the launch and :func:`compile_offline`)."""
+    return dict(
+        N1=n1, N2=n2, SCALE_COLS=plan.cols, SCALE_COLS_PAD=plan.cols_pad,
+        NB_PAD=triton.next_power_of_2(plan.cols_pad), T0=plan.tiles[0], T1=plan.tiles[1], T2=plan.tiles[2],
+        SPLIT=plan.split, TS=plan.ts, BLOCK_M=plan.bm, BLOCK_M2=plan.bm2, BLOCK_N2=plan.nb2,
+        HAS_RES=has_res, HAS_X2=has_x2, SHUFFLE=shuffle, PAD=padded,
+        X_PAIRED=x_paired, R_PAIRED=r_paired, W_PAIRED=w_paired, PTX=ptx,
+        X2_MAIN=plan.x2_main, FLAT_SUM=plan.flat_sum, NPAIR=triton.next_power_of_2(n1 // 2),
+        FILL_BLOCK=_FILL_BLOCK,
+    )
+
+
+def compile_offline(target, m: int, n1: int, n2: int = 0, has_res: bool = False, *, sms: int = 132,
+                    shuffle: bool = True, padded: bool = True):
+    """Compile the kernel, without a GPU, for ``target`` (a ``triton.backends.compiler.GPUTarget``:
+    ``GPUTarget("cuda", 90, 32)``, ``GPUTarget("hip", "gfx942", 64)``) as a launch of an ``[m,
+    n1]`` bf16 call would compile it (paired, 16-byte aligned, residual if ``has_res``, x2 of width
+    ``n2``; the GPU launch plan for ``sms`` multiprocessors; Triton's specialisation of integer
+    arguments: 1 is a constant, multiples of 16 are marked so). Inline PTX exactly where the target
+    is NVIDIA's, as at run time. Returns Triton's compiled kernel (``.asm["sass" / "ptx" /
+    "amdgcn" / "cubin" ...]``): the suite checks that both targets compile; the SASS counts in
+    docs/BENCHMARKS.md come from it (``scripts/bench.py fused-quant --sass``)."""
+    from triton.compiler import ASTSource
+
+    plan = _plan(m, n1, n2, padded, not has_res, True, sms, None, None)
+    consts = _constants(plan, n1, n2, has_res, bool(n2), shuffle, padded, True, has_res, True,
+                        target.backend == "cuda")
+    # The launch's arguments: absent tensors are None (constants), the rest as the wrapper passes them.
+    pointers = {"x1_ptr": "*i32", "w1_ptr": "*i32", "res1_ptr": "*i32" if has_res else None,
+                "out_res1_ptr": "*i32" if has_res else None, "q_ptr": "*u8", "scale_ptr": "*u8",
+                "x2_ptr": "*bf16" if n2 else None, "w2_ptr": "*bf16" if n2 else None,
+                "out2_ptr": "*bf16" if n2 else None}
+    ints = {"M": m, "x1_stride": n1 // 2, "res1_stride": n1 // 2 if has_res else 0, "x2_stride": n2,
+            "n_split": plan.n_split, "n_main": plan.n_main, "n_x2": plan.n_x2, "fill_start": plan.fill_start,
+            "fill_end": plan.fill_end}
+    names = list(_fused_rms_mxfp4_kernel.arg_names)
+    signature, constexprs, attrs = {}, dict(consts), {}
+    for n in names:
+        if n in pointers and pointers[n] is None or ints.get(n) == 1:
+            constexprs[n] = None if n in pointers else 1
+        elif n in pointers:
+            signature[n] = pointers[n]
+            attrs[(names.index(n),)] = [["tt.divisibility", 16]]  # torch's allocations are 16-byte aligned
+        elif n in ints:
+            signature[n] = "i32"
+            if ints[n] % 16 == 0:
+                attrs[(names.index(n),)] = [["tt.divisibility", 16]]
+        elif n not in consts:
+            signature[n] = "fp32"  # eps1, eps2
+    signature.update({n: "constexpr" for n in constexprs})
+    src = ASTSource(_fused_rms_mxfp4_kernel, signature,
+                    constexprs={(names.index(n),): v for n, v in constexprs.items()}, attrs=attrs)
+    return triton.compile(src, target=target, options={"num_warps": plan.warps})
+
+
 def _paired(t: torch.Tensor) -> bool:
     # The int32 pair view needs bf16 with 4-byte aligned rows (unit last stride is given).
     return t.dtype == torch.bfloat16 and t.data_ptr() % 4 == 0 and (t.dim() == 1 or t.stride(0) % 2 == 0)
@@ -383,13 +443,8 @@ def fused_rms_mxfp4_quant_triton(
         m, x1_stride, res1_stride, x2.stride(0) if x2 is not None else 0,
         float(x1_epsilon), float(x2_epsilon),
         plan.n_split, plan.n_main, plan.n_x2, plan.fill_start, plan.fill_end,
-        N1=n1, N2=n2, SCALE_COLS=plan.cols, SCALE_COLS_PAD=cols_pad, NB_PAD=triton.next_power_of_2(cols_pad),
-        T0=tiles[0], T1=tiles[1], T2=tiles[2], SPLIT=plan.split, TS=plan.ts,
-        BLOCK_M=plan.bm, BLOCK_M2=plan.bm2, BLOCK_N2=plan.nb2,
-        HAS_RES=res1 is not None, HAS_X2=x2 is not None, SHUFFLE=bool(shuffle), PAD=padded,
-        X_PAIRED=x_paired, R_PAIRED=r_paired, W_PAIRED=w_paired, PTX=on_gpu,
-        X2_MAIN=plan.x2_main, FLAT_SUM=plan.flat_sum, NPAIR=triton.next_power_of_2(n1 // 2),
-        FILL_BLOCK=_FILL_BLOCK,
+        **_constants(plan, n1, n2, res1 is not None, x2 is not None, bool(shuffle), padded, x_paired, r_paired,
+                     w_paired, on_gpu and _NVIDIA),
         num_warps=plan.warps,
     )
     return (q, scale), out2, out_res1

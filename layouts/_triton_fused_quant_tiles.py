@@ -76,7 +76,8 @@ def _store_pairs(row_ptr, pair, mask, even, odd, PAIRED: tl.constexpr, PTX: tl.c
 # round-toward-zero FMA, max, the multiply-add and one LOP3 for the sign; then six byte permutes
 # gather the eight nibbles (each the top half of byte 3 of its word) and one shift and LOP3 pair
 # them. About 6 instructions a value, where shifting each nibble into place took ~9 (SASS of the
-# q_a site at M = 4096, Triton 3.6: 1,200 -> 1,088 a lane; 9.23 -> 8.95 us on an H100). Every
+# q_a site at M = 4096, Triton 3.6: 1,202 -> 1,087 a lane, `scripts/bench.py fused-quant --sass`;
+# 9.23 -> 8.95 us on an H100). Every
 # float32 pattern, in two slots of a run, gives the earlier encoding's bytes and those of the
 # interpreter's steps (scripts/bench.py fused-quant --e2m1-exhaustive; docs/BENCHMARKS.md).
 _E2M1_VALUE_PTX = ("abs.f32 t{j}, ${k}; min.f32 t{j}, t{j}, 0f40C00000; "

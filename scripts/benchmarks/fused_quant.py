@@ -80,6 +80,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="an earlier version of our kernel, timed (and checked) beside ours as 'old': a git "
                          "revision (e.g. HEAD~3), or a copy of layouts/_triton_fused_quant.py (with its folder's "
                          "_triton_fused_quant_tiles.py, where there is one)")
+    ap.add_argument("--sass", action="store_true",
+                    help="only compile our kernel for an H100 (sm_90, no GPU needed) at both sites and print its "
+                         "registers and SASS instruction counts (the row program's and by opcode)")
     ap.add_argument("--e2m1-exhaustive", action="store_true",
                     help="compare our E2M1 encoding with the old kernel's on all 2^32 float32 values (GPU)")
     add_cpu_smoke(ap)
@@ -327,6 +330,42 @@ def load_old_kernel():
     return importlib.import_module("_old_kernel._triton_fused_quant")
 
 
+def sass_counts(ms: list[int]) -> None:
+    """Our kernel compiled for sm_90 as a launch at each site and M would be (no GPU: Triton's own
+    ptxas and cuobjdump): registers, and SASS instructions a lane from the start to the first
+    unconditional EXIT (the row program: pad and fill programs branch off before it)."""
+    import collections
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    from layouts._triton_fused_quant import compile_offline
+
+    cuobjdump = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    print(f"our kernel for sm_90, triton {triton.__version__} (offline)")
+    for site, (n1, res, n2) in SITES.items():
+        for m in ms:
+            ck = compile_offline(GPUTarget("cuda", 90, 32), m, n1, n2, res)
+            with tempfile.TemporaryDirectory() as d:
+                cubin = pathlib.Path(d) / "k.cubin"
+                cubin.write_bytes(ck.asm["cubin"])
+                usage = subprocess.run([str(cuobjdump), "-res-usage", str(cubin)], capture_output=True, text=True).stdout
+                sass = subprocess.run([str(cuobjdump), "-sass", str(cubin)], capture_output=True, text=True).stdout
+            regs = re.search(r"REG:(\d+)", usage)
+            ops, total, ended = [], 0, False
+            for pred, op in re.findall(r"/\*[0-9a-f]{4}\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)", sass):
+                total += 1
+                if not ended:
+                    ops.append(op)
+                    ended = op == "EXIT" and not pred
+            top = collections.Counter(o.split(".")[0] for o in ops).most_common(8)
+            print(f"{site} M={m}: {regs.group(1) if regs else '?'} registers, {len(ops)} instructions a lane in the "
+                  f"row program ({total} in the kernel): " + ", ".join(f"{o} {c}" for o, c in top))
+
+
 def e2m1_exhaustive(old_mod) -> None:
     """Every float32 bit pattern through our E2M1 encoding of 4-pair runs (the kernel's PTX
     block), through the same steps as the interpreter takes them (compiled for this GPU) and
@@ -521,6 +560,9 @@ def ab_flags(ms: list[int]) -> None:
 def run(args: argparse.Namespace) -> None:
     global ARGS, DEVICE
     ARGS, DEVICE = args, "cpu" if args.cpu_smoke else "cuda"
+    if args.sass:
+        sass_counts(ARGS.ms or [4096])
+        return
     require_compiled_triton(args.cpu_smoke)
     if args.aiter_dir:  # read when tests/aiter_oracle.py is first imported (load_aiter)
         os.environ["PREP_AITER_ORACLE_DIR"] = str(pathlib.Path(args.aiter_dir).resolve())
