@@ -361,7 +361,7 @@ def compile_offline(target, m: int, n1: int, n2: int = 0, has_res: bool = False,
     names = list(_fused_rms_mxfp4_kernel.arg_names)
     signature, constexprs, attrs = {}, dict(consts), {}
     for n in names:
-        if n in pointers and pointers[n] is None or ints.get(n) == 1:
+        if (n in pointers and pointers[n] is None) or ints.get(n) == 1:
             constexprs[n] = None if n in pointers else 1
         elif n in pointers:
             signature[n] = pointers[n]
@@ -419,7 +419,7 @@ def fused_rms_mxfp4_quant_triton(
     x_paired = _paired(x1)
     plan = _plan(m, n1, n2, padded, x_paired and res1 is None, on_gpu, sms, block_m, num_warps, split,
                  x2_main, flat_sum)
-    grid, rows_pad, cols_pad, tiles = plan.grid, plan.rows_pad, plan.cols_pad, plan.tiles
+    grid, rows_pad, cols_pad = plan.grid, plan.rows_pad, plan.cols_pad
 
     q = torch.empty((m, n1 // 2), dtype=torch.uint8, device=dev)
     scale = torch.empty((rows_pad, cols_pad), dtype=torch.uint8, device=dev)
