@@ -166,6 +166,37 @@ def _native(asked: bool | None, dev: torch.device, dtype: torch.dtype) -> bool:
     return True if asked is None else bool(asked)
 
 
+def _constants(plan: Plan, n1: int, n2: int, groups: int, has_res: bool, per_token: bool, dtype: torch.dtype,
+               native_cast: bool) -> dict:
+    """The kernel's constexpr arguments (the launch and :func:`compile_offline`)."""
+    return dict(N1=n1, N2=n2, G=plan.g, NG=plan.ng, GROUPS=groups, BLOCK_M=plan.bm,
+                BLOCK_N2=triton.next_power_of_2(max(n2, 1)), HAS_RES=has_res, HAS_X2=bool(n2),
+                PER_TOKEN=per_token, FNUZ=dtype == torch.float8_e4m3fnuz, FP8_MAX=fp8_max(dtype),
+                AMAX_MIN=AMAX_FLOOR, NATIVE_CAST=native_cast)
+
+
+def compile_offline(target, m: int, n1: int, n2: int = 0, has_res: bool = False, *,
+                    group_size: int | None = 128, transpose_scale: bool = True,
+                    dtype: torch.dtype = torch.float8_e4m3fn):
+    """Compile the kernel, without a GPU, for ``target`` (a ``GPUTarget``) as a launch of an ``[m,
+    n1]`` bf16 call would compile it (residual if ``has_res``, x2 of width ``n2``, the GPU plan;
+    the GPU's own FP8 conversion where a CUDA launch takes it: NVIDIA, e4m3fn). The suite checks
+    that this compiles for sm_90 and gfx942; see :mod:`layouts._triton_offline`."""
+    from ._triton_offline import compile_like_launch
+
+    plan = _plan(m, n1, group_size, True, None, None)
+    rows, groups = fp8_scale_shape(m, n1, group_size)
+    s_row, s_col = (1, m) if transpose_scale else (groups, 1)
+    native = target.backend == "cuda" and dtype == torch.float8_e4m3fn
+    args = {"x1_ptr": "*bf16", "w1_ptr": "*bf16", "res1_ptr": "*bf16" if has_res else None,
+            "out_res1_ptr": "*bf16" if has_res else None, "q_ptr": "*u8", "scale_ptr": "*fp32",
+            "x2_ptr": "*bf16" if n2 else None, "w2_ptr": "*bf16" if n2 else None,
+            "out2_ptr": "*bf16" if n2 else None, "M": m, "x1_stride": n1, "res1_stride": n1 if has_res else 0,
+            "x2_stride": n2, "scale_row_stride": s_row, "scale_col_stride": s_col, "eps1": 1e-6, "eps2": 1e-6}
+    consts = _constants(plan, n1, n2, groups, has_res, group_size is None, dtype, native)
+    return compile_like_launch(_fused_rms_fp8_kernel, target, args, consts, plan.warps)
+
+
 def fused_rms_fp8_quant_triton(
     x1: torch.Tensor,
     x1_weight: torch.Tensor,
@@ -210,10 +241,8 @@ def fused_rms_fp8_quant_triton(
         x2, x2_weight, out2,
         m, x1.stride(0), res1.stride(0) if res1 is not None else 0, x2.stride(0) if x2 is not None else 0,
         s_row, s_col, float(x1_epsilon), float(x2_epsilon),
-        N1=n1, N2=n2, G=plan.g, NG=plan.ng, GROUPS=groups, BLOCK_M=plan.bm,
-        BLOCK_N2=triton.next_power_of_2(max(n2, 1)),
-        HAS_RES=res1 is not None, HAS_X2=x2 is not None, PER_TOKEN=group_size is None,
-        FNUZ=dtype == torch.float8_e4m3fnuz, FP8_MAX=fp8_max(dtype), AMAX_MIN=AMAX_FLOOR,
-        NATIVE_CAST=_native(native_cast, dev, dtype), num_warps=plan.warps,
+        **_constants(plan, n1, n2, groups, res1 is not None, group_size is None, dtype,
+                     _native(native_cast, dev, dtype)),
+        num_warps=plan.warps,
     )
     return (q, scale), out2, out_res1

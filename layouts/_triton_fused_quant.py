@@ -345,37 +345,20 @@ def compile_offline(target, m: int, n1: int, n2: int = 0, has_res: bool = False,
     is NVIDIA's, as at run time. Returns Triton's compiled kernel (``.asm["sass" / "ptx" /
     "amdgcn" / "cubin" ...]``): the suite checks that both targets compile; the SASS counts in
     docs/BENCHMARKS.md come from it (``scripts/bench.py fused-quant --sass``)."""
-    from triton.compiler import ASTSource
+    from ._triton_offline import compile_like_launch
 
     plan = _plan(m, n1, n2, padded, not has_res, True, sms, None, None)
     consts = _constants(plan, n1, n2, has_res, bool(n2), shuffle, padded, True, has_res, True,
                         target.backend == "cuda")
-    # The launch's arguments: absent tensors are None (constants), the rest as the wrapper passes them.
-    pointers = {"x1_ptr": "*i32", "w1_ptr": "*i32", "res1_ptr": "*i32" if has_res else None,
-                "out_res1_ptr": "*i32" if has_res else None, "q_ptr": "*u8", "scale_ptr": "*u8",
-                "x2_ptr": "*bf16" if n2 else None, "w2_ptr": "*bf16" if n2 else None,
-                "out2_ptr": "*bf16" if n2 else None}
-    ints = {"M": m, "x1_stride": n1 // 2, "res1_stride": n1 // 2 if has_res else 0, "x2_stride": n2,
-            "n_split": plan.n_split, "n_main": plan.n_main, "n_x2": plan.n_x2, "fill_start": plan.fill_start,
-            "fill_end": plan.fill_end}
-    names = list(_fused_rms_mxfp4_kernel.arg_names)
-    signature, constexprs, attrs = {}, dict(consts), {}
-    for n in names:
-        if (n in pointers and pointers[n] is None) or ints.get(n) == 1:
-            constexprs[n] = None if n in pointers else 1
-        elif n in pointers:
-            signature[n] = pointers[n]
-            attrs[(names.index(n),)] = [["tt.divisibility", 16]]  # torch's allocations are 16-byte aligned
-        elif n in ints:
-            signature[n] = "i32"
-            if ints[n] % 16 == 0:
-                attrs[(names.index(n),)] = [["tt.divisibility", 16]]
-        elif n not in consts:
-            signature[n] = "fp32"  # eps1, eps2
-    signature.update({n: "constexpr" for n in constexprs})
-    src = ASTSource(_fused_rms_mxfp4_kernel, signature,
-                    constexprs={(names.index(n),): v for n, v in constexprs.items()}, attrs=attrs)
-    return triton.compile(src, target=target, options={"num_warps": plan.warps})
+    # The launch's arguments as the wrapper passes them: bf16 as int32 pairs, absent tensors None.
+    args = {"x1_ptr": "*i32", "w1_ptr": "*i32", "res1_ptr": "*i32" if has_res else None,
+            "out_res1_ptr": "*i32" if has_res else None, "q_ptr": "*u8", "scale_ptr": "*u8",
+            "x2_ptr": "*bf16" if n2 else None, "w2_ptr": "*bf16" if n2 else None,
+            "out2_ptr": "*bf16" if n2 else None,
+            "M": m, "x1_stride": n1 // 2, "res1_stride": n1 // 2 if has_res else 0, "x2_stride": n2,
+            "eps1": 1e-6, "eps2": 1e-6, "n_split": plan.n_split, "n_main": plan.n_main, "n_x2": plan.n_x2,
+            "fill_start": plan.fill_start, "fill_end": plan.fill_end}
+    return compile_like_launch(_fused_rms_mxfp4_kernel, target, args, consts, plan.warps)
 
 
 def _paired(t: torch.Tensor) -> bool:

@@ -121,6 +121,18 @@ def _encode_with_kernel(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return out.reshape(x.shape)
 
 
+@pytest.mark.parametrize("n1, n2, res", [(7168, 0, True), (1536, 512, False)], ids=["input-norm", "q_a+kv_a"])
+def test_triton_kernel_compiles_with_the_gpus_fp8_conversion_for_nvidia_and_fnuz_bytes_for_amd(n1, n2, res, tmp_path):
+    # On a CUDA GPU the kernel encodes e4m3fn with the GPU's own conversion (NATIVE_CAST), which the
+    # interpreter never runs; MI300 takes e4m3fnuz through _fp8_byte. Both compiled here, no GPU.
+    from offline_compile import compile_for_nvidia_and_amd
+
+    got = compile_for_nvidia_and_amd("layouts._triton_fused_fp8_quant", (4096, n1, n2, res), tmp_path,
+                                     amd_kwargs={"dtype": "torch.float8_e4m3fnuz"})
+    assert got["nvidia"]["cubin"] > 0 and got["amd"]["hsaco"] > 0
+    assert "cvt.rn.satfinite.e4m3x2.f32" in got["nvidia"]["ptx"]  # the GPU's conversion, two at a time
+
+
 def test_transposed_scale_holds_the_transposes_bytes_presented_as_rows_by_groups():
     args = make_inputs(9, 1536)
     (_, s), _, _ = fused_rms_fp8_quant_reference(**args)

@@ -343,38 +343,18 @@ def test_triton_kernel_rounds_every_tie_and_extreme_block_like_the_reference():
     assert scale[0].tolist() == [127, 0, 127 + 120, 127 - 11, 127 - 12, 0]
 
 
-# Run in a child without TRITON_INTERPRET: here the kernel module was imported interpreted.
-_COMPILE_BOTH = """
-import json, sys
-from triton.backends.compiler import GPUTarget
-from layouts._triton_fused_quant import compile_offline
-n1, n2, res = (int(a) for a in sys.argv[1:4])
-nv = compile_offline(GPUTarget("cuda", 90, 32), 4096, n1, n2, bool(res))
-amd = compile_offline(GPUTarget("hip", "gfx942", 64), 4096, n1, n2, bool(res))
-print(json.dumps({"cubin": len(nv.asm["cubin"]), "ptx": nv.asm["ptx"], "hsaco": len(amd.asm["hsaco"])}))
-"""
-
-
 @pytest.mark.parametrize("n1, n2, res", [(7168, 0, True), (1536, 512, False)], ids=["input-norm", "q_a+kv_a"])
 def test_triton_kernel_compiles_for_nvidia_with_its_ptx_and_for_amd_without(n1, n2, res, tmp_path):
     # The suite interprets the kernel; this compiles it (no GPU needed) as a GPU launch would:
     # for sm_90 its inline PTX (the E2M1 runs, the bf16 pair stores) must pass ptxas; for
     # gfx942 (ROCm torch without aiter) the kernel must take its tl steps, as LLVM refuses PTX.
-    import json
-    import os
-    import subprocess
+    from offline_compile import compile_for_nvidia_and_amd
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9 warns when unset; fused, as launches are
-    env["TRITON_CACHE_DIR"] = str(tmp_path)  # compiled here, not found in a cache (LLVM's errors print once)
-    run = subprocess.run([sys.executable, "-c", _COMPILE_BOTH, str(n1), str(n2), str(int(res))],
-                         capture_output=True, text=True, env=env, timeout=300)
-    # LLVM reports inline asm it cannot place on stderr, and Triton 3.9 goes on without it.
-    assert run.returncode == 0 and "error" not in run.stderr.lower(), run.stderr[-2000:]
-    got = json.loads(run.stdout.strip().splitlines()[-1])
-    assert got["cubin"] > 0 and got["hsaco"] > 0
-    assert "fma.rz.f32" in got["ptx"] and "prmt.b32" in got["ptx"]  # the E2M1 runs' PTX block
-    assert "cvt.rn.bf16x2.f32" in got["ptx"] or not res  # out_res1's pairs (out2's: Triton's own)
+    got = compile_for_nvidia_and_amd("layouts._triton_fused_quant", (4096, n1, n2, res), tmp_path)
+    assert got["nvidia"]["cubin"] > 0 and got["amd"]["hsaco"] > 0
+    ptx = got["nvidia"]["ptx"]
+    assert "fma.rz.f32" in ptx and "prmt.b32" in ptx  # the E2M1 runs' PTX block
+    assert "cvt.rn.bf16x2.f32" in ptx or not res  # out_res1's pairs (out2's: Triton's own)
 
 
 def test_triton_kernel_with_no_rows_returns_empty_outputs():
