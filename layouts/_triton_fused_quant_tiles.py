@@ -14,7 +14,7 @@ own module.
 
 On a GPU the E2M1 encoding and the bf16 pair stores are inline PTX (``PTX``), which the
 interpreter cannot run: there, tl operations take the same steps (see the comment above
-:data:`E2M1_RUN_PTX`), so the suite checks the arithmetic and the GPU check the transcription.
+:data:`E2M1_RUN_PTX`), so the suite checks the arithmetic and a GPU run checks the transcription.
 """
 
 from __future__ import annotations
@@ -77,9 +77,9 @@ def _store_pairs(row_ptr, pair, mask, even, odd, PAIRED: tl.constexpr, PTX: tl.c
 # gather the eight nibbles (each the top half of byte 3 of its word) and one shift and LOP3 pair
 # them. About 6 instructions a value, where shifting each nibble into place took ~9 (SASS of the
 # q_a site at M = 4096, Triton 3.6: 1,202 -> 1,087 a lane, `scripts/bench.py fused-quant --sass`;
-# 9.23 -> 8.95 us on an H100). Every
-# float32 pattern, in two slots of a run, gives the earlier encoding's bytes and those of the
-# interpreter's steps (scripts/bench.py fused-quant --e2m1-exhaustive; docs/BENCHMARKS.md).
+# 9.23 -> 8.95 us on an H100). Every float32 pattern, in two slots of a run, gives the earlier
+# encoding's bytes and those of the interpreter's steps (scripts/bench.py fused-quant
+# --e2m1-exhaustive; docs/BENCHMARKS.md).
 _E2M1_VALUE_PTX = ("abs.f32 t{j}, ${k}; min.f32 t{j}, t{j}, 0f40C00000; "
                    "fma.rz.f32 h{j}, t{j}, 0f3F000000, 0f3F000000; max.f32 h{j}, t{j}, h{j}; "
                    "mad.lo.u32 h{j}, h{j}, 64, 0x48000000; lop3.b32 h{j}, h{j}, ${k}, 0x80000000, 0xF8; ")
