@@ -156,9 +156,14 @@ def _plan(m: int, n1: int, group_size: int | None, on_gpu: bool, block_m: int | 
     return Plan(g, ng, bm, warps)
 
 
+def _gpu_converts(nvidia: bool, dtype: torch.dtype) -> bool:
+    """Whether the GPU's own FP8 conversion can encode ``dtype`` (NVIDIA's, e4m3fn only)."""
+    return nvidia and dtype == torch.float8_e4m3fn
+
+
 def _native(asked: bool | None, dev: torch.device, dtype: torch.dtype) -> bool:
     """Whether the FP8 bytes come from the GPU's own conversion (``native_cast``)."""
-    if INTERPRETED or dev.type != "cuda" or dtype != torch.float8_e4m3fn or not torch.version.cuda:
+    if INTERPRETED or dev.type != "cuda" or not _gpu_converts(bool(torch.version.cuda), dtype):
         return False
     # On by default: on an H100 the same bytes at every shape of both DeepSeek sites, and 0.87x the
     # time at M = 1 and 4096 (3.56 -> 3.08 us at the input norm), 0.99-1.00x from M = 16384
@@ -166,9 +171,11 @@ def _native(asked: bool | None, dev: torch.device, dtype: torch.dtype) -> bool:
     return True if asked is None else bool(asked)
 
 
+@functools.lru_cache(maxsize=4096)
 def _constants(plan: Plan, n1: int, n2: int, groups: int, has_res: bool, per_token: bool, dtype: torch.dtype,
                native_cast: bool) -> dict:
-    """The kernel's constexpr arguments (the launch and :func:`compile_offline`)."""
+    """The kernel's constexpr arguments (the launch and :func:`compile_offline`). Cached like the
+    plan, the wrapper being most of a decode-size call; callers only unpack or copy it."""
     return dict(N1=n1, N2=n2, G=plan.g, NG=plan.ng, GROUPS=groups, BLOCK_M=plan.bm,
                 BLOCK_N2=triton.next_power_of_2(max(n2, 1)), HAS_RES=has_res, HAS_X2=bool(n2),
                 PER_TOKEN=per_token, FNUZ=dtype == torch.float8_e4m3fnuz, FP8_MAX=fp8_max(dtype),
@@ -187,7 +194,7 @@ def compile_offline(target, m: int, n1: int, n2: int = 0, has_res: bool = False,
     plan = _plan(m, n1, group_size, True, None, None)
     rows, groups = fp8_scale_shape(m, n1, group_size)
     s_row, s_col = (1, m) if transpose_scale else (groups, 1)
-    native = target.backend == "cuda" and dtype == torch.float8_e4m3fn
+    native = _gpu_converts(target.backend == "cuda", dtype)  # the launch's default (_native)
     args = {"x1_ptr": "*bf16", "w1_ptr": "*bf16", "res1_ptr": "*bf16" if has_res else None,
             "out_res1_ptr": "*bf16" if has_res else None, "q_ptr": "*u8", "scale_ptr": "*fp32",
             "x2_ptr": "*bf16" if n2 else None, "w2_ptr": "*bf16" if n2 else None,

@@ -321,9 +321,12 @@ def _plan(m: int, n1: int, n2: int, padded: bool, raw: bool, on_gpu: bool, sms: 
                 fill_end, nsplit, ts, x2_main, flat_sum)
 
 
+@functools.lru_cache(maxsize=4096)
 def _constants(plan: Plan, n1: int, n2: int, has_res: bool, has_x2: bool, shuffle: bool, padded: bool,
                x_paired: bool, r_paired: bool, w_paired: bool, ptx: bool) -> dict:
-    """The kernel's constexpr arguments for one launch plan (the launch and :func:`compile_offline`)."""
+    """The kernel's constexpr arguments for one launch plan (the launch and :func:`compile_offline`).
+    Cached like the plan, the wrapper being most of a decode-size call; callers only unpack or
+    copy it."""
     return dict(
         N1=n1, N2=n2, SCALE_COLS=plan.cols, SCALE_COLS_PAD=plan.cols_pad,
         NB_PAD=triton.next_power_of_2(plan.cols_pad), T0=plan.tiles[0], T1=plan.tiles[1], T2=plan.tiles[2],
