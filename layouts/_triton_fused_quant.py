@@ -16,7 +16,16 @@ only difference from the torch reference is the float32 summation order of ``sum
 
 Layout of the work (one launch, no other kernel, no torch.fill):
 
-* programs ``[0, n_split)``: ``BLOCK_M`` rows of x1 each, the whole row in registers. The row's
+* programs ``[0, n_split)`` with ``RUN_TILES`` (whole rows, every operand paired bf16: both
+  DeepSeek sites from a few hundred rows): one row each, its blocks in the same <= 3 tiles but
+  *run-major* (``[1, 4, T, 4]``: a block's run, the block, the pair in the run), on as many warps
+  as the smallest tile's runs fill (q_a + kv_a on 2, the input norm on 4). Triton's layout of that
+  shape keeps a block's 4 runs on 4 neighbouring lanes and spreads the warps over blocks, so the
+  amax of a block never leaves its warp, and the sums of squares (x1's and x2's, x2 loaded as a
+  tile of the same shape) cross warps once, together: 2 barriers a row, where the block-major
+  tiles below put a block's runs on different warps (17 at the input norm) and kept q_a on one
+  warp for that reason.
+* programs ``[0, n_split)`` otherwise: ``BLOCK_M`` rows of x1 each, the whole row in registers. The row's
   32-element blocks are split into <= 3 power-of-two tiles (224 = 128 + 64 + 32 for N1 = 7168,
   48 = 32 + 16 for 1536), each held as ``[BLOCK_M, T, 4, 4]`` element *pairs*: bf16 pairs are
   loaded as one int32 each (the wrapper passes int32 views), which makes the (even, odd) nibble
@@ -58,12 +67,19 @@ import triton.language as tl
 
 from ._triton_fused_quant_tiles import (
     E8M0_PAD,
+    _add2,
+    _run_fetch,
+    _run_pairs,
+    _run_sum,
+    _run_tile_quant,
     _row_sumsq,
     _scale_offsets,
+    _store_pairs,
     _tile_fetch,
     _tile_quant,
     _tile_sum,
     _tile_weight,
+    _unpack,
     _x2_fetch,
     _x2_norm,
 )
@@ -85,9 +101,62 @@ def _fused_rms_mxfp4_kernel(
     HAS_RES: tl.constexpr, HAS_X2: tl.constexpr, SHUFFLE: tl.constexpr, PAD: tl.constexpr,
     X_PAIRED: tl.constexpr, R_PAIRED: tl.constexpr, W_PAIRED: tl.constexpr, PTX: tl.constexpr,
     X2_MAIN: tl.constexpr, FLAT_SUM: tl.constexpr, NPAIR: tl.constexpr, FILL_BLOCK: tl.constexpr,
+    RUN_TILES: tl.constexpr, FOLD: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    if pid < n_split:
+    if RUN_TILES and pid < n_split:
+        # BLOCK_M whole rows as run-major tiles (T0 + T1 + T2 blocks, each a multiple of FOLD, the
+        # blocks one layer of the program's lanes holds) and x2 (when HAS_X2, FOLD blocks wide) as
+        # one more: every load first, then the sums of squares folded to [BLOCK_M, FOLD] inside
+        # the threads and added, so that x1's and x2's sums cross warps once, together; then each
+        # tile's quant, and x2's norm.
+        rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < M
+        rows64 = rows.to(tl.int64)
+        x_rows = x1_ptr + (rows64 * x1_stride)[:, None, None, None]
+        r_rows = res1_ptr + (rows64 * res1_stride)[:, None, None, None] if HAS_RES else res1_ptr
+        o_rows = out_res1_ptr + (rows64 * (N1 // 2))[:, None, None, None] if HAS_RES else out_res1_ptr
+        q_rows = q_ptr + (rows64 * (N1 // 2))[:, None, None, None]
+        xa0, ra0 = _run_fetch(x_rows, r_rows, row_ok, 0, T0, HAS_RES)
+        if T1 > 0:
+            xa1, ra1 = _run_fetch(x_rows, r_rows, row_ok, T0, T1, HAS_RES)
+        if T2 > 0:
+            xa2, ra2 = _run_fetch(x_rows, r_rows, row_ok, T0 + T1, T2, HAS_RES)
+        if HAS_X2:
+            _, pair2 = _run_pairs(0, FOLD)
+            x2a = tl.load(x2_ptr + (rows64 * x2_stride)[:, None, None, None] + pair2,
+                          mask=row_ok[:, None, None, None], other=0)
+        e0, o0, ss = _run_sum(xa0, ra0, o_rows, row_ok, 0, T0, FOLD, HAS_RES, PTX)
+        if T1 > 0:
+            e1, o1, ss1 = _run_sum(xa1, ra1, o_rows, row_ok, T0, T1, FOLD, HAS_RES, PTX)
+            ss += ss1
+        if T2 > 0:
+            e2, o2, ss2 = _run_sum(xa2, ra2, o_rows, row_ok, T0 + T1, T2, FOLD, HAS_RES, PTX)
+            ss += ss2
+        if HAS_X2:
+            x2e, x2o, sq2 = _run_sum(x2a, x2a, o_rows, row_ok, 0, FOLD, FOLD, False, PTX)
+            ss, s2 = tl.reduce((ss, sq2), 1, _add2)
+        else:
+            ss = tl.sum(ss, axis=1)
+        ms = tl.math.div_rn(ss, tl.full(ss.shape, N1, tl.float32))
+        rstd = tl.math.div_rn(tl.full(ss.shape, 1.0, tl.float32), tl.math.sqrt_rn(ms + eps1))
+        _run_tile_quant(e0, o0, rstd, w1_ptr, rows, row_ok, q_rows, scale_ptr, 0, T0,
+                        SCALE_COLS_PAD, SHUFFLE, PAD, PTX)
+        if T1 > 0:
+            _run_tile_quant(e1, o1, rstd, w1_ptr, rows, row_ok, q_rows, scale_ptr, T0, T1,
+                            SCALE_COLS_PAD, SHUFFLE, PAD, PTX)
+        if T2 > 0:
+            _run_tile_quant(e2, o2, rstd, w1_ptr, rows, row_ok, q_rows, scale_ptr, T0 + T1, T2,
+                            SCALE_COLS_PAD, SHUFFLE, PAD, PTX)
+        if HAS_X2:
+            r2 = tl.math.div_rn(tl.full(s2.shape, 1.0, tl.float32),
+                                tl.math.sqrt_rn(tl.math.div_rn(s2, tl.full(s2.shape, N2, tl.float32)) + eps2))
+            r2 = r2[:, None, None, None]
+            w2e, w2o = _unpack(tl.load(w2_ptr + pair2))
+            # (x * rstd) * w rounded to x1's dtype (bf16: out2 is paired like x2)
+            _store_pairs(out2_ptr + (rows64 * (N2 // 2))[:, None, None, None], pair2, row_ok[:, None, None, None],
+                         x2e * r2 * w2e, x2o * r2 * w2o, True, PTX)
+    elif pid < n_split:
         # BLOCK_M rows; with SPLIT > 1, SPLIT programs share them, each quantizing TS blocks.
         row0 = (pid // SPLIT) * BLOCK_M
         rows = row0 + tl.arange(0, BLOCK_M)
@@ -232,15 +301,19 @@ class Plan(NamedTuple):
     ts: int
     x2_main: bool
     flat_sum: bool
+    run_tiles: bool
+    fold: int
 
 
 @functools.lru_cache(maxsize=4096)
 def _plan(m: int, n1: int, n2: int, padded: bool, raw: bool, on_gpu: bool, sms: int,
           block_m: int | None, num_warps: int | None, split: int | None = None,
-          x2_main: bool | None = None, flat_sum: bool | None = None) -> Plan:
+          x2_main: bool | None = None, flat_sum: bool | None = None, all_paired: bool = False,
+          run_tiles: bool | None = None, lanes: int = 32) -> Plan:
     """Launch plan for one shape: everything the wrapper needs besides pointers (cached: the
     wrapper is the whole cost of a decode-size call, so it must stay a dict lookup). ``raw``:
-    x1 is paired bf16 without a residual (kept packed in registers).
+    x1 is paired bf16 without a residual (kept packed in registers); ``all_paired``: every
+    operand (x1, res1, x2 and the weights) is paired bf16; ``lanes``: the GPU's warp size.
 
     The numbers come from a sweep on an H200 (scripts/bench.py fused-quant --sweep)."""
     cols = -(-n1 // 32)
@@ -304,6 +377,22 @@ def _plan(m: int, n1: int, n2: int, padded: bool, raw: bool, on_gpu: bool, sms: 
         bm2 = bm
     # Split programs sum the whole rows as one flat tile (one reduction; see _row_sumsq).
     flat_sum = nsplit > 1 if flat_sum is None else bool(flat_sum) and nsplit > 1
+    # Whole rows, every operand paired bf16, no pad columns: run-major tiles (see
+    # _triton_fused_quant_tiles) on as many warps as the smallest tile's runs fill (q_a + kv_a:
+    # 32 + 16 blocks on 2 warps, x2 one more 16-block tile; the input norm: 128 + 64 + 32 on 4).
+    fold = min(t for t in tiles if t) if cols == cols_pad else 0
+    fits = (on_gpu or run_tiles is not None) and all_paired and n1 % 32 == 0 and fold * 4 >= lanes \
+        and all(t % fold == 0 for t in tiles) and n2 in (0, 32 * fold) and nsplit == 1
+    if run_tiles and not fits:
+        raise ValueError(f"run_tiles needs whole rows of paired bf16 blocks and an x2 of one tile's width, got "
+                         f"N1 = {n1}, N2 = {n2}")
+    run_tiles = fits if run_tiles is None else bool(run_tiles)
+    if run_tiles:
+        warps, x2_main = fold * 4 // lanes, bool(n2)
+        bm = 1 if on_gpu and block_m is None else bm
+        bm2 = bm
+    else:
+        fold = 0
     if padded:
         rows_pad = -(-m // 256) * 256
         main_rows = -(-m // 32) * 32  # BLOCK_M divides 32: main programs end on a band boundary
@@ -318,7 +407,7 @@ def _plan(m: int, n1: int, n2: int, padded: bool, raw: bool, on_gpu: bool, sms: 
     n_fill = -(-(fill_end - fill_start) // _FILL_BLOCK)
     grid = (n_main + n_x2 + n_fill,)
     return Plan(grid, rows_pad, cols, cols_pad, tiles, bm, bm2, nb2, warps, n_split, n_main, n_x2, fill_start,
-                fill_end, nsplit, ts, x2_main, flat_sum)
+                fill_end, nsplit, ts, x2_main, flat_sum, run_tiles, fold)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -334,7 +423,7 @@ def _constants(plan: Plan, n1: int, n2: int, has_res: bool, has_x2: bool, shuffl
         HAS_RES=has_res, HAS_X2=has_x2, SHUFFLE=shuffle, PAD=padded,
         X_PAIRED=x_paired, R_PAIRED=r_paired, W_PAIRED=w_paired, PTX=ptx,
         X2_MAIN=plan.x2_main, FLAT_SUM=plan.flat_sum, NPAIR=triton.next_power_of_2(n1 // 2),
-        FILL_BLOCK=_FILL_BLOCK,
+        FILL_BLOCK=_FILL_BLOCK, RUN_TILES=plan.run_tiles, FOLD=plan.fold,
     )
 
 
@@ -350,15 +439,16 @@ def compile_offline(target, m: int, n1: int, n2: int = 0, has_res: bool = False,
     docs/BENCHMARKS.md come from it (``scripts/bench.py fused-quant --sass``)."""
     from ._triton_offline import compile_like_launch
 
-    plan = _plan(m, n1, n2, padded, not has_res, True, sms, None, None)
+    plan = _plan(m, n1, n2, padded, not has_res, True, sms, None, None, all_paired=True, lanes=target.warp_size)
     consts = _constants(plan, n1, n2, has_res, bool(n2), shuffle, padded, True, has_res, True,
                         target.backend == "cuda")
+    x2_ty = "*i32" if plan.run_tiles else "*bf16"
     # The launch's arguments as the wrapper passes them: bf16 as int32 pairs, absent tensors None.
     args = {"x1_ptr": "*i32", "w1_ptr": "*i32", "res1_ptr": "*i32" if has_res else None,
             "out_res1_ptr": "*i32" if has_res else None, "q_ptr": "*u8", "scale_ptr": "*u8",
-            "x2_ptr": "*bf16" if n2 else None, "w2_ptr": "*bf16" if n2 else None,
-            "out2_ptr": "*bf16" if n2 else None,
-            "M": m, "x1_stride": n1 // 2, "res1_stride": n1 // 2 if has_res else 0, "x2_stride": n2,
+            "x2_ptr": x2_ty if n2 else None, "w2_ptr": x2_ty if n2 else None, "out2_ptr": x2_ty if n2 else None,
+            "M": m, "x1_stride": n1 // 2, "res1_stride": n1 // 2 if has_res else 0,
+            "x2_stride": n2 // 2 if plan.run_tiles else n2,
             "eps1": 1e-6, "eps2": 1e-6, "n_split": plan.n_split, "n_main": plan.n_main, "n_x2": plan.n_x2,
             "fill_start": plan.fill_start, "fill_end": plan.fill_end}
     return compile_like_launch(_fused_rms_mxfp4_kernel, target, args, consts, plan.warps)
@@ -385,12 +475,13 @@ def fused_rms_mxfp4_quant_triton(
     split: int | None = None,
     x2_main: bool | None = None,
     flat_sum: bool | None = None,
+    run_tiles: bool | None = None,
 ):
     """Our Triton back end of :func:`layouts.fused_quant.fused_rms_mxfp4_quant` (same contract).
 
     ``block_m`` / ``num_warps`` / ``split`` (programs per row block) / ``x2_main`` (x2 rows in
-    the row programs) / ``flat_sum`` (split programs sum rows as one flat tile) override the
-    launch plan (benchmarks and tests only).
+    the row programs) / ``flat_sum`` (split programs sum rows as one flat tile) / ``run_tiles`` (whole rows as
+    run-major tiles) override the launch plan (benchmarks and tests only).
     Inputs must have a unit last stride (the public wrapper makes sure of it).
     """
     m, n1 = x1.shape
@@ -403,8 +494,11 @@ def fused_rms_mxfp4_quant_triton(
     on_gpu = dev.type != "cpu" and not INTERPRETED
     sms = _num_sms(dev.index if dev.index is not None else torch.cuda.current_device()) if on_gpu else 0
     x_paired = _paired(x1)
+    r_paired, w_paired = res1 is not None and _paired(res1), _paired(x1_weight)
+    all_paired = (x_paired and w_paired and (res1 is None or r_paired)
+                  and (x2 is None or (_paired(x2) and _paired(x2_weight))))
     plan = _plan(m, n1, n2, padded, x_paired and res1 is None, on_gpu, sms, block_m, num_warps, split,
-                 x2_main, flat_sum)
+                 x2_main, flat_sum, all_paired, run_tiles, 32 if _NVIDIA else 64)
     grid, rows_pad, cols_pad = plan.grid, plan.rows_pad, plan.cols_pad
 
     q = torch.empty((m, n1 // 2), dtype=torch.uint8, device=dev)
@@ -416,17 +510,20 @@ def fused_rms_mxfp4_quant_triton(
 
     # bf16 operands go to the kernel as int32 views (one element pair per load, with the
     # alignment Triton needs to vectorise); out_res1 is ours, so it is paired exactly when x1 is.
-    r_paired, w_paired = res1 is not None and _paired(res1), _paired(x1_weight)
     x1_arg, x1_stride = (x1.view(torch.int32), x1.stride(0) // 2) if x_paired else (x1, x1.stride(0))
     w1_arg = x1_weight.view(torch.int32) if w_paired else x1_weight
     res1_arg, res1_stride = res1, 0
     if res1 is not None:
         res1_arg, res1_stride = (res1.view(torch.int32), res1.stride(0) // 2) if r_paired else (res1, res1.stride(0))
     out_res1_arg = out_res1.view(torch.int32) if out_res1 is not None and x_paired else out_res1
+    x2_arg, w2_arg, out2_arg, x2_stride = x2, x2_weight, out2, x2.stride(0) if x2 is not None else 0
+    if plan.run_tiles and x2 is not None:  # x2 as pairs, like x1
+        x2_arg, w2_arg, out2_arg = x2.view(torch.int32), x2_weight.view(torch.int32), out2.view(torch.int32)
+        x2_stride //= 2
     _fused_rms_mxfp4_kernel[grid](
         x1_arg, w1_arg, res1_arg, out_res1_arg, q, scale,
-        x2, x2_weight, out2,
-        m, x1_stride, res1_stride, x2.stride(0) if x2 is not None else 0,
+        x2_arg, w2_arg, out2_arg,
+        m, x1_stride, res1_stride, x2_stride,
         float(x1_epsilon), float(x2_epsilon),
         plan.n_split, plan.n_main, plan.n_x2, plan.fill_start, plan.fill_end,
         **_constants(plan, n1, n2, res1 is not None, x2 is not None, bool(shuffle), padded, x_paired, r_paired,

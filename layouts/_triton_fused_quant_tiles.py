@@ -7,7 +7,10 @@ its numerics and its tiles, each a ``@triton.jit`` function the kernel calls.
 * a tile of ``T`` 32-element blocks of ``BLOCK_M`` rows: its loads issued (:func:`_tile_fetch`),
   its sum of squares (:func:`_tile_sum`), its RMSNorm weights (:func:`_tile_weight`), normalised,
   quantized and stored (:func:`_tile_quant`); a whole row's sum as one flat tile
-  (:func:`_row_sumsq`); the second RMSNorm's rows (:func:`_x2_fetch`, :func:`_x2_norm`).
+  (:func:`_row_sumsq`); the second RMSNorm's rows (:func:`_x2_fetch`, :func:`_x2_norm`);
+* the same for run-major tiles (whole rows, paired operands: :func:`_run_fetch`, :func:`_run_sum`,
+  :func:`_run_tile_quant`), whose scale bytes leave without a layout conversion
+  (:func:`_store_scales`).
 
 The kernel module imports them by name: a jitted function calls only what is a global of its
 own module.
@@ -121,6 +124,33 @@ def _e2m1_pairs(ve, vo, PTX: tl.constexpr):
 
 
 @triton.jit
+def _even_scale(amax):
+    """(unbiased exponent e, 2^-e as float32) of blocks with absolute maximum ``amax``: the EVEN
+    scale rounds amax to a power of two (+0x200000, keep the exponent) and takes that exponent - 2,
+    clamped to [-127, 127]. A zero or denormal amax gives -127 (byte 0), inf/NaN 127, as aiter's
+    log2 does. 2^-e is exact: its biased exponent 127 - e is 0 only for e = 127 (2^-127 is
+    denormal)."""
+    rb = ((amax.to(tl.uint32, bitcast=True) + 0x200000) >> 23).to(tl.int32) & 0xFF
+    e = tl.where(rb == 255, 127, tl.minimum(tl.maximum(rb - 129, -127), 127))
+    ib = 127 - e
+    return e, tl.where(ib == 0, 0x00400000, ib << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _store_scales(ptrs, sc, mask, PTX: tl.constexpr):
+    """Store int32 scale bytes ``sc`` (0-255) where ``mask``. On NVIDIA, one predicated byte store
+    per element in the layout the block reduction left them in: a ``tl.store`` would first convert
+    that layout (each block's scale sits on the 4 lanes of its runs) through shared memory, two
+    barriers a tile when a row spans two warps. The lanes holding the same scale store the same
+    byte to the same address."""
+    if PTX:
+        tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.b8 [$1], $2; mov.b32 $0, 0; }",
+                                  "=r,l,r,r", [ptrs, sc, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        tl.store(ptrs, sc.to(tl.uint8), mask=mask)
+
+
+@triton.jit
 def _scale_offsets(rows, cols, SCALE_COLS_PAD: tl.constexpr, SHUFFLE: tl.constexpr):
     """Byte offset of scale (row, col) in the output buffer: row-major or S32x8."""
     r = rows[:, None]
@@ -223,16 +253,9 @@ def _tile_quant(a, b, rstd, we, wo, rows, row_ok, q_rows, scale_ptr, B0, T: tl.c
     ye = xe * r4 * we  # (x * rstd) * w, rounded twice, as aiter and the reference do
     yo = xo * r4 * wo
 
-    # EVEN scale: round amax to a power of two (+0x200000, keep the exponent); the unbiased
-    # scale exponent is that exponent - 2, clamped to [-127, 127]. A zero or denormal amax
-    # gives -127 (byte 0), inf/NaN 127, as aiter's log2 does.
     amax = tl.max(tl.max(tl.maximum(tl.abs(ye), tl.abs(yo)), axis=3), axis=2)
-    rb = ((amax.to(tl.uint32, bitcast=True) + 0x200000) >> 23).to(tl.int32) & 0xFF
-    e = tl.where(rb == 255, 127, tl.minimum(tl.maximum(rb - 129, -127), 127))
-    # 2^-e exactly; its biased exponent 127 - e is 0 only for e = 127 (2^-127 is denormal).
-    ib = 127 - e
-    inv = tl.where(ib == 0, 0x00400000, ib << 23).to(tl.float32, bitcast=True)[:, :, None, None]
-    q = _e2m1_pairs(ye * inv, yo * inv, PTX)
+    e, inv = _even_scale(amax)
+    q = _e2m1_pairs(ye * inv[:, :, None, None], yo * inv[:, :, None, None], PTX)
     tl.store(q_rows + pair, q, mask=row_ok[:, None, None, None] & col_ok)
 
     sc = e + 127
@@ -280,3 +303,78 @@ def _x2_norm(x, m2, rows, w2_ptr, out2_ptr, eps2, N2: tl.constexpr, BLOCK_N2: tl
     rstd = tl.math.div_rn(tl.full(ss.shape, 1.0, tl.float32), tl.math.sqrt_rn(ms + eps2))
     y = x * rstd[:, None] * w[None, :]
     tl.store(out2_ptr + (rows.to(tl.int64) * N2)[:, None] + cols[None, :], y.to(out2_ptr.dtype.element_ty), mask=m2)
+
+
+# Run-major tiles (``RUN_TILES``: whole rows, every operand paired). The block-major [1, T, 4, 4]
+# tiles above take Triton's default layout, which on more than one warp puts a block's runs on
+# different warps: every amax and every sum crossed warps (18 barriers a row at q_a on 2 warps, 17
+# at the input norm on 4). In [1, 4, T, 4] (a block's run, the block, the pair in the run) the same
+# default puts a block's 4 runs on 4 neighbouring lanes and the warps on blocks, with one encoding
+# for every tile of at least one layer (FOLD blocks: the lanes / 4), so each tile's sum folds to
+# [BLOCK_M, FOLD] inside its threads and the tiles' (and x2's) sums cross warps once, together.
+
+
+@triton.jit
+def _run_pairs(B0, T: tl.constexpr):
+    """Blocks [B0, B0+T) and their pair indices [1, 4, T, 4], run-major."""
+    blk = B0 + tl.arange(0, T)
+    quad = tl.arange(0, 4)
+    return blk, blk[None, None, :, None] * 16 + quad[None, :, None, None] * 4 + quad[None, None, None, :]
+
+
+@triton.jit
+def _add2(a0, b0, a1, b1):
+    return a0 + a1, b0 + b1
+
+
+@triton.jit
+def _run_fetch(x_rows, r_rows, row_ok, B0, T: tl.constexpr, HAS_RES: tl.constexpr):
+    """Issue the loads of run-major tile [B0, B0+T) of the rows (int32 bf16 pairs) and of res1's."""
+    _, pair = _run_pairs(B0, T)
+    mask = row_ok[:, None, None, None]
+    xa = tl.load(x_rows + pair, mask=mask, other=0)
+    ra = xa
+    if HAS_RES:
+        ra = tl.load(r_rows + pair, mask=mask, other=0)
+    return xa, ra
+
+
+@triton.jit
+def _run_sum(xa, ra, o_rows, row_ok, B0, T: tl.constexpr, FOLD: tl.constexpr, HAS_RES: tl.constexpr,
+             PTX: tl.constexpr):
+    """(even, odd) float32 of a fetched run-major tile (x1 + res1, stored to out_res1 on the way)
+    and its sum of squares folded to [BLOCK_M, FOLD]: over a block's runs (4 lanes of a warp) and
+    over the tile's layers of FOLD blocks (registers of one thread); what is left crosses warps."""
+    e, o = _unpack(xa)
+    if HAS_RES:
+        re, ro = _unpack(ra)
+        e = e + re
+        o = o + ro
+        _, pair = _run_pairs(B0, T)
+        _store_pairs(o_rows, pair, row_ok[:, None, None, None], e, o, True, PTX)
+    s = tl.sum(tl.sum(e * e + o * o, axis=3), axis=1)  # [BLOCK_M, T]
+    if T > FOLD:
+        s = tl.sum(tl.reshape(s, (s.shape[0], T // FOLD, FOLD)), axis=1)
+    return e, o, s
+
+
+@triton.jit
+def _run_tile_quant(xe, xo, rstd, w1_ptr, rows, row_ok, q_rows, scale_ptr, B0, T: tl.constexpr,
+                    SCALE_COLS_PAD: tl.constexpr, SHUFFLE: tl.constexpr, PAD: tl.constexpr, PTX: tl.constexpr):
+    """Normalise, quantize and store a run-major tile of blocks [B0, B0+T) (float32 ``xe``, ``xo``;
+    its weights loaded here, int32 pairs; whole blocks, no pad columns): FP4 codes, scale bytes."""
+    blk, pair = _run_pairs(B0, T)
+    we, wo = _unpack(tl.load(w1_ptr + pair))
+    r4 = rstd[:, None, None, None]
+    ye = xe * r4 * we  # (x * rstd) * w, rounded twice, as aiter and the reference do
+    yo = xo * r4 * wo
+    e, inv = _even_scale(tl.max(tl.max(tl.maximum(tl.abs(ye), tl.abs(yo)), axis=3), axis=1))
+    q = _e2m1_pairs(ye * inv[:, None, :, None], yo * inv[:, None, :, None], PTX)
+    tl.store(q_rows + pair, q, mask=row_ok[:, None, None, None])
+    sc = e + 127
+    if PAD:
+        sc = tl.where(row_ok[:, None], sc, E8M0_PAD)
+        smask = (blk < SCALE_COLS_PAD)[None, :]  # every row of a main program is < pad256(M)
+    else:
+        smask = row_ok[:, None] & (blk < SCALE_COLS_PAD)[None, :]
+    _store_scales(scale_ptr + _scale_offsets(rows, blk, SCALE_COLS_PAD, SHUFFLE), sc, smask, PTX)

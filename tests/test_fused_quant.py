@@ -223,23 +223,25 @@ def test_gpu_launch_plan_covers_every_row_and_scale_byte(n1, n2, raw):
     # band, fill programs exactly the rest of the padded scale; launch sizes are powers of two.
     from layouts._triton_fused_quant import _plan
 
-    for m in (1, 16, 31, 33, 256, 300, 4096, 65536):
-        for padded in (False, True):
-            p = _plan(m, n1, n2, padded, raw, True, 132, None, None)
-            assert (p.rows_pad, p.cols_pad) == FQ.fused_scale_shape(m, n1, padded, padded)
-            main_rows = -(-m // 32) * 32 if padded else m
-            real = -(-m // p.bm)
-            assert p.n_split == real * p.split and p.split * p.ts >= p.cols_pad and (p.split - 1) * p.ts < p.cols_pad
-            assert real * p.bm + (p.n_main - p.n_split) * p.bm == max(main_rows, real * p.bm) and 32 % p.bm == 0
-            fill = (main_rows * p.cols_pad, p.rows_pad * p.cols_pad) if padded else (0, 0)
-            assert (p.fill_start, p.fill_end) == fill
-            assert p.grid[0] == p.n_main + p.n_x2 + -(-(p.fill_end - p.fill_start) // 4096)
-            # x2 rows: in the row programs (whole rows only) or in programs of their own.
-            x2_rows = real * p.bm if p.x2_main else p.n_x2 * p.bm2
-            assert x2_rows >= (m if n2 else 0) and p.nb2 >= n2 and (p.split == 1 or not p.x2_main)
-            assert p.x2_main == bool(n2 and p.split == 1) and (p.n_x2 == 0 or not p.x2_main)
-            assert sum(p.tiles) >= p.cols_pad and all(t & (t - 1) == 0 for t in p.tiles) and p.ts & (p.ts - 1) == 0
-            assert p.warps & (p.warps - 1) == 0 and 1 <= p.warps <= 16 and p.bm2 & (p.bm2 - 1) == 0
+    for m, padded, others in itertools.product((1, 16, 31, 33, 256, 300, 4096, 65536), (False, True), (False, True)):
+        p = _plan(m, n1, n2, padded, raw, True, 132, None, None, all_paired=others)
+        assert (p.rows_pad, p.cols_pad) == FQ.fused_scale_shape(m, n1, padded, padded)
+        main_rows = -(-m // 32) * 32 if padded else m
+        real = -(-m // p.bm)
+        assert p.n_split == real * p.split and p.split * p.ts >= p.cols_pad and (p.split - 1) * p.ts < p.cols_pad
+        assert real * p.bm + (p.n_main - p.n_split) * p.bm == max(main_rows, real * p.bm) and 32 % p.bm == 0
+        fill = (main_rows * p.cols_pad, p.rows_pad * p.cols_pad) if padded else (0, 0)
+        assert (p.fill_start, p.fill_end) == fill
+        assert p.grid[0] == p.n_main + p.n_x2 + -(-(p.fill_end - p.fill_start) // 4096)
+        # x2 rows: in the row programs (whole rows only) or in programs of their own.
+        x2_rows = real * p.bm if p.x2_main else p.n_x2 * p.bm2
+        assert x2_rows >= (m if n2 else 0) and p.nb2 >= n2 and (p.split == 1 or not p.x2_main)
+        assert p.x2_main == bool(n2 and p.split == 1) and (p.n_x2 == 0 or not p.x2_main)
+        assert sum(p.tiles) >= p.cols_pad and all(t & (t - 1) == 0 for t in p.tiles) and p.ts & (p.ts - 1) == 0
+        assert p.warps & (p.warps - 1) == 0 and 1 <= p.warps <= 16 and p.bm2 & (p.bm2 - 1) == 0
+        # Run-major tiles: multiples of one layer of the lanes covering the row exactly, one row a program.
+        assert not p.run_tiles or (sum(p.tiles) == p.cols_pad and all(t % p.fold == 0 for t in p.tiles)
+                                   and p.fold * 4 == 32 * p.warps and p.bm == 1 and others)
     # Decode sizes split each row's quant over several programs (small rows stay whole); split
     # programs sum their rows as one flat tile.
     assert _plan(1, 7168, 0, True, False, True, 132, None, None).flat_sum
@@ -247,6 +249,18 @@ def test_gpu_launch_plan_covers_every_row_and_scale_byte(n1, n2, raw):
     assert _plan(1, 7168, 0, True, False, True, 132, None, None).split == 7
     assert _plan(1, 1536, 512, True, True, True, 132, None, None).split == 3
     assert _plan(65536, 7168, 0, True, False, True, 132, None, None).split == 1
+    # Whole rows take run-major tiles when every operand is paired bf16 (else block-major ones): q_a
+    # + kv_a on 2 warps (on 1 where a warp has 64 lanes), the input norm on 4; never split rows.
+    qa = _plan(4096, 1536, 512, True, True, True, 132, None, None, all_paired=True)
+    assert (qa.run_tiles, qa.tiles, qa.fold, qa.warps, qa.bm, qa.x2_main, qa.n_x2) == (True, (32, 16, 0), 16, 2, 1,
+                                                                                    True, 0)
+    assert _plan(4096, 1536, 512, True, True, True, 132, None, None, all_paired=True, lanes=64).warps == 1
+    inp = _plan(4096, 7168, 0, True, False, True, 132, None, None, all_paired=True)
+    assert (inp.run_tiles, inp.tiles, inp.fold, inp.warps) == (True, (128, 64, 32), 32, 4)
+    assert not _plan(4096, 1536, 512, True, True, True, 132, None, None, all_paired=False).run_tiles
+    assert not _plan(1, 1536, 512, True, True, True, 132, None, None, all_paired=True).run_tiles
+    assert not _plan(4096, 1536, 500, True, True, True, 132, None, None, all_paired=True).run_tiles
+    assert not _plan(4096, 1536, 512, True, True, False, 132, None, None, all_paired=True).run_tiles
 
 
 # Each shape with the split programs' sums as one flat tile (the plan at decode sizes) and tile by
@@ -278,6 +292,33 @@ def test_triton_kernel_handles_fp16_and_fp32_inputs(dtype):
     want = reference(args, True, True)
     assert out[1].dtype == out[2].dtype == dtype
     assert_matches_reference(out, want, args)
+
+
+# Whole rows with every operand paired bf16 take run-major tiles on the GPU (q_a + kv_a on 2 warps,
+# the input norm with its residual on 4); forced here, at both sites and the smallest (512: one
+# 16-block tile, x2 one more). x1 and x2 also as views of the fused q_a + kv_a GEMM output.
+@pytest.mark.parametrize("m,n1,x2,res,block_m", [(33, 1536, "fused", False, 1), (45, 1536, "own", False, None),
+                                                 (3, 7168, None, True, 1), (2, 512, "own", True, 1)])
+def test_triton_kernel_run_major_tiles_match_torch_reference(m, n1, x2, res, block_m):
+    from layouts._triton_fused_quant import fused_rms_mxfp4_quant_triton
+
+    args = make_inputs(m, n1, x2=x2 is not None, res=res, seed=m + n1)
+    if x2 == "fused":  # [q_a | kv_a | rope]: x1 and x2 are column slices of one row
+        fused = torch.zeros(m, n1 + N2_KV + 64, dtype=torch.bfloat16)
+        fused[:, :n1], fused[:, n1:n1 + N2_KV] = args["x1"], args["x2"]
+        args = dict(args, x1=fused[:, :n1], x2=fused[:, n1:n1 + N2_KV])
+    for shuffle, padding in FLAGS:
+        out = fused_rms_mxfp4_quant_triton(**args, shuffle=shuffle, scale_shuffle_padding=padding, block_m=block_m,
+                                           run_tiles=True)
+        assert_matches_reference(out, reference(args, shuffle, padding), args)
+
+
+def test_run_major_tiles_are_refused_where_they_do_not_fit():
+    from layouts._triton_fused_quant import fused_rms_mxfp4_quant_triton
+
+    args = make_inputs(2, 1000, x2=True)  # a partial last block
+    with pytest.raises(ValueError, match="run_tiles needs"):
+        fused_rms_mxfp4_quant_triton(**args, run_tiles=True)
 
 
 @pytest.mark.parametrize("layout", ["odd_row_stride", "wide_row_stride", "column_major"])
