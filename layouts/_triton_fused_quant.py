@@ -381,6 +381,8 @@ def _plan(m: int, n1: int, n2: int, padded: bool, raw: bool, on_gpu: bool, sms: 
     # _triton_fused_quant_tiles) on as many warps as the smallest tile's runs fill (q_a + kv_a:
     # 32 + 16 blocks on 2 warps, x2 one more 16-block tile; the input norm: 128 + 64 + 32 on 4).
     fold = min(t for t in tiles if t) if cols == cols_pad else 0
+    if run_tiles is None and num_warps is not None:
+        run_tiles = False  # warps given (a sweep's plan): block-major tiles
     fits = (on_gpu or run_tiles is not None) and all_paired and n1 % 32 == 0 and fold * 4 >= lanes \
         and all(t % fold == 0 for t in tiles) and n2 in (0, 32 * fold) and nsplit == 1
     if run_tiles and not fits:
