@@ -430,7 +430,7 @@ def _constants(plan: Plan, n1: int, n2: int, has_res: bool, has_x2: bool, shuffl
 
 
 def compile_offline(target, m: int, n1: int, n2: int = 0, has_res: bool = False, *, sms: int = 132,
-                    shuffle: bool = True, padded: bool = True):
+                    shuffle: bool = True, padded: bool = True, run_tiles: bool | None = None):
     """Compile the kernel, without a GPU, for ``target`` (a ``triton.backends.compiler.GPUTarget``:
     ``GPUTarget("cuda", 90, 32)``, ``GPUTarget("hip", "gfx942", 64)``) as a launch of an ``[m,
     n1]`` bf16 call would compile it (paired, 16-byte aligned, residual if ``has_res``, x2 of width
@@ -438,10 +438,12 @@ def compile_offline(target, m: int, n1: int, n2: int = 0, has_res: bool = False,
     arguments: 1 is a constant, multiples of 16 are marked so). Inline PTX exactly where the target
     is NVIDIA's, as at run time. Returns Triton's compiled kernel (``.asm["sass" / "ptx" /
     "amdgcn" / "cubin" ...]``): the suite checks that both targets compile; the SASS counts in
-    docs/BENCHMARKS.md come from it (``scripts/bench.py fused-quant --sass``)."""
+    docs/BENCHMARKS.md come from it (``scripts/bench.py fused-quant --sass``). ``run_tiles=False``
+    compiles the block-major tiles (the plan for inputs that are not all paired bf16)."""
     from ._triton_offline import compile_like_launch
 
-    plan = _plan(m, n1, n2, padded, not has_res, True, sms, None, None, all_paired=True, lanes=target.warp_size)
+    plan = _plan(m, n1, n2, padded, not has_res, True, sms, None, None, all_paired=True, run_tiles=run_tiles,
+                 lanes=target.warp_size)
     consts = _constants(plan, n1, n2, has_res, bool(n2), shuffle, padded, True, has_res, True,
                         target.backend == "cuda")
     x2_ty = "*i32" if plan.run_tiles else "*bf16"
