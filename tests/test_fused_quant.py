@@ -221,10 +221,15 @@ def test_gpu_launch_plan_covers_every_row_and_scale_byte(n1, n2, raw):
     # The GPU plan (not run here: the interpreter uses its own) for a 132-SM device: row programs
     # cover every row, their slices every scale column, pad-row programs the rest up to the 32-row
     # band, fill programs exactly the rest of the padded scale; launch sizes are powers of two.
-    from layouts._triton_fused_quant import _plan
+    from layouts._triton_fused_quant import RUN_TILES_DEFAULT, _plan
 
-    for m, padded, others in itertools.product((1, 16, 31, 33, 256, 300, 4096, 65536), (False, True), (False, True)):
-        p = _plan(m, n1, n2, padded, raw, True, 132, None, None, all_paired=others)
+    for m, padded, others, rt in itertools.product((1, 16, 31, 33, 256, 300, 4096, 65536), (False, True),
+                                                   (False, True), (None, True)):
+        try:
+            p = _plan(m, n1, n2, padded, raw, True, 132, None, None, all_paired=others, run_tiles=rt)
+        except ValueError:  # run-major tiles asked where they do not fit (pinned below)
+            assert rt
+            continue
         assert (p.rows_pad, p.cols_pad) == FQ.fused_scale_shape(m, n1, padded, padded)
         main_rows = -(-m // 32) * 32 if padded else m
         real = -(-m // p.bm)
@@ -249,18 +254,22 @@ def test_gpu_launch_plan_covers_every_row_and_scale_byte(n1, n2, raw):
     assert _plan(1, 7168, 0, True, False, True, 132, None, None).split == 7
     assert _plan(1, 1536, 512, True, True, True, 132, None, None).split == 3
     assert _plan(65536, 7168, 0, True, False, True, 132, None, None).split == 1
-    # Whole rows take run-major tiles when every operand is paired bf16 (else block-major ones): q_a
-    # + kv_a on 2 warps (on 1 where a warp has 64 lanes), the input norm on 4; never split rows.
-    qa = _plan(4096, 1536, 512, True, True, True, 132, None, None, all_paired=True)
+    # Run-major tiles where every operand is paired bf16 and the rows are whole: q_a + kv_a on 2
+    # warps (on 1 where a warp has 64 lanes), the input norm on 4; refused elsewhere; the GPU plan's
+    # default is RUN_TILES_DEFAULT.
+    qa = _plan(4096, 1536, 512, True, True, True, 132, None, None, all_paired=True, run_tiles=True)
     assert (qa.run_tiles, qa.tiles, qa.fold, qa.warps, qa.bm, qa.x2_main, qa.n_x2) == (True, (32, 16, 0), 16, 2, 1,
                                                                                     True, 0)
-    assert _plan(4096, 1536, 512, True, True, True, 132, None, None, all_paired=True, lanes=64).warps == 1
-    inp = _plan(4096, 7168, 0, True, False, True, 132, None, None, all_paired=True)
+    assert _plan(4096, 1536, 512, True, True, True, 132, None, None, all_paired=True, run_tiles=True,
+                 lanes=64).warps == 1
+    inp = _plan(4096, 7168, 0, True, False, True, 132, None, None, all_paired=True, run_tiles=True)
     assert (inp.run_tiles, inp.tiles, inp.fold, inp.warps) == (True, (128, 64, 32), 32, 4)
-    assert not _plan(4096, 1536, 512, True, True, True, 132, None, None, all_paired=False).run_tiles
-    assert not _plan(1, 1536, 512, True, True, True, 132, None, None, all_paired=True).run_tiles
-    assert not _plan(4096, 1536, 500, True, True, True, 132, None, None, all_paired=True).run_tiles
-    assert not _plan(4096, 1536, 512, True, True, False, 132, None, None, all_paired=True).run_tiles
+    for m, n1, n2, paired in ((4096, 1536, 512, False), (1, 1536, 512, True), (4096, 1536, 500, True),
+                              (4096, 1000, 0, True)):
+        with pytest.raises(ValueError, match="run_tiles needs"):
+            _plan(m, n1, n2, True, True, True, 132, None, None, all_paired=paired, run_tiles=True)
+    assert _plan(4096, 1536, 512, True, True, True, 132, None, None, all_paired=True).run_tiles == RUN_TILES_DEFAULT
+    assert not _plan(4096, 1536, 512, True, True, True, 132, None, 1, all_paired=True).run_tiles  # a sweep's warps
 
 
 # Each shape with the split programs' sums as one flat tile (the plan at decode sizes) and tile by
@@ -384,13 +393,13 @@ def test_triton_kernel_rounds_every_tie_and_extreme_block_like_the_reference():
     assert scale[0].tolist() == [127, 0, 127 + 120, 127 - 11, 127 - 12, 0]
 
 
-@pytest.mark.parametrize("run_tiles", [None, False], ids=["plan", "block-major"])
+@pytest.mark.parametrize("run_tiles", [True, False], ids=["run-major", "block-major"])
 @pytest.mark.parametrize("n1, n2, res", [(7168, 0, True), (1536, 512, False)], ids=["input-norm", "q_a+kv_a"])
 def test_triton_kernel_compiles_for_nvidia_with_its_ptx_and_for_amd_without(n1, n2, res, run_tiles, tmp_path):
     # The suite interprets the kernel; this compiles it (no GPU needed) as a GPU launch would:
     # for sm_90 its inline PTX (the E2M1 runs, the bf16 pair stores) must pass ptxas; for
     # gfx942 (ROCm torch without aiter) the kernel must take its tl steps, as LLVM refuses PTX.
-    # Both row layouts: the plan's (run-major tiles, paired inputs) and the block-major tiles.
+    # Both row layouts: run-major tiles (paired inputs) and block-major ones.
     from offline_compile import compile_for_nvidia_and_amd
 
     got = compile_for_nvidia_and_amd("layouts._triton_fused_quant", (4096, n1, n2, res), tmp_path,

@@ -11,6 +11,8 @@ ASM-GEMM flags):
 * unfused   -- torch ops for the residual add and ``F.rms_norm``, then aiter's separate
                ``dynamic_mxfp4_quant`` Triton kernel (row-major scale, no shuffle: a lower bound
                on what the unfused sequence costs);
+* runs      -- with ``--run-tiles``: our kernel with run-major tiles forced (``run_tiles=True``)
+               where they fit, checked like ours at all three flag settings;
 * old       -- with ``--old-kernel REV`` (a git revision, or a copy of the kernel file): an earlier
                version of our kernel, loaded beside ours (before/after in one run);
 * copy      -- a copy moving the same number of bytes (read + written): the faster of torch's
@@ -80,6 +82,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="an earlier version of our kernel, timed (and checked) beside ours as 'old': a git "
                          "revision (e.g. HEAD~3), or a copy of layouts/_triton_fused_quant.py (with its folder's "
                          "_triton_fused_quant_tiles.py, where there is one)")
+    ap.add_argument("--run-tiles", action="store_true",
+                    help="also time our kernel with run-major tiles forced (run_tiles=True), and count their SASS")
     ap.add_argument("--sass", action="store_true",
                     help="only compile our kernel for an H100 (sm_90, no GPU needed) at both sites and print its "
                          "registers and SASS instruction counts (the row program's and by opcode)")
@@ -348,7 +352,7 @@ def sass_counts(ms: list[int]) -> None:
     print(f"our kernel for sm_90, triton {triton.__version__} (offline)")
     for site, (n1, res, n2) in SITES.items():
         for m in ms:
-            ck = compile_offline(GPUTarget("cuda", 90, 32), m, n1, n2, res)
+            ck = compile_offline(GPUTarget("cuda", 90, 32), m, n1, n2, res, run_tiles=True if ARGS.run_tiles else None)
             with tempfile.TemporaryDirectory() as d:
                 cubin = pathlib.Path(d) / "k.cubin"
                 cubin.write_bytes(ck.asm["cubin"])
@@ -619,11 +623,24 @@ def run(args: argparse.Namespace) -> None:
             if old_mod is not None:
                 fns["old"] = lambda: old_mod.fused_rms_mxfp4_quant_triton(**args, shuffle=True,
                                                                            scale_shuffle_padding=True)
+            if ARGS.run_tiles:
+                bad = []
+                try:
+                    for sh, pad in ((True, True), (False, True), (False, False)):
+                        bad += check(fused_rms_mxfp4_quant_triton(**args, shuffle=sh, scale_shuffle_padding=pad,
+                                                                  run_tiles=True),
+                                     FQ.fused_rms_mxfp4_quant_reference(**args, shuffle=sh, scale_shuffle_padding=pad),
+                                     f"run-major {site} M={m}", sh)[0]
+                    print(f"check run-major tiles {site} M={m}: {'ok' if not bad else 'FAILED ' + '; '.join(bad)}")
+                    fns["runs"] = lambda: fused_rms_mxfp4_quant_triton(**args, shuffle=True, scale_shuffle_padding=True,
+                                                                       run_tiles=True)
+                except ValueError as exc:  # split rows (small M): the plan has no run-major tiles
+                    print(f"run-major tiles {site} M={m}: {exc}")
             t = {}
             for name, fn in fns.items():
                 if fn is None:
                     continue
-                if time.time() - t_start > ARGS.time_limit and name != "ours":
+                if time.time() - t_start > ARGS.time_limit and name not in ("ours", "runs"):
                     print(f"  {name} skipped at {site} M={m}: past --time-limit")
                     continue
                 try:
@@ -645,7 +662,7 @@ def run(args: argparse.Namespace) -> None:
                   title="\n== fused RMSNorm + MXFP4 quant, shuffle + padding; time = median device time per call "
                         "(CUDA graph), eager = one Python call ==")
     for site, n1, m, nbytes, t in rows:
-        for name in ("ours", "aiter", "compiled", "unfused", "old", "copy"):
+        for name in ("ours", "runs", "aiter", "compiled", "unfused", "old", "copy"):
             if name not in t:
                 continue
             notes = {"eager": f"{t[name + '_eager']:.1f} us"} if name + "_eager" in t else {}
