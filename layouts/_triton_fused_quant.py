@@ -74,6 +74,7 @@ from ._triton_fused_quant_tiles import (
     _run_sum,
     _run_tile_quant,
     _row_sumsq,
+    _rstd,
     _scale_offsets,
     _store_pairs,
     _tile_fetch,
@@ -139,8 +140,7 @@ def _fused_rms_mxfp4_kernel(
             ss, s2 = tl.reduce((ss, sq2), 1, _add2)
         else:
             ss = tl.sum(ss, axis=1)
-        ms = tl.math.div_rn(ss, tl.full(ss.shape, N1, tl.float32))
-        rstd = tl.math.div_rn(tl.full(ss.shape, 1.0, tl.float32), tl.math.sqrt_rn(ms + eps1))
+        rstd = _rstd(ss, N1, eps1)
         _run_tile_quant(e0, o0, rstd, w1_ptr, rows, row_ok, q_rows, scale_ptr, 0, T0,
                         SCALE_COLS_PAD, SHUFFLE, PAD, PTX)
         if T1 > 0:
@@ -150,9 +150,7 @@ def _fused_rms_mxfp4_kernel(
             _run_tile_quant(e2, o2, rstd, w1_ptr, rows, row_ok, q_rows, scale_ptr, T0 + T1, T2,
                             SCALE_COLS_PAD, SHUFFLE, PAD, PTX)
         if HAS_X2:
-            r2 = tl.math.div_rn(tl.full(s2.shape, 1.0, tl.float32),
-                                tl.math.sqrt_rn(tl.math.div_rn(s2, tl.full(s2.shape, N2, tl.float32)) + eps2))
-            r2 = r2[:, None, None, None]
+            r2 = _rstd(s2, N2, eps2)[:, None, None, None]
             w2e, w2o = _unpack(tl.load(w2_ptr + pair2))
             # (x * rstd) * w rounded to x1's dtype (bf16: out2 is paired like x2)
             _store_pairs(out2_ptr + (rows64 * (N2 // 2))[:, None, None, None], pair2, row_ok[:, None, None, None],
@@ -209,8 +207,7 @@ def _fused_rms_mxfp4_kernel(
                 a2, b2, ss2 = _tile_sum(xa2, xb2, ra2, rb2, o_rows, row_ok, T0 + T1, T2, N1, SCALE_COLS,
                                         HAS_RES, X_PAIRED, R_PAIRED, STORE, PTX)
                 ss += ss2
-        ms = tl.math.div_rn(ss, tl.full(ss.shape, N1, tl.float32))
-        rstd = tl.math.div_rn(tl.full(ss.shape, 1.0, tl.float32), tl.math.sqrt_rn(ms + eps1))
+        rstd = _rstd(ss, N1, eps1)
         if SPLIT > 1:
             a_s, b_s, _ = _tile_sum(xas, xbs, ras, rbs, o_rows, row_ok, bs, TS, N1, SCALE_COLS, HAS_RES,
                                     X_PAIRED, R_PAIRED, HAS_RES, PTX)

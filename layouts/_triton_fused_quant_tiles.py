@@ -10,7 +10,7 @@ its numerics and its tiles, each a ``@triton.jit`` function the kernel calls.
   (:func:`_row_sumsq`); the second RMSNorm's rows (:func:`_x2_fetch`, :func:`_x2_norm`);
 * the same for run-major tiles (whole rows, paired operands: :func:`_run_fetch`, :func:`_run_sum`,
   :func:`_run_tile_quant`), whose scale bytes leave without a layout conversion
-  (:func:`_store_scales`).
+  (:func:`_store_block_scales`); the rstd of a sum of squares (:func:`_rstd`).
 
 The kernel module imports them by name: a jitted function calls only what is a global of its
 own module.
@@ -137,17 +137,34 @@ def _even_scale(amax):
 
 
 @triton.jit
-def _store_scales(ptrs, sc, mask, PTX: tl.constexpr):
-    """Store int32 scale bytes ``sc`` (0-255) where ``mask``. On NVIDIA, one predicated byte store
-    per element in the layout the block reduction left them in: a ``tl.store`` would first convert
-    that layout (each block's scale sits on the 4 lanes of its runs) through shared memory, two
-    barriers a tile when a row spans two warps. The lanes holding the same scale store the same
-    byte to the same address."""
-    if PTX:
-        tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.b8 [$1], $2; mov.b32 $0, 0; }",
-                                  "=r,l,r,r", [ptrs, sc, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+def _rstd(ss, N: tl.constexpr, eps):
+    """1 / sqrt(ss / N + eps), each step correctly rounded (``div_rn``, ``sqrt_rn``) as in aiter
+    and the torch reference."""
+    ms = tl.math.div_rn(ss, tl.full(ss.shape, N, tl.float32))
+    return tl.math.div_rn(tl.full(ss.shape, 1.0, tl.float32), tl.math.sqrt_rn(ms + eps))
+
+
+@triton.jit
+def _store_block_scales(e, rows, row_ok, blk, scale_ptr, SCALE_COLS: tl.constexpr, SCALE_COLS_PAD: tl.constexpr,
+                        SHUFFLE: tl.constexpr, PAD: tl.constexpr, ASM: tl.constexpr):
+    """Store the scale bytes ``e + 127`` of blocks ``blk`` of ``rows`` ([BLOCK_M, T]): in padded
+    mode rows past M and columns past SCALE_COLS get 0x7F. With ``ASM`` (NVIDIA, run-major tiles)
+    one predicated byte store per element in the layout the block reduction left them in: a
+    ``tl.store`` converts that layout (each block's scale sits on the 4 lanes of its runs) through
+    shared memory first, two barriers a tile when a row spans two warps; the lanes holding the
+    same scale store the same byte to the same address."""
+    sc = e + 127
+    if PAD:
+        sc = tl.where(row_ok[:, None] & (blk < SCALE_COLS)[None, :], sc, E8M0_PAD)
+        smask = (blk < SCALE_COLS_PAD)[None, :]  # every row of a main program is < pad256(M)
     else:
-        tl.store(ptrs, sc.to(tl.uint8), mask=mask)
+        smask = row_ok[:, None] & (blk < SCALE_COLS)[None, :]
+    ptrs = scale_ptr + _scale_offsets(rows, blk, SCALE_COLS_PAD, SHUFFLE)
+    if ASM:
+        tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.b8 [$1], $2; mov.b32 $0, 0; }",
+                                  "=r,l,r,r", [ptrs, sc, smask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        tl.store(ptrs, sc.to(tl.uint8), mask=smask)
 
 
 @triton.jit
@@ -257,14 +274,7 @@ def _tile_quant(a, b, rstd, we, wo, rows, row_ok, q_rows, scale_ptr, B0, T: tl.c
     e, inv = _even_scale(amax)
     q = _e2m1_pairs(ye * inv[:, :, None, None], yo * inv[:, :, None, None], PTX)
     tl.store(q_rows + pair, q, mask=row_ok[:, None, None, None] & col_ok)
-
-    sc = e + 127
-    if PAD:
-        sc = tl.where(row_ok[:, None] & (blk < SCALE_COLS)[None, :], sc, E8M0_PAD)
-        smask = (blk < SCALE_COLS_PAD)[None, :]  # every row of a main program is < pad256(M)
-    else:
-        smask = row_ok[:, None] & (blk < SCALE_COLS)[None, :]
-    tl.store(scale_ptr + _scale_offsets(rows, blk, SCALE_COLS_PAD, SHUFFLE), sc.to(tl.uint8), mask=smask)
+    _store_block_scales(e, rows, row_ok, blk, scale_ptr, SCALE_COLS, SCALE_COLS_PAD, SHUFFLE, PAD, False)
 
 
 @triton.jit
@@ -299,8 +309,7 @@ def _x2_norm(x, m2, rows, w2_ptr, out2_ptr, eps2, N2: tl.constexpr, BLOCK_N2: tl
     x = x.to(tl.float32)
     w = tl.load(w2_ptr + cols, mask=cols < N2, other=0.0).to(tl.float32)
     ss = tl.sum(x * x, axis=1)
-    ms = tl.math.div_rn(ss, tl.full(ss.shape, N2, tl.float32))
-    rstd = tl.math.div_rn(tl.full(ss.shape, 1.0, tl.float32), tl.math.sqrt_rn(ms + eps2))
+    rstd = _rstd(ss, N2, eps2)
     y = x * rstd[:, None] * w[None, :]
     tl.store(out2_ptr + (rows.to(tl.int64) * N2)[:, None] + cols[None, :], y.to(out2_ptr.dtype.element_ty), mask=m2)
 
@@ -371,10 +380,5 @@ def _run_tile_quant(xe, xo, rstd, w1_ptr, rows, row_ok, q_rows, scale_ptr, B0, T
     e, inv = _even_scale(tl.max(tl.max(tl.maximum(tl.abs(ye), tl.abs(yo)), axis=3), axis=1))
     q = _e2m1_pairs(ye * inv[:, None, :, None], yo * inv[:, None, :, None], PTX)
     tl.store(q_rows + pair, q, mask=row_ok[:, None, None, None])
-    sc = e + 127
-    if PAD:
-        sc = tl.where(row_ok[:, None], sc, E8M0_PAD)
-        smask = (blk < SCALE_COLS_PAD)[None, :]  # every row of a main program is < pad256(M)
-    else:
-        smask = row_ok[:, None] & (blk < SCALE_COLS_PAD)[None, :]
-    _store_scales(scale_ptr + _scale_offsets(rows, blk, SCALE_COLS_PAD, SHUFFLE), sc, smask, PTX)
+    # whole blocks: SCALE_COLS == SCALE_COLS_PAD
+    _store_block_scales(e, rows, row_ok, blk, scale_ptr, SCALE_COLS_PAD, SCALE_COLS_PAD, SHUFFLE, PAD, PTX)
