@@ -63,6 +63,8 @@ from .common.timing import Timed, alternate
 # changes tolerances, shapes and timing throughout).
 ARGS = argparse.Namespace(cpu_smoke=False)
 DEVICE = "cuda"
+# (shuffle, scale_shuffle_padding) of every check: row-major, padded, S32x8
+FLAG_SETTINGS = ((False, False), (False, True), (True, True))
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -238,7 +240,7 @@ def versus_aiter(out, theirs, m: int, n1: int) -> str:
 def verify(site: str, m: int, args: dict, aiter_fused) -> str:
     n1 = args["x1"].shape[1]
     notes, total_diffs, total_s, problems = [], 0, 0, []
-    for shuffle, padding in ((False, False), (False, True), (True, True)):
+    for shuffle, padding in FLAG_SETTINGS:
         out = FQ.fused_rms_mxfp4_quant(**args, shuffle=shuffle, scale_shuffle_padding=padding, backend="triton")
         want = FQ.fused_rms_mxfp4_quant_reference(**args, shuffle=shuffle, scale_shuffle_padding=padding)
         what = f"{site} M={m} shuffle={shuffle} pad={padding}"
@@ -274,7 +276,7 @@ def verify_edges() -> None:
     cases.append(("M=45 N1=7168 strided x1", dict(args, x1=wide)))
     problems = []
     for name, args in cases:
-        for shuffle, padding in ((False, False), (False, True), (True, True)):
+        for shuffle, padding in FLAG_SETTINGS:
             out = FQ.fused_rms_mxfp4_quant(**args, shuffle=shuffle, scale_shuffle_padding=padding, backend="triton")
             want = FQ.fused_rms_mxfp4_quant_reference(**args, shuffle=shuffle, scale_shuffle_padding=padding)
             problems += check(out, want, f"{name} shuffle={shuffle} pad={padding}", shuffle)[0]
@@ -626,7 +628,7 @@ def run(args: argparse.Namespace) -> None:
             if ARGS.run_tiles:
                 bad = []
                 try:
-                    for sh, pad in ((True, True), (False, True), (False, False)):
+                    for sh, pad in FLAG_SETTINGS:
                         bad += check(fused_rms_mxfp4_quant_triton(**args, shuffle=sh, scale_shuffle_padding=pad,
                                                                   run_tiles=True),
                                      FQ.fused_rms_mxfp4_quant_reference(**args, shuffle=sh, scale_shuffle_padding=pad),
