@@ -17,8 +17,8 @@ only difference from the torch reference is the float32 summation order of ``sum
 Layout of the work (one launch, no other kernel, no torch.fill):
 
 * programs ``[0, n_split)`` with ``RUN_TILES`` (``run_tiles=True``; whole rows, every operand
-  paired bf16: both DeepSeek sites from a few hundred rows; not the GPU plan's default until
-  timed, see :data:`RUN_TILES_DEFAULT`): one row each, its blocks in the same <= 3 tiles but
+  paired bf16: both DeepSeek sites from a few hundred rows; the GPU plan's default on NVIDIA,
+  see :func:`_run_tiles_default`): one row each, its blocks in the same <= 3 tiles but
   *run-major* (``[1, 4, T, 4]``: a block's run, the block, the pair in the run), on as many warps
   as the smallest tile's runs fill (q_a + kv_a on 2, the input norm on 4). Triton's layout of that
   shape keeps a block's 4 runs on 4 neighbouring lanes and spreads the warps over blocks, so the
@@ -253,11 +253,16 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Inline PTX (the E2M1 encoding, bf16 pair stores) only where Triton compiles for NVIDIA; a ROCm
 # build of torch without aiter runs the same steps as tl operations, as the interpreter does.
 _NVIDIA = torch.version.hip is None
-# Whether the GPU plan takes run-major tiles where they fit (``run_tiles=True`` forces them). Off:
-# they are exact (tests/test_fused_quant.py, interpreted and compiled for sm_90 and gfx942) and
-# cut q_a + kv_a's row program from 1,087 SASS instructions on one warp to 665 a lane on two, and
-# the input norm's barriers from 17 to 2, but no GPU has timed them yet (docs/BENCHMARKS.md).
-RUN_TILES_DEFAULT = False
+
+
+def _run_tiles_default(lanes: int) -> bool:
+    """Whether the GPU plan takes run-major tiles where they fit and the caller did not say
+    (``run_tiles=None``): where a GPU timed them. On the H100 (2026-12-07, docs/BENCHMARKS.md: both
+    row layouts forced, in one process) the input norm was 15 / 6 / 2 % faster run-major at M = 256 /
+    1024 / 4096, even at 16384 and 0.5-0.8 % slower at 65536; q_a + kv_a 1-2 % slower at 256 (3.46
+    against 3.40 us), 0.1-1.4 % faster at 1024 and 4096, even from 16384 (both sites run at the
+    copy's rate from 16384). So: on 32-lane warps. No AMD GPU has timed them: block-major there."""
+    return lanes == 32
 
 
 @functools.lru_cache(maxsize=None)
@@ -383,7 +388,7 @@ def _plan(m: int, n1: int, n2: int, padded: bool, raw: bool, on_gpu: bool, sms: 
     # Whole rows, every operand paired bf16, no pad columns: run-major tiles (see
     # _triton_fused_quant_tiles) on as many warps as the smallest tile's runs fill (q_a + kv_a:
     # 32 + 16 blocks on 2 warps, x2 one more 16-block tile; the input norm: 128 + 64 + 32 on 4).
-    # Not the default until a GPU has timed them against the block-major plan (RUN_TILES_DEFAULT).
+    # The default where they fit: _run_tiles_default (timed on the H100).
     fold = min(t for t in tiles if t) if cols == cols_pad else 0
     if run_tiles is None and num_warps is not None:
         run_tiles = False  # warps given (a sweep's plan): block-major tiles
@@ -392,7 +397,7 @@ def _plan(m: int, n1: int, n2: int, padded: bool, raw: bool, on_gpu: bool, sms: 
     if run_tiles and not fits:
         raise ValueError(f"run_tiles needs whole rows of paired bf16 blocks and an x2 of one tile's width, got "
                          f"N1 = {n1}, N2 = {n2}")
-    run_tiles = fits and RUN_TILES_DEFAULT if run_tiles is None else bool(run_tiles)
+    run_tiles = fits and _run_tiles_default(lanes) if run_tiles is None else bool(run_tiles)
     if run_tiles:
         warps, x2_main = fold * 4 // lanes, bool(n2)
         bm = 1 if on_gpu and block_m is None else bm

@@ -221,7 +221,7 @@ def test_gpu_launch_plan_covers_every_row_and_scale_byte(n1, n2, raw):
     # The GPU plan (not run here: the interpreter uses its own) for a 132-SM device: row programs
     # cover every row, their slices every scale column, pad-row programs the rest up to the 32-row
     # band, fill programs exactly the rest of the padded scale; launch sizes are powers of two.
-    from layouts._triton_fused_quant import RUN_TILES_DEFAULT, _plan
+    from layouts._triton_fused_quant import _plan
 
     for m, padded, others, rt in itertools.product((1, 16, 31, 33, 256, 300, 4096, 65536), (False, True),
                                                    (False, True), (None, True)):
@@ -255,8 +255,8 @@ def test_gpu_launch_plan_covers_every_row_and_scale_byte(n1, n2, raw):
     assert _plan(1, 1536, 512, True, True, True, 132, None, None).split == 3
     assert _plan(65536, 7168, 0, True, False, True, 132, None, None).split == 1
     # Run-major tiles where every operand is paired bf16 and the rows are whole: q_a + kv_a on 2
-    # warps (on 1 where a warp has 64 lanes), the input norm on 4; refused elsewhere; the GPU plan's
-    # default is RUN_TILES_DEFAULT.
+    # warps (on 1 where a warp has 64 lanes), the input norm on 4; refused elsewhere; the GPU plan
+    # takes them by default where they were timed: on 32-lane warps.
     qa = _plan(4096, 1536, 512, True, True, True, 132, None, None, all_paired=True, run_tiles=True)
     assert (qa.run_tiles, qa.tiles, qa.fold, qa.warps, qa.bm, qa.x2_main, qa.n_x2) == (True, (32, 16, 0), 16, 2, 1,
                                                                                     True, 0)
@@ -268,7 +268,11 @@ def test_gpu_launch_plan_covers_every_row_and_scale_byte(n1, n2, raw):
                               (4096, 1000, 0, True)):
         with pytest.raises(ValueError, match="run_tiles needs"):
             _plan(m, n1, n2, True, True, True, 132, None, None, all_paired=paired, run_tiles=True)
-    assert _plan(4096, 1536, 512, True, True, True, 132, None, None, all_paired=True).run_tiles == RUN_TILES_DEFAULT
+    assert _plan(4096, 1536, 512, True, True, True, 132, None, None, all_paired=True).run_tiles
+    assert not _plan(4096, 1536, 512, True, True, True, 132, None, None, all_paired=True, lanes=64).run_tiles
+    assert _plan(4096, 7168, 0, True, False, True, 132, None, None, all_paired=True).run_tiles
+    assert not _plan(4096, 7168, 0, True, False, True, 132, None, None, all_paired=True, lanes=64).run_tiles
+    assert not _plan(4096, 1536, 512, True, True, True, 132, None, None, all_paired=False).run_tiles
     assert not _plan(4096, 1536, 512, True, True, True, 132, None, 1, all_paired=True).run_tiles  # a sweep's warps
 
 

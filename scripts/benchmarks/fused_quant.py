@@ -11,8 +11,9 @@ ASM-GEMM flags):
 * unfused   -- torch ops for the residual add and ``F.rms_norm``, then aiter's separate
                ``dynamic_mxfp4_quant`` Triton kernel (row-major scale, no shuffle: a lower bound
                on what the unfused sequence costs);
-* runs      -- with ``--run-tiles``: our kernel with run-major tiles forced (``run_tiles=True``)
-               where they fit, checked like ours at all three flag settings;
+* blocks, runs -- with ``--tile-orders``: our kernel with each row layout forced, block-major
+               (``run_tiles=False``) and run-major (``run_tiles=True``, where they fit), each
+               checked like ours at all three flag settings ("ours" is the plan's default);
 * old       -- with ``--old-kernel REV`` (a git revision, or a copy of the kernel file): an earlier
                version of our kernel, loaded beside ours (before/after in one run);
 * copy      -- a copy moving the same number of bytes (read + written): the faster of torch's
@@ -40,6 +41,8 @@ Example:
 from __future__ import annotations
 
 import argparse
+import functools
+import itertools
 import os
 import pathlib
 import sys
@@ -84,8 +87,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="an earlier version of our kernel, timed (and checked) beside ours as 'old': a git "
                          "revision (e.g. HEAD~3), or a copy of layouts/_triton_fused_quant.py (with its folder's "
                          "_triton_fused_quant_tiles.py, where there is one)")
-    ap.add_argument("--run-tiles", action="store_true",
-                    help="also time our kernel with run-major tiles forced (run_tiles=True), and count their SASS")
+    ap.add_argument("--tile-orders", action="store_true",
+                    help="also time our kernel with each row layout forced, 'blocks' (run_tiles=False) and 'runs' "
+                         "(run_tiles=True, where they fit); with --sass, count both")
     ap.add_argument("--sass", action="store_true",
                     help="only compile our kernel for an H100 (sm_90, no GPU needed) at both sites and print its "
                          "registers and SASS instruction counts (the row program's and by opcode)")
@@ -352,9 +356,10 @@ def sass_counts(ms: list[int]) -> None:
 
     cuobjdump = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     print(f"our kernel for sm_90, triton {triton.__version__} (offline)")
+    orders = {"blocks": False, "runs": True} if ARGS.tile_orders else {"": None}  # None: the plan's
     for site, (n1, res, n2) in SITES.items():
-        for m in ms:
-            ck = compile_offline(GPUTarget("cuda", 90, 32), m, n1, n2, res, run_tiles=True if ARGS.run_tiles else None)
+        for (order, run_tiles), m in itertools.product(orders.items(), ms):
+            ck = compile_offline(GPUTarget("cuda", 90, 32), m, n1, n2, res, run_tiles=run_tiles)
             with tempfile.TemporaryDirectory() as d:
                 cubin = pathlib.Path(d) / "k.cubin"
                 cubin.write_bytes(ck.asm["cubin"])
@@ -368,8 +373,9 @@ def sass_counts(ms: list[int]) -> None:
                     ops.append(op)
                     ended = op == "EXIT" and not pred
             top = collections.Counter(o.split(".")[0] for o in ops).most_common(8)
-            print(f"{site} M={m}: {regs.group(1) if regs else '?'} registers, {len(ops)} instructions a lane in the "
-                  f"row program ({total} in the kernel): " + ", ".join(f"{o} {c}" for o, c in top))
+            print(f"{site} M={m}{' ' + order if order else ''}: {regs.group(1) if regs else '?'} registers, "
+                  f"{len(ops)} instructions a lane in the row program ({total} in the kernel): "
+                  + ", ".join(f"{o} {c}" for o, c in top))
 
 
 def e2m1_exhaustive(old_mod) -> None:
@@ -625,24 +631,24 @@ def run(args: argparse.Namespace) -> None:
             if old_mod is not None:
                 fns["old"] = lambda: old_mod.fused_rms_mxfp4_quant_triton(**args, shuffle=True,
                                                                            scale_shuffle_padding=True)
-            if ARGS.run_tiles:
+            for order, run_tiles in ({"blocks": False, "runs": True} if ARGS.tile_orders else {}).items():
                 bad = []
                 try:
                     for sh, pad in FLAG_SETTINGS:
                         bad += check(fused_rms_mxfp4_quant_triton(**args, shuffle=sh, scale_shuffle_padding=pad,
-                                                                  run_tiles=True),
+                                                                  run_tiles=run_tiles),
                                      FQ.fused_rms_mxfp4_quant_reference(**args, shuffle=sh, scale_shuffle_padding=pad),
-                                     f"run-major {site} M={m}", sh)[0]
-                    print(f"check run-major tiles {site} M={m}: {'ok' if not bad else 'FAILED ' + '; '.join(bad)}")
-                    fns["runs"] = lambda: fused_rms_mxfp4_quant_triton(**args, shuffle=True, scale_shuffle_padding=True,
-                                                                       run_tiles=True)
+                                     f"{order} {site} M={m}", sh)[0]
+                    print(f"check {order} {site} M={m}: {'ok' if not bad else 'FAILED ' + '; '.join(bad)}")
+                    fns[order] = functools.partial(fused_rms_mxfp4_quant_triton, **args, shuffle=True,
+                                                   scale_shuffle_padding=True, run_tiles=run_tiles)
                 except ValueError as exc:  # split rows (small M): the plan has no run-major tiles
-                    print(f"run-major tiles {site} M={m}: {exc}")
+                    print(f"{order} {site} M={m}: {exc}")
             t = {}
             for name, fn in fns.items():
                 if fn is None:
                     continue
-                if time.time() - t_start > ARGS.time_limit and name not in ("ours", "runs"):
+                if time.time() - t_start > ARGS.time_limit and name not in ("ours", "blocks", "runs"):
                     print(f"  {name} skipped at {site} M={m}: past --time-limit")
                     continue
                 try:
@@ -664,7 +670,7 @@ def run(args: argparse.Namespace) -> None:
                   title="\n== fused RMSNorm + MXFP4 quant, shuffle + padding; time = median device time per call "
                         "(CUDA graph), eager = one Python call ==")
     for site, n1, m, nbytes, t in rows:
-        for name in ("ours", "runs", "aiter", "compiled", "unfused", "old", "copy"):
+        for name in ("ours", "blocks", "runs", "aiter", "compiled", "unfused", "old", "copy"):
             if name not in t:
                 continue
             notes = {"eager": f"{t[name + '_eager']:.1f} us"} if name + "_eager" in t else {}
