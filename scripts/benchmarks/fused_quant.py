@@ -68,6 +68,8 @@ ARGS = argparse.Namespace(cpu_smoke=False)
 DEVICE = "cuda"
 # (shuffle, scale_shuffle_padding) of every check: row-major, padded, S32x8
 FLAG_SETTINGS = ((False, False), (False, True), (True, True))
+# --tile-orders: each row layout forced, by its name in the tables (name: run_tiles)
+TILE_ORDERS = {"blocks": False, "runs": True}
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -356,7 +358,7 @@ def sass_counts(ms: list[int]) -> None:
 
     cuobjdump = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     print(f"our kernel for sm_90, triton {triton.__version__} (offline)")
-    orders = {"blocks": False, "runs": True} if ARGS.tile_orders else {"": None}  # None: the plan's
+    orders = TILE_ORDERS if ARGS.tile_orders else {"": None}  # None: the plan's
     for site, (n1, res, n2) in SITES.items():
         for (order, run_tiles), m in itertools.product(orders.items(), ms):
             ck = compile_offline(GPUTarget("cuda", 90, 32), m, n1, n2, res, run_tiles=run_tiles)
@@ -631,7 +633,7 @@ def run(args: argparse.Namespace) -> None:
             if old_mod is not None:
                 fns["old"] = lambda: old_mod.fused_rms_mxfp4_quant_triton(**args, shuffle=True,
                                                                            scale_shuffle_padding=True)
-            for order, run_tiles in ({"blocks": False, "runs": True} if ARGS.tile_orders else {}).items():
+            for order, run_tiles in (TILE_ORDERS if ARGS.tile_orders else {}).items():
                 bad = []
                 try:
                     for sh, pad in FLAG_SETTINGS:
@@ -648,7 +650,7 @@ def run(args: argparse.Namespace) -> None:
             for name, fn in fns.items():
                 if fn is None:
                     continue
-                if time.time() - t_start > ARGS.time_limit and name not in ("ours", "blocks", "runs"):
+                if time.time() - t_start > ARGS.time_limit and name not in ("ours", *TILE_ORDERS):
                     print(f"  {name} skipped at {site} M={m}: past --time-limit")
                     continue
                 try:
@@ -670,7 +672,7 @@ def run(args: argparse.Namespace) -> None:
                   title="\n== fused RMSNorm + MXFP4 quant, shuffle + padding; time = median device time per call "
                         "(CUDA graph), eager = one Python call ==")
     for site, n1, m, nbytes, t in rows:
-        for name in ("ours", "blocks", "runs", "aiter", "compiled", "unfused", "old", "copy"):
+        for name in ("ours", *TILE_ORDERS, "aiter", "compiled", "unfused", "old", "copy"):
             if name not in t:
                 continue
             notes = {"eager": f"{t[name + '_eager']:.1f} us"} if name + "_eager" in t else {}
