@@ -97,7 +97,8 @@ def aiter_triton_gemm():
 @pytest.fixture(scope="session")
 def tiny_r1(tmp_path_factory) -> pathlib.Path:
     """The tiny R1-0528 checkpoint (prep.testing's preset), written once per worker."""
-    from prep.testing import PRESETS, write_checkpoint
+    from prep.testing import PRESETS
+    from checkpoints import write_checkpoint
 
     return write_checkpoint(dataclasses.replace(PRESETS["tiny"], variant="r1-0528"),
                             tmp_path_factory.mktemp("tiny-r1") / "src")

@@ -39,7 +39,8 @@ from prep.reference.dense_gemm import LOGIT_RTOL, AiterDenseGemms
 from prep.errors import PrepError
 from prep.reference.model import DeepseekV3, ForwardOptions
 from prep.reference.run import run
-from prep.testing import SynthSpec, write_checkpoint
+from prep.testing import SynthSpec
+from checkpoints import write_checkpoint
 from prep.reference.weights import load_weights
 
 ATOM = get_engine("atom")  # the engine whose profile these tests use

@@ -17,7 +17,8 @@ from layouts import EngineConfig
 from layouts.engines import get_engine
 from prep.convert import convert
 from prep.deepseek import target_for
-from prep.testing import SynthSpec, write_checkpoint
+from prep.testing import SynthSpec
+from checkpoints import write_checkpoint
 
 from atom_like import FusedMoE, Fp4Linear, Mxfp4MoEMethod, atom_like_draft_model, atom_like_model, mtp_prefixes
 
@@ -185,7 +186,8 @@ def test_triton_gemm_is_refused_for_fp8_attention_with_atoms_reason(tmp_path):
     # linear's quant type; a per-channel FP8 weight is read wrong there (deepseek_v2.py, ffdf3bb5).
     from prep.convert import convert
     from prep.deepseek import target_for
-    from prep.testing import SynthSpec, write_checkpoint
+    from prep.testing import SynthSpec
+    from checkpoints import write_checkpoint
 
     src = write_checkpoint(SynthSpec(variant="mtp-moefp4", num_hidden_layers=2), tmp_path / "src")
     convert(str(src), tmp_path / "tp2", target_for(ATOM, tp=2))

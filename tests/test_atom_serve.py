@@ -23,7 +23,8 @@ from harness import report, sources
 from harness.atom import serve as check_atom_serve
 from layouts.engines.atom import ENV_NON_SHUFFLE, ENV_TRITON_MOE, SERVED_MOE_BACKENDS
 from layouts.engines.atom import serve
-from prep.testing import PRESETS, drop_tensors, edit_at_same_size, write_checkpoint
+from prep.testing import PRESETS, drop_tensors, edit_at_same_size
+from checkpoints import write_checkpoint
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 

@@ -14,7 +14,8 @@ import torch
 from safetensors import safe_open
 
 from atom_sharding import Held, expert_block, held
-from prep.testing import SynthSpec, build_config, tensor_specs, write_checkpoint
+from prep.testing import SynthSpec, build_config, tensor_specs
+from checkpoints import write_checkpoint
 
 VARIANTS = ("r1-0528", "v2")
 TPS = (1, 2, 4, 8)

@@ -20,7 +20,8 @@ from prep.bf16 import Bf16Group, Placement, group_from_record
 from prep.bf16_plan import plan_bf16_groups
 from prep.errors import PrepError
 from prep.source import SourceCheckpoint
-from prep.testing import SynthSpec, write_checkpoint
+from prep.testing import SynthSpec
+from checkpoints import write_checkpoint
 
 ATOM_RULES = get_engine("atom").sharding  # the engine whose BF16 splits these tests check
 

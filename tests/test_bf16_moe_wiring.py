@@ -18,7 +18,8 @@ import layouts as L
 from prep.bf16 import Bf16Group, group_from_record
 from prep.bf16_plan import plan_bf16_groups
 from prep.source import SourceCheckpoint
-from prep.testing import SynthSpec, write_checkpoint
+from prep.testing import SynthSpec
+from checkpoints import write_checkpoint
 from test_bf16_groups import ATOM_RULES, _atom_param, _bf16
 
 LAYOUT = L.get_layout(L.get_engine("atom").bf16_moe_layout)

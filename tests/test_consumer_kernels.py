@@ -48,7 +48,8 @@ from layouts.engines import get_engine
 from prep.convert import convert
 from prep.deepseek import target_for
 from prep.reference.aiter_gemm import DENSE_MODULES
-from prep.testing import SynthSpec, write_checkpoint
+from prep.testing import SynthSpec
+from checkpoints import write_checkpoint
 
 ATOM = get_engine("atom")  # the engine whose profile these tests use
 

@@ -25,7 +25,8 @@ from prep.deepseek import target_for
 from prep.errors import PrepError
 from prep.revert import revert
 from prep.source import SourceCheckpoint
-from prep.testing import SynthSpec, write_checkpoint
+from prep.testing import SynthSpec
+from checkpoints import write_checkpoint
 from prep.verify import verify
 
 from conftest import assert_verifies_and_reverts

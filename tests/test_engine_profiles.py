@@ -259,7 +259,8 @@ def test_a_second_engine_with_its_own_sharding_rules_gets_ranks_files_of_its_own
     from layouts.engines.atom import SHARDING
     from prep.convert import convert
     from prep.deepseek import target_for
-    from prep.testing import SynthSpec, write_checkpoint
+    from prep.testing import SynthSpec
+    from checkpoints import write_checkpoint
 
     toy.sharding = ShardingRules(SHARDING.merges, (("deepseek-v3", r"\.self_attn\.o_proj$", WHOLE),), experts="mlp.moe")
     toy.bf16_moe_layout = None
@@ -299,7 +300,8 @@ def test_converting_for_an_engine_without_sharding_rules_is_refused_naming_those
     from prep.convert import convert
     from prep.deepseek import engine_of, target_for
     from prep.errors import PrepError
-    from prep.testing import SynthSpec, write_checkpoint
+    from prep.testing import SynthSpec
+    from checkpoints import write_checkpoint
 
     src = write_checkpoint(SynthSpec(), tmp_path / "src")
     with pytest.raises(PrepError, match="engine 'toy' states no sharding rules.*--engine atom"):
@@ -320,7 +322,8 @@ def test_convert_engine_takes_that_engines_default_layouts(toy, tmp_path):
 
     from layouts.engines.atom import SHARDING
     from prep.cli import main
-    from prep.testing import SynthSpec, write_checkpoint
+    from prep.testing import SynthSpec
+    from checkpoints import write_checkpoint
 
     toy.sharding = replace(SHARDING, moe_pad_to=(128, 256), fuse_shared_expert=False)
     src = write_checkpoint(SynthSpec(), tmp_path / "src")

@@ -15,7 +15,8 @@ from layouts.families import COLS, ROWS, WHOLE, Family, Module, family_of, get_f
 from layouts.engines import get_engine
 from prep.cli import main
 from prep.source import SourceCheckpoint
-from prep.testing import PRESETS, build_config, tensor_specs, write_checkpoint
+from prep.testing import PRESETS, build_config, tensor_specs
+from checkpoints import write_checkpoint
 
 ATOM = get_engine("atom")  # the engine whose profile these tests use
 

@@ -13,7 +13,8 @@ import prep.convert as pc
 import prep.siblings as siblings
 from prep.convert import convert
 from prep.deepseek import target_for
-from prep.testing import SynthSpec, write_checkpoint
+from prep.testing import SynthSpec
+from checkpoints import write_checkpoint
 from layouts.engines import get_engine
 
 ATOM = get_engine("atom")  # the engine whose profile these tests use

@@ -23,7 +23,8 @@ from prep.convert import convert
 from prep.converted import same_bytes
 from prep.deepseek import target_for
 from prep.errors import PrepError
-from prep.testing import PRESETS, SynthSpec, write_checkpoint
+from prep.testing import PRESETS, SynthSpec
+from checkpoints import write_checkpoint
 
 from conftest import assert_verifies_and_reverts
 

@@ -28,7 +28,8 @@ from prep.convert import convert
 from prep.deepseek import target_for
 from prep.errors import PrepError
 from prep.source import SourceCheckpoint
-from prep.testing import SynthSpec, drop_tensors, write_checkpoint
+from prep.testing import SynthSpec, drop_tensors
+from checkpoints import write_checkpoint
 
 ATOM = get_engine("atom")  # the engine whose profile these tests use
 

@@ -16,7 +16,8 @@ from prep.cli import main
 from prep.convert import convert
 from prep.deepseek import target_for
 from prep.reference.run import run
-from prep.testing import SynthSpec, write_checkpoint
+from prep.testing import SynthSpec
+from checkpoints import write_checkpoint
 from layouts.engines import get_engine
 
 ATOM = get_engine("atom")  # the engine whose profile these tests use

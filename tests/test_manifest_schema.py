@@ -16,7 +16,8 @@ from layouts.manifest import Manifest, ManifestError, load_manifest
 from layouts.engines import get_engine
 from prep.convert import convert
 from prep.deepseek import target_for
-from prep.testing import PRESETS, SynthSpec, as_format_3, write_checkpoint
+from prep.testing import PRESETS, SynthSpec, as_format_3
+from checkpoints import write_checkpoint
 
 ATOM = get_engine("atom")  # the engine whose profile these tests use
 

@@ -18,7 +18,8 @@ import torch
 from prep.convert import convert
 from prep.deepseek import target_for
 from prep.reference.run import run
-from prep.testing import SynthSpec, run_measured, write_checkpoint
+from prep.testing import SynthSpec, run_measured
+from checkpoints import write_checkpoint
 from layouts.engines import get_engine
 
 ATOM = get_engine("atom")  # the engine whose profile these tests use

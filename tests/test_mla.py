@@ -15,7 +15,8 @@ from layouts.mla import MlaShape, absorbed_kv_b, absorbed_kv_b_of_rank
 from layouts.engines import get_engine
 from prep.convert import convert
 from prep.deepseek import target_for
-from prep.testing import SynthSpec, write_checkpoint
+from prep.testing import SynthSpec
+from checkpoints import write_checkpoint
 
 ATOM = get_engine("atom")  # the engine whose profile these tests use
 

@@ -23,7 +23,8 @@ from layouts.manifest import expand_names, load_manifest
 from layouts.engines import get_engine
 from prep.convert import convert
 from prep.deepseek import target_for
-from prep.testing import SynthSpec, as_format_3, edit_at_same_size, write_checkpoint
+from prep.testing import SynthSpec, as_format_3, edit_at_same_size
+from checkpoints import write_checkpoint
 
 ATOM = get_engine("atom")  # the engine whose profile these tests use
 

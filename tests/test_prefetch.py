@@ -17,7 +17,8 @@ import prep.prefetch as pf
 from prep.convert import convert
 from prep.deepseek import target_for
 from prep.source import SourceCheckpoint
-from prep.testing import SynthSpec, write_checkpoint
+from prep.testing import SynthSpec
+from checkpoints import write_checkpoint
 from layouts.engines import get_engine
 
 ATOM = get_engine("atom")  # the engine whose profile these tests use

@@ -21,7 +21,8 @@ from prep.bf16 import group_from_record
 from prep.deepseek import target_for
 from prep.revert import revert
 from prep.source import SourceCheckpoint
-from prep.testing import SynthSpec, write_checkpoint
+from prep.testing import SynthSpec
+from checkpoints import write_checkpoint
 from prep.verify import verify
 
 ATOM = get_engine("atom")  # the engine whose profile these tests use

@@ -18,7 +18,8 @@ from prep.errors import PrepError
 from prep.reference.model import DeepseekV3, ForwardOptions, rope_tables
 from prep.reference.run import compare, run
 from prep.reference.weights import load_weights
-from prep.testing import PRESETS, SynthSpec, write_checkpoint
+from prep.testing import PRESETS, SynthSpec
+from checkpoints import write_checkpoint
 from conftest import _need
 from layouts.engines import get_engine
 

@@ -15,7 +15,8 @@ from layouts.manifest import ManifestError, load_manifest
 from layouts.engines import get_engine
 from prep.convert import convert
 from prep.deepseek import target_for
-from prep.testing import SynthSpec, write_checkpoint
+from prep.testing import SynthSpec
+from checkpoints import write_checkpoint
 from safetensors.torch import load_file
 
 ATOM = get_engine("atom")  # the engine whose profile these tests use

@@ -26,7 +26,8 @@ from prep.convert import convert
 from prep.deepseek import target_for
 from prep.errors import PrepError
 from prep.revert import revert
-from prep.testing import SynthSpec, write_checkpoint
+from prep.testing import SynthSpec
+from checkpoints import write_checkpoint
 from prep.verify import verify
 
 ATOM = get_engine("atom")  # the engine whose profile these tests use

@@ -127,7 +127,7 @@ def test_linears_vllm_runs_on_tuned_aiter_gemms_are_laid_out_by_the_door_as_vllm
     # stand-ins, named per rank): all three in the model and in its MTP draft.
     import dataclasses
 
-    from prep.testing import write_checkpoint
+    from checkpoints import write_checkpoint
 
     src = write_checkpoint(dataclasses.replace(PRESETS["tiny"], variant="mtp-moefp4"), tmp_path / "mtp")
     out = tmp_path / "out"
