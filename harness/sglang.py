@@ -33,7 +33,7 @@ import pathlib
 import sys
 from typing import Iterator
 
-from harness import REPO
+from harness import REPO, freeze_imports
 
 # aiter's source tree (the oracles' aiter-*.tar.gz, extracted by the caller: install(aiter_dir))
 AITER = {"dir": pathlib.Path(os.environ.get("PREP_AITER_SRC", REPO / ".cache" / "aiter-src"))}
@@ -208,6 +208,7 @@ def build_and_load(model_path, tp: int, rank: int, load_format: str = "auto", ep
     from sglang.srt.model_loader import get_model_loader
 
     loader = get_model_loader(lc, mc)
+    freeze_imports()
     with on_cpu(fill):
         model = loader.load_model(model_config=mc, device_config=dc)
     return model, loader

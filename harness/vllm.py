@@ -43,7 +43,7 @@ import sys
 import types
 from typing import Iterator
 
-from harness import REPO
+from harness import REPO, freeze_imports
 
 WORK = {"dir": REPO / ".cache" / "vllm-check"}
 # aiter's source tree (the oracles' aiter-*.tar.gz, extracted by the caller: install(aiter_dir))
@@ -396,6 +396,7 @@ def build_and_load(model_path, tp: int, rank: int, ep: int = 1, load_format: str
 
     set_groups(tp, rank, ep)
     loader = get_model_loader(vc.load_config)
+    freeze_imports()
     from vllm.v1.worker import workspace
 
     if workspace._manager is None:  # GPUModelRunner makes it; DeepSeek-V3.2's sparse MLA asks for it at build

@@ -45,7 +45,7 @@ from typing import Iterator
 
 import torch
 
-from harness import stand_ins
+from harness import freeze_imports, stand_ins
 from harness.mi355x import CpuMode
 from harness.stand_ins import StandInFinder, StandInModule, fill_aiter_stub, file_spec
 
@@ -151,6 +151,7 @@ def install(atom_dir: pathlib.Path, aiter_dir: pathlib.Path, gpu_arch: str = "gf
     custom_register.direct_register_custom_op = register
     for name in ATOM_MODULES:  # imported outside on_cpu: class bodies read the real torch.cuda.Stream
         importlib.import_module(name)
+    freeze_imports()
 
 
 def set_tp(rank: int, size: int) -> None:

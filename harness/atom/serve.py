@@ -61,7 +61,7 @@ import traceback
 from typing import Iterator
 from unittest import mock
 
-from harness import REPO, stand_ins
+from harness import REPO, freeze_imports, stand_ins
 from harness.report import Failure, RankResult
 
 NOT_LOADED = "were NOT loaded from checkpoint"  # ATOM's loading_core._report_coverage
@@ -239,6 +239,8 @@ def server(setup: dict, argv: list[str]) -> int:
 
     import uvicorn
     from atom.model_engine import llm_engine
+
+    freeze_imports()  # before the workers are forked: their collections skip what the imports made
 
     state = {"workers": [], "listening": False}
 
