@@ -48,12 +48,11 @@ The device functions the kernel calls (element pairs, the E2M1 encoding, scale o
 fetch, sum and quant, the x2 norm) are in :mod:`layouts._triton_fused_quant_tiles`; this module
 holds the kernel, its launch plan (:func:`_plan`) and the Python entry.
 
-Measured on an H200 (scripts/bench.py fused-quant, CUDA graphs, shuffle + padding, 2026-12-04;
-docs/BENCHMARKS.md): M = 65536, N1 = 7168 with residual 849 us (3.61 TB/s, 0.86 of the run's
-best copy); N1 = 1536 + kv 512: 103 us (3.78 TB/s, 0.90; was 121); M = 1: 2.3-2.6 us (was
-2.9-3.0 in the same runs) and 1.8 us (was 1.9). On an H100 (2026-12-07, the E2M1 encoding and
-the bf16 pair stores in PTX): 0.90 of the best copy at M = 4096 at both sites, 0.98-0.99 at
-65536; q_a + kv_a at 16384 0.87 (a fixed ~4.5 us of start and drain, see docs/BENCHMARKS.md).
+Measured (scripts/bench.py fused-quant, CUDA graphs, shuffle + padding; docs/BENCHMARKS.md), of
+the run's best copy at M = 4096 / 16384 / 65536: on an H100 (2026-12-07) the input norm 0.93 /
+0.99 / 1.00 and q_a + kv_a 0.90 / 0.88-0.90 / 1.00; on an H200 (2026-12-07) 0.89 / 0.98 / 1.00 and
+0.69 / 0.75 / 0.85, where q_a is bound by its instructions (665 a lane), not by memory. M = 1:
+2.0-2.5 us.
 """
 
 from __future__ import annotations
@@ -261,7 +260,9 @@ def _run_tiles_default(lanes: int) -> bool:
     row layouts forced, in one process) the input norm was 15 / 6 / 2 % faster run-major at M = 256 /
     1024 / 4096, even at 16384 and 0.5-0.8 % slower at 65536; q_a + kv_a 1-2 % slower at 256 (3.46
     against 3.40 us), 0.1-1.4 % faster at 1024 and 4096, even from 16384 (both sites run at the
-    copy's rate from 16384). So: on 32-lane warps. No AMD GPU has timed them: block-major there."""
+    copy's rate from 16384). So: on 32-lane warps. No AMD GPU has timed them: block-major there.
+    Not yet A/B'd on an H200: there q_a + kv_a ran 3-7 % slower at M = 16384 / 65536 than an earlier
+    H200 run's block-major kernel (across runs; the input norm 14-16 % faster)."""
     return lanes == 32
 
 
