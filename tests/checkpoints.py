@@ -2,8 +2,8 @@
 
 ``prep.testing.write_checkpoint`` is deterministic (the same spec gives the same bytes:
 ``test_synth.py::test_deterministic_and_seed_sensitive`` pins it), and the suite asked it for the
-same few specs ~90 times, 0.5-1 s each (tensors drawn and MXFP4-quantized): about 80 s of the
-suite's CPU time on two workers. A copy of the first write is the same files, made in
+same few specs 93 times, 0.5-1 s each (tensors drawn and MXFP4-quantized): 86 s of the
+suite's test time on two workers. A copy of the first write is the same files, made in
 milliseconds, and fresh (a test may edit or damage its copy). ``test_synth.py`` calls the real
 function: it is what is tested there.
 """
@@ -11,6 +11,7 @@ function: it is what is tested there.
 from __future__ import annotations
 
 import atexit
+import functools
 import pathlib
 import shutil
 import tempfile
@@ -20,14 +21,14 @@ from prep.testing import SynthSpec
 from prep.testing import write_checkpoint as _write
 
 _CACHE: dict[SynthSpec, pathlib.Path] = {}
-_ROOT: list[pathlib.Path] = []
 
 
+@functools.cache
 def _root() -> pathlib.Path:
-    if not _ROOT:
-        _ROOT.append(pathlib.Path(tempfile.mkdtemp(prefix="prep-test-checkpoints-")))
-        atexit.register(shutil.rmtree, _ROOT[0], True)
-    return _ROOT[0]
+    """This process's folder of first writes, removed when it exits."""
+    root = pathlib.Path(tempfile.mkdtemp(prefix="prep-test-checkpoints-"))
+    atexit.register(shutil.rmtree, root, True)
+    return root
 
 
 def write_checkpoint(spec: SynthSpec, out_dir: str | pathlib.Path,
