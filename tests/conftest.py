@@ -132,21 +132,59 @@ def assert_verifies_and_reverts(out: pathlib.Path, src: pathlib.Path, back: path
                                              for k in want)
 
 
+_ENGINE_SERVERS: dict = {}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _engine_servers(tmp_path_factory):
+    """Where this run's engine fork servers live (tests/engine_server.py), made at the first check."""
+    _ENGINE_SERVERS["basetemp"] = tmp_path_factory.getbasetemp
+
+
+def pytest_sessionfinish(session):
+    # The controlling process (not an xdist worker) ends last: every engine server leaves with it.
+    factory = getattr(session.config, "_tmp_path_factory", None)
+    if os.environ.get("PYTEST_XDIST_WORKER") or factory is None:
+        return
+    import engine_server
+
+    folder = engine_server.shared_dir(factory.getbasetemp(), worker=False, make=False)
+    if folder.is_dir():
+        engine_server.stop_all(folder)
+
+
 def engine_check_rows(engine: str, src: pathlib.Path, out: pathlib.Path, work: pathlib.Path,
                       *more: str) -> tuple[list[dict[str, str]], str]:
     """``python -m harness check-engine ENGINE`` (and ``more`` options) on ``src`` and its
-    conversion ``out`` (which must pass: exit 0): its per-rank rows, by column, and what it printed."""
+    conversion ``out`` (which must pass: exit 0): its per-rank rows, by column, and what it printed.
+    Run as a fork of the engine's server (tests/engine_server.py: the engine imported once a run)."""
+    from harness import report
+
+    rc, stdout, stderr = engine_check(engine, src, out, work, *more)
+    assert rc == 0, stdout[-3000:] + stderr[-3000:]
+    return report.rows(stdout), stdout
+
+
+def engine_check(engine: str, src: pathlib.Path, out: pathlib.Path, work: pathlib.Path, *more: str,
+                 forked: bool = True) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of ``python -m harness check-engine ENGINE`` (and ``more``) on
+    ``src`` and ``out``, in the engine's Python: forked from its server (tests/engine_server.py), or,
+    with ``forked=False``, as a process of its own."""
     import subprocess
-    import sys
 
-    from harness import REPO, report
+    import engine_server
+    from harness import REPO
 
-    _need((REPO / f".venv-{engine}" / "bin" / "python").is_file(),
-          f"{engine} in .venv-{engine}", f"run `bash scripts/setup_env.sh --engine {engine}`")
+    python = REPO / f".venv-{engine}" / "bin" / "python"
+    _need(python.is_file(), f"{engine} in .venv-{engine}", f"run `bash scripts/setup_env.sh --engine {engine}`")
     oracles = need_engine_sources()
-    cmd = [sys.executable, "-m", "harness", "check-engine", engine, "--source", str(src), "--converted", str(out),
-           "--work", str(work), "--oracles", str(oracles), *more]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the engine's own process sets it
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    return report.rows(r.stdout), r.stdout
+    argv = ["check-engine", engine, "--source", str(src), "--converted", str(out), "--work", str(work),
+            "--oracles", str(oracles), *more]
+    # the engine's own process sets TRITON_INTERPRET; its Python finds the harness as `python -m harness` does
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    if not forked:
+        r = subprocess.run([str(python), "-m", "harness", *argv], capture_output=True, text=True, env=env, cwd=REPO)
+        return r.returncode, r.stdout, r.stderr
+    folder = engine_server.shared_dir(_ENGINE_SERVERS["basetemp"](), worker=bool(os.environ.get("PYTEST_XDIST_WORKER")))
+    return engine_server.run_check(engine, python, argv, env, REPO, folder, oracles)

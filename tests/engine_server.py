@@ -1,0 +1,119 @@
+"""The suite's client of :mod:`harness.forkserver`: ``check-engine sglang`` / ``vllm`` run as a fork
+of one server per engine, shared by the test processes of a run (pytest-xdist's workers), which
+has made each check's start (the harness's install and the engine's imports) once.
+
+The first check of an engine starts its server (under a lock, so two workers start one) in the
+run's shared temporary folder; the run's last act (:func:`stop_all`, from conftest's
+``pytest_sessionfinish`` in the controlling process) tells every server to leave, and a server
+left behind by a killed run leaves by itself after :data:`IDLE_S` idle seconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import tempfile
+import time
+
+IDLE_S = 300
+START_S = 300  # the slowest start seen (an SGLang server on a loaded 2-core machine) is ~20 s
+
+
+def shared_dir(basetemp: pathlib.Path, worker: bool, make: bool = True) -> pathlib.Path:
+    """The folder of this run's servers: beside the workers' own temporary folders (their
+    parent), where every process of the run finds it. A Unix socket's path has ~100 bytes: a
+    deeper ``--basetemp`` gets a short folder named after it."""
+    root = basetemp.parent if worker else basetemp
+    folder = root / "engine-servers"
+    if len(str(folder / "sglang.sock.0000000")) > 100:
+        folder = pathlib.Path(tempfile.gettempdir()) / f"prep-es-{hashlib.sha1(str(root).encode()).hexdigest()[:12]}"
+    if make:
+        folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def run_check(engine: str, python: pathlib.Path, argv: list[str], env: dict[str, str], cwd: pathlib.Path,
+              folder: pathlib.Path, oracles: pathlib.Path) -> tuple[int, str, str]:
+    """``python -m harness ARGV`` (a ``check-engine ENGINE``) through the engine's fork server:
+    (exit status, stdout, stderr), as a ``subprocess.run`` of it would give them."""
+    fd, out = tempfile.mkstemp(dir=folder, suffix=".out")
+    os.close(fd)
+    err = out.removesuffix(".out") + ".err"
+    try:
+        for attempt in range(2):
+            path = _server(engine, python, env, folder, oracles)
+            try:
+                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as c:
+                    c.connect(str(path))
+                    req = dict(argv=argv, env=env, cwd=str(cwd), stdout=out, stderr=err)
+                    c.sendall(json.dumps(req).encode() + b"\n")
+                    with c.makefile("r") as f:
+                        answer = f.readline().strip()
+            except (ConnectionRefusedError, FileNotFoundError):  # a server that has just left
+                with _lock(folder, engine):
+                    if path.exists() and not _accepts(path):
+                        path.unlink()
+                continue
+            text = pathlib.Path(out).read_text(), pathlib.Path(err).read_text()
+            if not answer:
+                return 1, text[0], text[1] + f"\n(the {engine} fork server's child ended without an exit status)"
+            return int(answer), *text
+        raise RuntimeError(f"the {engine} fork server in {folder} did not take the check twice")
+    finally:
+        for p in (out, err):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(p)
+
+
+def stop_all(folder: pathlib.Path) -> None:
+    """Tell every server in ``folder`` to leave (the checks they are running finish)."""
+    for path in folder.glob("*.sock"):
+        with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as c:
+            c.connect(str(path))
+            c.sendall(b'{"quit": true}\n')
+
+
+@contextlib.contextmanager
+def _lock(folder: pathlib.Path, engine: str):
+    with open(folder / f"{engine}.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
+def _accepts(path: pathlib.Path) -> bool:
+    """Whether a server listens at ``path`` (a bare connection: the server takes it for nothing)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as c:
+        try:
+            c.connect(str(path))
+        except OSError:
+            return False
+        c.sendall(b"\n")
+    return True
+
+
+def _server(engine: str, python: pathlib.Path, env: dict[str, str], folder: pathlib.Path,
+            oracles: pathlib.Path) -> pathlib.Path:
+    path = folder / f"{engine}.sock"
+    if path.exists():
+        return path
+    with _lock(folder, engine):
+        if path.exists():  # another worker started it while this one waited
+            return path
+        log = folder / f"{engine}-server.log"
+        with open(log, "w") as f:
+            proc = subprocess.Popen([str(python), "-m", "harness.forkserver", engine, str(path), "--oracles",
+                                     str(oracles), "--idle", str(IDLE_S)], env=env, stdout=f, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.monotonic() + START_S
+        while not path.exists():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError(f"the {engine} fork server did not start ({log}):\n{log.read_text()[-3000:]}")
+            time.sleep(0.05)
+    return path
