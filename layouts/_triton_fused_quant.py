@@ -72,6 +72,7 @@ from ._triton_fused_quant_tiles import (
     _run_pairs,
     _run_sum,
     _run_tile_quant,
+    _run_weight,
     _row_sumsq,
     _rstd,
     _scale_offsets,
@@ -102,7 +103,7 @@ def _fused_rms_mxfp4_kernel(
     HAS_RES: tl.constexpr, HAS_X2: tl.constexpr, SHUFFLE: tl.constexpr, PAD: tl.constexpr,
     X_PAIRED: tl.constexpr, R_PAIRED: tl.constexpr, W_PAIRED: tl.constexpr, PTX: tl.constexpr,
     X2_MAIN: tl.constexpr, FLAT_SUM: tl.constexpr, NPAIR: tl.constexpr, FILL_BLOCK: tl.constexpr,
-    RUN_TILES: tl.constexpr, FOLD: tl.constexpr,
+    RUN_TILES: tl.constexpr, FOLD: tl.constexpr, W_EARLY: tl.constexpr,
 ):
     pid = tl.program_id(0)
     if RUN_TILES and pid < n_split:
@@ -123,10 +124,21 @@ def _fused_rms_mxfp4_kernel(
             xa1, ra1 = _run_fetch(x_rows, r_rows, row_ok, T0, T1, HAS_RES)
         if T2 > 0:
             xa2, ra2 = _run_fetch(x_rows, r_rows, row_ok, T0 + T1, T2, HAS_RES)
+        X2B: tl.constexpr = N2 // 32  # x2's blocks (a multiple of FOLD)
         if HAS_X2:
-            _, pair2 = _run_pairs(0, FOLD)
+            _, pair2 = _run_pairs(0, X2B)
             x2a = tl.load(x2_ptr + (rows64 * x2_stride)[:, None, None, None] + pair2,
                           mask=row_ok[:, None, None, None], other=0)
+        if W_EARLY:
+            # The weights' loads go out with the rows' (L2 hits, but each load after the norm is
+            # one more round trip on the row's critical path).
+            wa0 = _run_weight(w1_ptr, 0, T0)
+            if T1 > 0:
+                wa1 = _run_weight(w1_ptr, T0, T1)
+            if T2 > 0:
+                wa2 = _run_weight(w1_ptr, T0 + T1, T2)
+            if HAS_X2:
+                w2a = tl.load(w2_ptr + pair2)
         e0, o0, ss = _run_sum(xa0, ra0, o_rows, row_ok, 0, T0, FOLD, HAS_RES, PTX)
         if T1 > 0:
             e1, o1, ss1 = _run_sum(xa1, ra1, o_rows, row_ok, T0, T1, FOLD, HAS_RES, PTX)
@@ -135,22 +147,30 @@ def _fused_rms_mxfp4_kernel(
             e2, o2, ss2 = _run_sum(xa2, ra2, o_rows, row_ok, T0 + T1, T2, FOLD, HAS_RES, PTX)
             ss += ss2
         if HAS_X2:
-            x2e, x2o, sq2 = _run_sum(x2a, x2a, o_rows, row_ok, 0, FOLD, FOLD, False, PTX)
+            x2e, x2o, sq2 = _run_sum(x2a, x2a, o_rows, row_ok, 0, X2B, FOLD, False, PTX)
             ss, s2 = tl.reduce((ss, sq2), 1, _add2)
         else:
             ss = tl.sum(ss, axis=1)
         rstd = _rstd(ss, N1, eps1)
-        _run_tile_quant(e0, o0, rstd, w1_ptr, rows, row_ok, q_rows, scale_ptr, 0, T0,
+        if not W_EARLY:
+            wa0 = _run_weight(w1_ptr, 0, T0)
+        _run_tile_quant(e0, o0, rstd, wa0, rows, row_ok, q_rows, scale_ptr, 0, T0,
                         SCALE_COLS_PAD, SHUFFLE, PAD, PTX)
         if T1 > 0:
-            _run_tile_quant(e1, o1, rstd, w1_ptr, rows, row_ok, q_rows, scale_ptr, T0, T1,
+            if not W_EARLY:
+                wa1 = _run_weight(w1_ptr, T0, T1)
+            _run_tile_quant(e1, o1, rstd, wa1, rows, row_ok, q_rows, scale_ptr, T0, T1,
                             SCALE_COLS_PAD, SHUFFLE, PAD, PTX)
         if T2 > 0:
-            _run_tile_quant(e2, o2, rstd, w1_ptr, rows, row_ok, q_rows, scale_ptr, T0 + T1, T2,
+            if not W_EARLY:
+                wa2 = _run_weight(w1_ptr, T0 + T1, T2)
+            _run_tile_quant(e2, o2, rstd, wa2, rows, row_ok, q_rows, scale_ptr, T0 + T1, T2,
                             SCALE_COLS_PAD, SHUFFLE, PAD, PTX)
         if HAS_X2:
             r2 = _rstd(s2, N2, eps2)[:, None, None, None]
-            w2e, w2o = _unpack(tl.load(w2_ptr + pair2))
+            if not W_EARLY:
+                w2a = tl.load(w2_ptr + pair2)
+            w2e, w2o = _unpack(w2a)
             # (x * rstd) * w rounded to x1's dtype (bf16: out2 is paired like x2)
             _store_pairs(out2_ptr + (rows64 * (N2 // 2))[:, None, None, None], pair2, row_ok[:, None, None, None],
                          x2e * r2 * w2e, x2o * r2 * w2o, True, PTX)
@@ -312,13 +332,15 @@ class Plan(NamedTuple):
     flat_sum: bool
     run_tiles: bool
     fold: int
+    w_early: bool
 
 
 @functools.lru_cache(maxsize=4096)
 def _plan(m: int, n1: int, n2: int, padded: bool, raw: bool, on_gpu: bool, sms: int,
           block_m: int | None, num_warps: int | None, split: int | None = None,
           x2_main: bool | None = None, flat_sum: bool | None = None, all_paired: bool = False,
-          run_tiles: bool | None = None, lanes: int = 32) -> Plan:
+          run_tiles: bool | None = None, lanes: int = 32, run_warps: int | None = None,
+          w_early: bool | None = None) -> Plan:
     """Launch plan for one shape: everything the wrapper needs besides pointers (cached: the
     wrapper is the whole cost of a decode-size call, so it must stay a dict lookup). ``raw``:
     x1 is paired bf16 without a residual (kept packed in registers); ``all_paired``: every
@@ -391,10 +413,13 @@ def _plan(m: int, n1: int, n2: int, padded: bool, raw: bool, on_gpu: bool, sms: 
     # 32 + 16 blocks on 2 warps, x2 one more 16-block tile; the input norm: 128 + 64 + 32 on 4).
     # The default where they fit: _run_tiles_default (timed on the H100).
     fold = min(t for t in tiles if t) if cols == cols_pad else 0
+    if run_warps is not None:
+        fold = run_warps * lanes // 4
     if run_tiles is None and num_warps is not None:
         run_tiles = False  # warps given (a sweep's plan): block-major tiles
     fits = (on_gpu or run_tiles is not None) and all_paired and n1 % 32 == 0 and fold * 4 >= lanes \
-        and all(t % fold == 0 for t in tiles) and n2 in (0, 32 * fold) and nsplit == 1
+        and all(t % fold == 0 for t in tiles) and nsplit == 1 \
+        and (n2 == 0 or (n2 % (32 * fold) == 0 and (n2 // 32) & (n2 // 32 - 1) == 0))
     if run_tiles and not fits:
         raise ValueError(f"run_tiles needs whole rows of paired bf16 blocks and an x2 of one tile's width, got "
                          f"N1 = {n1}, N2 = {n2}")
@@ -405,6 +430,7 @@ def _plan(m: int, n1: int, n2: int, padded: bool, raw: bool, on_gpu: bool, sms: 
         bm2 = bm
     else:
         fold = 0
+    w_early = run_tiles and bool(w_early)  # not yet timed on a GPU: off unless asked
     if padded:
         rows_pad = -(-m // 256) * 256
         main_rows = -(-m // 32) * 32  # BLOCK_M divides 32: main programs end on a band boundary
@@ -419,7 +445,7 @@ def _plan(m: int, n1: int, n2: int, padded: bool, raw: bool, on_gpu: bool, sms: 
     n_fill = -(-(fill_end - fill_start) // _FILL_BLOCK)
     grid = (n_main + n_x2 + n_fill,)
     return Plan(grid, rows_pad, cols, cols_pad, tiles, bm, bm2, nb2, warps, n_split, n_main, n_x2, fill_start,
-                fill_end, nsplit, ts, x2_main, flat_sum, run_tiles, fold)
+                fill_end, nsplit, ts, x2_main, flat_sum, run_tiles, fold, w_early)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -435,12 +461,13 @@ def _constants(plan: Plan, n1: int, n2: int, has_res: bool, has_x2: bool, shuffl
         HAS_RES=has_res, HAS_X2=has_x2, SHUFFLE=shuffle, PAD=padded,
         X_PAIRED=x_paired, R_PAIRED=r_paired, W_PAIRED=w_paired, PTX=ptx,
         X2_MAIN=plan.x2_main, FLAT_SUM=plan.flat_sum, NPAIR=triton.next_power_of_2(n1 // 2),
-        FILL_BLOCK=_FILL_BLOCK, RUN_TILES=plan.run_tiles, FOLD=plan.fold,
+        FILL_BLOCK=_FILL_BLOCK, RUN_TILES=plan.run_tiles, FOLD=plan.fold, W_EARLY=plan.w_early,
     )
 
 
 def compile_offline(target, m: int, n1: int, n2: int = 0, has_res: bool = False, *, sms: int = 132,
-                    shuffle: bool = True, padded: bool = True, run_tiles: bool | None = None):
+                    shuffle: bool = True, padded: bool = True, run_tiles: bool | None = None,
+                    run_warps: int | None = None, w_early: bool | None = None):
     """Compile the kernel, without a GPU, for ``target`` (a ``triton.backends.compiler.GPUTarget``:
     ``GPUTarget("cuda", 90, 32)``, ``GPUTarget("hip", "gfx942", 64)``) as a launch of an ``[m,
     n1]`` bf16 call would compile it (paired, 16-byte aligned, residual if ``has_res``, x2 of width
@@ -453,7 +480,7 @@ def compile_offline(target, m: int, n1: int, n2: int = 0, has_res: bool = False,
     from ._triton_offline import compile_like_launch
 
     plan = _plan(m, n1, n2, padded, not has_res, True, sms, None, None, all_paired=True, run_tiles=run_tiles,
-                 lanes=target.warp_size)
+                 lanes=target.warp_size, run_warps=run_warps, w_early=w_early)
     consts = _constants(plan, n1, n2, has_res, bool(n2), shuffle, padded, True, has_res, True,
                         target.backend == "cuda")
     x2_ty = "*i32" if plan.run_tiles else "*bf16"
@@ -490,12 +517,16 @@ def fused_rms_mxfp4_quant_triton(
     x2_main: bool | None = None,
     flat_sum: bool | None = None,
     run_tiles: bool | None = None,
+    run_warps: int | None = None,
+    w_early: bool | None = None,
 ):
     """Our Triton back end of :func:`layouts.fused_quant.fused_rms_mxfp4_quant` (same contract).
 
     ``block_m`` / ``num_warps`` / ``split`` (programs per row block) / ``x2_main`` (x2 rows in
     the row programs) / ``flat_sum`` (split programs sum rows as one flat tile) / ``run_tiles`` (whole rows as
-    run-major tiles) override the launch plan (benchmarks and tests only).
+    run-major tiles) / ``run_warps`` (warps a row of run-major tiles takes: fewer hold more of the
+    row per thread) / ``w_early`` (run-major: the norm weights loaded with the rows, not after the
+    sum) override the launch plan (benchmarks and tests only).
     Inputs must have a unit last stride (the public wrapper makes sure of it).
     """
     m, n1 = x1.shape
@@ -512,7 +543,7 @@ def fused_rms_mxfp4_quant_triton(
     all_paired = (x_paired and w_paired and (res1 is None or r_paired)
                   and (x2 is None or (_paired(x2) and _paired(x2_weight))))
     plan = _plan(m, n1, n2, padded, x_paired and res1 is None, on_gpu, sms, block_m, num_warps, split,
-                 x2_main, flat_sum, all_paired, run_tiles, 32 if _NVIDIA else 64)
+                 x2_main, flat_sum, all_paired, run_tiles, 32 if _NVIDIA else 64, run_warps, w_early)
     grid, rows_pad, cols_pad = plan.grid, plan.rows_pad, plan.cols_pad
 
     q = torch.empty((m, n1 // 2), dtype=torch.uint8, device=dev)

@@ -368,12 +368,20 @@ def _run_sum(xa, ra, o_rows, row_ok, B0, T: tl.constexpr, FOLD: tl.constexpr, HA
 
 
 @triton.jit
-def _run_tile_quant(xe, xo, rstd, w1_ptr, rows, row_ok, q_rows, scale_ptr, B0, T: tl.constexpr,
+def _run_weight(w1_ptr, B0, T: tl.constexpr):
+    """The RMSNorm weights of run-major tile [B0, B0+T) as loaded (int32 bf16 pairs)."""
+    _, pair = _run_pairs(B0, T)
+    return tl.load(w1_ptr + pair)
+
+
+@triton.jit
+def _run_tile_quant(xe, xo, rstd, wa, rows, row_ok, q_rows, scale_ptr, B0, T: tl.constexpr,
                     SCALE_COLS_PAD: tl.constexpr, SHUFFLE: tl.constexpr, PAD: tl.constexpr, PTX: tl.constexpr):
     """Normalise, quantize and store a run-major tile of blocks [B0, B0+T) (float32 ``xe``, ``xo``;
-    its weights loaded here, int32 pairs; whole blocks, no pad columns): FP4 codes, scale bytes."""
+    ``wa`` its weights from :func:`_run_weight`; whole blocks, no pad columns): FP4 codes, scale
+    bytes."""
     blk, pair = _run_pairs(B0, T)
-    we, wo = _unpack(tl.load(w1_ptr + pair))
+    we, wo = _unpack(wa)
     r4 = rstd[:, None, None, None]
     ye = xe * r4 * we  # (x * rstd) * w, rounded twice, as aiter and the reference do
     yo = xo * r4 * wo

@@ -326,6 +326,22 @@ def test_triton_kernel_run_major_tiles_match_torch_reference(m, n1, x2, res, blo
         assert_matches_reference(out, reference(args, shuffle, padding), args)
 
 
+# Fewer warps a row (q_a + kv_a on one: each thread holds two layers of x2's tile and four of
+# x1's first) and the weights loaded with the rows change the registers' plan, not the bytes.
+@pytest.mark.parametrize("m,n1,x2,res,run_warps,w_early", [(5, 1536, True, False, 1, True), (3, 512, True, True, 1, False),
+                                                           (2, 7168, False, True, 2, True)])
+def test_run_major_tiles_on_fewer_warps_or_with_early_weights_match_torch_reference(m, n1, x2, res, run_warps, w_early):
+    from layouts._triton_fused_quant import _plan, fused_rms_mxfp4_quant_triton
+
+    plan = _plan(4096, n1, 512 if x2 else 0, True, not res, True, 132, None, None, all_paired=True, run_tiles=True,
+                 run_warps=run_warps, w_early=w_early)  # the GPU's plan at a size that takes whole rows
+    assert (plan.warps, plan.fold, plan.w_early) == (run_warps, run_warps * 8, w_early)
+    args = make_inputs(m, n1, x2=x2, res=res, seed=m + n1 + 1)
+    out = fused_rms_mxfp4_quant_triton(**args, shuffle=True, scale_shuffle_padding=True, block_m=1, run_tiles=True,
+                                       run_warps=run_warps, w_early=w_early)
+    assert_matches_reference(out, reference(args, True, True), args)
+
+
 def test_run_major_tiles_are_refused_where_they_do_not_fit():
     from layouts._triton_fused_quant import fused_rms_mxfp4_quant_triton
 
