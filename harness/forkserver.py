@@ -1,81 +1,99 @@
-"""A fork server for ``check-engine sglang`` and ``check-engine vllm``: one process per engine, in
-the engine's environment, that has done once what every check of that engine starts with (the
-harness's :func:`install` and the engine's imports), and forks a child for each check, which runs
-``python -m harness check-engine ...`` (:func:`harness.__main__.main`) from there with the
-caller's environment, working folder and output files.
+"""A fork server for the test suite's engine processes: one process per kind, which has done once
+what every process of that kind starts with, and forks a child for each request, which runs from
+there with the caller's arguments, environment, working folder and output files. Kinds:
 
-Why: the imports are most of such a check on a CPU (``python -X importtime``: 7.8 s of a 10.6 s
-vLLM check, ~8.5 s of a 16.4 s SGLang one), and the test suite runs seven of them. Each check
-still runs in a process of its own (a fork), so nothing one check does reaches another; what
-they share is what a fresh process would have made the same way: the same imports, in the same
-order, after the same install. The suite's engine checks use it (``tests/engine_server.py``); a
-user's ``python -m harness check-engine`` runs as before.
+* ``sglang``, ``vllm`` (in the engine's environment): ``python -m harness check-engine ENGINE``
+  after the harness's install (stand-ins, platform) and the engine's imports;
+* ``python`` (prep's own environment): ``python -m MODULE`` (ATOM's start-ups, ``harness.atom.serve``;
+  ATOM's install checks, ``harness``) after the third-party imports alone (torch, triton,
+  transformers, ...): ATOM reads its switches as its modules are imported, and each start-up
+  sets its own, so ATOM and the harness are imported by the child, as in a new interpreter.
 
-    ENGINE_PYTHON -m harness.forkserver {sglang,vllm} SOCKET [--idle SECONDS]
+Why: the imports are most of such a process on a CPU (``python -X importtime``: 7.8 s of a 10.6 s
+vLLM check, ~8.5 s of a 16.4 s SGLang one, ~2.8 s of third-party imports in each of ATOM's ~7 s
+start-ups), and the suite starts dozens of them. Each request still runs in a process of its own
+(a fork, in a session of its own), so nothing one does reaches another; what they share is what a
+fresh process would have made the same way: the same imports, in the same order, under the same
+environment. The suite's client is ``tests/engine_server.py``; by hand, ``python -m harness
+check-engine`` and the rest run as before, one interpreter each.
 
-Protocol, over the Unix socket ``SOCKET``: a client sends one JSON line, ``{"argv": [...], "env":
-{...}, "cwd": "...", "stdout": PATH, "stderr": PATH}`` (or ``{"quit": true}``), and reads back one
-line, the check's exit status, once the check has ended. The server leaves after ``--idle``
-seconds without a request (default 600), or on ``quit``.
+    PYTHON -m harness.forkserver {sglang,vllm,python} SOCKET [--oracles DIR] [--idle SECONDS]
+
+Protocol, over the Unix socket ``SOCKET``: a client sends one JSON line, ``{"argv": [...],
+"module": "harness", "env": {...}, "cwd": "...", "stdout": PATH, "stderr": PATH}`` (or
+``{"quit": true}``) and reads back two lines: the child's pid (its session's id, to end it with
+everything it started), then, once it has ended, its exit status. The server leaves after
+``--idle`` seconds without a request (default 600), or on ``quit``.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import pathlib
+import runpy
 import signal
 import socket
 import sys
 import tempfile
 import traceback
 
+KINDS = ("sglang", "vllm", "python")
+# What prep's environment imports before any of ATOM's or prep's own code: none of it reads ATOM's
+# switches (`python -X importtime` of an ATOM start-up: torch 1.7 s, transformers 0.36, sympy 0.31,
+# regex, numpy, huggingface_hub, ...). Not triton: its kernels are interpreted or compiled as
+# TRITON_INTERPRET says when each is defined, and the processes run under either.
+THIRD_PARTY = ("torch", "numpy", "sympy", "transformers", "transformers.configuration_utils", "huggingface_hub",
+               "safetensors", "safetensors.torch", "regex", "jinja2", "yaml", "click", "uvicorn")
 
 # The variables the warm-up's imports added to the environment (the harnesses set defaults at
 # import: TRITON_INTERPRET, VLLM_ROCM_USE_AITER, ...): each child sets them where its caller did not.
 IMPORT_DEFAULTS: dict[str, str] = {}
 
 
-def warm(engine: str, oracles: pathlib.Path, work: pathlib.Path) -> None:
-    """What a check of ``engine`` does before it reads a checkpoint: the pinned aiter tree, the
-    harness's install (stand-ins, platform), and the modules its build and load import."""
-    import importlib
-
+def warm(kind: str, oracles: pathlib.Path | None, work: pathlib.Path) -> None:
+    """What every process of ``kind`` does first: for an engine, the pinned aiter tree, the
+    harness's install (stand-ins, platform) and the modules a check's build and load import; for
+    ``python``, the third-party imports."""
     before = dict(os.environ)
-
-    from harness import sources
-
-    _, aiter_dir = sources.trees(oracles, work)
-    if engine == "sglang":
-        from harness import sglang
-
-        sglang.install(aiter_dir)
-        modules = ("sglang.srt.configs.device_config", "sglang.srt.configs.load_config",
-                   "sglang.srt.configs.model_config", "sglang.srt.runtime_context", "sglang.srt.server_args",
-                   "sglang.srt.model_loader", "sglang.srt.models.registry", "sglang.srt.models.deepseek_v2")
-    elif engine == "vllm":
-        from harness import vllm
-
-        vllm.install(aiter_dir)
-        modules = ("vllm.engine.arg_utils", "vllm.config", "vllm.model_executor.model_loader",
-                   "vllm.v1.worker.workspace", "vllm.v1.worker.gpu.spec_decode.eagle.utils",
-                   "vllm.model_executor.models.deepseek_v2")
+    if kind == "python":
+        modules = THIRD_PARTY
     else:
-        raise SystemExit(f"error: no fork server for {engine!r} (sglang, vllm)")
+        from harness import sources
+
+        if oracles is None:
+            raise SystemExit(f"error: the {kind} fork server needs --oracles")
+        _, aiter_dir = sources.trees(oracles, work)
+        if kind == "sglang":
+            from harness import sglang
+
+            sglang.install(aiter_dir)
+            modules = ("sglang.srt.configs.device_config", "sglang.srt.configs.load_config",
+                       "sglang.srt.configs.model_config", "sglang.srt.runtime_context", "sglang.srt.server_args",
+                       "sglang.srt.model_loader", "sglang.srt.models.registry", "sglang.srt.models.deepseek_v2",
+                       "harness.__main__")
+        else:
+            from harness import vllm
+
+            vllm.install(aiter_dir)
+            modules = ("vllm.engine.arg_utils", "vllm.config", "vllm.model_executor.model_loader",
+                       "vllm.v1.worker.workspace", "vllm.v1.worker.gpu.spec_decode.eagle.utils",
+                       "vllm.model_executor.models.deepseek_v2", "harness.__main__")
     for name in modules:
         importlib.import_module(name)
-    from harness import __main__  # noqa: F401 - the children's entry point
-
     IMPORT_DEFAULTS.update({k: v for k, v in os.environ.items() if k not in before})
 
 
-def _run(conn: socket.socket) -> None:
+def _run(conn: socket.socket, kind: str) -> None:
     """In the forked child: one request, run, answered with its exit status; the child never
     returns (whatever happens, it ends here and never goes back to the server's loop)."""
     rc = 1
     try:
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the server ignores it; a check may wait on processes
+        os.setsid()  # a session of its own: the caller can end it with every process it starts
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the server ignores it; a child may wait on processes
+        conn.sendall(f"{os.getpid()}\n".encode())
         with conn.makefile("r") as f:
             req = json.loads(f.readline())
         os.chdir(req["cwd"])
@@ -87,11 +105,13 @@ def _run(conn: socket.socket) -> None:
             out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             os.dup2(out, fd)
             os.close(out)
-        from harness.__main__ import main
-
-        sys.argv = ["python -m harness", *req["argv"]]
+        module = req.get("module", "harness")
+        if kind != "python" and module != "harness":
+            raise SystemExit(f"error: the {kind} fork server runs `python -m harness` only, not {module}")
+        sys.argv = [f"python -m {module}", *req["argv"]]
         try:
-            rc = main(req["argv"])
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+            rc = 0
         except SystemExit as e:  # as the interpreter reports it: a message to stderr and 1, or the code
             if isinstance(e.code, str):
                 print(e.code, file=sys.stderr)
@@ -108,9 +128,9 @@ def _run(conn: socket.socket) -> None:
             os._exit(0)  # no interpreter teardown: the parent's atexit hooks and objects are the parent's
 
 
-def serve(engine: str, sock_path: pathlib.Path, oracles: pathlib.Path, idle: float) -> None:
-    work = pathlib.Path(tempfile.mkdtemp(prefix=f"{engine}-forkserver-", dir=sock_path.parent))
-    warm(engine, oracles, work)
+def serve(kind: str, sock_path: pathlib.Path, oracles: pathlib.Path | None, idle: float) -> None:
+    work = pathlib.Path(tempfile.mkdtemp(prefix=f"{kind}-forkserver-", dir=sock_path.parent))
+    warm(kind, oracles, work)
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children reaped as they end
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     staged = sock_path.with_name(sock_path.name + f".{os.getpid()}")
@@ -133,9 +153,11 @@ def serve(engine: str, sock_path: pathlib.Path, oracles: pathlib.Path, idle: flo
             if not peek.strip():  # a bare connection (a client asking whether it listens)
                 conn.close()
                 continue
+            sys.stdout.flush()
+            sys.stderr.flush()
             if os.fork() == 0:
                 srv.close()
-                _run(conn)
+                _run(conn, kind)
             conn.close()
     finally:
         srv.close()
@@ -148,12 +170,12 @@ def serve(engine: str, sock_path: pathlib.Path, oracles: pathlib.Path, idle: flo
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m harness.forkserver", description=__doc__.split("\n\n")[0])
-    ap.add_argument("engine", choices=("sglang", "vllm"))
+    ap.add_argument("kind", choices=KINDS)
     ap.add_argument("socket", type=pathlib.Path)
-    ap.add_argument("--oracles", type=pathlib.Path, required=True, help="folder with ATOM's and aiter's pinned sources")
+    ap.add_argument("--oracles", type=pathlib.Path, help="folder with ATOM's and aiter's pinned sources (engines)")
     ap.add_argument("--idle", type=float, default=600.0, help="seconds without a request before it leaves")
     args = ap.parse_args(argv)
-    serve(args.engine, args.socket, args.oracles, args.idle)
+    serve(args.kind, args.socket, args.oracles, args.idle)
     return 0
 
 

@@ -153,6 +153,28 @@ def pytest_sessionfinish(session):
         engine_server.stop_all(folder)
 
 
+def _servers_folder() -> pathlib.Path:
+    import engine_server
+
+    return engine_server.shared_dir(_ENGINE_SERVERS["basetemp"](), worker=bool(os.environ.get("PYTEST_XDIST_WORKER")))
+
+
+def forked_python(module: str, args: list[str], env: dict[str, str], timeout: float | None = None,
+                  cwd: pathlib.Path | None = None) -> tuple[int | None, str, str]:
+    """``python -m MODULE ARGS`` in prep's environment, forked from the run's server of it
+    (tests/engine_server.py: torch and the other third-party modules imported once a run):
+    (exit status, or None where it ran past ``timeout`` and was killed; stdout; stderr)."""
+    import sys
+
+    import engine_server
+    from harness import REPO
+
+    env = dict(env)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    return engine_server.run_check("python", pathlib.Path(sys.executable), args, env, cwd or REPO, _servers_folder(),
+                                   module=module, timeout=timeout)
+
+
 def engine_check_rows(engine: str, src: pathlib.Path, out: pathlib.Path, work: pathlib.Path,
                       *more: str) -> tuple[list[dict[str, str]], str]:
     """``python -m harness check-engine ENGINE`` (and ``more`` options) on ``src`` and its
@@ -186,5 +208,4 @@ def engine_check(engine: str, src: pathlib.Path, out: pathlib.Path, work: pathli
     if not forked:
         r = subprocess.run([str(python), "-m", "harness", *argv], capture_output=True, text=True, env=env, cwd=REPO)
         return r.returncode, r.stdout, r.stderr
-    folder = engine_server.shared_dir(_ENGINE_SERVERS["basetemp"](), worker=bool(os.environ.get("PYTEST_XDIST_WORKER")))
-    return engine_server.run_check(engine, python, argv, env, REPO, folder, oracles)
+    return engine_server.run_check(engine, python, argv, env, REPO, _servers_folder(), oracles)

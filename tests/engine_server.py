@@ -1,8 +1,9 @@
-"""The suite's client of :mod:`harness.forkserver`: ``check-engine sglang`` / ``vllm`` run as a fork
-of one server per engine, shared by the test processes of a run (pytest-xdist's workers), which
-has made each check's start (the harness's install and the engine's imports) once.
+"""The suite's client of :mod:`harness.forkserver`: ``check-engine sglang`` / ``vllm``, ATOM's
+start-ups and install checks run as forks of one server per kind, shared by the test processes of a
+run (pytest-xdist's workers), which has made each process's start (for an engine, the harness's
+install and the engine's imports; for prep's environment, the third-party imports) once.
 
-The first check of an engine starts its server (under a lock, so two workers start one) in the
+The first run of a kind starts its server (under a lock, so two workers start one) in the
 run's shared temporary folder; the run's last act (:func:`stop_all`, from conftest's
 ``pytest_sessionfinish`` in the controlling process) tells every server to leave, and a server
 left behind by a killed run leaves by itself after :data:`IDLE_S` idle seconds.
@@ -16,6 +17,7 @@ import hashlib
 import json
 import os
 import pathlib
+import signal
 import socket
 import subprocess
 import tempfile
@@ -38,33 +40,45 @@ def shared_dir(basetemp: pathlib.Path, worker: bool, make: bool = True) -> pathl
     return folder
 
 
-def run_check(engine: str, python: pathlib.Path, argv: list[str], env: dict[str, str], cwd: pathlib.Path,
-              folder: pathlib.Path, oracles: pathlib.Path) -> tuple[int, str, str]:
-    """``python -m harness ARGV`` (a ``check-engine ENGINE``) through the engine's fork server:
-    (exit status, stdout, stderr), as a ``subprocess.run`` of it would give them."""
+def run_check(kind: str, python: pathlib.Path, argv: list[str], env: dict[str, str], cwd: pathlib.Path,
+              folder: pathlib.Path, oracles: pathlib.Path | None = None, module: str = "harness",
+              timeout: float | None = None) -> tuple[int | None, str, str]:
+    """``python -m MODULE ARGV`` through the fork server of ``kind`` (``sglang``, ``vllm``: a
+    ``check-engine``; ``python``: any module, in prep's environment): (exit status, stdout,
+    stderr), as a ``subprocess.run`` of it would give them. Past ``timeout`` seconds the run is
+    killed with everything it started, and its exit status is None."""
     fd, out = tempfile.mkstemp(dir=folder, suffix=".out")
     os.close(fd)
     err = out.removesuffix(".out") + ".err"
     try:
         for attempt in range(2):
-            path = _server(engine, python, env, folder, oracles)
+            path = _server(kind, python, env, folder, oracles)
             try:
                 with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as c:
                     c.connect(str(path))
-                    req = dict(argv=argv, env=env, cwd=str(cwd), stdout=out, stderr=err)
+                    req = dict(argv=argv, module=module, env=env, cwd=str(cwd), stdout=out, stderr=err)
                     c.sendall(json.dumps(req).encode() + b"\n")
                     with c.makefile("r") as f:
-                        answer = f.readline().strip()
+                        pid = f.readline().strip()
+                        c.settimeout(timeout)
+                        try:
+                            answer = f.readline().strip()
+                        except (socket.timeout, TimeoutError):
+                            with contextlib.suppress(ProcessLookupError, ValueError):
+                                os.killpg(int(pid), signal.SIGKILL)
+                            answer = None
             except (ConnectionRefusedError, FileNotFoundError):  # a server that has just left
-                with _lock(folder, engine):
+                with _lock(folder, kind):
                     if path.exists() and not _accepts(path):
                         path.unlink()
                 continue
-            text = pathlib.Path(out).read_text(), pathlib.Path(err).read_text()
+            text = pathlib.Path(out).read_text(errors="replace"), pathlib.Path(err).read_text(errors="replace")
+            if answer is None:
+                return None, *text
             if not answer:
-                return 1, text[0], text[1] + f"\n(the {engine} fork server's child ended without an exit status)"
+                return 1, text[0], text[1] + f"\n(the {kind} fork server's child ended without an exit status)"
             return int(answer), *text
-        raise RuntimeError(f"the {engine} fork server in {folder} did not take the check twice")
+        raise RuntimeError(f"the {kind} fork server in {folder} did not take the run twice")
     finally:
         for p in (out, err):
             with contextlib.suppress(FileNotFoundError):
@@ -97,23 +111,24 @@ def _accepts(path: pathlib.Path) -> bool:
     return True
 
 
-def _server(engine: str, python: pathlib.Path, env: dict[str, str], folder: pathlib.Path,
-            oracles: pathlib.Path) -> pathlib.Path:
-    path = folder / f"{engine}.sock"
+def _server(kind: str, python: pathlib.Path, env: dict[str, str], folder: pathlib.Path,
+            oracles: pathlib.Path | None) -> pathlib.Path:
+    path = folder / f"{kind}.sock"
     if path.exists():
         return path
-    with _lock(folder, engine):
+    with _lock(folder, kind):
         if path.exists():  # another worker started it while this one waited
             return path
-        log = folder / f"{engine}-server.log"
+        log = folder / f"{kind}-server.log"
+        cmd = [str(python), "-m", "harness.forkserver", kind, str(path), "--idle", str(IDLE_S)]
+        cmd += ["--oracles", str(oracles)] if oracles is not None else []
         with open(log, "w") as f:
-            proc = subprocess.Popen([str(python), "-m", "harness.forkserver", engine, str(path), "--oracles",
-                                     str(oracles), "--idle", str(IDLE_S)], env=env, stdout=f, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
+            proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True)
         deadline = time.monotonic() + START_S
         while not path.exists():
             if proc.poll() is not None or time.monotonic() > deadline:
                 proc.kill()
-                raise RuntimeError(f"the {engine} fork server did not start ({log}):\n{log.read_text()[-3000:]}")
+                raise RuntimeError(f"the {kind} fork server did not start ({log}):\n{log.read_text()[-3000:]}")
             time.sleep(0.05)
     return path

@@ -18,7 +18,7 @@ import torch
 
 import layouts
 import aiter_oracle
-from conftest import _need, need_engine_sources
+from conftest import _need, forked_python, need_engine_sources
 from harness import report, sources
 from harness.atom import serve as check_atom_serve
 from layouts.engines.atom import ENV_NON_SHUFFLE, ENV_TRITON_MOE, SERVED_MOE_BACKENDS
@@ -30,9 +30,12 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
-def oracle_trees(tmp_path_factory):
+def oracle_trees(tmp_path_factory, monkeypatch):
+    """ATOM's and aiter's trees; ATOM's start-ups forked from the run's server of prep's
+    environment (conftest.forked_python), not each a new interpreter."""
     from harness.atom import on_cpu
 
+    monkeypatch.setitem(check_atom_serve.LAUNCH, "run", forked_python)
     oracles = need_engine_sources()
     missing = on_cpu.missing_deps()
     _need(not missing, f"ATOM's CPU dependencies ({', '.join(missing)})", "run `bash scripts/setup_env.sh --engine atom`")
@@ -345,18 +348,18 @@ def test_atoms_own_mla_derivation_equals_layouts_absorbed_kv_b(oracle_trees, tmp
     # the same bytes, every layer of every rank (harness/atom/install.py, each rank's "MLA:" note).
     atom, aiter = oracle_trees
     _need(aiter_oracle.triton_gemm_available(), "aiter's Triton GEMM files and triton >= 3.8")
-    r = subprocess.run([sys.executable, "-m", "harness", "check-atom-matrix", "--atom-dir", str(atom),
-                        "--aiter-dir", str(aiter), "--work", str(tmp_path), "--only", "r1-0528 asm tp2",
-                        "--only", "v2 triton-non-shuffle tp2"], capture_output=True, text=True, cwd=REPO)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    lines = r.stdout.splitlines()
+    rc, stdout, stderr = forked_python("harness", ["check-atom-matrix", "--atom-dir", str(atom), "--aiter-dir", str(aiter),
+                                                   "--work", str(tmp_path), "--only", "r1-0528 asm tp2",
+                                                   "--only", "v2 triton-non-shuffle tp2"], dict(os.environ))
+    assert rc == 0, stdout[-3000:] + stderr[-3000:]
+    lines = stdout.splitlines()
     mla = "    MLA: ATOM's W_K/W_V equal layouts.absorbed_kv_b's through its own quantization in 3 layers"
     for config, ranks in (("r1-0528 asm tp2", 4), ("v2 triton-non-shuffle tp2", 2)):
         rows = [i for i, line in enumerate(lines) if line.startswith(config)]
         assert len(rows) == ranks and all(lines[i].endswith(" ok") and mla in lines[i + 1:i + 4] for i in rows), \
-            r.stdout
-    assert len(report.rows(r.stdout)) == 6, r.stdout
-    assert "triton-non-shuffle path: aiter's gemm_afp4wfp4 (Triton, interpreted): ATOM's own call" in r.stdout
+            stdout
+    assert len(report.rows(stdout)) == 6, stdout
+    assert "triton-non-shuffle path: aiter's gemm_afp4wfp4 (Triton, interpreted): ATOM's own call" in stdout
 
 
 def test_a_missing_atom_dependency_is_one_line_naming_the_set_up(tmp_path):

@@ -17,3 +17,30 @@ def test_a_failing_check_forked_from_the_engine_server_fails_as_the_command_does
     last = [r[2].strip().splitlines()[-1] for r in (forked, alone)]
     assert last[0] == last[1] and str(tmp_path / "out") in last[0], (forked, alone)
     assert forked[1] == alone[1]
+
+
+def test_a_forked_run_past_its_timeout_is_killed_with_what_it_started(tmp_path):
+    # ATOM's start-ups run forked from prep's environment's server with a timeout, as a new
+    # interpreter did: past it the run and every process it started are killed, exit status None.
+    import os
+    import time
+
+    from conftest import forked_python
+
+    pidfile = tmp_path / "child.pid"
+    code = (f"import os, subprocess, time; p = subprocess.Popen(['sleep', '60']); "
+            f"open({str(pidfile)!r}, 'w').write(str(p.pid)); time.sleep(60)")
+    t0 = time.monotonic()
+    rc, _, _ = forked_python("timeit", ["-n", "1", "-r", "1", code], dict(os.environ), timeout=3)
+    assert rc is None and time.monotonic() - t0 < 30
+    child = int(pidfile.read_text())
+    for _ in range(100):  # the grandchild ends with the run's session (SIGKILL to the group)
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError(f"process {child}, started by the killed run, is still alive")
+    rc, out, _ = forked_python("timeit", ["-n", "1", "-r", "1", "pass"], dict(os.environ))
+    assert rc == 0 and "loop" in out

@@ -281,17 +281,13 @@ def _atom_install_check(src, out, work, *more: str) -> str:
     """``python -m harness check-engine atom`` (ATOM's own load of SRC against its door's install of
     OUT, both models, on ATOM's real code on the CPU): its output, exit status 0 or not."""
     import os
-    import subprocess
-    import sys
 
-    from conftest import need_engine_sources
-    from harness import REPO
+    from conftest import forked_python, need_engine_sources
 
-    cmd = [sys.executable, "-m", "harness", "check-engine", "atom", "--source", str(src), "--converted", str(out),
-           "--work", str(work), "--oracles", str(need_engine_sources()), *more]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
-    return f"rc={r.returncode}\n{r.stdout}"
+    argv = ["check-engine", "atom", "--source", str(src), "--converted", str(out), "--work", str(work),
+            "--oracles", str(need_engine_sources()), *more]
+    rc, stdout, _ = forked_python("harness", argv, {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
+    return f"rc={rc}\n{stdout}"
 
 
 def test_deepseek_v32_is_its_own_family_with_the_indexer_in_every_layer(v32):

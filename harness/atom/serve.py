@@ -283,6 +283,26 @@ def server(setup: dict, argv: list[str]) -> int:
 
 
 # ---------------------------------------------------------------------------- the check
+# How start() runs a server process: ``run(module, args, env, timeout) -> (exit status or None if it
+# was killed past the timeout, stdout, stderr)`` of ``python -m module args``. None: a new
+# interpreter; the test suite puts in a fork of its server (tests/engine_server.py), which has made
+# the third-party imports already (harness/forkserver.py).
+LAUNCH: dict = {"run": None}
+
+
+def _new_interpreter(module: str, args: list[str], env: dict[str, str], timeout: float):
+    # A session of its own: a start-up that hangs (a forked worker, say) is ended with its workers.
+    p = subprocess.Popen([sys.executable, "-m", module, *args], env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        stdout, stderr = p.communicate()
+        return None, stdout, stderr
+    return p.returncode, stdout, stderr
+
+
 def start(kind: str, model: pathlib.Path, argv: list[str], env: dict[str, str], fills: list[int],
           out: pathlib.Path, trees: tuple[pathlib.Path, pathlib.Path], gpu_arch: str = "gfx950",
           worker_env: dict[str, str] | None = None) -> dict:
@@ -295,20 +315,16 @@ def start(kind: str, model: pathlib.Path, argv: list[str], env: dict[str, str], 
     setup = {"kind": kind, "out": str(out), "fills": fills, "atom_dir": str(trees[0]), "aiter_dir": str(trees[1]),
              "gpu_arch": gpu_arch, "worker_env": worker_env or {}}
     t0 = time.monotonic()
-    # A session of its own: a start-up that hangs (a forked worker, say) is ended with its workers.
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
-    p = subprocess.Popen([sys.executable, "-m", "harness.atom.serve", json.dumps(setup), "--model", str(model), *argv],
-                         env={**os.environ, **env, "PYTHONPATH": path}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, start_new_session=True)
-    try:
-        stdout, stderr = p.communicate(timeout=START_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        stdout, stderr = p.communicate()
+    args, run_env = [json.dumps(setup), "--model", str(model), *argv], {**os.environ, **env, "PYTHONPATH": path}
+    returncode, stdout, stderr = (LAUNCH["run"] or _new_interpreter)("harness.atom.serve", args, run_env,
+                                                                    START_TIMEOUT_S)
+    if returncode is None:  # killed, as a process ended by SIGKILL reports it
+        returncode = -signal.SIGKILL
         stderr += f"\nthe start-up did not end within {START_TIMEOUT_S} s: killed with its workers"
     (out / "server.log").write_text(stdout + stderr)
-    record = json.loads((out / "server.json").read_text()) if (out / "server.json").is_file() else {"rc": p.returncode}
-    record["returncode"], record["seconds"], record["stderr"] = p.returncode, time.monotonic() - t0, stderr
+    record = json.loads((out / "server.json").read_text()) if (out / "server.json").is_file() else {"rc": returncode}
+    record["returncode"], record["seconds"], record["stderr"] = returncode, time.monotonic() - t0, stderr
     record["ranks"] = [json.loads(f.read_text()) for f in sorted(out.glob("rank*.json"))]
     return record
 
