@@ -12,7 +12,8 @@ ASM-GEMM flags):
                ``dynamic_mxfp4_quant`` Triton kernel (row-major scale, no shuffle: a lower bound
                on what the unfused sequence costs);
 * blocks, runs -- with ``--tile-orders``: our kernel with each row layout forced, block-major
-               (``run_tiles=False``) and run-major (``run_tiles=True``, where they fit), each
+               (``run_tiles=False``) and run-major (``run_tiles=True``, where they fit; also on one warp
+               a row, "1w", and with the norm weights loaded with the rows, "+w"), each
                checked like ours at all three flag settings ("ours" is the plan's default);
 * old       -- with ``--old-kernel REV`` (a git revision, or a copy of the kernel file): an earlier
                version of our kernel, loaded beside ours (before/after in one run);
@@ -68,8 +69,12 @@ ARGS = argparse.Namespace(cpu_smoke=False)
 DEVICE = "cuda"
 # (shuffle, scale_shuffle_padding) of every check: row-major, padded, S32x8
 FLAG_SETTINGS = ((False, False), (False, True), (True, True))
-# --tile-orders: each row layout forced, by its name in the tables (name: run_tiles)
-TILE_ORDERS = {"blocks": False, "runs": True}
+# --tile-orders: each row layout forced, by its name in the tables (name: the plan's overrides): block-
+# major, run-major as planned, run-major on one warp a row, and either with the norm weights loaded
+# with the rows (w_early)
+TILE_ORDERS = {"blocks": dict(run_tiles=False), "runs": dict(run_tiles=True, w_early=False),
+               "runs+w": dict(run_tiles=True, w_early=True), "runs1w": dict(run_tiles=True, run_warps=1, w_early=False),
+               "runs1w+w": dict(run_tiles=True, run_warps=1, w_early=True)}
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -91,7 +96,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                          "_triton_fused_quant_tiles.py, where there is one)")
     ap.add_argument("--tile-orders", action="store_true",
                     help="also time our kernel with each row layout forced, 'blocks' (run_tiles=False) and 'runs' "
-                         "(run_tiles=True, where they fit); with --sass, count both")
+                         "(run_tiles=True, where they fit), the latter also on one warp a row ('runs1w') and with "
+                         "the norm weights loaded with the rows ('+w'); with --sass, count each")
     ap.add_argument("--sass", action="store_true",
                     help="only compile our kernel for an H100 (sm_90, no GPU needed) at both sites and print its "
                          "registers and SASS instruction counts (the row program's and by opcode)")
@@ -358,10 +364,10 @@ def sass_counts(ms: list[int]) -> None:
 
     cuobjdump = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     print(f"our kernel for sm_90, triton {triton.__version__} (offline)")
-    orders = TILE_ORDERS if ARGS.tile_orders else {"": None}  # None: the plan's
+    orders = TILE_ORDERS if ARGS.tile_orders else {"": {}}  # {}: the plan's
     for site, (n1, res, n2) in SITES.items():
-        for (order, run_tiles), m in itertools.product(orders.items(), ms):
-            ck = compile_offline(GPUTarget("cuda", 90, 32), m, n1, n2, res, run_tiles=run_tiles)
+        for (order, plan), m in itertools.product(orders.items(), ms):
+            ck = compile_offline(GPUTarget("cuda", 90, 32), m, n1, n2, res, **plan)
             with tempfile.TemporaryDirectory() as d:
                 cubin = pathlib.Path(d) / "k.cubin"
                 cubin.write_bytes(ck.asm["cubin"])
@@ -633,17 +639,17 @@ def run(args: argparse.Namespace) -> None:
             if old_mod is not None:
                 fns["old"] = lambda: old_mod.fused_rms_mxfp4_quant_triton(**args, shuffle=True,
                                                                            scale_shuffle_padding=True)
-            for order, run_tiles in (TILE_ORDERS if ARGS.tile_orders else {}).items():
+            for order, plan in (TILE_ORDERS if ARGS.tile_orders else {}).items():
                 bad = []
                 try:
                     for sh, pad in FLAG_SETTINGS:
                         bad += check(fused_rms_mxfp4_quant_triton(**args, shuffle=sh, scale_shuffle_padding=pad,
-                                                                  run_tiles=run_tiles),
+                                                                  **plan),
                                      FQ.fused_rms_mxfp4_quant_reference(**args, shuffle=sh, scale_shuffle_padding=pad),
                                      f"{order} {site} M={m}", sh)[0]
                     print(f"check {order} {site} M={m}: {'ok' if not bad else 'FAILED ' + '; '.join(bad)}")
                     fns[order] = functools.partial(fused_rms_mxfp4_quant_triton, **args, shuffle=True,
-                                                   scale_shuffle_padding=True, run_tiles=run_tiles)
+                                                   scale_shuffle_padding=True, **plan)
                 except ValueError as exc:  # split rows (small M): the plan has no run-major tiles
                     print(f"{order} {site} M={m}: {exc}")
             t = {}
