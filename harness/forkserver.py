@@ -20,7 +20,8 @@ check-engine`` and the rest run as before, one interpreter each.
     PYTHON -m harness.forkserver {sglang,vllm,python} SOCKET [--oracles DIR] [--idle SECONDS]
 
 Protocol, over the Unix socket ``SOCKET``: a client sends one JSON line, ``{"argv": [...],
-"module": "harness", "env": {...}, "cwd": "...", "stdout": PATH, "stderr": PATH}`` (or
+"module": "harness" (or "path": a script, ``python`` only), "env": {...}, "cwd": "...", "stdout":
+PATH, "stderr": PATH}`` (or
 ``{"quit": true}``) and reads back two lines: the child's pid (its session's id, to end it with
 everything it started), then, once it has ended, its exit status. The server leaves after
 ``--idle`` seconds without a request (default 600), or on ``quit``.
@@ -105,12 +106,17 @@ def _run(conn: socket.socket, kind: str) -> None:
             out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             os.dup2(out, fd)
             os.close(out)
-        module = req.get("module", "harness")
-        if kind != "python" and module != "harness":
-            raise SystemExit(f"error: the {kind} fork server runs `python -m harness` only, not {module}")
-        sys.argv = [f"python -m {module}", *req["argv"]]
+        module, path = req.get("module", "harness"), req.get("path")
+        if kind != "python" and (path or module != "harness"):
+            raise SystemExit(f"error: the {kind} fork server runs `python -m harness` only, not {path or module}")
+        # sys.path[0] as a new interpreter sets it: the script's folder, or for -m the working folder
+        sys.path[0] = os.path.dirname(os.path.abspath(path)) if path else os.getcwd()
+        sys.argv = [path, *req["argv"]] if path else [f"python -m {module}", *req["argv"]]
         try:
-            runpy.run_module(module, run_name="__main__", alter_sys=True)
+            if path:
+                runpy.run_path(path, run_name="__main__")
+            else:
+                runpy.run_module(module, run_name="__main__", alter_sys=True)
             rc = 0
         except SystemExit as e:  # as the interpreter reports it: a message to stderr and 1, or the code
             if isinstance(e.code, str):

@@ -159,11 +159,12 @@ def _servers_folder() -> pathlib.Path:
     return engine_server.shared_dir(_ENGINE_SERVERS["basetemp"](), worker=bool(os.environ.get("PYTEST_XDIST_WORKER")))
 
 
-def forked_python(module: str, args: list[str], env: dict[str, str], timeout: float | None = None,
-                  cwd: pathlib.Path | None = None) -> tuple[int | None, str, str]:
-    """``python -m MODULE ARGS`` in prep's environment, forked from the run's server of it
-    (tests/engine_server.py: torch and the other third-party modules imported once a run):
-    (exit status, or None where it ran past ``timeout`` and was killed; stdout; stderr)."""
+def forked_python(module: str | None, args: list[str], env: dict[str, str], timeout: float | None = None,
+                  cwd: pathlib.Path | None = None, path: pathlib.Path | None = None) -> tuple[int | None, str, str]:
+    """``python -m MODULE ARGS`` (or, with ``path``, ``python PATH ARGS``) in prep's environment,
+    forked from the run's server of it (tests/engine_server.py: torch and the other third-party
+    modules imported once a run): (exit status, or None where it ran past ``timeout`` and was
+    killed; stdout; stderr)."""
     import sys
 
     import engine_server
@@ -172,7 +173,7 @@ def forked_python(module: str, args: list[str], env: dict[str, str], timeout: fl
     env = dict(env)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     return engine_server.run_check("python", pathlib.Path(sys.executable), args, env, cwd or REPO, _servers_folder(),
-                                   module=module, timeout=timeout)
+                                   module=module or "harness", timeout=timeout, path=path)
 
 
 def engine_check_rows(engine: str, src: pathlib.Path, out: pathlib.Path, work: pathlib.Path,

@@ -42,9 +42,10 @@ def shared_dir(basetemp: pathlib.Path, worker: bool, make: bool = True) -> pathl
 
 def run_check(kind: str, python: pathlib.Path, argv: list[str], env: dict[str, str], cwd: pathlib.Path,
               folder: pathlib.Path, oracles: pathlib.Path | None = None, module: str = "harness",
-              timeout: float | None = None) -> tuple[int | None, str, str]:
-    """``python -m MODULE ARGV`` through the fork server of ``kind`` (``sglang``, ``vllm``: a
-    ``check-engine``; ``python``: any module, in prep's environment): (exit status, stdout,
+              timeout: float | None = None, path: pathlib.Path | None = None) -> tuple[int | None, str, str]:
+    """``python -m MODULE ARGV`` (or ``python PATH ARGV``) through the fork server of ``kind``
+    (``sglang``, ``vllm``: a ``check-engine``; ``python``: any module or script, in prep's
+    environment): (exit status, stdout,
     stderr), as a ``subprocess.run`` of it would give them. Past ``timeout`` seconds the run is
     killed with everything it started, and its exit status is None."""
     fd, out = tempfile.mkstemp(dir=folder, suffix=".out")
@@ -52,11 +53,13 @@ def run_check(kind: str, python: pathlib.Path, argv: list[str], env: dict[str, s
     err = out.removesuffix(".out") + ".err"
     try:
         for attempt in range(2):
-            path = _server(kind, python, env, folder, oracles)
+            sock = _server(kind, python, env, folder, oracles)
             try:
                 with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as c:
-                    c.connect(str(path))
+                    c.connect(str(sock))
                     req = dict(argv=argv, module=module, env=env, cwd=str(cwd), stdout=out, stderr=err)
+                    if path is not None:
+                        req["path"] = str(path)
                     c.sendall(json.dumps(req).encode() + b"\n")
                     with c.makefile("r") as f:
                         pid = f.readline().strip()
@@ -69,8 +72,8 @@ def run_check(kind: str, python: pathlib.Path, argv: list[str], env: dict[str, s
                             answer = None
             except (ConnectionRefusedError, FileNotFoundError):  # a server that has just left
                 with _lock(folder, kind):
-                    if path.exists() and not _accepts(path):
-                        path.unlink()
+                    if sock.exists() and not _accepts(sock):
+                        sock.unlink()
                 continue
             text = pathlib.Path(out).read_text(errors="replace"), pathlib.Path(err).read_text(errors="replace")
             if answer is None:

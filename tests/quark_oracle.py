@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import pathlib
 import sys
 import types
 
@@ -62,15 +63,20 @@ def quark_mxfp4(w: torch.Tensor, scale_calculation_mode: str = "even") -> tuple[
 
 
 def quark_mxfp4_in_subprocess(w: torch.Tensor, scale_calculation_mode: str = "even") -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`quark_mxfp4` in a fresh Python with only the export pieces of quark.torch imported
-    (about 3 s, against about 7 s for the whole package, narrowed by quark_export, in this process)."""
-    import subprocess
+    """:func:`quark_mxfp4` in a process of its own with only the export pieces of quark.torch
+    imported (about 3 s, against about 7 s for the whole package, narrowed by quark_export, in this
+    process), forked from the run's server of prep's environment (conftest.forked_python: torch
+    already imported)."""
     import tempfile
+
+    from conftest import forked_python
 
     with tempfile.TemporaryDirectory() as d:
         src, dst = os.path.join(d, "w.pt"), os.path.join(d, "out.pt")
         torch.save({"w": w, "mode": scale_calculation_mode}, src)
-        subprocess.run([sys.executable, __file__, src, dst], check=True, env={**os.environ, "PREP_QUARK_LIGHT": "1"})
+        rc, stdout, stderr = forked_python(None, [src, dst], {**os.environ, "PREP_QUARK_LIGHT": "1"},
+                                           path=pathlib.Path(__file__))
+        assert rc == 0, stdout[-2000:] + stderr[-2000:]
         out = torch.load(dst)
     return out["packed"], out["scale"]
 
