@@ -141,6 +141,7 @@ def _engine_servers(tmp_path_factory):
     _ENGINE_SERVERS["basetemp"] = tmp_path_factory.getbasetemp
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest removes the temporary folder the servers live in
 def pytest_sessionfinish(session):
     # The controlling process (not an xdist worker) ends last: every engine server leaves with it.
     factory = getattr(session.config, "_tmp_path_factory", None)
