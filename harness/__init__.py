@@ -12,6 +12,8 @@ it both ways (the engine's own loader on SRC, its door on OUT): :mod:`harness.at
 stands in for aiter's compiled modules and GPU-only packages), :mod:`harness.mi355x` (the platform
 as one MI355X), :mod:`harness.sources` (ATOM's and aiter's pinned source trees),
 :mod:`harness.compare` (the byte comparison) and :mod:`harness.report` (the one output format).
+The test suite runs these processes forked from one server per kind, which made their imports
+once (:mod:`harness.forkserver`).
 
 This package imports prep's and layouts' private names where a check needs them: it is the
 test of those names, not a user of their public interface.
