@@ -151,8 +151,13 @@ def serve(kind: str, sock_path: pathlib.Path, oracles: pathlib.Path | None, idle
                 conn, _ = srv.accept()
             except socket.timeout:
                 return
+            conn.settimeout(30)  # a client that connects and says nothing does not hold the server
+            try:
+                peek = conn.recv(64, socket.MSG_PEEK)
+            except OSError:
+                conn.close()
+                continue
             conn.settimeout(None)
-            peek = conn.recv(64, socket.MSG_PEEK)
             if peek.startswith(b'{"quit"'):
                 conn.close()
                 return
