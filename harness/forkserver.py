@@ -90,8 +90,9 @@ def warm(kind: str, oracles: pathlib.Path | None, work: pathlib.Path) -> None:
 def _run(conn: socket.socket, kind: str) -> None:
     """In the forked child: one request, run, answered with its exit status; the child never
     returns (whatever happens, it ends here and never goes back to the server's loop)."""
-    rc = 1
+    rc, me = 1, os.getpid()
     try:
+        sys.modules.pop("harness.__main__", None)  # run afresh as __main__ (runpy warns of a module it finds)
         os.setsid()  # a session of its own: the caller can end it with every process it starts
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the server ignores it; a child may wait on processes
         conn.sendall(f"{os.getpid()}\n".encode())
@@ -126,6 +127,8 @@ def _run(conn: socket.socket, kind: str) -> None:
         traceback.print_exc()
         rc = 1
     finally:
+        if os.getpid() != me:  # a process the run forked, ending here: it answers nothing
+            os._exit(rc if isinstance(rc, int) else 1)
         try:
             for stream in (sys.stdout, sys.stderr):
                 stream.flush()

@@ -414,12 +414,15 @@ def _plan(m: int, n1: int, n2: int, padded: bool, raw: bool, on_gpu: bool, sms: 
     # The default where they fit: _run_tiles_default (timed on the H100).
     fold = min(t for t in tiles if t) if cols == cols_pad else 0
     if run_warps is not None:
-        fold = run_warps * lanes // 4
+        if run_warps < 1 or run_warps & (run_warps - 1):
+            raise ValueError(f"run_warps must be a power of two >= 1, got {run_warps}")
+        fold = run_warps * lanes // 4 if cols == cols_pad else 0
     if run_tiles is None and num_warps is not None:
         run_tiles = False  # warps given (a sweep's plan): block-major tiles
     fits = (on_gpu or run_tiles is not None) and all_paired and n1 % 32 == 0 and fold * 4 >= lanes \
         and all(t % fold == 0 for t in tiles) and nsplit == 1 \
-        and (n2 == 0 or (n2 % (32 * fold) == 0 and (n2 // 32) & (n2 // 32 - 1) == 0))
+        and (n2 in (0, 32 * fold) or (run_warps is not None and n2 % (32 * fold) == 0
+                                        and (n2 // 32) & (n2 // 32 - 1) == 0))
     if run_tiles and not fits:
         raise ValueError(f"run_tiles needs whole rows of paired bf16 blocks and an x2 of one tile's width, got "
                          f"N1 = {n1}, N2 = {n2}")

@@ -63,6 +63,8 @@ def run_check(kind: str, python: pathlib.Path, argv: list[str], env: dict[str, s
                     c.sendall(json.dumps(req).encode() + b"\n")
                     with c.makefile("r") as f:
                         pid = f.readline().strip()
+                        if not pid:
+                            raise ConnectionResetError("no child answered")
                         c.settimeout(timeout)
                         try:
                             answer = f.readline().strip()
@@ -70,7 +72,12 @@ def run_check(kind: str, python: pathlib.Path, argv: list[str], env: dict[str, s
                             with contextlib.suppress(ProcessLookupError, ValueError):
                                 os.killpg(int(pid), signal.SIGKILL)
                             answer = None
-            except (ConnectionRefusedError, FileNotFoundError):  # a server that has just left
+                        except BaseException:  # interrupted (Ctrl-C, a test's timeout): the run ends too
+                            with contextlib.suppress(ProcessLookupError, ValueError):
+                                os.killpg(int(pid), signal.SIGKILL)
+                            raise
+            except (ConnectionRefusedError, ConnectionResetError, BrokenPipeError, FileNotFoundError):
+                # a server that has just left (or was leaving as this connected)
                 with _lock(folder, kind):
                     if sock.exists() and not _accepts(sock):
                         sock.unlink()

@@ -348,6 +348,12 @@ def test_run_major_tiles_are_refused_where_they_do_not_fit():
     args = make_inputs(2, 1000, x2=True)  # a partial last block
     with pytest.raises(ValueError, match="run_tiles needs"):
         fused_rms_mxfp4_quant_triton(**args, run_tiles=True)
+    args = make_inputs(2, 384, x2=True)  # 12 blocks: the padded scale's 16 columns are no whole tiles of rows
+    for run_warps in (None, 1):
+        with pytest.raises(ValueError, match="run_tiles needs"):
+            fused_rms_mxfp4_quant_triton(**args, shuffle=True, run_tiles=True, run_warps=run_warps)
+    with pytest.raises(ValueError, match="run_warps must be a power of two"):
+        fused_rms_mxfp4_quant_triton(**make_inputs(2, 512, x2=True), run_tiles=True, run_warps=3)
 
 
 @pytest.mark.parametrize("layout", ["odd_row_stride", "wide_row_stride", "column_major"])
