@@ -19,9 +19,16 @@ This package imports prep's and layouts' private names where a check needs them:
 test of those names, not a user of their public interface.
 """
 
+import os
 import pathlib
 
 REPO = pathlib.Path(__file__).resolve().parent.parent  # the checkout: prep, layouts, .venv-*, .cache
+
+
+def pythonpath(current: str | None) -> str:
+    """``current`` (a PYTHONPATH, or None) with the checkout first: how a process started by
+    another Python finds the harness, prep and layouts as ``python -m harness`` does."""
+    return os.pathsep.join(p for p in (str(REPO), current) if p)
 
 _AT_EXIT: list[bool] = []
 

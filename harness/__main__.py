@@ -20,7 +20,7 @@ import subprocess
 import sys
 from typing import Iterable
 
-from harness import REPO, quark_export, report, sources
+from harness import REPO, pythonpath, quark_export, report, sources
 
 ENGINE_PYTHON = {"sglang": REPO / ".venv-sglang" / "bin" / "python", "vllm": REPO / ".venv-vllm" / "bin" / "python"}
 
@@ -101,7 +101,7 @@ def _in_engine_python(engine: str, argv: list[str]) -> int | None:
     if not python.is_file() or pathlib.Path(sys.executable) == python:
         raise SystemExit(f"error: {engine} is not installed in {sys.executable}: run `bash scripts/setup_env.sh "
                          f"--{engine}`, which makes {python.parent.parent.name}")
-    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    path = pythonpath(os.environ.get("PYTHONPATH"))
     return subprocess.call([str(python), "-m", "harness", *argv], env={**os.environ, "PYTHONPATH": path})
 
 

@@ -73,15 +73,17 @@ def warm(kind: str, oracles: pathlib.Path | None, work: pathlib.Path) -> None:
             sglang.install(aiter_dir)
             modules = ("sglang.srt.configs.device_config", "sglang.srt.configs.load_config",
                        "sglang.srt.configs.model_config", "sglang.srt.runtime_context", "sglang.srt.server_args",
-                       "sglang.srt.model_loader", "sglang.srt.models.registry", "sglang.srt.models.deepseek_v2",
-                       "harness.__main__")
+                       "sglang.srt.model_loader", "sglang.srt.models.registry", "sglang.srt.models.deepseek_v2")
         else:
             from harness import vllm
 
             vllm.install(aiter_dir)
             modules = ("vllm.engine.arg_utils", "vllm.config", "vllm.model_executor.model_loader",
                        "vllm.v1.worker.workspace", "vllm.v1.worker.gpu.spec_decode.eagle.utils",
-                       "vllm.model_executor.models.deepseek_v2", "harness.__main__")
+                       "vllm.model_executor.models.deepseek_v2")
+        # what the children's `python -m harness` imports (not harness.__main__ itself: each child
+        # runs it as __main__, and runpy warns of one it finds imported)
+        modules += ("harness.quark_export", "harness.report", "harness.sources")
     for name in modules:
         importlib.import_module(name)
     IMPORT_DEFAULTS.update({k: v for k, v in os.environ.items() if k not in before})
@@ -92,7 +94,6 @@ def _run(conn: socket.socket, kind: str) -> None:
     returns (whatever happens, it ends here and never goes back to the server's loop)."""
     rc, me = 1, os.getpid()
     try:
-        sys.modules.pop("harness.__main__", None)  # run afresh as __main__ (runpy warns of a module it finds)
         os.setsid()  # a session of its own: the caller can end it with every process it starts
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the server ignores it; a child may wait on processes
         conn.sendall(f"{os.getpid()}\n".encode())

@@ -145,11 +145,12 @@ def _engine_servers(tmp_path_factory):
 def pytest_sessionfinish(session):
     # The controlling process (not an xdist worker) ends last: every engine server leaves with it.
     factory = getattr(session.config, "_tmp_path_factory", None)
-    if os.environ.get("PYTEST_XDIST_WORKER") or factory is None:
+    basetemp = getattr(factory, "_basetemp", None)  # None: no temporary folder was made, nor any server
+    if os.environ.get("PYTEST_XDIST_WORKER") or basetemp is None:
         return
     import engine_server
 
-    folder = engine_server.shared_dir(factory.getbasetemp(), worker=False, make=False)
+    folder = engine_server.shared_dir(basetemp, worker=False, make=False)
     if folder.is_dir():
         engine_server.stop_all(folder)
 
@@ -169,10 +170,10 @@ def forked_python(module: str | None, args: list[str], env: dict[str, str], time
     import sys
 
     import engine_server
-    from harness import REPO
+    from harness import REPO, pythonpath
 
     env = dict(env)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = pythonpath(env.get("PYTHONPATH"))
     return engine_server.run_check("python", pathlib.Path(sys.executable), args, env, cwd or REPO, _servers_folder(),
                                    module=module or "harness", timeout=timeout, path=path)
 
@@ -197,7 +198,7 @@ def engine_check(engine: str, src: pathlib.Path, out: pathlib.Path, work: pathli
     import subprocess
 
     import engine_server
-    from harness import REPO
+    from harness import REPO, pythonpath
 
     python = REPO / f".venv-{engine}" / "bin" / "python"
     _need(python.is_file(), f"{engine} in .venv-{engine}", f"run `bash scripts/setup_env.sh --engine {engine}`")
@@ -206,7 +207,7 @@ def engine_check(engine: str, src: pathlib.Path, out: pathlib.Path, work: pathli
             "--oracles", str(oracles), *more]
     # the engine's own process sets TRITON_INTERPRET; its Python finds the harness as `python -m harness` does
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = pythonpath(os.environ.get("PYTHONPATH"))
     if not forked:
         r = subprocess.run([str(python), "-m", "harness", *argv], capture_output=True, text=True, env=env, cwd=REPO)
         return r.returncode, r.stdout, r.stderr

@@ -61,7 +61,7 @@ import traceback
 from typing import Iterator
 from unittest import mock
 
-from harness import REPO, freeze_imports, stand_ins
+from harness import freeze_imports, pythonpath, stand_ins
 from harness.report import Failure, RankResult
 
 NOT_LOADED = "were NOT loaded from checkpoint"  # ATOM's loading_core._report_coverage
@@ -315,7 +315,7 @@ def start(kind: str, model: pathlib.Path, argv: list[str], env: dict[str, str], 
     setup = {"kind": kind, "out": str(out), "fills": fills, "atom_dir": str(trees[0]), "aiter_dir": str(trees[1]),
              "gpu_arch": gpu_arch, "worker_env": worker_env or {}}
     t0 = time.monotonic()
-    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    path = pythonpath(os.environ.get("PYTHONPATH"))
     args, run_env = [json.dumps(setup), "--model", str(model), *argv], {**os.environ, **env, "PYTHONPATH": path}
     returncode, stdout, stderr = (LAUNCH["run"] or _new_interpreter)("harness.atom.serve", args, run_env,
                                                                     START_TIMEOUT_S)
