@@ -67,16 +67,12 @@ import triton.language as tl
 
 from ._triton_fused_quant_tiles import (
     E8M0_PAD,
-    _add2,
-    _run_fetch,
-    _run_pairs,
-    _run_sum,
-    _run_tile_quant,
+    _run_fetch_rows,
+    _run_rows,
     _run_weight,
     _row_sumsq,
     _rstd,
     _scale_offsets,
-    _store_pairs,
     _tile_fetch,
     _tile_quant,
     _tile_sum,
@@ -95,7 +91,7 @@ def _fused_rms_mxfp4_kernel(
     x2_ptr, w2_ptr, out2_ptr,
     M, x1_stride, res1_stride, x2_stride,
     eps1, eps2,
-    n_split, n_main, n_x2, fill_start, fill_end,
+    n_split, n_blocks, n_main, n_x2, fill_start, fill_end,
     N1: tl.constexpr, N2: tl.constexpr,
     SCALE_COLS: tl.constexpr, SCALE_COLS_PAD: tl.constexpr, NB_PAD: tl.constexpr,
     T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, SPLIT: tl.constexpr, TS: tl.constexpr,
@@ -103,77 +99,44 @@ def _fused_rms_mxfp4_kernel(
     HAS_RES: tl.constexpr, HAS_X2: tl.constexpr, SHUFFLE: tl.constexpr, PAD: tl.constexpr,
     X_PAIRED: tl.constexpr, R_PAIRED: tl.constexpr, W_PAIRED: tl.constexpr, PTX: tl.constexpr,
     X2_MAIN: tl.constexpr, FLAT_SUM: tl.constexpr, NPAIR: tl.constexpr, FILL_BLOCK: tl.constexpr,
-    RUN_TILES: tl.constexpr, FOLD: tl.constexpr, W_EARLY: tl.constexpr,
+    RUN_TILES: tl.constexpr, FOLD: tl.constexpr, W_EARLY: tl.constexpr, PERSIST: tl.constexpr,
 ):
     pid = tl.program_id(0)
     if RUN_TILES and pid < n_split:
         # BLOCK_M whole rows as run-major tiles (T0 + T1 + T2 blocks, each a multiple of FOLD, the
         # blocks one layer of the program's lanes holds) and x2 (when HAS_X2, FOLD blocks wide) as
-        # one more: every load first, then the sums of squares folded to [BLOCK_M, FOLD] inside
-        # the threads and added, so that x1's and x2's sums cross warps once, together; then each
-        # tile's quant, and x2's norm.
+        # one more: every load first, then the rows' sums, norm and quant (_run_rows). Persistent
+        # (PERSIST): each program takes row blocks pid, pid + n_split, ... < n_blocks, with the
+        # weights unpacked once, and the next block's loads issued before this one is worked on.
         rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_ok = rows < M
-        rows64 = rows.to(tl.int64)
-        x_rows = x1_ptr + (rows64 * x1_stride)[:, None, None, None]
-        r_rows = res1_ptr + (rows64 * res1_stride)[:, None, None, None] if HAS_RES else res1_ptr
-        o_rows = out_res1_ptr + (rows64 * (N1 // 2))[:, None, None, None] if HAS_RES else out_res1_ptr
-        q_rows = q_ptr + (rows64 * (N1 // 2))[:, None, None, None]
-        xa0, ra0 = _run_fetch(x_rows, r_rows, row_ok, 0, T0, HAS_RES)
-        if T1 > 0:
-            xa1, ra1 = _run_fetch(x_rows, r_rows, row_ok, T0, T1, HAS_RES)
-        if T2 > 0:
-            xa2, ra2 = _run_fetch(x_rows, r_rows, row_ok, T0 + T1, T2, HAS_RES)
-        X2B: tl.constexpr = N2 // 32  # x2's blocks (a multiple of FOLD)
-        if HAS_X2:
-            _, pair2 = _run_pairs(0, X2B)
-            x2a = tl.load(x2_ptr + (rows64 * x2_stride)[:, None, None, None] + pair2,
-                          mask=row_ok[:, None, None, None], other=0)
-        if W_EARLY:
+        xa0, ra0, xa1, ra1, xa2, ra2, x2a = _run_fetch_rows(x1_ptr, res1_ptr, x2_ptr, rows, M, x1_stride,
+                                                           res1_stride, x2_stride, T0, T1, T2, N2, HAS_RES,
+                                                           HAS_X2)
+        we0, wo0, we1, wo1, we2, wo2, w2e, w2o = rows, rows, rows, rows, rows, rows, rows, rows  # unused
+        if W_EARLY or PERSIST:
             # The weights' loads go out with the rows' (L2 hits, but each load after the norm is
             # one more round trip on the row's critical path).
-            wa0 = _run_weight(w1_ptr, 0, T0)
+            we0, wo0 = _unpack(_run_weight(w1_ptr, 0, T0))
             if T1 > 0:
-                wa1 = _run_weight(w1_ptr, T0, T1)
+                we1, wo1 = _unpack(_run_weight(w1_ptr, T0, T1))
             if T2 > 0:
-                wa2 = _run_weight(w1_ptr, T0 + T1, T2)
+                we2, wo2 = _unpack(_run_weight(w1_ptr, T0 + T1, T2))
             if HAS_X2:
-                w2a = tl.load(w2_ptr + pair2)
-        e0, o0, ss = _run_sum(xa0, ra0, o_rows, row_ok, 0, T0, FOLD, HAS_RES, PTX)
-        if T1 > 0:
-            e1, o1, ss1 = _run_sum(xa1, ra1, o_rows, row_ok, T0, T1, FOLD, HAS_RES, PTX)
-            ss += ss1
-        if T2 > 0:
-            e2, o2, ss2 = _run_sum(xa2, ra2, o_rows, row_ok, T0 + T1, T2, FOLD, HAS_RES, PTX)
-            ss += ss2
-        if HAS_X2:
-            x2e, x2o, sq2 = _run_sum(x2a, x2a, o_rows, row_ok, 0, X2B, FOLD, False, PTX)
-            ss, s2 = tl.reduce((ss, sq2), 1, _add2)
+                w2e, w2o = _unpack(_run_weight(w2_ptr, 0, N2 // 32))
+        if PERSIST:
+            for blk_i in range(pid, n_blocks, n_split):
+                rows = blk_i * BLOCK_M + tl.arange(0, BLOCK_M)
+                nxa0, nra0, nxa1, nra1, nxa2, nra2, nx2a = _run_fetch_rows(
+                    x1_ptr, res1_ptr, x2_ptr, rows + n_split * BLOCK_M, M, x1_stride, res1_stride, x2_stride,
+                    T0, T1, T2, N2, HAS_RES, HAS_X2)
+                _run_rows(xa0, ra0, xa1, ra1, xa2, ra2, x2a, we0, wo0, we1, wo1, we2, wo2, w2e, w2o,
+                          w1_ptr, w2_ptr, rows, M, out_res1_ptr, q_ptr, scale_ptr, out2_ptr, eps1, eps2,
+                          N1, N2, T0, T1, T2, FOLD, SCALE_COLS_PAD, HAS_RES, HAS_X2, SHUFFLE, PAD, PTX, True)
+                xa0, ra0, xa1, ra1, xa2, ra2, x2a = nxa0, nra0, nxa1, nra1, nxa2, nra2, nx2a
         else:
-            ss = tl.sum(ss, axis=1)
-        rstd = _rstd(ss, N1, eps1)
-        if not W_EARLY:
-            wa0 = _run_weight(w1_ptr, 0, T0)
-        _run_tile_quant(e0, o0, rstd, wa0, rows, row_ok, q_rows, scale_ptr, 0, T0,
-                        SCALE_COLS_PAD, SHUFFLE, PAD, PTX)
-        if T1 > 0:
-            if not W_EARLY:
-                wa1 = _run_weight(w1_ptr, T0, T1)
-            _run_tile_quant(e1, o1, rstd, wa1, rows, row_ok, q_rows, scale_ptr, T0, T1,
-                            SCALE_COLS_PAD, SHUFFLE, PAD, PTX)
-        if T2 > 0:
-            if not W_EARLY:
-                wa2 = _run_weight(w1_ptr, T0 + T1, T2)
-            _run_tile_quant(e2, o2, rstd, wa2, rows, row_ok, q_rows, scale_ptr, T0 + T1, T2,
-                            SCALE_COLS_PAD, SHUFFLE, PAD, PTX)
-        if HAS_X2:
-            r2 = _rstd(s2, N2, eps2)[:, None, None, None]
-            if not W_EARLY:
-                w2a = tl.load(w2_ptr + pair2)
-            w2e, w2o = _unpack(w2a)
-            # (x * rstd) * w rounded to x1's dtype (bf16: out2 is paired like x2)
-            _store_pairs(out2_ptr + (rows64 * (N2 // 2))[:, None, None, None], pair2, row_ok[:, None, None, None],
-                         x2e * r2 * w2e, x2o * r2 * w2o, True, PTX)
+            _run_rows(xa0, ra0, xa1, ra1, xa2, ra2, x2a, we0, wo0, we1, wo1, we2, wo2, w2e, w2o,
+                      w1_ptr, w2_ptr, rows, M, out_res1_ptr, q_ptr, scale_ptr, out2_ptr, eps1, eps2,
+                      N1, N2, T0, T1, T2, FOLD, SCALE_COLS_PAD, HAS_RES, HAS_X2, SHUFFLE, PAD, PTX, W_EARLY)
     elif pid < n_split:
         # BLOCK_M rows; with SPLIT > 1, SPLIT programs share them, each quantizing TS blocks.
         row0 = (pid // SPLIT) * BLOCK_M
@@ -251,7 +214,7 @@ def _fused_rms_mxfp4_kernel(
     elif pid < n_main:
         # A block of scale pad rows inside the last partial 32-row band (padded mode only), after
         # the rows the programs above cover.
-        rows = (n_split // SPLIT + pid - n_split) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rows = (n_blocks + pid - n_split) * BLOCK_M + tl.arange(0, BLOCK_M)
         blk = tl.arange(0, NB_PAD)
         pad = tl.full((BLOCK_M, NB_PAD), E8M0_PAD, tl.uint8)
         tl.store(scale_ptr + _scale_offsets(rows, blk, SCALE_COLS_PAD, SHUFFLE), pad,
@@ -333,6 +296,8 @@ class Plan(NamedTuple):
     run_tiles: bool
     fold: int
     w_early: bool
+    n_blocks: int
+    persist: bool
 
 
 @functools.lru_cache(maxsize=4096)
@@ -340,7 +305,7 @@ def _plan(m: int, n1: int, n2: int, padded: bool, raw: bool, on_gpu: bool, sms: 
           block_m: int | None, num_warps: int | None, split: int | None = None,
           x2_main: bool | None = None, flat_sum: bool | None = None, all_paired: bool = False,
           run_tiles: bool | None = None, lanes: int = 32, run_warps: int | None = None,
-          w_early: bool | None = None) -> Plan:
+          w_early: bool | None = None, persist: int | None = None) -> Plan:
     """Launch plan for one shape: everything the wrapper needs besides pointers (cached: the
     wrapper is the whole cost of a decode-size call, so it must stay a dict lookup). ``raw``:
     x1 is paired bf16 without a residual (kept packed in registers); ``all_paired``: every
@@ -434,6 +399,8 @@ def _plan(m: int, n1: int, n2: int, padded: bool, raw: bool, on_gpu: bool, sms: 
     else:
         fold = 0
     w_early = run_tiles and bool(w_early)  # not yet timed on a GPU: off unless asked
+    if persist is not None and (not run_tiles or persist < 1):
+        raise ValueError(f"persist needs run-major tiles and >= 1 program per multiprocessor, got {persist}")
     if padded:
         rows_pad = -(-m // 256) * 256
         main_rows = -(-m // 32) * 32  # BLOCK_M divides 32: main programs end on a band boundary
@@ -443,12 +410,16 @@ def _plan(m: int, n1: int, n2: int, padded: bool, raw: bool, on_gpu: bool, sms: 
         fill_start = fill_end = 0
     real_blocks = -(-m // bm)
     n_split = real_blocks * nsplit
+    if persist:
+        # Persistent row programs: `persist` a multiprocessor (the interpreter: 2 "multiprocessors",
+        # so that the suite's programs loop), each looping over row blocks.
+        n_split = min(real_blocks, max(sms, 2 if not on_gpu else 1) * persist)
     n_main = n_split + max(0, (main_rows - real_blocks * bm) // bm)
     n_x2 = -(-m // bm2) if n2 and not x2_main else 0
     n_fill = -(-(fill_end - fill_start) // _FILL_BLOCK)
     grid = (n_main + n_x2 + n_fill,)
     return Plan(grid, rows_pad, cols, cols_pad, tiles, bm, bm2, nb2, warps, n_split, n_main, n_x2, fill_start,
-                fill_end, nsplit, ts, x2_main, flat_sum, run_tiles, fold, w_early)
+                fill_end, nsplit, ts, x2_main, flat_sum, run_tiles, fold, w_early, real_blocks, bool(persist))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -465,12 +436,13 @@ def _constants(plan: Plan, n1: int, n2: int, has_res: bool, has_x2: bool, shuffl
         X_PAIRED=x_paired, R_PAIRED=r_paired, W_PAIRED=w_paired, PTX=ptx,
         X2_MAIN=plan.x2_main, FLAT_SUM=plan.flat_sum, NPAIR=triton.next_power_of_2(n1 // 2),
         FILL_BLOCK=_FILL_BLOCK, RUN_TILES=plan.run_tiles, FOLD=plan.fold, W_EARLY=plan.w_early,
+        PERSIST=plan.persist,
     )
 
 
 def compile_offline(target, m: int, n1: int, n2: int = 0, has_res: bool = False, *, sms: int = 132,
                     shuffle: bool = True, padded: bool = True, run_tiles: bool | None = None,
-                    run_warps: int | None = None, w_early: bool | None = None):
+                    run_warps: int | None = None, w_early: bool | None = None, persist: int | None = None):
     """Compile the kernel, without a GPU, for ``target`` (a ``triton.backends.compiler.GPUTarget``:
     ``GPUTarget("cuda", 90, 32)``, ``GPUTarget("hip", "gfx942", 64)``) as a launch of an ``[m,
     n1]`` bf16 call would compile it (paired, 16-byte aligned, residual if ``has_res``, x2 of width
@@ -483,7 +455,7 @@ def compile_offline(target, m: int, n1: int, n2: int = 0, has_res: bool = False,
     from ._triton_offline import compile_like_launch
 
     plan = _plan(m, n1, n2, padded, not has_res, True, sms, None, None, all_paired=True, run_tiles=run_tiles,
-                 lanes=target.warp_size, run_warps=run_warps, w_early=w_early)
+                 lanes=target.warp_size, run_warps=run_warps, w_early=w_early, persist=persist)
     consts = _constants(plan, n1, n2, has_res, bool(n2), shuffle, padded, True, has_res, True,
                         target.backend == "cuda")
     x2_ty = "*i32" if plan.run_tiles else "*bf16"
@@ -493,7 +465,7 @@ def compile_offline(target, m: int, n1: int, n2: int = 0, has_res: bool = False,
             "x2_ptr": x2_ty if n2 else None, "w2_ptr": x2_ty if n2 else None, "out2_ptr": x2_ty if n2 else None,
             "M": m, "x1_stride": n1 // 2, "res1_stride": n1 // 2 if has_res else 0,
             "x2_stride": n2 // 2 if plan.run_tiles else n2,
-            "eps1": 1e-6, "eps2": 1e-6, "n_split": plan.n_split, "n_main": plan.n_main, "n_x2": plan.n_x2,
+            "eps1": 1e-6, "eps2": 1e-6, "n_split": plan.n_split, "n_blocks": plan.n_blocks, "n_main": plan.n_main, "n_x2": plan.n_x2,
             "fill_start": plan.fill_start, "fill_end": plan.fill_end}
     return compile_like_launch(_fused_rms_mxfp4_kernel, target, args, consts, plan.warps)
 
@@ -522,6 +494,7 @@ def fused_rms_mxfp4_quant_triton(
     run_tiles: bool | None = None,
     run_warps: int | None = None,
     w_early: bool | None = None,
+    persist: int | None = None,
 ):
     """Our Triton back end of :func:`layouts.fused_quant.fused_rms_mxfp4_quant` (same contract).
 
@@ -529,7 +502,9 @@ def fused_rms_mxfp4_quant_triton(
     the row programs) / ``flat_sum`` (split programs sum rows as one flat tile) / ``run_tiles`` (whole rows as
     run-major tiles) / ``run_warps`` (warps a row of run-major tiles takes: fewer hold more of the
     row per thread) / ``w_early`` (run-major: the norm weights loaded with the rows, not after the
-    sum) override the launch plan (benchmarks and tests only).
+    sum) / ``persist`` (run-major: that many row programs a multiprocessor, each looping over row
+    blocks with the weights held and the next block prefetched) override the launch plan
+    (benchmarks and tests only).
     Inputs must have a unit last stride (the public wrapper makes sure of it).
     """
     m, n1 = x1.shape
@@ -546,7 +521,7 @@ def fused_rms_mxfp4_quant_triton(
     all_paired = (x_paired and w_paired and (res1 is None or r_paired)
                   and (x2 is None or (_paired(x2) and _paired(x2_weight))))
     plan = _plan(m, n1, n2, padded, x_paired and res1 is None, on_gpu, sms, block_m, num_warps, split,
-                 x2_main, flat_sum, all_paired, run_tiles, 32 if _NVIDIA else 64, run_warps, w_early)
+                 x2_main, flat_sum, all_paired, run_tiles, 32 if _NVIDIA else 64, run_warps, w_early, persist)
     grid, rows_pad, cols_pad = plan.grid, plan.rows_pad, plan.cols_pad
 
     q = torch.empty((m, n1 // 2), dtype=torch.uint8, device=dev)
@@ -573,7 +548,7 @@ def fused_rms_mxfp4_quant_triton(
         x2_arg, w2_arg, out2_arg,
         m, x1_stride, res1_stride, x2_stride,
         float(x1_epsilon), float(x2_epsilon),
-        plan.n_split, plan.n_main, plan.n_x2, plan.fill_start, plan.fill_end,
+        plan.n_split, plan.n_blocks, plan.n_main, plan.n_x2, plan.fill_start, plan.fill_end,
         **_constants(plan, n1, n2, res1 is not None, x2 is not None, bool(shuffle), padded, x_paired, r_paired,
                      w_paired, on_gpu and _NVIDIA),
         num_warps=plan.warps,

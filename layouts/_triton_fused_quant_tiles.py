@@ -375,13 +375,12 @@ def _run_weight(w1_ptr, B0, T: tl.constexpr):
 
 
 @triton.jit
-def _run_tile_quant(xe, xo, rstd, wa, rows, row_ok, q_rows, scale_ptr, B0, T: tl.constexpr,
+def _run_tile_quant(xe, xo, rstd, we, wo, rows, row_ok, q_rows, scale_ptr, B0, T: tl.constexpr,
                     SCALE_COLS_PAD: tl.constexpr, SHUFFLE: tl.constexpr, PAD: tl.constexpr, PTX: tl.constexpr):
     """Normalise, quantize and store a run-major tile of blocks [B0, B0+T) (float32 ``xe``, ``xo``;
-    ``wa`` its weights from :func:`_run_weight`; whole blocks, no pad columns): FP4 codes, scale
-    bytes."""
+    ``we``, ``wo`` its float32 weights, :func:`_run_weight` unpacked; whole blocks, no pad
+    columns): FP4 codes, scale bytes."""
     blk, pair = _run_pairs(B0, T)
-    we, wo = _unpack(wa)
     r4 = rstd[:, None, None, None]
     ye = xe * r4 * we  # (x * rstd) * w, rounded twice, as aiter and the reference do
     yo = xo * r4 * wo
@@ -390,3 +389,80 @@ def _run_tile_quant(xe, xo, rstd, wa, rows, row_ok, q_rows, scale_ptr, B0, T: tl
     tl.store(q_rows + pair, q, mask=row_ok[:, None, None, None])
     # whole blocks: SCALE_COLS == SCALE_COLS_PAD
     _store_block_scales(e, rows, row_ok, blk, scale_ptr, SCALE_COLS_PAD, SCALE_COLS_PAD, SHUFFLE, PAD, PTX)
+
+
+@triton.jit
+def _run_fetch_rows(x1_ptr, res1_ptr, x2_ptr, rows, M, x1_stride, res1_stride, x2_stride, T0: tl.constexpr,
+                    T1: tl.constexpr, T2: tl.constexpr, N2: tl.constexpr, HAS_RES: tl.constexpr,
+                    HAS_X2: tl.constexpr):
+    """Issue every load of row block ``rows`` (rows >= M masked off): x1's and res1's run-major
+    tiles and x2's (one tile of N2 / 32 blocks). The tiles a shape lacks come back as x1's first
+    (unused: the callers test the same constexprs)."""
+    row_ok = rows < M
+    rows64 = rows.to(tl.int64)
+    x_rows = x1_ptr + (rows64 * x1_stride)[:, None, None, None]
+    r_rows = res1_ptr + (rows64 * res1_stride)[:, None, None, None] if HAS_RES else res1_ptr
+    xa0, ra0 = _run_fetch(x_rows, r_rows, row_ok, 0, T0, HAS_RES)
+    xa1, ra1, xa2, ra2, x2a = xa0, ra0, xa0, ra0, xa0
+    if T1 > 0:
+        xa1, ra1 = _run_fetch(x_rows, r_rows, row_ok, T0, T1, HAS_RES)
+    if T2 > 0:
+        xa2, ra2 = _run_fetch(x_rows, r_rows, row_ok, T0 + T1, T2, HAS_RES)
+    if HAS_X2:
+        _, pair2 = _run_pairs(0, N2 // 32)
+        x2a = tl.load(x2_ptr + (rows64 * x2_stride)[:, None, None, None] + pair2,
+                      mask=row_ok[:, None, None, None], other=0)
+    return xa0, ra0, xa1, ra1, xa2, ra2, x2a
+
+
+@triton.jit
+def _run_rows(xa0, ra0, xa1, ra1, xa2, ra2, x2a, we0, wo0, we1, wo1, we2, wo2, w2e, w2o,
+              w1_ptr, w2_ptr, rows, M, out_res1_ptr, q_ptr, scale_ptr, out2_ptr, eps1, eps2,
+              N1: tl.constexpr, N2: tl.constexpr, T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr,
+              FOLD: tl.constexpr, SCALE_COLS_PAD: tl.constexpr, HAS_RES: tl.constexpr, HAS_X2: tl.constexpr,
+              SHUFFLE: tl.constexpr, PAD: tl.constexpr, PTX: tl.constexpr, W_LOADED: tl.constexpr):
+    """One row block of run-major tiles, fetched by :func:`_run_fetch_rows`: the sums of squares
+    folded to [BLOCK_M, FOLD] inside the threads and added, so that x1's and x2's sums cross warps
+    once, together; then each tile's quant, and x2's norm. The weights are the float32 ``we*``,
+    ``wo*``, ``w2*`` when ``W_LOADED``, else loaded here, after the sum (fewer registers live while
+    the rows' loads are in flight)."""
+    row_ok = rows < M
+    rows64 = rows.to(tl.int64)
+    o_rows = out_res1_ptr + (rows64 * (N1 // 2))[:, None, None, None] if HAS_RES else out_res1_ptr
+    q_rows = q_ptr + (rows64 * (N1 // 2))[:, None, None, None]
+    X2B: tl.constexpr = N2 // 32  # x2's blocks (a multiple of FOLD)
+    e0, o0, ss = _run_sum(xa0, ra0, o_rows, row_ok, 0, T0, FOLD, HAS_RES, PTX)
+    if T1 > 0:
+        e1, o1, ss1 = _run_sum(xa1, ra1, o_rows, row_ok, T0, T1, FOLD, HAS_RES, PTX)
+        ss += ss1
+    if T2 > 0:
+        e2, o2, ss2 = _run_sum(xa2, ra2, o_rows, row_ok, T0 + T1, T2, FOLD, HAS_RES, PTX)
+        ss += ss2
+    if HAS_X2:
+        x2e, x2o, sq2 = _run_sum(x2a, x2a, o_rows, row_ok, 0, X2B, FOLD, False, PTX)
+        ss, s2 = tl.reduce((ss, sq2), 1, _add2)
+    else:
+        ss = tl.sum(ss, axis=1)
+    rstd = _rstd(ss, N1, eps1)
+    if not W_LOADED:
+        we0, wo0 = _unpack(_run_weight(w1_ptr, 0, T0))
+    _run_tile_quant(e0, o0, rstd, we0, wo0, rows, row_ok, q_rows, scale_ptr, 0, T0, SCALE_COLS_PAD, SHUFFLE,
+                    PAD, PTX)
+    if T1 > 0:
+        if not W_LOADED:
+            we1, wo1 = _unpack(_run_weight(w1_ptr, T0, T1))
+        _run_tile_quant(e1, o1, rstd, we1, wo1, rows, row_ok, q_rows, scale_ptr, T0, T1, SCALE_COLS_PAD,
+                        SHUFFLE, PAD, PTX)
+    if T2 > 0:
+        if not W_LOADED:
+            we2, wo2 = _unpack(_run_weight(w1_ptr, T0 + T1, T2))
+        _run_tile_quant(e2, o2, rstd, we2, wo2, rows, row_ok, q_rows, scale_ptr, T0 + T1, T2, SCALE_COLS_PAD,
+                        SHUFFLE, PAD, PTX)
+    if HAS_X2:
+        r2 = _rstd(s2, N2, eps2)[:, None, None, None]
+        if not W_LOADED:
+            w2e, w2o = _unpack(_run_weight(w2_ptr, 0, X2B))
+        _, pair2 = _run_pairs(0, X2B)
+        # (x * rstd) * w rounded to x1's dtype (bf16: out2 is paired like x2)
+        _store_pairs(out2_ptr + (rows64 * (N2 // 2))[:, None, None, None], pair2, row_ok[:, None, None, None],
+                     x2e * r2 * w2e, x2o * r2 * w2o, True, PTX)

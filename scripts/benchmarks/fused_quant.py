@@ -71,10 +71,12 @@ DEVICE = "cuda"
 FLAG_SETTINGS = ((False, False), (False, True), (True, True))
 # --tile-orders: each row layout forced, by its name in the tables (name: the plan's overrides): block-
 # major, run-major as planned, run-major on one warp a row, and either with the norm weights loaded
-# with the rows (w_early)
+# with the rows (w_early) or as persistent programs (+pN: N a multiprocessor)
 TILE_ORDERS = {"blocks": dict(run_tiles=False), "runs": dict(run_tiles=True, w_early=False),
                "runs+w": dict(run_tiles=True, w_early=True), "runs1w": dict(run_tiles=True, run_warps=1, w_early=False),
-               "runs1w+w": dict(run_tiles=True, run_warps=1, w_early=True)}
+               "runs1w+w": dict(run_tiles=True, run_warps=1, w_early=True),
+               "runs+p4": dict(run_tiles=True, persist=4), "runs+p8": dict(run_tiles=True, persist=8),
+               "runs1w+p8": dict(run_tiles=True, run_warps=1, persist=8)}
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
