@@ -376,16 +376,25 @@ def sass_counts(ms: list[int]) -> None:
                 usage = subprocess.run([str(cuobjdump), "-res-usage", str(cubin)], capture_output=True, text=True).stdout
                 sass = subprocess.run([str(cuobjdump), "-sass", str(cubin)], capture_output=True, text=True).stdout
             regs = re.search(r"REG:(\d+)", usage)
-            ops, total, ended = [], 0, False
-            for pred, op in re.findall(r"/\*[0-9a-f]{4}\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)", sass):
+            ops, total, ended, loop = [], 0, False, None
+            for addr, pred, op, rest in re.findall(
+                    r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)([^;]*);", sass):
                 total += 1
+                target = re.search(r"0x([0-9a-f]+)", rest) if op.startswith("BRA") else None
                 if not ended:
-                    ops.append(op)
+                    ops.append((int(addr, 16), op))
                     ended = op == "EXIT" and not pred
-            top = collections.Counter(o.split(".")[0] for o in ops).most_common(8)
+                    if target and int(target.group(1), 16) < int(addr, 16):  # a persistent program's row loop
+                        loop = (int(target.group(1), 16), int(addr, 16))
+            if loop:  # two row blocks an iteration (see the kernel)
+                ops = [(a, o) for a, o in ops if loop[0] <= a <= loop[1]]
+                where = f"{len(ops) / 2:.0f} instructions a lane a row block in the row loop"
+            else:
+                where = f"{len(ops)} instructions a lane in the row program"
+            per = 2 if loop else 1
+            top = [(o, c // per) for o, c in collections.Counter(o.split(".")[0] for _, o in ops).most_common(8)]
             print(f"{site} M={m}{' ' + order if order else ''}: {regs.group(1) if regs else '?'} registers, "
-                  f"{len(ops)} instructions a lane in the row program ({total} in the kernel): "
-                  + ", ".join(f"{o} {c}" for o, c in top))
+                  f"{where} ({total} in the kernel): " + ", ".join(f"{o} {c}" for o, c in top))
 
 
 def e2m1_exhaustive(old_mod) -> None:
