@@ -79,6 +79,14 @@ TILE_ORDERS = {"blocks": dict(run_tiles=False), "runs": dict(run_tiles=True, w_e
                "runs1w+p8": dict(run_tiles=True, run_warps=1, persist=8)}
 
 
+def _tile_orders(names: str) -> dict:
+    """--tile-orders' value: the named entries of TILE_ORDERS."""
+    unknown = [n for n in names.split(",") if n not in TILE_ORDERS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown tile order(s) {', '.join(unknown)}; known: {', '.join(TILE_ORDERS)}")
+    return {n: TILE_ORDERS[n] for n in names.split(",")}
+
+
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--quick", action="store_true", help="fewer shapes and shorter timing")
     ap.add_argument("--aiter-dir", default=None, help="unpacked amd-aiter files (default .cache/aiter-oracle)")
@@ -96,10 +104,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="an earlier version of our kernel, timed (and checked) beside ours as 'old': a git "
                          "revision (e.g. HEAD~3), or a copy of layouts/_triton_fused_quant.py (with its folder's "
                          "_triton_fused_quant_tiles.py, where there is one)")
-    ap.add_argument("--tile-orders", action="store_true",
+    ap.add_argument("--tile-orders", nargs="?", const=",".join(TILE_ORDERS), default=None, type=_tile_orders,
+                    metavar="NAMES",
                     help="also time our kernel with each row layout forced, 'blocks' (run_tiles=False) and 'runs' "
-                         "(run_tiles=True, where they fit), the latter also on one warp a row ('runs1w') and with "
-                         "the norm weights loaded with the rows ('+w'); with --sass, count each")
+                         "(run_tiles=True, where they fit), the latter also on one warp a row ('runs1w'), with "
+                         "the norm weights loaded with the rows ('+w') or as persistent programs ('+pN', N a "
+                         "multiprocessor); NAMES (comma-separated) picks some; with --sass, count each")
     ap.add_argument("--sass", action="store_true",
                     help="only compile our kernel for an H100 (sm_90, no GPU needed) at both sites and print its "
                          "registers and SASS instruction counts (the row program's and by opcode)")
@@ -366,7 +376,7 @@ def sass_counts(ms: list[int]) -> None:
 
     cuobjdump = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     print(f"our kernel for sm_90, triton {triton.__version__} (offline)")
-    orders = TILE_ORDERS if ARGS.tile_orders else {"": {}}  # {}: the plan's
+    orders = ARGS.tile_orders or {"": {}}  # {}: the plan's
     for site, (n1, res, n2) in SITES.items():
         for (order, plan), m in itertools.product(orders.items(), ms):
             ck = compile_offline(GPUTarget("cuda", 90, 32), m, n1, n2, res, **plan)
@@ -650,7 +660,7 @@ def run(args: argparse.Namespace) -> None:
             if old_mod is not None:
                 fns["old"] = lambda: old_mod.fused_rms_mxfp4_quant_triton(**args, shuffle=True,
                                                                            scale_shuffle_padding=True)
-            for order, plan in (TILE_ORDERS if ARGS.tile_orders else {}).items():
+            for order, plan in (ARGS.tile_orders or {}).items():
                 bad = []
                 try:
                     for sh, pad in FLAG_SETTINGS:
