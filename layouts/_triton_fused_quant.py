@@ -25,7 +25,9 @@ Layout of the work (one launch, no other kernel, no torch.fill):
   amax of a block never leaves its warp, and the sums of squares (x1's and x2's, x2 loaded as a
   tile of the same shape) cross warps once, together: 2 barriers a row, where the block-major
   tiles below put a block's runs on different warps (17 at the input norm) and kept q_a on one
-  warp for that reason.
+  warp for that reason. Persistent (``persist``: N programs a multiprocessor, each looping over
+  row blocks pid, pid + n_split, ...): the weights are unpacked once a program, and each row
+  block's loads are issued one block before it is worked on.
 * programs ``[0, n_split)`` otherwise: ``BLOCK_M`` rows of x1 each, the whole row in registers. The row's
   32-element blocks are split into <= 3 power-of-two tiles (224 = 128 + 64 + 32 for N1 = 7168,
   48 = 32 + 16 for 1536), each held as ``[BLOCK_M, T, 4, 4]`` element *pairs*: bf16 pairs are
