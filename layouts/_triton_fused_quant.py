@@ -69,6 +69,11 @@ import triton.language as tl
 
 from ._triton_fused_quant_tiles import (
     E8M0_PAD,
+    _add2,
+    _lb_fetch,
+    _lb_quant,
+    _lb_sum,
+    _lb_x2_store,
     _run_fetch_rows,
     _run_rows,
     _run_weight,
@@ -102,9 +107,71 @@ def _fused_rms_mxfp4_kernel(
     X_PAIRED: tl.constexpr, R_PAIRED: tl.constexpr, W_PAIRED: tl.constexpr, PTX: tl.constexpr,
     X2_MAIN: tl.constexpr, FLAT_SUM: tl.constexpr, NPAIR: tl.constexpr, FILL_BLOCK: tl.constexpr,
     RUN_TILES: tl.constexpr, FOLD: tl.constexpr, W_EARLY: tl.constexpr, PERSIST: tl.constexpr,
+    LANE_BLOCKS: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    if RUN_TILES and pid < n_split:
+    if LANE_BLOCKS and pid < n_split:
+        # BLOCK_M whole rows as 1-3 lane-block tiles of T0 blocks (and x2 as one more): every load
+        # first, the tiles' sums added in registers and reduced once (x1's and x2's together),
+        # then each tile's quant and x2's norm.
+        rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < M
+        rows64 = rows.to(tl.int64)
+        ld64 = tl.minimum(rows, M - 1).to(tl.int64)[:, None, None]  # rows >= M read row M - 1
+        x_rows = x1_ptr + ld64 * x1_stride
+        r_rows = res1_ptr + ld64 * res1_stride if HAS_RES else res1_ptr
+        o_rows = out_res1_ptr + (rows64 * (N1 // 2))[:, None, None] if HAS_RES else out_res1_ptr
+        q_rows = q_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + (rows64 * (N1 // 8))[:, None, None]
+        L: tl.constexpr = T0
+        a00, a01, a02, a03 = _lb_fetch(x_rows, 0, L)
+        b00, b01, b02, b03 = a00, a01, a02, a03
+        if HAS_RES:
+            b00, b01, b02, b03 = _lb_fetch(r_rows, 0, L)
+        if T1 > 0:
+            a10, a11, a12, a13 = _lb_fetch(x_rows, L, L)
+            b10, b11, b12, b13 = a10, a11, a12, a13
+            if HAS_RES:
+                b10, b11, b12, b13 = _lb_fetch(r_rows, L, L)
+        if T2 > 0:
+            a20, a21, a22, a23 = _lb_fetch(x_rows, 2 * L, L)
+            b20, b21, b22, b23 = a20, a21, a22, a23
+            if HAS_RES:
+                b20, b21, b22, b23 = _lb_fetch(r_rows, 2 * L, L)
+        if HAS_X2:
+            c0, c1, c2, c3 = _lb_fetch(x2_ptr + ld64 * x2_stride, 0, L)
+        acc = tl.zeros((BLOCK_M, L), tl.float32)
+        e00, o00, e01, o01, e02, o02, e03, o03, acc = _lb_sum(a00, a01, a02, a03, b00, b01, b02, b03, o_rows,
+                                                               row_ok, 0, L, acc, HAS_RES, PTX)
+        if T1 > 0:
+            e10, o10, e11, o11, e12, o12, e13, o13, acc = _lb_sum(a10, a11, a12, a13, b10, b11, b12, b13, o_rows,
+                                                                   row_ok, L, L, acc, HAS_RES, PTX)
+        if T2 > 0:
+            e20, o20, e21, o21, e22, o22, e23, o23, acc = _lb_sum(a20, a21, a22, a23, b20, b21, b22, b23, o_rows,
+                                                                   row_ok, 2 * L, L, acc, HAS_RES, PTX)
+        if HAS_X2:
+            z2 = tl.zeros((BLOCK_M, L), tl.float32)
+            f0, g0, f1, g1, f2, g2, f3, g3, acc2 = _lb_sum(c0, c1, c2, c3, c0, c1, c2, c3, o_rows, row_ok, 0, L,
+                                                           z2, False, PTX)
+            ss, s2 = tl.reduce((acc, acc2), 1, _add2)
+        else:
+            ss = tl.sum(acc, axis=1)
+        rstd = _rstd(ss, N1, eps1)
+        _lb_quant(e00, o00, e01, o01, e02, o02, e03, o03, rstd, w1_ptr, rows, row_ok, q_rows, scale_ptr, 0, L,
+                  SCALE_COLS_PAD, SHUFFLE, PAD, PTX)
+        if T1 > 0:
+            _lb_quant(e10, o10, e11, o11, e12, o12, e13, o13, rstd, w1_ptr, rows, row_ok, q_rows, scale_ptr, L, L,
+                      SCALE_COLS_PAD, SHUFFLE, PAD, PTX)
+        if T2 > 0:
+            _lb_quant(e20, o20, e21, o21, e22, o22, e23, o23, rstd, w1_ptr, rows, row_ok, q_rows, scale_ptr, 2 * L,
+                      L, SCALE_COLS_PAD, SHUFFLE, PAD, PTX)
+        if HAS_X2:
+            r3 = _rstd(s2, N2, eps2)[:, None, None]
+            out2_rows = out2_ptr + (rows64 * (N2 // 2))[:, None, None]
+            _lb_x2_store(f0, g0, r3, w2_ptr, out2_rows, row_ok, L, 0, PTX)
+            _lb_x2_store(f1, g1, r3, w2_ptr, out2_rows, row_ok, L, 1, PTX)
+            _lb_x2_store(f2, g2, r3, w2_ptr, out2_rows, row_ok, L, 2, PTX)
+            _lb_x2_store(f3, g3, r3, w2_ptr, out2_rows, row_ok, L, 3, PTX)
+    elif RUN_TILES and pid < n_split:
         # BLOCK_M whole rows as run-major tiles (T0 + T1 + T2 blocks, each a multiple of FOLD, the
         # blocks one layer of the program's lanes holds) and x2 (when HAS_X2, FOLD blocks wide) as
         # one more: every load first, then the rows' sums, norm and quant (_run_rows). Persistent
@@ -312,6 +379,7 @@ class Plan(NamedTuple):
     w_early: bool
     n_blocks: int
     persist: bool
+    lane_blocks: bool
 
 
 @functools.lru_cache(maxsize=4096)
@@ -319,7 +387,7 @@ def _plan(m: int, n1: int, n2: int, padded: bool, raw: bool, on_gpu: bool, sms: 
           block_m: int | None, num_warps: int | None, split: int | None = None,
           x2_main: bool | None = None, flat_sum: bool | None = None, all_paired: bool = False,
           run_tiles: bool | None = None, lanes: int = 32, run_warps: int | None = None,
-          w_early: bool | None = None, persist: int | None = None) -> Plan:
+          w_early: bool | None = None, persist: int | None = None, lane_blocks: bool | None = None) -> Plan:
     """Launch plan for one shape: everything the wrapper needs besides pointers (cached: the
     wrapper is the whole cost of a decode-size call, so it must stay a dict lookup). ``raw``:
     x1 is paired bf16 without a residual (kept packed in registers); ``all_paired``: every
@@ -371,6 +439,8 @@ def _plan(m: int, n1: int, n2: int, padded: bool, raw: bool, on_gpu: bool, sms: 
         bm2 = min(bm2, _pow2_floor(max(1, m // (2 * sms))))
     if split is not None:
         nsplit = split
+    if lane_blocks:
+        nsplit = 1
     if bm & (bm - 1) or not 1 <= bm <= 32:
         raise ValueError(f"block_m must be a power of two in [1, 32], got {bm}")
     if nsplit < 1:
@@ -405,7 +475,7 @@ def _plan(m: int, n1: int, n2: int, padded: bool, raw: bool, on_gpu: bool, sms: 
     if run_tiles and not fits:
         raise ValueError(f"run_tiles needs whole rows of paired bf16 blocks and an x2 of one tile's width, got "
                          f"N1 = {n1}, N2 = {n2}")
-    run_tiles = fits and _run_tiles_default(lanes) if run_tiles is None else bool(run_tiles)
+    run_tiles = fits and _run_tiles_default(lanes) and not lane_blocks if run_tiles is None else bool(run_tiles)
     if run_tiles:
         warps, x2_main = fold * 4 // lanes, bool(n2)
         bm = 1 if on_gpu and block_m is None else bm
@@ -413,6 +483,18 @@ def _plan(m: int, n1: int, n2: int, padded: bool, raw: bool, on_gpu: bool, sms: 
     else:
         fold = 0
     w_early = run_tiles and bool(w_early)  # not yet timed on a GPU: off unless asked
+    if lane_blocks:
+        # Lane blocks (see _triton_fused_quant_tiles): 16-block tiles, BLOCK_M rows filling the
+        # program's lanes once (q_a + kv_a on one warp: 2 rows, 3 tiles and x2's one).
+        lb = 16
+        if not (all_paired and n1 % 32 == 0 and cols == cols_pad and cols % lb == 0 and cols <= 3 * lb
+                and n2 in (0, 32 * lb) and not run_tiles):
+            raise ValueError(f"lane_blocks needs whole rows of paired bf16 in 1-3 tiles of {lb} blocks and an x2 "
+                             f"of one, got N1 = {n1}, N2 = {n2}")
+        warps = run_warps or 1
+        bm = bm2 = warps * lanes // lb
+        tiles = (lb, lb if cols >= 2 * lb else 0, lb if cols >= 3 * lb else 0)
+        x2_main = bool(n2)
     if persist is not None and (not run_tiles or persist < 1):
         raise ValueError(f"persist needs run-major tiles and >= 1 program per multiprocessor, got {persist}")
     if padded:
@@ -433,7 +515,8 @@ def _plan(m: int, n1: int, n2: int, padded: bool, raw: bool, on_gpu: bool, sms: 
     n_fill = -(-(fill_end - fill_start) // _FILL_BLOCK)
     grid = (n_main + n_x2 + n_fill,)
     return Plan(grid, rows_pad, cols, cols_pad, tiles, bm, bm2, nb2, warps, n_split, n_main, n_x2, fill_start,
-                fill_end, nsplit, ts, x2_main, flat_sum, run_tiles, fold, w_early, real_blocks, bool(persist))
+                fill_end, nsplit, ts, x2_main, flat_sum, run_tiles, fold, w_early, real_blocks, bool(persist),
+                bool(lane_blocks))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -450,13 +533,14 @@ def _constants(plan: Plan, n1: int, n2: int, has_res: bool, has_x2: bool, shuffl
         X_PAIRED=x_paired, R_PAIRED=r_paired, W_PAIRED=w_paired, PTX=ptx,
         X2_MAIN=plan.x2_main, FLAT_SUM=plan.flat_sum, NPAIR=triton.next_power_of_2(n1 // 2),
         FILL_BLOCK=_FILL_BLOCK, RUN_TILES=plan.run_tiles, FOLD=plan.fold, W_EARLY=plan.w_early,
-        PERSIST=plan.persist,
+        PERSIST=plan.persist, LANE_BLOCKS=plan.lane_blocks,
     )
 
 
 def compile_offline(target, m: int, n1: int, n2: int = 0, has_res: bool = False, *, sms: int = 132,
                     shuffle: bool = True, padded: bool = True, run_tiles: bool | None = None,
-                    run_warps: int | None = None, w_early: bool | None = None, persist: int | None = None):
+                    run_warps: int | None = None, w_early: bool | None = None, persist: int | None = None,
+                    lane_blocks: bool | None = None):
     """Compile the kernel, without a GPU, for ``target`` (a ``triton.backends.compiler.GPUTarget``:
     ``GPUTarget("cuda", 90, 32)``, ``GPUTarget("hip", "gfx942", 64)``) as a launch of an ``[m,
     n1]`` bf16 call would compile it (paired, 16-byte aligned, residual if ``has_res``, x2 of width
@@ -469,16 +553,17 @@ def compile_offline(target, m: int, n1: int, n2: int = 0, has_res: bool = False,
     from ._triton_offline import compile_like_launch
 
     plan = _plan(m, n1, n2, padded, not has_res, True, sms, None, None, all_paired=True, run_tiles=run_tiles,
-                 lanes=target.warp_size, run_warps=run_warps, w_early=w_early, persist=persist)
+                 lanes=target.warp_size, run_warps=run_warps, w_early=w_early, persist=persist,
+                 lane_blocks=lane_blocks)
     consts = _constants(plan, n1, n2, has_res, bool(n2), shuffle, padded, True, has_res, True,
                         target.backend == "cuda")
-    x2_ty = "*i32" if plan.run_tiles else "*bf16"
+    x2_ty = "*i32" if plan.run_tiles or plan.lane_blocks else "*bf16"
     # The launch's arguments as the wrapper passes them: bf16 as int32 pairs, absent tensors None.
     args = {"x1_ptr": "*i32", "w1_ptr": "*i32", "res1_ptr": "*i32" if has_res else None,
             "out_res1_ptr": "*i32" if has_res else None, "q_ptr": "*u8", "scale_ptr": "*u8",
             "x2_ptr": x2_ty if n2 else None, "w2_ptr": x2_ty if n2 else None, "out2_ptr": x2_ty if n2 else None,
             "M": m, "x1_stride": n1 // 2, "res1_stride": n1 // 2 if has_res else 0,
-            "x2_stride": n2 // 2 if plan.run_tiles else n2,
+            "x2_stride": n2 // 2 if plan.run_tiles or plan.lane_blocks else n2,
             "eps1": 1e-6, "eps2": 1e-6, "n_split": plan.n_split, "n_blocks": plan.n_blocks, "n_main": plan.n_main, "n_x2": plan.n_x2,
             "fill_start": plan.fill_start, "fill_end": plan.fill_end}
     return compile_like_launch(_fused_rms_mxfp4_kernel, target, args, consts, plan.warps)
@@ -509,6 +594,7 @@ def fused_rms_mxfp4_quant_triton(
     run_warps: int | None = None,
     w_early: bool | None = None,
     persist: int | None = None,
+    lane_blocks: bool | None = None,
 ):
     """Our Triton back end of :func:`layouts.fused_quant.fused_rms_mxfp4_quant` (same contract).
 
@@ -517,8 +603,8 @@ def fused_rms_mxfp4_quant_triton(
     run-major tiles) / ``run_warps`` (warps a row of run-major tiles takes: fewer hold more of the
     row per thread) / ``w_early`` (run-major: the norm weights loaded with the rows, not after the
     sum) / ``persist`` (run-major: that many row programs a multiprocessor, each looping over row
-    blocks with the weights held and the next block prefetched) override the launch plan
-    (benchmarks and tests only).
+    blocks with the weights held and the next block prefetched) / ``lane_blocks`` (each block's 32
+    values in one thread: q_a-sized rows) override the launch plan (benchmarks and tests only).
     Inputs must have a unit last stride (the public wrapper makes sure of it).
     """
     m, n1 = x1.shape
@@ -535,7 +621,8 @@ def fused_rms_mxfp4_quant_triton(
     all_paired = (x_paired and w_paired and (res1 is None or r_paired)
                   and (x2 is None or (_paired(x2) and _paired(x2_weight))))
     plan = _plan(m, n1, n2, padded, x_paired and res1 is None, on_gpu, sms, block_m, num_warps, split,
-                 x2_main, flat_sum, all_paired, run_tiles, 32 if _NVIDIA else 64, run_warps, w_early, persist)
+                 x2_main, flat_sum, all_paired, run_tiles, 32 if _NVIDIA else 64, run_warps, w_early, persist,
+                 lane_blocks)
     grid, rows_pad, cols_pad = plan.grid, plan.rows_pad, plan.cols_pad
 
     q = torch.empty((m, n1 // 2), dtype=torch.uint8, device=dev)
@@ -554,7 +641,7 @@ def fused_rms_mxfp4_quant_triton(
         res1_arg, res1_stride = (res1.view(torch.int32), res1.stride(0) // 2) if r_paired else (res1, res1.stride(0))
     out_res1_arg = out_res1.view(torch.int32) if out_res1 is not None and x_paired else out_res1
     x2_arg, w2_arg, out2_arg, x2_stride = x2, x2_weight, out2, x2.stride(0) if x2 is not None else 0
-    if plan.run_tiles and x2 is not None:  # x2 as pairs, like x1
+    if (plan.run_tiles or plan.lane_blocks) and x2 is not None:  # x2 as pairs, like x1
         x2_arg, w2_arg, out2_arg = x2.view(torch.int32), x2_weight.view(torch.int32), out2.view(torch.int32)
         x2_stride //= 2
     _fused_rms_mxfp4_kernel[grid](

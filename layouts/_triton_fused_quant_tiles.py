@@ -96,6 +96,41 @@ E2M1_RUN_PTX = tl.constexpr(
     "shr.b32 e0, e0, 4; lop3.b32 $0, o0, e0, 0xF0F0F0F0, 0xE4; }")
 
 
+# The same block for lane blocks: the run's 4 bytes as one int32 ($0; $1-$3 copies that ptxas
+# drops), the values in $4-$11.
+E2M1_WORD_PTX = tl.constexpr(
+    "{ .reg .b32 t<8>, h<8>, e0, e1, o0, o1; "
+    + "".join(_E2M1_VALUE_PTX.format(j=j, k=j + 4) for j in range(8))
+    + "prmt.b32 e0, h0, h1, 0x0073; prmt.b32 e1, h2, h3, 0x7300; prmt.b32 e0, e0, e1, 0x7610; "
+    "prmt.b32 o0, h4, h5, 0x0073; prmt.b32 o1, h6, h7, 0x7300; prmt.b32 o0, o0, o1, 0x7610; "
+    "shr.b32 e0, e0, 4; lop3.b32 $0, o0, e0, 0xF0F0F0F0, 0xE4; mov.b32 $1, $0; mov.b32 $2, $0; mov.b32 $3, $0; }")
+
+
+@triton.jit
+def _split4(x):
+    """The 4 elements of the last axis (size 4, in one thread) as 4 tensors, in order."""
+    sh: tl.constexpr = (x.shape[0], x.shape[1], 2, 2)
+    a, b = tl.split(tl.reshape(x, sh))  # a: elements 0 and 2, b: 1 and 3
+    x0, x2 = tl.split(a)
+    x1, x3 = tl.split(b)
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def _e2m1_run_words(ve, vo, PTX: tl.constexpr):
+    """The FP4 bytes of a thread's run of 4 pairs (the last axis of [BLOCK_M, L, 4] float32) as one
+    little-endian int32 per run ([BLOCK_M, L])."""
+    if PTX:
+        w = tl.inline_asm_elementwise(E2M1_WORD_PTX, "=r,=r,=r,=r,r,r,r,r,r,r,r,r",
+                                      [ve.to(tl.int32, bitcast=True), vo.to(tl.int32, bitcast=True)],
+                                      dtype=tl.int32, is_pure=True, pack=4)
+        w0, _, _, _ = _split4(w)
+        return w0
+    q = ((_e2m1_word(ve) >> 28) | ((_e2m1_word(vo) >> 24) & 0xF0)).to(tl.int32)
+    b0, b1, b2, b3 = _split4(q)
+    return b0 | (b1 << 8) | (b2 << 16) | (b3 << 24)
+
+
 @triton.jit
 def _e2m1_word(v):
     """The interpreter's copy of the PTX block's per-value steps: the E2M1 nibble of float32 ``v``
@@ -487,3 +522,128 @@ def _run_rows(xa0, ra0, xa1, ra1, xa2, ra2, x2a, we0, wo0, we1, wo1, we2, wo2, w
         # (x * rstd) * w rounded to x1's dtype (bf16: out2 is paired like x2)
         _store_pairs(out2_ptr + (rows64 * (N2 // 2))[:, None, None, None], pair2, row_ok[:, None, None, None],
                      x2e * r2 * w2e, x2o * r2 * w2o, True, PTX)
+
+
+# Lane blocks (``LANE_BLOCKS``: whole rows of a few 16-block tiles, every operand paired). A
+# run-major tile puts a block's 4 runs on 4 lanes, so each block's amax crosses lanes (two
+# shuffles) and 4 lanes compute and store its scale. Here each run of a tile is loaded as a tensor
+# of its own ([BLOCK_M, L, 4]: row, block, the pair in the run), the same encoding for all four,
+# with the lanes on (row, block): a block's 32 values are in one thread, its amax, scale and
+# scale store happen once, and every tile of a row (x2's too) has the same encoding, so the
+# tiles' sums add in registers and cross lanes once, together.
+
+
+@triton.jit
+def _lb_pairs(B0, L: tl.constexpr, R: tl.constexpr):
+    """Blocks [B0, B0+L) and the pair indices [1, L, 4] of their run ``R``."""
+    blk = B0 + tl.arange(0, L)
+    return blk, blk[None, :, None] * 16 + R * 4 + tl.arange(0, 4)[None, None, :]
+
+
+@triton.jit
+def _lb_fetch(rows_ptr, B0, L: tl.constexpr):
+    """Issue the loads of the 4 runs of lane-block tile [B0, B0+L) (int32 bf16 pairs)."""
+    _, p0 = _lb_pairs(B0, L, 0)
+    _, p1 = _lb_pairs(B0, L, 1)
+    _, p2 = _lb_pairs(B0, L, 2)
+    _, p3 = _lb_pairs(B0, L, 3)
+    return tl.load(rows_ptr + p0), tl.load(rows_ptr + p1), tl.load(rows_ptr + p2), tl.load(rows_ptr + p3)
+
+
+@triton.jit
+def _chain4(e, o, acc):
+    """``acc`` + the squares of a thread's run (even ``e`` and odd ``o`` of 4 pairs, the last
+    axis of a 3-d tile), as one FMA chain."""
+    sh: tl.constexpr = (e.shape[0], e.shape[1], 2, 2)
+    e01, e23 = tl.split(tl.reshape(e, sh))
+    o01, o23 = tl.split(tl.reshape(o, sh))
+    e0, e1 = tl.split(e01)
+    e2, e3 = tl.split(e23)
+    o0, o1 = tl.split(o01)
+    o2, o3 = tl.split(o23)
+    acc = tl.fma(e0, e0, acc)
+    acc = tl.fma(o0, o0, acc)
+    acc = tl.fma(e1, e1, acc)
+    acc = tl.fma(o1, o1, acc)
+    acc = tl.fma(e2, e2, acc)
+    acc = tl.fma(o2, o2, acc)
+    acc = tl.fma(e3, e3, acc)
+    return tl.fma(o3, o3, acc)
+
+
+@triton.jit
+def _lb_run_sum(xa, ra, o_rows, row_ok, B0, L: tl.constexpr, R: tl.constexpr, acc, HAS_RES: tl.constexpr,
+                PTX: tl.constexpr):
+    """(even, odd) float32 of run ``R`` of a fetched tile (x1 + res1, stored to out_res1 on the
+    way) and ``acc`` + its squares."""
+    e, o = _unpack(xa)
+    if HAS_RES:
+        re, ro = _unpack(ra)
+        e = e + re
+        o = o + ro
+        _, pair = _lb_pairs(B0, L, R)
+        _store_pairs(o_rows, pair, row_ok[:, None, None], e, o, True, PTX)
+    return e, o, _chain4(e, o, acc)
+
+
+@triton.jit
+def _lb_sum(x0, x1, x2, x3, r0, r1, r2, r3, o_rows, row_ok, B0, L: tl.constexpr, acc, HAS_RES: tl.constexpr,
+            PTX: tl.constexpr):
+    """A fetched tile's 4 runs as (even, odd) float32 and ``acc`` ([BLOCK_M, L]) + their squares."""
+    e0, o0, acc = _lb_run_sum(x0, r0, o_rows, row_ok, B0, L, 0, acc, HAS_RES, PTX)
+    e1, o1, acc = _lb_run_sum(x1, r1, o_rows, row_ok, B0, L, 1, acc, HAS_RES, PTX)
+    e2, o2, acc = _lb_run_sum(x2, r2, o_rows, row_ok, B0, L, 2, acc, HAS_RES, PTX)
+    e3, o3, acc = _lb_run_sum(x3, r3, o_rows, row_ok, B0, L, 3, acc, HAS_RES, PTX)
+    return e0, o0, e1, o1, e2, o2, e3, o3, acc
+
+
+@triton.jit
+def _lb_norm(e, o, r3, w_ptr, B0, L: tl.constexpr, R: tl.constexpr):
+    """(x * rstd) * w of run ``R`` (rounded twice, as aiter and the reference do). The weights are
+    loaded for every row of the tile (L1 hits): a [1, L, 4] load would take a layout of its own,
+    and Triton would convert the rows to it."""
+    _, pair = _lb_pairs(B0, L, R)
+    we, wo = _unpack(tl.load(w_ptr + (pair + tl.zeros((e.shape[0], 1, 1), tl.int32))))
+    return e * r3 * we, o * r3 * wo
+
+
+
+
+@triton.jit
+def _absmax4(ye, yo, amax):
+    return tl.maximum(amax, tl.max(tl.maximum(tl.abs(ye), tl.abs(yo)), axis=2))
+
+
+@triton.jit
+def _lb_quant(e0, o0, e1, o1, e2, o2, e3, o3, rstd, w_ptr, rows, row_ok, q_rows, scale_ptr, B0, L: tl.constexpr,
+              SCALE_COLS_PAD: tl.constexpr, SHUFFLE: tl.constexpr, PAD: tl.constexpr, PTX: tl.constexpr):
+    """Normalise, quantize and store lane-block tile [B0, B0+L): FP4 codes, scale bytes (whole
+    blocks, no pad columns)."""
+    r3 = rstd[:, None, None]
+    ye0, yo0 = _lb_norm(e0, o0, r3, w_ptr, B0, L, 0)
+    ye1, yo1 = _lb_norm(e1, o1, r3, w_ptr, B0, L, 1)
+    ye2, yo2 = _lb_norm(e2, o2, r3, w_ptr, B0, L, 2)
+    ye3, yo3 = _lb_norm(e3, o3, r3, w_ptr, B0, L, 3)
+    amax = tl.max(tl.maximum(tl.abs(ye0), tl.abs(yo0)), axis=2)
+    amax = _absmax4(ye1, yo1, amax)
+    amax = _absmax4(ye2, yo2, amax)
+    amax = _absmax4(ye3, yo3, amax)
+    e, inv = _even_scale(amax)
+    inv3 = inv[:, :, None]
+    w0 = _e2m1_run_words(ye0 * inv3, yo0 * inv3, PTX)
+    w1 = _e2m1_run_words(ye1 * inv3, yo1 * inv3, PTX)
+    w2 = _e2m1_run_words(ye2 * inv3, yo2 * inv3, PTX)
+    w3 = _e2m1_run_words(ye3 * inv3, yo3 * inv3, PTX)
+    # A block's 16 code bytes (runs 0-3) leave as one 16-byte store: q_rows points at int32 words.
+    words = tl.reshape(tl.join(tl.join(w0, w2), tl.join(w1, w3)), (w0.shape[0], L, 4))
+    blk = B0 + tl.arange(0, L)
+    tl.store(q_rows + blk[None, :, None] * 4 + tl.arange(0, 4)[None, None, :], words, mask=row_ok[:, None, None])
+    _store_block_scales(e, rows, row_ok, blk, scale_ptr, SCALE_COLS_PAD, SCALE_COLS_PAD, SHUFFLE, PAD, PTX)
+
+
+@triton.jit
+def _lb_x2_store(e, o, r3, w2_ptr, out2_rows, row_ok, L: tl.constexpr, R: tl.constexpr, PTX: tl.constexpr):
+    """x2's run ``R``: (x * rstd) * w rounded to bf16 pairs, stored."""
+    ye, yo = _lb_norm(e, o, r3, w2_ptr, 0, L, R)
+    _, pair = _lb_pairs(0, L, R)
+    _store_pairs(out2_rows, pair, row_ok[:, None, None], ye, yo, True, PTX)
