@@ -647,3 +647,13 @@ def _lb_x2_store(e, o, r3, w2_ptr, out2_rows, row_ok, L: tl.constexpr, R: tl.con
     ye, yo = _lb_norm(e, o, r3, w2_ptr, 0, L, R)
     _, pair = _lb_pairs(0, L, R)
     _store_pairs(out2_rows, pair, row_ok[:, None, None], ye, yo, True, PTX)
+
+
+@triton.jit
+def _unpack_late(v, PTX: tl.constexpr):
+    """_unpack by byte permutes (a different instruction, so the compiler cannot merge it with the
+    sum's unpacking and keep the float32 values alive in between)."""
+    if PTX:
+        return tl.inline_asm_elementwise("prmt.b32 $0, $2, 0, 0x1044; prmt.b32 $1, $2, 0, 0x3244;", "=r,=r,r", [v],
+                                         dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+    return _unpack(v)

@@ -363,6 +363,34 @@ def test_persistent_run_major_programs_match_torch_reference(m, n1, x2, res, run
         fused_rms_mxfp4_quant_triton(**args, run_tiles=False, persist=1)
 
 
+# Lane blocks (a block's 32 values in one thread, its runs loaded as four tensors; rows of 1-3
+# 16-block tiles): every flag setting, odd row counts (the last program's second row past M), with
+# and without a residual, one and two warps, the rows unpacked again for the quant or kept.
+@pytest.mark.parametrize("m,n1,x2,res,run_warps,unpack_late", [(5, 1536, True, False, 1, True),
+                                                               (3, 512, True, True, 1, False),
+                                                               (4, 1024, False, True, 2, False),
+                                                               (1, 1536, True, False, None, False)])
+def test_lane_block_tiles_match_torch_reference(m, n1, x2, res, run_warps, unpack_late):
+    from layouts._triton_fused_quant import _plan, fused_rms_mxfp4_quant_triton
+
+    plan = _plan(4096, n1, 512 if x2 else 0, True, not res, True, 132, None, None, all_paired=True,
+                 lane_blocks=True, run_warps=run_warps)  # the GPU's plan: rows fill the lanes once
+    assert plan.lane_blocks and not plan.run_tiles and plan.bm * 16 == plan.warps * 32
+    args = make_inputs(m, n1, x2=x2, res=res, seed=m + n1 + 3)
+    for shuffle, padding in ((True, True), (False, True), (False, False)):
+        out = fused_rms_mxfp4_quant_triton(**args, shuffle=shuffle, scale_shuffle_padding=padding, lane_blocks=True,
+                                           run_warps=run_warps, unpack_late=unpack_late)
+        assert_matches_reference(out, reference(args, shuffle, padding), args)
+
+
+def test_lane_block_tiles_are_refused_where_they_do_not_fit():
+    from layouts._triton_fused_quant import fused_rms_mxfp4_quant_triton
+
+    for n1, n2 in ((7168, 0), (1536, 256), (2048, 512)):  # 224 or 64 blocks; an x2 of half a tile
+        with pytest.raises(ValueError, match="lane_blocks needs"):
+            fused_rms_mxfp4_quant_triton(**make_inputs(2, n1, x2=bool(n2), n2=n2 or 512), lane_blocks=True)
+
+
 def test_run_major_tiles_are_refused_where_they_do_not_fit():
     from layouts._triton_fused_quant import fused_rms_mxfp4_quant_triton
 
