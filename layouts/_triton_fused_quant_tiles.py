@@ -108,9 +108,13 @@ E2M1_WORD_PTX = tl.constexpr(
 
 @triton.jit
 def _split4(x):
-    """The 4 elements of the last axis (size 4, in one thread) as 4 tensors, in order."""
-    sh: tl.constexpr = (x.shape[0], x.shape[1], 2, 2)
-    a, b = tl.split(tl.reshape(x, sh))  # a: elements 0 and 2, b: 1 and 3
+    """The 4 elements of the last axis (size 4, in one thread) of a 3-d or 4-d tile as 4 tensors,
+    in order (no instruction: each is a register of the thread)."""
+    if len(x.shape) == 4:
+        a, b = tl.split(tl.reshape(x, (x.shape[0], x.shape[1], x.shape[2], 2, 2)))
+    else:
+        a, b = tl.split(tl.reshape(x, (x.shape[0], x.shape[1], 2, 2)))
+    # a: elements 0 and 2, b: 1 and 3
     x0, x2 = tl.split(a)
     x1, x3 = tl.split(b)
     return x0, x1, x2, x3
@@ -406,14 +410,15 @@ def _run_sum(xa, ra, o_rows, row_ok, B0, T: tl.constexpr, FOLD: tl.constexpr, HA
 def _run_sumsq(e, o):
     """Sum of squares of a thread's run (even ``e`` and odd ``o`` of 4 pairs, the last axis) as one
     FMA chain: 8 instructions a run, where squares summed as a tree take 11."""
-    sh: tl.constexpr = (e.shape[0], e.shape[1], e.shape[2], 2, 2)
-    e01, e23 = tl.split(tl.reshape(e, sh))
-    o01, o23 = tl.split(tl.reshape(o, sh))
-    e0, e1 = tl.split(e01)
-    e2, e3 = tl.split(e23)
-    o0, o1 = tl.split(o01)
-    o2, o3 = tl.split(o23)
-    acc = e0 * e0
+    e0, e1, e2, e3 = _split4(e)
+    o0, o1, o2, o3 = _split4(o)
+    return _sq_chain(e0, o0, e1, o1, e2, o2, e3, o3, e0 * e0)
+
+
+@triton.jit
+def _sq_chain(e0, o0, e1, o1, e2, o2, e3, o3, acc):
+    """``acc`` + the squares of a run's values but e0's (the first link: ``acc`` holds e0 * e0, or
+    a chain to continue, which then takes e0 first)."""
     acc = tl.fma(o0, o0, acc)
     acc = tl.fma(e1, e1, acc)
     acc = tl.fma(o1, o1, acc)
@@ -552,23 +557,10 @@ def _lb_fetch(rows_ptr, B0, L: tl.constexpr):
 
 @triton.jit
 def _chain4(e, o, acc):
-    """``acc`` + the squares of a thread's run (even ``e`` and odd ``o`` of 4 pairs, the last
-    axis of a 3-d tile), as one FMA chain."""
-    sh: tl.constexpr = (e.shape[0], e.shape[1], 2, 2)
-    e01, e23 = tl.split(tl.reshape(e, sh))
-    o01, o23 = tl.split(tl.reshape(o, sh))
-    e0, e1 = tl.split(e01)
-    e2, e3 = tl.split(e23)
-    o0, o1 = tl.split(o01)
-    o2, o3 = tl.split(o23)
-    acc = tl.fma(e0, e0, acc)
-    acc = tl.fma(o0, o0, acc)
-    acc = tl.fma(e1, e1, acc)
-    acc = tl.fma(o1, o1, acc)
-    acc = tl.fma(e2, e2, acc)
-    acc = tl.fma(o2, o2, acc)
-    acc = tl.fma(e3, e3, acc)
-    return tl.fma(o3, o3, acc)
+    """``acc`` + the squares of a thread's run (the last axis of a 3-d tile), as one FMA chain."""
+    e0, e1, e2, e3 = _split4(e)
+    o0, o1, o2, o3 = _split4(o)
+    return _sq_chain(e0, o0, e1, o1, e2, o2, e3, o3, tl.fma(e0, e0, acc))
 
 
 @triton.jit
