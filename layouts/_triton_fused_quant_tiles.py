@@ -86,24 +86,23 @@ def _store_pairs(row_ptr, pair, mask, even, odd, PAIRED: tl.constexpr, PTX: tl.c
 _E2M1_VALUE_PTX = ("abs.f32 t{j}, ${k}; min.f32 t{j}, t{j}, 0f40C00000; "
                    "fma.rz.f32 h{j}, t{j}, 0f3F000000, 0f3F000000; max.f32 h{j}, t{j}, h{j}; "
                    "mad.lo.u32 h{j}, h{j}, 64, 0x48000000; lop3.b32 h{j}, h{j}, ${k}, 0x80000000, 0xF8; ")
-E2M1_RUN_PTX = tl.constexpr(
-    "{ .reg .b32 t<8>, h<8>, e0, e1, o0, o1; "
-    + "".join(_E2M1_VALUE_PTX.format(j=j, k=j + 1) for j in range(8))
-    # E gathers the even values' byte 3 (byte k = pair k), O the odd values'; byte k of the
-    # result = O's top half | E's top half >> 4.
-    + "prmt.b32 e0, h0, h1, 0x0073; prmt.b32 e1, h2, h3, 0x7300; prmt.b32 e0, e0, e1, 0x7610; "
-    "prmt.b32 o0, h4, h5, 0x0073; prmt.b32 o1, h6, h7, 0x7300; prmt.b32 o0, o0, o1, 0x7610; "
-    "shr.b32 e0, e0, 4; lop3.b32 $0, o0, e0, 0xF0F0F0F0, 0xE4; }")
 
 
+def _e2m1_block_ptx(first: int, tail: str = "") -> str:
+    """The PTX block: values in $first..$first+7 (4 even, then 4 odd), the run's 4 bytes in $0."""
+    return ("{ .reg .b32 t<8>, h<8>, e0, e1, o0, o1; "
+            + "".join(_E2M1_VALUE_PTX.format(j=j, k=j + first) for j in range(8))
+            # E gathers the even values' byte 3 (byte k = pair k), O the odd values'; byte k of the
+            # result = O's top half | E's top half >> 4.
+            + "prmt.b32 e0, h0, h1, 0x0073; prmt.b32 e1, h2, h3, 0x7300; prmt.b32 e0, e0, e1, 0x7610; "
+            "prmt.b32 o0, h4, h5, 0x0073; prmt.b32 o1, h6, h7, 0x7300; prmt.b32 o0, o0, o1, 0x7610; "
+            "shr.b32 e0, e0, 4; lop3.b32 $0, o0, e0, 0xF0F0F0F0, 0xE4; " + tail + "}")
+
+
+E2M1_RUN_PTX = tl.constexpr(_e2m1_block_ptx(1))
 # The same block for lane blocks: the run's 4 bytes as one int32 ($0; $1-$3 copies that ptxas
 # drops), the values in $4-$11.
-E2M1_WORD_PTX = tl.constexpr(
-    "{ .reg .b32 t<8>, h<8>, e0, e1, o0, o1; "
-    + "".join(_E2M1_VALUE_PTX.format(j=j, k=j + 4) for j in range(8))
-    + "prmt.b32 e0, h0, h1, 0x0073; prmt.b32 e1, h2, h3, 0x7300; prmt.b32 e0, e0, e1, 0x7610; "
-    "prmt.b32 o0, h4, h5, 0x0073; prmt.b32 o1, h6, h7, 0x7300; prmt.b32 o0, o0, o1, 0x7610; "
-    "shr.b32 e0, e0, 4; lop3.b32 $0, o0, e0, 0xF0F0F0F0, 0xE4; mov.b32 $1, $0; mov.b32 $2, $0; mov.b32 $3, $0; }")
+E2M1_WORD_PTX = tl.constexpr(_e2m1_block_ptx(4, "mov.b32 $1, $0; mov.b32 $2, $0; mov.b32 $3, $0; "))
 
 
 @triton.jit
