@@ -348,6 +348,23 @@ def _run_tiles_default(lanes: int) -> bool:
     return lanes == 32
 
 
+_LANE_TILE = 16  # blocks in a lane-block tile
+
+
+def _lane_blocks_fit(n1: int, n2: int, cols: int, cols_pad: int, all_paired: bool) -> bool:
+    """Whether rows of this shape take lane blocks: paired bf16, whole blocks without pad columns, in
+    1-3 tiles, and an x2 (if any) of one tile."""
+    return (all_paired and n1 % 32 == 0 and cols == cols_pad and cols % _LANE_TILE == 0
+            and cols <= 3 * _LANE_TILE and n2 in (0, 32 * _LANE_TILE))
+
+
+def _lane_blocks_default(lanes: int) -> bool:
+    """Whether the GPU plan takes lane blocks where they fit (rows of q_a's size, not split) and the
+    caller did not say. Not yet: no GPU has timed them (docs/BENCHMARKS.md, ninth session: 849
+    warp instructions a row at q_a against run-major's 1,282)."""
+    return False
+
+
 @functools.lru_cache(maxsize=None)
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -459,6 +476,9 @@ def _plan(m: int, n1: int, n2: int, padded: bool, raw: bool, on_gpu: bool, sms: 
         bm2 = min(bm2, _pow2_floor(max(1, m // (2 * sms))))
     if split is not None:
         nsplit = split
+    if lane_blocks is None and on_gpu and nsplit == 1 and run_tiles is None and num_warps is None \
+            and block_m is None:
+        lane_blocks = _lane_blocks_fit(n1, n2, cols, cols_pad, all_paired) and _lane_blocks_default(lanes)
     if lane_blocks:
         nsplit = 1
     if bm & (bm - 1) or not 1 <= bm <= 32:
@@ -506,9 +526,8 @@ def _plan(m: int, n1: int, n2: int, padded: bool, raw: bool, on_gpu: bool, sms: 
     if lane_blocks:
         # Lane blocks (see _triton_fused_quant_tiles): 16-block tiles, BLOCK_M rows filling the
         # program's lanes once (q_a + kv_a on one warp: 2 rows, 3 tiles and x2's one).
-        lb = 16
-        if not (all_paired and n1 % 32 == 0 and cols == cols_pad and cols % lb == 0 and cols <= 3 * lb
-                and n2 in (0, 32 * lb) and not run_tiles):
+        lb = _LANE_TILE
+        if run_tiles or not _lane_blocks_fit(n1, n2, cols, cols_pad, all_paired):
             raise ValueError(f"lane_blocks needs whole rows of paired bf16 in 1-3 tiles of {lb} blocks and an x2 "
                              f"of one, got N1 = {n1}, N2 = {n2}")
         warps = run_warps or 1
