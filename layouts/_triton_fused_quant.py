@@ -527,11 +527,15 @@ def _plan(m: int, n1: int, n2: int, padded: bool, raw: bool, on_gpu: bool, sms: 
         # Lane blocks (see _triton_fused_quant_tiles): 16-block tiles, BLOCK_M rows filling the
         # program's lanes once (q_a + kv_a on one warp: 2 rows, 3 tiles and x2's one).
         lb = _LANE_TILE
-        if run_tiles or not _lane_blocks_fit(n1, n2, cols, cols_pad, all_paired):
+        if run_tiles:
+            raise ValueError("lane_blocks and run_tiles are two row layouts: pass one")
+        if not _lane_blocks_fit(n1, n2, cols, cols_pad, all_paired):
             raise ValueError(f"lane_blocks needs whole rows of paired bf16 in 1-3 tiles of {lb} blocks and an x2 "
                              f"of one, got N1 = {n1}, N2 = {n2}")
         warps = run_warps or 1
         bm = bm2 = warps * lanes // lb
+        if bm > 32:  # BLOCK_M divides 32: the row programs end on a 32-row band (see below)
+            raise ValueError(f"lane_blocks takes at most {32 * lb // lanes} warps a program, got {warps}")
         tiles = (lb, lb if cols >= 2 * lb else 0, lb if cols >= 3 * lb else 0)
         x2_main = bool(n2)
     if persist is not None and (not run_tiles or persist < 1):

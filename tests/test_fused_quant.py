@@ -389,6 +389,11 @@ def test_lane_block_tiles_are_refused_where_they_do_not_fit():
     for n1, n2 in ((7168, 0), (1536, 256), (2048, 512)):  # 224 or 64 blocks; an x2 of half a tile
         with pytest.raises(ValueError, match="lane_blocks needs"):
             fused_rms_mxfp4_quant_triton(**make_inputs(2, n1, x2=bool(n2), n2=n2 or 512), lane_blocks=True)
+    args = make_inputs(2, 1536, x2=True)
+    with pytest.raises(ValueError, match="two row layouts"):
+        fused_rms_mxfp4_quant_triton(**args, lane_blocks=True, run_tiles=True)
+    with pytest.raises(ValueError, match="at most 16 warps"):
+        fused_rms_mxfp4_quant_triton(**args, lane_blocks=True, run_warps=32)
 
 
 def test_run_major_tiles_are_refused_where_they_do_not_fit():
