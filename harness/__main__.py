@@ -134,6 +134,13 @@ def check_engine(args, extra: list[str], argv: list[str]) -> int:
             raise SystemExit(f"error: {flag} is for {where}")
     if args.serve and args.ranks is not None:
         raise SystemExit("error: --ranks: ATOM's server start-up (--serve) loads every rank, each in its worker")
+    from layouts.errors import LayoutsError
+    from layouts.manifest import load_manifest
+
+    try:  # here, before an engine's interpreter starts: a folder prep did not write is one line
+        load_manifest(args.converted)
+    except LayoutsError as exc:
+        raise SystemExit(f"error: --converted {exc}") from None
     rc = _in_engine_python(args.engine, argv)
     if rc is not None:
         return rc

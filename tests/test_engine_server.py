@@ -2,6 +2,7 @@
 tests/engine_server.py): a check forked from it must end as the same command run as a process of
 its own does, its exit status and its words included."""
 
+import pytest
 from conftest import engine_check
 
 
@@ -44,3 +45,13 @@ def test_a_forked_run_past_its_timeout_is_killed_with_what_it_started(tmp_path):
         raise AssertionError(f"process {child}, started by the killed run, is still alive")
     rc, out, _ = forked_python("timeit", ["-n", "1", "-r", "1", "pass"], dict(os.environ))
     assert rc == 0 and "loop" in out
+
+
+def test_check_engine_on_a_folder_prep_did_not_write_is_one_line_before_any_engine_starts(tmp_path):
+    from harness.__main__ import main
+
+    (tmp_path / "model.safetensors").write_bytes(b"not a conversion")
+    for engine in ("atom", "sglang", "vllm"):
+        with pytest.raises(SystemExit) as exc:
+            main(["check-engine", engine, "--source", str(tmp_path), "--converted", str(tmp_path)])
+        assert str(exc.value) == f"error: --converted {tmp_path}: no prep-manifest.json; not a checkpoint converted by prep"
