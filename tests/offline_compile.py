@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 _CHILD = """
@@ -36,16 +34,21 @@ def compile_for_nvidia_and_amd(module: str, shape: tuple, cache_dir: Path, amd_k
                                kwargs: dict | list[dict] | None = None) -> dict | list[dict]:
     """``{"nvidia": asm, "amd": asm}`` of ``module.compile_offline(target, *shape, **kwargs)`` (text asm as
     text, binaries by their length); for a list of ``kwargs``, one such dict each, compiled in the
-    same child (one interpreter start-up, ~2.4 s, for all). Fails on a compile error, and on any
+    same child (one fork of the suite's ``python`` server for all). Fails on a compile error, and on any
     error LLVM prints (Triton 3.9's AMD back end reports inline asm it cannot place and compiles on
     without it)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9 warns when unset; fused, as launches are
     env["TRITON_CACHE_DIR"] = str(cache_dir)  # compiled here, not found in a cache (LLVM's errors print once)
     variants = kwargs if isinstance(kwargs, list) else [kwargs or {}]
-    run = subprocess.run([sys.executable, "-c", _CHILD, module, json.dumps(list(shape)), json.dumps(amd_kwargs or {}),
-                          json.dumps(variants)],
-                         capture_output=True, text=True, env=env, timeout=300)
-    assert run.returncode == 0 and "error" not in run.stderr.lower(), run.stderr[-2000:]
-    results = json.loads(run.stdout.strip().splitlines()[-1])
+    args = [module, json.dumps(list(shape)), json.dumps(amd_kwargs or {}), json.dumps(variants)]
+    # Forked from the run's `python` server (torch imported once a run, triton not: it reads
+    # TRITON_CACHE_DIR and TRITON_INTERPRET at import), where the suite has one.
+    child = cache_dir / "offline_compile_child.py"
+    child.write_text(_CHILD)
+    from conftest import forked_python
+
+    rc, stdout, stderr = forked_python(None, args, env, timeout=300, path=child)
+    assert rc == 0 and "error" not in stderr.lower(), stderr[-2000:]
+    results = json.loads(stdout.strip().splitlines()[-1])
     return results if isinstance(kwargs, list) else results[0]
