@@ -74,7 +74,7 @@ from ._triton_fused_quant_tiles import (
     _lb_quant,
     _lb_sum,
     _lb_x2_store,
-    _unpack_late,
+    _lb_unpack_late,
     _run_fetch_rows,
     _run_rows,
     _run_weight,
@@ -160,20 +160,11 @@ def _fused_rms_mxfp4_kernel(
         if LB_UNPACK_LATE and not HAS_RES:
             # The rows unpacked again for the quant, not kept as float32 since the sum: 128
             # registers instead of 167 at q_a on one warp, ~6 % more instructions.
-            e00, o00 = _unpack_late(a00, PTX)
-            e01, o01 = _unpack_late(a01, PTX)
-            e02, o02 = _unpack_late(a02, PTX)
-            e03, o03 = _unpack_late(a03, PTX)
+            e00, o00, e01, o01, e02, o02, e03, o03 = _lb_unpack_late(a00, a01, a02, a03, PTX)
             if T1 > 0:
-                e10, o10 = _unpack_late(a10, PTX)
-                e11, o11 = _unpack_late(a11, PTX)
-                e12, o12 = _unpack_late(a12, PTX)
-                e13, o13 = _unpack_late(a13, PTX)
+                e10, o10, e11, o11, e12, o12, e13, o13 = _lb_unpack_late(a10, a11, a12, a13, PTX)
             if T2 > 0:
-                e20, o20 = _unpack_late(a20, PTX)
-                e21, o21 = _unpack_late(a21, PTX)
-                e22, o22 = _unpack_late(a22, PTX)
-                e23, o23 = _unpack_late(a23, PTX)
+                e20, o20, e21, o21, e22, o22, e23, o23 = _lb_unpack_late(a20, a21, a22, a23, PTX)
         _lb_quant(e00, o00, e01, o01, e02, o02, e03, o03, rstd, w1_ptr, rows, row_ok, q_rows, scale_ptr, 0, L,
                   SCALE_COLS_PAD, SHUFFLE, PAD, PTX)
         if T1 > 0:
@@ -417,6 +408,12 @@ class Plan(NamedTuple):
     lane_blocks: bool
     unpack_late: bool
 
+    @property
+    def x2_paired(self) -> bool:
+        """x2, its weights and out2 go to the kernel as int32 pairs, like x1 (run-major tiles and
+        lane blocks)."""
+        return self.run_tiles or self.lane_blocks
+
 
 @functools.lru_cache(maxsize=4096)
 def _plan(m: int, n1: int, n2: int, padded: bool, raw: bool, on_gpu: bool, sms: int,
@@ -600,14 +597,14 @@ def compile_offline(target, m: int, n1: int, n2: int = 0, has_res: bool = False,
                  lane_blocks=lane_blocks, unpack_late=unpack_late)
     consts = _constants(plan, n1, n2, has_res, bool(n2), shuffle, padded, True, has_res, True,
                         target.backend == "cuda")
-    x2_ty = "*i32" if plan.run_tiles or plan.lane_blocks else "*bf16"
+    x2_ty = "*i32" if plan.x2_paired else "*bf16"
     # The launch's arguments as the wrapper passes them: bf16 as int32 pairs, absent tensors None.
     args = {"x1_ptr": "*i32", "w1_ptr": "*i32", "res1_ptr": "*i32" if has_res else None,
             "out_res1_ptr": "*i32" if has_res else None, "q_ptr": "*u8", "scale_ptr": "*u8",
             "x2_ptr": x2_ty if n2 else None, "w2_ptr": x2_ty if n2 else None, "out2_ptr": x2_ty if n2 else None,
             "M": m, "x1_stride": n1 // 2, "res1_stride": n1 // 2 if has_res else 0,
-            "x2_stride": n2 // 2 if plan.run_tiles or plan.lane_blocks else n2,
-            "eps1": 1e-6, "eps2": 1e-6, "n_split": plan.n_split, "n_blocks": plan.n_blocks, "n_main": plan.n_main, "n_x2": plan.n_x2,
+            "x2_stride": n2 // 2 if plan.x2_paired else n2, "eps1": 1e-6, "eps2": 1e-6,
+            "n_split": plan.n_split, "n_blocks": plan.n_blocks, "n_main": plan.n_main, "n_x2": plan.n_x2,
             "fill_start": plan.fill_start, "fill_end": plan.fill_end}
     return compile_like_launch(_fused_rms_mxfp4_kernel, target, args, consts, plan.warps)
 
@@ -686,7 +683,7 @@ def fused_rms_mxfp4_quant_triton(
         res1_arg, res1_stride = (res1.view(torch.int32), res1.stride(0) // 2) if r_paired else (res1, res1.stride(0))
     out_res1_arg = out_res1.view(torch.int32) if out_res1 is not None and x_paired else out_res1
     x2_arg, w2_arg, out2_arg, x2_stride = x2, x2_weight, out2, x2.stride(0) if x2 is not None else 0
-    if (plan.run_tiles or plan.lane_blocks) and x2 is not None:  # x2 as pairs, like x1
+    if plan.x2_paired and x2 is not None:
         x2_arg, w2_arg, out2_arg = x2.view(torch.int32), x2_weight.view(torch.int32), out2.view(torch.int32)
         x2_stride //= 2
     _fused_rms_mxfp4_kernel[grid](

@@ -598,10 +598,9 @@ def _lb_norm(e, o, r3, w_ptr, B0, L: tl.constexpr, R: tl.constexpr):
     return e * r3 * we, o * r3 * wo
 
 
-
-
 @triton.jit
 def _absmax4(ye, yo, amax):
+    """``amax`` ([BLOCK_M, L]) and the absolute values of a run of normalised pairs, the larger."""
     return tl.maximum(amax, tl.max(tl.maximum(tl.abs(ye), tl.abs(yo)), axis=2))
 
 
@@ -638,6 +637,16 @@ def _lb_x2_store(e, o, r3, w2_ptr, out2_rows, row_ok, L: tl.constexpr, R: tl.con
     ye, yo = _lb_norm(e, o, r3, w2_ptr, 0, L, R)
     _, pair = _lb_pairs(0, L, R)
     _store_pairs(out2_rows, pair, row_ok[:, None, None], ye, yo, True, PTX)
+
+
+@triton.jit
+def _lb_unpack_late(a0, a1, a2, a3, PTX: tl.constexpr):
+    """A fetched lane-block tile's 4 runs as (even, odd) float32 again, by :func:`_unpack_late`."""
+    e0, o0 = _unpack_late(a0, PTX)
+    e1, o1 = _unpack_late(a1, PTX)
+    e2, o2 = _unpack_late(a2, PTX)
+    e3, o3 = _unpack_late(a3, PTX)
+    return e0, o0, e1, o1, e2, o2, e3, o3
 
 
 @triton.jit

@@ -45,8 +45,9 @@ def run_check(kind: str, python: pathlib.Path, argv: list[str], env: dict[str, s
               timeout: float | None = None, path: pathlib.Path | None = None) -> tuple[int | None, str, str]:
     """``python -m MODULE ARGV`` (or ``python PATH ARGV``) through the fork server of ``kind``
     (``sglang``, ``vllm``: a ``check-engine``; ``python``: any module or script, in prep's
-    environment): (exit status, stdout, stderr), as a ``subprocess.run`` of it would give them. Past ``timeout`` seconds the run is
-    killed with everything it started, and its exit status is None."""
+    environment): (exit status, stdout, stderr), as a ``subprocess.run`` of it would give them.
+    Past ``timeout`` seconds the run is killed with everything it started, and its exit status is
+    None."""
     fd, out = tempfile.mkstemp(dir=folder, suffix=".out")
     os.close(fd)
     err = out.removesuffix(".out") + ".err"
