@@ -343,8 +343,8 @@ def test_run_major_tiles_on_fewer_warps_or_with_early_weights_match_torch_refere
 
 
 # Persistent row programs (interpreter: 2 "multiprocessors" x persist programs) loop over the row
-# blocks with the next one's loads in flight: every row written once, the last block's prefetch of
-# rows past M masked off, and the scale pad rows after the real ones still filled.
+# blocks with the next one's loads in flight: every row written once, the prefetches past M (which
+# read row M - 1) never stored, and the scale pad rows after the real ones still filled.
 @pytest.mark.parametrize("m,n1,x2,res,run_warps,persist,block_m", [(7, 1536, True, False, 1, 1, 1),
                                                                    (9, 512, True, True, None, 2, 2),
                                                                    (37, 7168, False, True, 2, 1, 4)])

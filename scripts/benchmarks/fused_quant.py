@@ -113,7 +113,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="also time our kernel with each row layout forced, 'blocks' (run_tiles=False) and 'runs' "
                          "(run_tiles=True, where they fit), the latter also on one warp a row ('runs1w'), with "
                          "the norm weights loaded with the rows ('+w') or as persistent programs ('+pN', N a "
-                         "multiprocessor); NAMES (comma-separated) picks some; with --sass, count each")
+                         "multiprocessor), and lane blocks ('lanes', 'lanes2w'; '+u': unpacked late; q_a-sized rows "
+                         "only); NAMES (comma-separated) picks some; with --sass, count each")
     ap.add_argument("--sass", action="store_true",
                     help="only compile our kernel for an H100 (sm_90, no GPU needed) at both sites and print its "
                          "registers and SASS instruction counts (the row program's and by opcode)")
