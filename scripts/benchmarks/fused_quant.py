@@ -11,9 +11,10 @@ ASM-GEMM flags):
 * unfused   -- torch ops for the residual add and ``F.rms_norm``, then aiter's separate
                ``dynamic_mxfp4_quant`` Triton kernel (row-major scale, no shuffle: a lower bound
                on what the unfused sequence costs);
-* blocks, runs -- with ``--tile-orders``: our kernel with each row layout forced, block-major
-               (``run_tiles=False``) and run-major (``run_tiles=True``, where they fit; also on one warp
-               a row, "1w", and with the norm weights loaded with the rows, "+w"), each
+* blocks, runs, lanes -- with ``--tile-orders``: our kernel with each row layout forced, block-major
+               (``run_tiles=False``), run-major (``run_tiles=True``, where they fit; also on one warp
+               a row, "1w", with the norm weights loaded with the rows, "+w", or as persistent
+               programs, "+pN") and lane blocks (``lane_blocks=True``, q_a-sized rows), each
                checked like ours at all three flag settings ("ours" is the plan's default);
 * old       -- with ``--old-kernel REV`` (a git revision, or a copy of the kernel file): an earlier
                version of our kernel, loaded beside ours (before/after in one run);
