@@ -108,7 +108,7 @@ def _fused_rms_mxfp4_kernel(
     X_PAIRED: tl.constexpr, R_PAIRED: tl.constexpr, W_PAIRED: tl.constexpr, PTX: tl.constexpr,
     X2_MAIN: tl.constexpr, FLAT_SUM: tl.constexpr, NPAIR: tl.constexpr, FILL_BLOCK: tl.constexpr,
     RUN_TILES: tl.constexpr, FOLD: tl.constexpr, W_EARLY: tl.constexpr, PERSIST: tl.constexpr,
-    LANE_BLOCKS: tl.constexpr, LB_UNPACK_LATE: tl.constexpr,
+    LANE_BLOCKS: tl.constexpr, LB_UNPACK_LATE: tl.constexpr, STAGES: tl.constexpr,
 ):
     pid = tl.program_id(0)
     if LANE_BLOCKS and pid < n_split:
@@ -207,7 +207,18 @@ def _fused_rms_mxfp4_kernel(
             # while B is. Swapping one carried set of tiles instead cost a move a register (~45
             # instructions a lane a row at q_a on one warp).
             step = n_split * BLOCK_M
-            for blk_i in range(pid, n_blocks, 2 * n_split):
+            if STAGES > 0:
+                # One row block an iteration; Triton's pipeliner prefetches the next STAGES - 1
+                # blocks' tiles into shared memory (cp.async), not into registers.
+                for blk_j in tl.range(pid, n_blocks, n_split, num_stages=STAGES):
+                    rows = blk_j * BLOCK_M + tl.arange(0, BLOCK_M)
+                    xc0, rc0, xc1, rc1, xc2, rc2, x2c = _run_fetch_rows(
+                        x1_ptr, res1_ptr, x2_ptr, rows, M, x1_stride, res1_stride, x2_stride,
+                        T0, T1, T2, N2, HAS_RES, HAS_X2)
+                    _run_rows(xc0, rc0, xc1, rc1, xc2, rc2, x2c, we0, wo0, we1, wo1, we2, wo2, w2e, w2o,
+                              w1_ptr, w2_ptr, rows, M, out_res1_ptr, q_ptr, scale_ptr, out2_ptr, eps1, eps2,
+                              N1, N2, T0, T1, T2, FOLD, SCALE_COLS_PAD, HAS_RES, HAS_X2, SHUFFLE, PAD, PTX, True)
+            for blk_i in range(pid, n_blocks if STAGES == 0 else 0, 2 * n_split):
                 rows = blk_i * BLOCK_M + tl.arange(0, BLOCK_M)
                 xb0, rb0, xb1, rb1, xb2, rb2, x2b = _run_fetch_rows(
                     x1_ptr, res1_ptr, x2_ptr, rows + step, M, x1_stride, res1_stride, x2_stride,
@@ -407,6 +418,7 @@ class Plan(NamedTuple):
     persist: bool
     lane_blocks: bool
     unpack_late: bool
+    stages: int = 0
 
     @property
     def x2_paired(self) -> bool:
@@ -421,7 +433,7 @@ def _plan(m: int, n1: int, n2: int, padded: bool, raw: bool, on_gpu: bool, sms: 
           x2_main: bool | None = None, flat_sum: bool | None = None, all_paired: bool = False,
           run_tiles: bool | None = None, lanes: int = 32, run_warps: int | None = None,
           w_early: bool | None = None, persist: int | None = None, lane_blocks: bool | None = None,
-          unpack_late: bool | None = None) -> Plan:
+          unpack_late: bool | None = None, stages: int | None = None) -> Plan:
     """Launch plan for one shape: everything the wrapper needs besides pointers (cached: the
     wrapper is the whole cost of a decode-size call, so it must stay a dict lookup). ``raw``:
     x1 is paired bf16 without a residual (kept packed in registers); ``all_paired``: every
@@ -556,7 +568,7 @@ def _plan(m: int, n1: int, n2: int, padded: bool, raw: bool, on_gpu: bool, sms: 
     grid = (n_main + n_x2 + n_fill,)
     return Plan(grid, rows_pad, cols, cols_pad, tiles, bm, bm2, nb2, warps, n_split, n_main, n_x2, fill_start,
                 fill_end, nsplit, ts, x2_main, flat_sum, run_tiles, fold, w_early, real_blocks, bool(persist),
-                bool(lane_blocks), bool(lane_blocks and unpack_late))
+                bool(lane_blocks), bool(lane_blocks and unpack_late), int(stages or 0) if persist else 0)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -574,13 +586,14 @@ def _constants(plan: Plan, n1: int, n2: int, has_res: bool, has_x2: bool, shuffl
         X2_MAIN=plan.x2_main, FLAT_SUM=plan.flat_sum, NPAIR=triton.next_power_of_2(n1 // 2),
         FILL_BLOCK=_FILL_BLOCK, RUN_TILES=plan.run_tiles, FOLD=plan.fold, W_EARLY=plan.w_early,
         PERSIST=plan.persist, LANE_BLOCKS=plan.lane_blocks, LB_UNPACK_LATE=plan.unpack_late,
+        STAGES=plan.stages,
     )
 
 
 def compile_offline(target, m: int, n1: int, n2: int = 0, has_res: bool = False, *, sms: int = 132,
                     shuffle: bool = True, padded: bool = True, run_tiles: bool | None = None,
                     run_warps: int | None = None, w_early: bool | None = None, persist: int | None = None,
-                    lane_blocks: bool | None = None, unpack_late: bool | None = None):
+                    lane_blocks: bool | None = None, unpack_late: bool | None = None, stages: int | None = None):
     """Compile the kernel, without a GPU, for ``target`` (a ``triton.backends.compiler.GPUTarget``:
     ``GPUTarget("cuda", 90, 32)``, ``GPUTarget("hip", "gfx942", 64)``) as a launch of an ``[m,
     n1]`` bf16 call would compile it (paired, 16-byte aligned, residual if ``has_res``, x2 of width
@@ -594,7 +607,7 @@ def compile_offline(target, m: int, n1: int, n2: int = 0, has_res: bool = False,
 
     plan = _plan(m, n1, n2, padded, not has_res, True, sms, None, None, all_paired=True, run_tiles=run_tiles,
                  lanes=target.warp_size, run_warps=run_warps, w_early=w_early, persist=persist,
-                 lane_blocks=lane_blocks, unpack_late=unpack_late)
+                 lane_blocks=lane_blocks, unpack_late=unpack_late, stages=stages)
     consts = _constants(plan, n1, n2, has_res, bool(n2), shuffle, padded, True, has_res, True,
                         target.backend == "cuda")
     x2_ty = "*i32" if plan.x2_paired else "*bf16"
@@ -636,6 +649,7 @@ def fused_rms_mxfp4_quant_triton(
     persist: int | None = None,
     lane_blocks: bool | None = None,
     unpack_late: bool | None = None,
+    stages: int | None = None,
 ):
     """Our Triton back end of :func:`layouts.fused_quant.fused_rms_mxfp4_quant` (same contract).
 
@@ -664,7 +678,7 @@ def fused_rms_mxfp4_quant_triton(
                   and (x2 is None or (_paired(x2) and _paired(x2_weight))))
     plan = _plan(m, n1, n2, padded, x_paired and res1 is None, on_gpu, sms, block_m, num_warps, split,
                  x2_main, flat_sum, all_paired, run_tiles, 32 if _NVIDIA else 64, run_warps, w_early, persist,
-                 lane_blocks, unpack_late)
+                 lane_blocks, unpack_late, stages)
     grid, rows_pad, cols_pad = plan.grid, plan.rows_pad, plan.cols_pad
 
     q = torch.empty((m, n1 // 2), dtype=torch.uint8, device=dev)

@@ -344,20 +344,23 @@ def test_run_major_tiles_on_fewer_warps_or_with_early_weights_match_torch_refere
 
 # Persistent row programs (interpreter: 2 "multiprocessors" x persist programs) loop over the row
 # blocks with the next one's loads in flight: every row written once, the prefetches past M (which
-# read row M - 1) never stored, and the scale pad rows after the real ones still filled.
-@pytest.mark.parametrize("m,n1,x2,res,run_warps,persist,block_m", [(7, 1536, True, False, 1, 1, 1),
-                                                                   (9, 512, True, True, None, 2, 2),
-                                                                   (37, 7168, False, True, 2, 1, 4)])
-def test_persistent_run_major_programs_match_torch_reference(m, n1, x2, res, run_warps, persist, block_m):
+# read row M - 1) never stored, and the scale pad rows after the real ones still filled; with
+# `stages`, one row block an iteration, Triton's pipeliner doing the prefetch (on a GPU).
+@pytest.mark.parametrize("m,n1,x2,res,run_warps,persist,block_m,stages", [(7, 1536, True, False, 1, 1, 1, None),
+                                                                          (9, 512, True, True, None, 2, 2, None),
+                                                                          (37, 7168, False, True, 2, 1, 4, None),
+                                                                          (7, 1536, True, False, 1, 1, 1, 3),
+                                                                          (9, 512, True, True, None, 2, 2, 2)])
+def test_persistent_run_major_programs_match_torch_reference(m, n1, x2, res, run_warps, persist, block_m, stages):
     from layouts._triton_fused_quant import _plan, fused_rms_mxfp4_quant_triton
 
     plan = _plan(m, n1, 512 if x2 else 0, True, not res, False, 0, block_m, None, all_paired=True, run_tiles=True,
-                 run_warps=run_warps, persist=persist)
-    assert plan.persist and plan.n_split == min(2 * persist, -(-m // block_m)) < plan.n_blocks
+                 run_warps=run_warps, persist=persist, stages=stages)
+    assert plan.stages == (stages or 0) and plan.persist and plan.n_split == min(2 * persist, -(-m // block_m)) < plan.n_blocks
     args = make_inputs(m, n1, x2=x2, res=res, seed=m + n1 + 2)
     for shuffle, padding in ((True, True), (False, False)):
         out = fused_rms_mxfp4_quant_triton(**args, shuffle=shuffle, scale_shuffle_padding=padding, block_m=block_m,
-                                           run_tiles=True, run_warps=run_warps, persist=persist)
+                                           run_tiles=True, run_warps=run_warps, persist=persist, stages=stages)
         assert_matches_reference(out, reference(args, shuffle, padding), args)
     with pytest.raises(ValueError, match="persist needs run-major tiles"):
         fused_rms_mxfp4_quant_triton(**args, run_tiles=False, persist=1)

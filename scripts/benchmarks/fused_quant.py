@@ -79,6 +79,9 @@ TILE_ORDERS = {"blocks": dict(run_tiles=False), "runs": dict(run_tiles=True, w_e
                "runs1w+w": dict(run_tiles=True, run_warps=1, w_early=True),
                "runs+p4": dict(run_tiles=True, persist=4), "runs+p8": dict(run_tiles=True, persist=8),
                "runs1w+p8": dict(run_tiles=True, run_warps=1, persist=8),
+               "runs+p4s3": dict(run_tiles=True, persist=4, stages=3),
+               "runs1w+p8s3": dict(run_tiles=True, run_warps=1, persist=8, stages=3),
+               "runs1w+p4s3": dict(run_tiles=True, run_warps=1, persist=4, stages=3),
                "lanes": dict(lane_blocks=True), "lanes2w": dict(lane_blocks=True, run_warps=2),
                "lanes+u": dict(lane_blocks=True, unpack_late=True),
                "lanes2w+u": dict(lane_blocks=True, run_warps=2, unpack_late=True)}
