@@ -27,7 +27,8 @@ Layout of the work (one launch, no other kernel, no torch.fill):
   tiles below put a block's runs on different warps (17 at the input norm) and kept q_a on one
   warp for that reason. Persistent (``persist``: N programs a multiprocessor, each looping over
   row blocks pid, pid + n_split, ...): the weights are unpacked once a program, and each row
-  block's loads are issued one block before it is worked on.
+  block's loads are issued one block before it is worked on (in registers), or, with ``stages``,
+  by Triton's pipeliner (``cp.async`` into shared memory, ``stages - 1`` blocks ahead).
 * programs ``[0, n_split)`` otherwise: ``BLOCK_M`` rows of x1 each, the whole row in registers. The row's
   32-element blocks are split into <= 3 power-of-two tiles (224 = 128 + 64 + 32 for N1 = 7168,
   48 = 32 + 16 for 1536), each held as ``[BLOCK_M, T, 4, 4]`` element *pairs*: bf16 pairs are
@@ -658,7 +659,8 @@ def fused_rms_mxfp4_quant_triton(
     run-major tiles) / ``run_warps`` (warps a row of run-major tiles takes: fewer hold more of the
     row per thread) / ``w_early`` (run-major: the norm weights loaded with the rows, not after the
     sum) / ``persist`` (run-major: that many row programs a multiprocessor, each looping over row
-    blocks with the weights held and the next block prefetched) / ``lane_blocks`` (each block's 32
+    blocks with the weights held and the next block prefetched; ``stages``: one row block an
+    iteration, Triton's pipeliner prefetching ``stages - 1`` blocks into shared memory) / ``lane_blocks`` (each block's 32
     values in one thread: q_a-sized rows; ``unpack_late``: without a residual, the rows unpacked
     again for the quant) override the launch plan (benchmarks and tests only).
     Inputs must have a unit last stride (the public wrapper makes sure of it).
