@@ -362,7 +362,7 @@ def test_persistent_run_major_programs_match_torch_reference(m, n1, x2, res, run
         out = fused_rms_mxfp4_quant_triton(**args, shuffle=shuffle, scale_shuffle_padding=padding, block_m=block_m,
                                            run_tiles=True, run_warps=run_warps, persist=persist, stages=stages)
         assert_matches_reference(out, reference(args, shuffle, padding), args)
-    with pytest.raises(ValueError, match="persist needs run-major tiles"):
+    with pytest.raises(ValueError, match="persist needs run-major tiles or lane blocks"):
         fused_rms_mxfp4_quant_triton(**args, run_tiles=False, persist=1)
 
 
@@ -397,6 +397,26 @@ def test_lane_block_tiles_are_refused_where_they_do_not_fit():
         fused_rms_mxfp4_quant_triton(**args, lane_blocks=True, run_tiles=True)
     with pytest.raises(ValueError, match="at most 16 warps"):
         fused_rms_mxfp4_quant_triton(**args, lane_blocks=True, run_warps=32)
+
+
+# Persistent lane-block programs (interpreter: 2 "multiprocessors" x persist programs) loop over the
+# row blocks, Triton's pipeliner prefetching on a GPU: every row written once, rows past M (row M - 1
+# read in their place) never stored, the scale pad rows still filled.
+@pytest.mark.parametrize("m,n1,x2,res,unpack_late,persist,stages", [(37, 1536, True, False, True, 1, 3),
+                                                                    (70, 512, True, True, False, 2, 2),
+                                                                    (5, 1024, False, False, False, 1, None)])
+def test_persistent_lane_block_programs_match_torch_reference(m, n1, x2, res, unpack_late, persist, stages):
+    from layouts._triton_fused_quant import _plan, fused_rms_mxfp4_quant_triton
+
+    plan = _plan(m, n1, 512 if x2 else 0, True, not res, False, 0, None, None, all_paired=True, lanes=32,
+                 lane_blocks=True, persist=persist, stages=stages)
+    assert plan.lane_blocks and plan.persist and plan.stages == (stages or 0)
+    assert plan.n_split == min(2 * persist, plan.n_blocks) and (plan.n_split < plan.n_blocks or m == 5)
+    args = make_inputs(m, n1, x2=x2, res=res, seed=m + n1 + 3)
+    for shuffle, padding in ((True, True), (False, False)):
+        out = fused_rms_mxfp4_quant_triton(**args, shuffle=shuffle, scale_shuffle_padding=padding, lane_blocks=True,
+                                           unpack_late=unpack_late, persist=persist, stages=stages)
+        assert_matches_reference(out, reference(args, shuffle, padding), args)
 
 
 def test_run_major_tiles_are_refused_where_they_do_not_fit():

@@ -79,12 +79,14 @@ TILE_ORDERS = {"blocks": dict(run_tiles=False), "runs": dict(run_tiles=True, w_e
                "runs1w+w": dict(run_tiles=True, run_warps=1, w_early=True),
                "runs+p4": dict(run_tiles=True, persist=4), "runs+p8": dict(run_tiles=True, persist=8),
                "runs1w+p8": dict(run_tiles=True, run_warps=1, persist=8),
-               "runs+p4s3": dict(run_tiles=True, persist=4, stages=3),
+               "runs+p8s3": dict(run_tiles=True, persist=8, stages=3),
                "runs1w+p8s3": dict(run_tiles=True, run_warps=1, persist=8, stages=3),
-               "runs1w+p4s3": dict(run_tiles=True, run_warps=1, persist=4, stages=3),
+               "runs1w+p12s2": dict(run_tiles=True, run_warps=1, persist=12, stages=2),
                "lanes": dict(lane_blocks=True), "lanes2w": dict(lane_blocks=True, run_warps=2),
                "lanes+u": dict(lane_blocks=True, unpack_late=True),
-               "lanes2w+u": dict(lane_blocks=True, run_warps=2, unpack_late=True)}
+               "lanes2w+u": dict(lane_blocks=True, run_warps=2, unpack_late=True),
+               "lanes+u+p8s2": dict(lane_blocks=True, unpack_late=True, persist=8, stages=2),
+               "lanes+u+p12s2": dict(lane_blocks=True, unpack_late=True, persist=12, stages=2)}
 
 
 def _tile_orders(names: str) -> dict:
@@ -409,12 +411,13 @@ def sass_counts(ms: list[int]) -> None:
                     ended = op == "EXIT" and not pred
                     if target and int(target.group(1), 16) < int(addr, 16):  # a persistent program's row loop
                         loop = (int(target.group(1), 16), int(addr, 16))
-            if loop:  # two row blocks an iteration (see the kernel)
+            # A persistent loop does two row blocks an iteration, one with `stages` (see the kernel).
+            per = (1 if plan.get("stages") else 2) if loop else 1
+            if loop:
                 ops = [(a, o) for a, o in ops if loop[0] <= a <= loop[1]]
-                where = f"{len(ops) / 2:.0f} instructions a lane a row block in the row loop"
+                where = f"{len(ops) / per:.0f} instructions a lane a row block in the row loop"
             else:
                 where = f"{len(ops)} instructions a lane in the row program"
-            per = 2 if loop else 1
             top = [(o, c // per) for o, c in collections.Counter(o.split(".")[0] for _, o in ops).most_common(8)]
             print(f"{site} M={m}{' ' + order if order else ''}: {regs.group(1) if regs else '?'} registers, "
                   f"{where} ({total} in the kernel): " + ", ".join(f"{o} {c}" for o, c in top))
