@@ -20,7 +20,8 @@ arithmetic adds. Candidates, each a CUDA graph, medians (baseline: the copy):
 ``bytes`` and ``bytes-lanes`` write the same bytes (checked against torch before timing), so
 their difference is the load pattern's. The norm weights (L2 hits in the kernel) are not read. ``--only NAME`` runs one candidate a few times and exits, untimed: a
 target for Nsight Compute (``ncu --clock-control none -k regex:_bytes python3 scripts/bench.py
-fused-quant-bytes --only bytes-lanes --ms 4096``; ``-k regex:_fused_rms`` for ours).
+fused-quant-bytes --only bytes-lanes --ms 4096``; ``-k regex:_fused_rms`` for ours, or for the fused
+kernel with any row layout of ``fused-quant --tile-orders``: ``--only lanes+u``).
 
 Example:
     python scripts/bench.py fused-quant-bytes --ms 1024,4096,16384
@@ -30,6 +31,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import functools
 
 import torch
 import triton
@@ -41,6 +43,7 @@ from .common import cuda_timing
 from .common.args import add_cpu_smoke, add_ms, require_compiled_triton
 from .common.fused_sites import copy_fns, make_inputs
 from .common.table import Table
+from .fused_quant import TILE_ORDERS
 
 N1, N2 = 1536, 512  # q_a + kv_a
 BLOCKS = N1 // 32  # 48 blocks of 16 int32 pairs
@@ -50,8 +53,9 @@ CANDIDATES = ("ours", "runs1w", "bytes", "bytes-lanes", "bytes-no-scales", "copy
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     add_ms(ap, "1024,4096,16384")
-    ap.add_argument("--only", choices=CANDIDATES[:-1], default=None,
-                    help="run this candidate a few times at each --ms and exit, untimed (a target for ncu)")
+    ap.add_argument("--only", choices=[*CANDIDATES[:-1], *TILE_ORDERS], default=None, metavar="NAME",
+                    help="run this candidate (or the fused kernel with a row layout of fused-quant's "
+                         "--tile-orders) a few times at each --ms and exit, untimed: a target for ncu")
     add_cpu_smoke(ap)
 
 
@@ -181,8 +185,9 @@ def run(args: argparse.Namespace) -> None:
                "bytes-no-scales": bytes_fn(m, device, False, scales=False)[0],
                **({} if args.only else {f"copy {k}": f for k, f in copy_fns(op_bytes(m), device).items()})}
         if args.only:
+            fn = fns.get(args.only) or functools.partial(fused_rms_mxfp4_quant_triton, **fused, **TILE_ORDERS[args.only])
             for _ in range(6):
-                fns[args.only]()
+                fn()
             if not args.cpu_smoke:
                 torch.cuda.synchronize()
             print(f"ran {args.only} 6 times at M = {m}")
