@@ -70,12 +70,7 @@ import triton.language as tl
 
 from ._triton_fused_quant_tiles import (
     E8M0_PAD,
-    _add2,
-    _lb_fetch,
-    _lb_quant,
-    _lb_sum,
-    _lb_x2_store,
-    _lb_unpack_late,
+    _lb_row_block,
     _run_fetch_rows,
     _run_rows,
     _run_weight,
@@ -92,81 +87,6 @@ from ._triton_fused_quant_tiles import (
 )
 
 _FILL_BLOCK = 4096
-
-
-@triton.jit
-def _lb_row_block(x1_ptr, w1_ptr, res1_ptr, out_res1_ptr, q_ptr, scale_ptr, x2_ptr, w2_ptr, out2_ptr, rows, M,
-                  x1_stride, res1_stride, x2_stride, eps1, eps2, N1: tl.constexpr, N2: tl.constexpr,
-                  SCALE_COLS_PAD: tl.constexpr, T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr,
-                  BLOCK_M: tl.constexpr, HAS_RES: tl.constexpr, HAS_X2: tl.constexpr, SHUFFLE: tl.constexpr,
-                  PAD: tl.constexpr, PTX: tl.constexpr, LB_UNPACK_LATE: tl.constexpr):
-    """Row block ``rows`` as 1-3 lane-block tiles of T0 blocks (and x2 as one more): every load
-    first, the tiles' sums added in registers and reduced once (x1's and x2's together), then each
-    tile's quant and x2's norm."""
-    row_ok = rows < M
-    rows64 = rows.to(tl.int64)
-    ld64 = tl.minimum(rows, M - 1).to(tl.int64)[:, None, None]  # rows >= M read row M - 1
-    x_rows = x1_ptr + ld64 * x1_stride
-    r_rows = res1_ptr + ld64 * res1_stride if HAS_RES else res1_ptr
-    o_rows = out_res1_ptr + (rows64 * (N1 // 2))[:, None, None] if HAS_RES else out_res1_ptr
-    q_rows = q_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + (rows64 * (N1 // 8))[:, None, None]
-    L: tl.constexpr = T0
-    a00, a01, a02, a03 = _lb_fetch(x_rows, 0, L)
-    b00, b01, b02, b03 = a00, a01, a02, a03
-    if HAS_RES:
-        b00, b01, b02, b03 = _lb_fetch(r_rows, 0, L)
-    if T1 > 0:
-        a10, a11, a12, a13 = _lb_fetch(x_rows, L, L)
-        b10, b11, b12, b13 = a10, a11, a12, a13
-        if HAS_RES:
-            b10, b11, b12, b13 = _lb_fetch(r_rows, L, L)
-    if T2 > 0:
-        a20, a21, a22, a23 = _lb_fetch(x_rows, 2 * L, L)
-        b20, b21, b22, b23 = a20, a21, a22, a23
-        if HAS_RES:
-            b20, b21, b22, b23 = _lb_fetch(r_rows, 2 * L, L)
-    if HAS_X2:
-        c0, c1, c2, c3 = _lb_fetch(x2_ptr + ld64 * x2_stride, 0, L)
-    acc = tl.zeros((BLOCK_M, L), tl.float32)
-    e00, o00, e01, o01, e02, o02, e03, o03, acc = _lb_sum(a00, a01, a02, a03, b00, b01, b02, b03, o_rows,
-                                                           row_ok, 0, L, acc, HAS_RES, PTX)
-    if T1 > 0:
-        e10, o10, e11, o11, e12, o12, e13, o13, acc = _lb_sum(a10, a11, a12, a13, b10, b11, b12, b13, o_rows,
-                                                               row_ok, L, L, acc, HAS_RES, PTX)
-    if T2 > 0:
-        e20, o20, e21, o21, e22, o22, e23, o23, acc = _lb_sum(a20, a21, a22, a23, b20, b21, b22, b23, o_rows,
-                                                               row_ok, 2 * L, L, acc, HAS_RES, PTX)
-    if HAS_X2:
-        z2 = tl.zeros((BLOCK_M, L), tl.float32)
-        f0, g0, f1, g1, f2, g2, f3, g3, acc2 = _lb_sum(c0, c1, c2, c3, c0, c1, c2, c3, o_rows, row_ok, 0, L,
-                                                       z2, False, PTX)
-        ss, s2 = tl.reduce((acc, acc2), 1, _add2)
-    else:
-        ss = tl.sum(acc, axis=1)
-    rstd = _rstd(ss, N1, eps1)
-    if LB_UNPACK_LATE and not HAS_RES:
-        # The rows unpacked again for the quant, not kept as float32 since the sum: 128
-        # registers instead of 167 at q_a on one warp, ~6 % more instructions.
-        e00, o00, e01, o01, e02, o02, e03, o03 = _lb_unpack_late(a00, a01, a02, a03, PTX)
-        if T1 > 0:
-            e10, o10, e11, o11, e12, o12, e13, o13 = _lb_unpack_late(a10, a11, a12, a13, PTX)
-        if T2 > 0:
-            e20, o20, e21, o21, e22, o22, e23, o23 = _lb_unpack_late(a20, a21, a22, a23, PTX)
-    _lb_quant(e00, o00, e01, o01, e02, o02, e03, o03, rstd, w1_ptr, rows, row_ok, q_rows, scale_ptr, 0, L,
-              SCALE_COLS_PAD, SHUFFLE, PAD, PTX)
-    if T1 > 0:
-        _lb_quant(e10, o10, e11, o11, e12, o12, e13, o13, rstd, w1_ptr, rows, row_ok, q_rows, scale_ptr, L, L,
-                  SCALE_COLS_PAD, SHUFFLE, PAD, PTX)
-    if T2 > 0:
-        _lb_quant(e20, o20, e21, o21, e22, o22, e23, o23, rstd, w1_ptr, rows, row_ok, q_rows, scale_ptr, 2 * L,
-                  L, SCALE_COLS_PAD, SHUFFLE, PAD, PTX)
-    if HAS_X2:
-        r3 = _rstd(s2, N2, eps2)[:, None, None]
-        out2_rows = out2_ptr + (rows64 * (N2 // 2))[:, None, None]
-        _lb_x2_store(f0, g0, r3, w2_ptr, out2_rows, row_ok, L, 0, PTX)
-        _lb_x2_store(f1, g1, r3, w2_ptr, out2_rows, row_ok, L, 1, PTX)
-        _lb_x2_store(f2, g2, r3, w2_ptr, out2_rows, row_ok, L, 2, PTX)
-        _lb_x2_store(f3, g3, r3, w2_ptr, out2_rows, row_ok, L, 3, PTX)
 
 
 @triton.jit
@@ -223,14 +143,10 @@ def _fused_rms_mxfp4_kernel(
             if HAS_X2:
                 w2e, w2o = _unpack(_run_weight(w2_ptr, 0, N2 // 32))
         if PERSIST:
-            # Two row blocks an iteration, each fetched one block ahead of its use: block A (carried
-            # from the last iteration) is worked on while B's loads are in flight, then A's next
-            # while B is. Swapping one carried set of tiles instead cost a move a register (~45
-            # instructions a lane a row at q_a on one warp).
-            step = n_split * BLOCK_M
             if STAGES > 0:
                 # One row block an iteration; Triton's pipeliner prefetches the next STAGES - 1
-                # blocks' tiles into shared memory (cp.async), not into registers.
+                # blocks' tiles into shared memory (cp.async), not into registers (the fetch of
+                # block pid above goes unused: the compiler drops it).
                 for blk_j in tl.range(pid, n_blocks, n_split, num_stages=STAGES):
                     rows = blk_j * BLOCK_M + tl.arange(0, BLOCK_M)
                     xc0, rc0, xc1, rc1, xc2, rc2, x2c = _run_fetch_rows(
@@ -239,22 +155,28 @@ def _fused_rms_mxfp4_kernel(
                     _run_rows(xc0, rc0, xc1, rc1, xc2, rc2, x2c, we0, wo0, we1, wo1, we2, wo2, w2e, w2o,
                               w1_ptr, w2_ptr, rows, M, out_res1_ptr, q_ptr, scale_ptr, out2_ptr, eps1, eps2,
                               N1, N2, T0, T1, T2, FOLD, SCALE_COLS_PAD, HAS_RES, HAS_X2, SHUFFLE, PAD, PTX, True)
-            for blk_i in range(pid, n_blocks if STAGES == 0 else 0, 2 * n_split):
-                rows = blk_i * BLOCK_M + tl.arange(0, BLOCK_M)
-                xb0, rb0, xb1, rb1, xb2, rb2, x2b = _run_fetch_rows(
-                    x1_ptr, res1_ptr, x2_ptr, rows + step, M, x1_stride, res1_stride, x2_stride,
-                    T0, T1, T2, N2, HAS_RES, HAS_X2)
-                _run_rows(xa0, ra0, xa1, ra1, xa2, ra2, x2a, we0, wo0, we1, wo1, we2, wo2, w2e, w2o,
-                          w1_ptr, w2_ptr, rows, M, out_res1_ptr, q_ptr, scale_ptr, out2_ptr, eps1, eps2,
-                          N1, N2, T0, T1, T2, FOLD, SCALE_COLS_PAD, HAS_RES, HAS_X2, SHUFFLE, PAD, PTX, True)
-                xa0, ra0, xa1, ra1, xa2, ra2, x2a = _run_fetch_rows(
-                    x1_ptr, res1_ptr, x2_ptr, rows + 2 * step, M, x1_stride, res1_stride, x2_stride,
-                    T0, T1, T2, N2, HAS_RES, HAS_X2)
-                if blk_i + n_split < n_blocks:
-                    _run_rows(xb0, rb0, xb1, rb1, xb2, rb2, x2b, we0, wo0, we1, wo1, we2, wo2, w2e, w2o,
-                              w1_ptr, w2_ptr, rows + step, M, out_res1_ptr, q_ptr, scale_ptr, out2_ptr, eps1,
-                              eps2, N1, N2, T0, T1, T2, FOLD, SCALE_COLS_PAD, HAS_RES, HAS_X2, SHUFFLE, PAD, PTX,
-                              True)
+            else:
+                # Two row blocks an iteration, each fetched one block ahead of its use: block A
+                # (carried from the last iteration) is worked on while B's loads are in flight, then
+                # A's next while B is. Swapping one carried set of tiles instead cost a move a
+                # register (~45 instructions a lane a row at q_a on one warp).
+                step = n_split * BLOCK_M
+                for blk_i in range(pid, n_blocks, 2 * n_split):
+                    rows = blk_i * BLOCK_M + tl.arange(0, BLOCK_M)
+                    xb0, rb0, xb1, rb1, xb2, rb2, x2b = _run_fetch_rows(
+                        x1_ptr, res1_ptr, x2_ptr, rows + step, M, x1_stride, res1_stride, x2_stride,
+                        T0, T1, T2, N2, HAS_RES, HAS_X2)
+                    _run_rows(xa0, ra0, xa1, ra1, xa2, ra2, x2a, we0, wo0, we1, wo1, we2, wo2, w2e, w2o,
+                              w1_ptr, w2_ptr, rows, M, out_res1_ptr, q_ptr, scale_ptr, out2_ptr, eps1, eps2,
+                              N1, N2, T0, T1, T2, FOLD, SCALE_COLS_PAD, HAS_RES, HAS_X2, SHUFFLE, PAD, PTX, True)
+                    xa0, ra0, xa1, ra1, xa2, ra2, x2a = _run_fetch_rows(
+                        x1_ptr, res1_ptr, x2_ptr, rows + 2 * step, M, x1_stride, res1_stride, x2_stride,
+                        T0, T1, T2, N2, HAS_RES, HAS_X2)
+                    if blk_i + n_split < n_blocks:
+                        _run_rows(xb0, rb0, xb1, rb1, xb2, rb2, x2b, we0, wo0, we1, wo1, we2, wo2, w2e, w2o,
+                                  w1_ptr, w2_ptr, rows + step, M, out_res1_ptr, q_ptr, scale_ptr, out2_ptr, eps1,
+                                  eps2, N1, N2, T0, T1, T2, FOLD, SCALE_COLS_PAD, HAS_RES, HAS_X2, SHUFFLE, PAD, PTX,
+                                  True)
         else:
             _run_rows(xa0, ra0, xa1, ra1, xa2, ra2, x2a, we0, wo0, we1, wo1, we2, wo2, w2e, w2o,
                       w1_ptr, w2_ptr, rows, M, out_res1_ptr, q_ptr, scale_ptr, out2_ptr, eps1, eps2,
@@ -568,6 +490,8 @@ def _plan(m: int, n1: int, n2: int, padded: bool, raw: bool, on_gpu: bool, sms: 
             raise ValueError(f"lane_blocks takes at most {32 * lb // lanes} warps a program, got {warps}")
         tiles = (lb, lb if cols >= 2 * lb else 0, lb if cols >= 3 * lb else 0)
         x2_main = bool(n2)
+    if stages is not None and (persist is None or stages < 1):
+        raise ValueError(f"stages needs persist and >= 1 stage, got stages={stages}, persist={persist}")
     if persist is not None and (not (run_tiles or lane_blocks) or persist < 1):
         raise ValueError(f"persist needs run-major tiles or lane blocks and >= 1 program per multiprocessor, "
                          f"got {persist}")
@@ -590,7 +514,7 @@ def _plan(m: int, n1: int, n2: int, padded: bool, raw: bool, on_gpu: bool, sms: 
     grid = (n_main + n_x2 + n_fill,)
     return Plan(grid, rows_pad, cols, cols_pad, tiles, bm, bm2, nb2, warps, n_split, n_main, n_x2, fill_start,
                 fill_end, nsplit, ts, x2_main, flat_sum, run_tiles, fold, w_early, real_blocks, bool(persist),
-                bool(lane_blocks), bool(lane_blocks and unpack_late), int(stages or 0) if persist else 0)
+                bool(lane_blocks), bool(lane_blocks and unpack_late), stages or 0)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -650,6 +650,81 @@ def _lb_unpack_late(a0, a1, a2, a3, PTX: tl.constexpr):
 
 
 @triton.jit
+def _lb_row_block(x1_ptr, w1_ptr, res1_ptr, out_res1_ptr, q_ptr, scale_ptr, x2_ptr, w2_ptr, out2_ptr, rows, M,
+                  x1_stride, res1_stride, x2_stride, eps1, eps2, N1: tl.constexpr, N2: tl.constexpr,
+                  SCALE_COLS_PAD: tl.constexpr, T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr,
+                  BLOCK_M: tl.constexpr, HAS_RES: tl.constexpr, HAS_X2: tl.constexpr, SHUFFLE: tl.constexpr,
+                  PAD: tl.constexpr, PTX: tl.constexpr, LB_UNPACK_LATE: tl.constexpr):
+    """Row block ``rows`` as 1-3 lane-block tiles of T0 blocks (and x2 as one more): every load
+    first, the tiles' sums added in registers and reduced once (x1's and x2's together), then each
+    tile's quant and x2's norm."""
+    row_ok = rows < M
+    rows64 = rows.to(tl.int64)
+    ld64 = tl.minimum(rows, M - 1).to(tl.int64)[:, None, None]  # rows >= M read row M - 1
+    x_rows = x1_ptr + ld64 * x1_stride
+    r_rows = res1_ptr + ld64 * res1_stride if HAS_RES else res1_ptr
+    o_rows = out_res1_ptr + (rows64 * (N1 // 2))[:, None, None] if HAS_RES else out_res1_ptr
+    q_rows = q_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + (rows64 * (N1 // 8))[:, None, None]
+    L: tl.constexpr = T0
+    a00, a01, a02, a03 = _lb_fetch(x_rows, 0, L)
+    b00, b01, b02, b03 = a00, a01, a02, a03
+    if HAS_RES:
+        b00, b01, b02, b03 = _lb_fetch(r_rows, 0, L)
+    if T1 > 0:
+        a10, a11, a12, a13 = _lb_fetch(x_rows, L, L)
+        b10, b11, b12, b13 = a10, a11, a12, a13
+        if HAS_RES:
+            b10, b11, b12, b13 = _lb_fetch(r_rows, L, L)
+    if T2 > 0:
+        a20, a21, a22, a23 = _lb_fetch(x_rows, 2 * L, L)
+        b20, b21, b22, b23 = a20, a21, a22, a23
+        if HAS_RES:
+            b20, b21, b22, b23 = _lb_fetch(r_rows, 2 * L, L)
+    if HAS_X2:
+        c0, c1, c2, c3 = _lb_fetch(x2_ptr + ld64 * x2_stride, 0, L)
+    acc = tl.zeros((BLOCK_M, L), tl.float32)
+    e00, o00, e01, o01, e02, o02, e03, o03, acc = _lb_sum(a00, a01, a02, a03, b00, b01, b02, b03, o_rows,
+                                                           row_ok, 0, L, acc, HAS_RES, PTX)
+    if T1 > 0:
+        e10, o10, e11, o11, e12, o12, e13, o13, acc = _lb_sum(a10, a11, a12, a13, b10, b11, b12, b13, o_rows,
+                                                               row_ok, L, L, acc, HAS_RES, PTX)
+    if T2 > 0:
+        e20, o20, e21, o21, e22, o22, e23, o23, acc = _lb_sum(a20, a21, a22, a23, b20, b21, b22, b23, o_rows,
+                                                               row_ok, 2 * L, L, acc, HAS_RES, PTX)
+    if HAS_X2:
+        z2 = tl.zeros((BLOCK_M, L), tl.float32)
+        f0, g0, f1, g1, f2, g2, f3, g3, acc2 = _lb_sum(c0, c1, c2, c3, c0, c1, c2, c3, o_rows, row_ok, 0, L,
+                                                       z2, False, PTX)
+        ss, s2 = tl.reduce((acc, acc2), 1, _add2)
+    else:
+        ss = tl.sum(acc, axis=1)
+    rstd = _rstd(ss, N1, eps1)
+    if LB_UNPACK_LATE and not HAS_RES:
+        # The rows unpacked again for the quant, not kept as float32 since the sum: 128
+        # registers instead of 167 at q_a on one warp, ~6 % more instructions.
+        e00, o00, e01, o01, e02, o02, e03, o03 = _lb_unpack_late(a00, a01, a02, a03, PTX)
+        if T1 > 0:
+            e10, o10, e11, o11, e12, o12, e13, o13 = _lb_unpack_late(a10, a11, a12, a13, PTX)
+        if T2 > 0:
+            e20, o20, e21, o21, e22, o22, e23, o23 = _lb_unpack_late(a20, a21, a22, a23, PTX)
+    _lb_quant(e00, o00, e01, o01, e02, o02, e03, o03, rstd, w1_ptr, rows, row_ok, q_rows, scale_ptr, 0, L,
+              SCALE_COLS_PAD, SHUFFLE, PAD, PTX)
+    if T1 > 0:
+        _lb_quant(e10, o10, e11, o11, e12, o12, e13, o13, rstd, w1_ptr, rows, row_ok, q_rows, scale_ptr, L, L,
+                  SCALE_COLS_PAD, SHUFFLE, PAD, PTX)
+    if T2 > 0:
+        _lb_quant(e20, o20, e21, o21, e22, o22, e23, o23, rstd, w1_ptr, rows, row_ok, q_rows, scale_ptr, 2 * L,
+                  L, SCALE_COLS_PAD, SHUFFLE, PAD, PTX)
+    if HAS_X2:
+        r3 = _rstd(s2, N2, eps2)[:, None, None]
+        out2_rows = out2_ptr + (rows64 * (N2 // 2))[:, None, None]
+        _lb_x2_store(f0, g0, r3, w2_ptr, out2_rows, row_ok, L, 0, PTX)
+        _lb_x2_store(f1, g1, r3, w2_ptr, out2_rows, row_ok, L, 1, PTX)
+        _lb_x2_store(f2, g2, r3, w2_ptr, out2_rows, row_ok, L, 2, PTX)
+        _lb_x2_store(f3, g3, r3, w2_ptr, out2_rows, row_ok, L, 3, PTX)
+
+
+@triton.jit
 def _unpack_late(v, PTX: tl.constexpr):
     """_unpack by byte permutes (a different instruction, so the compiler cannot merge it with the
     sum's unpacking and keep the float32 values alive in between)."""

@@ -364,6 +364,8 @@ def test_persistent_run_major_programs_match_torch_reference(m, n1, x2, res, run
         assert_matches_reference(out, reference(args, shuffle, padding), args)
     with pytest.raises(ValueError, match="persist needs run-major tiles or lane blocks"):
         fused_rms_mxfp4_quant_triton(**args, run_tiles=False, persist=1)
+    with pytest.raises(ValueError, match="stages needs persist"):
+        fused_rms_mxfp4_quant_triton(**args, run_tiles=True, stages=2)
 
 
 # Lane blocks (a block's 32 values in one thread, its runs loaded as four tensors; rows of 1-3
