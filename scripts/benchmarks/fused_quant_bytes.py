@@ -114,7 +114,7 @@ def _bytes_rows(x1_ptr, x2_ptr, q_ptr, s_ptr, o2_ptr, M, N1: tl.constexpr, N2: t
 
 
 def bytes_fn(m: int, device: str, lanes: bool, scales: bool = True):
-    """The skeleton on fresh inputs: returns (call, its outputs (q, scale, out2))."""
+    """The skeleton on fresh inputs: returns (call, its outputs (q, scale, out2), its inputs (x1, x2))."""
     g = torch.Generator(device=device).manual_seed(m)
     x1 = torch.randint(-2**31, 2**31 - 1, (m, N1 // 2), dtype=torch.int32, device=device, generator=g)
     x2 = torch.randint(-2**31, 2**31 - 1, (m, N2 // 2), dtype=torch.int32, device=device, generator=g)
@@ -124,8 +124,8 @@ def bytes_fn(m: int, device: str, lanes: bool, scales: bool = True):
     bm = 2 if lanes else 1  # lane blocks: 16 blocks a row on 32 lanes
 
     def call():
-        _bytes_rows[(-(-m // bm),)](x1, x2, q, s, o2, m, N1=N1, N2=N2, BLOCK_M=bm, LANES=lanes, SCALES=scales, SCP=SCALE_COLS_PAD,
-                               num_warps=1)
+        _bytes_rows[(-(-m // bm),)](x1, x2, q, s, o2, m, N1=N1, N2=N2, BLOCK_M=bm, LANES=lanes, SCALES=scales,
+                                    SCP=SCALE_COLS_PAD, num_warps=1)
     return call, (q, s, o2), (x1, x2)
 
 
@@ -185,7 +185,8 @@ def run(args: argparse.Namespace) -> None:
                "bytes-no-scales": bytes_fn(m, device, False, scales=False)[0],
                **({} if args.only else {f"copy {k}": f for k, f in copy_fns(op_bytes(m), device).items()})}
         if args.only:
-            fn = fns.get(args.only) or functools.partial(fused_rms_mxfp4_quant_triton, **fused, **TILE_ORDERS[args.only])
+            fn = fns.get(args.only) or functools.partial(fused_rms_mxfp4_quant_triton, **fused,
+                                                         **TILE_ORDERS[args.only])
             for _ in range(6):
                 fn()
             if not args.cpu_smoke:
