@@ -605,9 +605,10 @@ def fused_rms_mxfp4_quant_triton(
     row per thread) / ``w_early`` (run-major: the norm weights loaded with the rows, not after the
     sum) / ``persist`` (run-major: that many row programs a multiprocessor, each looping over row
     blocks with the weights held and the next block prefetched; ``stages``: one row block an
-    iteration, Triton's pipeliner prefetching ``stages - 1`` blocks into shared memory) / ``lane_blocks`` (each block's 32
-    values in one thread: q_a-sized rows; ``unpack_late``: without a residual, the rows unpacked
-    again for the quant) override the launch plan (benchmarks and tests only).
+    iteration, Triton's pipeliner prefetching ``stages - 1`` blocks into shared memory) /
+    ``lane_blocks`` (each block's 32 values in one thread: q_a-sized rows; ``unpack_late``: without
+    a residual, the rows unpacked again for the quant) override the launch plan (benchmarks and
+    tests only).
     Inputs must have a unit last stride (the public wrapper makes sure of it).
     """
     m, n1 = x1.shape

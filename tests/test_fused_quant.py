@@ -356,7 +356,8 @@ def test_persistent_run_major_programs_match_torch_reference(m, n1, x2, res, run
 
     plan = _plan(m, n1, 512 if x2 else 0, True, not res, False, 0, block_m, None, all_paired=True, run_tiles=True,
                  run_warps=run_warps, persist=persist, stages=stages)
-    assert plan.stages == (stages or 0) and plan.persist and plan.n_split == min(2 * persist, -(-m // block_m)) < plan.n_blocks
+    assert plan.stages == (stages or 0) and plan.persist
+    assert plan.n_split == min(2 * persist, -(-m // block_m)) < plan.n_blocks
     args = make_inputs(m, n1, x2=x2, res=res, seed=m + n1 + 2)
     for shuffle, padding in ((True, True), (False, False)):
         out = fused_rms_mxfp4_quant_triton(**args, shuffle=shuffle, scale_shuffle_padding=padding, block_m=block_m,

@@ -18,10 +18,11 @@ arithmetic adds. Candidates, each a CUDA graph, medians (baseline: the copy):
                plain Triton copy kernel.
 
 ``bytes`` and ``bytes-lanes`` write the same bytes (checked against torch before timing), so
-their difference is the load pattern's. The norm weights (L2 hits in the kernel) are not read. ``--only NAME`` runs one candidate a few times and exits, untimed: a
-target for Nsight Compute (``ncu --clock-control none -k regex:_bytes python3 scripts/bench.py
-fused-quant-bytes --only bytes-lanes --ms 4096``; ``-k regex:_fused_rms`` for ours, or for the fused
-kernel with any row layout of ``fused-quant --tile-orders``: ``--only lanes+u``).
+their difference is the load pattern's. The norm weights (L2 hits in the kernel) are not read.
+``--only NAME`` runs one candidate a few times and exits, untimed: a target for Nsight Compute
+(``ncu --clock-control none -k regex:_bytes python3 scripts/bench.py fused-quant-bytes --only
+bytes-lanes --ms 4096``; ``-k regex:_fused_rms`` for ours, or for the fused kernel with any row
+layout of ``fused-quant --tile-orders``: ``--only lanes+u``).
 
 Example:
     python scripts/bench.py fused-quant-bytes --ms 1024,4096,16384
