@@ -132,9 +132,10 @@ def _fused_rms_mxfp4_kernel(
                                                            res1_stride, x2_stride, T0, T1, T2, N2, HAS_RES,
                                                            HAS_X2)
         we0, wo0, we1, wo1, we2, wo2, w2e, w2o = rows, rows, rows, rows, rows, rows, rows, rows  # unused
-        if W_EARLY or PERSIST:
+        if W_EARLY or (PERSIST and STAGES == 0):
             # The weights' loads go out with the rows' (L2 hits, but each load after the norm is
-            # one more round trip on the row's critical path).
+            # one more round trip on the row's critical path); persistent programs hold them
+            # (pipelined ones only with W_EARLY: the input norm's take 72 registers a thread).
             we0, wo0 = _unpack(_run_weight(w1_ptr, 0, T0))
             if T1 > 0:
                 we1, wo1 = _unpack(_run_weight(w1_ptr, T0, T1))
@@ -146,7 +147,8 @@ def _fused_rms_mxfp4_kernel(
             if STAGES > 0:
                 # One row block an iteration; Triton's pipeliner prefetches the next STAGES - 1
                 # blocks' tiles into shared memory (cp.async), not into registers (the fetch of
-                # block pid above goes unused: the compiler drops it).
+                # block pid above goes unused: the compiler drops it). The weights are held
+                # (W_EARLY) or loaded each block after its sum.
                 for blk_j in tl.range(pid, n_blocks, n_split, num_stages=STAGES):
                     rows = blk_j * BLOCK_M + tl.arange(0, BLOCK_M)
                     xc0, rc0, xc1, rc1, xc2, rc2, x2c = _run_fetch_rows(
@@ -154,7 +156,8 @@ def _fused_rms_mxfp4_kernel(
                         T0, T1, T2, N2, HAS_RES, HAS_X2)
                     _run_rows(xc0, rc0, xc1, rc1, xc2, rc2, x2c, we0, wo0, we1, wo1, we2, wo2, w2e, w2o,
                               w1_ptr, w2_ptr, rows, M, out_res1_ptr, q_ptr, scale_ptr, out2_ptr, eps1, eps2,
-                              N1, N2, T0, T1, T2, FOLD, SCALE_COLS_PAD, HAS_RES, HAS_X2, SHUFFLE, PAD, PTX, True)
+                              N1, N2, T0, T1, T2, FOLD, SCALE_COLS_PAD, HAS_RES, HAS_X2, SHUFFLE, PAD, PTX,
+                              W_EARLY)
             else:
                 # Two row blocks an iteration, each fetched one block ahead of its use: block A
                 # (carried from the last iteration) is worked on while B's loads are in flight, then
@@ -603,7 +606,7 @@ def fused_rms_mxfp4_quant_triton(
     the row programs) / ``flat_sum`` (split programs sum rows as one flat tile) / ``run_tiles`` (whole rows as
     run-major tiles) / ``run_warps`` (warps a row of run-major tiles takes: fewer hold more of the
     row per thread) / ``w_early`` (run-major: the norm weights loaded with the rows, not after the
-    sum) / ``persist`` (run-major: that many row programs a multiprocessor, each looping over row
+    sum; held across row blocks by pipelined persistent programs) / ``persist`` (run-major: that many row programs a multiprocessor, each looping over row
     blocks with the weights held and the next block prefetched; ``stages``: one row block an
     iteration, Triton's pipeliner prefetching ``stages - 1`` blocks into shared memory) /
     ``lane_blocks`` (each block's 32 values in one thread: q_a-sized rows; ``unpack_late``: without

@@ -345,7 +345,8 @@ def test_run_major_tiles_on_fewer_warps_or_with_early_weights_match_torch_refere
 # Persistent row programs (interpreter: 2 "multiprocessors" x persist programs) loop over the row
 # blocks with the next one's loads in flight: every row written once, the prefetches past M (which
 # read row M - 1) never stored, and the scale pad rows after the real ones still filled; with
-# `stages`, one row block an iteration, Triton's pipeliner doing the prefetch (on a GPU).
+# `stages`, one row block an iteration, Triton's pipeliner doing the prefetch (on a GPU), the
+# weights held (w_early) or loaded each block.
 @pytest.mark.parametrize("m,n1,x2,res,run_warps,persist,block_m,stages", [(7, 1536, True, False, 1, 1, 1, None),
                                                                           (9, 512, True, True, None, 2, 2, None),
                                                                           (37, 7168, False, True, 2, 1, 4, None),
@@ -359,9 +360,11 @@ def test_persistent_run_major_programs_match_torch_reference(m, n1, x2, res, run
     assert plan.stages == (stages or 0) and plan.persist
     assert plan.n_split == min(2 * persist, -(-m // block_m)) < plan.n_blocks
     args = make_inputs(m, n1, x2=x2, res=res, seed=m + n1 + 2)
-    for shuffle, padding in ((True, True), (False, False)):
+    # pipelined programs hold the weights (w_early) or load them each row block
+    for (shuffle, padding), w_early in zip(((True, True), (False, False)), (False, True) if stages else (None, None)):
         out = fused_rms_mxfp4_quant_triton(**args, shuffle=shuffle, scale_shuffle_padding=padding, block_m=block_m,
-                                           run_tiles=True, run_warps=run_warps, persist=persist, stages=stages)
+                                           run_tiles=True, run_warps=run_warps, persist=persist, stages=stages,
+                                           w_early=w_early)
         assert_matches_reference(out, reference(args, shuffle, padding), args)
     with pytest.raises(ValueError, match="persist needs run-major tiles or lane blocks"):
         fused_rms_mxfp4_quant_triton(**args, run_tiles=False, persist=1)
