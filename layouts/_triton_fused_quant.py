@@ -26,9 +26,10 @@ Layout of the work (one launch, no other kernel, no torch.fill):
   tile of the same shape) cross warps once, together: 2 barriers a row, where the block-major
   tiles below put a block's runs on different warps (17 at the input norm) and kept q_a on one
   warp for that reason. Persistent (``persist``: N programs a multiprocessor, each looping over
-  row blocks pid, pid + n_split, ...): the weights are unpacked once a program, and each row
-  block's loads are issued one block before it is worked on (in registers), or, with ``stages``,
-  by Triton's pipeliner (``cp.async`` into shared memory, ``stages - 1`` blocks ahead).
+  row blocks pid, pid + n_split, ...): each row block's loads are issued one block before it is
+  worked on, in registers, with the weights unpacked once a program; or, with ``stages``, by
+  Triton's pipeliner (``cp.async`` into shared memory, ``stages - 1`` blocks ahead), the weights
+  held only with ``w_early``. Lane blocks (below) can be persistent the same way.
 * programs ``[0, n_split)`` otherwise: ``BLOCK_M`` rows of x1 each, the whole row in registers. The row's
   32-element blocks are split into <= 3 power-of-two tiles (224 = 128 + 64 + 32 for N1 = 7168,
   48 = 32 + 16 for 1536), each held as ``[BLOCK_M, T, 4, 4]`` element *pairs*: bf16 pairs are
@@ -125,8 +126,8 @@ def _fused_rms_mxfp4_kernel(
         # BLOCK_M whole rows as run-major tiles (T0 + T1 + T2 blocks, each a multiple of FOLD, the
         # blocks one layer of the program's lanes holds) and x2 (when HAS_X2, FOLD blocks wide) as
         # one more: every load first, then the rows' sums, norm and quant (_run_rows). Persistent
-        # (PERSIST): each program takes row blocks pid, pid + n_split, ... < n_blocks, with the
-        # weights unpacked once, and the next block's loads issued before this one is worked on.
+        # (PERSIST): each program takes row blocks pid, pid + n_split, ... < n_blocks, the next
+        # block's loads issued before this one is worked on (see the two loops below).
         rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
         xa0, ra0, xa1, ra1, xa2, ra2, x2a = _run_fetch_rows(x1_ptr, res1_ptr, x2_ptr, rows, M, x1_stride,
                                                            res1_stride, x2_stride, T0, T1, T2, N2, HAS_RES,
@@ -135,7 +136,8 @@ def _fused_rms_mxfp4_kernel(
         if W_EARLY or (PERSIST and STAGES == 0):
             # The weights' loads go out with the rows' (L2 hits, but each load after the norm is
             # one more round trip on the row's critical path); persistent programs hold them
-            # (pipelined ones only with W_EARLY: the input norm's take 72 registers a thread).
+            # (pipelined ones only with W_EARLY: held, the input norm's program takes 168
+            # registers a thread, 128 without, sm_90).
             we0, wo0 = _unpack(_run_weight(w1_ptr, 0, T0))
             if T1 > 0:
                 we1, wo1 = _unpack(_run_weight(w1_ptr, T0, T1))
@@ -606,9 +608,10 @@ def fused_rms_mxfp4_quant_triton(
     the row programs) / ``flat_sum`` (split programs sum rows as one flat tile) / ``run_tiles`` (whole rows as
     run-major tiles) / ``run_warps`` (warps a row of run-major tiles takes: fewer hold more of the
     row per thread) / ``w_early`` (run-major: the norm weights loaded with the rows, not after the
-    sum; held across row blocks by pipelined persistent programs) / ``persist`` (run-major: that many row programs a multiprocessor, each looping over row
-    blocks with the weights held and the next block prefetched; ``stages``: one row block an
-    iteration, Triton's pipeliner prefetching ``stages - 1`` blocks into shared memory) /
+    sum; held across row blocks by pipelined persistent programs) / ``persist`` (run-major or lane
+    blocks: that many row programs a multiprocessor, each looping over row blocks, the next block
+    prefetched; ``stages``: one row block an iteration, Triton's pipeliner prefetching ``stages -
+    1`` blocks into shared memory) /
     ``lane_blocks`` (each block's 32 values in one thread: q_a-sized rows; ``unpack_late``: without
     a residual, the rows unpacked again for the quant) override the launch plan (benchmarks and
     tests only).

@@ -368,8 +368,9 @@ def test_persistent_run_major_programs_match_torch_reference(m, n1, x2, res, run
         assert_matches_reference(out, reference(args, shuffle, padding), args)
     with pytest.raises(ValueError, match="persist needs run-major tiles or lane blocks"):
         fused_rms_mxfp4_quant_triton(**args, run_tiles=False, persist=1)
-    with pytest.raises(ValueError, match="stages needs persist"):
-        fused_rms_mxfp4_quant_triton(**args, run_tiles=True, stages=2)
+    for bad in (dict(stages=2), dict(persist=1, stages=0)):
+        with pytest.raises(ValueError, match="stages needs persist"):
+            fused_rms_mxfp4_quant_triton(**args, run_tiles=True, **bad)
 
 
 # Lane blocks (a block's 32 values in one thread, its runs loaded as four tensors; rows of 1-3
@@ -417,7 +418,10 @@ def test_persistent_lane_block_programs_match_torch_reference(m, n1, x2, res, un
     plan = _plan(m, n1, 512 if x2 else 0, True, not res, False, 0, None, None, all_paired=True, lanes=32,
                  lane_blocks=True, persist=persist, stages=stages)
     assert plan.lane_blocks and plan.persist and plan.stages == (stages or 0)
-    assert plan.n_split == min(2 * persist, plan.n_blocks) and (plan.n_split < plan.n_blocks or m == 5)
+    assert plan.n_split == min(2 * persist, plan.n_blocks) < plan.n_blocks  # the programs loop
+    gpu = _plan(4096, n1, 512 if x2 else 0, True, not res, True, 132, None, None, all_paired=True, lanes=32,
+                lane_blocks=True, persist=persist, stages=stages)  # an H100's: two rows a one-warp program
+    assert (gpu.bm, gpu.warps, gpu.n_split, gpu.n_blocks) == (2, 1, 132 * persist, 2048)
     args = make_inputs(m, n1, x2=x2, res=res, seed=m + n1 + 3)
     for shuffle, padding in ((True, True), (False, False)):
         out = fused_rms_mxfp4_quant_triton(**args, shuffle=shuffle, scale_shuffle_padding=padding, lane_blocks=True,

@@ -72,8 +72,9 @@ DEVICE = "cuda"
 FLAG_SETTINGS = ((False, False), (False, True), (True, True))
 # --tile-orders: each row layout forced, by its name in the tables (name: the plan's overrides): block-
 # major, run-major as planned, run-major on one warp a row, and either with the norm weights loaded
-# with the rows (w_early) or as persistent programs (+pN: N a multiprocessor); lane blocks (a block's
-# values in one thread; q_a-sized rows only) on one or two warps
+# with the rows (w_early) or as persistent programs (+pN: N a multiprocessor; +pNsK: pipelined by
+# Triton, K stages, the weights held with +w); lane blocks (a block's values in one thread; q_a-sized
+# rows only) on one or two warps, unpacked late (+u), persistent (+pNsK)
 TILE_ORDERS = {"blocks": dict(run_tiles=False), "runs": dict(run_tiles=True, w_early=False),
                "runs+w": dict(run_tiles=True, w_early=True), "runs1w": dict(run_tiles=True, run_warps=1, w_early=False),
                "runs1w+w": dict(run_tiles=True, run_warps=1, w_early=True),
@@ -414,7 +415,7 @@ def sass_counts(ms: list[int]) -> None:
                     if target and int(target.group(1), 16) < int(addr, 16):  # a persistent program's row loop
                         loop = (int(target.group(1), 16), int(addr, 16))
             # A persistent loop does two row blocks an iteration, one with `stages` (see the kernel).
-            per = (1 if plan.get("stages") else 2) if loop else 1
+            per = 2 if loop and plan.get("run_tiles") and not plan.get("stages") else 1
             if loop:
                 ops = [(a, o) for a, o in ops if loop[0] <= a <= loop[1]]
                 where = f"{len(ops) / per:.0f} instructions a lane a row block in the row loop"
