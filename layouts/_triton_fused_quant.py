@@ -129,9 +129,10 @@ def _fused_rms_mxfp4_kernel(
         # (PERSIST): each program takes row blocks pid, pid + n_split, ... < n_blocks, the next
         # block's loads issued before this one is worked on (see the two loops below).
         rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
-        xa0, ra0, xa1, ra1, xa2, ra2, x2a = _run_fetch_rows(x1_ptr, res1_ptr, x2_ptr, rows, M, x1_stride,
-                                                           res1_stride, x2_stride, T0, T1, T2, N2, HAS_RES,
-                                                           HAS_X2)
+        if not (PERSIST and STAGES > 0):  # the pipelined loop fetches its own blocks
+            xa0, ra0, xa1, ra1, xa2, ra2, x2a = _run_fetch_rows(x1_ptr, res1_ptr, x2_ptr, rows, M, x1_stride,
+                                                               res1_stride, x2_stride, T0, T1, T2, N2, HAS_RES,
+                                                               HAS_X2)
         we0, wo0, we1, wo1, we2, wo2, w2e, w2o = rows, rows, rows, rows, rows, rows, rows, rows  # unused
         if W_EARLY or (PERSIST and STAGES == 0):
             # The weights' loads go out with the rows' (L2 hits, but each load after the norm is
@@ -148,9 +149,8 @@ def _fused_rms_mxfp4_kernel(
         if PERSIST:
             if STAGES > 0:
                 # One row block an iteration; Triton's pipeliner prefetches the next STAGES - 1
-                # blocks' tiles into shared memory (cp.async), not into registers (the fetch of
-                # block pid above goes unused: the compiler drops it). The weights are held
-                # (W_EARLY) or loaded each block after its sum.
+                # blocks' tiles into shared memory (cp.async), not into registers. The weights are
+                # held (W_EARLY) or loaded each block after its sum.
                 for blk_j in tl.range(pid, n_blocks, n_split, num_stages=STAGES):
                     rows = blk_j * BLOCK_M + tl.arange(0, BLOCK_M)
                     xc0, rc0, xc1, rc1, xc2, rc2, x2c = _run_fetch_rows(

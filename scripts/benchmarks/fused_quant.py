@@ -83,13 +83,11 @@ TILE_ORDERS = {"blocks": dict(run_tiles=False), "runs": dict(run_tiles=True, w_e
                "runs+p8s3": dict(run_tiles=True, persist=8, stages=3),
                "runs+w+p8s3": dict(run_tiles=True, persist=8, stages=3, w_early=True),
                "runs1w+p16s3": dict(run_tiles=True, run_warps=1, persist=16, stages=3),
-               "runs1w+w+p12s2": dict(run_tiles=True, run_warps=1, persist=12, stages=2, w_early=True),
                "runs+p4s2": dict(run_tiles=True, persist=4, stages=2),
                "lanes": dict(lane_blocks=True), "lanes2w": dict(lane_blocks=True, run_warps=2),
                "lanes+u": dict(lane_blocks=True, unpack_late=True),
                "lanes2w+u": dict(lane_blocks=True, run_warps=2, unpack_late=True),
-               "lanes+u+p8s2": dict(lane_blocks=True, unpack_late=True, persist=8, stages=2),
-               "lanes+u+p12s2": dict(lane_blocks=True, unpack_late=True, persist=12, stages=2)}
+               "lanes+u+p8s2": dict(lane_blocks=True, unpack_late=True, persist=8, stages=2)}
 
 
 def _tile_orders(names: str) -> dict:
@@ -122,7 +120,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="also time our kernel with each row layout forced, 'blocks' (run_tiles=False) and 'runs' "
                          "(run_tiles=True, where they fit), the latter also on one warp a row ('runs1w'), with "
                          "the norm weights loaded with the rows ('+w') or as persistent programs ('+pN', N a "
-                         "multiprocessor), and lane blocks ('lanes', 'lanes2w'; '+u': unpacked late; q_a-sized rows "
+                         "multiprocessor; '+pNsK': pipelined by Triton, K stages), and lane blocks ('lanes', 'lanes2w'; '+u': unpacked late; q_a-sized rows "
                          "only); NAMES (comma-separated) picks some; with --sass, count each")
     ap.add_argument("--sass", action="store_true",
                     help="only compile our kernel for an H100 (sm_90, no GPU needed) at both sites and print its "
