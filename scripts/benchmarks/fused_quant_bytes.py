@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 
 from layouts._triton_fused_quant_tiles import _scale_offsets
+from layouts.shuffle import unshuffle_scale
 
 from .common import cuda_timing
 from .common.args import add_cpu_smoke, add_ms, require_compiled_triton
@@ -142,15 +143,6 @@ def expected(x1: torch.Tensor, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return q.reshape(len(x1), -1), ((big >> 23) & 0xFF).to(torch.uint8), x2 ^ 0x5555
 
 
-def _row_major_scales(s: torch.Tensor, m: int) -> torch.Tensor:
-    """The S32x8 scale buffer back to [m, 48] (the inverse of the kernel's ``_scale_offsets``)."""
-    r = torch.arange(m)[:, None]
-    c = torch.arange(BLOCKS)[None, :]
-    off = ((r >> 5) * (32 * SCALE_COLS_PAD) + (c >> 3) * 256 + (c & 3) * 64 + (r & 15) * 4
-           + ((c >> 2) & 1) * 2 + ((r >> 4) & 1))
-    return s.cpu()[off]
-
-
 def check_skeleton(m: int, device: str) -> None:
     """Both load patterns write exactly the torch answer (same bytes, so a difference in time is
     the pattern's)."""
@@ -158,7 +150,8 @@ def check_skeleton(m: int, device: str) -> None:
         call, (q, s, o2), (x1, x2) = bytes_fn(m, device, lanes)
         call()
         want_q, want_s, want_o2 = expected(x1.cpu(), x2.cpu())
-        bad = [n for n, a, b in (("q", q.cpu(), want_q), ("scales", _row_major_scales(s, m), want_s),
+        scales = unshuffle_scale(s.cpu().view(-1, SCALE_COLS_PAD), m, BLOCKS)  # prep's own S32x8 inverse
+        bad = [n for n, a, b in (("q", q.cpu(), want_q), ("scales", scales, want_s),
                                  ("out2", o2.cpu(), want_o2)) if not torch.equal(a, b)]
         if bad:
             raise SystemExit(f"error: the {'lane-block' if lanes else 'coalesced'} skeleton wrote wrong "
